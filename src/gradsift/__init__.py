@@ -1,0 +1,53 @@
+"""gradsift: make data-parallel PyTorch training communicate less.
+
+Public API (stable)::
+
+    gradsift.available_compressors() -> list[str]
+    c = gradsift.get_compressor("sidco-exp", ratio=0.01)
+    payload = c.compress(flat_gradient)
+    dense = c.decompress([payload, ...], numel)
+    state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
+from gradsift.errors import (
+    GradsiftError,
+    InvalidOptionError,
+    InvalidTensorError,
+    NonFiniteGradientError,
+    UnknownCompressorError,
+    WireFormatError,
+)
+
+__version__ = "0.1.0"
+
+
+def register_comm_hook(ddp_model: Any, compressor: Any = "sidco-exp", **options: Any) -> Any:
+    """Install gradsift's communication hook on a ``DistributedDataParallel`` model.
+
+    See :func:`gradsift.ddp.register_comm_hook` for the options; imported lazily so
+    that ``import gradsift`` does not initialise ``torch.distributed``.
+    """
+    from gradsift.ddp import register_comm_hook as _register
+
+    return _register(ddp_model, compressor, **options)
+
+
+__all__ = [
+    "Compressor",
+    "GradsiftError",
+    "InvalidOptionError",
+    "InvalidTensorError",
+    "NonFiniteGradientError",
+    "Payload",
+    "UnknownCompressorError",
+    "WireFormatError",
+    "__version__",
+    "available_compressors",
+    "get_compressor",
+    "register_comm_hook",
+]

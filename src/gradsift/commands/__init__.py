@@ -1,0 +1,1 @@
+"""Subcommands of the ``gradsift`` command line, one module each."""

@@ -1,0 +1,197 @@
+"""The compressor protocol and the payload it produces.
+
+A compressor turns one flat gradient into a :class:`Payload` (``compress``) and a
+list of payloads, one per worker, back into the dense mean (``decompress``). It
+never talks to the network and never keeps error-feedback residuals: those are
+:mod:`gradsift.feedback`'s job. Per-tensor state (stage counts, thresholds, RNG
+streams) is kept per ``key`` inside the compressor *instance* and exported with
+``state_dict()`` -- never in class attributes or module globals.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from gradsift.errors import InvalidOptionError
+from gradsift.validation import as_flat_gradient, check_ratio
+
+#: Bytes of the length header the wire format sends for every variable-size field.
+FIELD_HEADER_NBYTES = 4
+
+_WIRE_FIELDS = ("values", "indices", "codes", "scales")
+
+
+@dataclass
+class Payload:
+    """What one worker contributes for one flat gradient.
+
+    Attributes:
+        numel: length of the dense gradient this payload encodes.
+        dtype: dtype of that dense gradient (``decompress`` returns it).
+        values: sent values (sparsifiers: ``values[j]`` belongs at ``indices[j]``).
+        indices: 1-D integer positions in ``[0, numel)``, unique within a payload.
+        codes: packed integer codes (quantizers, VGC's 32-bit words).
+        scales: a small 1-D float tensor of per-message scalars (norms, scales).
+        variable_size: True when the field lengths can differ between workers, so the
+            wire carries a 4-byte length per field; False for fixed-size payloads
+            that go through a plain allreduce.
+        info: local facts about the compression (not sent), e.g. the threshold used.
+    """
+
+    numel: int
+    dtype: torch.dtype
+    values: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    variable_size: bool = True
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The tensors that cross the wire, by field name, in a fixed order."""
+        return {name: t for name in _WIRE_FIELDS if (t := getattr(self, name)) is not None}
+
+    @property
+    def header_nbytes(self) -> int:
+        """Bytes of framing the wire format adds (one length per variable-size field)."""
+        return FIELD_HEADER_NBYTES * len(self.fields()) if self.variable_size else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes this payload puts on the wire: data plus headers."""
+        data = sum(t.numel() * t.element_size() for t in self.fields().values())
+        return data + self.header_nbytes
+
+    @property
+    def count(self) -> int:
+        """Number of selected elements (sparsifiers) or encoded elements."""
+        if self.indices is not None:
+            return int(self.indices.numel())
+        return self.numel
+
+
+class Compressor(abc.ABC):
+    """Base class of every registered compressor.
+
+    Subclasses set ``name`` and implement :meth:`compress` and :meth:`decompress`.
+
+    Class attributes describe how the method is used, not state:
+        allreduce_compatible: payloads of all workers have the same layout and can be
+            summed element-wise (dense casts, seeded random-k), so a plain allreduce
+            replaces the allgather.
+        error_feedback: whether the method is meant to run with error feedback
+            (biased compressors); the DDP hook wraps it with
+            :class:`gradsift.feedback.ErrorFeedback` when True.
+    """
+
+    name: ClassVar[str]
+    allreduce_compatible: ClassVar[bool] = False
+    error_feedback: ClassVar[bool] = True
+
+    def options(self) -> dict[str, Any]:
+        """The options this instance was built with (for summaries and reports)."""
+        return {}
+
+    @abc.abstractmethod
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        """Compress one gradient (any shape; flattened) into a payload.
+
+        ``key`` names the tensor (a bucket index, a parameter name) so that
+        per-tensor adaptation state is kept apart.
+        """
+
+    @abc.abstractmethod
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        """Return the mean over ``payloads`` as a dense 1-D tensor of length ``numel``."""
+
+    def sent_dense(self, payload: Payload) -> torch.Tensor:
+        """The dense tensor this worker's payload stands for (its own contribution).
+
+        Error feedback subtracts it from the compensated gradient. The default
+        decodes the single payload; sparsifiers override it with a scatter.
+        """
+        return self.decompress([payload], payload.numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-tensor adaptation state, as plain tensors and numbers."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise InvalidOptionError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def target_count(numel: int, ratio: float) -> int:
+    """Target number of selected elements: ``k = max(1, floor(numel * ratio))`` (0 if empty)."""
+    if numel == 0:
+        return 0
+    return max(1, int(numel * ratio))
+
+
+class Sparsifier(Compressor):
+    """A compressor that sends ``(values, indices)`` of selected elements.
+
+    Subclasses implement :meth:`select`, returning the 1-D int64 indices to send.
+    This class handles flattening, the empty tensor, gathering the values, the
+    payload layout and the aggregation ``mean_w scatter_add(indices_w, values_w)``
+    (``index_add_``, so indices repeated across workers add up instead of being
+    dropped).
+    """
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        self.ratio = check_ratio(ratio)
+
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio}
+
+    @abc.abstractmethod
+    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        """Return the indices to send for the non-empty flat gradient ``flat``."""
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        flat = as_flat_gradient(tensor)
+        if flat.numel() == 0:
+            indices = torch.empty(0, dtype=torch.int64, device=flat.device)
+        else:
+            indices = self.select(flat, key)
+        return Payload(
+            numel=flat.numel(),
+            dtype=flat.dtype,
+            values=flat[indices],
+            indices=indices,
+        )
+
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        return scatter_mean(payloads, numel)
+
+    def sent_dense(self, payload: Payload) -> torch.Tensor:
+        return scatter_mean([payload], payload.numel)
+
+
+def scatter_mean(payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+    """Dense mean of sparse payloads: ``(1/W) sum_w scatter_add(indices_w, values_w)``.
+
+    Uses ``index_add_`` so an index sent by several workers accumulates every value.
+    The result has the payloads' dtype and device.
+    """
+    if not payloads:
+        raise InvalidOptionError("payloads must hold at least one payload")
+    first = payloads[0]
+    dense = torch.zeros(numel, dtype=first.dtype, device=first.values.device)
+    for payload in payloads:
+        if payload.numel != numel:
+            raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
+        dense.index_add_(0, payload.indices, payload.values.to(first.dtype))
+    if len(payloads) > 1:
+        dense /= len(payloads)
+    return dense

@@ -1,0 +1,69 @@
+"""Dense baselines: no compression, and 16-bit casts (fp16, bf16).
+
+These go through a plain allreduce. The honest dense baseline for a comparison is
+the 16-bit one, which halves the bytes at almost no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import ClassVar
+
+import torch
+
+from gradsift.compressors.base import Compressor, Payload
+from gradsift.errors import InvalidOptionError
+from gradsift.validation import as_flat_gradient, raise_if_nonfinite
+
+
+class DenseCast(Compressor):
+    """Send every element, cast to ``wire_dtype`` (or as is when it is None).
+
+    ``decompress`` sums the workers' values in the gradient's own dtype and divides
+    by the number of workers.
+    """
+
+    allreduce_compatible = True
+    error_feedback = False
+    wire_dtype: ClassVar[torch.dtype | None] = None
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        flat = as_flat_gradient(tensor)
+        raise_if_nonfinite(flat)
+        values = flat if self.wire_dtype is None else flat.to(self.wire_dtype)
+        return Payload(numel=flat.numel(), dtype=flat.dtype, values=values, variable_size=False)
+
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        if not payloads:
+            raise InvalidOptionError("payloads must hold at least one payload")
+        dtype = payloads[0].dtype
+        total = torch.zeros(numel, dtype=dtype, device=payloads[0].values.device)
+        for payload in payloads:
+            if payload.values.numel() != numel:
+                raise InvalidOptionError(
+                    f"payload holds {payload.values.numel()} values, expected numel={numel}"
+                )
+            total += payload.values.to(dtype)
+        if len(payloads) > 1:
+            total /= len(payloads)
+        return total
+
+
+class NoCompression(DenseCast):
+    """``none``: the gradient as it is (fp32 allreduce for fp32 models)."""
+
+    name = "none"
+
+
+class Float16(DenseCast):
+    """``fp16``: cast to IEEE half precision for the exchange (overflows above 65504)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BFloat16(DenseCast):
+    """``bf16``: cast to bfloat16 for the exchange (fp32's range, 8 bits of mantissa)."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,70 @@
+"""Registry: compressor names -> classes, imported on first use.
+
+The table maps each public name to ``"module:Class"`` so that importing gradsift
+does not import every method (SciPy, the PowerSGD hook, ...). Registry names and
+their options follow the papers (``ratio`` is the target density delta).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from gradsift.compressors.base import Compressor
+from gradsift.errors import InvalidOptionError, UnknownCompressorError
+
+_TABLE: dict[str, str] = {
+    "none": "gradsift.compressors.dense:NoCompression",
+    "fp16": "gradsift.compressors.dense:Float16",
+    "bf16": "gradsift.compressors.dense:BFloat16",
+    "topk": "gradsift.compressors.topk:TopK",
+    "randomk": "gradsift.compressors.randomk:RandomK",
+    "dgc": "gradsift.compressors.dgc:DGC",
+    "redsync": "gradsift.compressors.redsync:RedSync",
+    "gaussiank": "gradsift.compressors.gaussiank:GaussianK",
+    "threshold": "gradsift.compressors.threshold:HardThreshold",
+    "sidco-exp": "gradsift.compressors.sidco:SIDCoExponential",
+    "sidco-gpareto": "gradsift.compressors.sidco:SIDCoGeneralizedPareto",
+    "sidco-gamma": "gradsift.compressors.sidco:SIDCoGamma",
+    "vgc": "gradsift.compressors.vgc:VGC",
+    "qsgd": "gradsift.compressors.qsgd:QSGD",
+    "terngrad": "gradsift.compressors.terngrad:TernGrad",
+    "signsgd": "gradsift.compressors.signsgd:SignSGD",
+    "efsignsgd": "gradsift.compressors.signsgd:EFSignSGD",
+    "powersgd": "gradsift.compressors.powersgd:PowerSGD",
+}
+
+
+def available_compressors() -> list[str]:
+    """All registry names, in a stable order (dense, sparsifiers, quantizers, low rank)."""
+    return list(_TABLE)
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    """Return the class registered under ``name`` (imported on first use)."""
+    if not isinstance(name, str) or name not in _TABLE:
+        raise UnknownCompressorError(f"unknown compressor {name!r}; known compressors: {', '.join(_TABLE)}")
+    module_name, class_name = _TABLE[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def get_compressor(name: str, **options: Any) -> Compressor:
+    """Build the compressor registered under ``name`` with the given options.
+
+    Unknown option names raise :class:`InvalidOptionError` listing the accepted
+    ones; out-of-range values raise from the compressor's own checks.
+    """
+    cls = compressor_class(name)
+    accepted = [
+        p.name
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise InvalidOptionError(
+            f"compressor {name!r} has no option(s) {', '.join(unknown)}; "
+            f"its options are: {', '.join(accepted) or '(none)'}"
+        )
+    return cls(**options)

@@ -1,0 +1,37 @@
+"""Exception types raised by gradsift.
+
+Every error names the argument that is wrong and what was allowed, so a user can
+fix the call without reading the source. The classes subclass the built-in
+``ValueError``/``TypeError`` so ordinary ``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class GradsiftError(Exception):
+    """Base class of every error gradsift raises on purpose."""
+
+
+class InvalidOptionError(GradsiftError, ValueError):
+    """An option or argument has a value outside its allowed range."""
+
+
+class InvalidTensorError(GradsiftError, TypeError):
+    """A tensor has a dtype, device or layout that the operation does not accept."""
+
+
+class UnknownCompressorError(GradsiftError, ValueError):
+    """A compressor name is not in the registry; the message lists the known names."""
+
+
+class NonFiniteGradientError(GradsiftError, FloatingPointError):
+    """A gradient holds NaN or +-Inf.
+
+    Raised instead of compressing (and, in the DDP hook, on every rank together),
+    because a non-finite element would otherwise be sent, summed and copied into
+    every worker's parameters.
+    """
+
+
+class WireFormatError(GradsiftError, ValueError):
+    """A message received from a peer is malformed (length, dtype or index range)."""
