@@ -87,11 +87,22 @@ class Compressor(abc.ABC):
         error_feedback: whether the method is meant to run with error feedback
             (biased compressors); the DDP hook wraps it with
             :class:`gradsift.feedback.ErrorFeedback` when True.
+        needs_parameters: the method needs to know which parameters a flat tensor
+            holds (VGC reads their per-sample variance); the DDP hook then calls
+            ``compress(tensor, key=..., parameters=[p, ...])`` with the parameters in
+            flattening order.
     """
 
     name: ClassVar[str]
     allreduce_compatible: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = True
+    needs_parameters: ClassVar[bool] = False
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Instrument the model before training (VGC installs its variance hooks).
+
+        Called once by the DDP hook with the wrapped module; the default does nothing.
+        """
 
     def options(self) -> dict[str, Any]:
         """The options this instance was built with (for summaries and reports)."""
