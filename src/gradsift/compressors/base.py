@@ -103,6 +103,7 @@ class Compressor(abc.ABC):
 
         Called once by the DDP hook with the wrapped module; the default does nothing.
         """
+        del module
 
     def options(self) -> dict[str, Any]:
         """The options this instance was built with (for summaries and reports)."""
