@@ -1,0 +1,142 @@
+"""Shared machinery of the dense quantizers (QSGD, TernGrad, signSGD).
+
+A quantizer encodes *every* element as a fixed-width unsigned code and adds a few
+float scales (a norm, a maximum). The payload is ``codes`` (bit-packed with
+:mod:`gradsift.bitpack`, ``ceil(n*b/8)`` bytes) plus ``scales``; its size depends only
+on ``numel``, so it carries no length headers (``variable_size=False``).
+
+Aggregation is ``(1/W) sum_w decode(payload_w)``: codes of different workers are
+relative to different scales and do not survive element-wise summation, so these
+payloads are allgathered, not allreduced (``allreduce_compatible = False``).
+
+Arithmetic runs in ``float32`` for half-precision gradients and in the gradient's own
+dtype otherwise; ``decompress`` returns the gradient's dtype.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsift.bitpack import pack, unpack
+from gradsift.compressors.base import Compressor, Payload
+from gradsift.errors import InvalidOptionError
+from gradsift.validation import as_flat_gradient, check_int
+
+#: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
+RANK_SEED_STRIDE = 1_000_003
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype quantizer arithmetic runs in: float32 for 16-bit floats, else ``dtype``."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class Quantizer(Compressor):
+    """Base of the dense quantizers: packing, empty tensors, the per-worker decode.
+
+    Subclasses set :attr:`code_bits` and implement :meth:`quantize` and :meth:`dequantize`.
+    """
+
+    allreduce_compatible = False
+    error_feedback = False
+    code_bits: int
+
+    @abc.abstractmethod
+    def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``."""
+
+    @abc.abstractmethod
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Decode int64 ``codes`` with their ``scales`` into a dense tensor of ``dtype``."""
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        flat = as_flat_gradient(tensor)
+        numel = flat.numel()
+        if numel == 0:
+            codes = torch.empty(0, dtype=torch.int64, device=flat.device)
+            scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
+        else:
+            codes, scales = self.quantize(flat)
+        payload = Payload(
+            numel=numel,
+            dtype=flat.dtype,
+            codes=pack(codes, self.code_bits),
+            scales=scales,
+            variable_size=False,
+        )
+        payload.info["bits_per_element"] = 8 * payload.nbytes / numel if numel else 0.0
+        return payload
+
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        if not payloads:
+            raise InvalidOptionError("payloads must hold at least one payload")
+        dtype = payloads[0].dtype
+        total = None
+        for payload in payloads:
+            if payload.numel != numel:
+                raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
+            codes = unpack(payload.codes, self.code_bits, numel)
+            decoded = self.dequantize(codes, payload.scales, compute_dtype(dtype))
+            total = decoded if total is None else total.add_(decoded)
+        if len(payloads) > 1:
+            total /= len(payloads)
+        return total.to(dtype)
+
+
+class StochasticQuantizer(Quantizer):
+    """A quantizer with unbiased stochastic rounding, drawn from its own generator.
+
+    The generator (one per device) is seeded with ``seed + RANK_SEED_STRIDE * rank``
+    (``rank`` = the torch.distributed rank when a process group exists, else 0), so the
+    workers' rounding errors are independent and each run is reproducible. Its state
+    is exported by :meth:`state_dict`, so a resumed run draws the same numbers.
+
+    Unbiased compressors need no error feedback (``error_feedback = False``): the
+    expected update already equals the gradient, and a residual would only add the
+    rounding noise of the previous step back in.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = check_int(seed, "seed", low=0, high=2**62)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def options(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def uniform(self, like: torch.Tensor) -> torch.Tensor:
+        """Independent U[0, 1) draws, one per element of ``like`` (same shape, dtype, device)."""
+        return torch.rand(
+            like.shape, generator=self._generator(like.device), dtype=like.dtype, device=like.device
+        )
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self.generators.get(str(device))
+        if generator is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            generator = torch.Generator(device=device).manual_seed(self.seed + RANK_SEED_STRIDE * rank)
+            self.generators[str(device)] = generator
+        return generator
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator states by device name (uint8 tensors)."""
+        return {"seed": self.seed, "generators": {d: g.get_state() for d, g in self.generators.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"seed", "generators"}:
+            raise InvalidOptionError(
+                f"{self.name} state must hold keys seed, generators; got {sorted(state)}"
+            )
+        if state["seed"] != self.seed:
+            raise InvalidOptionError(
+                f"checkpoint was made with seed={state['seed']}, this {self.name} has {self.seed}"
+            )
+        self.generators = {}
+        for device, generator_state in state["generators"].items():
+            generator = torch.Generator(device=device)
+            generator.set_state(generator_state)
+            self.generators[device] = generator

@@ -1,0 +1,224 @@
+"""QSGD, TernGrad, signSGD, EF-signSGD: unbiasedness, exact codes and bytes, state, bad input."""
+
+import math
+
+import pytest
+import torch
+
+import gradsift
+from gradsift.feedback import ErrorFeedback
+
+QUANTIZERS = ["qsgd", "terngrad", "signsgd", "efsignsgd"]
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def mixed_scale_gradient(numel: int, seed: int = 1) -> torch.Tensor:
+    """A float64 gradient whose magnitudes span three orders (like real layers)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen, dtype=torch.float64)
+    return x * torch.logspace(-2, 1, numel, dtype=torch.float64)[torch.randperm(numel, generator=gen)]
+
+
+def assert_unbiased(compressor, x: torch.Tensor, variance: torch.Tensor, draws: int) -> None:
+    """Mean of ``draws`` compressions vs ``x``, given each element's exact variance.
+
+    The error of the mean of element i has variance ``variance_i / draws``; its sum of
+    squares has expectation ``sum(variance) / draws`` and relative spread about
+    ``sqrt(2 / n_eff)`` (a few percent here), so a ratio in [0.85, 1.15] also catches a
+    wrong variance; no single element may be more than 6 standard deviations off
+    (with 2000 elements the chance of that for a correct quantizer is ~4e-6).
+    """
+    payloads = [compressor.compress(x) for _ in range(draws)]
+    mean = compressor.decompress(payloads, x.numel())
+    error = mean - x
+    ratio = float(error.square().sum() / (variance.sum() / draws))
+    assert 0.85 < ratio < 1.15, ratio
+    exact = variance == 0
+    # Zero-variance elements (zeros, the maximum, integer levels) are exact up to the
+    # float64 rounding of summing ``draws`` equal terms.
+    torch.testing.assert_close(mean[exact], x[exact], rtol=1e-12, atol=0)
+    z = error[~exact].abs() / (variance[~exact] / draws).sqrt()
+    assert float(z.max()) < 6.0
+
+
+def test_qsgd_is_unbiased_with_the_derived_variance():
+    levels, bucket = 3, 128
+    x = mixed_scale_gradient(2000)
+    x[::97] = 0.0
+    compressor = gradsift.get_compressor("qsgd", levels=levels, bucket_size=bucket, seed=3)
+    padded = torch.cat([x, x.new_zeros(-x.numel() % bucket)]).view(-1, bucket)
+    norms = padded.norm(dim=1, keepdim=True)
+    ratio = (levels * padded.abs() / norms).view(-1)[: x.numel()]
+    fraction = ratio - ratio.floor()
+    step = (norms / levels).expand_as(padded).reshape(-1)[: x.numel()]
+    assert_unbiased(compressor, x, step.square() * fraction * (1 - fraction), draws=400)
+
+
+def test_terngrad_is_unbiased_with_the_derived_variance():
+    x = mixed_scale_gradient(2000, seed=2)
+    x[::101] = 0.0
+    scale = x.abs().max()
+    compressor = gradsift.get_compressor("terngrad", seed=5)
+    assert_unbiased(compressor, x, x.abs() * (scale - x.abs()), draws=400)
+
+
+def test_qsgd_exact_when_levels_hit_integers():
+    # ||x|| = 5 and s = 5: r = (3, 4, 0) are integers, so rounding is exact.
+    compressor = gradsift.get_compressor("qsgd", levels=5, bucket_size=None)
+    x = torch.tensor([3.0, -4.0, 0.0])
+    payload = compressor.compress(x)
+    assert torch.equal(compressor.decompress([payload], 3), x)
+    assert payload.scales.tolist() == [5.0]
+    assert compressor.code_bits == 4  # codes in [0, 10]
+    assert payload.nbytes == math.ceil(3 * 4 / 8) + 4
+    assert payload.variable_size is False
+
+
+def test_qsgd_counts_bytes_of_codes_and_bucket_norms():
+    payload = gradsift.get_compressor("qsgd").compress(torch.randn(1001))
+    # levels 15 -> codes in [0, 30] -> 5 bits; 2 buckets of 512 -> 2 fp32 norms.
+    assert payload.nbytes == math.ceil(1001 * 5 / 8) + 2 * 4 == 634
+    assert payload.info["bits_per_element"] == pytest.approx(8 * 634 / 1001)
+    assert gradsift.get_compressor("qsgd", levels=127).code_bits == 8
+
+
+def test_terngrad_exact_values_and_bytes():
+    compressor = gradsift.get_compressor("terngrad")
+    x = torch.tensor([2.0, -2.0, 0.0, 2.0, -2.0])
+    payload = compressor.compress(x)
+    assert torch.equal(compressor.decompress([payload], 5), x)
+    assert payload.nbytes == 2 + 4  # 10 bits -> 2 bytes, one fp32 scale
+
+
+def test_signsgd_sends_signs_and_mean_magnitude():
+    compressor = gradsift.get_compressor("signsgd")
+    payload = compressor.compress(torch.tensor([1.0, -2.0, 0.0, 3.0]))
+    assert payload.scales.tolist() == [1.5]
+    assert payload.codes.tolist() == [0b0010]
+    assert payload.nbytes == 1 + 4
+    assert compressor.decompress([payload], 4).tolist() == [1.5, -1.5, 1.5, 1.5]
+    other = compressor.compress(torch.tensor([-1.0, -1.0, -1.0, -1.0]))
+    assert compressor.decompress([payload, other], 4).tolist() == [0.25, -1.25, 0.25, 0.25]
+
+
+def test_error_feedback_flags():
+    flags = {n: gradsift.get_compressor(n).error_feedback for n in QUANTIZERS}
+    assert flags == {"qsgd": False, "terngrad": False, "signsgd": False, "efsignsgd": True}
+    assert not any(gradsift.get_compressor(n).allreduce_compatible for n in QUANTIZERS)
+
+
+def test_efsignsgd_conservation_law_over_steps():
+    """``compensated == sent + residual`` per step, to float32 rounding of one subtract and add.
+
+    ``r = fl(c - s)`` and ``fl(s + r)`` each round once, so per element
+    ``|fl(s + r) - c| <= eps * (|c| + |s|)`` (eps = 2**-23). Summed over steps the
+    sent tensors plus the final residual telescope to the sum of the gradients.
+    """
+    compressor = gradsift.get_compressor("efsignsgd")
+    feedback = ErrorFeedback()
+    eps = torch.finfo(torch.float32).eps
+    total_sent = torch.zeros(3000, dtype=torch.float64)
+    total_gradient = torch.zeros(3000, dtype=torch.float64)
+    for step in range(5):
+        gradient = torch.randn(3000) * (step + 1)
+        compensated = feedback.compensate("w", gradient)
+        payload = compressor.compress(compensated)
+        sent = compressor.sent_dense(payload)
+        feedback.update("w", compensated.clone(), payload, compressor)
+        residual = feedback.residuals["w"]
+        bound = eps * (compensated.abs() + sent.abs())
+        assert bool(((sent + residual) - compensated).abs().le(bound).all())
+        total_sent += sent.double()
+        total_gradient += gradient.double()
+    torch.testing.assert_close(total_sent + residual.double(), total_gradient, rtol=0, atol=1e-4)
+
+
+def test_generator_state_round_trip_reproduces_draws():
+    x = torch.randn(777)
+    first = gradsift.get_compressor("qsgd", seed=11)
+    first.compress(x)
+    state = first.state_dict()
+    expected = first.compress(x)
+    resumed = gradsift.get_compressor("qsgd", seed=11)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.compress(x).codes, expected.codes)
+    fresh = gradsift.get_compressor("qsgd", seed=11)
+    assert torch.equal(fresh.compress(x).codes, gradsift.get_compressor("qsgd", seed=11).compress(x).codes)
+    assert not torch.equal(
+        fresh.compress(x).codes, gradsift.get_compressor("qsgd", seed=12).compress(x).codes
+    )
+
+
+def test_load_state_dict_rejects_other_seed_and_keys():
+    compressor = gradsift.get_compressor("terngrad", seed=1)
+    with pytest.raises(ValueError, match="seed=2"):
+        compressor.load_state_dict({"seed": 2, "generators": {}})
+    with pytest.raises(ValueError, match="seed, generators"):
+        compressor.load_state_dict({"residuals": {}})
+    assert gradsift.get_compressor("signsgd").state_dict() == {}
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_any_float_dtype_and_shape_round_trips_in_its_dtype(name, dtype):
+    compressor = gradsift.get_compressor(name)
+    x = torch.randn(3, 5, 7).to(dtype)
+    dense = compressor.decompress([compressor.compress(x), compressor.compress(x)], x.numel())
+    assert dense.dtype == dtype
+    assert dense.shape == (105,)
+    assert bool(torch.isfinite(dense).all())
+    # Every quantizer keeps the direction: positive correlation with the input.
+    assert float((dense.double() * x.double().view(-1)).sum()) > 0
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_empty_tensor_gives_empty_payload(name):
+    compressor = gradsift.get_compressor(name)
+    payload = compressor.compress(torch.empty(0))
+    assert payload.numel == 0
+    assert payload.nbytes == 0
+    assert compressor.decompress([payload], 0).shape == (0,)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradient_raises(name, bad):
+    x = torch.randn(2000)
+    x[1234] = bad
+    with pytest.raises(gradsift.NonFiniteGradientError):
+        gradsift.get_compressor(name).compress(x)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_integer_tensor_is_a_type_error(name):
+    with pytest.raises(TypeError, match="floating dtype"):
+        gradsift.get_compressor(name).compress(torch.arange(10))
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("qsgd", {"levels": 0}, "levels must lie in"),
+        ("qsgd", {"levels": 40000}, "levels must lie in"),
+        ("qsgd", {"levels": 2.5}, "levels must be an integer"),
+        ("qsgd", {"levels": float("nan")}, "levels must be an integer"),
+        ("qsgd", {"levels": True}, "levels must be an integer"),
+        ("qsgd", {"bucket_size": 0}, "bucket_size must lie in"),
+        ("terngrad", {"seed": -1}, "seed must lie in"),
+        ("qsgd", {"seed": "7"}, "seed must be an integer"),
+        ("signsgd", {"ratio": 0.1}, "no option.*ratio"),
+        ("terngrad", {"levels": 3}, "no option.*levels.*seed"),
+    ],
+)
+def test_bad_options_name_the_argument(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        gradsift.get_compressor(name, **options)
+
+
+def test_decompress_rejects_wrong_numel_and_no_payloads():
+    compressor = gradsift.get_compressor("qsgd")
+    payload = compressor.compress(torch.randn(10))
+    with pytest.raises(ValueError, match="expected numel=11"):
+        compressor.decompress([payload], 11)
+    with pytest.raises(ValueError, match="at least one payload"):
+        compressor.decompress([], 10)
