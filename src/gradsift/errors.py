@@ -35,3 +35,16 @@ class NonFiniteGradientError(GradsiftError, FloatingPointError):
 
 class WireFormatError(GradsiftError, ValueError):
     """A message received from a peer is malformed (length, dtype or index range)."""
+
+
+class MissingExtraError(GradsiftError, ImportError):
+    """An optional dependency is not installed; the message names the ``pip install gradsift[EXTRA]`` to run."""
+
+
+class PeerFailureError(GradsiftError, RuntimeError):
+    """A collective failed or timed out: a peer process is gone, stalled or disagrees.
+
+    Raised by the DDP hook on the surviving ranks (within the process group's timeout)
+    instead of blocking forever; the message names the rank, the world size and the
+    backend's own error.
+    """
