@@ -1,0 +1,106 @@
+"""Everything one training run needs, validated once and stored as ``config.json``.
+
+The launcher writes the config; every worker process reads the same file, so the
+ranks cannot disagree about a setting.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsift.compressors.registry import available_compressors
+from gradsift.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.train.models import MODELS
+from gradsift.validation import check_int, check_real
+
+
+@dataclass
+class TrainConfig:
+    """One run. Learning rate at step ``s`` (0-based, see :func:`learning_rate`):
+    ``lr * (s + 1) / warmup_steps`` while ``s < warmup_steps``, then
+    ``lr * decay_factor ** (number of decay_steps <= s)``.
+
+    Attributes:
+        model: a key of :data:`gradsift.train.models.MODELS`.
+        compressor: a registry name; ``options`` are its keyword options (and the
+            DDP hook's, e.g. ``warmup_steps``), passed to ``register_comm_hook``.
+        workers: number of ranks the launcher starts (torchrun: its WORLD_SIZE).
+        batch_size: samples per worker per step.
+        steps: optimizer steps in total.
+        eval_every: evaluate test accuracy every this many steps (0: only at the end).
+        target_accuracy: test accuracy in [0, 1] whose first crossing is
+            ``time_to_accuracy_s``; None to skip.
+        bandwidth_bps / latency_s: emulated link (None: plain localhost).
+        data_dir: explicit dataset directory; synthetic: tiny generated data (tests).
+        timeout_s: process-group timeout; a vanished peer ends the run after it.
+    """
+
+    out: str
+    model: str = "vgg"
+    compressor: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+    workers: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    warmup_steps: int = 0
+    decay_steps: list[int] = field(default_factory=list)
+    decay_factor: float = 0.1
+    steps: int = 100
+    eval_every: int = 0
+    seed: int = 0
+    target_accuracy: float | None = None
+    bandwidth: str | None = None
+    bandwidth_bps: int | None = None
+    latency: str | None = None
+    latency_s: float = 0.0
+    data_dir: str | None = None
+    synthetic: bool = False
+    timeout_s: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
+        if self.compressor not in available_compressors():
+            raise UnknownCompressorError(
+                f"compressor must be one of {', '.join(available_compressors())}; got {self.compressor!r}"
+            )
+        check_int(self.workers, "workers", low=1, high=256)
+        check_int(self.batch_size, "batch_size", low=1)
+        check_int(self.steps, "steps", low=1)
+        check_int(self.eval_every, "eval_every", low=0)
+        check_int(self.warmup_steps, "warmup_steps", low=0)
+        check_int(self.seed, "seed", low=0)
+        check_real(self.lr, "lr", low=0.0, low_open=True)
+        check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
+        check_real(self.timeout_s, "timeout_s", low=1.0)
+        for step in self.decay_steps:
+            check_int(step, "decay_steps", low=1)
+        if self.target_accuracy is not None:
+            check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
+
+    def save(self, path: Path) -> None:
+        """Write the config as JSON."""
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> TrainConfig:
+        """Read a config written by :meth:`save`."""
+        return cls(**json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON types."""
+        return asdict(self)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """The learning rate of 0-based ``step``: linear warm-up, then step decay."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    decays = sum(1 for milestone in config.decay_steps if milestone <= step)
+    return config.lr * config.decay_factor**decays

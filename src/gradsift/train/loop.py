@@ -1,0 +1,171 @@
+"""One rank's training loop: data shard, model, DDP + gradsift hook, timing, evaluation.
+
+Run by every worker process (started by :mod:`gradsift.train.launcher` or by
+torchrun). Rank and world size come from the standard environment variables
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT``. Rank 0 writes ``steps.jsonl``, ``evals.jsonl`` and ``summary.json``
+into the run directory and shows the progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from gradsift.train.config import TrainConfig, learning_rate
+from gradsift.train.data import Split, batches, load_dataset, shard_indices
+from gradsift.train.models import build_model, parameter_count
+from gradsift.train.summary import summarize
+from gradsift.train.telemetry import install_exchange
+
+
+def threads_per_worker(local_world_size: int, cpus: int | None = None) -> int:
+    """CPU threads for one worker: the machine's cores split evenly, at least 1."""
+    return max(1, (cpus or os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def evaluate(
+    model: torch.nn.Module, test: Split, device: torch.device, batch_size: int = 500
+) -> tuple[float, float]:
+    """Test accuracy and mean loss over the whole test split, each rank scoring
+    ``test[rank::world]`` and one allreduce of ``(correct, loss_sum, count)``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    indices = torch.arange(rank, len(test), world)
+    totals = torch.zeros(3, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for images, labels in batches(test, indices, batch_size):
+            logits = model(images.to(device))
+            labels = labels.to(device)
+            totals[0] += int((logits.argmax(dim=1) == labels).sum())
+            totals[1] += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            totals[2] += labels.numel()
+    model.train()
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+
+
+class RunWriter:
+    """Rank 0's output files; on other ranks it only keeps the records in memory."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out = out
+        self.enabled = enabled
+        self.steps: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self._files: dict[str, Any] = {}
+        if enabled:
+            out.mkdir(parents=True, exist_ok=True)
+            self._files = {name: open(out / f"{name}.jsonl", "w") for name in ("steps", "evals")}  # noqa: SIM115
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        getattr(self, name).append(record)
+        if name in self._files:
+            self._files[name].write(json.dumps(record) + "\n")
+            self._files[name].flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Record one training step."""
+        self._write("steps", record)
+
+    def eval(self, record: dict[str, Any]) -> None:
+        """Record one evaluation."""
+        self._write("evals", record)
+
+    def close(self, summary: dict[str, Any] | None) -> None:
+        """Close the JSONL files and write ``summary.json`` (when there is one)."""
+        for handle in self._files.values():
+            handle.close()
+        if self.enabled and summary is not None:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def run_worker(config: TrainConfig) -> dict[str, Any] | None:
+    """Train on this rank's shard; returns the summary on rank 0 (None elsewhere)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(threads_per_worker(local_world))
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
+    try:
+        return _train(config, device, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train, test, source = load_dataset(config.data_dir, synthetic=config.synthetic, seed=config.seed)
+    model = build_model(config.model, config.seed).to(device)
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    exchange_stats = install_exchange(ddp_model, config.compressor, config.options)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=config.lr, momentum=config.momentum)
+    writer = RunWriter(Path(config.out), enabled=rank == 0)
+    progress = tqdm(
+        total=config.steps, disable=rank != 0 or not config.progress, desc=config.compressor, unit="step"
+    )
+    step, epoch, train_time = 0, 0, 0.0
+    started = time.perf_counter()
+    summary = None
+    try:
+        while step < config.steps:
+            shard = shard_indices(len(train), rank, world, epoch=epoch, seed=config.seed)
+            for images, labels in batches(train, shard, config.batch_size):
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(config, step)
+                begin = time.perf_counter()
+                loss = torch.nn.functional.cross_entropy(ddp_model(images.to(device)), labels.to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                loss_value = float(loss.detach())  # syncs the device: the step is finished
+                step_s = time.perf_counter() - begin
+                train_time += step_s
+                exchange = exchange_stats()
+                phases = exchange["compress_s"] + exchange["communicate_s"] + exchange["decompress_s"]
+                writer.step(
+                    {"step": step, "loss": loss_value, "lr": learning_rate(config, step), "step_s": step_s,
+                     "compute_s": max(0.0, step_s - phases), **exchange}
+                )  # fmt: skip
+                step += 1
+                progress.update()
+                progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+                last = step == config.steps
+                if last or (config.eval_every and step % config.eval_every == 0):
+                    accuracy, test_loss = evaluate(ddp_model.module, test, device)
+                    writer.eval(
+                        {"step": step, "accuracy": accuracy, "loss": test_loss, "train_time_s": train_time,
+                         "wall_time_s": time.perf_counter() - started}
+                    )  # fmt: skip
+                    progress.set_postfix(loss=f"{loss_value:.3f}", acc=f"{accuracy:.3f}", refresh=False)
+                if last:
+                    break
+            epoch += 1
+        progress.close()
+        if rank == 0:
+            run = {
+                "compressor": config.compressor, "options": config.options, "model": config.model,
+                "parameters": parameter_count(model), "workers": world, "batch_size": config.batch_size,
+                "bandwidth": config.bandwidth, "bandwidth_bps": config.bandwidth_bps, "latency": config.latency,
+                "backend": backend, "device": str(device), "data": source, "seed": config.seed,
+                "epochs_seen": round(step * config.batch_size * world / len(train), 4),
+            }  # fmt: skip
+            summary = summarize(
+                writer.steps, writer.evals, run=run, target_accuracy=config.target_accuracy,
+                wall_time_s=time.perf_counter() - started,
+            )  # fmt: skip
+    finally:
+        writer.close(summary)
+    return summary
