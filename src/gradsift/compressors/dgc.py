@@ -1,0 +1,100 @@
+"""DGC (Lin et al. 2018): a threshold estimated on a random sample, then exact top-k if it over-selects."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from gradsift.compressors.base import Sparsifier, target_count
+from gradsift.compressors.threshold import indices_above, selected_finite
+from gradsift.validation import check_int, check_real, raise_if_nonfinite
+
+#: Over-selection bound: above ``OVER * k`` selected elements, DGC runs top-k on the selection.
+OVER = 4 / 3
+#: "Far too few": below ``UNDER * k`` selected elements, fall back to exact top-k.
+UNDER = 1 / 2
+
+
+class DGC(Sparsifier):
+    """Deep Gradient Compression's sparsifier.
+
+    For a flat gradient ``g`` of ``n`` elements and ``k = max(1, floor(n * ratio))``:
+
+    1. ``a = |g|``; draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))``
+       positions uniformly (with replacement) from this instance's generator.
+    2. ``eta`` = the smallest of the ``ceil(s * ratio)`` largest sampled magnitudes.
+    3. Select ``{i : a_i > eta}`` (count ``c``).
+    4. If ``c > 4/3 k``: exact top-k among the selected (DGC's hierarchical top-k).
+       If ``c < k/2`` (the sample missed the tail, or ties at ``eta``): exact top-k
+       over all of ``a`` -- a documented fallback, so the count is never far below
+       ``k``. Otherwise send the ``c`` selected elements.
+
+    DGC's momentum correction and momentum factor masking are error-feedback
+    concerns: use :class:`gradsift.feedback.ErrorFeedback` with ``momentum=m``
+    (and an optimizer without momentum). Local gradient clipping and density
+    warm-up belong to the training loop.
+
+    Options:
+        ratio: target density in (0, 1].
+        sample_ratio: fraction of ``n`` sampled, in (0, 1] (default 0.01).
+        min_sample: smallest sample size, integer >= 1 (default 1024).
+        seed: seed of the sampling generator, integer >= 0 (default 0).
+
+    State (``state_dict``): the generator state per device.
+
+    Cost: ``abs`` + comparison + ``nonzero`` passes over ``n``, a top-k over the
+    sample (and over ``c`` elements when trimming); the non-finite check reads
+    only the sampled threshold and the selected values.
+    """
+
+    name = "dgc"
+
+    def __init__(
+        self, ratio: float = 0.01, sample_ratio: float = 0.01, min_sample: int = 1024, seed: int = 0
+    ) -> None:
+        super().__init__(ratio)
+        self.sample_ratio = check_real(sample_ratio, "sample_ratio", low=0.0, high=1.0, low_open=True)
+        self.min_sample = check_int(min_sample, "min_sample", low=1)
+        self.seed = check_int(seed, "seed", low=0)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "ratio": self.ratio,
+            "sample_ratio": self.sample_ratio,
+            "min_sample": self.min_sample,
+            "seed": self.seed,
+        }
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This instance's sampling generator on ``device`` (seeded with ``seed`` on first use)."""
+        name = str(device)
+        if name not in self.generators:
+            self.generators[name] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[name]
+
+    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        n = flat.numel()
+        k = target_count(n, self.ratio)
+        magnitudes = flat.abs()
+        size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
+        positions = torch.randint(n, (size,), generator=self.generator(flat.device), device=flat.device)
+        top = torch.topk(magnitudes[positions], math.ceil(size * self.ratio), sorted=False).values
+        eta = top.min()
+        raise_if_nonfinite(eta)
+        indices = indices_above(magnitudes, float(eta))
+        if indices.numel() > OVER * k:
+            indices = indices[torch.topk(magnitudes[indices], k, sorted=False).indices]
+        elif indices.numel() < UNDER * k:
+            indices = torch.topk(magnitudes, k, sorted=False).indices
+        return selected_finite(magnitudes, indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generators": {name: g.get_state() for name, g in self.generators.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, generator_state in state["generators"].items():
+            self.generator(torch.device(name)).set_state(generator_state)

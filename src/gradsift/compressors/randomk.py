@@ -1,0 +1,141 @@
+"""Random-k with a shared seed: every worker picks the same k positions, so it fits allreduce.
+
+Indices are a pure function of ``(seed, key, step)``, where ``step`` counts the
+calls made with that ``key``. Workers that compress the same tensors in the same
+order therefore select the same positions without sending them: only the ``k``
+values cross the wire, and summing them with an allreduce is the aggregation.
+
+How the DDP hook uses it (``allreduce_compatible = True``): allreduce
+``payload.values`` (the only field in ``payload.fields()``), divide by the world
+size, and scatter at the *local* ``payload.indices`` -- ``decompress([payload], n)``
+with the reduced values does exactly that. ``payload.nbytes`` is ``k`` values and
+no header (``variable_size=False``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradsift.compressors.base import Payload, Sparsifier, target_count
+from gradsift.validation import check_int, raise_if_nonfinite
+
+
+@dataclass
+class SharedIndexPayload(Payload):
+    """A sparse payload whose indices every worker regenerates from a shared seed.
+
+    The indices stay in the payload (for scatter and error feedback) but are not
+    a wire field: :meth:`fields` -- and hence :attr:`nbytes` and the wire format --
+    carry only the values.
+    """
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in super().fields().items() if name != "indices"}
+
+
+def stream_seed(seed: int, key: Hashable, step: int) -> int:
+    """A 63-bit generator seed from ``(seed, key, step)``, equal in every process.
+
+    Uses BLAKE2b of ``repr((seed, key, step))``: Python's ``hash()`` is salted per
+    process. Keys must therefore have a process-independent ``repr`` (ints,
+    strings, tuples of them -- bucket indices and parameter names do).
+    """
+    digest = hashlib.blake2b(repr((seed, key, step)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def first_distinct(draws: torch.Tensor) -> torch.Tensor:
+    """The distinct values of ``draws`` in order of first appearance.
+
+    A stable sort groups equal values with the earliest draw first; the first of
+    each group is marked and mapped back to draw order. ``O(m log m)`` for ``m``
+    draws, no memory proportional to the range of the values.
+    """
+    ordered, order = torch.sort(draws, stable=True)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    keep = torch.zeros_like(starts)
+    keep[order[starts]] = True
+    return draws[keep]
+
+
+def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct positions of ``[0, n)``, every ``k``-subset equally likely.
+
+    For ``k <= n/2``: the first ``k`` distinct values of an i.i.d. uniform stream
+    (sequential sampling without replacement by rejection). The stream length ``m``
+    solves ``n (1 - exp(-m/n)) = k + 4 sqrt(k) + 16`` (expected distinct count
+    above ``k`` by a margin), and is extended in the rare case it falls short.
+    For ``k > n/2`` the stream would need up to ``n ln n`` draws, so a random
+    permutation is cut instead.
+    """
+    if 2 * k > n:
+        return torch.randperm(n, generator=generator, device=generator.device)[:k]
+    wanted = min(n - 0.5, k + 4 * math.sqrt(k) + 16)
+    length = math.ceil(-n * math.log1p(-wanted / n))
+    draws = torch.randint(n, (length,), generator=generator, device=generator.device)
+    while (distinct := first_distinct(draws)).numel() < k:
+        more = torch.randint(n, (k,), generator=generator, device=generator.device)
+        draws = torch.cat([draws, more])
+    return distinct[:k]
+
+
+class RandomK(Sparsifier):
+    """Send ``k = max(1, floor(n * ratio))`` positions chosen uniformly at random.
+
+    The positions depend only on ``(seed, key, step)`` (see the module docstring),
+    so they are identical on every worker and the payload goes through a plain
+    allreduce of ``k`` values. The values are sent unscaled (biased by ``k/n``):
+    meant for error feedback like the other sparsifiers.
+
+    Options:
+        ratio: target density in (0, 1].
+        seed: integer >= 0 shared by all workers (default 0).
+
+    State (``state_dict``): the per-key step counters -- restore them to resume
+    the same index stream after a checkpoint.
+
+    Cost: ``O(k log k)`` to draw the indices plus one read pass (``aminmax``)
+    over the gradient: random-k reads no other reduction of all ``n`` elements, so
+    the non-finite check pays for one.
+    """
+
+    name = "randomk"
+    allreduce_compatible = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
+        super().__init__(ratio)
+        self.seed = check_int(seed, "seed", low=0)
+        self.steps: dict[Hashable, int] = {}
+
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "seed": self.seed}
+
+    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+        raise_if_nonfinite(torch.stack(torch.aminmax(flat)))
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        generator = torch.Generator(device=flat.device).manual_seed(stream_seed(self.seed, key, step))
+        return sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        payload = super().compress(tensor, key=key)
+        return SharedIndexPayload(
+            numel=payload.numel,
+            dtype=payload.dtype,
+            values=payload.values,
+            indices=payload.indices,
+            variable_size=False,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = {key: check_int(step, f"steps[{key!r}]", low=0) for key, step in state["steps"].items()}
