@@ -1,0 +1,194 @@
+"""VGC: variance-based gradient compression (Tsuzuku, Imachi, Akiba 2018).
+
+Per tensor ``key`` a worker keeps the unsent gradient ``r`` and its accumulated
+variance ``v`` (zeros at first). Each call, with gradient ``g`` and its variance ``s``:
+
+1. ``r <- r + g``, ``v <- v + s``.
+2. Send element ``i`` iff ``r_i^2 > alpha * v_i`` (``|r_i| / sqrt(v_i) > sqrt(alpha)``),
+   or -- hybrid with Strom's method, when ``tau`` is set -- iff ``|r_i| > tau`` too.
+3. Sent elements are quantized to 4-bit codes ``Q(r_i) = sign * M * 2^-l`` with
+   ``M = max |r_sent|`` (:mod:`gradsift.compressors.vgc_codec`) and
+   ``r_i <- r_i - Q(r_i)`` (the quantization error stays), ``v_i <- 0``.
+4. Unsent elements keep ``r_i`` and decay ``v_i <- zeta * v_i``, so a pure-noise element
+   is sent eventually.
+
+Scale convention of ``alpha``: ``s`` is the variance of the gradient tensor as autograd
+produced it (:mod:`gradsift.variance`; for a mean loss, the variance of the minibatch
+mean, ``(1/B) * ((1/B) sum_z g_z^2 - g^2)``), so ``alpha`` is a squared signal-to-noise
+ratio in standard errors: ``alpha = 1`` sends an element once its accumulated value
+exceeds one standard deviation of its accumulated noise.
+
+VGC's residual *is* its error feedback, so ``error_feedback = False``. Decompressing
+sums every worker's decoded words (``index_add_``) and divides by the worker count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsift.compressors import vgc_codec
+from gradsift.compressors.base import Compressor, Payload, scatter_mean
+from gradsift.errors import InvalidOptionError
+from gradsift.validation import as_flat_gradient, check_choice, check_real, raise_if_nonfinite
+from gradsift.variance import CONV_RULES, METHODS, VarianceTracker
+
+
+class VGC(Compressor):
+    """Variance-based selection with 32-bit (28-bit index, 4-bit code) elements.
+
+    Options:
+        alpha: squared signal-to-noise threshold, >= 0 (larger = sparser; 0 sends every
+            non-zero element).
+        zeta: decay of the accumulated variance of unsent elements, in [0, 1].
+        tau: Strom threshold for the hybrid rule (also send ``|r| > tau``); None = off.
+        variance_method: ``"hooks"`` (cheap per-layer rules) or ``"exact"``
+            (``torch.func``; call ``compressor.tracker.record_exact(...)`` each step).
+        conv_rule: ``"approx"`` (cross-position terms dropped) or ``"exact"`` (per-sample
+            convolution weight gradients, one layer at a time); see :mod:`gradsift.variance`.
+
+    Use standalone with ``compress(grad, variance=s)``, or after :meth:`attach` with
+    ``compress(flat, key=..., parameters=[...])`` (what the DDP hook does).
+    """
+
+    name = "vgc"
+    error_feedback = False
+    needs_parameters = True
+
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        zeta: float = 0.999,
+        tau: float | None = None,
+        variance_method: str = "hooks",
+        conv_rule: str = "approx",
+    ) -> None:
+        self.alpha = check_real(alpha, "alpha", low=0.0)
+        self.zeta = check_real(zeta, "zeta", low=0.0, high=1.0)
+        self.tau = None if tau is None else check_real(tau, "tau", low=0.0, low_open=True)
+        self.variance_method = check_choice(variance_method, "variance_method", METHODS)
+        self.conv_rule = check_choice(conv_rule, "conv_rule", CONV_RULES)
+        self.tracker: VarianceTracker | None = None
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+        self.variances: dict[Hashable, torch.Tensor] = {}
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "alpha": self.alpha,
+            "zeta": self.zeta,
+            "tau": self.tau,
+            "variance_method": self.variance_method,
+            "conv_rule": self.conv_rule,
+        }
+
+    def attach(self, module: nn.Module) -> None:
+        """Install the variance hooks on ``module`` (once; a second call replaces them)."""
+        if self.tracker is not None:
+            self.tracker.remove()
+        self.tracker = VarianceTracker(module, method=self.variance_method, conv_rule=self.conv_rule)
+
+    def compress(
+        self,
+        tensor: torch.Tensor,
+        *,
+        key: Hashable = 0,
+        parameters: Sequence[nn.Parameter] | None = None,
+        variance: torch.Tensor | None = None,
+    ) -> Payload:
+        """Accumulate ``tensor`` and its variance under ``key``; send what passes the test.
+
+        The variance comes from ``variance`` (same number of elements), or from the
+        attached tracker for ``parameters`` (their gradients concatenated in order
+        make up ``tensor``; parameters without a recorded variance count as 0).
+        """
+        flat = as_flat_gradient(tensor)
+        step_variance = self._step_variance(flat, parameters, variance)
+        residual = self.residuals.get(key)
+        accumulated = self.variances.get(key)
+        if residual is not None and residual.shape != flat.shape:
+            raise InvalidOptionError(
+                f"tensor {key!r} changed from {residual.numel()} to {flat.numel()} elements; "
+                f"call reset({key!r}) when a bucket is rebuilt"
+            )
+        # New tensors, committed only after the finiteness check: a NaN never enters the state.
+        residual = flat.clone() if residual is None else residual + flat
+        accumulated = step_variance if accumulated is None else step_variance.add_(accumulated)
+
+        squared = residual * residual
+        # "not (r^2 <= alpha v)" rather than "r^2 > alpha v": a NaN is selected, so it
+        # reaches the scale M below, whose finiteness check then covers every element.
+        keep = squared <= accumulated * self.alpha
+        if self.tau is not None:
+            keep &= squared <= self.tau * self.tau
+        indices = torch.nonzero(~keep).squeeze(1)
+        codes, scales, quantized = vgc_codec.encode(indices, residual[indices], flat.numel())
+        raise_if_nonfinite(scales)
+
+        residual.index_add_(0, indices, quantized, alpha=-1)
+        accumulated.mul_(self.zeta).index_fill_(0, indices, 0)
+        self.residuals[key] = residual
+        self.variances[key] = accumulated
+        return Payload(
+            numel=flat.numel(),
+            dtype=flat.dtype,
+            codes=codes,
+            scales=scales,
+            info={"sent": indices.numel(), "density": indices.numel() / max(1, flat.numel())},
+        )
+
+    def _step_variance(
+        self, flat: torch.Tensor, parameters: Sequence[nn.Parameter] | None, variance: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This step's variance ``s`` as a new flat tensor of ``flat``'s dtype."""
+        if variance is not None:
+            if variance.numel() != flat.numel():
+                raise InvalidOptionError(
+                    f"variance must have as many elements as tensor ({flat.numel()}), got {variance.numel()}"
+                )
+            return variance.reshape(-1).to(flat.dtype, copy=True)
+        if parameters is None:
+            raise InvalidOptionError(
+                "vgc needs variance= (a tensor like the gradient) or parameters= after attach()"
+            )
+        if self.tracker is None:
+            raise InvalidOptionError("vgc got parameters= but attach(module) was never called")
+        total = sum(p.numel() for p in parameters)
+        if total != flat.numel():
+            raise InvalidOptionError(f"parameters hold {total} elements but tensor has {flat.numel()}")
+        return self.tracker.take_variance(parameters, flat)
+
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        decoded = []
+        for payload in payloads:
+            indices, values = vgc_codec.decode(payload.codes, payload.scales, numel)
+            decoded.append(Payload(numel=payload.numel, dtype=payload.dtype, values=values, indices=indices))
+        return scatter_mean(decoded, numel)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget the residual and variance of one key, or of every key."""
+        if key is None:
+            self.residuals.clear()
+            self.variances.clear()
+        else:
+            self.residuals.pop(key, None)
+            self.variances.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals ``r`` and accumulated variances ``v`` by key (cloned)."""
+        return {
+            "residuals": {k: r.clone() for k, r in self.residuals.items()},
+            "variances": {k: v.clone() for k, v in self.variances.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        missing = {"residuals", "variances"} - set(state)
+        if missing:
+            raise InvalidOptionError(
+                f"vgc state needs keys residuals and variances, missing {sorted(missing)}"
+            )
+        self.residuals = {k: r.clone() for k, r in state["residuals"].items()}
+        self.variances = {k: v.clone() for k, v in state["variances"].items()}
