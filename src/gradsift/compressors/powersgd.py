@@ -1,0 +1,225 @@
+"""PowerSGD (Vogels et al. 2019), by wrapping PyTorch's own DDP communication hook.
+
+PyTorch ships the algorithm as ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``
+(per-layer, ``powerSGD_hook``) and ``batched_powerSGD_hook`` (the whole bucket as one
+square matrix). This module does not reimplement it: :class:`PowerSGD` owns one
+``PowerSGDState`` and hands it, with each bucket, to PyTorch's hook.
+
+Per bucket and step, PyTorch's per-layer hook (after ``start_iter`` plain allreduces):
+
+1. adds the local error ``e`` to the bucket (error feedback) and keeps a copy ``c``;
+2. views each gradient as a matrix ``M`` (``shape[0] x rest``) and compresses it when
+   ``(n + m) r * min_compression_rate < n m``; the others are allreduced as they are;
+3. ``P = M Q`` (``Q`` random and orthogonalised at first, then warm-started),
+   allreduce ``P``, orthogonalise it; ``Q = M^T P``, allreduce ``Q`` and divide by W;
+4. writes ``P Q^T`` back and keeps ``e = c - P Q^T``.
+
+Because communication happens *between* the two matrix products, PowerSGD has no
+``compress``/``decompress`` of one flat tensor: it only runs through
+``gradsift.register_comm_hook(ddp_model, "powersgd", ...)``, whose hook delegates to
+:meth:`PowerSGD.ddp_hook`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    batched_powerSGD_hook,
+    powerSGD_hook,
+)
+
+from gradsift.compressors.base import Compressor, Payload
+from gradsift.errors import InvalidOptionError
+from gradsift.validation import check_int, check_real
+
+#: The ``PowerSGDState`` fields a checkpoint needs (the hyperparameters come from the options).
+_STATE_TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
+_STATE_COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression")
+
+
+class PowerSGD(Compressor):
+    """``powersgd``: rank-``r`` power iteration per matrix-shaped layer (PyTorch's hook).
+
+    Options (PyTorch's name in parentheses):
+        rank: ``r`` (``matrix_approximation_rank``), >= 1; default 1.
+        start_iter: plain allreduce for the first steps (``start_powerSGD_iter``); >= 2
+            when error feedback or warm start is on (DDP rebuilds buckets after step 1).
+            Default 10 (PyTorch: 1000; suggested: ~10% of the steps).
+        min_compression_rate: compress a layer only if it shrinks by more than this, > 0;
+            default 2.
+        use_error_feedback: keep the local error (PowerSGD is biased); default True.
+            PyTorch keeps it in its state, so gradsift's own error feedback is off.
+        warm_start: reuse last step's ``Q``; default True.
+        orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0; default 0.
+        seed: seed of the NumPy generator that draws the initial ``Q`` (same on every rank).
+        batched: use ``batched_powerSGD_hook`` (the bucket as one square matrix: faster,
+            usually less accurate unless rank 1); default False.
+    """
+
+    name = "powersgd"
+    allreduce_compatible = True
+    error_feedback = False
+
+    def __init__(
+        self,
+        rank: int = 1,
+        start_iter: int = 10,
+        min_compression_rate: float = 2.0,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0.0,
+        seed: int = 0,
+        batched: bool = False,
+    ) -> None:
+        self.rank = check_int(rank, "rank", low=1)
+        self.use_error_feedback = _check_bool(use_error_feedback, "use_error_feedback")
+        self.warm_start = _check_bool(warm_start, "warm_start")
+        lowest_start = 2 if (self.use_error_feedback or self.warm_start) else 0
+        self.start_iter = check_int(start_iter, "start_iter", low=lowest_start)
+        self.min_compression_rate = check_real(
+            min_compression_rate, "min_compression_rate", low=0.0, low_open=True
+        )
+        self.orthogonalization_epsilon = check_real(
+            orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0
+        )
+        self.seed = check_int(seed, "seed", low=0, high=2**32 - 1)
+        self.batched = _check_bool(batched, "batched")
+        self.state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=self.rank,
+            start_powerSGD_iter=self.start_iter,
+            min_compression_rate=self.min_compression_rate,
+            use_error_feedback=self.use_error_feedback,
+            warm_start=self.warm_start,
+            orthogonalization_epsilon=self.orthogonalization_epsilon,
+            random_seed=self.seed,
+        )
+        #: Parameter shapes of each bucket the memory (error, P, Q) was made for.
+        self.layouts: dict[int, list[list[int]]] = {}
+        #: Bytes the last :meth:`ddp_hook` call of each bucket index put on the wire.
+        self.sent_nbytes: dict[int, int] = {}
+        self.dense_step_pending = False
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "start_iter": self.start_iter,
+            "min_compression_rate": self.min_compression_rate,
+            "use_error_feedback": self.use_error_feedback,
+            "warm_start": self.warm_start,
+            "orthogonalization_epsilon": self.orthogonalization_epsilon,
+            "seed": self.seed,
+            "batched": self.batched,
+        }
+
+    def ddp_hook(
+        self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+    ) -> torch.futures.Future:
+        """Run PyTorch's PowerSGD hook on ``bucket`` (the contract of :mod:`gradsift.ddp`).
+
+        The first step after :meth:`load_state_dict` is a plain allreduce that leaves
+        the memory untouched: a fresh DDP model uses its initial bucket layout for one
+        step and then rebuilds its buckets (why PyTorch requires ``start_iter >= 2``),
+        and the loaded memory belongs to the rebuilt layout. A compressed step whose
+        bucket layout differs from the one its memory was made for raises
+        :class:`InvalidOptionError` instead of adding the error to the wrong elements.
+        """
+        self.state.process_group = process_group
+        buffer = bucket.buffer()
+        dense_nbytes = buffer.numel() * buffer.element_size()
+        if self.dense_step_pending:
+            self.dense_step_pending = not bucket.is_last()
+            self.state.maybe_increase_iter(bucket)
+            self.sent_nbytes[bucket.index()] = dense_nbytes
+            return default_hooks.allreduce_hook(process_group, bucket)
+        compressing = self.state.iter >= self.state.start_powerSGD_iter
+        if compressing:
+            self._check_layout(bucket)
+        sent_before = self.state.total_numel_after_compression
+        hook = batched_powerSGD_hook if self.batched else powerSGD_hook
+        future = hook(self.state, bucket)
+        sent = self.state.total_numel_after_compression - sent_before
+        self.sent_nbytes[bucket.index()] = sent * buffer.element_size() if compressing else dense_nbytes
+        return future
+
+    def hook_nbytes(self, bucket: dist.GradBucket) -> int:
+        """Bytes this worker contributed to the allreduces of ``bucket``'s last :meth:`ddp_hook` call.
+
+        The whole bucket during the first ``start_iter`` steps; afterwards the elements
+        of ``P``, ``Q`` and the uncompressed layers, read from the counter PyTorch's
+        hook advances (``total_numel_after_compression``), times the element size.
+        """
+        return self.sent_nbytes.get(bucket.index(), 0)
+
+    def _check_layout(self, bucket: dist.GradBucket) -> None:
+        index = bucket.index()
+        layout = [list(g.shape) for g in bucket.gradients()]
+        remembered = self.layouts.get(index)
+        has_memory = index in self.state.error_dict or index in self.state.p_memory_dict
+        if has_memory and remembered is not None and remembered != layout:
+            raise InvalidOptionError(
+                f"DDP bucket {index} holds parameters of shapes {layout}, but its PowerSGD memory "
+                f"(error feedback, warm start) was made for {remembered}: load a checkpoint of this model"
+            )
+        self.layouts[index] = layout
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+        raise _hook_only()
+
+    def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        raise _hook_only()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, byte counters, local errors, P/Q memories (warm start), their layouts, the RNG."""
+        _, keys, position, has_gauss, cached_gaussian = self.state.rng.get_state()
+        state: dict[str, Any] = {name: int(getattr(self.state, name)) for name in _STATE_COUNTERS}
+        for name in _STATE_TENSOR_DICTS:
+            state[name] = {k: v.clone() for k, v in getattr(self.state, name).items()}
+        state["layouts"] = {k: [list(shape) for shape in v] for k, v in self.layouts.items()}
+        state["rng"] = {
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {*_STATE_COUNTERS, *_STATE_TENSOR_DICTS, "layouts", "rng"}
+        if set(state) != expected:
+            raise InvalidOptionError(f"powersgd state must hold keys {sorted(expected)}; got {sorted(state)}")
+        for name in _STATE_COUNTERS:
+            setattr(self.state, name, int(state[name]))
+        for name in _STATE_TENSOR_DICTS:
+            setattr(self.state, name, {k: v.clone() for k, v in state[name].items()})
+        self.layouts = {k: [list(shape) for shape in v] for k, v in state["layouts"].items()}
+        self.dense_step_pending = True
+        rng = state["rng"]
+        self.state.rng.set_state(
+            (
+                "MT19937",
+                rng["keys"].numpy().astype("uint32"),
+                rng["position"],
+                rng["has_gauss"],
+                rng["cached_gaussian"],
+            )
+        )
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _hook_only() -> InvalidOptionError:
+    return InvalidOptionError(
+        "powersgd exchanges P and Q between its two matrix products, so it has no compress()/"
+        "decompress() of a single tensor; use gradsift.register_comm_hook(ddp_model, 'powersgd', ...)"
+    )
