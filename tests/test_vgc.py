@@ -59,7 +59,7 @@ def test_variance_decay_eventually_sends_a_delayed_element():
     assert sent_at == steps_until_sent
     never = VGC(alpha=2.0, zeta=1.0)
     never.compress(torch.tensor([0.1]), variance=torch.tensor([1.0]))
-    assert all(never.compress(torch.zeros(1), variance=torch.zeros(1)).info["sent"] == 0 for _ in range(100))
+    assert all(never.compress(torch.zeros(1), variance=torch.zeros(1)).count == 0 for _ in range(100))
 
 
 def test_alpha_zero_sends_every_nonzero_element():
@@ -93,7 +93,7 @@ def test_quantization_error_stays_in_the_residual_and_variance_resets():
 def test_strom_hybrid_sends_large_residuals_regardless_of_variance():
     g = torch.tensor([0.5, -2.0, 1.5, 0.1])
     huge = torch.full((4,), 1e6)
-    assert VGC(alpha=1.0).compress(g, variance=huge).info["sent"] == 0
+    assert VGC(alpha=1.0).compress(g, variance=huge).count == 0
     payload = VGC(alpha=1.0, tau=1.0).compress(g, variance=huge)
     assert _sent_indices(payload).tolist() == [1, 2]
 
@@ -103,7 +103,7 @@ def test_payload_layout_and_bytes():
     payload = gradsift.get_compressor("vgc", alpha=0.0).compress(g, variance=torch.zeros(5))
     assert payload.indices is None and payload.values is None
     assert payload.codes.dtype == torch.int32 and payload.scales.tolist() == [3.0]
-    assert payload.info["sent"] == 4
+    assert payload.count == 4
     # 1 chunk count + 4 words (int32), 1 float32 scale, one 4-byte length per field.
     assert payload.nbytes == 4 * 5 + 4 + 2 * 4
     # 3 and -0.75 = -3/4 and 1.5 = 3/2 are exact levels; 0.01 saturates at 3/128.

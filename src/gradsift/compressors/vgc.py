@@ -37,6 +37,18 @@ from gradsift.validation import as_flat_gradient, check_choice, check_real, rais
 from gradsift.variance import CONV_RULES, METHODS, VarianceTracker
 
 
+class VGCPayload(Payload):
+    """A VGC message: ``codes`` (chunk counts + one word per element), ``scales = [M]``.
+
+    ``count`` is the number of elements sent (``Payload.count`` would report ``numel``
+    for a payload without ``indices``).
+    """
+
+    @property
+    def count(self) -> int:
+        return self.codes.numel() - vgc_codec.chunk_count(self.numel)
+
+
 class VGC(Compressor):
     """Variance-based selection with 32-bit (28-bit index, 4-bit code) elements.
 
@@ -131,13 +143,7 @@ class VGC(Compressor):
         accumulated.mul_(self.zeta).index_fill_(0, indices, 0)
         self.residuals[key] = residual
         self.variances[key] = accumulated
-        return Payload(
-            numel=flat.numel(),
-            dtype=flat.dtype,
-            codes=codes,
-            scales=scales,
-            info={"sent": indices.numel(), "density": indices.numel() / max(1, flat.numel())},
-        )
+        return VGCPayload(numel=flat.numel(), dtype=flat.dtype, codes=codes, scales=scales)
 
     def _step_variance(
         self, flat: torch.Tensor, parameters: Sequence[nn.Parameter] | None, variance: torch.Tensor | None
@@ -182,6 +188,10 @@ class VGC(Compressor):
             "residuals": {k: r.clone() for k, r in self.residuals.items()},
             "variances": {k: v.clone() for k, v in self.variances.items()},
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the tracker (it holds the model and its hooks); ``attach`` again after loading."""
+        return {**self.__dict__, "tracker": None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
