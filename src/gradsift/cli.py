@@ -13,7 +13,7 @@ import sys
 from gradsift import __version__
 from gradsift.errors import GradsiftError
 
-SUBCOMMANDS = ("analyze", "bench")
+SUBCOMMANDS = ("analyze", "bench", "train", "demo", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

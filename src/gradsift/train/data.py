@@ -29,6 +29,8 @@ PIXEL_MEAN = 0.2860
 PIXEL_STD = 0.3530
 NUM_CLASSES = 10
 IMAGE_SIDE = 28
+SYNTHETIC_TRAIN_SIZE = 1024
+SYNTHETIC_TEST_SIZE = 256
 
 SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
 CACHE_DIR = Path.home() / ".cache" / "gradsift" / "fashion-mnist"
@@ -165,7 +167,11 @@ def load_dataset(
 ) -> tuple[Split, Split, str]:
     """Return ``(train, test, source)``; ``source`` names where the data came from."""
     if synthetic:
-        return synthetic_split(1024, seed), synthetic_split(256, seed + 1), "synthetic"
+        return (
+            synthetic_split(SYNTHETIC_TRAIN_SIZE, seed),
+            synthetic_split(SYNTHETIC_TEST_SIZE, seed + 1),
+            "synthetic",
+        )
     directory = find_dataset_dir(data_dir)
     return load_split(directory, "train"), load_split(directory, "test"), str(directory)
 
@@ -198,3 +204,11 @@ def batches(split: Split, indices: torch.Tensor, batch_size: int):
     for start in range(0, indices.numel(), batch_size):
         chosen = indices[start : start + batch_size]
         yield split.images[chosen], split.labels[chosen]
+
+
+def train_size(data_dir: str | Path | None = None, *, synthetic: bool = False) -> int:
+    """Number of training examples :func:`load_dataset` would return (reads only the labels)."""
+    if synthetic:
+        return SYNTHETIC_TRAIN_SIZE
+    paths = _split_paths(find_dataset_dir(data_dir), "train")
+    return int(read_idx(paths[1], 1).numel())

@@ -168,3 +168,19 @@ def _watch(config: TrainConfig, processes: list[subprocess.Popen]) -> None:
         if all(code == 0 for code in codes):
             return
         time.sleep(POLL_S)
+
+
+def run_training(config: TrainConfig) -> dict[str, Any]:
+    """Run ``config`` on this machine: over emulated links when ``config.bandwidth_bps``
+    is set (see :mod:`gradsift.train.netem`), else on localhost."""
+    if config.bandwidth_bps is None:
+        return launch(config, Localhost())
+    from gradsift.train.netem import EmulatedNetwork
+
+    with EmulatedNetwork(config.workers, config.bandwidth_bps, config.latency_s) as network:
+        return launch(config, network)
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another launcher setting the env)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))

@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from gradsift.train.config import TrainConfig, learning_rate
 from gradsift.train.data import Split, batches, load_dataset, shard_indices
+from gradsift.train.exchange import install_exchange
 from gradsift.train.models import build_model, parameter_count
 from gradsift.train.summary import summarize
-from gradsift.train.telemetry import install_exchange
 
 
 def threads_per_worker(local_world_size: int, cpus: int | None = None) -> int:

@@ -3,10 +3,12 @@
 A step record (one JSON line of ``steps.jsonl``, written by rank 0) holds ``step``,
 ``loss``, ``lr``, ``step_s`` (wall time of forward + backward + exchange + optimizer
 step), ``compress_s``, ``communicate_s``, ``decompress_s`` (the DDP hook's phase
-timers for that step), ``compute_s = step_s - compress_s - communicate_s -
-decompress_s`` (floored at 0), ``bytes_sent`` (bytes this worker put on the wire),
-``dense_bytes`` (bytes an fp32 allreduce would carry) and ``density`` (achieved
-fraction of gradient elements sent). An eval record (``evals.jsonl``) holds ``step``,
+timers for that step, summed over buckets), ``compute_s = step_s - compress_s -
+communicate_s - decompress_s`` (floored at 0; the hook's phases overlap backward, so
+this is a lower bound of the compute time), ``bytes_sent`` (bytes of this worker's
+message), ``bytes_padded`` (plus the padding an allgather adds to match the longest
+worker), ``dense_bytes`` (the uncompressed gradient, what an fp32 allreduce carries)
+and ``density`` (achieved fraction of gradient elements sent). An eval record (``evals.jsonl``) holds ``step``,
 ``accuracy``, ``loss``, ``train_time_s`` (sum of ``step_s`` so far: evaluation time
 excluded) and ``wall_time_s`` (since training started, evaluation included).
 """
@@ -50,6 +52,7 @@ def summarize(
     for phase in PHASES:
         summary[f"{phase.removesuffix('_s')}_median_s"] = statistics.median(r[phase] for r in steps)
     summary["bytes_sent_per_step"] = statistics.fmean(r["bytes_sent"] for r in steps)
+    summary["bytes_padded_per_step"] = statistics.fmean(r["bytes_padded"] for r in steps)
     summary["dense_bytes_per_step"] = statistics.fmean(r["dense_bytes"] for r in steps)
     summary["compression_factor"] = summary["dense_bytes_per_step"] / max(summary["bytes_sent_per_step"], 1.0)
     summary["achieved_density"] = statistics.fmean(r["density"] for r in steps)

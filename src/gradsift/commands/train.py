@@ -1,0 +1,187 @@
+"""``gradsift train``: one distributed training run, launched here or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from gradsift.errors import InvalidOptionError
+from gradsift.train.config import TrainConfig
+from gradsift.train.data import train_size
+from gradsift.train.models import MODELS
+
+EPILOG = """\
+examples:
+  gradsift train --model vgg --compressor sidco-exp --ratio 0.01 --workers 4 --steps 500
+  gradsift train --compressor topk --ratio 0.01 --bandwidth 100mbit --target-accuracy 0.85
+  gradsift train --compressor vgc --option alpha=1.0 --option zeta=0.999 --steps 200
+
+multi-machine (the same command on every node; the trainer detects torchrun's env):
+  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+      -m gradsift train --model vgg --compressor sidco-exp --ratio 0.01 --steps 1000
+"""
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``key=value`` -> ``(key, value)``, the value read as JSON when it parses (1, 0.5,
+    true, null, [1,2]) and as a string otherwise."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--option expects key=value, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step numbers, got {text!r}") from error
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags shared by ``gradsift train`` (and reused by the demo for the network)."""
+    run = parser.add_argument_group("run")
+    run.add_argument("--model", choices=sorted(MODELS), default="vgg", help="network to train (default: vgg)")
+    run.add_argument(
+        "--compressor", default="none", help="registry name, e.g. none, bf16, topk, sidco-exp, vgc"
+    )
+    run.add_argument(
+        "--ratio", type=float, help="target density delta, passed as the compressor's ratio option"
+    )
+    run.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
+                     help="another compressor/hook option (repeatable; value parsed as JSON when possible)")  # fmt: skip
+    run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine (default: 2)")
+    run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
+    run.add_argument("--lr", type=float, default=0.05, help="peak learning rate of SGD (default: 0.05)")
+    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
+    run.add_argument("--decay-steps", type=_int_list, default=[], metavar="S1,S2",
+                     help="steps where the learning rate is multiplied by --decay-factor")  # fmt: skip
+    run.add_argument("--decay-factor", type=float, default=0.1, help="step decay factor (default: 0.1)")
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps (default: 100)")
+    length.add_argument("--epochs", type=float, help="passes over the training set instead of --steps")
+    run.add_argument(
+        "--eval-every", type=int, default=0, help="test accuracy every N steps (0: at the end only)"
+    )
+    run.add_argument(
+        "--target-accuracy", type=float, help="report time_to_accuracy_s for this test accuracy (0-1)"
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
+    run.add_argument("--data-dir", help="directory with the Fashion-MNIST IDX files (default: search path)")
+    run.add_argument("--synthetic", action="store_true", help="tiny generated data instead of Fashion-MNIST")
+    run.add_argument("--timeout", type=float, default=300.0,
+                     help="process-group timeout in seconds: a vanished peer ends the run after it")  # fmt: skip
+    net = parser.add_argument_group("network emulation (root + iproute2)")
+    net.add_argument("--bandwidth", help="emulate links of this rate per worker, e.g. 100mbit, 1gbit")
+    net.add_argument(
+        "--latency", help="one-way delay added per message with --bandwidth, e.g. 1ms (needs sch_netem)"
+    )
+
+
+def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
+    """Validate the parsed flags into a :class:`TrainConfig`."""
+    from gradsift.train.netem import parse_delay, parse_rate
+
+    options = dict(args.option)
+    if args.ratio is not None:
+        options["ratio"] = args.ratio
+    if args.latency is not None and args.bandwidth is None:
+        raise InvalidOptionError("--latency needs --bandwidth (latency is emulated on the shaped links)")
+    steps = args.steps if args.steps is not None else 100
+    if args.epochs is not None:
+        if args.epochs <= 0:
+            raise InvalidOptionError(f"--epochs must be > 0, got {args.epochs}")
+        per_rank = math.ceil(train_size(args.data_dir, synthetic=args.synthetic) / workers)
+        steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
+    return TrainConfig(
+        out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
+        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, warmup_steps=args.warmup_steps,
+        decay_steps=args.decay_steps, decay_factor=args.decay_factor, steps=steps, eval_every=args.eval_every,
+        seed=args.seed, target_accuracy=args.target_accuracy, bandwidth=args.bandwidth,
+        bandwidth_bps=parse_rate(args.bandwidth) if args.bandwidth else None, latency=args.latency,
+        latency_s=parse_delay(args.latency) if args.latency else 0.0, data_dir=args.data_dir,
+        synthetic=args.synthetic, timeout_s=args.timeout, progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="one distributed training run (model, compressor, workers, bandwidth, steps)",
+        description="Train on Fashion-MNIST with data-parallel workers exchanging compressed gradients. "
+        "Starts --workers processes on this machine (gloo on CPU, NCCL with CUDA), or runs as one rank "
+        "when started by torchrun. Writes config.json, steps.jsonl, evals.jsonl and summary.json to --out.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_training_arguments(parser)
+    parser.add_argument("--out", help="run directory (default: runs/<compressor>-w<workers>[-<bandwidth>])")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write summary.json's content to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--cleanup-netem", action="store_true",
+                        help="only delete network namespaces left by killed gradsift runs, then exit")  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradsift.train.launcher import run_training, under_torchrun
+
+    if args.cleanup_netem:
+        from gradsift.train.netem import cleanup_stale
+
+        removed = cleanup_stale()
+        print(f"removed {len(removed)} stale namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+        return 0
+    torchrun = under_torchrun()
+    workers = int(os.environ["WORLD_SIZE"]) if torchrun else args.workers
+    out = args.out or f"runs/{args.compressor}-w{workers}" + (f"-{args.bandwidth}" if args.bandwidth else "")
+    config = config_from_args(args, out, workers)
+    if torchrun:
+        if config.bandwidth_bps is not None:
+            raise InvalidOptionError(
+                "--bandwidth emulates links between local ranks; it cannot be used under torchrun"
+            )
+        summary = _run_as_torchrun_rank(config)
+        if summary is None:
+            return 0
+    else:
+        summary = run_training(config)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary, out))
+    return 0
+
+
+def _run_as_torchrun_rank(config: TrainConfig) -> dict[str, Any] | None:
+    """One rank under torchrun: rank 0 saves the config; returns the summary on rank 0."""
+    from gradsift.train.loop import run_worker
+
+    if int(os.environ["RANK"]) == 0:
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        config.save(Path(config.out) / "config.json")
+    return run_worker(config)
+
+
+def format_summary(summary: dict[str, Any], out: str) -> str:
+    """A few human-readable lines about a finished run."""
+    accuracy = summary["final_test_accuracy"]
+    tta = summary["time_to_accuracy_s"]
+    lines = [
+        f"{summary['compressor']} on {summary['workers']} workers ({summary['model']}, {summary['steps']} steps): "
+        f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation",
+        f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, "
+        f"{summary['bytes_sent_per_step'] / 1e6:.3f} MB sent per step per worker "
+        f"({summary['compression_factor']:.1f}x less than fp32), density {summary['achieved_density']:.4f}",
+        f"  wall time {summary['wall_time_s']:.1f} s"
+        + (f", time to accuracy {summary['target_accuracy']}: " + (f"{tta:.1f} s" if tta is not None else "not reached")
+           if summary["target_accuracy"] is not None else ""),
+        f"  results in {out}/ (summary.json, steps.jsonl, evals.jsonl)",
+    ]  # fmt: skip
+    return "\n".join(lines)
