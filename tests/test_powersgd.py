@@ -2,12 +2,10 @@
 
 import copy
 import io
-import socket
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -82,8 +80,8 @@ def _checkpoint_roundtrip(state: dict) -> dict:
     return torch.load(saved, weights_only=True)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def powersgd_worker(rank: int, world_size: int) -> dict:
+    """Worker (run by ``run_workers``): our wrapper, PyTorch's hook, a resume, a refused checkpoint."""
     compressor = gradsift.get_compressor("powersgd", rank=1, start_iter=START)
     ours = _hooked(compressor, _model())
     nbytes, checkpoint = [], {}
@@ -131,33 +129,24 @@ def _worker(rank: int, port: int, out: str) -> None:
     except Exception as error:  # DDP re-raises the hook's error from backward()
         refusal = str(error)
 
-    torch.save(
-        {
-            "ours": [p.detach().clone() for p in ours.parameters()],
-            "reference": [p.detach().clone() for p in reference.parameters()],
-            "baseline": [p.detach().clone() for p in baseline.parameters()],
-            "resumed": [p.detach().clone() for p in resumed.parameters()],
-            "nbytes": nbytes,
-            "resumed_nbytes": resumed_nbytes,
-            "state": compressor.state_dict(),
-            "refusal": refusal,
-        },
-        f"{out}/rank{rank}.pt",
-    )
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return {
+        "ours": [p.detach().clone() for p in ours.parameters()],
+        "reference": [p.detach().clone() for p in reference.parameters()],
+        "baseline": [p.detach().clone() for p in baseline.parameters()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+        "nbytes": nbytes,
+        "resumed_nbytes": resumed_nbytes,
+        "state": compressor.state_dict(),
+        "refusal": refusal,
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_gloo_ranks_match_pytorch_hook_and_resume(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+def test_two_gloo_ranks_match_pytorch_hook_and_resume():
+    from distributed_utils import run_workers
+
+    results = run_workers(Path(__file__), "powersgd_worker", WORLD, timeout=120)
     dense, compressed = (32 * 16 + 16 + 16) * 4, (16 + 32 + 16 + 16) * 4
     for result in results:
         # The wrapper is PyTorch's algorithm: bit-identical parameters to its own hook.
