@@ -1,0 +1,100 @@
+"""Per-step communication telemetry of the DDP hook: bytes, density, phase times.
+
+Each DDP bucket fills its own :class:`BucketRecord` (the hook on the autograd
+thread, the completion callback on the communication thread); when backward ends the
+hook folds the step's records into one :class:`Telemetry` step and adds it to the
+running totals. Times are host wall-clock milliseconds summed over buckets; buckets
+overlap each other and backward, so the sum can exceed the step time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+logger = logging.getLogger("gradsift.ddp")
+
+
+@dataclass
+class BucketRecord:
+    """What one bucket sent and how long each phase took.
+
+    ``bytes_sent`` is the message the worker hands to the collectives (data plus
+    headers, exactly ``sum(to_wire(p).nbytes)`` for allgathered payloads);
+    ``bytes_padded`` adds the padding the allgather sends to match the longest
+    worker; ``dense_bytes`` is the uncompressed gradient in its own dtype.
+    """
+
+    bytes_sent: int = 0
+    bytes_padded: int = 0
+    dense_bytes: int = 0
+    elements_sent: int = 0
+    elements: int = 0
+    dense_tensors: int = 0
+    compressed_tensors: int = 0
+    compress_ms: float = 0.0
+    communicate_ms: float = 0.0
+    decompress_ms: float = 0.0
+    nonfinite: bool = False
+
+
+_SUMMED = [f.name for f in fields(BucketRecord) if f.name != "nonfinite"]
+
+
+def combine(records: Iterable[BucketRecord]) -> dict[str, Any]:
+    """Sum bucket records into one step dict (``density = elements_sent / elements``)."""
+    step = dict.fromkeys(_SUMMED, 0)
+    for record in records:
+        for name in _SUMMED:
+            step[name] += getattr(record, name)
+    step["density"] = step["elements_sent"] / step["elements"] if step["elements"] else 0.0
+    return step
+
+
+class Telemetry:
+    """The last step's numbers, running totals, and optional periodic logging.
+
+    Args:
+        log_every: every this many steps, log the step through the ``gradsift.ddp``
+            logger (INFO) and append it to ``jsonl_path``; 0 disables both.
+        jsonl_path: file that receives one JSON object per logged step (appended).
+    """
+
+    def __init__(self, log_every: int = 0, jsonl_path: str | os.PathLike[str] | None = None) -> None:
+        self.log_every = log_every
+        self.jsonl_path = None if jsonl_path is None else os.fspath(jsonl_path)
+        self.last: dict[str, Any] = {}
+        self.total: dict[str, Any] = {**dict.fromkeys(_SUMMED, 0), "steps": 0, "skipped_steps": 0}
+
+    def end_step(self, step: int, records: Iterable[BucketRecord], skipped: bool) -> None:
+        """Record one finished step (``step`` counts from 0)."""
+        self.last = {"step": step, **combine(records), "skipped": skipped}
+        for name in _SUMMED:
+            self.total[name] += self.last[name]
+        self.total["steps"] += 1
+        self.total["skipped_steps"] += int(skipped)
+        if self.log_every and (step + 1) % self.log_every == 0:
+            self._log(self.last)
+
+    def summary(self) -> dict[str, Any]:
+        """``{"step": last step dict, "total": totals with cumulative density}``."""
+        total = dict(self.total)
+        total["density"] = total["elements_sent"] / total["elements"] if total["elements"] else 0.0
+        return {"step": dict(self.last), "total": total}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": dict(self.total)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total = dict(state["total"])
+
+    def _log(self, step: dict[str, Any]) -> None:
+        line = json.dumps(step, sort_keys=True)
+        logger.info("gradsift step %s", line)
+        if self.jsonl_path is not None:
+            with open(self.jsonl_path, "a", encoding="utf-8") as handle:
+                handle.write(line + "\n")

@@ -1,0 +1,255 @@
+"""The DDP hook in real gloo processes: equality with stock DDP, every sparsifier,
+granularity/min_numel/warm-up bytes, no_sync accumulation, non-finite policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from distributed_utils import run_workers
+from gradsift.compressors import Sparsifier, compressor_class
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+IN, HIDDEN, OUT, BATCH = 12, 16, 3, 8
+# numels in parameter order: 192, 16, 48, 3 -> 259 in one bucket
+NUMELS = [HIDDEN * IN, HIDDEN, OUT * HIDDEN, OUT]
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen)
+
+
+def train(model: DDP, rank: int, steps: range, lr: float = 0.1, micro: int = 1) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in steps:
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = batch(rank, step * micro + m)
+            if m < micro - 1:
+                with model.no_sync():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+            else:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def hooked(compressor, **options) -> tuple[DDP, gradsift.ddp.GradsiftHookState]:
+    model = DDP(make_model())
+    return model, gradsift.register_comm_hook(model, compressor, **options)
+
+
+# --- equality with stock DDP -------------------------------------------------------------
+def equality_worker(rank: int, world: int) -> dict:
+    out = {}
+    stock = DDP(make_model())
+    train(stock, rank, range(5))
+    out["stock"] = flat_params(stock)
+    model, state = hooked("none")
+    train(model, rank, range(5))
+    out["none"], out["none_steps"] = flat_params(model), state.step
+    model, _ = hooked("topk", ratio=1.0)
+    train(model, rank, range(5))
+    out["topk1"] = flat_params(model)
+    # no_sync: two accumulated micro-batches per synchronised step
+    stock = DDP(make_model())
+    train(stock, rank, range(3), micro=2)
+    model, state = hooked("none")
+    train(model, rank, range(3), micro=2)
+    out["stock_accum"], out["none_accum"], out["accum_steps"] = (
+        flat_params(stock),
+        flat_params(model),
+        state.step,
+    )
+    return out
+
+
+def test_none_matches_stock_ddp_bit_for_bit_and_topk_ratio_one_matches_dense():
+    for out in run_workers(__file__, "equality_worker", 2):
+        assert torch.equal(out["none"], out["stock"])
+        assert out["none_steps"] == 5
+        torch.testing.assert_close(out["topk1"], out["stock"], rtol=1e-5, atol=1e-6)
+        # no_sync: micro-batches accumulate locally, the hook runs once per synchronised
+        # backward on the accumulated gradient, exactly like stock DDP
+        assert torch.equal(out["none_accum"], out["stock_accum"])
+        assert out["accum_steps"] == 3
+
+
+# --- every sparsifier: identical parameters, aggregate == reference from gathered payloads ----
+def sparsifier_names() -> list[str]:
+    names = []
+    for name in gradsift.available_compressors():
+        try:
+            if issubclass(compressor_class(name), Sparsifier):
+                names.append(name)
+        except (ImportError, AttributeError):
+            continue
+    return names
+
+
+SPARSIFIER_OPTIONS = {"threshold": {"threshold": 0.05}}
+
+
+def sparsifier_worker(rank: int, world: int, names: list[str]) -> dict:
+    results = {}
+    for name in names:
+        options = SPARSIFIER_OPTIONS.get(name, {"ratio": 0.1})
+        model, state = hooked(name, **options)
+        train(model, rank, range(3))
+        # one more step, recording the payloads this rank really compressed
+        sent = {}
+        original = state.compressor.compress
+
+        def recording(tensor, *, key, _original=original, _sent=sent, **kw):
+            payload = _original(tensor, key=key, **kw)
+            _sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
+            return payload
+
+        state.compressor.compress = recording
+        model.zero_grad()
+        x, y = batch(rank, 99)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sent)
+        reference = torch.zeros(sum(NUMELS), dtype=torch.float64)
+        for payloads in everyone:
+            ((key, (indices, values, numel)),) = payloads.items()  # one bucket: key = its parameter numbers
+            assert sorted(key) == [0, 1, 2, 3] and numel == reference.numel()
+            reference.index_add_(0, indices, values.double())
+        grads = [p.grad.reshape(-1) for p in model.parameters()]
+        results[name] = {
+            "params": flat_params(model),
+            "grad": torch.cat([grads[i] for i in key]),  # in the bucket's flattening order
+            "reference": reference / world,
+            "stats": state.stats(),
+        }
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")
+def sparsifier_runs(request):
+    return request.param, run_workers(
+        __file__, "sparsifier_worker", request.param, timeout=240, names=sparsifier_names()
+    )
+
+
+@pytest.mark.parametrize("name", sparsifier_names())
+def test_sparsifier_ranks_agree_and_aggregate_matches_reference(name, sparsifier_runs):
+    runs = sparsifier_runs
+    first = runs[0][name]
+    for rank_result in runs[1:]:
+        assert torch.equal(rank_result[name]["params"], first["params"]), f"{name}: ranks diverged"
+    for rank_result in runs:
+        r = rank_result[name]
+        torch.testing.assert_close(r["grad"].double(), r["reference"], rtol=1e-6, atol=1e-7)
+        assert 0 < r["stats"]["step"]["bytes_sent"] < r["stats"]["step"]["dense_bytes"]
+    assert first["stats"]["total"]["steps"] == 4
+
+
+# --- granularity, min_numel, warm-up: bytes and which tensors went dense ------------------
+def granularity_worker(rank: int, world: int) -> dict:
+    out = {}
+    for label, options in {
+        "bucket": {},
+        "layer": {"granularity": "layer"},
+        "layer_min": {"granularity": "layer", "min_numel": 20},
+        "warmup": {"warmup_steps": 2},
+        "bf16_values": {"value_dtype": "bf16"},
+    }.items():
+        model, state = hooked("topk", ratio=0.25, **options)
+        per_step = []
+        for step in range(3):
+            train(model, rank, range(step, step + 1))
+            per_step.append(state.stats()["step"])
+        out[label] = per_step
+    return out
+
+
+def test_granularity_min_numel_and_warmup_change_bytes_as_documented():
+    out = run_workers(__file__, "granularity_worker", 2)[0]
+    dense = 4 * sum(NUMELS)
+    k = [math.floor(n * 0.25) for n in NUMELS]  # 48, 4, 12, 0 -> max(1, .) = 1 for the last
+    k = [max(1, v) for v in k]
+    # one compress for the whole bucket: k = 64 values + 64 int32 indices + 2 length headers
+    bucket = out["bucket"][2]
+    assert (bucket["bytes_sent"], bucket["dense_bytes"]) == (64 * 8 + 8, dense)
+    assert (bucket["compressed_tensors"], bucket["dense_tensors"], bucket["elements_sent"]) == (1, 0, 64)
+    # one compress per parameter: per layer its own k and its own 8 header bytes
+    layer = out["layer"][2]
+    assert layer["bytes_sent"] == sum(8 * v + 8 for v in k)
+    assert (layer["compressed_tensors"], layer["dense_tensors"]) == (4, 0)
+    # min_numel=20: the biases (16 and 3 elements) go dense in fp32, the weights compressed
+    small = out["layer_min"][2]
+    assert small["bytes_sent"] == (8 * k[0] + 8) + (8 * k[2] + 8) + 4 * (NUMELS[1] + NUMELS[3])
+    assert (small["compressed_tensors"], small["dense_tensors"]) == (2, 2)
+    assert small["elements_sent"] == k[0] + k[2] + NUMELS[1] + NUMELS[3]
+    # warm-up: two dense steps (every byte, density 1), then compressed
+    warm = out["warmup"]
+    assert [s["bytes_sent"] for s in warm] == [dense, dense, 64 * 8 + 8]
+    assert [s["density"] for s in warm[:2]] == [1.0, 1.0]
+    # bf16 values: 2 bytes per value instead of 4
+    assert out["bf16_values"][2]["bytes_sent"] == 64 * (2 + 4) + 8
+    assert bucket["density"] == pytest.approx(64 / sum(NUMELS))
+
+
+# --- non-finite gradients -----------------------------------------------------------------
+def nonfinite_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("topk", "none"):
+        model, state = hooked(name, ratio=0.1) if name == "topk" else hooked(name)
+        train(model, rank, range(1))
+        model.zero_grad()
+        x, y = batch(rank, 5)
+        if rank == 1:
+            x[0, 0] = float("nan")
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            out[f"{name}_raise"] = "no error"
+        except gradsift.NonFiniteGradientError as error:
+            out[f"{name}_raise"] = str(error)
+        # skip policy: a fresh DDP model (a raised backward leaves DDP unusable)
+        options = {"ratio": 0.1} if name == "topk" else {}
+        model, state = hooked(name, nonfinite="skip", **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads, skipped = [], []
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            if step == 1 and rank == 1:
+                x[0, 0] = float("inf")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            skipped.append(state.last_step_skipped)
+            if not state.last_step_skipped:
+                opt.step()
+        out[name] = {"grads": grads, "skipped": skipped, "stats": state.stats(), "params": flat_params(model)}
+    return out
+
+
+def test_nonfinite_raises_on_every_rank_or_skips_together():
+    runs = run_workers(__file__, "nonfinite_worker", 2)
+    for out in runs:
+        for name in ("topk", "none"):
+            assert "NaN or Inf" in out[f"{name}_raise"], out[f"{name}_raise"]
+            skip = out[name]
+            assert skip["skipped"] == [False, True, False]
+            assert not skip["grads"][1].any()  # the skipped step's gradient is all zero
+            assert torch.isfinite(skip["grads"][2]).all() and skip["grads"][2].any()
+            assert skip["stats"]["total"]["skipped_steps"] == 1
+    for name in ("topk", "none"):
+        assert torch.equal(runs[0][name]["params"], runs[1][name]["params"])
