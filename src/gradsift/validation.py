@@ -54,6 +54,13 @@ def check_int(value: object, name: str, *, low: int | None = None, high: int | N
     return value
 
 
+def check_bool(value: object, name: str) -> bool:
+    """Return ``value`` if it is a bool (not merely truthy); raise otherwise."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``; raise listing them otherwise."""
     if value not in choices:

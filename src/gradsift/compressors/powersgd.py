@@ -36,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError
-from gradsift.validation import check_int, check_real
+from gradsift.validation import check_bool, check_int, check_real
 
 #: The ``PowerSGDState`` fields a checkpoint needs (the hyperparameters come from the options).
 _STATE_TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
@@ -78,8 +78,8 @@ class PowerSGD(Compressor):
         batched: bool = False,
     ) -> None:
         self.rank = check_int(rank, "rank", low=1)
-        self.use_error_feedback = _check_bool(use_error_feedback, "use_error_feedback")
-        self.warm_start = _check_bool(warm_start, "warm_start")
+        self.use_error_feedback = check_bool(use_error_feedback, "use_error_feedback")
+        self.warm_start = check_bool(warm_start, "warm_start")
         lowest_start = 2 if (self.use_error_feedback or self.warm_start) else 0
         self.start_iter = check_int(start_iter, "start_iter", low=lowest_start)
         self.min_compression_rate = check_real(
@@ -89,7 +89,7 @@ class PowerSGD(Compressor):
             orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0
         )
         self.seed = check_int(seed, "seed", low=0, high=2**32 - 1)
-        self.batched = _check_bool(batched, "batched")
+        self.batched = check_bool(batched, "batched")
         self.state = PowerSGDState(
             process_group=None,
             matrix_approximation_rank=self.rank,
@@ -210,12 +210,6 @@ class PowerSGD(Compressor):
                 rng["cached_gaussian"],
             )
         )
-
-
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidOptionError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def _hook_only() -> InvalidOptionError:
