@@ -1,0 +1,80 @@
+"""``gradsift bench``: microbenchmarks, one sub-subcommand each (``gradsift bench compress``, ...).
+
+To add ``gradsift bench NAME``, write ``_add_NAME_parser(subparsers)`` (it adds its
+parser and sets ``func``) and list it in :data:`BENCHMARKS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from gradsift.benchmarking import INPUT_DESCRIPTION, CompressBenchConfig, format_table, run_compress_benchmark
+
+
+def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
+    defaults = CompressBenchConfig()
+    parser = subparsers.add_parser(
+        "compress",
+        help="compressor overhead vs size and ratio, beside the memory floor and torch.topk",
+        description=(
+            "Median compress and decompress time of each compressor for each gradient size and target "
+            "density, timed side by side (interleaved rounds, after warm-up calls) with a bare "
+            "torch.topk(x.abs(), k) and one read pass torch.linalg.vector_norm(x, 1) (the memory floor) "
+            f"on the same tensor. Input: {INPUT_DESCRIPTION}. Columns: achieved count / target k, "
+            "compress ms, decompress ms (one payload), compress time / floor, torch.topk time / compress "
+            "time, payload MB."
+        ),
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(defaults.sizes), metavar="N",
+                        help="gradient lengths (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(defaults.ratios), metavar="R",
+                        help="target densities in (0, 1] (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--compressors", nargs="+", metavar="NAME",
+                        help="registry names (default: every compressor that compresses a flat tensor)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=defaults.repeats,
+                        help="timed rounds; the median is reported (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=defaults.warmup,
+                        help="untimed calls per method first (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--threads", type=int, help="torch threads for the run (default: torch's setting)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
+                        help="where the gradient lives (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="seed of the synthetic gradient (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_run_compress)
+
+
+def _run_compress(args: argparse.Namespace) -> int:
+    config = CompressBenchConfig(
+        sizes=args.sizes,
+        ratios=args.ratios,
+        compressors=args.compressors,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        device=args.device,
+        seed=args.seed,
+    )
+    result = run_compress_benchmark(config, progress=not args.no_progress)
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+#: ``gradsift bench`` sub-subcommands: name -> function adding its parser.
+BENCHMARKS = {"compress": _add_compress_parser}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="microbenchmarks (compressor overhead, ...)", description="Microbenchmarks."
+    )
+    benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for add in BENCHMARKS.values():
+        add(benchmarks)

@@ -1,0 +1,111 @@
+"""``gradsift bench compress`` and the measuring code behind it, on tiny sizes."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from gradsift.benchmarking import CompressBenchConfig, benchmarkable, synthetic_gradient
+from gradsift.commands import bench
+from gradsift.errors import InvalidOptionError, UnknownCompressorError
+
+ROW_FIELDS = {
+    "compressor",
+    "options",
+    "numel",
+    "ratio",
+    "target_count",
+    "count",
+    "count_vs_target",
+    "compress_ms",
+    "decompress_ms",
+    "floor_ms",
+    "topk_ms",
+    "compress_vs_floor",
+    "speedup_vs_topk",
+    "nbytes",
+    "dense_nbytes",
+}
+
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser(prog="gradsift")
+    bench.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
+    out = tmp_path / "bench" / "results.json"
+    argv = ["bench", "compress", "--sizes", "2000", "5000", "--ratios", "0.1", "0.01", "--repeats", "2",
+            "--warmup", "1", "--threads", "1", "--compressors", "topk", "randomk", "threshold", "fp16",
+            "--json", str(out), "--no-progress"]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "input", "environment", "skipped", "rows"}
+    assert result["config"]["sizes"] == [2000, 5000] and result["config"]["threads"] == 1
+    assert result["environment"]["threads"] == 1 and result["skipped"] == {}
+    rows = {(r["compressor"], r["numel"], r["ratio"]): r for r in result["rows"]}
+    # 2 sizes x (2 ratios x 3 sparsifiers + the ratio-less fp16 once).
+    assert len(rows) == len(result["rows"]) == 14
+    for row in result["rows"]:
+        assert set(row) == ROW_FIELDS
+        assert row["floor_ms"] > 0 and row["compress_ms"] > 0 and row["decompress_ms"] > 0
+        assert math.isclose(row["compress_vs_floor"], row["compress_ms"] / row["floor_ms"])
+        if row["ratio"] is None:
+            assert row["topk_ms"] is None and row["speedup_vs_topk"] is None
+        else:
+            assert math.isclose(row["speedup_vs_topk"], row["topk_ms"] / row["compress_ms"])
+    for n in (2000, 5000):
+        for ratio in (0.1, 0.01):
+            k = int(n * ratio)
+            assert rows["topk", n, ratio]["count"] == k and rows["topk", n, ratio]["nbytes"] == k * 12 + 8
+            assert rows["randomk", n, ratio]["count_vs_target"] == 1.0
+            assert rows["randomk", n, ratio]["nbytes"] == k * 4
+            # Oracle eta = the k-th largest |x|; strictly above it: k - 1 (continuous data).
+            assert rows["threshold", n, ratio]["count"] == k - 1
+        assert rows["fp16", n, None]["nbytes"] == 2 * n and rows["fp16", n, None]["count_vs_target"] == 1.0
+    table = capsys.readouterr().out
+    assert "# n=5,000 ratio=0.01: floor" in table and "bare topk" in table
+    assert "compress ms" in table and "vs topk" in table and f"wrote {out}" in table
+
+
+def test_default_set_skips_what_cannot_compress_a_flat_tensor():
+    names, skipped = benchmarkable(None, "cpu")
+    assert {"topk", "randomk", "dgc", "redsync", "gaussiank", "threshold", "none"} <= set(names)
+    assert "needs_parameters" in skipped["vgc"]
+    assert "powersgd" in skipped and "powersgd" not in names
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"sizes": [0]}, "sizes"),
+        ({"ratios": [1.5]}, "ratios"),
+        ({"repeats": 0}, "repeats"),
+        ({"threads": 0}, "threads"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_config_names_the_option(options, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        CompressBenchConfig(**options)
+
+
+def test_unknown_compressor_fails_before_timing():
+    with pytest.raises(UnknownCompressorError, match="nope"):
+        CompressBenchConfig(compressors=["topk", "nope"])
+
+
+def test_synthetic_gradient_is_fixed_and_heavy_tailed():
+    x = synthetic_gradient(1_000_000, seed=3)
+    assert x.dtype == torch.float32 and x.shape == (1_000_000,)
+    assert torch.equal(x, synthetic_gradient(1_000_000, seed=3))
+    assert not torch.equal(x, synthetic_gradient(1_000_000, seed=4))
+    # E|x| = E[Exp(1)] E[exp(Z)] = e^(1/2); a scale mixture of Laplace has kurtosis above Laplace's 6.
+    assert abs(float(x.abs().mean()) / math.exp(0.5) - 1) < 0.05
+    x = x.double()
+    assert float((x**4).mean() / (x**2).mean() ** 2) > 6
+    assert synthetic_gradient(5000).shape == (5000,)  # a partial last block
