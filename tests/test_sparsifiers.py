@@ -14,7 +14,7 @@ from scipy import stats
 
 import gradsift
 from gradsift.compressors import scatter_mean
-from gradsift.compressors.randomk import SharedIndexPayload, stream_seed
+from gradsift.compressors.randomk import SharedIndexPayload, first_distinct, stream_seed
 from gradsift.errors import InvalidOptionError
 
 BASELINES = ["randomk", "dgc", "redsync", "gaussiank", "threshold"]
@@ -195,6 +195,13 @@ def test_dgc_seed_and_state_round_trip():
 
 
 # --- randomk ---------------------------------------------------------------------------
+
+
+def test_first_distinct_keeps_order_of_first_appearance():
+    assert first_distinct(torch.tensor([5, 3, 5, 1, 3, 7, 1])).tolist() == [5, 3, 1, 7]
+    draws = torch.randint(50, (400,))
+    expected = list(dict.fromkeys(draws.tolist()))
+    assert first_distinct(draws).tolist() == expected
 
 
 def test_randomk_same_indices_for_same_seed_step_key():
