@@ -55,6 +55,7 @@ def run_workers(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": "1",
+            "GRADSIFT_TEST_GROUP_TIMEOUT": str(group_timeout),
         }
         procs = [
             subprocess.Popen(

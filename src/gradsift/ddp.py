@@ -113,13 +113,16 @@ class GradsiftHookState:
         self.step = 0
         self.last_step_skipped = False
         self._param_index: dict[int, int] = {}
-        self._bucket_keys: dict[int, Hashable] = {}
+        self._numels: list[int] = []
+        self._layouts: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._reset_step()
 
     # -- registration -------------------------------------------------------------------
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Bind to ``ddp_model``: parameter numbering (the stable tensor keys), the group."""
-        self._param_index = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+        params = list(ddp_model.module.parameters())
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._numels = [p.numel() for p in params]
         if self.process_group is None:
             self.process_group = ddp_model.process_group
 
@@ -132,6 +135,7 @@ class GradsiftHookState:
             "compressor": self.compressor.state_dict(),
             "rng_state": torch.get_rng_state(),
             "telemetry": self.telemetry.state_dict(),
+            "layouts": dict(self._layouts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -146,6 +150,7 @@ class GradsiftHookState:
         self.compressor.load_state_dict(state["compressor"])
         torch.set_rng_state(state["rng_state"])
         self.telemetry.load_state_dict(state["telemetry"])
+        self._layouts = dict(state["layouts"])
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the process group and the in-flight step (like ``PowerSGDState``)."""
@@ -168,6 +173,7 @@ class GradsiftHookState:
     # -- per-step bookkeeping -----------------------------------------------------------
     def _reset_step(self) -> None:
         self._step_open = False
+        self._step_keys: set[Hashable] = set()
         self._step_pending: list[tuple[torch.futures.Future[torch.Tensor], BucketRecord, list[Any]]] = []
 
     def _open_step(self) -> None:
@@ -178,7 +184,7 @@ class GradsiftHookState:
 
     def _close_step(self) -> None:
         """Wait for the step's buckets, apply the failure policy, record telemetry."""
-        pending, step = self._step_pending, self.step
+        pending, step, keys = self._step_pending, self.step, self._step_keys
         self._reset_step()
         results = []
         for future, _, error in pending:
@@ -196,6 +202,9 @@ class GradsiftHookState:
             )
         for result in results if nonfinite else ():
             result.zero_()
+        if self.feedback is not None and keys:  # drop state of tensors no bucket holds any more
+            for stale in set(self.feedback.residuals) - keys:
+                self.feedback.reset(stale)
         self.last_step_skipped = nonfinite
         self.telemetry.end_step(step, [record for _, record, _ in pending], skipped=nonfinite)
         self.step += 1
@@ -204,25 +213,38 @@ class GradsiftHookState:
     def _parts(self, bucket: dist.GradBucket) -> list[tuple[Hashable, int, torch.Tensor, list[torch.Tensor]]]:
         """``(key, offset, flat gradient, parameters)`` per part of the bucket.
 
-        Keys are parameter numbers (``layer``) or tuples of them (``bucket``), so state
-        follows the parameters when DDP rebuilds its buckets after the first step.
+        Keys are parameter numbers (``layer``) or their sorted tuple (``bucket``), so
+        state follows the parameters, not the bucket index, when DDP rebuilds its
+        buckets after the first step (and when a resumed run starts with the initial
+        layout): a bucket whose parameters come in a new order gets its residual
+        permuted to match (:meth:`_follow_layout`).
         """
         params = bucket.parameters()
         ids = tuple(self._param_index[id(p)] for p in params)
         buffer = bucket.buffer()
         if self.granularity == "bucket":
-            parts = [(ids, 0, buffer, list(params))]
+            key = tuple(sorted(ids))
+            self._follow_layout(key, ids)
+            parts = [(key, 0, buffer, list(params))]
         else:
             parts, offset = [], 0
-            for key, grad, param in zip(ids, bucket.gradients(), params, strict=True):
-                parts.append((key, offset, buffer[offset : offset + grad.numel()], [param]))
-                offset += grad.numel()
-        previous = self._bucket_keys.get(bucket.index())
-        if previous is not None and previous != ids and self.feedback is not None:
-            for key in {previous, *previous} - {ids, *ids}:  # the bucket was rebuilt: drop stale keys
-                self.feedback.reset(key)
-        self._bucket_keys[bucket.index()] = ids
+            for key, param in zip(ids, params, strict=True):
+                parts.append((key, offset, buffer[offset : offset + param.numel()], [param]))
+                offset += param.numel()
+        self._step_keys.update(part[0] for part in parts)
         return parts
+
+    def _follow_layout(self, key: tuple[int, ...], order: tuple[int, ...]) -> None:
+        """Permute ``key``'s residual/velocity when its parameters arrive in a new order."""
+        previous = self._layouts.get(key)
+        self._layouts[key] = order
+        if previous is None or previous == order or self.feedback is None:
+            return
+        numels = [self._numels[i] for i in previous]
+        for table in (self.feedback.residuals, self.feedback.velocities):
+            if key in table:
+                chunks = dict(zip(previous, table[key].split(numels), strict=True))
+                table[key] = torch.cat([chunks[i] for i in order])
 
     # -- compression ----------------------------------------------------------------------
     def _compress(
@@ -286,6 +308,7 @@ def _delegated_bucket(
     future = state.compressor.ddp_hook(state.process_group, bucket)
     hook_nbytes = getattr(state.compressor, "hook_nbytes", None)
     record.bytes_sent = record.bytes_padded = int(hook_nbytes(bucket)) if callable(hook_nbytes) else 0
+    record.elements_sent = record.bytes_sent // bucket.buffer().element_size()  # in element equivalents
     record.compressed_tensors = 1
     return future.then(lambda fut: _checked(fut.value(), record, started))
 
