@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradsift.benchmarking import CompressBenchConfig, benchmarkable, synthetic_gradient
+from gradsift.benchmarking import CompressBenchConfig, benchmarkable, run_compress_benchmark, synthetic_gradient
 from gradsift.commands import bench
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 
@@ -109,3 +109,9 @@ def test_synthetic_gradient_is_fixed_and_heavy_tailed():
     x = x.double()
     assert float((x**4).mean() / (x**2).mean() ** 2) > 6
     assert synthetic_gradient(5000).shape == (5000,)  # a partial last block
+
+
+def test_ratio_less_compressors_alone_time_no_ratio_groups():
+    config = CompressBenchConfig(sizes=[3000], ratios=[0.1, 0.01], compressors=["bf16"], repeats=1, warmup=0)
+    rows = run_compress_benchmark(config, progress=False)["rows"]
+    assert [(r["compressor"], r["ratio"], r["count"], r["nbytes"]) for r in rows] == [("bf16", None, 3000, 6000)]

@@ -259,20 +259,23 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
     """
     names, skipped = benchmarkable(config.compressors, config.device)
     ratio_less = sum(density_option(name) is None for name in names)
-    groups: list[float | None] = [*config.ratios, *([None] if ratio_less else [])]
-    methods_per_size = (len(names) - ratio_less + 2) * len(config.ratios) + (
-        ratio_less + 1 if ratio_less else 0
+    with_ratio = len(names) - ratio_less
+    # (ratio, methods timed): the floor, bare top-k when there is a ratio, the group's compressors.
+    groups: list[tuple[float | None, int]] = (
+        [(r, with_ratio + 2) for r in config.ratios] if with_ratio else []
     )
+    if ratio_less:
+        groups.append((None, ratio_less + 1))
+    total = sum(size for _, size in groups) * len(config.sizes) * config.repeats
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     rows = []
-    total = methods_per_size * len(config.sizes) * config.repeats
     try:
         with tqdm(total=total, desc="bench compress", unit="call", disable=not progress) as bar:
             for numel in config.sizes:
                 x = synthetic_gradient(numel, config.seed, config.device)
-                for ratio in groups:
+                for ratio, _ in groups:
                     bar.set_postfix(numel=numel, ratio=ratio)
                     methods, compressors = _group_methods(x, ratio, names)
                     samples = _measure_group(methods, config, bar)
