@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from gradsift.benchmarking import CompressBenchConfig, benchmarkable, run_compress_benchmark, synthetic_gradient
+from gradsift.benchmarking import (
+    CompressBenchConfig,
+    benchmarkable,
+    run_compress_benchmark,
+    synthetic_gradient,
+)
 from gradsift.commands import bench
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 
@@ -114,4 +119,6 @@ def test_synthetic_gradient_is_fixed_and_heavy_tailed():
 def test_ratio_less_compressors_alone_time_no_ratio_groups():
     config = CompressBenchConfig(sizes=[3000], ratios=[0.1, 0.01], compressors=["bf16"], repeats=1, warmup=0)
     rows = run_compress_benchmark(config, progress=False)["rows"]
-    assert [(r["compressor"], r["ratio"], r["count"], r["nbytes"]) for r in rows] == [("bf16", None, 3000, 6000)]
+    assert [(r["compressor"], r["ratio"], r["count"], r["nbytes"]) for r in rows] == [
+        ("bf16", None, 3000, 6000)
+    ]
