@@ -57,8 +57,9 @@ def assert_same_tensors(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
-def residuals(checkpoint: dict[str, Any]) -> list[dict[Any, torch.Tensor]]:
-    return [rank["feedback"]["residuals"] for rank in checkpoint["gradsift"]["ranks"]]
+def residuals(hooks: dict[str, Any]) -> list[dict[Any, torch.Tensor]]:
+    """Per-rank residuals from the ``gather_hook_states`` dict of a checkpoint."""
+    return [rank["feedback"]["residuals"] for rank in hooks["ranks"]]
 
 
 def assert_compressed_run(summary: dict[str, Any], steps: int) -> None:
@@ -67,12 +68,16 @@ def assert_compressed_run(summary: dict[str, Any], steps: int) -> None:
     assert 0 < summary["bytes_sent"] < 0.05 * summary["dense_bytes"]  # topk at 1% (+ 4-byte indices)
 
 
-def assert_resumed_exactly(full: dict[str, Any], resumed: dict[str, Any]) -> None:
-    assert resumed["step"] == full["step"]
-    assert_same_tensors(full["model"], resumed["model"], "model")
-    assert_same_tensors(full["optimizer"]["state"], resumed["optimizer"]["state"], "optimizer")
-    for rank, (a, b) in enumerate(zip(residuals(full), residuals(resumed), strict=True)):
-        assert_same_tensors(a, b, f"residuals of rank {rank}")
+def assert_resumed_exactly(full: dict[str, Any], resumed: dict[str, Any], keys: tuple[str, str, str]) -> None:
+    """Model, optimizer state and every rank's residuals bit-identical; ``keys`` name them in the checkpoint."""
+    model, optimizer, hooks = keys
+    assert_same_tensors(full[model], resumed[model], "model")
+    assert_same_tensors(full[optimizer], resumed[optimizer], "optimizer")
+    assert_same_tensors(residuals(full[hooks]), residuals(resumed[hooks]), "residuals")
+    assert any(bool(r.abs().sum() > 0) for rank in residuals(full[hooks]) for r in rank.values())
+
+
+PLAIN_KEYS = ("model", "optimizer", "gradsift")
 
 
 def test_torchrun_example_compresses_and_resumes_exactly(tmp_path: Path) -> None:
@@ -80,7 +85,6 @@ def test_torchrun_example_compresses_and_resumes_exactly(tmp_path: Path) -> None
     full = launch(tmp_path, "ddp_torchrun.py", *common, "--checkpoint-every", "4")
     assert_compressed_run(full, steps=8)
     middle = load(tmp_path / "checkpoints" / "step4.pt")
-    assert any(bool(r.abs().sum() > 0) for rank in residuals(middle) for r in rank.values())
     resumed = launch(
         tmp_path,
         "ddp_torchrun.py",
@@ -91,10 +95,12 @@ def test_torchrun_example_compresses_and_resumes_exactly(tmp_path: Path) -> None
         "resumed",
     )
     assert resumed == full  # same loss, bytes and density: telemetry totals resume too
-    assert_resumed_exactly(load(tmp_path / "checkpoints" / "last.pt"), load(tmp_path / "resumed" / "last.pt"))
+    assert_resumed_exactly(
+        load(tmp_path / "checkpoints" / "last.pt"), load(tmp_path / "resumed" / "last.pt"), PLAIN_KEYS
+    )
 
     # Control: the same checkpoint without its residuals does not reproduce the run.
-    for rank in residuals(middle):
+    for rank in residuals(middle["gradsift"]):
         for tensor in rank.values():
             tensor.zero_()
     torch.save(middle, tmp_path / "no-residuals.pt")
@@ -104,3 +110,38 @@ def test_torchrun_example_compresses_and_resumes_exactly(tmp_path: Path) -> None
         load(tmp_path / "control" / "last.pt")["model"],
     )
     assert not all(torch.equal(full_model[k], control_model[k]) for k in full_model)
+
+
+def test_accelerate_example_compresses_and_resumes_exactly(tmp_path: Path) -> None:
+    full = launch(tmp_path, "accelerate_example.py", "--steps", "8", "--checkpoint-every", "4")
+    assert_compressed_run(full, steps=8)
+    resumed = launch(
+        tmp_path,
+        "accelerate_example.py",
+        "--steps",
+        "8",
+        "--resume",
+        "checkpoints/step4.pt",
+        "--checkpoint-dir",
+        "resumed",
+    )
+    assert resumed == full
+    assert_resumed_exactly(
+        load(tmp_path / "checkpoints" / "last.pt"), load(tmp_path / "resumed" / "last.pt"), PLAIN_KEYS
+    )
+
+
+def test_lightning_example_compresses_logs_and_resumes_exactly(tmp_path: Path) -> None:
+    full = launch(tmp_path, "lightning_example.py", "--epochs", "2", torchrun=False)
+    assert_compressed_run(full, steps=16)  # 512 samples / (2 ranks x 32) = 8 steps per epoch
+    logged = (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "gradsift/total/bytes_sent" in logged[0].split(",")
+    resumed = launch(
+        tmp_path, "lightning_example.py", "--epochs", "2", "--resume", "checkpoints/epoch=0.ckpt",
+        "--checkpoint-dir", "resumed", torchrun=False,
+    )  # fmt: skip
+    assert resumed == full
+    full_ckpt, resumed_ckpt = (load(tmp_path / d / "epoch=1.ckpt") for d in ("checkpoints", "resumed"))
+    for checkpoint in (full_ckpt, resumed_ckpt):
+        checkpoint["hooks"] = checkpoint["callbacks"]["GradsiftCallback"]
+    assert_resumed_exactly(full_ckpt, resumed_ckpt, ("state_dict", "optimizer_states", "hooks"))

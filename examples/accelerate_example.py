@@ -1,0 +1,110 @@
+"""Hugging Face Accelerate with gradsift: ``Accelerator()`` + ``prepare(...)``, then the hook.
+
+``accelerator.prepare`` wraps the model in ``DistributedDataParallel`` when several
+processes run; gradsift's hook is registered on that prepared model. The main process
+saves one checkpoint holding the model, the optimizer and every rank's hook state.
+
+Two CPU processes::
+
+    accelerate launch --cpu --num_processes 2 examples/accelerate_example.py --steps 40
+    # or, equivalently:
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 40
+
+Resume::
+
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 80 \
+        --resume checkpoints/step40.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradsift
+from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state, parameters_agree
+
+FEATURES, CLASSES, SAMPLES = 32, 10, 4096
+
+
+def dataset(seed: int) -> TensorDataset:
+    """Gaussian inputs labelled by a fixed random linear teacher."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(SAMPLES, FEATURES, generator=generator)
+    teacher = torch.randn(FEATURES, CLASSES, generator=generator)
+    return TensorDataset(inputs, (inputs @ teacher).argmax(dim=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--compressor", default="topk")
+    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also save every N steps (0: at the end only)"
+    )
+    parser.add_argument("--resume", type=Path)
+    args = parser.parse_args()
+
+    # cpu=True on a machine without CUDA: Accelerate then runs multi-process CPU training on gloo
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, CLASSES)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(dataset(0), batch_size=32, shuffle=False)  # prepare() shards it across ranks
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    hook_state = gradsift.register_comm_hook(model, args.compressor, ratio=args.ratio)
+
+    def save(path: Path, step: int) -> None:
+        hooks = gather_hook_states(hook_state)  # collective: every rank takes part
+        if accelerator.is_main_process:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {
+                "model": accelerator.unwrap_model(model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+            }
+            accelerator.save({"step": step, **state, "gradsift": hooks}, path)
+
+    step = 0
+    if args.resume is not None:
+        device = accelerator.device  # may read "cpu:0", which map_location does not accept
+        checkpoint = torch.load(args.resume, map_location="cpu" if device.type == "cpu" else device)
+        accelerator.unwrap_model(model).load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        load_hook_state(hook_state, checkpoint["gradsift"])
+        step = checkpoint["step"]
+
+    batches_per_epoch = len(loader)
+    while step < args.steps:
+        # skip the batches of this epoch that the checkpointed run already trained on
+        for inputs, labels in accelerator.skip_first_batches(loader, step % batches_per_epoch):
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            optimizer.step()
+            step += 1
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save(args.checkpoint_dir / f"step{step}.pt", step)
+            if step == args.steps:
+                break
+
+    save(args.checkpoint_dir / "last.pt", step)
+    agree = parameters_agree(accelerator.unwrap_model(model))
+    if accelerator.is_main_process:
+        total = hook_state.stats()["total"]
+        summary = {"step": step, "bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"],
+                   "density": total["density"], "replicas_agree": agree}  # fmt: skip
+        print("gradsift-example", json.dumps(summary), flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""PyTorch Lightning: gradsift's hook, its telemetry and its checkpoint state (extra ``lightning``).
+
+:class:`GradsiftCallback` holds one :class:`~gradsift.ddp.GradsiftHookState` and
+
+1. offers it to Lightning's own mechanism, ``DDPStrategy(ddp_comm_state=cb.state,
+   ddp_comm_hook=cb.hook)`` (Lightning then calls ``model.register_comm_hook(state, hook)``);
+2. on ``on_fit_start`` -- after the model is wrapped in DDP, before the first backward --
+   binds the state to the DDP model and, where Lightning did not register the hook
+   (Lightning registers comm hooks only on CUDA; on CPU/gloo it skips them, and a plain
+   ``strategy="ddp"`` never passes one), registers it itself;
+3. logs ``state.stats()`` to every logger of the trainer each ``log_every_n_steps``
+   (``gradsift/step/bytes_sent``, ``gradsift/total/density``, ...);
+4. checkpoints the hook state of *every rank* (``state_dict`` gathers them to rank 0, which
+   writes the file) and gives each rank its own entry back on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsift.compressors.base import Compressor
+from gradsift.compressors.registry import get_compressor
+from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState, gradsift_hook, register_comm_hook
+from gradsift.errors import InvalidOptionError
+from gradsift.extras import require
+from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
+from gradsift.integrations.telemetry import scalar_metrics
+
+pl = require("pytorch_lightning", "lightning", purpose="gradsift.integrations.lightning")
+
+
+class GradsiftCallback(pl.Callback):
+    """Compress DDP gradients under Lightning, log the hook's statistics, checkpoint its state.
+
+    Args:
+        compressor: a registry name (``"sidco-exp"``, ``"topk"``, ...) or a built
+            :class:`~gradsift.compressors.base.Compressor`.
+        options: hook options (:data:`gradsift.ddp.HOOK_OPTIONS`: ``granularity``,
+            ``warmup_steps``, ...) and compressor options (``ratio``, ...), as for
+            :func:`gradsift.register_comm_hook`.
+
+    Attributes:
+        state: the hook state (pass it as ``DDPStrategy(ddp_comm_state=...)``).
+        hook: the hook callable (pass it as ``DDPStrategy(ddp_comm_hook=...)``).
+    """
+
+    hook = staticmethod(gradsift_hook)
+
+    def __init__(self, compressor: str | Compressor = "sidco-exp", **options: Any) -> None:
+        hook_options = {k: options.pop(k) for k in list(options) if k in HOOK_OPTIONS}
+        if isinstance(compressor, str):
+            compressor = get_compressor(compressor, **options)
+        elif options:
+            raise InvalidOptionError(
+                f"compressor is already built; options {sorted(options)} are not hook options"
+            )
+        self.state = GradsiftHookState(None, compressor, **hook_options)
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """``{"ddp_comm_state": state, "ddp_comm_hook": hook}`` for ``DDPStrategy(**...)``."""
+        return {"ddp_comm_state": self.state, "ddp_comm_hook": self.hook}
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        ddp_model = trainer.strategy.model
+        if not hasattr(ddp_model, "register_comm_hook"):
+            raise InvalidOptionError(
+                "GradsiftCallback needs a DDP strategy (strategy='ddp' or DDPStrategy(...)) with at least "
+                f"2 processes; the trainer's model is a {type(ddp_model).__name__}"
+            )
+        if any(state is self.state for _, state in getattr(ddp_model, "_comm_hooks", ())):
+            self.state.attach(ddp_model)  # Lightning registered it (CUDA): bind it only
+            self.state.compressor.attach(ddp_model.module)
+        else:
+            register_comm_hook(ddp_model, self.state)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            metrics = scalar_metrics(self.state.stats())
+            for logger in trainer.loggers:  # logger methods run on rank 0 only
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective (Lightning calls it on every rank): every rank's hook state, on rank 0."""
+        return gather_hook_states(self.state) or {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        load_hook_state(self.state, state_dict)
