@@ -189,51 +189,44 @@ def plot_runs(runs: Sequence[Run], out: str | Path) -> list[Path]:
         plt.close(figure)
         written.append(out / name)
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        axes.plot(
-            [e["train_time_s"] for e in run.evals],
-            [e["accuracy"] for e in run.evals],
-            marker="o",
-            label=run.label,
-        )
-    axes.set(
-        xlabel="training time (s, evaluation excluded)", ylabel="test accuracy", title="Time to accuracy"
-    )
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    save(figure, PLOTS[0])
+    def curves(name: str, points: Any, marker: str | None, **labels: str) -> None:
+        """One line per run; ``points(run)`` gives its ``(xs, ys)``."""
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for run in runs:
+            axes.plot(*points(run), marker=marker, label=run.label)
+            if name == "density.png" and "ratio" in run.summary.get("options", {}):
+                axes.axhline(run.summary["options"]["ratio"], linestyle=":", color="grey", linewidth=0.8)
+        axes.set(**labels)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+        save(figure, name)
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        sent = [max(run.cumulative_bytes_at(e["step"]), 1.0) / 1e6 for e in run.evals]
-        axes.plot(sent, [e["accuracy"] for e in run.evals], marker="o", label=run.label)
-    axes.set(
+    def accuracies(run: Run) -> list[float]:
+        return [e["accuracy"] for e in run.evals]
+
+    curves(
+        PLOTS[0],
+        lambda run: ([e["train_time_s"] for e in run.evals], accuracies(run)),
+        "o",
+        xlabel="training time (s, evaluation excluded)",
+        ylabel="test accuracy",
+        title="Time to accuracy",
+    )
+    curves(
+        PLOTS[1],
+        lambda run: (
+            [max(run.cumulative_bytes_at(e["step"]), 1.0) / 1e6 for e in run.evals],
+            accuracies(run),
+        ),
+        "o",
         xscale="log",
         xlabel="MB sent per worker (cumulative)",
         ylabel="test accuracy",
         title="Accuracy vs bytes sent",
     )
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    save(figure, PLOTS[1])
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        axes.plot(
-            [r["step"] for r in run.steps], [max(r["density"], 1e-6) for r in run.steps], label=run.label
-        )
-        if "ratio" in run.summary.get("options", {}):
-            axes.axhline(run.summary["options"]["ratio"], linestyle=":", color="grey", linewidth=0.8)
-    axes.set(
-        yscale="log",
-        xlabel="step",
-        ylabel="achieved density (elements sent / total)",
-        title="Achieved density (dotted: target ratio)",
-    )
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    save(figure, PLOTS[2])
+    curves(PLOTS[2], lambda run: ([r["step"] for r in run.steps], [max(r["density"], 1e-6) for r in run.steps]),
+           None, yscale="log", xlabel="step", ylabel="achieved density (elements sent / total)",
+           title="Achieved density (dotted: target ratio)")  # fmt: skip
 
     figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(runs) + 2), 4.5))
     labels = [run.label for run in runs]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsift.compressors.registry import compressor_class
-from gradsift.report import comparison_rows, find_runs, format_table, predicted_step_seconds
+from gradsift.report import comparison_rows, default_target, find_runs, format_table, predicted_step_seconds
 from gradsift.train.config import TrainConfig
 from gradsift.train.data import EMBEDDED_DIR
 from gradsift.train.launcher import run_training
@@ -78,7 +78,7 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
         )  # fmt: skip
         run_training(config)
     runs = find_runs([out / name for name, _ in DEMO_RUNS if name not in missing])
-    rows = comparison_rows(runs, target=None)
+    rows = comparison_rows(runs, default_target(runs))
     print()
     print(format_table(rows))
     if not emulated:

@@ -1,0 +1,181 @@
+"""End-to-end training benchmark: time to accuracy over emulated 100 Mbit/s and 1 Gbit/s links.
+
+Runs ``gradsift train`` (its parser and code path, in this process) for every configuration below into
+``benchmarks/training/runs/<name>/``, then writes ``results.json`` and the plots.
+Needs root + iproute2 (network namespaces, tc tbf) and the full Fashion-MNIST
+(Debian's dataset-fashion-mnist). Run it under the shared benchmark lock:
+
+    flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py
+
+``--analyze-only`` rebuilds results.json and the plots from existing run directories;
+existing runs are skipped unless ``--rerun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from gradsift.commands import train as train_command
+from gradsift.report import comparison_rows, find_runs, plot_runs, predicted_step_seconds
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"
+DATA_DIR = "/usr/share/datasets/fashion-mnist"
+COMPRESSORS = {
+    "none": [],
+    "bf16": [],
+    "sidco-exp": ["--ratio", "0.01"],
+    "topk": ["--ratio", "0.01"],
+    "vgc": [],
+}
+COMMON = ["--model", "vgg", "--batch-size", "32", "--lr", "0.05", "--warmup-steps", "20", "--seed", "0",
+          "--data-dir", DATA_DIR, "--no-progress", "--timeout", "600"]  # fmt: skip
+MAIN = {"workers": 4, "steps": 200, "eval_every": 40, "bandwidths": ("100mbit", "1gbit")}
+SCALING = {"workers": (2, 8), "steps": 100, "bandwidth": "100mbit", "compressors": ("none", "sidco-exp")}
+
+
+def plan() -> list[tuple[str, list[str]]]:
+    """(run name, gradsift train arguments) of every run, main grid first."""
+    runs = []
+    for bandwidth in MAIN["bandwidths"]:
+        for name, extra in COMPRESSORS.items():
+            runs.append((f"{name}-w{MAIN['workers']}-{bandwidth}",
+                         [*extra, "--workers", str(MAIN["workers"]), "--steps", str(MAIN["steps"]),
+                          "--eval-every", str(MAIN["eval_every"]), "--bandwidth", bandwidth]))  # fmt: skip
+    for workers in SCALING["workers"]:
+        for name in SCALING["compressors"]:
+            runs.append((f"{name}-w{workers}-{SCALING['bandwidth']}",
+                         [*COMPRESSORS[name], "--workers", str(workers), "--steps", str(SCALING["steps"]),
+                          "--bandwidth", SCALING["bandwidth"]]))  # fmt: skip
+    return runs
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The exact parser and code path of `gradsift train`, run in this process."""
+    parser = argparse.ArgumentParser(prog="gradsift")
+    train_command.add_parser(parser.add_subparsers())
+    return parser
+
+
+def run_all(rerun: bool) -> None:
+    for name, arguments in plan():
+        out = RUNS / name
+        if (out / "summary.json").exists() and not rerun:
+            print(f"[skip] {name} (exists)")
+            continue
+        compressor = next(c for c in COMPRESSORS if name.startswith(c + "-"))
+        command = ["train", "--compressor", compressor, *COMMON, *arguments, "--out", str(out)]
+        print("[run] gradsift", " ".join(command), flush=True)
+        started = time.perf_counter()
+        args = train_parser().parse_args(command)
+        args.func(args)
+        print(f"[done] {name} in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def analyze() -> dict:
+    """Targets, ratios, scaling vs the cost model -> results.json; plots."""
+    by_name = {path.name: run for path in sorted(RUNS.iterdir()) for run in find_runs([path])}
+    results: dict = {"command": "flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py",
+                     "setup": {"common_args": COMMON, "main": MAIN, "scaling": SCALING}, "bandwidths": {}}  # fmt: skip
+    for bandwidth in MAIN["bandwidths"]:
+        names = [f"{c}-w{MAIN['workers']}-{bandwidth}" for c in COMPRESSORS]
+        runs = [by_name[n] for n in names if n in by_name]
+        if not runs:
+            continue
+        dense = by_name.get(names[0])
+        target = dense.summary["final_test_accuracy"] - 0.01 if dense else None
+        rows = comparison_rows(runs, target)
+        table = {row["compressor"]: row for row in rows}
+        results["bandwidths"][bandwidth] = {"target_accuracy": target, "rows": rows, "ratios": _ratios(table)}
+        plot_runs(runs, HERE / "plots" / bandwidth)
+    results["scaling"] = _scaling(by_name)
+    _plot_scaling(results["scaling"])
+    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _ratios(table: dict) -> dict:
+    """The targets' ratios: time to accuracy of dense / bf16 over sidco-exp and vgc; topk / sidco-exp step time."""
+    tta = {c: table[c]["time_to_accuracy_s"] for c in table}
+    step = {c: table[c]["step_ms"] for c in table}
+    return {
+        "tta_none_over_sidco": _ratio(tta.get("none"), tta.get("sidco-exp")),
+        "tta_bf16_over_sidco": _ratio(tta.get("bf16"), tta.get("sidco-exp")),
+        "tta_none_over_vgc": _ratio(tta.get("none"), tta.get("vgc")),
+        "tta_bf16_over_vgc": _ratio(tta.get("bf16"), tta.get("vgc")),
+        "step_topk_over_sidco": _ratio(step.get("topk"), step.get("sidco-exp")),
+        "step_none_over_sidco": _ratio(step.get("none"), step.get("sidco-exp")),
+        "step_none_over_vgc": _ratio(step.get("none"), step.get("vgc")),
+    }
+
+
+def _scaling(by_name: dict) -> list[dict]:
+    """Measured step time at 2/4/8 workers beside the cost model's prediction from the 4-worker run."""
+    bandwidth = SCALING["bandwidth"]
+    rows = []
+    for compressor in SCALING["compressors"]:
+        reference = by_name.get(f"{compressor}-w{MAIN['workers']}-{bandwidth}")
+        for workers in sorted({*SCALING["workers"], MAIN["workers"]}):
+            run = by_name.get(f"{compressor}-w{workers}-{bandwidth}")
+            rows.append({
+                "compressor": compressor, "workers": workers,
+                "measured_step_s": run.summary["step_time_median_s"] if run else None,
+                # compute and compression of the 4-worker run; bytes from the run itself when present
+                "predicted_step_s": predicted_step_seconds(reference.summary, 100e6 / 8, workers) if reference else None,
+            })  # fmt: skip
+    return rows
+
+
+def _plot_scaling(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for compressor in SCALING["compressors"]:
+        mine = [r for r in rows if r["compressor"] == compressor]
+        measured = [(r["workers"], r["measured_step_s"]) for r in mine if r["measured_step_s"] is not None]
+        predicted = [(r["workers"], r["predicted_step_s"]) for r in mine if r["predicted_step_s"] is not None]
+        line = axes.plot(*zip(*measured, strict=True), marker="o", label=f"{compressor} measured")[0]
+        axes.plot(
+            *zip(*predicted, strict=True),
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{compressor} predicted",
+        )
+    axes.set(
+        xlabel="workers", ylabel="median step time (s)", title=f"Scaling at {SCALING['bandwidth']} (VGG)"
+    )
+    axes.set_xticks(sorted({r["workers"] for r in rows}))
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    (HERE / "plots").mkdir(exist_ok=True)
+    figure.savefig(HERE / "plots" / "scaling.png", dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--analyze-only", action="store_true")
+    parser.add_argument("--rerun", action="store_true")
+    args = parser.parse_args()
+    if not args.analyze_only:
+        run_all(args.rerun)
+    results = analyze()
+    for bandwidth, entry in results["bandwidths"].items():
+        print(f"{bandwidth}: target {entry['target_accuracy']}: {json.dumps(entry['ratios'])}")
+    print(json.dumps(results["scaling"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

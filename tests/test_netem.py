@@ -1,0 +1,189 @@
+"""Network emulation: rate/latency parsing, and real namespaces shaped with tc (root only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tests.train_utils import TINY, rank_pid, wait_for
+
+from gradsift.errors import InvalidOptionError
+from gradsift.train import netem
+from gradsift.train.netem import (
+    EmulatedNetwork,
+    NetemUnavailableError,
+    our_namespaces,
+    parse_delay,
+    parse_rate,
+)
+
+MISSING = netem.missing_prerequisites()
+needs_netem = pytest.mark.skipif(bool(MISSING), reason="network emulation needs " + "; ".join(MISSING))
+
+
+def test_parse_rate_units_and_range() -> None:
+    assert parse_rate("100mbit") == 100_000_000
+    assert parse_rate("1Gbit/s") == 1_000_000_000
+    assert parse_rate("500kbit") == 500_000
+    assert parse_rate("2.5mbit") == 2_500_000
+    assert parse_rate("64000") == 64_000
+    for bad in ("fast", "100mb/s/s", "-1mbit", "100 MB", "2mbps"):  # tc's mbps means megabytes: refused
+        with pytest.raises(InvalidOptionError, match="bandwidth must look like"):
+            parse_rate(bad)
+    with pytest.raises(InvalidOptionError, match=r"bandwidth must lie in \[10kbit, 100gbit\]"):
+        parse_rate("200gbit")
+
+
+def test_parse_delay_units_and_range() -> None:
+    assert parse_delay("1ms") == pytest.approx(1e-3)
+    assert parse_delay("250us") == pytest.approx(250e-6)
+    assert parse_delay("0.2s") == pytest.approx(0.2)
+    assert parse_delay("0") == 0.0
+    with pytest.raises(InvalidOptionError, match="latency must look like"):
+        parse_delay("1 minute")
+    with pytest.raises(InvalidOptionError, match=r"latency must lie in \[0, 10s\]"):
+        parse_delay("11s")
+
+
+def test_missing_root_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    missing = netem.missing_prerequisites()
+    assert any("root privileges" in m for m in missing)
+    assert any("`tc` command (install iproute2)" in m for m in missing)
+    with pytest.raises(NetemUnavailableError, match="needs root privileges"), EmulatedNetwork(2, 10**8):
+        pass
+
+
+RECEIVER = textwrap.dedent("""
+    import socket, sys, time
+    server = socket.socket(); server.bind(("0.0.0.0", 5201)); server.listen(1)
+    print("ready", flush=True)
+    connection, _ = server.accept(); connection.settimeout(30)
+    received, first = 0, None
+    while True:
+        chunk = connection.recv(1 << 20)
+        if not chunk:
+            break
+        first = first or time.perf_counter()
+        received += len(chunk)
+    print(received, time.perf_counter() - first, flush=True)
+""")
+SENDER = textwrap.dedent("""
+    import socket, sys
+    connection = socket.create_connection((sys.argv[1], 5201), timeout=30)
+    block = b"x" * (1 << 20)
+    for _ in range(int(sys.argv[2])):
+        connection.sendall(block)
+    connection.close()
+""")
+
+
+@needs_netem
+def test_shaped_link_carries_the_set_rate_and_is_removed(tmp_path: Path) -> None:
+    rate = 40_000_000
+    megabytes = 10  # 2 s at 40 Mbit/s: bounded bytes and time
+    with EmulatedNetwork(2, rate, tag="test") as network:
+        names = set(network.namespaces) | {network.hub}
+        assert names <= set(our_namespaces())
+        receiver = subprocess.Popen([*network.command_prefix(1), sys.executable, "-c", RECEIVER],
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert receiver.stdout.readline().strip() == "ready"
+            subprocess.run([*network.command_prefix(0), sys.executable, "-c", SENDER, network.address(1), str(megabytes)],
+                           check=True, timeout=60)  # fmt: skip
+            received, seconds = receiver.communicate(timeout=60)[0].split()
+        finally:
+            receiver.kill()
+    assert int(received) == megabytes << 20
+    goodput = int(received) * 8 / float(seconds)
+    assert 0.8 * rate <= goodput <= 1.2 * rate, f"measured {goodput / 1e6:.1f} Mbit/s at {rate / 1e6} Mbit/s"
+    assert not names & set(our_namespaces())
+
+
+@needs_netem
+def test_namespaces_cannot_reach_outside() -> None:
+    with EmulatedNetwork(1, 10**8, tag="iso") as network:
+        routes = subprocess.run(
+            ["ip", "-n", network.namespaces[0], "route"], capture_output=True, text=True
+        ).stdout
+    assert (
+        routes.strip()
+        == f"{netem.SUBNET}.0/24 dev {netem.WORKER_IFNAME} proto kernel scope link src {netem.SUBNET}.1"
+    )
+
+
+@needs_netem
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cleanup_when_a_worker_is_killed_and_after_a_killed_launcher(tmp_path: Path) -> None:
+    def launch(out: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "gradsift", "train", *TINY, "--steps", "100000",
+                                 "--bandwidth", "200mbit", "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def mine(pid: int) -> set[str]:
+        return {n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{pid}-")}
+
+    # 1. a worker dies: the launcher reports it and removes every namespace
+    launcher = launch(tmp_path / "a")
+    try:
+        steps = tmp_path / "a" / "steps.jsonl"
+        wait_for(lambda: steps.exists() and steps.stat().st_size > 0, 120, "the first step", launcher)
+        assert len(mine(launcher.pid)) == 3
+        os.kill(wait_for(lambda: rank_pid(launcher.pid, 1), 10, "rank 1"), signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert "rank 1 of 2 was killed by signal SIGKILL" in stderr
+    assert mine(launcher.pid) == set()
+
+    # 2. the launcher itself is SIGKILLed: --cleanup-netem removes what it left, workers included
+    launcher = launch(tmp_path / "b")
+    steps = tmp_path / "b" / "steps.jsonl"
+    wait_for(lambda: steps.exists() and steps.stat().st_size > 0, 120, "the first step", launcher)
+    workers = [rank_pid(launcher.pid, rank) for rank in (0, 1)]
+    launcher.kill()
+    launcher.wait()
+    assert len(mine(launcher.pid)) == 3
+    result = subprocess.run([sys.executable, "-m", "gradsift", "train", "--cleanup-netem"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0 and f"{netem.PREFIX}{launcher.pid}-hub" in result.stdout
+    assert mine(launcher.pid) == set()
+    time.sleep(0.5)
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@needs_netem
+def test_sigterm_to_the_launcher_cleans_up(tmp_path: Path) -> None:
+    launcher = subprocess.Popen([sys.executable, "-m", "gradsift", "train", *TINY, "--steps", "100000",
+                                 "--bandwidth", "200mbit", "--out", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: len([n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]) == 3,
+                 60, "the namespaces", launcher)  # fmt: skip
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert not [n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]
+
+
+@needs_netem
+def test_latency_without_kernel_netem_is_a_clear_error() -> None:
+    try:
+        with EmulatedNetwork(1, 10**8, 0.001, tag="lat") as network:
+            qdiscs = subprocess.run(["tc", "-n", network.namespaces[0], "qdisc", "show", "dev", netem.WORKER_IFNAME],
+                                    capture_output=True, text=True).stdout  # fmt: skip
+        assert "netem" in qdiscs and "delay 1ms" in qdiscs and "tbf" in qdiscs
+    except NetemUnavailableError as error:
+        assert "sch_netem" in str(error)
+    assert not [n for n in our_namespaces() if n.endswith("-lat-hub")]

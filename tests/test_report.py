@@ -1,0 +1,123 @@
+"""`gradsift report`: loading runs, the comparison table, targets and the plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsift.commands import report as report_command
+from gradsift.errors import InvalidOptionError, MissingExtraError
+from gradsift.report import (
+    PLOTS,
+    comparison_rows,
+    default_target,
+    find_runs,
+    format_table,
+    plot_runs,
+    predicted_step_seconds,
+)
+from gradsift.train.summary import summarize
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(directory: Path, compressor: str, accuracies: list[float], *, step_s: float, bytes_sent: float,
+             ratio: float | None = None) -> Path:  # fmt: skip
+    """A run directory as `gradsift train` writes it, from hand-made records."""
+    steps = [{"step": i, "loss": 1.0, "step_s": step_s, "compute_s": step_s / 2, "compress_s": 0.002,
+              "communicate_s": step_s / 2 - 0.003, "decompress_s": 0.001, "bytes_sent": bytes_sent,
+              "bytes_padded": bytes_sent, "dense_bytes": 4000.0, "density": bytes_sent / 4000.0}
+             for i in range(4 * len(accuracies))]  # fmt: skip
+    evals = [{"step": 4 * (i + 1), "accuracy": a, "loss": 1.0, "train_time_s": 4 * (i + 1) * step_s,
+              "wall_time_s": 5 * (i + 1) * step_s} for i, a in enumerate(accuracies)]  # fmt: skip
+    options = {"ratio": ratio} if ratio else {}
+    run = {"compressor": compressor, "options": options, "model": "mlp", "workers": 2, "bandwidth": "100mbit"}
+    summary = summarize(steps, evals, run=run, target_accuracy=None, wall_time_s=10.0)
+    directory.mkdir(parents=True)
+    (directory / "summary.json").write_text(json.dumps(summary))
+    (directory / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (directory / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    return directory
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    make_run(tmp_path / "runs" / "none", "none", [0.6, 0.8, 0.85], step_s=0.5, bytes_sent=4000.0)
+    make_run(
+        tmp_path / "runs" / "topk", "topk", [0.5, 0.75, 0.84, 0.845], step_s=0.1, bytes_sent=80.0, ratio=0.01
+    )
+    return tmp_path / "runs"
+
+
+def test_table_rows_and_default_target(runs_dir: Path) -> None:
+    runs = find_runs([runs_dir])
+    assert [r.label for r in runs] == ["none w2 100mbit", "topk r=0.01 w2 100mbit"]
+    target = default_target(runs)
+    assert target == pytest.approx(0.84)
+    rows = comparison_rows(runs, target)
+    # dense reaches 0.84 at its 3rd eval (12 steps x 0.5 s), topk at its 3rd (12 x 0.1 s)
+    assert rows[0]["time_to_accuracy_s"] == pytest.approx(6.0)
+    assert rows[1]["time_to_accuracy_s"] == pytest.approx(1.2)
+    assert rows[1]["compression_factor"] == pytest.approx(50.0)
+    assert rows[1]["overhead_ms"] == pytest.approx(3.0)
+    table = format_table(rows)
+    assert "t->0.840 s" in table and "topk r=0.01 w2 100mbit" in table and "50.0" in table
+    assert runs[1].cumulative_bytes_at(8) == 640.0
+
+
+def test_no_dense_run_means_no_default_target(runs_dir: Path) -> None:
+    assert default_target(find_runs([runs_dir / "topk"])) is None
+
+
+def test_missing_or_unfinished_directories_are_named(tmp_path: Path) -> None:
+    with pytest.raises(InvalidOptionError, match="does not exist"):
+        find_runs([tmp_path / "nope"])
+    with pytest.raises(InvalidOptionError, match="holds no summary.json"):
+        find_runs([tmp_path])
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "summary.json").write_text("{}")
+    with pytest.raises(InvalidOptionError, match="missing steps.jsonl, evals.jsonl"):
+        find_runs([tmp_path / "half"])
+
+
+def test_plots_are_written_as_png(runs_dir: Path, tmp_path: Path) -> None:
+    written = plot_runs(find_runs([runs_dir]), tmp_path / "plots")
+    assert [p.name for p in written] == list(PLOTS)
+    assert all(p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000 for p in written)
+
+
+def test_missing_matplotlib_names_the_extra(
+    runs_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'gradsift\[plot\]'"):
+        plot_runs(find_runs([runs_dir]), tmp_path / "plots")
+
+
+def test_report_command_prints_table_and_writes_json_and_plots(runs_dir: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    report_command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["report", str(runs_dir), "--target", "0.8", "--json", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "t->0.800 s" in printed and all(name in printed for name in PLOTS)
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["time_to_accuracy_s"] for r in rows] == pytest.approx([4.0, 1.2])
+    assert all((runs_dir / "report" / name).is_file() for name in PLOTS)
+
+
+def test_predicted_step_time_uses_allreduce_or_allgather(runs_dir: Path) -> None:
+    dense, sparse = (r.summary for r in find_runs([runs_dir]))
+    bandwidth = 1000.0  # bytes/s
+    # none: compute + (compress+decompress) + 2 (N-1)/N * 4000 B / bw with N = 4
+    expected_dense = dense["compute_median_s"] + 0.003 + 2 * 3 / 4 * 4000 / bandwidth
+    assert predicted_step_seconds(dense, bandwidth, workers=4) == pytest.approx(expected_dense)
+    # topk: compute + (compress+decompress) + (N-1) * 80 B / bw
+    expected_sparse = sparse["compute_median_s"] + 0.003 + 3 * 80 / bandwidth
+    assert predicted_step_seconds(sparse, bandwidth, workers=4) == pytest.approx(expected_sparse)
