@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.train_utils import TINY, rank_pid, wait_for
 
 from gradsift.errors import InvalidOptionError
 from gradsift.train import netem
@@ -22,6 +21,7 @@ from gradsift.train.netem import (
     parse_delay,
     parse_rate,
 )
+from train_utils import TINY, rank_pid, wait_for
 
 MISSING = netem.missing_prerequisites()
 needs_netem = pytest.mark.skipif(bool(MISSING), reason="network emulation needs " + "; ".join(MISSING))

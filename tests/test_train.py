@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.train_utils import TINY, rank_pid, wait_for
 
 from gradsift.cli import main as cli_main
 from gradsift.commands.train import parse_option
@@ -20,6 +19,7 @@ from gradsift.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.train.config import TrainConfig, learning_rate
 from gradsift.train.launcher import TrainingFailedError
 from gradsift.train.summary import summarize, time_to_accuracy
+from train_utils import TINY, rank_pid, wait_for
 
 
 def read_jsonl(path: Path) -> list[dict]:
