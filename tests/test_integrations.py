@@ -1,0 +1,146 @@
+"""Extras, telemetry flattening, TensorBoard output and the Lightning callback's contract."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gradsift.errors import InvalidOptionError, MissingExtraError
+from gradsift.extras import EXTRAS, install_hint, require
+from gradsift.integrations.telemetry import scalar_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- extras -----------------------------------------------------------------------------
+def test_missing_extra_names_the_pip_command() -> None:
+    with pytest.raises(MissingExtraError, match=r"pip install 'gradsift\[lightning\]'") as info:
+        require("gradsift_no_such_module", "lightning")
+    assert isinstance(info.value, ImportError)
+    assert "gradsift_no_such_module" in str(info.value)
+
+
+def test_require_returns_the_module() -> None:
+    assert require("math", "plot") is math
+
+
+def test_unknown_extra_is_rejected_with_the_known_ones() -> None:
+    with pytest.raises(InvalidOptionError, match="extra must be one of plot, tensorboard"):
+        install_hint("gpu")
+
+
+def test_every_extra_is_a_pyproject_extra_and_the_tests_install_them() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(EXTRAS) <= set(optional)
+    assert "gradsift[tensorboard,lightning,accelerate,docs]" in optional["test"]
+
+
+# -- telemetry ----------------------------------------------------------------------------
+def test_scalar_metrics_flattens_numbers_and_drops_the_rest() -> None:
+    stats = {
+        "step": {"bytes_sent": 448, "density": 0.01, "skipped": False, "nan": math.nan},
+        "total": {"compress_ms": torch.tensor(1.5), "vector": torch.ones(3), "name": "topk", "none": None},
+    }
+    assert scalar_metrics(stats) == {
+        "gradsift/step/bytes_sent": 448.0,
+        "gradsift/step/density": 0.01,
+        "gradsift/step/skipped": 0.0,
+        "gradsift/total/compress_ms": 1.5,
+    }
+    assert scalar_metrics({"a": 1}, prefix="") == {"a": 1.0}
+
+
+def test_scalar_metrics_rejects_a_non_mapping() -> None:
+    with pytest.raises(InvalidOptionError, match="stats must be a mapping"):
+        scalar_metrics([1, 2])  # type: ignore[arg-type]
+
+
+def test_tensorboard_event_file_holds_the_stats(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="pip install 'gradsift[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gradsift.integrations.tensorboard import open_writer, write_stats
+
+    writer = open_writer(tmp_path)
+    for step in range(3):
+        write_stats(writer, {"step": {"bytes_sent": 100 * step, "name": "x"}}, step)
+    with pytest.raises(InvalidOptionError, match="step must lie in"):
+        write_stats(writer, {}, -1)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["gradsift/step/bytes_sent"]
+    scalars = events.Scalars("gradsift/step/bytes_sent")
+    assert [(s.step, s.value) for s in scalars] == [(0, 0.0), (1, 100.0), (2, 200.0)]
+
+
+# -- Lightning callback, in a one-process gloo group --------------------------------------
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory: pytest.TempPathFactory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _ddp_model() -> DistributedDataParallel:
+    torch.manual_seed(0)
+    return DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)))
+
+
+def _train_step(ddp_model: DistributedDataParallel) -> None:
+    ddp_model(torch.randn(8, 16)).square().mean().backward()
+
+
+@pytest.mark.distributed
+def test_lightning_pair_fits_lightnings_registration(one_process_group: None) -> None:
+    pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
+    from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
+
+    from gradsift.integrations.lightning import GradsiftCallback
+
+    callback = GradsiftCallback("topk", ratio=0.1)
+    ddp_model = _ddp_model()
+    _register_ddp_comm_hook(ddp_model, **callback.strategy_kwargs())  # what DDPStrategy does on CUDA
+    callback.on_fit_start(
+        SimpleNamespace(strategy=SimpleNamespace(model=ddp_model)), None
+    )  # binds, no 2nd register
+    _train_step(ddp_model)
+    total = callback.state.stats()["total"]
+    assert total["steps"] == 1
+    assert 0 < total["bytes_sent"] < total["dense_bytes"] / 4
+
+    # a fresh callback restores the saved (gathered) hook state: residuals equal
+    saved = callback.state_dict()
+    assert saved["world_size"] == 1
+    restored = GradsiftCallback("topk", ratio=0.1)
+    restored.load_state_dict(saved)
+    before = saved["ranks"][0]["feedback"]["residuals"]
+    after = restored.state.state_dict()["feedback"]["residuals"]
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(bool(t.abs().sum() > 0) for t in before.values())
+    with pytest.raises(InvalidOptionError, match="world_size=1"):
+        restored.load_state_dict({**saved, "world_size": 2})
+
+
+@pytest.mark.distributed
+def test_lightning_callback_registers_where_lightning_did_not(one_process_group: None) -> None:
+    pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
+    from gradsift.integrations.lightning import GradsiftCallback
+
+    callback = GradsiftCallback("topk", ratio=0.1, granularity="layer")
+    ddp_model = _ddp_model()
+    callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=ddp_model)), None)
+    _train_step(ddp_model)
+    assert callback.state.stats()["total"]["compressed_tensors"] == 4  # one per parameter
+    with pytest.raises(InvalidOptionError, match="needs a DDP strategy"):
+        callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=torch.nn.Linear(2, 2))), None)
+    with pytest.raises(InvalidOptionError, match="not hook options"):
+        GradsiftCallback(callback.state.compressor, ratio=0.1)
