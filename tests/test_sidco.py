@@ -16,6 +16,12 @@ VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 N = 10**6
 
 
+def _student_t3(*shape: int) -> torch.Tensor:
+    """Student-t with 3 degrees of freedom, ``Z / sqrt(chi2_3 / 3)`` (faster than torch.distributions)."""
+    chi2 = torch.randn(3, *shape).square_().sum(0)
+    return torch.randn(*shape) / (chi2 / 3.0).sqrt_()
+
+
 def _signed(magnitudes: torch.Tensor, seed: int) -> torch.Tensor:
     signs = torch.randint(0, 2, magnitudes.shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1
     return (magnitudes * signs).float()
@@ -44,49 +50,49 @@ def test_single_stage_recovers_the_quantile_of_its_own_family(name, ratio):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_adaptation_converges_on_heavy_tails(name):
-    x = torch.distributions.StudentT(3.0).sample((N,))
+    x = _student_t3(N)
     ratio = 0.001
     plain = gradsift.get_compressor(name, ratio=ratio, stages=1, adapt=False)
     single = _ratio(plain, x)
     if name != "sidco-gpareto":  # the GP's own heavy tail fits Student-t well in one stage
         assert single > 3.0, f"single stage is expected to be far off on t3, got {single}"
     adaptive = gradsift.get_compressor(name, ratio=ratio)
-    ratios = [_ratio(adaptive, torch.distributions.StudentT(3.0).sample((N,))) for _ in range(6)]
+    ratios = [_ratio(adaptive, _student_t3(N)) for _ in range(6)]
     assert all(0.8 <= r <= 1.25 for r in ratios[2:]), ratios
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_pile_just_below_the_last_threshold_does_not_oscillate(name):
     """10% of the elements sit 2% under the previous threshold: a 2% drop selects 11x the target."""
-    n, ratio = 1 << 19, 0.01
+    n, ratio = 300_000, 0.01
     compressor = gradsift.get_compressor(name, ratio=ratio)
     generator = torch.Generator().manual_seed(11)
     ratios = []
-    for _ in range(20):
-        x = torch.distributions.StudentT(3.0).sample((n,))
+    for _ in range(16):
+        x = _student_t3(n)
         previous = compressor.state_dict()["keys"].get(0, {}).get("threshold", 0.0)
         if previous > 0:
             pile = torch.randperm(n, generator=generator)[: n // 10]
             x[pile] = 0.98 * previous * torch.sign(x[pile])
         ratios.append(_ratio(compressor, x))
-    tail = ratios[5:]
+    tail = ratios[4:]
     assert all(0.5 <= r <= 2.0 for r in tail), ratios
     assert 0.8 <= statistics.median(tail) <= 1.25, ratios
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_error_feedback_build_up_converges(name):
-    n, ratio = 1 << 19, 0.001
+    n, ratio = 300_000, 0.001
     compressor = gradsift.get_compressor(name, ratio=ratio)
     feedback = ErrorFeedback()
     scale = 1.0 + torch.arange(n) % 5  # layers of different scale in one flat vector
     ratios = []
-    for _ in range(30):
-        compensated = feedback.compensate(0, torch.distributions.StudentT(3.0).sample((n,)) * scale)
+    for _ in range(20):
+        compensated = feedback.compensate(0, _student_t3(n) * scale)
         payload = compressor.compress(compensated)
         feedback.update(0, compensated, payload, compressor)
         ratios.append(payload.count / int(n * ratio))
-    tail = ratios[10:]
+    tail = ratios[8:]
     assert all(0.5 <= r <= 2.0 for r in tail), ratios
     assert 0.8 <= statistics.median(tail) <= 1.25, ratios
 
@@ -94,7 +100,7 @@ def test_error_feedback_build_up_converges(name):
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_payload_invariants_across_dtypes(name, dtype):
-    x = torch.distributions.StudentT(4.0).sample((3000, 70)).to(dtype)
+    x = _student_t3(3000, 70).to(dtype)
     compressor = gradsift.get_compressor(name, ratio=0.01)
     for _ in range(3):
         payload = compressor.compress(x)
@@ -122,7 +128,7 @@ def test_chunked_selection_equals_the_direct_mask():
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_exact_zeros_relu_like(name):
-    x = torch.distributions.StudentT(3.0).sample((200_000,))
+    x = _student_t3(200_000)
     x[torch.rand(200_000) < 0.4] = 0.0
     compressor = gradsift.get_compressor(name, ratio=0.01)
     ratios = [_ratio(compressor, x) for _ in range(4)]
@@ -177,7 +183,7 @@ def test_bad_options_raise_clear_errors(options, match):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_state_dict_round_trip_continues_identically(name):
-    stream = [torch.distributions.StudentT(3.0).sample((400_000,)) for _ in range(8)]
+    stream = [_student_t3(300_000) for _ in range(8)]
     first = gradsift.get_compressor(name, ratio=0.001)
     for x in stream[:4]:
         first.compress(x, key="layer")
@@ -201,7 +207,7 @@ def test_load_state_dict_rejects_malformed_state():
 
 def test_keys_adapt_independently():
     compressor = gradsift.get_compressor("sidco-exp", ratio=0.01)
-    small, large = torch.randn(300_000) * 1e-3, torch.distributions.StudentT(2.5).sample((300_000,))
+    small, large = torch.randn(300_000) * 1e-3, _student_t3(300_000) * 10
     for _ in range(4):
         assert 0.8 <= _ratio(compressor, small, key="a") <= 1.25
         assert 0.8 <= _ratio(compressor, large, key="b") <= 1.25
