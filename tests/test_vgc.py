@@ -62,8 +62,9 @@ def test_variance_decay_eventually_sends_a_delayed_element():
     assert all(never.compress(torch.zeros(1), variance=torch.zeros(1)).count == 0 for _ in range(100))
 
 
-def test_alpha_zero_sends_every_nonzero_element():
-    g = torch.randn(500)
+def test_alpha_zero_sends_every_representable_nonzero_element():
+    g = torch.randn(500).clamp(-2.5, 2.5)
+    g[g.abs() < 0.3] = 0.3  # all within 2^7.5 of the largest magnitude
     g[::7] = 0
     payload = VGC(alpha=0.0).compress(g, variance=torch.rand(500) * 100)
     assert _sent_indices(payload).tolist() == torch.nonzero(g).squeeze(1).tolist()
@@ -99,17 +100,19 @@ def test_strom_hybrid_sends_large_residuals_regardless_of_variance():
 
 
 def test_payload_layout_and_bytes():
-    g = torch.tensor([3.0, 0.0, -0.75, 0.01, 1.5])
-    payload = gradsift.get_compressor("vgc", alpha=0.0).compress(g, variance=torch.zeros(5))
+    g = torch.tensor([3.0, 0.0, -0.75, 0.01, 1.5, 0.02])
+    vgc = gradsift.get_compressor("vgc", alpha=0.0)
+    payload = vgc.compress(g, variance=torch.zeros(6))
     assert payload.indices is None and payload.values is None
     assert payload.codes.dtype == torch.int32 and payload.scales.tolist() == [3.0]
+    # 0.01 < M * 2^-7.5 = 0.0166 would round up to M/128: it stays in the residual;
+    # 0.02 is sent at the lowest level, M/128.
     assert payload.count == 4
     # 1 chunk count + 4 words (int32), 1 float32 scale, one 4-byte length per field.
     assert payload.nbytes == 4 * 5 + 4 + 2 * 4
-    # 3 and -0.75 = -3/4 and 1.5 = 3/2 are exact levels; 0.01 saturates at 3/128.
-    assert payload.codes.numel() == 5
-    dense = VGC().decompress([payload], 5)
-    assert dense.tolist() == [3.0, 0.0, -0.75, 3.0 / 128, 1.5]
+    # 3, -0.75 = -3/4 and 1.5 = 3/2 are exact levels.
+    assert vgc.decompress([payload], 6).tolist() == [3.0, 0.0, -0.75, 0.0, 1.5, 3.0 / 128]
+    assert vgc.residuals[0][3] == 0.01 and vgc.variances[0][3] == 0
 
 
 def test_decompress_averages_workers_and_adds_shared_indices():

@@ -75,14 +75,25 @@ class _Moment:
 
 
 def linear_second_moments(
-    module: nn.Linear, x: torch.Tensor, d: torch.Tensor
+    module: nn.Linear,
+    x: torch.Tensor,
+    d: torch.Tensor,
+    previous: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: None,
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """``Q`` of a Linear call: weight ``(d*d)^T (x*x)`` over all rows, bias ``sum_z (sum_p d_zp)^2``."""
+    """``Q`` of a Linear call: weight ``(d*d)^T (x*x)`` over all rows, bias ``sum_z (sum_p d_zp)^2``.
+
+    ``previous(weight)`` is the running weight ``Q`` to add into in place (one fused
+    ``addmm_`` per call of a recurrent cell instead of a product and a sum).
+    """
     moments = {}
     if module.weight.requires_grad:
         rows_x = x.reshape(-1, x.shape[-1])
         rows_d = d.reshape(-1, d.shape[-1])
-        moments[module.weight] = (rows_d * rows_d).t() @ (rows_x * rows_x)
+        running = previous(module.weight)
+        squared_d, squared_x = (rows_d * rows_d).t(), rows_x * rows_x
+        moments[module.weight] = (
+            squared_d @ squared_x if running is None else running.addmm_(squared_d, squared_x)
+        )
     if module.bias is not None and module.bias.requires_grad:
         per_sample = d.reshape(_batch_size(x), -1, d.shape[-1]).sum(1) if x.dim() > 2 else d
         moments[module.bias] = (per_sample * per_sample).reshape(-1, d.shape[-1]).sum(0)
@@ -158,7 +169,7 @@ class VarianceTracker:
         x = args[0].detach()
         forward_pass = self._forward_pass
         if isinstance(module, nn.Linear):
-            rule = linear_second_moments
+            rule = functools.partial(linear_second_moments, previous=self.second_moment)
         else:
             rule = functools.partial(conv_second_moments, exact=self.conv_rule == "exact")
 
@@ -174,7 +185,8 @@ class VarianceTracker:
         if entry is None:
             self._moments[param] = _Moment(moment, batch, forward_pass)
             return
-        entry.second_moment += moment
+        if moment is not entry.second_moment:  # not already added in place by the rule
+            entry.second_moment += moment
         if entry.forward_pass != forward_pass:  # a new minibatch (gradient accumulation)
             entry.batch += batch
             entry.forward_pass = forward_pass

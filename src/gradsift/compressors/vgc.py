@@ -6,9 +6,11 @@ variance ``v`` (zeros at first). Each call, with gradient ``g`` and its variance
 1. ``r <- r + g``, ``v <- v + s``.
 2. Send element ``i`` iff ``r_i^2 > alpha * v_i`` (``|r_i| / sqrt(v_i) > sqrt(alpha)``),
    or -- hybrid with Strom's method, when ``tau`` is set -- iff ``|r_i| > tau`` too.
-3. Sent elements are quantized to 4-bit codes ``Q(r_i) = sign * M * 2^-l`` with
-   ``M = max |r_sent|`` (:mod:`gradsift.compressors.vgc_codec`) and
-   ``r_i <- r_i - Q(r_i)`` (the quantization error stays), ``v_i <- 0``.
+3. Of the elements that pass, those with ``|r_i| >= M * 2^-7.5`` (``M`` their largest
+   magnitude) are sent as 4-bit codes ``Q(r_i) = sign * M * 2^-l``
+   (:mod:`gradsift.compressors.vgc_codec`): ``r_i <- r_i - Q(r_i)`` (the quantization
+   error stays), ``v_i <- 0``. Smaller ones would round up to ``M/128``; they stay
+   unsent (decision: sending them injects that overshoot as noise every step).
 4. Unsent elements keep ``r_i`` and decay ``v_i <- zeta * v_i``, so a pure-noise element
    is sent eventually.
 
@@ -135,9 +137,16 @@ class VGC(Compressor):
         keep = squared <= accumulated * self.alpha
         if self.tau is not None:
             keep &= squared <= self.tau * self.tau
-        indices = torch.nonzero(~keep).squeeze(1)
+        candidates = torch.nonzero(~keep).squeeze(1)
+        magnitudes = residual[candidates].abs()
+        if candidates.numel():
+            scale = magnitudes.max()
+            raise_if_nonfinite(scale)
+            # Below M * 2^-7.5 a value would be sent as M/128, injecting that overshoot as
+            # noise: it stays in the residual instead (unsent, its variance keeps decaying).
+            candidates = candidates[vgc_codec.representable(magnitudes, scale)]
+        indices = candidates
         codes, scales, quantized = vgc_codec.encode(indices, residual[indices], flat.numel())
-        raise_if_nonfinite(scales)
 
         residual.index_add_(0, indices, quantized, alpha=-1)
         accumulated.mul_(self.zeta).index_fill_(0, indices, 0)

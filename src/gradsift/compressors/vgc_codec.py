@@ -37,6 +37,11 @@ _CODE_MASK = (1 << _CODE_BITS) - 1
 _SIGN_BIT = 1 << LEVEL_BITS
 
 
+def representable(magnitudes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Mask of magnitudes that do not round up: ``|r| >= M * 2^-(7 + 1/2)`` (level 7 or less)."""
+    return magnitudes >= scale * 2.0 ** -(MAX_LEVEL + 0.5)
+
+
 def chunk_count(numel: int) -> int:
     """Number of 2^28-element chunks a tensor of ``numel`` elements is split into."""
     return (numel + CHUNK_SIZE - 1) >> INDEX_BITS
