@@ -33,7 +33,9 @@ def open_writer(log_dir: str | PathLike[str]) -> Any:
     return module.SummaryWriter(log_dir=str(log_dir))
 
 
-def write_stats(writer: Any, stats: Mapping[str, Any], step: int, prefix: str = "gradsift") -> dict[str, float]:
+def write_stats(
+    writer: Any, stats: Mapping[str, Any], step: int, prefix: str = "gradsift"
+) -> dict[str, float]:
     """Write every numeric entry of ``stats`` as a scalar at global step ``step``.
 
     Returns the scalars written (``tag -> value``), see
