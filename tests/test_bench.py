@@ -1,19 +1,18 @@
 """``gradsift bench compress`` and the measuring code behind it, on tiny sizes."""
 
-import argparse
 import json
 import math
 
 import pytest
 import torch
 
+from gradsift import cli
 from gradsift.benchmarking import (
     CompressBenchConfig,
     benchmarkable,
     run_compress_benchmark,
     synthetic_gradient,
 )
-from gradsift.commands import bench
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 
 ROW_FIELDS = {
@@ -36,10 +35,7 @@ ROW_FIELDS = {
 
 
 def run_cli(argv):
-    parser = argparse.ArgumentParser(prog="gradsift")
-    bench.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return cli.main(argv)
 
 
 def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
