@@ -202,7 +202,9 @@ def test_load_state_dict_rejects_malformed_state():
     with pytest.raises(InvalidOptionError, match="state must be"):
         compressor.load_state_dict({"keys": {0: {"stages": 1}}})
     with pytest.raises(InvalidOptionError, match="stages must lie in"):
-        compressor.load_state_dict({"keys": {0: {"stages": 99, "log_correction": 0.0, "calls": 0, "threshold": 0.0}}})
+        compressor.load_state_dict(
+            {"keys": {0: {"stages": 99, "log_correction": 0.0, "calls": 0, "threshold": 0.0}}}
+        )
 
 
 def test_keys_adapt_independently():

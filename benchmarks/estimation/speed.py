@@ -56,7 +56,9 @@ def main() -> None:
         "machine": platform.machine(),
         "median_ms": results,
         "x_read_pass": {name: t / read for name, t in results.items()},
-        "topk_speedup": {name: results["topk"] / results[name] for name in results if name.startswith("sidco")},
+        "topk_speedup": {
+            name: results["topk"] / results[name] for name in results if name.startswith("sidco")
+        },
     }
     print(json.dumps(report, indent=2))
     if args.json:

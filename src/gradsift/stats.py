@@ -221,7 +221,9 @@ def goodness_of_fit(values: torch.Tensor, *, sample_size: int = 200_000, seed: i
     pareto = fit_generalized_pareto(magnitudes)
     gamma = fit_gamma(magnitudes)
     normal = fit_normal(sample)
-    report: dict[str, Any] = {"zero_fraction": float((magnitudes == 0).double().mean()) if sample.numel() else 0.0}
+    report: dict[str, Any] = {
+        "zero_fraction": float((magnitudes == 0).double().mean()) if sample.numel() else 0.0
+    }
     for family, fit, data, atom in (
         ("exponential", exponential, magnitudes, 0.0),
         ("gpareto", pareto, magnitudes, 0.0),

@@ -130,7 +130,9 @@ class _SIDCo(Sparsifier):
         stage_period: int = 5,
     ) -> None:
         super().__init__(ratio)
-        self.first_ratio = check_real(first_ratio, "first_ratio", low=0.0, high=1.0, low_open=True, high_open=True)
+        self.first_ratio = check_real(
+            first_ratio, "first_ratio", low=0.0, high=1.0, low_open=True, high_open=True
+        )
         self.max_stages = max_stage_count(self.ratio)
         self.stages = None if stages is None else check_int(stages, "stages", low=1, high=self.max_stages)
         self.sample_size = check_int(sample_size, "sample_size", low=1024)
@@ -201,7 +203,9 @@ class _SIDCo(Sparsifier):
         """``eta``, or the sample's own quantile when the sample predicts a clear miss."""
         if expected < (1.0 if exact else _MIN_EXPECTED):
             return eta
-        tolerance = _SAMPLE_TOLERANCE if exact else max(_SAMPLE_TOLERANCE, _STANDARD_ERRORS / math.sqrt(expected))
+        tolerance = (
+            _SAMPLE_TOLERANCE if exact else max(_SAMPLE_TOLERANCE, _STANDARD_ERRORS / math.sqrt(expected))
+        )
         miss = math.log((count_above(sample, eta) + 0.5) / (expected + 0.5))
         if abs(miss) <= tolerance:
             return eta
@@ -216,7 +220,9 @@ class _SIDCo(Sparsifier):
         slope = math.log((below + 0.5) / (above + 0.5)) / (2 * _SLOPE_STEP)
         return min(max(slope, _SLOPE_RANGE[0]), _SLOPE_RANGE[1])
 
-    def _next_correction(self, sample: torch.Tensor, eta: float, eta_fit: float, achieved: int, k: int) -> float:
+    def _next_correction(
+        self, sample: torch.Tensor, eta: float, eta_fit: float, achieved: int, k: int
+    ) -> float:
         """Damped Newton step in log space driving ``achieved/k`` to 1."""
         log_error = math.log((achieved + 0.5) / (k + 0.5))
         step = _DAMPING * log_error / self._sample_slope(sample, eta)
@@ -238,8 +244,10 @@ class _SIDCo(Sparsifier):
         sample = magnitude_sample(flat, self.sample_size, state["calls"])
         raise_if_nonfinite(sample.sum())  # the fits below need finite input; the full check is step 5
         expected = k * sample.numel() / n
-        eta_fit = self._choose_stages(sample, state, expected) if self.adapt else self.fitted_threshold(
-            sample, state["stages"]
+        eta_fit = (
+            self._choose_stages(sample, state, expected)
+            if self.adapt
+            else self.fitted_threshold(sample, state["stages"])
         )
         eta = eta_fit * math.exp(state["log_correction"]) if self.adapt else eta_fit
         if self.adapt:
