@@ -9,7 +9,7 @@ from torch import nn
 from gradsift.errors import InvalidOptionError
 from gradsift.train.models import MODELS, RowLSTM, build_model, parameter_count
 
-EXPECTED_PARAMETERS = {"resnet20": 272_186, "vgg": 734_314, "lstm": 81_674, "mlp": 235_146}
+EXPECTED_PARAMETERS = {"resnet20": 272_186, "vgg": 1_330_410, "lstm": 81_674, "mlp": 235_146}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
