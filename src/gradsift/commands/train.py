@@ -47,7 +47,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags shared by ``gradsift train`` (and reused by the demo for the network)."""
+    """The run and network-emulation flags of ``gradsift train``."""
     run = parser.add_argument_group("run")
     run.add_argument("--model", choices=sorted(MODELS), default="vgg", help="network to train (default: vgg)")
     run.add_argument(
