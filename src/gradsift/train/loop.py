@@ -105,6 +105,17 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
+def _run_facts(config: TrainConfig, model: torch.nn.Module, world: int, backend: str, device: torch.device,
+               source: str) -> dict[str, Any]:  # fmt: skip
+    """The fixed facts of a run that head its summary."""
+    return {
+        "compressor": config.compressor, "options": config.options, "model": config.model,
+        "parameters": parameter_count(model), "workers": world, "batch_size": config.batch_size,
+        "bandwidth": config.bandwidth, "bandwidth_bps": config.bandwidth_bps, "latency": config.latency,
+        "backend": backend, "device": str(device), "data": source, "seed": config.seed,
+    }  # fmt: skip
+
+
 def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     train, test, source = load_dataset(config.data_dir, synthetic=config.synthetic, seed=config.seed)
@@ -155,13 +166,8 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str,
             epoch += 1
         progress.close()
         if rank == 0:
-            run = {
-                "compressor": config.compressor, "options": config.options, "model": config.model,
-                "parameters": parameter_count(model), "workers": world, "batch_size": config.batch_size,
-                "bandwidth": config.bandwidth, "bandwidth_bps": config.bandwidth_bps, "latency": config.latency,
-                "backend": backend, "device": str(device), "data": source, "seed": config.seed,
-                "epochs_seen": round(step * config.batch_size * world / len(train), 4),
-            }  # fmt: skip
+            run = _run_facts(config, model, world, backend, device, source)
+            run["epochs_seen"] = round(step * config.batch_size * world / len(train), 4)
             summary = summarize(
                 writer.steps, writer.evals, run=run, target_accuracy=config.target_accuracy,
                 wall_time_s=time.perf_counter() - started,
