@@ -246,6 +246,7 @@ def test_randomk_payload_is_allreduce_ready():
     payloads = [build("randomk", ratio=0.05, seed=1).compress(x, key=0) for x in xs]
     p = payloads[0]
     assert isinstance(p, SharedIndexPayload) and not p.variable_size
+    assert p.indices.dtype == torch.int64  # drawn as int32, handed out as int64 (index_fill_ needs it)
     assert list(p.fields()) == ["values"]
     assert p.nbytes == 50 * 4  # k fp32 values, no indices, no header
     assert gradsift.get_compressor("randomk").allreduce_compatible

@@ -67,7 +67,7 @@ class CompressBenchConfig:
         seed: seed of the synthetic gradient.
     """
 
-    sizes: Sequence[int] = (1_000_000, 4_000_000)
+    sizes: Sequence[int] = (250_000, 1_000_000)
     ratios: Sequence[float] = (0.1, 0.01, 0.001)
     compressors: Sequence[str] | None = None
     repeats: int = 5

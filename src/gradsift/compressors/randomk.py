@@ -24,6 +24,7 @@ import torch
 
 from gradsift.compressors.base import Payload, Sparsifier, target_count
 from gradsift.validation import check_int, raise_if_nonfinite
+from gradsift.wire import index_dtype
 
 
 @dataclass
@@ -79,11 +80,12 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> to
         return torch.randperm(n, generator=generator, device=generator.device)[:k]
     wanted = min(n - 0.5, k + 4 * math.sqrt(k) + 16)
     length = math.ceil(-n * math.log1p(-wanted / n))
-    draws = torch.randint(n, (length,), generator=generator, device=generator.device)
+    # int32 positions when they fit: the sort is the cost, and it is several times faster.
+    options = {"generator": generator, "device": generator.device, "dtype": index_dtype(n)}
+    draws = torch.randint(n, (length,), **options)
     while (distinct := first_distinct(draws)).numel() < k:
-        more = torch.randint(n, (k,), generator=generator, device=generator.device)
-        draws = torch.cat([draws, more])
-    return distinct[:k]
+        draws = torch.cat([draws, torch.randint(n, (k,), **options)])
+    return distinct[:k].long()
 
 
 class RandomK(Sparsifier):
