@@ -48,6 +48,7 @@ def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
     assert set(result) == {"config", "input", "environment", "skipped", "rows"}
     assert result["config"]["sizes"] == [2000, 5000] and result["config"]["threads"] == 1
     assert result["environment"]["threads"] == 1 and result["skipped"] == {}
+    assert len(result["environment"]["load_average"]) == 2
     rows = {(r["compressor"], r["numel"], r["ratio"]): r for r in result["rows"]}
     # 2 sizes x (2 ratios x 3 sparsifiers + the ratio-less fp16 once).
     assert len(rows) == len(result["rows"]) == 14

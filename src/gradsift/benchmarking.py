@@ -258,6 +258,7 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
     and ``dense_nbytes`` (fp32, ``4 n``).
     """
     names, skipped = benchmarkable(config.compressors, config.device)
+    load_before = os.getloadavg()[0]
     ratio_less = sum(density_option(name) is None for name in names)
     with_ratio = len(names) - ratio_less
     # (ratio, methods timed): the floor, bare top-k when there is a ratio, the group's compressors.
@@ -293,6 +294,8 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
             "threads": config.threads or previous_threads,
+            # Other processes on the machine inflate medians: the 1-minute load average around the run.
+            "load_average": [load_before, os.getloadavg()[0]],
             "device": torch.cuda.get_device_name() if config.device == "cuda" else platform.processor(),
         },
         "skipped": skipped,
