@@ -199,6 +199,7 @@ def _measure_group(
             out = method.run()
             if method.decompress is not None:
                 method.decompress(out)
+            progress.update(1)
     for _ in range(config.repeats):
         for method in methods:
             out, ms = timed(method.run)
@@ -267,7 +268,7 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
     )
     if ratio_less:
         groups.append((None, ratio_less + 1))
-    total = sum(size for _, size in groups) * len(config.sizes) * config.repeats
+    total = sum(size for _, size in groups) * len(config.sizes) * (config.warmup + config.repeats)
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
