@@ -327,7 +327,7 @@ def _compressed_bucket(
     group, compressor = state.process_group, state.compressor
     buffer = bucket.buffer()
     started = time.perf_counter()
-    dense, reduced, gathered = [], [], []  # (offset, numel[, payload]) per kind
+    dense, reduced, gathered = [], [], []  # (offset, tensor or wire payload) per part, by route
     local_nonfinite = False
     for key, offset, flat, params in state._parts(bucket):
         if flat.numel() < state.min_numel:
