@@ -5,9 +5,9 @@ fitted quantile gives a threshold ``eta`` with ``P(a > eta) = delta``; the selec
 then one comparison pass ``|g| > eta``. Per call, for a tensor of ``n`` elements and
 target count ``k = max(1, floor(n delta))``:
 
-1. **Sample.** ``S = min(n, sample_size)`` magnitudes at a fixed stride (the offset
-   rotates with the call count), in float64. For ``n <= sample_size`` this is the
-   whole tensor.
+1. **Sample.** ``S <= sample_size`` magnitudes at the stride ``ceil(n/sample_size)``
+   (the offset rotates with the call count), in float64. For ``n <= sample_size``
+   this is the whole tensor.
 2. **Fit in stages** (peaks over threshold, specs/sidco.md): stage 1 fits the first
    family to the sample and takes ``eta_1`` for ``delta_1 = first_ratio``; stages
    ``m = 2..M`` keep the exceedances ``x > eta_{m-1}``, shift them by ``t = min(x)``
@@ -81,16 +81,17 @@ def select_above_threshold(flat: torch.Tensor, eta: float) -> tuple[torch.Tensor
 
 
 def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
-    """``|flat|`` at ``min(n, size)`` positions ``offset + j * (n // size)``, as float64.
+    """``|flat|`` at positions ``offset + j * stride``, ``stride = ceil(n / size)``, as float64.
 
-    The offset is ``call mod stride``, so successive calls see different elements
-    and a periodic layout cannot hide from the sample for long.
+    The sample spans the whole tensor (at most ``size`` elements; all of them when
+    ``n <= size``). The offset is ``call mod stride``, so successive calls see
+    different elements and a periodic layout cannot hide from the sample for long.
     """
     n = flat.numel()
     if n <= size:
         return flat.abs().to(torch.float64)
-    stride = n // size
-    return flat[call % stride :: stride][:size].abs().to(torch.float64)
+    stride = -(-n // size)
+    return flat[call % stride :: stride].abs().to(torch.float64)
 
 
 def count_above(sample: torch.Tensor, eta: float) -> int:
