@@ -35,8 +35,8 @@ COMPRESSORS = {
 }
 COMMON = ["--model", "vgg", "--batch-size", "32", "--lr", "0.05", "--warmup-steps", "20", "--seed", "0",
           "--data-dir", DATA_DIR, "--no-progress", "--timeout", "600"]  # fmt: skip
-MAIN = {"workers": 4, "steps": 160, "eval_every": 40, "bandwidths": ("100mbit", "1gbit")}
-SCALING = {"workers": (2, 8), "steps": 100, "bandwidth": "100mbit", "compressors": ("none", "sidco-exp")}
+MAIN = {"workers": 4, "steps": 120, "eval_every": 30, "bandwidths": ("100mbit", "1gbit")}
+SCALING = {"workers": (2, 8), "steps": 60, "bandwidth": "100mbit", "compressors": ("none", "sidco-exp")}
 
 
 def plan() -> list[tuple[str, list[str]]]:
