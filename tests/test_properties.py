@@ -5,13 +5,12 @@ The sparsifiers are found in the registry: every class that subclasses
 without editing this file). Modules not written yet are left out.
 """
 
-import inspect
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gradsift.benchmarking import density_option
 from gradsift.compressors import Sparsifier, available_compressors, compressor_class, get_compressor
 from gradsift.compressors.base import FIELD_HEADER_NBYTES
 
@@ -34,8 +33,8 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def build(name, ratio, threshold):
     """The sparsifier with its density option: ``ratio``, or ``threshold`` for the fixed one."""
-    accepted = inspect.signature(compressor_class(name).__init__).parameters
-    return get_compressor(name, **({"ratio": ratio} if "ratio" in accepted else {"threshold": threshold}))
+    option = density_option(name)
+    return get_compressor(name, **{option: ratio if option == "ratio" else threshold})
 
 
 @st.composite
