@@ -78,6 +78,8 @@ class GradsiftHookState:
         step: completed backward passes that synchronised (``no_sync`` passes do not
             call the hook and do not count).
         last_step_skipped: True when the last step was zeroed by ``nonfinite="skip"``.
+        bucket_layouts: per bucket key (the sorted parameter numbers), the order in which
+            those parameters lie in the bucket's flat gradient.
     """
 
     def __init__(
@@ -114,7 +116,7 @@ class GradsiftHookState:
         self.last_step_skipped = False
         self._param_index: dict[int, int] = {}
         self._numels: list[int] = []
-        self._layouts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.bucket_layouts: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._reset_step()
 
     # -- registration -------------------------------------------------------------------
@@ -135,7 +137,7 @@ class GradsiftHookState:
             "compressor": self.compressor.state_dict(),
             "rng_state": torch.get_rng_state(),
             "telemetry": self.telemetry.state_dict(),
-            "layouts": dict(self._layouts),
+            "layouts": dict(self.bucket_layouts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,7 +152,7 @@ class GradsiftHookState:
         self.compressor.load_state_dict(state["compressor"])
         torch.set_rng_state(state["rng_state"])
         self.telemetry.load_state_dict(state["telemetry"])
-        self._layouts = dict(state["layouts"])
+        self.bucket_layouts = dict(state["layouts"])
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the process group and the in-flight step (like ``PowerSGDState``)."""
@@ -236,8 +238,8 @@ class GradsiftHookState:
 
     def _follow_layout(self, key: tuple[int, ...], order: tuple[int, ...]) -> None:
         """Permute ``key``'s residual/velocity when its parameters arrive in a new order."""
-        previous = self._layouts.get(key)
-        self._layouts[key] = order
+        previous = self.bucket_layouts.get(key)
+        self.bucket_layouts[key] = order
         if previous is None or previous == order or self.feedback is None:
             return
         numels = [self._numels[i] for i in previous]
