@@ -144,7 +144,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = [
         "run",
         "MB/step",
-        "x less",
+        "fp32/sent",
         "density",
         "overhead ms",
         "comm ms",
