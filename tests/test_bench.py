@@ -63,7 +63,7 @@ def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
     for n in (2000, 5000):
         for ratio in (0.1, 0.01):
             k = int(n * ratio)
-            assert rows["topk", n, ratio]["count"] == k and rows["topk", n, ratio]["nbytes"] == k * 12 + 8
+            assert rows["topk", n, ratio]["count"] == k and rows["topk", n, ratio]["nbytes"] == k * 8 + 8
             assert rows["randomk", n, ratio]["count_vs_target"] == 1.0
             assert rows["randomk", n, ratio]["nbytes"] == k * 4
             # Oracle eta = the k-th largest |x|; strictly above it: k - 1 (continuous data).

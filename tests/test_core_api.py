@@ -61,8 +61,8 @@ def test_topk_selects_largest_magnitudes_and_counts_bytes():
     p = gradsift.get_compressor("topk", ratio=0.3).compress(x.reshape(2, 5))
     assert sorted(p.indices.tolist()) == [1, 5, 8]
     assert torch.equal(p.values, x[p.indices])
-    # 3 fp32 values + 3 int64 indices + one 4-byte length per field.
-    assert p.nbytes == 3 * 4 + 3 * 8 + 2 * 4
+    # 3 fp32 values + 3 indices at wire width (int32) + one 4-byte length per field.
+    assert p.indices.dtype == torch.int64 and p.nbytes == 3 * 4 + 3 * 4 + 2 * 4
 
 
 def test_topk_nonfinite_raises_documented_error():

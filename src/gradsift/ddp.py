@@ -345,7 +345,8 @@ def _compressed_bucket(
     record.elements_sent += sum(flat.numel() for _, flat in dense)
     if gathered and state.value_dtype is not None and not local_nonfinite:
         # a down-cast may overflow: check the k sent values, not the n gradient elements
-        local_nonfinite = not bool(torch.isfinite(torch.cat([p.values for _, p in gathered])).all())
+        sent_values = [p.values for _, p in gathered if p.values is not None]  # VGC sends codes only
+        local_nonfinite = bool(sent_values) and not bool(torch.isfinite(torch.cat(sent_values)).all())
     compressed_at = time.perf_counter()
     record.compress_ms = (compressed_at - started) * 1e3
 

@@ -12,7 +12,8 @@ order of :meth:`Payload.fields`. It travels as
   ``indices`` as int32 (int64 only when ``numel > 2**31 - 1``), ``codes`` and
   ``scales`` as the compressor made them.
 
-:func:`to_wire` applies the dtype rules, so ``to_wire(p).nbytes`` is exactly the number
+:func:`to_wire` applies the dtype rules; ``p.nbytes`` already counts indices at their
+wire width, so ``p.nbytes == to_wire(p).nbytes`` is exactly the number
 of bytes the message puts on the wire (padding added by an allgather is the
 collective's cost, reported separately by the hook). :func:`decode` checks every
 length, dtype and index range of a received message and raises
@@ -26,11 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from gradsift.compressors.base import Payload
+from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError, WireFormatError
-
-#: Largest element count an int32 index can address.
-INT32_LIMIT = 2**31 - 1
 
 #: Header length that flags a sender whose gradient held NaN or Inf.
 NONFINITE = -1
@@ -56,11 +54,6 @@ def parse_value_dtype(value: object) -> torch.dtype | None:
     if isinstance(value, str) and value in _VALUE_DTYPES:
         return _VALUE_DTYPES[value]
     raise InvalidOptionError(f"value_dtype must be one of None, fp32, fp16, bf16; got {value!r}")
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """int32 when every position of a ``numel``-element tensor fits, else int64."""
-    return torch.int32 if numel <= INT32_LIMIT else torch.int64
 
 
 def to_wire(payload: Payload, value_dtype: torch.dtype | None = None) -> Payload:

@@ -23,6 +23,9 @@ from gradsift.validation import as_flat_gradient, check_ratio
 #: Bytes of the length header the wire format sends for every variable-size field.
 FIELD_HEADER_NBYTES = 4
 
+#: Largest position an int32 index can hold; longer tensors send int64 indices.
+INT32_LIMIT = 2**31 - 1
+
 _WIRE_FIELDS = ("values", "indices", "codes", "scales")
 
 
@@ -63,8 +66,15 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes this payload puts on the wire: data plus headers."""
-        data = sum(t.numel() * t.element_size() for t in self.fields().values())
+        """Exact bytes this payload puts on the wire: data plus headers.
+
+        Indices are counted at their wire width, :func:`index_dtype` of ``numel``
+        (int32 below 2^31 elements), whatever dtype the compressor produced them in.
+        """
+        fields = self.fields()
+        data = sum(t.numel() * t.element_size() for name, t in fields.items() if name != "indices")
+        if "indices" in fields:
+            data += fields["indices"].numel() * index_dtype(self.numel).itemsize
         return data + self.header_nbytes
 
     @property
@@ -141,6 +151,11 @@ class Compressor(abc.ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Wire dtype of positions into a ``numel``-element tensor: int32 when they all fit, else int64."""
+    return torch.int32 if numel <= INT32_LIMIT else torch.int64
 
 
 def target_count(numel: int, ratio: float) -> int:

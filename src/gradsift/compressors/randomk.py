@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Payload, Sparsifier, target_count
+from gradsift.compressors.base import Payload, Sparsifier, index_dtype, target_count
 from gradsift.validation import check_int, raise_if_nonfinite
-from gradsift.wire import index_dtype
 
 
 @dataclass
