@@ -6,10 +6,12 @@ A code ``c_i`` of width ``b`` bits (``0 <= c_i < 2**b``) occupies bits
 ``n`` codes therefore take exactly ``packed_nbytes(n, b) = ceil(n*b / 8)`` bytes; the
 unused high bits of the last byte are zero.
 
-Both directions are vectorised. When ``b`` divides 8 (1, 2, 4, 8) codes never straddle
-a byte: ``8/b`` codes are shifted into place and summed per byte. Other widths expand
-every code into its ``b`` bits (one uint8 per bit, ``n*b`` bytes of scratch), regroup
-the stream into bytes and weigh the 8 bits by ``2**0 .. 2**7``.
+Both directions are vectorised, in whole groups of 8 codes (``b`` bytes, at most 64
+bits: one int64 word). When ``b`` divides 8 (1, 2, 4, 8) codes never straddle a byte and
+``8/b`` uint8 codes are shifted into place and summed per byte. Other widths (3, 5, 6,
+7) shift the 8 codes of a group to bits ``0, b, 2b, ...`` of a word, sum them (the bits
+are disjoint, so the sum is an OR) and cut the word into its ``b`` bytes; unpacking
+reverses the two steps. No loop runs over elements.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 from gradsift.errors import InvalidOptionError, InvalidTensorError
 from gradsift.validation import check_int
 
-#: Widest code supported (codes and unpacked results are int64, so 32 bits is safe).
-MAX_BITS = 32
+#: Widest code supported: 8 codes of at most 8 bits fill one int64 word.
+MAX_BITS = 8
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -38,9 +40,9 @@ def bits_for(max_code: int) -> int:
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack the 1-D integer ``codes`` (each in ``[0, 2**bits)``) into a uint8 tensor.
 
-    The caller guarantees the range (codes come from quantizers that construct them);
-    higher bits of an out-of-range code are silently dropped, so this is not checked
-    on the hot path.
+    The caller guarantees the range (codes come from quantizers that construct them):
+    it is not checked on the hot path, and an out-of-range code would spill into its
+    neighbours.
     """
     bits = check_int(bits, "bits", low=1, high=MAX_BITS)
     if not isinstance(codes, torch.Tensor) or codes.dtype not in _INTEGER_DTYPES or codes.dim() != 1:
@@ -52,9 +54,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         grouped = _padded(codes.to(torch.uint8), nbytes * per_byte).view(nbytes, per_byte)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
         return (grouped << shifts).sum(dim=1, dtype=torch.uint8)
-    code_bits = (codes.to(torch.int64).unsqueeze(1) >> _positions(bits, codes.device)) & 1
-    stream = _padded(code_bits.to(torch.uint8).view(-1), nbytes * 8).view(nbytes, 8)
-    return (stream << _positions(8, codes.device, torch.uint8)).sum(dim=1, dtype=torch.uint8)
+    groups = -(-numel // 8)
+    grouped = _padded(codes.to(torch.int64), groups * 8).view(groups, 8)
+    words = (grouped << _steps(bits, 8, codes.device)).sum(dim=1)  # disjoint bits: the sum is an OR
+    octets = (words.unsqueeze(1) >> _steps(8, bits, codes.device)) & 0xFF
+    return octets.view(-1)[:nbytes].to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -72,14 +76,16 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
         return codes.view(-1)[:numel].to(torch.int64)
-    stream = (packed.unsqueeze(1) >> _positions(8, packed.device, torch.uint8)) & 1
-    code_bits = stream.view(-1)[: numel * bits].view(numel, bits).to(torch.int64)
-    return (code_bits << _positions(bits, packed.device)).sum(dim=1)
+    groups = -(-numel // 8)
+    octets = _padded(packed, groups * bits).view(groups, bits).to(torch.int64)
+    words = (octets << _steps(8, bits, packed.device)).sum(dim=1)
+    codes = (words.unsqueeze(1) >> _steps(bits, 8, packed.device)) & ((1 << bits) - 1)
+    return codes.view(-1)[:numel]
 
 
-def _positions(count: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``[0, 1, ..., count-1]``: the bit positions inside a code or a byte."""
-    return torch.arange(count, dtype=dtype, device=device)
+def _steps(step: int, count: int, device: torch.device) -> torch.Tensor:
+    """``[0, step, 2*step, ..., (count-1)*step]`` as int64: shifts of codes in a word or bytes in it."""
+    return torch.arange(0, step * count, step, dtype=torch.int64, device=device)
 
 
 def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ from gradsift.bitpack import bits_for
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
 from gradsift.validation import check_int, raise_if_nonfinite
 
-#: Largest ``levels``: signed levels ``[-s, s]`` then fit 16-bit codes.
-MAX_LEVELS = 2**15 - 1
+#: Largest ``levels``: signed levels ``[-s, s]`` then fit 8-bit codes (the widest bitpack packs).
+MAX_LEVELS = 127
 
 
 class QSGD(StochasticQuantizer):
@@ -28,7 +28,7 @@ class QSGD(StochasticQuantizer):
        bucket it is at most ``min(d / s^2, sqrt(d) / s) ||g_b||^2`` (the paper's bound).
 
     Options:
-        levels: ``s``, quantization levels per sign, in [1, 32767]; default 15 (5-bit codes).
+        levels: ``s``, quantization levels per sign, in [1, 127]; default 15 (5-bit codes).
         bucket_size: ``d``, elements sharing one norm, >= 1, or None for one norm per
             tensor (the paper's plain QSGD); default 512, as in the paper's experiments,
             because the variance grows with ``sqrt(d)``. Costs 32 bits per bucket.
