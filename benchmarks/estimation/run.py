@@ -49,6 +49,10 @@ def main() -> None:
     )
     parser.add_argument("--gradients", type=Path, default=Path.home() / ".cache/gradsift/gradients")
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.01, 0.001])
+    parser.add_argument("--sample-size", type=int, default=1 << 18, help="SIDCo's sample_size option")
+    parser.add_argument(
+        "--no-adapt", action="store_true", help="the paper's plain fit (adapt=False), for comparison"
+    )
     parser.add_argument("--skip", type=int, default=3, help="adaptation calls left out of the summary")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "summary.png")
@@ -62,7 +66,9 @@ def main() -> None:
             for layer, steps in data[kind].items():
                 for variant in VARIANTS:
                     for ratio in args.ratios:
-                        compressor = get_compressor(variant, ratio=ratio)
+                        compressor = get_compressor(
+                            variant, ratio=ratio, sample_size=args.sample_size, adapt=not args.no_adapt
+                        )
                         feedback = ErrorFeedback() if setting == "ef-replay" else None
                         series = estimation_series(compressor, steps, key=layer, feedback=feedback)
                         kept = series["ratio_series"][args.skip :]
