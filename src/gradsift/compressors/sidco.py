@@ -110,7 +110,8 @@ class _SIDCo(Sparsifier):
     Options:
         ratio: target density delta in (0, 1].
         first_ratio: stage-1 density delta_1 in (0, 1) (default 0.25).
-        stages: ``None`` adapts the stage count per tensor; an int in
+        stages: ``None`` adapts the stage count per tensor (with ``adapt=False`` it
+            stays at 2, or 1 when that is the maximum); an int in
             ``[1, ceil(log2(1/ratio))]`` fixes it.
         sample_size: elements the stages are fitted on (>= 1024; default 2^18).
         adapt: run the sample check and the between-call correction (default True);
