@@ -40,9 +40,10 @@ class Payload:
         indices: 1-D integer positions in ``[0, numel)``, unique within a payload.
         codes: packed integer codes (quantizers, VGC's 32-bit words).
         scales: a small 1-D float tensor of per-message scalars (norms, scales).
-        variable_size: True when the field lengths can differ between workers, so the
-            wire carries a 4-byte length per field; False for fixed-size payloads
-            that go through a plain allreduce.
+        variable_size: True when the payload travels by allgather, whose framing
+            carries a 4-byte length per field (lengths may differ between workers,
+            and the hook's non-finite flag rides in them); False for payloads that
+            go through a plain allreduce (dense casts, seeded random-k).
         info: local facts about the compression (not sent), e.g. the threshold used.
     """
 

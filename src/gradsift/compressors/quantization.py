@@ -3,7 +3,8 @@
 A quantizer encodes *every* element as a fixed-width unsigned code and adds a few
 float scales (a norm, a maximum). The payload is ``codes`` (bit-packed with
 :mod:`gradsift.bitpack`, ``ceil(n*b/8)`` bytes) plus ``scales``; its size depends only
-on ``numel``, so it carries no length headers (``variable_size=False``).
+on ``numel``, but it travels by allgather, whose framing sends one 4-byte length per
+field, so ``nbytes`` counts those headers too (``variable_size=True``).
 
 Aggregation is ``(1/W) sum_w decode(payload_w)``: codes of different workers are
 relative to different scales and do not survive element-wise summation, so these
@@ -67,7 +68,6 @@ class Quantizer(Compressor):
             dtype=flat.dtype,
             codes=pack(codes, self.code_bits),
             scales=scales,
-            variable_size=False,
         )
         payload.info["bits_per_element"] = 8 * payload.nbytes / numel if numel else 0.0
         return payload
