@@ -223,3 +223,12 @@ def test_decompress_rejects_wrong_numel_and_no_payloads():
         compressor.decompress([payload], 11)
     with pytest.raises(ValueError, match="at least one payload"):
         compressor.decompress([], 10)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_truncated_codes_are_a_wire_error(name):
+    compressor = gradsift.get_compressor(name)
+    payload = compressor.compress(torch.randn(100))
+    payload.codes = payload.codes[:-1]
+    with pytest.raises(gradsift.WireFormatError, match="code bytes"):
+        compressor.decompress([payload], 100)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.bitpack import pack, unpack
+from gradsift.bitpack import pack, packed_nbytes, unpack
 from gradsift.compressors.base import Compressor, Payload
-from gradsift.errors import InvalidOptionError
+from gradsift.errors import InvalidOptionError, WireFormatError
 from gradsift.validation import as_flat_gradient, check_int
 
 #: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
@@ -80,6 +80,11 @@ class Quantizer(Compressor):
         for payload in payloads:
             if payload.numel != numel:
                 raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
+            if payload.codes.numel() != packed_nbytes(numel, self.code_bits):
+                raise WireFormatError(
+                    f"{self.name} payload holds {payload.codes.numel()} code bytes, "
+                    f"{numel} elements of {self.code_bits} bits need {packed_nbytes(numel, self.code_bits)}"
+                )
             codes = unpack(payload.codes, self.code_bits, numel)
             decoded = self.dequantize(codes, payload.scales, compute_dtype(dtype))
             total = decoded if total is None else total.add_(decoded)
