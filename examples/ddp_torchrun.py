@@ -139,6 +139,7 @@ def main() -> None:
         print("gradsift-example", json.dumps(summary), flush=True)
     if writer is not None:
         writer.close()
+    dist.barrier()  # leave together, so no rank tears the group down under a peer
     dist.destroy_process_group()
 
 

@@ -91,6 +91,7 @@ def worker(rank: int, world: int, port: int, steps: int, warmup: int, queue) -> 
             entry["ratio_to_stock"] = entry["median_step_ms"] / stock
         result["_params"] = sum(p.numel() for p in runs[0][1].parameters())
         queue.put(result)
+    dist.barrier()
     dist.destroy_process_group()
 
 

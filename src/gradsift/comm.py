@@ -96,11 +96,16 @@ def gather_fields(
     return torch.futures.collect_all(works).then(trim)
 
 
-def allreduce_mean(tensor: torch.Tensor, group: Any) -> torch.futures.Future[torch.Tensor]:
+def allreduce_mean(
+    tensor: torch.Tensor, group: Any, *, in_place: bool = False
+) -> torch.futures.Future[torch.Tensor]:
     """Mean over workers by ``allreduce(tensor / W)`` (the division first, as stock DDP does).
 
-    ``tensor`` is not modified; the future holds the mean in ``tensor``'s dtype.
+    With ``in_place`` the division and the sum happen in ``tensor`` itself (stock DDP's
+    own hook does this to the bucket buffer; it saves a copy); otherwise ``tensor`` is
+    not modified. The future holds the mean in ``tensor``'s dtype.
     """
-    buffer = torch.div(tensor, dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    buffer = tensor.div_(world) if in_place else torch.div(tensor, world)
     work = guarded("allreduce", group, lambda: dist.all_reduce(buffer, group=group, async_op=True))
     return work.get_future().then(lambda fut: fut.value()[0])

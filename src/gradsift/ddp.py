@@ -4,8 +4,9 @@
 :func:`gradsift_hook` and returns its :class:`GradsiftHookState`. Per DDP bucket, per
 backward:
 
-1. Warm-up (``step < warmup_steps``): the bucket is averaged by a plain dense
-   allreduce, exactly as stock DDP does (``allreduce(g / W)``).
+1. Warm-up (``step < warmup_steps``) and the identity compressor ``none``: the bucket
+   is averaged in place by a plain dense allreduce, exactly as stock DDP does
+   (``allreduce(g / W)``), plus one read of the result for the non-finite flag.
 2. Delegation: a compressor with a ``ddp_hook(process_group, bucket)`` method (the
    PowerSGD wrapper) runs its own communication; the hook only times it.
 3. Otherwise the bucket is cut into *parts* -- the whole bucket
@@ -42,7 +43,7 @@ from gradsift.compressors.registry import get_compressor
 from gradsift.errors import GradsiftError, InvalidOptionError, NonFiniteGradientError
 from gradsift.feedback import ErrorFeedback
 from gradsift.telemetry import BucketRecord, Telemetry
-from gradsift.validation import check_choice, check_int
+from gradsift.validation import all_finite, check_choice, check_int
 
 GRANULARITIES = ("bucket", "layer")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -278,7 +279,7 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
     record.elements = bucket.buffer().numel()
     error: list[BaseException] = []
     try:
-        if state.step < state.warmup_steps:
+        if state.step < state.warmup_steps or type(state.compressor).identity:
             future = _dense_bucket(state, bucket, record)
         elif state.delegates:
             future = _delegated_bucket(state, bucket, record)
@@ -298,7 +299,7 @@ def _dense_bucket(
     record.bytes_sent = record.bytes_padded = record.dense_bytes
     record.elements_sent, record.dense_tensors = buffer.numel(), 1
     started = time.perf_counter()
-    return comm.allreduce_mean(buffer, state.process_group).then(
+    return comm.allreduce_mean(buffer, state.process_group, in_place=True).then(
         lambda fut: _checked(fut.value(), record, started)
     )
 
@@ -318,7 +319,7 @@ def _delegated_bucket(
 def _checked(result: torch.Tensor, record: BucketRecord, started: float) -> torch.Tensor:
     """Completion of an allreduce: time it and flag a non-finite mean (same on every rank)."""
     record.communicate_ms += (time.perf_counter() - started) * 1e3
-    record.nonfinite |= not bool(torch.isfinite(result).all())
+    record.nonfinite |= not all_finite(result)
     return result
 
 
@@ -346,7 +347,7 @@ def _compressed_bucket(
     if gathered and state.value_dtype is not None and not local_nonfinite:
         # a down-cast may overflow: check the k sent values, not the n gradient elements
         sent_values = [p.values for _, p in gathered if p.values is not None]  # VGC sends codes only
-        local_nonfinite = bool(sent_values) and not bool(torch.isfinite(torch.cat(sent_values)).all())
+        local_nonfinite = not all(all_finite(values) for values in sent_values)
     compressed_at = time.perf_counter()
     record.compress_ms = (compressed_at - started) * 1e3
 
@@ -393,7 +394,7 @@ def _compressed_bucket(
             if gathered:
                 _combine_gathered(values.pop(0), headers, gathered, compressor, result)
             for group_segments, mean in zip(by_dtype_list, values, strict=True):
-                record.nonfinite |= not bool(torch.isfinite(mean).all())
+                record.nonfinite |= not all_finite(mean)
                 _combine_reduced(group_segments, mean, compressor, result)
         except GradsiftError as exc:
             error.append(exc)

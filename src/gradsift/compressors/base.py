@@ -98,6 +98,9 @@ class Compressor(abc.ABC):
         error_feedback: whether the method is meant to run with error feedback
             (biased compressors); the DDP hook wraps it with
             :class:`gradsift.feedback.ErrorFeedback` when True.
+        identity: the payload is the gradient itself (``none``), so the DDP hook
+            runs stock DDP's in-place allreduce on the bucket instead of the
+            compress/exchange/decompress path.
         needs_parameters: the method needs to know which parameters a flat tensor
             holds (VGC reads their per-sample variance); the DDP hook then calls
             ``compress(tensor, key=..., parameters=[p, ...])`` with the parameters in
@@ -108,6 +111,7 @@ class Compressor(abc.ABC):
     allreduce_compatible: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = True
     needs_parameters: ClassVar[bool] = False
+    identity: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).

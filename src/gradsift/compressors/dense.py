@@ -53,6 +53,7 @@ class NoCompression(DenseCast):
     """``none``: the gradient as it is (fp32 allreduce for fp32 models)."""
 
     name = "none"
+    identity = True
 
 
 class Float16(DenseCast):

@@ -100,7 +100,9 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
     try:
-        return _train(config, device, backend)
+        result = _train(config, device, backend)
+        dist.barrier()  # leave together: an early teardown can abort a peer still closing its pairs
+        return result
     finally:
         dist.destroy_process_group()
 
