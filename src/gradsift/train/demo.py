@@ -33,7 +33,7 @@ DEMO_MODEL = "mlp"
 DEMO_WORKERS = 2
 PREDICTED_BANDWIDTHS = {"1gbit": 1e9, "100mbit": 1e8}
 #: (steps, eval_every) of the full demo and of ``--quick``.
-LENGTHS = {False: (150, 50), True: (8, 0)}
+LENGTHS = {False: (400, 50), True: (8, 0)}
 
 
 def available(name: str) -> bool:
