@@ -38,7 +38,7 @@ COMPRESSORS = {
 }
 COMMON = ["--model", "vgg", "--batch-size", "32", "--lr", "0.05", "--warmup-steps", "20", "--seed", "0",
           "--data-dir", DATA_DIR, "--no-progress", "--timeout", "600"]  # fmt: skip
-MAIN = {"workers": 4, "steps": 120, "eval_every": 30, "bandwidths": ("100mbit", "1gbit")}
+MAIN = {"workers": 4, "steps": 200, "eval_every": 25, "bandwidths": ("100mbit", "1gbit")}
 CORES = 2  # the machine the committed results come from
 SUPPLEMENTARY_LEVELS = (0.70, 0.75, 0.77)
 SCALING = {"workers": (2, 8), "steps": 60, "bandwidth": "100mbit", "compressors": ("none", "sidco-exp")}
