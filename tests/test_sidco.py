@@ -8,7 +8,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import gradsift
-from gradsift.compressors.sidco import SELECTION_CHUNK, select_above_threshold
+from gradsift.compressors.threshold import SELECTION_CHUNK, select_above_threshold
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.feedback import ErrorFeedback
 

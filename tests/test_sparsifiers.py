@@ -358,3 +358,15 @@ def test_empty_and_shaped_input(name):
     p = c.compress(x)
     assert p.dtype == torch.float64 and p.numel == 600
     assert torch.equal(p.values, x.reshape(-1)[p.indices])
+
+
+def test_threshold_selection_spans_chunks_and_checks_every_chunk():
+    from gradsift.compressors.threshold import SELECTION_CHUNK
+
+    x = torch.randn(2 * SELECTION_CHUNK + 7, generator=torch.Generator().manual_seed(4))
+    compressor = gradsift.get_compressor("threshold", threshold=2.0)
+    p = compressor.compress(x)
+    assert torch.equal(p.indices, (x.abs() > 2.0).nonzero().view(-1))
+    x[2 * SELECTION_CHUNK + 3] = float("nan")  # only the last, short chunk is bad
+    with pytest.raises(gradsift.NonFiniteGradientError):
+        compressor.compress(x)

@@ -45,13 +45,10 @@ from typing import Any, ClassVar
 import torch
 
 from gradsift.compressors.base import Sparsifier, target_count
+from gradsift.compressors.threshold import select_above_threshold
 from gradsift.errors import InvalidOptionError
 from gradsift.stats import MagnitudeFit, fit_exponential, fit_gamma, fit_generalized_pareto
 from gradsift.validation import check_int, check_real, raise_if_nonfinite
-
-#: Elements per chunk of the final selection: the abs/compare temporaries (~1.3 MiB
-#: for fp32) stay in cache instead of round-tripping through memory.
-SELECTION_CHUNK = 1 << 18
 
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
 _STANDARD_ERRORS = 3.0  # ... widened to this many Poisson standard errors on a subsample
@@ -62,22 +59,6 @@ _DAMPING = 0.5
 _MAX_STEP = 1.0
 _MAX_LOG_CORRECTION = math.log(100.0)
 _STAGE_MARGIN = 0.05  # a stage count must predict better by this much (in |ln|) to replace the current
-
-
-def select_above_threshold(flat: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of ``|flat| > eta`` (int64, ascending) and ``max |flat|`` (NaN if any NaN).
-
-    Works in chunks of :data:`SELECTION_CHUNK` elements so that ``|flat|`` and the
-    mask never exist at full size: one read of ``flat`` from memory. The maximum is
-    a reduction over the cached chunk, returned for the caller's non-finite check.
-    """
-    pieces = []
-    peaks = []
-    for start in range(0, flat.numel(), SELECTION_CHUNK):
-        magnitudes = flat[start : start + SELECTION_CHUNK].abs()
-        peaks.append(magnitudes.amax())
-        pieces.append(torch.nonzero(magnitudes > eta).view(-1).add_(start))
-    return torch.cat(pieces), torch.stack(peaks).amax()
 
 
 def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
