@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -101,12 +100,16 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
 
 
 @pytest.mark.distributed
-def test_worker_error_ends_the_run_with_that_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_worker_error_ends_the_run_with_that_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = cli_main(["train", *TINY, "--compressor", "topk", "--option", "bogus=1", "--steps", "2",
                      "--out", str(tmp_path)])  # fmt: skip
     assert code == 2
     message = capsys.readouterr().err.splitlines()[-1]
-    assert re.match(r"gradsift train: error: rank [01] of 2 failed: .*no option\(s\) bogus.*traceback: ", message)
+    assert re.match(
+        r"gradsift train: error: rank [01] of 2 failed: .*no option\(s\) bogus.*traceback: ", message
+    )
     rank = int(message.split("rank ")[1][0])
     assert "bogus" in (tmp_path / "logs" / f"rank{rank}.err").read_text()
 
@@ -137,13 +140,12 @@ def test_killed_worker_ends_the_whole_run_without_hanging(tmp_path: Path) -> Non
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     result = subprocess.run(
-        ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "gradsift", "train", "--model", "mlp",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradsift", "train", "--model", "mlp",
          "--synthetic", "--batch-size", "16", "--no-progress", "--steps", "3", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
