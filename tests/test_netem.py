@@ -90,8 +90,7 @@ def test_shaped_link_carries_the_set_rate_and_is_removed(tmp_path: Path) -> None
     rate = 40_000_000
     megabytes = 10  # 2 s at 40 Mbit/s: bounded bytes and time
     with EmulatedNetwork(2, rate, tag="test") as network:
-        names = set(network.namespaces) | {network.hub}
-        assert names <= set(our_namespaces())
+        assert {network.hub, *network.namespaces} <= set(our_namespaces())
         receiver = subprocess.Popen([*network.command_prefix(1), sys.executable, "-c", RECEIVER],
                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
@@ -104,7 +103,7 @@ def test_shaped_link_carries_the_set_rate_and_is_removed(tmp_path: Path) -> None
     assert int(received) == megabytes << 20
     goodput = int(received) * 8 / float(seconds)
     assert 0.8 * rate <= goodput <= 1.2 * rate, f"measured {goodput / 1e6:.1f} Mbit/s at {rate / 1e6} Mbit/s"
-    assert not names & set(our_namespaces())
+    _assert_removed(network)
 
 
 @needs_netem
@@ -177,13 +176,71 @@ def test_sigterm_to_the_launcher_cleans_up(tmp_path: Path) -> None:
     assert not [n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]
 
 
+ECHO_SERVER = textwrap.dedent("""
+    import socket
+    server = socket.socket(); server.bind(("0.0.0.0", 5202)); server.listen(1)
+    print("ready", flush=True)
+    connection, _ = server.accept()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while chunk := connection.recv(1):
+        connection.sendall(chunk)
+""")
+PING = textwrap.dedent("""
+    import socket, statistics, sys, time
+    connection = socket.create_connection((sys.argv[1], 5202), timeout=30)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(20):
+        begin = time.perf_counter(); connection.sendall(b"x"); connection.recv(1)
+        rtts.append(time.perf_counter() - begin)
+    print(statistics.median(rtts))
+""")
+
+
+def _assert_removed(network: EmulatedNetwork) -> None:
+    """Every namespace the network created is gone, and with them every veth end: none
+    is listed in its namespace, none ever lived in (or fell back to) the root namespace."""
+    assert not ({network.hub, *network.namespaces} & set(our_namespaces()))
+    root = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for namespace, device in network.links():
+        shown = subprocess.run(["ip", "-n", namespace, "link", "show", "dev", device], capture_output=True)
+        assert shown.returncode != 0, (namespace, device)
+        assert f": {device}@" not in root and f": {device}:" not in root, device
+
+
 @needs_netem
-def test_latency_without_kernel_netem_is_a_clear_error() -> None:
-    try:
-        with EmulatedNetwork(1, 10**8, 0.001, tag="lat") as network:
+def test_latency_is_applied_where_the_kernel_has_netem_and_refused_clearly_where_not() -> None:
+    delay = 0.02
+    network = EmulatedNetwork(2, 10**8, delay, tag="lat")
+    if netem.kernel_has_netem():
+        with network:
             qdiscs = subprocess.run(["tc", "-n", network.namespaces[0], "qdisc", "show", "dev", netem.WORKER_IFNAME],
                                     capture_output=True, text=True).stdout  # fmt: skip
-        assert "netem" in qdiscs and "delay 1ms" in qdiscs and "tbf" in qdiscs
-    except NetemUnavailableError as error:
-        assert "sch_netem" in str(error)
-    assert not [n for n in our_namespaces() if n.endswith("-lat-hub")]
+            server = subprocess.Popen([*network.command_prefix(1), sys.executable, "-c", ECHO_SERVER],
+                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+            try:
+                assert server.stdout.readline().strip() == "ready"
+                ping = [*network.command_prefix(0), sys.executable, "-c", PING, network.address(1)]
+                rtt = float(
+                    subprocess.run(ping, capture_output=True, text=True, check=True, timeout=60).stdout
+                )
+            finally:
+                server.kill()
+        assert "netem" in qdiscs and "delay 20ms" in qdiscs and "tbf" in qdiscs
+        # Each host end delays its egress by d: a round trip crosses two of them.
+        assert 2 * delay <= rtt <= 2 * delay + 0.015, (
+            f"round trip {rtt * 1e3:.1f} ms at {delay * 1e3} ms one way"
+        )
+    else:
+        with pytest.raises(
+            NetemUnavailableError, match=r"--latency needs the kernel's netem qdisc \(sch_netem\)"
+        ):
+            network.__enter__()
+        # The probe is right: the qdisc really is unknown to this kernel.
+        with EmulatedNetwork(1, 10**8, tag="lat0") as plain:
+            added = subprocess.run(["tc", "-n", plain.namespaces[0], "qdisc", "add", "dev", "lo", "root", "netem",
+                                    "delay", "1ms"], capture_output=True, text=True)  # fmt: skip
+        assert added.returncode != 0 and "unknown" in added.stderr.lower()
+        _assert_removed(plain)
+    _assert_removed(network)
+    assert not [n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{os.getpid()}-probe")]

@@ -85,6 +85,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--latency", help="one-way delay added per message with --bandwidth, e.g. 1ms (needs sch_netem)"
     )
+    net.add_argument("--launcher", choices=("local", "torchrun"), default="local",
+                     help="local: one process per rank (default); torchrun: one torchrun agent per emulated "
+                     "host, c10d rendezvous on host 0 (needs --bandwidth)")  # fmt: skip
+    net.add_argument("--nodes", type=int, help="emulated hosts for --launcher torchrun (default: one per worker; "
+                     "--workers must be a multiple)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         if summary is None:
             return 0
     else:
-        summary = run_training(config)
+        summary = run_training(config, launcher=args.launcher, nodes=args.nodes)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, out))

@@ -1,22 +1,25 @@
-"""Real bandwidth-limited links between worker processes on one machine.
+"""Real bandwidth-limited links between emulated hosts on one machine.
 
-:class:`EmulatedNetwork` gives every rank its own network namespace, joined to a
-bridge inside a hub namespace by a veth pair::
+:class:`EmulatedNetwork` gives every emulated host its own network namespace, joined
+to a bridge inside a hub namespace by a veth pair::
 
-    gradsift-<pid>-w<r>: gs0 10.213.0.<r+1>/24 ──veth── p<r> ┐
-                                                             ├ br0 (gradsift-<pid>-hub)
-    gradsift-<pid>-w<s>: gs0 10.213.0.<s+1>/24 ──veth── p<s> ┘
+    gradsift-<pid>-h<i>: gs0 10.213.0.<i+1>/24 ──veth── gsh<i> ┐
+                                                               ├ br0 (gradsift-<pid>-hub)
+    gradsift-<pid>-h<j>: gs0 10.213.0.<j+1>/24 ──veth── gsh<j> ┘
 
-Both ends of every veth are shaped with a token bucket (``tc qdisc ... tbf rate R``):
-each worker has an R uplink and an R downlink, like a host on a switch. With a
-latency ``d`` the worker end gets ``netem delay d`` with the token bucket beneath it, so
-a message between two workers is delayed by ``d`` once. Nothing touches the root
-namespace: the /24 exists only inside our namespaces, so traffic can only reach
-loopback or our own namespaces, and concurrent runs (names carry the launcher's PID)
-cannot clash. Deleting a namespace deletes its veth ends and qdiscs, so cleanup is
-one ``ip netns del`` per namespace, done on exit, on exceptions (Ctrl-C; SIGTERM
-is turned into an exception by the launcher) and at interpreter exit;
-:func:`cleanup_stale` removes what a killed (SIGKILL) launcher left behind.
+The local launcher puts one rank on each host; the torchrun launcher one torchrun
+agent (with its ranks) on each host. Both ends of every veth are shaped with a token
+bucket (``tc qdisc ... tbf rate R``): each host has an R uplink and an R downlink, like
+a machine on a switch. With a latency ``d`` the host end gets ``netem delay d`` with the
+token bucket beneath it, so a message between two hosts is delayed by ``d`` once (a
+round trip by ``2 d``). Nothing touches the root namespace: the veths are created inside
+the hub namespace and the /24 exists only inside our namespaces, so traffic can only
+reach loopback or our own namespaces, and concurrent runs (names carry the launcher's
+PID) cannot clash. Deleting a namespace deletes its veth ends and qdiscs, so cleanup is
+one ``ip netns del`` per namespace (after killing what still runs inside), done on
+exit, on exceptions (Ctrl-C; SIGTERM is turned into an exception by the launcher) and
+at interpreter exit; :func:`cleanup_stale` removes what a killed (SIGKILL) launcher left
+behind.
 
 Every command runs as an argument list (never through a shell); rates and delays are
 validated and passed to ``tc`` as integers (``<n>bit``, ``<n>us``).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -110,42 +114,85 @@ def tbf_burst_bytes(rate_bps: int) -> int:
     return max(128 * 1024, rate_bps // 8 // 500)
 
 
-class EmulatedNetwork:
-    """Namespaces, veth pairs, bridge and qdiscs for ``workers`` ranks (a context manager).
+def kernel_has_netem() -> bool:
+    """Whether this kernel has the netem qdisc (``sch_netem``): probed by adding one to
+    the loopback of a throw-away namespace (``gradsift-<pid>-probe``), deleted after."""
+    missing = missing_prerequisites()
+    if missing:
+        raise NetemUnavailableError("probing the kernel's netem qdisc needs " + "; ".join(missing))
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    _run("ip", "netns", "add", probe)
+    try:
+        added = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                               capture_output=True, check=False)  # fmt: skip
+        return added.returncode == 0
+    finally:
+        delete_namespace(probe)
 
-    ``command_prefix(rank)`` and ``environment(rank)`` tell the launcher how to start
-    rank ``rank`` inside its namespace with torch.distributed pointed at rank 0.
+
+class EmulatedNetwork:
+    """Namespaces, veth pairs, bridge and qdiscs for ``hosts`` emulated hosts (a context manager).
+
+    ``command_prefix(host)`` and ``environment(host)`` tell a launcher how to start a
+    process inside host ``host``'s namespace with torch.distributed pointed at host 0;
+    ``address(host)`` is the host's IPv4 address.
     """
 
-    def __init__(self, workers: int, rate_bps: int, delay_s: float = 0.0, *, tag: str | None = None) -> None:
-        if not 1 <= workers <= 250:
-            raise InvalidOptionError(f"workers must lie in [1, 250] for network emulation, got {workers}")
-        self.workers = workers
+    def __init__(self, hosts: int, rate_bps: int, delay_s: float = 0.0, *, tag: str | None = None) -> None:
+        if not 1 <= hosts <= 250:
+            raise InvalidOptionError(f"hosts must lie in [1, 250] for network emulation, got {hosts}")
+        self.hosts = hosts
         self.rate_bps = rate_bps
         self.delay_s = delay_s
         base = f"{PREFIX}{os.getpid()}{'-' + tag if tag else ''}"
         self.hub = f"{base}-hub"
-        self.namespaces = [f"{base}-w{rank}" for rank in range(workers)]
+        self.namespaces = [f"{base}-h{host}" for host in range(hosts)]
         self._created: list[str] = []
 
-    def address(self, rank: int) -> str:
-        """Rank ``rank``'s IPv4 address (inside its namespace only)."""
-        return f"{SUBNET}.{rank + 1}"
+    def address(self, host: int) -> str:
+        """Host ``host``'s IPv4 address (inside our namespaces only)."""
+        return f"{SUBNET}.{host + 1}"
 
-    def command_prefix(self, rank: int) -> list[str]:
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+    def hub_port(self, host: int) -> str:
+        """Name of the hub-side veth end of host ``host`` (in the hub namespace)."""
+        return f"gsh{host}"
 
-    def environment(self, rank: int) -> dict[str, str]:
+    def links(self) -> list[tuple[str, str]]:
+        """Every ``(namespace, device)`` veth end this network creates."""
+        return [(self.hub, self.hub_port(h)) for h in range(self.hosts)] + [
+            (namespace, WORKER_IFNAME) for namespace in self.namespaces
+        ]
+
+    def command_prefix(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[host]]
+
+    def environment(self, host: int) -> dict[str, str]:
         return {
             "MASTER_ADDR": self.address(0),
             "MASTER_PORT": str(MASTER_PORT),
             "GLOO_SOCKET_IFNAME": WORKER_IFNAME,
         }
 
+    def link_counters(self) -> list[dict[str, object]]:
+        """Per host: namespace, address and the bytes its ``gs0`` received and sent so far
+        (the kernel's counters of the veth end: what the host's NIC saw, headers included)."""
+        counters = []
+        for host, namespace in enumerate(self.namespaces):
+            shown = json.loads(_run("ip", "-n", namespace, "-s", "-j", "link", "show", "dev", WORKER_IFNAME))
+            stats = shown[0]["stats64"]
+            counters.append({"host": host, "namespace": namespace, "address": self.address(host),
+                             "rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]})  # fmt: skip
+        return counters
+
     def __enter__(self) -> EmulatedNetwork:
         missing = missing_prerequisites()
         if missing:
             raise NetemUnavailableError("network emulation (--bandwidth) needs " + "; ".join(missing))
+        if self.delay_s > 0 and not kernel_has_netem():
+            raise NetemUnavailableError(
+                "--latency needs the kernel's netem qdisc (sch_netem), which this kernel lacks "
+                "(load it with `modprobe sch_netem`, or run without --latency)"
+            )
         atexit.register(self.close)
         try:
             self._build()
@@ -166,53 +213,27 @@ class EmulatedNetwork:
         self._add_namespace(self.hub)
         _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.hub, "link", "set", "br0", "up")
-        for rank, namespace in enumerate(self.namespaces):
+        for host, namespace in enumerate(self.namespaces):
             self._add_namespace(namespace)
-            port = f"p{rank}"
-            _run(
-                "ip",
-                "-n",
-                self.hub,
-                "link",
-                "add",
-                port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                WORKER_IFNAME,
-                "netns",
-                namespace,
-            )
+            port = self.hub_port(host)
+            _run("ip", "-n", self.hub, "link", "add", port, "type", "veth",
+                 "peer", "name", WORKER_IFNAME, "netns", namespace)  # fmt: skip
             _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
             _run("ip", "-n", self.hub, "link", "set", port, "up")
-            _run("ip", "-n", namespace, "addr", "add", f"{self.address(rank)}/24", "dev", WORKER_IFNAME)
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", WORKER_IFNAME)
             _run("ip", "-n", namespace, "link", "set", WORKER_IFNAME, "up")
             self._shape(namespace, WORKER_IFNAME, self.delay_s)
             self._shape(self.hub, port, 0.0)
 
     def _shape(self, namespace: str, device: str, delay_s: float) -> None:
         """``tbf rate R`` on ``device``'s egress, under ``netem delay d`` when ``d > 0``."""
-        tbf = [
-            "tbf",
-            "rate",
-            f"{self.rate_bps}bit",
-            "burst",
-            str(tbf_burst_bytes(self.rate_bps)),
-            "latency",
-            "100ms",
-        ]
+        tbf = ["tbf", "rate", f"{self.rate_bps}bit", "burst", str(tbf_burst_bytes(self.rate_bps)),
+               "latency", "100ms"]  # fmt: skip
         qdisc = ["tc", "-n", namespace, "qdisc", "add", "dev", device]
         if delay_s <= 0:
             _run(*qdisc, "root", "handle", "1:", *tbf)
             return
-        try:
-            _run(*qdisc, "root", "handle", "1:", "netem", "delay", f"{round(delay_s * 1e6)}us")
-        except NetemUnavailableError as error:
-            raise NetemUnavailableError(
-                f"--latency needs the kernel's netem qdisc (sch_netem), which this kernel lacks "
-                f"(load it with `modprobe sch_netem`, or run without --latency): {error}"
-            ) from error
+        _run(*qdisc, "root", "handle", "1:", "netem", "delay", f"{round(delay_s * 1e6)}us")
         _run(*qdisc, "parent", "1:1", "handle", "10:", *tbf)
 
     def close(self) -> None:
