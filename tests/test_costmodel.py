@@ -1,4 +1,4 @@
-"""Cost model: ring allreduce vs sparse allgather step times and their crossover."""
+"""Cost model: the traffic of every collective and exchange, step times and crossovers."""
 
 import itertools
 import math
@@ -7,11 +7,87 @@ import numpy as np
 import pytest
 
 from gradsift.costmodel import (
+    Traffic,
+    all_to_all,
     allgather_crossover_workers,
     allgather_seconds,
+    allgather_traffic,
+    binomial_broadcast,
+    crossover_workers,
+    dense_allreduce_traffic,
+    powersgd_traffic,
     predict_step_time,
+    ring_allgather,
+    ring_allreduce,
     ring_allreduce_seconds,
+    shared_mask_traffic,
+    sparse_reduce_scatter_traffic,
 )
+
+
+def _fields(traffic: Traffic) -> tuple[float, float, float]:
+    return (float(traffic.received_bytes), float(traffic.path_bytes), float(traffic.hops))
+
+
+def test_collectives_on_hand_computed_values():
+    assert _fields(ring_allreduce(1e8, 4)) == pytest.approx((1.5e8, 1.5e8, 6))  # 2 * 3/4 * S, 2 (P-1)
+    assert _fields(ring_allgather(1e6, 4)) == pytest.approx((3e6, 3e6, 3))
+    assert _fields(all_to_all(5e5, 4)) == pytest.approx((5e5, 5e5, 1))
+    assert _fields(binomial_broadcast(1e6, 5)) == pytest.approx((1e6, 3e6, 3))  # ceil(log2 5) = 3 rounds
+    assert _fields(binomial_broadcast(1e6, 1)) == (0.0, 0.0, 0.0)
+    assert (ring_allreduce(1e6, 2) + ring_allgather(1e3, 2)).seconds(1e6, 1e-3) == pytest.approx(
+        1.001 + 0.003
+    )
+
+
+def test_exchanges_on_hand_computed_values():
+    # n = 1e6 fp32 values on 8 workers: 2 * 7/8 * 4e6 bytes, 14 latencies.
+    assert _fields(dense_allreduce_traffic(1e6, 8)) == pytest.approx((7e6, 7e6, 14))
+    # k = 1e4 entries of 8 bytes and an 8-byte header from each of the 7 others.
+    assert _fields(allgather_traffic(1e4, 8)) == pytest.approx((7 * (8e4 + 8),) * 2 + (14,))
+    # counts 4*7 + entries 7/8 * 1e4 * 8 + header 7*8 + slices 7 * 1250 * 8; 1 + 1 + 7 + 7 latencies.
+    balanced = 28 + 70_000 + 56 + 70_000
+    assert _fields(sparse_reduce_scatter_traffic(1e4, 8)) == pytest.approx((balanced, balanced, 16))
+    # load 2 and kept 2: the 4 k (P-1)/P entries bound (plus the 84 bytes of counts and headers).
+    assert float(sparse_reduce_scatter_traffic(1e4, 8, load=2, kept=2).received_bytes) == pytest.approx(
+        4 * 1e4 * 7 / 8 * 8 + 84
+    )
+    # 4e4 index bytes broadcast in ceil(log2 8) = 3 rounds, then 2 * 7/8 * 4e4 value bytes.
+    assert _fields(shared_mask_traffic(1e4, 8)) == pytest.approx((4e4 + 7e4, 3 * 4e4 + 7e4, 3 + 14))
+    assert _fields(shared_mask_traffic(1e4, 8, index_bytes=0)) == pytest.approx((7e4, 7e4, 17))
+    # rows 120 and cols 80 at rank 2 (960 and 640 bytes) and 10 dense values, each * 2 * 3/4.
+    powersgd = powersgd_traffic([(100, 50), (20, 30)], 2, 4, vector_numel=10)
+    assert _fields(powersgd) == pytest.approx((2460, 2460, 18))
+    assert shared_mask_traffic(1e4, 8).seconds(1e6, 1e-3) == pytest.approx(0.19 + 0.017)
+
+
+def test_traffic_of_an_array_of_worker_counts_matches_each_count():
+    workers = np.array([2, 3, 64, 1000])
+    together = sparse_reduce_scatter_traffic(1e4, workers, load=1.5) + shared_mask_traffic(1e4, workers)
+    for i, p in enumerate(workers.tolist()):
+        alone = sparse_reduce_scatter_traffic(1e4, p, load=1.5) + shared_mask_traffic(1e4, p)
+        assert together.path_bytes[i] == pytest.approx(alone.path_bytes)
+        assert together.hops[i] == pytest.approx(alone.hops)
+
+
+def test_crossovers_against_dense_fp32_at_one_percent():
+    n, k = 1e6, 1e4
+    dense = lambda p: dense_allreduce_traffic(n, p)  # noqa: E731
+    # (P-1) (8k + 8) < 2 (P-1)/P 4n  <=>  P < 8n / (8k + 8) = 99.99: the allgather pays up to 99
+    # workers, at any bandwidth and latency (both exchanges take 2 (P-1) latencies).
+    for bandwidth, latency in [(1.25e8, 0.0), (1.25e10, 1e-4)]:
+        got = crossover_workers(
+            lambda p: allgather_traffic(k, p), dense, bandwidth=bandwidth, latency=latency
+        )
+        assert got == 100
+    # The flat exchanges still pay at 2**20 workers (25.6M parameters, 10 us per message).
+    for bandwidth in (1.25e8, 1.25e9, 1.25e10):
+        for flat in (sparse_reduce_scatter_traffic, shared_mask_traffic):
+            exchange = lambda p, flat=flat: flat(0.01 * 25.6e6, p)  # noqa: E731
+            baseline = lambda p: dense_allreduce_traffic(25.6e6, p)  # noqa: E731
+            assert crossover_workers(exchange, baseline, bandwidth=bandwidth, latency=1e-5) is None
+    # A "mask" of every element costs the dense allreduce plus the broadcast: it never pays.
+    assert crossover_workers(lambda p: shared_mask_traffic(n, p), dense, bandwidth=1e9, limit=1000) == 2
 
 
 def test_formulas_on_hand_computed_values():
@@ -47,7 +123,9 @@ def _first_n_from_which_sparse_never_pays(model, message, bw, latency, compress,
 
 @pytest.mark.parametrize(
     ("model", "message", "latency", "compress"),
-    list(itertools.product([1e6, 1e8], [1e4, 1e5, 4e5], [0.0, 1e-5], [0.0, 1e-3, 0.05])),
+    # message sizes that do not divide 2 * model: no exact tie between the two times, whose
+    # float rounding would decide the answer
+    list(itertools.product([1e6, 1e8], [1.1e4, 1.1e5, 4.3e5], [0.0, 1e-5], [0.0, 1e-3, 0.05])),
 )
 def test_crossover_matches_brute_force(model, message, latency, compress):
     bw = 1.25e9  # 10 Gbit/s
@@ -56,6 +134,9 @@ def test_crossover_matches_brute_force(model, message, latency, compress):
         model_nbytes=model, message_nbytes=message, bandwidth=bw, latency=latency, compress_seconds=compress
     )
     assert got == expected
+    scanned = crossover_workers(lambda p: ring_allgather(message, p), lambda p: ring_allreduce(model, p),
+                                bandwidth=bw, latency=latency, compress_seconds=compress, limit=10**5)  # fmt: skip
+    assert scanned == expected
 
 
 def test_crossover_example_and_latency_dominated_cases():
@@ -92,6 +173,15 @@ def test_crossover_example_and_latency_dominated_cases():
         (
             lambda: allgather_crossover_workers(model_nbytes=1, message_nbytes=-1, bandwidth=1),
             "message_nbytes",
+        ),
+        (lambda: ring_allgather(1e3, np.array([2.0, 4.0])), "workers must be integers"),
+        (lambda: sparse_reduce_scatter_traffic(1e3, 4, load=0.5), "load"),
+        (lambda: powersgd_traffic([(3, 0)], 1, 4), "cols"),
+        (
+            lambda: crossover_workers(
+                lambda p: ring_allgather(1, p), lambda p: ring_allreduce(1, p), bandwidth=0
+            ),
+            "bandwidth",
         ),
     ],
 )

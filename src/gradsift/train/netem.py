@@ -174,15 +174,9 @@ class EmulatedNetwork:
         }
 
     def link_counters(self) -> list[dict[str, object]]:
-        """Per host: namespace, address and the bytes its ``gs0`` received and sent so far
-        (the kernel's counters of the veth end: what the host's NIC saw, headers included)."""
-        counters = []
-        for host, namespace in enumerate(self.namespaces):
-            shown = json.loads(_run("ip", "-n", namespace, "-s", "-j", "link", "show", "dev", WORKER_IFNAME))
-            stats = shown[0]["stats64"]
-            counters.append({"host": host, "namespace": namespace, "address": self.address(host),
-                             "rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]})  # fmt: skip
-        return counters
+        """Per host: namespace, address and :func:`link_counters` of its ``gs0``."""
+        return [{"host": host, "namespace": namespace, "address": self.address(host), **link_counters(namespace)}
+                for host, namespace in enumerate(self.namespaces)]  # fmt: skip
 
     def __enter__(self) -> EmulatedNetwork:
         missing = missing_prerequisites()
@@ -241,6 +235,14 @@ class EmulatedNetwork:
         while self._created:
             delete_namespace(self._created.pop())
         atexit.unregister(self.close)
+
+
+def link_counters(namespace: str, device: str = WORKER_IFNAME) -> dict[str, int]:
+    """``rx_bytes`` and ``tx_bytes`` the kernel counted on ``device`` in ``namespace`` so far:
+    what that host's NIC saw, Ethernet/IP/TCP headers included."""
+    shown = json.loads(_run("ip", "-n", namespace, "-s", "-j", "link", "show", "dev", device))
+    stats = shown[0]["stats64"]
+    return {"rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"])}
 
 
 def delete_namespace(name: str) -> None:
