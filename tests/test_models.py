@@ -9,7 +9,13 @@ from torch import nn
 from gradsift.errors import InvalidOptionError
 from gradsift.train.models import MODELS, RowLSTM, build_model, parameter_count
 
-EXPECTED_PARAMETERS = {"resnet20": 272_186, "vgg": 1_330_410, "lstm": 81_674, "mlp": 235_146}
+EXPECTED_PARAMETERS = {
+    "resnet20": 272_186,
+    "vgg": 1_330_410,
+    "lstm": 81_674,
+    "mlp": 235_146,
+    "mlp-wide": 1_863_690,
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -66,6 +72,6 @@ def test_lstm_matches_torch_lstm_cell_equations() -> None:
 
 def test_unknown_model_lists_the_choices() -> None:
     with pytest.raises(
-        InvalidOptionError, match="model must be one of resnet20, vgg, lstm, mlp; got 'alexnet'"
+        InvalidOptionError, match="model must be one of resnet20, vgg, lstm, mlp, mlp-wide; got 'alexnet'"
     ):
         build_model("alexnet")

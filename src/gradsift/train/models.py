@@ -13,6 +13,8 @@ lstm       81 674      one LSTM layer (hidden 128) over the 28 image rows, writt
                        explicit cell of two ``nn.Linear`` gate maps so per-layer hooks
                        (VGC's variance) see Linear modules; classifier on the last state
 mlp        235 146     784 -> 256 -> 128 -> 10 with ReLU
+mlp-wide   1 863 690   784 -> 1024 -> 1024 -> 10 with ReLU: many parameters per unit of
+                       compute, for communication-bound runs (benchmarks/scaling)
 =========  ==========  ===================================================================
 """
 
@@ -121,7 +123,17 @@ def mlp() -> nn.Sequential:
     )  # fmt: skip
 
 
-MODELS = {"resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp}
+def mlp_wide() -> nn.Sequential:
+    """784 -> 1024 -> 1024 -> 10 with ReLU."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(IMAGE_SIDE * IMAGE_SIDE, 1024), nn.ReLU(),
+        nn.Linear(1024, 1024), nn.ReLU(),
+        nn.Linear(1024, NUM_CLASSES),
+    )  # fmt: skip
+
+
+MODELS = {"resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp, "mlp-wide": mlp_wide}
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:

@@ -1,0 +1,197 @@
+"""Measured scaling runs beside gradsift.costmodel: calibration, error per point, plot.
+
+Reads ``results/*.json`` (written by run.py). For every shaped run it builds the cost
+model's :class:`~gradsift.costmodel.Traffic` of the run's exchange, summed over DDP's
+buckets of ``mlp-wide`` (1 059 850 and 803 840 elements: DDP's 1 MB first bucket and
+25 MB cap), at the run's achieved density (an allgather padded to its measured
+padded/sent ratio). Then:
+
+- nominal prediction: ``C / bw`` with bw = the shaped rate, no latency;
+- calibration: least squares of the measured communicate medians of the dense runs
+  (fp32, bf16) on ``C / bw_eff + H L_eff``; the fitted model is then validated on the
+  runs it did not see (the allgather, the new exchanges);
+- step prediction: the localhost run's step (same configuration, no shaping: the
+  CPU-bound floor) plus the calibrated communication;
+- the NIC's received bytes per step against the model's ``R``.
+
+    python benchmarks/scaling/analyze.py      # writes analysis.json, plots/measured_vs_model.png, prints tables
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gradsift.costmodel import (
+    Traffic,
+    allgather_traffic,
+    dense_allreduce_traffic,
+    shared_mask_traffic,
+    sparse_reduce_scatter_traffic,
+)
+from gradsift.train.netem import parse_rate
+
+HERE = Path(__file__).resolve().parent
+BUCKETS = (
+    1_059_850,
+    803_840,
+)  # DDP's buckets of mlp-wide (torch.distributed._compute_bucket_assignment_by_size)
+DENSE_VALUE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+#: exchange name -> cost-model family (names of the hook's ``exchange=`` option)
+FAMILIES = {
+    "allreduce": "allreduce",
+    "allgather": "allgather",
+    "reduce-scatter": "reduce-scatter",
+    "sparse-reduce-scatter": "reduce-scatter",
+    "shared-mask": "shared-mask",
+}
+
+
+def family(result: dict) -> str:
+    """Which cost model a run's exchange follows."""
+    if result["exchange"] is not None:
+        return FAMILIES[result["exchange"]]
+    return "allreduce" if result["compressor"] in DENSE_VALUE_BYTES else "allgather"
+
+
+def traffic(result: dict) -> Traffic:
+    """The model's traffic of one run's step, summed over the buckets."""
+    workers, means = result["workers"], result["means"]
+    kind = family(result)
+    total = Traffic(0.0, 0.0, 0.0)
+    for numel in BUCKETS:
+        k = means["density"] * numel
+        if kind == "allreduce":
+            total += dense_allreduce_traffic(
+                numel, workers, value_bytes=DENSE_VALUE_BYTES.get(result["compressor"], 4)
+            )
+        elif kind == "allgather":
+            total += allgather_traffic(k * means["bytes_padded"] / means["bytes_sent"], workers)
+        elif kind == "reduce-scatter":
+            total += sparse_reduce_scatter_traffic(k, workers)
+        else:
+            total += shared_mask_traffic(k, workers)
+    return total
+
+
+def load(results: Path) -> tuple[list[dict], dict[tuple[str, int], dict]]:
+    """(shaped runs, localhost runs by (label, workers))."""
+    shaped, floor = [], {}
+    for path in sorted(results.glob("*.json")):
+        result = json.loads(path.read_text())
+        if result["bandwidth"] is None:
+            floor[(result["label"], result["workers"])] = result
+        else:
+            shaped.append(result)
+    return shaped, floor
+
+
+def calibrate(points: list[dict]) -> tuple[float, float]:
+    """Least-squares ``(bw_eff bytes/s, L_eff s)`` of ``t = C / bw_eff + H L_eff`` on ``points``."""
+    design = np.array([[float(p["model"].path_bytes), float(p["model"].hops)] for p in points])
+    measured = np.array([p["medians"]["communicate_s"] for p in points])
+    (inverse_bandwidth, latency), *_ = np.linalg.lstsq(design, measured, rcond=None)
+    return 1.0 / inverse_bandwidth, max(0.0, float(latency))
+
+
+def main() -> int:
+    shaped, floor = load(HERE / "results")
+    for point in shaped:
+        point["model"] = traffic(point)
+    dense = [p for p in shaped if family(p) == "allreduce"]
+    bandwidth_eff, latency_eff = calibrate(dense)
+    rows = []
+    for p in sorted(shaped, key=lambda p: (p["label"], p["workers"])):
+        nominal = float(p["model"].seconds(parse_rate(p["bandwidth"]) / 8))
+        calibrated = float(p["model"].seconds(bandwidth_eff, latency_eff))
+        measured = p["medians"]["communicate_s"]
+        row = {
+            "label": p["label"], "workers": p["workers"], "fitted_on": family(p) == "allreduce",
+            "step_s": p["medians"]["step_s"], "communicate_s": measured,
+            "predicted_communicate_nominal_s": nominal, "predicted_communicate_calibrated_s": calibrated,
+            "error_nominal": nominal / measured - 1, "error_calibrated": calibrated / measured - 1,
+            "model_received_bytes": float(p["model"].received_bytes),
+            "hook_bytes_received": p["means"].get("bytes_received"),
+            "final_test_accuracy": p["final_test_accuracy"],
+            "load_average_before": p["load_average_before"][0], "load_average_after": p["load_average_after"][0],
+        }  # fmt: skip
+        if "nic_per_step" in p:
+            row["nic_rx_bytes_mean"] = float(np.mean([h["rx_bytes"] for h in p["nic_per_step"]]))
+            row["nic_over_model"] = row["nic_rx_bytes_mean"] / row["model_received_bytes"]
+        control = floor.get((p["label"], p["workers"]))
+        if control is not None:
+            row["localhost_step_s"] = control["medians"]["step_s"]
+            row["predicted_step_s"] = control["medians"]["step_s"] + calibrated
+            row["error_step"] = row["predicted_step_s"] / row["step_s"] - 1
+            row["link_share"] = 1 - control["medians"]["step_s"] / row["step_s"]
+        rows.append(row)
+    analysis = {"calibration": {"bandwidth_bytes_per_s": bandwidth_eff, "bandwidth_mbit": bandwidth_eff * 8 / 1e6,
+                                "latency_per_message_s": latency_eff, "fitted_on": "dense allreduce runs (fp32, bf16)"},
+                "buckets": list(BUCKETS), "points": rows}  # fmt: skip
+    (HERE / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
+    print(table(analysis))
+    plot(rows, HERE / "plots" / "measured_vs_model.png")
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.0f}%"
+
+
+def table(analysis: dict) -> str:
+    c = analysis["calibration"]
+    lines = [
+        f"calibration on the dense runs: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
+        f"L_eff = {c['latency_per_message_s'] * 1e3:.2f} ms per message",
+        "",
+        "| series | P | step ms | localhost step ms | link share | communicate ms | model nominal ms (err) "
+        "| model calibrated ms (err) | predicted step ms (err) | NIC rx / model R | accuracy | load before/after |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in analysis["points"]:
+        fitted = " (fit)" if r["fitted_on"] else ""
+        lines.append(
+            f"| {r['label']}{fitted} | {r['workers']} | {_ms(r['step_s'])} | {_ms(r.get('localhost_step_s'))} | "
+            f"{_pct(r.get('link_share')).lstrip('+')} | {_ms(r['communicate_s'])} | "
+            f"{_ms(r['predicted_communicate_nominal_s'])} ({_pct(r['error_nominal'])}) | "
+            f"{_ms(r['predicted_communicate_calibrated_s'])} ({_pct(r['error_calibrated'])}) | "
+            f"{_ms(r.get('predicted_step_s'))} ({_pct(r.get('error_step'))}) | "
+            f"{r.get('nic_over_model', float('nan')):.3f} | {r['final_test_accuracy']:.4f} | "
+            f"{r['load_average_before']:.1f}/{r['load_average_after']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.6))
+    for label in sorted({r["label"] for r in rows}):
+        series = sorted((r for r in rows if r["label"] == label), key=lambda r: r["workers"])
+        workers = [r["workers"] for r in series]
+        line = axis.plot(
+            workers, [r["communicate_s"] * 1e3 for r in series], "o-", label=f"{label} measured"
+        )[0]
+        axis.plot(workers, [r["predicted_communicate_calibrated_s"] * 1e3 for r in series], "x--",
+                  color=line.get_color(), label=f"{label} model")  # fmt: skip
+    axis.set(xscale="log", yscale="log", xlabel="workers (100 Mbit/s each)", ylabel="communicate per step (ms)",
+             title="mlp-wide, measured medians vs calibrated cost model")  # fmt: skip
+    axis.set_xticks([2, 4, 8, 16], labels=["2", "4", "8", "16"])
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
