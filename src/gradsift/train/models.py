@@ -20,6 +20,8 @@ mlp-wide   1 863 690   784 -> 1024 -> 1024 -> 10 with ReLU: many parameters per 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -113,24 +115,23 @@ class RowLSTM(nn.Module):
         return self.head(h)
 
 
+def perceptron(*widths: int) -> nn.Sequential:
+    """784 -> ``widths`` -> 10, fully connected, ReLU between the layers."""
+    sizes = [IMAGE_SIDE * IMAGE_SIDE, *widths]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for fan_in, fan_out in itertools.pairwise(sizes):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(sizes[-1], NUM_CLASSES))
+
+
 def mlp() -> nn.Sequential:
     """784 -> 256 -> 128 -> 10 with ReLU."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(IMAGE_SIDE * IMAGE_SIDE, 256), nn.ReLU(),
-        nn.Linear(256, 128), nn.ReLU(),
-        nn.Linear(128, NUM_CLASSES),
-    )  # fmt: skip
+    return perceptron(256, 128)
 
 
 def mlp_wide() -> nn.Sequential:
     """784 -> 1024 -> 1024 -> 10 with ReLU."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(IMAGE_SIDE * IMAGE_SIDE, 1024), nn.ReLU(),
-        nn.Linear(1024, 1024), nn.ReLU(),
-        nn.Linear(1024, NUM_CLASSES),
-    )  # fmt: skip
+    return perceptron(1024, 1024)
 
 
 MODELS = {"resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp, "mlp-wide": mlp_wide}
