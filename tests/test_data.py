@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from gradsift.errors import InvalidOptionError
-from gradsift.train import data
+from gradsift.train import data, datasets, text
 from gradsift.train.data import DatasetError, find_dataset_dir, load_split, read_idx, shard_indices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,3 +150,80 @@ def test_synthetic_data_is_seeded_and_learnable_by_row_bands() -> None:
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
     band_means = a.images[:, 0].mean(dim=2).reshape(64, 28)[:, :30:3]  # first row of every band
     assert torch.equal(band_means.argmax(dim=1), a.labels)
+
+
+# -- the language model's text -------------------------------------------------------------
+
+
+def write_py_files(directory: Path, count: int, size: int = 300) -> list[bytes]:
+    contents = []
+    for i in range(count):
+        content = f"# file {i}\n".encode() + bytes([65 + (i + j) % 26 for j in range(size)])
+        (directory / f"mod{i:02d}.py").write_bytes(content)
+        contents.append(content)
+    (directory / "notes.txt").write_bytes(b"not python")  # ignored: not *.py
+    (directory / "pkg").mkdir()
+    (directory / "pkg" / "inner.py").write_bytes(b"ignored: not top level")
+    return contents
+
+
+def test_text_corpus_split_by_file_windows_and_digest(tmp_path: Path) -> None:
+    contents = write_py_files(tmp_path, 12)
+    train, evaluation, corpus = text.load_text(tmp_path)
+    # sorted names mod00..mod11: index 9 validates (i % 10 == 9), the other 11 train
+    assert (corpus.train_files, corpus.validation_files) == (11, 1)
+    train_bytes = b"".join(c for i, c in enumerate(contents) if i != 9)
+    assert (corpus.train_bytes, corpus.validation_bytes) == (len(train_bytes), len(contents[9]))
+    digest = hashlib.sha256()
+    for i in [*(i for i in range(12) if i != 9), 9]:
+        digest.update(f"mod{i:02d}.py".encode() + b"\0" + contents[i])
+    assert corpus.sha256 == digest.hexdigest()
+    assert corpus.sha256 in corpus.describe()
+    # windows of CONTEXT + 1 bytes every CONTEXT bytes: input/target shifted by one byte
+    context = text.CONTEXT
+    assert len(train) == (len(train_bytes) - 1) // context
+    inputs, targets = train[torch.tensor([0, 2])]
+    assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == (2, context)
+    assert bytes(inputs[1].tolist()) == train_bytes[2 * context : 3 * context]
+    assert bytes(targets[1].tolist()) == train_bytes[2 * context + 1 : 3 * context + 1]
+    assert len(evaluation) == (len(contents[9]) - 1) // context
+
+
+def test_eval_subset_is_evenly_spaced_and_capped() -> None:
+    windows = torch.arange(1000).unsqueeze(1)
+    assert text.eval_subset(windows, 5).view(-1).tolist() == [0, 250, 500, 749, 999]
+    assert torch.equal(text.eval_subset(windows[:3], 5), windows[:3])
+
+
+def test_text_corpus_errors_name_the_problem(tmp_path: Path) -> None:
+    write_py_files(tmp_path, 9)
+    with pytest.raises(DatasetError, match="holds 9 \\*.py files; the text corpus needs at least 10"):
+        text.load_text(tmp_path)
+    with pytest.raises(DatasetError, match="shorter than one window"):
+        text.windows_of(b"x" * text.CONTEXT)
+
+
+def test_stdlib_corpus_is_this_pythons_top_level_modules() -> None:
+    files = text.corpus_files(text.stdlib_dir())
+    assert len(files) >= 10 and files == sorted(files)
+    assert all(f.parent == text.stdlib_dir() and f.suffix == ".py" for f in files)
+
+
+def test_synthetic_text_is_seeded_and_predictable() -> None:
+    a, b, c = text.synthetic_text(4096, 0), text.synthetic_text(4096, 0), text.synthetic_text(4096, 1)
+    assert a == b != c and len(a) == 4096
+    # a first-order word chain over 16 words: after "w0a " comes one of two words
+    successors = {a[i + 4 : i + 6] for i in range(len(a) - 6) if a[i : i + 4] == b"w0a "}
+    assert len(successors) == 2
+
+
+def test_each_model_gets_its_data(tmp_path: Path) -> None:
+    images, _, source = datasets.load_for_model("vgg", None, synthetic=True, seed=0)
+    assert source == "synthetic" and len(images) == datasets.examples_for_model("vgg", synthetic=True) == 1024
+    windows, evaluation, source = datasets.load_for_model("gpt", None, synthetic=True, seed=0)
+    assert source == "synthetic-text" and len(evaluation) <= text.EVAL_WINDOWS
+    assert (
+        len(windows) == datasets.examples_for_model("gpt", synthetic=True) == (64 * 1024 - 1) // text.CONTEXT
+    )
+    write_py_files(tmp_path, 10)
+    assert datasets.examples_for_model("gpt", tmp_path) == len(text.load_text(tmp_path)[0])

@@ -19,8 +19,11 @@ def mixed_scale_gradient(numel: int, seed: int = 1) -> torch.Tensor:
     return x * torch.logspace(-2, 1, numel, dtype=torch.float64)[torch.randperm(numel, generator=gen)]
 
 
-def assert_unbiased(compressor, x: torch.Tensor, variance: torch.Tensor, draws: int) -> None:
-    """Mean of ``draws`` compressions vs ``x``, given each element's exact variance.
+def assert_unbiased(
+    compressor, x: torch.Tensor, variance: torch.Tensor, draws: int, expected: torch.Tensor | None = None
+) -> None:
+    """Mean of ``draws`` compressions of ``x`` vs ``expected`` (default ``x``), given each
+    element's exact variance.
 
     The error of the mean of element i has variance ``variance_i / draws``; its sum of
     squares has expectation ``sum(variance) / draws`` and relative spread about
@@ -30,6 +33,7 @@ def assert_unbiased(compressor, x: torch.Tensor, variance: torch.Tensor, draws: 
     """
     payloads = [compressor.compress(x) for _ in range(draws)]
     mean = compressor.decompress(payloads, x.numel())
+    x = x if expected is None else expected
     error = mean - x
     ratio = float(error.square().sum() / (variance.sum() / draws))
     assert 0.85 < ratio < 1.15, ratio
@@ -54,12 +58,42 @@ def test_qsgd_is_unbiased_with_the_derived_variance():
     assert_unbiased(compressor, x, step.square() * fraction * (1 - fraction), draws=400)
 
 
-def test_terngrad_is_unbiased_with_the_derived_variance():
+def test_terngrad_without_clipping_is_unbiased_with_the_derived_variance():
     x = mixed_scale_gradient(2000, seed=2)
     x[::101] = 0.0
     scale = x.abs().max()
-    compressor = gradsift.get_compressor("terngrad", seed=5)
+    compressor = gradsift.get_compressor("terngrad", clip=None, seed=5)
     assert_unbiased(compressor, x, x.abs() * (scale - x.abs()), draws=400)
+
+
+def test_terngrad_clipping_hand_computed():
+    # 15 elements +-1 and one 7: mean(x^2) = (15 + 49) / 16 = 4, sigma = 2, so the
+    # paper's c = 2.5 clips at 5: h = (+-1, ..., 5) and the scale is 5, not 7.
+    x = torch.tensor([1.0, -1.0] * 7 + [1.0, 7.0])
+    compressor = gradsift.get_compressor("terngrad")
+    assert compressor.clip == 2.5
+    expected = x.clone()
+    expected[-1] = 5.0
+    assert torch.equal(compressor.clipped(x), expected)
+    assert compressor.compress(x).scales.tolist() == [5.0]
+    # c = 1 clips at 2; without clipping the scale stays the maximum
+    assert gradsift.get_compressor("terngrad", clip=1.0).compress(x).scales.tolist() == [2.0]
+    assert gradsift.get_compressor("terngrad", clip=None).compress(x).scales.tolist() == [7.0]
+    # the same bound for the negated tensor (clipping is symmetric about zero)
+    assert torch.equal(compressor.clipped(-x), -expected)
+
+
+def test_terngrad_is_unbiased_for_the_clipped_gradient_with_less_variance():
+    x = mixed_scale_gradient(2000, seed=2)
+    compressor = gradsift.get_compressor("terngrad", seed=5)
+    bound = 2.5 * x.square().mean().sqrt()
+    clipped = x.clamp(-bound, bound)
+    assert int((x.abs() > bound).sum()) > 10  # the heavy tail is cut
+    scale = clipped.abs().max()
+    variance = clipped.abs() * (scale - clipped.abs())
+    assert_unbiased(compressor, x, variance, draws=400, expected=clipped)
+    unclipped_variance = x.abs() * (x.abs().max() - x.abs())
+    assert float(variance.sum()) < 0.5 * float(unclipped_variance.sum())
 
 
 def test_qsgd_exact_when_levels_hit_integers():
@@ -206,6 +240,7 @@ def test_integer_tensor_is_a_type_error(name):
         ("qsgd", {"levels": True}, "levels must be an integer"),
         ("qsgd", {"bucket_size": 0}, "bucket_size must lie in"),
         ("terngrad", {"seed": -1}, "seed must lie in"),
+        ("terngrad", {"clip": 0.0}, "clip must lie in"),
         ("qsgd", {"seed": "7"}, "seed must be an integer"),
         ("signsgd", {"ratio": 0.1}, "no option.*ratio"),
         ("terngrad", {"levels": 3}, "no option.*levels.*seed"),

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gradsift.errors import InvalidOptionError
-from gradsift.train.config import TrainConfig
-from gradsift.train.data import train_size
+from gradsift.train.config import LR_SCHEDULES, TrainConfig
+from gradsift.train.datasets import examples_for_model
 from gradsift.train.models import MODELS
 
 EPILOG = """\
@@ -63,6 +63,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--lr", type=float, default=0.05, help="peak learning rate of SGD (default: 0.05)")
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
+    run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="step",
+                     help="after the warm-up: step (multiply by --decay-factor at --decay-steps; default) "
+                     "or cosine (from --lr down to 0 at the last step)")  # fmt: skip
     run.add_argument("--decay-steps", type=_int_list, default=[], metavar="S1,S2",
                      help="steps where the learning rate is multiplied by --decay-factor")  # fmt: skip
     run.add_argument("--decay-factor", type=float, default=0.1, help="step decay factor (default: 0.1)")
@@ -75,8 +78,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--target-accuracy", type=float, help="report time_to_accuracy_s for this test accuracy (0-1)"
     )
+    run.add_argument("--target-loss", type=float,
+                     help="report time_to_loss_s for this evaluation loss (the language model's target)")  # fmt: skip
     run.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
-    run.add_argument("--data-dir", help="directory with the Fashion-MNIST IDX files (default: search path)")
+    run.add_argument("--data-dir", help="Fashion-MNIST IDX files (default: search path); for --model gpt, "
+                     "a directory of *.py files (default: this Python's standard library)")  # fmt: skip
     run.add_argument("--synthetic", action="store_true", help="tiny generated data instead of Fashion-MNIST")
     run.add_argument("--timeout", type=float, default=300.0,
                      help="process-group timeout in seconds: a vanished peer ends the run after it")  # fmt: skip
@@ -105,13 +111,15 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     if args.epochs is not None:
         if args.epochs <= 0:
             raise InvalidOptionError(f"--epochs must be > 0, got {args.epochs}")
-        per_rank = math.ceil(train_size(args.data_dir, synthetic=args.synthetic) / workers)
+        examples = examples_for_model(args.model, args.data_dir, synthetic=args.synthetic)
+        per_rank = math.ceil(examples / workers)
         steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
     return TrainConfig(
         out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
         batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, warmup_steps=args.warmup_steps,
-        decay_steps=args.decay_steps, decay_factor=args.decay_factor, steps=steps, eval_every=args.eval_every,
-        seed=args.seed, target_accuracy=args.target_accuracy, bandwidth=args.bandwidth,
+        lr_schedule=args.lr_schedule, decay_steps=args.decay_steps, decay_factor=args.decay_factor,
+        steps=steps, eval_every=args.eval_every, seed=args.seed, target_accuracy=args.target_accuracy,
+        target_loss=args.target_loss, bandwidth=args.bandwidth,
         bandwidth_bps=parse_rate(args.bandwidth) if args.bandwidth else None, latency=args.latency,
         latency_s=parse_delay(args.latency) if args.latency else 0.0, data_dir=args.data_dir,
         synthetic=args.synthetic, timeout_s=args.timeout, progress=not args.no_progress,

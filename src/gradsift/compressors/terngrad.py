@@ -1,37 +1,67 @@
-"""TernGrad (Wen et al. 2017): unbiased stochastic rounding to ``{-1, 0, +1} * max|g|``."""
+"""TernGrad (Wen et al. 2017): clip, then unbiased stochastic rounding to ``{-1, 0, +1} * s``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
-from gradsift.validation import raise_if_nonfinite
+from gradsift.validation import check_real, raise_if_nonfinite
+
+#: The paper's clipping factor ``c``: elements beyond ``c`` standard deviations are clipped.
+PAPER_CLIP = 2.5
 
 
 class TernGrad(StochasticQuantizer):
-    """``terngrad``: send ``s = max_i |g_i|`` and one ternary digit per element.
+    """``terngrad``: clip to ``c * sigma``, send ``s = max_i |h_i|`` and one ternary digit per element.
 
-    1. ``b_i ~ Bernoulli(|g_i| / s)``; the element stands for ``sign(g_i) b_i s``, so
-       ``E = g_i`` (unbiased) with variance ``|g_i| (s - |g_i|)``;
-    2. the 2-bit code is ``0`` (dropped), ``1`` (``-s``) or ``2`` (``+s``).
+    1. clipping (the paper's "gradient clipping", on by default): ``h_i = sign(g_i)
+       min(|g_i|, c sigma)`` with ``sigma = sqrt(mean_i g_i^2)``, the tensor's standard
+       deviation about zero (the paper's sigma for a zero-mean gradient; about zero, not
+       the mean, because the bound applies to ``|g_i|``: a tensor with a large mean, such
+       as a bias, is not cut to a fraction of itself). A few outliers then no longer set
+       the scale of the whole tensor;
+    2. ``s = max_i |h_i|``, ``b_i ~ Bernoulli(|h_i| / s)``; the element stands for
+       ``sign(h_i) b_i s``, so ``E = h_i`` (unbiased for ``h``) with variance
+       ``|h_i| (s - |h_i|)``; clipping trades that variance for the bias ``h_i - g_i``;
+    3. the 2-bit code is ``0`` (dropped), ``1`` (``-s``) or ``2`` (``+s``).
 
-    One scale per tensor, as the paper's per-layer scaling (the DDP hook's tensor is a
-    bucket, so the maximum is taken over the bucket). Gradient clipping, which the
-    paper adds to shrink ``s``, is left to the training loop.
+    One scale per tensor. The paper's per-layer scale is the DDP hook's
+    ``granularity="layer"`` (one tensor per parameter); with the default bucket
+    granularity the scale and sigma are the bucket's.
 
-    Options: ``seed`` -- seed of the rounding generator (see :class:`StochasticQuantizer`).
+    Options:
+        clip: ``c``, > 0, or None for no clipping; default 2.5 (the paper's).
+        seed: seed of the rounding generator (see :class:`StochasticQuantizer`).
     """
 
     name = "terngrad"
     code_bits = 2
 
+    def __init__(self, clip: float | None = PAPER_CLIP, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.clip = None if clip is None else check_real(clip, "clip", low=0.0, low_open=True)
+
+    def options(self) -> dict[str, Any]:
+        return {"clip": self.clip, **super().options()}
+
+    def clipped(self, flat: torch.Tensor) -> torch.Tensor:
+        """``h``: ``flat`` (in the compute dtype) clipped to ``c * sqrt(mean(flat^2))``."""
+        values = flat.to(compute_dtype(flat.dtype))
+        if self.clip is None:
+            return values
+        bound = values.square().mean().sqrt_().mul_(self.clip)  # NaN/Inf propagate into the bound
+        return values.clamp(-bound, bound)
+
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        magnitudes = flat.to(compute_dtype(flat.dtype)).abs()
+        values = self.clipped(flat)
+        magnitudes = values.abs()
         scale = magnitudes.amax().reshape(1)  # NaN propagates through amax, so this checks every element
         raise_if_nonfinite(scale)
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))
         kept = self.uniform(probability) < probability
-        codes = (flat > 0).to(torch.int64).add_(1).mul_(kept)
+        codes = (values > 0).to(torch.int64).add_(1).mul_(kept)
         return codes, scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,7 @@ ranks cannot disagree about a setting.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,19 @@ from typing import Any
 from gradsift.compressors.registry import available_compressors
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.train.models import MODELS
-from gradsift.validation import check_int, check_real
+from gradsift.validation import check_choice, check_int, check_real
+
+#: Learning-rate schedules after the warm-up (see :func:`learning_rate`).
+LR_SCHEDULES = ("step", "cosine")
 
 
 @dataclass
 class TrainConfig:
     """One run. Learning rate at step ``s`` (0-based, see :func:`learning_rate`):
-    ``lr * (s + 1) / warmup_steps`` while ``s < warmup_steps``, then
-    ``lr * decay_factor ** (number of decay_steps <= s)``.
+    ``lr * (s + 1) / warmup_steps`` while ``s < warmup_steps``, then with
+    ``lr_schedule="step"`` ``lr * decay_factor ** (number of decay_steps <= s)``, with
+    ``lr_schedule="cosine"`` ``lr * (1 + cos(pi * (s - w) / (steps - w))) / 2``
+    (``w = warmup_steps``: from ``lr`` after the warm-up down to 0 after the last step).
 
     Attributes:
         model: a key of :data:`gradsift.train.models.MODELS`.
@@ -33,6 +39,8 @@ class TrainConfig:
         eval_every: evaluate test accuracy every this many steps (0: only at the end).
         target_accuracy: test accuracy in [0, 1] whose first crossing is
             ``time_to_accuracy_s``; None to skip.
+        target_loss: evaluation loss whose first crossing (loss <= target) is
+            ``time_to_loss_s``, the language model's target; None to skip.
         bandwidth_bps / latency_s: emulated link (None: plain localhost).
         data_dir: explicit dataset directory; synthetic: tiny generated data (tests).
         timeout_s: process-group timeout; a vanished peer ends the run after it.
@@ -46,6 +54,7 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    lr_schedule: str = "step"
     warmup_steps: int = 0
     decay_steps: list[int] = field(default_factory=list)
     decay_factor: float = 0.1
@@ -53,6 +62,7 @@ class TrainConfig:
     eval_every: int = 0
     seed: int = 0
     target_accuracy: float | None = None
+    target_loss: float | None = None
     bandwidth: str | None = None
     bandwidth_bps: int | None = None
     latency: str | None = None
@@ -74,6 +84,7 @@ class TrainConfig:
         check_int(self.steps, "steps", low=1)
         check_int(self.eval_every, "eval_every", low=0)
         check_int(self.warmup_steps, "warmup_steps", low=0)
+        check_choice(self.lr_schedule, "lr_schedule", LR_SCHEDULES)
         check_int(self.seed, "seed", low=0)
         check_real(self.lr, "lr", low=0.0, low_open=True)
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
@@ -83,6 +94,8 @@ class TrainConfig:
             check_int(step, "decay_steps", low=1)
         if self.target_accuracy is not None:
             check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
+        if self.target_loss is not None:
+            check_real(self.target_loss, "target_loss", low=0.0, low_open=True)
 
     def save(self, path: Path) -> None:
         """Write the config as JSON."""
@@ -99,8 +112,11 @@ class TrainConfig:
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
-    """The learning rate of 0-based ``step``: linear warm-up, then step decay."""
+    """The learning rate of 0-based ``step``: linear warm-up, then step or cosine decay."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "cosine":
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     decays = sum(1 for milestone in config.decay_steps if milestone <= step)
     return config.lr * config.decay_factor**decays

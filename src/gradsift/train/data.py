@@ -130,6 +130,9 @@ class Split:
     def __len__(self) -> int:
         return int(self.labels.numel())
 
+    def __getitem__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
 
 def load_split(directory: str | Path, split: str) -> Split:
     """Read and normalise one split (``"train"`` or ``"test"``) from ``directory``."""
@@ -199,11 +202,12 @@ def shard_indices(
     return order[rank::world_size]
 
 
-def batches(split: Split, indices: torch.Tensor, batch_size: int):
-    """Yield ``(images, labels)`` mini-batches over ``indices`` (the last one may be short)."""
+def batches(split, indices: torch.Tensor, batch_size: int):
+    """Yield ``split[chosen]`` -- ``(inputs, targets)`` -- mini-batches over ``indices``
+    (the last one may be short); ``split`` is a :class:`Split` or any dataset indexed the
+    same way (:class:`gradsift.train.text.TokenWindows`)."""
     for start in range(0, indices.numel(), batch_size):
-        chosen = indices[start : start + batch_size]
-        yield split.images[chosen], split.labels[chosen]
+        yield split[indices[start : start + batch_size]]
 
 
 def train_size(data_dir: str | Path | None = None, *, synthetic: bool = False) -> int:

@@ -10,6 +10,7 @@ into the run directory and shows the progress bar.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import timedelta
@@ -22,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from gradsift.train.config import TrainConfig, learning_rate
-from gradsift.train.data import Split, batches, load_dataset, shard_indices
+from gradsift.train.data import batches, shard_indices
+from gradsift.train.datasets import is_language_model, load_for_model
 from gradsift.train.exchange import install_exchange
 from gradsift.train.models import build_model, parameter_count
 from gradsift.train.summary import summarize
@@ -33,22 +35,31 @@ def threads_per_worker(local_world_size: int, cpus: int | None = None) -> int:
     return max(1, (cpus or os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``(..., classes)`` logits against ``(...)`` targets: one
+    prediction per image, or one per position of a text window."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction
+    )
+
+
 def evaluate(
-    model: torch.nn.Module, test: Split, device: torch.device, batch_size: int = 500
+    model: torch.nn.Module, test, device: torch.device, batch_size: int = 500
 ) -> tuple[float, float]:
-    """Test accuracy and mean loss over the whole test split, each rank scoring
+    """Accuracy and mean loss per prediction over the whole evaluation split (images:
+    test accuracy; text: next-byte accuracy and loss in nats per byte), each rank scoring
     ``test[rank::world]`` and one allreduce of ``(correct, loss_sum, count)``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     indices = torch.arange(rank, len(test), world)
     totals = torch.zeros(3, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
-        for images, labels in batches(test, indices, batch_size):
-            logits = model(images.to(device))
-            labels = labels.to(device)
-            totals[0] += int((logits.argmax(dim=1) == labels).sum())
-            totals[1] += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
-            totals[2] += labels.numel()
+        for inputs, targets in batches(test, indices, batch_size):
+            logits = model(inputs.to(device))
+            targets = targets.to(device)
+            totals[0] += int((logits.argmax(dim=-1) == targets).sum())
+            totals[1] += float(cross_entropy(logits, targets, reduction="sum"))
+            totals[2] += targets.numel()
     model.train()
     dist.all_reduce(totals)
     return float(totals[0] / totals[2]), float(totals[1] / totals[2])
@@ -100,7 +111,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
     try:
-        result = _train(config, device, backend)
+        result, _ = train_rank(config, device, backend)
         dist.barrier()  # leave together: an early teardown can abort a peer still closing its pairs
         return result
     finally:
@@ -118,9 +129,15 @@ def _run_facts(config: TrainConfig, model: torch.nn.Module, world: int, backend:
     }  # fmt: skip
 
 
-def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
+def train_rank(
+    config: TrainConfig, device: torch.device, backend: str
+) -> tuple[dict[str, Any] | None, torch.nn.Module]:
+    """This rank's whole run inside an initialised process group: returns the summary
+    (rank 0; None elsewhere) and the trained model."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    train, test, source = load_dataset(config.data_dir, synthetic=config.synthetic, seed=config.seed)
+    train, test, source = load_for_model(
+        config.model, config.data_dir, synthetic=config.synthetic, seed=config.seed
+    )
     model = build_model(config.model, config.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     exchange_stats = install_exchange(ddp_model, config.compressor, config.options)
@@ -135,11 +152,11 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str,
     try:
         while step < config.steps:
             shard = shard_indices(len(train), rank, world, epoch=epoch, seed=config.seed)
-            for images, labels in batches(train, shard, config.batch_size):
+            for inputs, targets in batches(train, shard, config.batch_size):
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(config, step)
                 begin = time.perf_counter()
-                loss = torch.nn.functional.cross_entropy(ddp_model(images.to(device)), labels.to(device))
+                loss = cross_entropy(ddp_model(inputs.to(device)), targets.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -172,8 +189,10 @@ def _train(config: TrainConfig, device: torch.device, backend: str) -> dict[str,
             run["epochs_seen"] = round(step * config.batch_size * world / len(train), 4)
             summary = summarize(
                 writer.steps, writer.evals, run=run, target_accuracy=config.target_accuracy,
-                wall_time_s=time.perf_counter() - started,
+                target_loss=config.target_loss, wall_time_s=time.perf_counter() - started,
             )  # fmt: skip
+            if is_language_model(config.model) and writer.evals:
+                summary["final_perplexity"] = math.exp(writer.evals[-1]["loss"])
     finally:
         writer.close(summary)
-    return summary
+    return summary, model

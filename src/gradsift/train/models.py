@@ -1,4 +1,5 @@
-"""The models ``gradsift train`` offers, all for 1x28x28 inputs and 10 classes.
+"""The models ``gradsift train`` offers: four for 1x28x28 images and 10 classes, and a
+byte-level language model (:data:`DATA_OF_MODEL` says which data each trains on).
 
 =========  ==========  ===================================================================
 name       parameters  architecture
@@ -15,6 +16,10 @@ lstm       81 674      one LSTM layer (hidden 128) over the 28 image rows, writt
 mlp        235 146     784 -> 256 -> 128 -> 10 with ReLU
 mlp-wide   1 863 690   784 -> 1024 -> 1024 -> 10 with ReLU: many parameters per unit of
                        compute, for communication-bound runs (benchmarks/scaling)
+gpt        478 976     GPT-style causal transformer over bytes: token + learned position
+                       embeddings (width 128, context 128), 2 pre-LayerNorm blocks of
+                       4-head self-attention and a 4x GELU MLP (all ``nn.Linear``), final
+                       LayerNorm, untied 128->256 head; logits per position
 =========  ==========  ===================================================================
 """
 
@@ -27,6 +32,7 @@ from torch import nn
 
 from gradsift.errors import InvalidOptionError
 from gradsift.train.data import IMAGE_SIDE, NUM_CLASSES
+from gradsift.train.text import CONTEXT, VOCAB_SIZE
 
 
 class BasicBlock(nn.Module):
@@ -134,7 +140,70 @@ def mlp_wide() -> nn.Sequential:
     return perceptron(1024, 1024)
 
 
-MODELS = {"resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp, "mlp-wide": mlp_wide}
+class CausalSelfAttention(nn.Module):
+    """``proj(softmax(q k^T / sqrt(d_head) + causal mask) v)`` over ``heads`` heads, with
+    ``[q, k, v] = qkv(x)``; both maps are ``nn.Linear``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))`` with a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Byte-level causal language model: ``(batch, length <= context)`` int64 tokens ->
+    ``(batch, length, vocab)`` logits of the next byte at every position."""
+
+    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, context: int = CONTEXT) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, width)
+        self.position_embedding = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*(TransformerBlock(width, heads) for _ in range(layers)))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB_SIZE)
+        for module in self.modules():  # GPT-2's initialisation: N(0, 0.02), zero biases
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        hidden = self.token_embedding(tokens) + self.position_embedding(positions)
+        return self.head(self.ln_f(self.blocks(hidden)))
+
+
+MODELS = {
+    "resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp, "mlp-wide": mlp_wide, "gpt": TinyGPT,
+}  # fmt: skip
+
+#: The data each model trains on (see :mod:`gradsift.train.datasets`).
+DATA_OF_MODEL = {
+    "resnet20": "fashion-mnist", "vgg": "fashion-mnist", "lstm": "fashion-mnist", "mlp": "fashion-mnist",
+    "mlp-wide": "fashion-mnist", "gpt": "python-stdlib",
+}  # fmt: skip
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:

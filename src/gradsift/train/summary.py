@@ -9,7 +9,8 @@ this is a lower bound of the compute time), ``bytes_sent`` (bytes of this worker
 message), ``bytes_padded`` (plus the padding an allgather adds to match the longest
 worker), ``dense_bytes`` (the uncompressed gradient, what an fp32 allreduce carries)
 and ``density`` (achieved fraction of gradient elements sent). An eval record (``evals.jsonl``) holds ``step``,
-``accuracy``, ``loss``, ``train_time_s`` (sum of ``step_s`` so far: evaluation time
+``accuracy``, ``loss`` (mean per prediction: per image, or per byte for the language
+model), ``train_time_s`` (sum of ``step_s`` so far: evaluation time
 excluded) and ``wall_time_s`` (since training started, evaluation included).
 """
 
@@ -33,6 +34,13 @@ def time_to_accuracy(evals: Sequence[dict[str, Any]], target: float | None) -> f
     return next(reached, None)
 
 
+def time_to_loss(evals: Sequence[dict[str, Any]], target: float | None) -> float | None:
+    """Training time of the first evaluation with loss <= ``target`` (None: no target / never)."""
+    if target is None:
+        return None
+    return next((e["train_time_s"] for e in evals if e["loss"] <= target), None)
+
+
 def summarize(
     steps: Sequence[dict[str, Any]],
     evals: Sequence[dict[str, Any]],
@@ -40,10 +48,11 @@ def summarize(
     run: dict[str, Any],
     target_accuracy: float | None,
     wall_time_s: float,
+    target_loss: float | None = None,
 ) -> dict[str, Any]:
     """Build the summary: ``run`` (fixed facts: compressor, options, workers, ...) plus
     medians of the step and phase times, mean bytes and density per step, the final
-    accuracy and the time to ``target_accuracy``."""
+    accuracy and loss, and the times to ``target_accuracy`` and ``target_loss``."""
     if not steps:
         raise ValueError("summarize needs at least one step record")
     summary = dict(run)
@@ -58,8 +67,11 @@ def summarize(
     summary["achieved_density"] = statistics.fmean(r["density"] for r in steps)
     summary["final_loss"] = steps[-1]["loss"]
     summary["final_test_accuracy"] = evals[-1]["accuracy"] if evals else None
+    summary["final_test_loss"] = evals[-1].get("loss") if evals else None
     summary["target_accuracy"] = target_accuracy
     summary["time_to_accuracy_s"] = time_to_accuracy(evals, target_accuracy)
+    summary["target_loss"] = target_loss
+    summary["time_to_loss_s"] = time_to_loss(evals, target_loss)
     summary["train_time_s"] = sum(r["step_s"] for r in steps)
     summary["wall_time_s"] = wall_time_s
     summary["evals"] = list(evals)
