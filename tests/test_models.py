@@ -80,7 +80,8 @@ def test_lstm_matches_torch_lstm_cell_equations() -> None:
 
 def test_unknown_model_lists_the_choices() -> None:
     with pytest.raises(
-        InvalidOptionError, match="model must be one of resnet20, vgg, lstm, mlp, mlp-wide, gpt; got 'alexnet'"
+        InvalidOptionError,
+        match="model must be one of resnet20, vgg, lstm, mlp, mlp-wide, gpt; got 'alexnet'",
     ):
         build_model("alexnet")
 
