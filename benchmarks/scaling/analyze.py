@@ -6,12 +6,15 @@ buckets of ``mlp-wide`` (1 059 850 and 803 840 elements: DDP's 1 MB first bucket
 25 MB cap), at the run's achieved density (an allgather padded to its measured
 padded/sent ratio). Then:
 
-- nominal prediction: ``C / bw`` with bw = the shaped rate, no latency;
-- calibration: least squares of the measured communicate medians of the dense runs
-  (fp32, bf16) on ``C / bw_eff + H L_eff``; the fitted model is then validated on the
-  runs it did not see (the allgather, the new exchanges);
-- step prediction: the localhost run's step (same configuration, no shaping: the
-  CPU-bound floor) plus the calibrated communication;
+- the link's time: the shaped run's median step minus the localhost run's (same
+  configuration, no shaping: the CPU-bound floor). The hook's ``communicate`` median is
+  reported too, but it sums the buckets' intervals, which overlap (two buckets in
+  flight share the link), so it is not the link's wall time;
+- nominal prediction of the link's time: ``C / bw`` with bw = the shaped rate, no latency;
+- calibration: least squares of the dense runs' (fp32, bf16) link times on
+  ``C / bw_eff + H L_eff``; the fitted model is then validated on the runs it did not
+  see (the allgather, the new exchanges), and the step predicted as the localhost step
+  plus the calibrated link time;
 - the NIC's received bytes per step against the model's ``R``.
 
     python benchmarks/scaling/analyze.py      # writes analysis.json, plots/measured_vs_model.png, prints tables
@@ -89,46 +92,51 @@ def load(results: Path) -> tuple[list[dict], dict[tuple[str, int], dict]]:
 
 
 def calibrate(points: list[dict]) -> tuple[float, float]:
-    """Least-squares ``(bw_eff bytes/s, L_eff s)`` of ``t = C / bw_eff + H L_eff`` on ``points``."""
+    """Least-squares ``(bw_eff bytes/s, L_eff s)`` of ``link = C / bw_eff + H L_eff`` on ``points``."""
     design = np.array([[float(p["model"].path_bytes), float(p["model"].hops)] for p in points])
-    measured = np.array([p["medians"]["communicate_s"] for p in points])
+    measured = np.array([p["link_s"] for p in points])
     (inverse_bandwidth, latency), *_ = np.linalg.lstsq(design, measured, rcond=None)
     return 1.0 / inverse_bandwidth, max(0.0, float(latency))
 
 
 def main() -> int:
     shaped, floor = load(HERE / "results")
+    measured = []
     for point in shaped:
         point["model"] = traffic(point)
-    dense = [p for p in shaped if family(p) == "allreduce"]
-    bandwidth_eff, latency_eff = calibrate(dense)
+        control = floor.get((point["label"], point["workers"]))
+        if control is not None:
+            point["localhost_step_s"] = control["medians"]["step_s"]
+            point["link_s"] = point["medians"]["step_s"] - point["localhost_step_s"]
+            measured.append(point)
+    bandwidth_eff, latency_eff = calibrate([p for p in measured if family(p) == "allreduce"])
     rows = []
     for p in sorted(shaped, key=lambda p: (p["label"], p["workers"])):
-        nominal = float(p["model"].seconds(parse_rate(p["bandwidth"]) / 8))
         calibrated = float(p["model"].seconds(bandwidth_eff, latency_eff))
-        measured = p["medians"]["communicate_s"]
         row = {
             "label": p["label"], "workers": p["workers"], "fitted_on": family(p) == "allreduce",
-            "step_s": p["medians"]["step_s"], "communicate_s": measured,
-            "predicted_communicate_nominal_s": nominal, "predicted_communicate_calibrated_s": calibrated,
-            "error_nominal": nominal / measured - 1, "error_calibrated": calibrated / measured - 1,
+            "step_s": p["medians"]["step_s"], "hook_communicate_s": p["medians"]["communicate_s"],
+            "localhost_step_s": p.get("localhost_step_s"), "link_s": p.get("link_s"),
+            "predicted_link_nominal_s": float(p["model"].seconds(parse_rate(p["bandwidth"]) / 8)),
+            "predicted_link_calibrated_s": calibrated,
             "model_received_bytes": float(p["model"].received_bytes),
             "hook_bytes_received": p["means"].get("bytes_received"),
             "final_test_accuracy": p["final_test_accuracy"],
             "load_average_before": p["load_average_before"][0], "load_average_after": p["load_average_after"][0],
         }  # fmt: skip
+        if "link_s" in p:
+            row["link_share"] = p["link_s"] / row["step_s"]
+            row["error_nominal"] = row["predicted_link_nominal_s"] / p["link_s"] - 1
+            row["error_calibrated"] = calibrated / p["link_s"] - 1
+            row["predicted_step_s"] = p["localhost_step_s"] + calibrated
+            row["error_step"] = row["predicted_step_s"] / row["step_s"] - 1
         if "nic_per_step" in p:
             row["nic_rx_bytes_mean"] = float(np.mean([h["rx_bytes"] for h in p["nic_per_step"]]))
             row["nic_over_model"] = row["nic_rx_bytes_mean"] / row["model_received_bytes"]
-        control = floor.get((p["label"], p["workers"]))
-        if control is not None:
-            row["localhost_step_s"] = control["medians"]["step_s"]
-            row["predicted_step_s"] = control["medians"]["step_s"] + calibrated
-            row["error_step"] = row["predicted_step_s"] / row["step_s"] - 1
-            row["link_share"] = 1 - control["medians"]["step_s"] / row["step_s"]
         rows.append(row)
     analysis = {"calibration": {"bandwidth_bytes_per_s": bandwidth_eff, "bandwidth_mbit": bandwidth_eff * 8 / 1e6,
-                                "latency_per_message_s": latency_eff, "fitted_on": "dense allreduce runs (fp32, bf16)"},
+                                "latency_per_message_s": latency_eff,
+                                "fitted_on": "link times of the dense allreduce runs (fp32, bf16)"},
                 "buckets": list(BUCKETS), "points": rows}  # fmt: skip
     (HERE / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
     print(table(analysis))
@@ -147,20 +155,22 @@ def _pct(value: float | None) -> str:
 def table(analysis: dict) -> str:
     c = analysis["calibration"]
     lines = [
-        f"calibration on the dense runs: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
+        f"calibration on the dense runs' link times: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
         f"L_eff = {c['latency_per_message_s'] * 1e3:.2f} ms per message",
         "",
-        "| series | P | step ms | localhost step ms | link share | communicate ms | model nominal ms (err) "
-        "| model calibrated ms (err) | predicted step ms (err) | NIC rx / model R | accuracy | load before/after |",
+        "| series | P | step ms | localhost step ms | link ms (share) | hook communicate ms "
+        "| model nominal ms (err) | model calibrated ms (err) | predicted step ms (err) | NIC rx / model R "
+        "| accuracy | load before/after |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in analysis["points"]:
         fitted = " (fit)" if r["fitted_on"] else ""
+        share = "" if r.get("link_share") is None else f" ({r['link_share'] * 100:.0f}%)"
         lines.append(
-            f"| {r['label']}{fitted} | {r['workers']} | {_ms(r['step_s'])} | {_ms(r.get('localhost_step_s'))} | "
-            f"{_pct(r.get('link_share')).lstrip('+')} | {_ms(r['communicate_s'])} | "
-            f"{_ms(r['predicted_communicate_nominal_s'])} ({_pct(r['error_nominal'])}) | "
-            f"{_ms(r['predicted_communicate_calibrated_s'])} ({_pct(r['error_calibrated'])}) | "
+            f"| {r['label']}{fitted} | {r['workers']} | {_ms(r['step_s'])} | {_ms(r['localhost_step_s'])} | "
+            f"{_ms(r['link_s'])}{share} | {_ms(r['hook_communicate_s'])} | "
+            f"{_ms(r['predicted_link_nominal_s'])} ({_pct(r.get('error_nominal'))}) | "
+            f"{_ms(r['predicted_link_calibrated_s'])} ({_pct(r.get('error_calibrated'))}) | "
             f"{_ms(r.get('predicted_step_s'))} ({_pct(r.get('error_step'))}) | "
             f"{r.get('nic_over_model', float('nan')):.3f} | {r['final_test_accuracy']:.4f} | "
             f"{r['load_average_before']:.1f}/{r['load_average_after']:.1f} |"
@@ -183,8 +193,8 @@ def plot(rows: list[dict], path: Path) -> None:
         )[0]
         axis.plot(workers, [r["predicted_communicate_calibrated_s"] * 1e3 for r in series], "x--",
                   color=line.get_color(), label=f"{label} model")  # fmt: skip
-    axis.set(xscale="log", yscale="log", xlabel="workers (100 Mbit/s each)", ylabel="communicate per step (ms)",
-             title="mlp-wide, measured medians vs calibrated cost model")  # fmt: skip
+    axis.set(xscale="log", yscale="log", xlabel="workers (100 Mbit/s each)", ylabel="link time per step (ms)",
+             title="mlp-wide: step minus localhost step, vs calibrated cost model")  # fmt: skip
     axis.set_xticks([2, 4, 8, 16], labels=["2", "4", "8", "16"])
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=7)
