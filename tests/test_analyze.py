@@ -44,7 +44,7 @@ def test_cli_prints_table_and_writes_json(gradient_file, tmp_path, capsys):
 
 
 def test_cli_writes_plots(gradient_file, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="plots need the plot extra: pip install 'gradsift[plot]'")
     plots = tmp_path / "plots"
     assert (
         main(
