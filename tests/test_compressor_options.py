@@ -281,25 +281,34 @@ def test_qsgd_seed_fixes_the_rounding():
     assert torch.equal(zero, again) and not torch.equal(zero, one)
 
 
-# --- terngrad: seed -------------------------------------------------------------------------
+# --- terngrad: clip, seed ------------------------------------------------------------------
 
 
-def test_terngrad_sends_signed_maximum_or_zero():
+@pytest.mark.parametrize("clip", [None, 1.0, 2.5, 100.0])
+def test_terngrad_clips_then_sends_signed_scale_or_zero(clip):
     x = laplace(4000, seed=70)
-    compressor = gradsift.get_compressor("terngrad", seed=3)
+    x[7] = 40.0  # an outlier that clipping cuts
+    compressor = gradsift.get_compressor("terngrad", clip=clip, seed=3)
     payload = compressor.compress(x)
-    scale = float(x.abs().max())
-    assert payload.scales.tolist() == [scale]
-    dense = compressor.decompress([payload], 4000)
+    # h = sign(x) min(|x|, c sqrt(mean x^2)); the scale is max |h|
+    bound = math.inf if clip is None else clip * float(x.double().square().mean().sqrt())
+    h = x.double().clamp(-bound, bound)
+    scale = float(h.abs().max())
+    assert payload.scales.item() == pytest.approx(scale, rel=1e-6)
+    dense = compressor.decompress([payload], 4000).double()
     kept = dense != 0
-    assert torch.equal(dense[kept], torch.sign(x[kept]) * scale)
-    assert bool(kept[x.abs().argmax()])  # probability 1 at the maximum
-    # kept with probability |x|/max: 4000 Bernoulli draws, mean sum(|x|)/max, binomial spread
-    mean = float(x.abs().sum()) / scale
-    assert abs(int(kept.sum()) - mean) <= 4.5 * math.sqrt(mean)
-    other = gradsift.get_compressor("terngrad", seed=4).compress(x)
-    same = gradsift.get_compressor("terngrad", seed=3).compress(x)
-    assert torch.equal(same.codes, payload.codes) and not torch.equal(other.codes, payload.codes)
+    torch.testing.assert_close(dense[kept], torch.sign(x[kept]).double() * scale, rtol=1e-6, atol=0)
+    assert bool(kept[h.abs() >= scale * (1 - 1e-6)].all())  # probability 1 at the (clipped) maximum
+    # each kept with probability |h|/s: the count is a sum of Bernoulli draws
+    p = h.abs() / scale
+    mean, spread = float(p.sum()), float((p * (1 - p)).sum().sqrt())
+    assert abs(int(kept.sum()) - mean) <= 4.5 * spread, (int(kept.sum()), mean)
+
+
+def test_terngrad_seed_fixes_the_rounding():
+    x = laplace(4000, seed=71)
+    three, again, four = (gradsift.get_compressor("terngrad", seed=s).compress(x).codes for s in (3, 3, 4))
+    assert torch.equal(three, again) and not torch.equal(three, four)
 
 
 # --- signsgd / efsignsgd --------------------------------------------------------------------
