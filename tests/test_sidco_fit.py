@@ -147,11 +147,11 @@ def stage_reference(
     dist, estimator: Estimator, base: float, ratio: float, exceedances: int
 ) -> StageReference:
     """Population value and delta-method spread of one stage fitted on ``exceedances`` points over ``base``."""
-    stats_ = estimator.statistics
-    means = np.array([exceedance_moment(dist, base, *phi) for phi in stats_])
+    statistics = estimator.statistics
+    means = np.array([exceedance_moment(dist, base, *phi) for phi in statistics])
     cov = np.array(
         [[exceedance_moment(dist, base, a[0] + b[0], a[1] + b[1]) - means[i] * means[j]
-          for j, b in enumerate(stats_)] for i, a in enumerate(stats_)]
+          for j, b in enumerate(statistics)] for i, a in enumerate(statistics)]
     )  # fmt: skip
     grad = np.empty(len(means))
     for i in range(len(means)):
