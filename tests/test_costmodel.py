@@ -52,13 +52,16 @@ def test_exchanges_on_hand_computed_values():
     assert float(sparse_reduce_scatter_traffic(1e4, 8, load=2, kept=2).received_bytes) == pytest.approx(
         4 * 1e4 * 7 / 8 * 8 + 84
     )
-    # 4e4 index bytes broadcast in ceil(log2 8) = 3 rounds, then 2 * 7/8 * 4e4 value bytes.
-    assert _fields(shared_mask_traffic(1e4, 8)) == pytest.approx((4e4 + 7e4, 3 * 4e4 + 7e4, 3 + 14))
-    assert _fields(shared_mask_traffic(1e4, 8, index_bytes=0)) == pytest.approx((7e4, 7e4, 17))
+    # An 8-byte header and 4e4 index bytes, each broadcast in ceil(log2 8) = 3 rounds, then
+    # 2 * 7/8 * 4e4 value bytes.
+    assert _fields(shared_mask_traffic(1e4, 8)) == pytest.approx((8 + 4e4 + 7e4, 3 * (8 + 4e4) + 7e4, 6 + 14))
+    assert _fields(shared_mask_traffic(1e4, 8, index_bytes=0, header_bytes=0)) == pytest.approx(
+        (7e4, 7e4, 20)
+    )
     # rows 120 and cols 80 at rank 2 (960 and 640 bytes) and 10 dense values, each * 2 * 3/4.
     powersgd = powersgd_traffic([(100, 50), (20, 30)], 2, 4, vector_numel=10)
     assert _fields(powersgd) == pytest.approx((2460, 2460, 18))
-    assert shared_mask_traffic(1e4, 8).seconds(1e6, 1e-3) == pytest.approx(0.19 + 0.017)
+    assert shared_mask_traffic(1e4, 8, header_bytes=0).seconds(1e6, 1e-3) == pytest.approx(0.19 + 0.020)
 
 
 def test_traffic_of_an_array_of_worker_counts_matches_each_count():

@@ -43,13 +43,8 @@ BUCKETS = (
 )  # DDP's buckets of mlp-wide (torch.distributed._compute_bucket_assignment_by_size)
 DENSE_VALUE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
 #: exchange name -> cost-model family (names of the hook's ``exchange=`` option)
-FAMILIES = {
-    "allreduce": "allreduce",
-    "allgather": "allgather",
-    "reduce-scatter": "reduce-scatter",
-    "sparse-reduce-scatter": "reduce-scatter",
-    "shared-mask": "shared-mask",
-}
+FAMILIES = {"allreduce": "allreduce", "allgather": "allgather", "balanced": "reduce-scatter",
+            "shared-mask": "shared-mask"}  # fmt: skip
 
 
 def family(result: dict) -> str:

@@ -41,12 +41,10 @@ def exchanges(numel: float, density: float, side: int, rank: int) -> dict[str, C
     return {
         "dense fp32 allreduce": lambda p: dense_allreduce_traffic(numel, p),
         "dense bf16 allreduce": lambda p: dense_allreduce_traffic(numel, p, value_bytes=2),
-        "allgather (sparse)": lambda p: allgather_traffic(k, p),
-        "sparse reduce-scatter, balanced": lambda p: sparse_reduce_scatter_traffic(k, p),
-        "sparse reduce-scatter, 4k(P-1)/P bound": lambda p: sparse_reduce_scatter_traffic(
-            k, p, load=2, kept=2
-        ),
-        "shared-mask allreduce": lambda p: shared_mask_traffic(k, p),
+        "allgather": lambda p: allgather_traffic(k, p),
+        "balanced (reduce-scatter + allgather)": lambda p: sparse_reduce_scatter_traffic(k, p),
+        "balanced, 4k(P-1)/P bound": lambda p: sparse_reduce_scatter_traffic(k, p, load=2, kept=2),
+        "shared-mask": lambda p: shared_mask_traffic(k, p),
         f"PowerSGD rank {rank}": lambda p: powersgd_traffic(matrices, rank, p),
     }
 
@@ -87,9 +85,22 @@ def main(argv: list[str] | None = None) -> int:
             if traffic is not dense
         }
     args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(times_table(result))
+    print()
     print(crossover_table(result))
     plot(models, args.latency, args.plot)
     return 0
+
+
+def times_table(result: dict) -> str:
+    """Markdown: predicted communication per step (ms) per exchange, bandwidth and worker count."""
+    bands = list(result["predictions"])
+    header = [f"{band} P={p}" for band in bands for p in result["workers"]]
+    lines = ["| exchange | " + " | ".join(header) + " |", "| --- |" + " ---: |" * len(header)]
+    for name in result["predictions"][bands[0]]:
+        cells = [f"{s * 1e3:.1f}" for band in bands for s in result["predictions"][band][name]["seconds"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def crossover_table(result: dict) -> str:

@@ -33,11 +33,11 @@ The exchanges (one step's bucket, per worker), built from them:
         Between 2 k (P-1)/P entries (balanced, ``lambda = kappa = 1``) and
         4 k (P-1)/P (``lambda + kappa = 4``) -- flat in P.
     shared-mask allreduce (ScaleCom style)
-                                 R = k b_i + 2 (P-1)/P k b_v,  C = ceil(log2 P) k b_i + 2 (P-1)/P k b_v
-                                                                          H = ceil(log2 P) + 2 (P-1)
-        a cyclic leader's k indices broadcast, then a ring allreduce of the k values
-        every worker reads at those positions (``b_i = 0``: a mask agreed without
-        sending indices).
+                                 R = h + k b_i + 2 (P-1)/P k b_v,  C = ceil(log2 P) (h + k b_i) + 2 (P-1)/P k b_v
+                                                                          H = 2 ceil(log2 P) + 2 (P-1)
+        a cyclic leader's header (``h`` bytes: its part counts) and k indices broadcast,
+        then a ring allreduce of the k values every worker reads at those positions
+        (``b_i = 0``: a mask agreed without sending indices).
     delegated PowerSGD (rank r)  R = 2 (P-1)/P b (sum_i (rows_i + cols_i) r + v)  H = 3 * 2 (P-1)
         three ring allreduces per bucket: the ``v`` elements of 1-D tensors sent dense,
         the P factors (rows x r per matrix), the Q factors (cols x r).
@@ -193,13 +193,14 @@ def sparse_reduce_scatter_traffic(
 
 
 def shared_mask_traffic(
-    k: float, workers: Workers, *, value_bytes: float = 4, index_bytes: float = 4
+    k: float, workers: Workers, *, value_bytes: float = 4, index_bytes: float = 4, header_bytes: float = 8
 ) -> Traffic:
-    """ScaleCom-style shared mask: the leader's ``k`` indices broadcast, then a ring
-    allreduce of the ``k`` values at those positions."""
+    """ScaleCom-style shared mask: the leader's header (its part counts) and ``k`` indices
+    broadcast, then a ring allreduce of the ``k`` values at those positions."""
     k = _bytes(k, "k")
+    header = binomial_broadcast(_bytes(header_bytes, "header_bytes"), workers)
     indices = binomial_broadcast(k * _bytes(index_bytes, "index_bytes"), workers)
-    return indices + ring_allreduce(k * _bytes(value_bytes, "value_bytes"), workers)
+    return header + indices + ring_allreduce(k * _bytes(value_bytes, "value_bytes"), workers)
 
 
 def powersgd_traffic(
