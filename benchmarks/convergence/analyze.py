@@ -1,0 +1,357 @@
+"""Results of the convergence protocol: results.json, plots, and the tables in the docs.
+
+    python benchmarks/convergence/analyze.py              # results.json + plots/
+    python benchmarks/convergence/analyze.py --update-docs   # also the generated tables
+
+Accuracy comes from the localhost runs (``runs/``); the time axis from step times
+measured over emulated links (``timing/``): a run's training time to step ``s`` on a
+link is ``sum_{i < s} t(bytes_i)``, where ``bytes_i`` is what step ``i`` of the
+localhost run sent and ``t`` interpolates linearly, in bytes, between the median step
+times of the method's timing runs on that link (one point for methods whose message
+never changes size; two -- the density warm-up's first density and the target -- for
+the error-feedback sparsifiers, whose messages shrink during the warm-up). The full
+emulated runs in ``validation/`` check that composition.
+
+Targets are fixed before the runs: fp32's final test accuracy (mean over seeds) minus
+0.5 point; for the language model, fp32's final validation loss times 1.01.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol import HEADLINE, HERE, METHODS, RUNS, WORKLOADS
+
+TIMING = HERE / "timing"
+VALIDATION = HERE / "validation"
+PLOTS = HERE / "plots"
+LINKS = ("100mbit", "1gbit")
+ACCURACY_MARGIN = 0.005
+LOSS_MARGIN = 0.01
+REPO = HERE.parent.parent
+GENERATED = {  # file -> the marker name of the block analyze.py rewrites there
+    HERE / "README.md": "results",
+    REPO / "README.md": "convergence",
+    REPO / "docs" / "choosing.md": "convergence",
+}
+
+
+@dataclass
+class Result:
+    """One finished localhost run."""
+
+    workload: str
+    method: str
+    seed: int
+    epochs: float
+    summary: dict[str, Any]
+    evals: list[dict[str, Any]]
+    steps: list[dict[str, Any]]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+RUN_NAME = re.compile(r"^(?P<method>.+)-e(?P<epochs>[0-9.]+)-s(?P<seed>\d+)$")
+
+
+def load_results() -> list[Result]:
+    results = []
+    for summary_path in sorted(RUNS.glob("*/*/summary.json")):
+        match = RUN_NAME.match(summary_path.parent.name)
+        steps_path = summary_path.parent / "steps.jsonl.gz"
+        if match is None or not steps_path.is_file():
+            continue
+        results.append(Result(
+            summary_path.parent.parent.name, match["method"], int(match["seed"]), float(match["epochs"]),
+            json.loads(summary_path.read_text()), read_jsonl(summary_path.parent / "evals.jsonl"),
+            read_jsonl(steps_path),
+        ))  # fmt: skip
+    return results
+
+
+def is_loss_metric(workload: str) -> bool:
+    return WORKLOADS[workload].model == "gpt"
+
+
+def metric(workload: str, record: dict[str, Any]) -> float:
+    """The workload's metric of one evaluation: test accuracy, or validation loss (LM)."""
+    return record["loss"] if is_loss_metric(workload) else record["accuracy"]
+
+
+def reached(workload: str, value: float, target: float) -> bool:
+    return value <= target if is_loss_metric(workload) else value >= target
+
+
+def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+# -- the time axis ------------------------------------------------------------------------------
+def timing_points(workload: str, method: str, link: str) -> list[tuple[float, float]]:
+    """``(bytes_padded per step, median step seconds)`` of the method's timing runs on ``link``."""
+    points = []
+    for summary_path in sorted((TIMING / workload).glob(f"{method}-{link}*/summary.json")):
+        summary = json.loads(summary_path.read_text())
+        points.append((summary["bytes_padded_per_step"], summary["step_time_median_s"]))
+    return sorted(points)
+
+
+def step_seconds(points: list[tuple[float, float]], message_bytes: float) -> float:
+    """Linear interpolation in bytes between the measured points (clamped at the ends)."""
+    if len(points) == 1 or message_bytes <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in itertools.pairwise(points):
+        if message_bytes <= b1:
+            return t0 + (t1 - t0) * (message_bytes - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+def composed_times(result: Result, link: str) -> list[float] | None:
+    """Training time on ``link`` at each evaluation of ``result`` (None without timing runs)."""
+    points = timing_points(result.workload, result.method, link)
+    if not points:
+        return None
+    elapsed, cumulative = 0.0, []
+    for record in result.steps:
+        elapsed += step_seconds(points, record["bytes_padded"])
+        cumulative.append(elapsed)
+    return [cumulative[e["step"] - 1] for e in result.evals]
+
+
+# -- the tables ---------------------------------------------------------------------------------
+def analyze(results: list[Result]) -> dict[str, Any]:
+    out: dict[str, Any] = {"workloads": {}}
+    for name, workload in WORKLOADS.items():
+        protocol = [r for r in results if r.workload == name and r.epochs == workload.epochs]
+        dense = [metric(name, r.evals[-1]) for r in protocol if r.method == "none"]
+        if not dense:
+            continue
+        dense_mean, _ = mean_sd(dense)
+        target = dense_mean * (1 + LOSS_MARGIN) if is_loss_metric(name) else dense_mean - ACCURACY_MARGIN
+        section: dict[str, Any] = {
+            "metric": "validation loss (nats/byte)" if is_loss_metric(name) else "test accuracy",
+            "epochs": workload.epochs, "steps": workload.steps(workload.epochs), "fp32_final_mean": dense_mean,
+            "target": target, "study": study(results, name), "methods": {},
+        }  # fmt: skip
+        for method in METHODS:
+            runs = [r for r in protocol if r.method == method]
+            if runs:
+                section["methods"][method] = method_row(name, runs, target)
+        add_ratios(section)
+        out["workloads"][name] = section
+    out["validation"] = validation(results)
+    return out
+
+
+def method_row(workload: str, runs: list[Result], target: float) -> dict[str, Any]:
+    finals = [metric(workload, r.evals[-1]) for r in runs]
+    mean, sd = mean_sd(finals)
+    steps_per_epoch = WORKLOADS[workload].steps_per_epoch
+    row: dict[str, Any] = {
+        "seeds": [r.seed for r in runs], "finals": finals, "final_mean": mean, "final_sd": sd,
+        "bytes_per_step": statistics.fmean(r.summary["bytes_sent_per_step"] for r in runs),
+        "bytes_padded_per_step": statistics.fmean(r.summary["bytes_padded_per_step"] for r in runs),
+        "dense_bytes_per_step": runs[0].summary["dense_bytes_per_step"],
+        "options": runs[0].summary["options"], "setting": METHODS[runs[0].method].setting,
+        "diverged": any(not math.isfinite(r.summary["final_loss"]) for r in runs),
+    }  # fmt: skip
+    row["fewer_bytes_than_fp32"] = row["dense_bytes_per_step"] / row["bytes_per_step"]
+    hits = [next((i for i, e in enumerate(r.evals) if reached(workload, metric(workload, e), target)), None)
+            for r in runs]  # fmt: skip
+    row["epochs_to_target"] = [None if i is None else r.evals[i]["step"] / steps_per_epoch
+                               for i, r in zip(hits, runs, strict=True)]  # fmt: skip
+    for link in LINKS:
+        times = [composed_times(r, link) for r in runs]
+        if any(t is None for t in times):
+            continue
+        to_target = [None if i is None else t[i] for i, t in zip(hits, times, strict=True)]
+        row[f"step_s_{link}"] = statistics.median(
+            step_seconds(timing_points(workload, runs[0].method, link), s["bytes_padded"])
+            for s in runs[0].steps
+        )
+        row[f"time_to_target_s_{link}"] = to_target
+        row[f"time_to_target_median_s_{link}"] = (
+            statistics.median(to_target) if all(t is not None for t in to_target) else None
+        )
+        row[f"total_time_s_{link}"] = statistics.fmean(t[-1] for t in times)
+    return row
+
+
+def add_ratios(section: dict[str, Any]) -> None:
+    """Time-to-target speed-ups against fp32 and bf16 on each link."""
+    for link in LINKS:
+        key = f"time_to_target_median_s_{link}"
+        for baseline in ("none", "bf16"):
+            base = section["methods"].get(baseline, {}).get(key)
+            for row in section["methods"].values():
+                if base is not None and row.get(key):
+                    row[f"sooner_than_{baseline}_{link}"] = base / row[key]
+
+
+def study(results: list[Result], workload: str) -> list[dict[str, Any]]:
+    """fp32 at each study length (seed 0): the final metric and its best evaluation."""
+    rows = []
+    for length in WORKLOADS[workload].study_epochs:
+        run = next((r for r in results if r.workload == workload and r.method == "none" and r.seed == 0
+                    and r.epochs == length), None)  # fmt: skip
+        if run is not None:
+            values = [metric(workload, e) for e in run.evals]
+            best = min(values) if is_loss_metric(workload) else max(values)
+            rows.append({"epochs": length, "final": values[-1], "best": best, "evals": len(values)})
+    return rows
+
+
+def validation(results: list[Result]) -> list[dict[str, Any]]:
+    """Full emulated runs against the composed time of the matching localhost run."""
+    rows = []
+    for summary_path in sorted(VALIDATION.glob("*/*/summary.json")):
+        workload, name = summary_path.parent.parent.name, summary_path.parent.name
+        method, _, link = name.rpartition("-")
+        local = next((r for r in results if r.workload == workload and r.method == method and r.seed == 0
+                      and r.epochs == WORKLOADS[workload].epochs), None)  # fmt: skip
+        measured = json.loads(summary_path.read_text())
+        composed = composed_times(local, link) if local else None
+        if composed is None:
+            continue
+        rows.append({
+            "workload": workload, "method": method, "link": link, "measured_train_time_s": measured["train_time_s"],
+            "composed_train_time_s": composed[-1], "ratio": composed[-1] / measured["train_time_s"],
+            "measured_final": metric(workload, measured["evals"][-1]),
+        })  # fmt: skip
+    return rows
+
+
+# -- plots ----------------------------------------------------------------------------------------
+def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, section in analysis["workloads"].items():
+        workload = WORKLOADS[name]
+        protocol = [r for r in results if r.workload == name and r.epochs == workload.epochs]
+        axes_specs = [("epoch", None)] + [(link, link) for link in LINKS]
+        figure, axes = plt.subplots(1, len(axes_specs), figsize=(6 * len(axes_specs), 4.8), squeeze=False)
+        for ax, (label, link) in zip(axes[0], axes_specs, strict=True):
+            for method in section["methods"]:
+                for index, run in enumerate(r for r in protocol if r.method == method):
+                    if link is None:
+                        xs = [e["step"] / workload.steps_per_epoch for e in run.evals]
+                    else:
+                        times = composed_times(run, link)
+                        if times is None:
+                            continue
+                        xs = times
+                    color = f"C{list(section['methods']).index(method) % 10}"
+                    ax.plot(xs, [metric(name, e) for e in run.evals], color=color, alpha=0.85,
+                            linewidth=1.8 if method in HEADLINE else 1.0, label=method if index == 0 else None)  # fmt: skip
+            ax.axhline(section["fp32_final_mean"], color="black", linewidth=0.9, label="fp32 final (parity)")
+            ax.axhline(section["target"], color="black", linestyle="--", linewidth=0.9, label="target")
+            ax.set(xlabel="epoch" if link is None else f"training time over emulated {link} links (s)",
+                   ylabel=section["metric"], title=f"{name}: {section['metric']} vs {label}")  # fmt: skip
+            if is_loss_metric(name):
+                ax.set_ylim(section["fp32_final_mean"] * 0.95, section["fp32_final_mean"] * 1.5)
+            else:
+                ax.set_ylim(section["fp32_final_mean"] - 0.08, section["fp32_final_mean"] + 0.02)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7, ncol=2)
+        figure.tight_layout()
+        path = PLOTS / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+# -- generated markdown -------------------------------------------------------------------------
+def fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown(analysis: dict[str, Any]) -> str:
+    lines = []
+    for name, section in analysis["workloads"].items():
+        loss = is_loss_metric(name)
+        scale, unit = (1.0, "") if loss else (100.0, "%")
+        lines += [
+            f"**{name}** ({section['epochs']:g} epochs, {section['metric']}; target "
+            f"{fmt(section['target'] * scale, '.2f')}{unit} = fp32 {'x 1.01' if loss else '- 0.5 point'})",
+            "",
+            "| method | setting | final (mean ± sd, seeds) | vs fp32 | fewer bytes than fp32 | epochs to target "
+            "| time to target 100 Mbit/s | 1 Gbit/s | sooner than fp32 / bf16 at 100 Mbit/s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for method, row in section["methods"].items():
+            sd = f" ± {row['final_sd'] * scale:.2f}" if row["final_sd"] is not None else ""
+            delta = (row["final_mean"] - section["fp32_final_mean"]) * scale
+            epochs = [e for e in row["epochs_to_target"] if e is not None]
+            reached_all = len(epochs) == len(row["epochs_to_target"])
+            epochs_text = (
+                f"{statistics.median(epochs):.2f}"
+                if reached_all
+                else f"not reached ({len(epochs)}/{len(row['seeds'])})"
+            )
+            ratios = " / ".join(fmt(row.get(f"sooner_than_{b}_100mbit"), ".2f") + "x" if row.get(f"sooner_than_{b}_100mbit") else "-"
+                                for b in ("none", "bf16"))  # fmt: skip
+            lines.append(
+                f"| {method} | {row['setting']} | {row['final_mean'] * scale:.2f}{unit}{sd} ({len(row['seeds'])}) "
+                f"| {delta:+.2f}{'' if loss else ' pt'} | {row['fewer_bytes_than_fp32']:.1f}x | {epochs_text} "
+                f"| {fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s "
+                f"| {fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s | {ratios} |"
+            )  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def update_docs(text: str) -> list[Path]:
+    changed = []
+    for path, marker in GENERATED.items():
+        begin, end = f"<!-- {marker}:begin (analyze.py) -->", f"<!-- {marker}:end -->"
+        content = path.read_text()
+        if begin not in content or end not in content:
+            continue
+        head, rest = content.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+        changed.append(path)
+    return changed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the generated tables in the docs")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args()
+    results = load_results()
+    analysis = analyze(results)
+    (HERE / "results.json").write_text(json.dumps(analysis, indent=2) + "\n")
+    text = markdown(analysis)
+    print(text)
+    if not args.no_plots:
+        for path in plot(results, analysis):
+            print(f"wrote {path}")
+    if args.update_docs:
+        for path in update_docs(text):
+            print(f"updated {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The convergence protocol: workloads, methods at their papers' settings, and the run plan.
+
+Every run is one ``gradsift train`` command (4 workers, localhost gloo) whose directory
+name says what it is: ``runs/<workload>/<method>-e<epochs>-s<seed>/``. The plan is data
+only; ``run.py`` executes it and ``analyze.py`` reads the results. The README explains
+each choice; docs/decisions.md records how the epochs were decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"
+WORKERS = 4
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model + data + optimizer setting; ``epochs`` is the protocol length (decided
+    from fp32's own curve, see README), ``study_epochs`` the fp32 lengths that decided it.
+
+    Learning rate: linear warm-up over ``warmup_epochs``, then cosine to 0 at the end.
+    """
+
+    model: str
+    batch_size: int
+    lr: float
+    epochs: float
+    study_epochs: tuple[float, ...]
+    evals_per_epoch: int
+    steps_per_epoch: int
+    warmup_epochs: float = 0.1
+    data_dir: str | None = FASHION_MNIST
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+    def steps(self, epochs: float) -> int:
+        return round(epochs * self.steps_per_epoch)
+
+    def train_arguments(self, epochs: float, steps: int | None = None) -> list[str]:
+        """The ``gradsift train`` flags of a run of ``epochs`` (method flags excluded);
+        ``steps`` cuts it short (timing runs: same schedule, fewer steps, no evaluation
+        until the end)."""
+        eval_every = max(1, self.steps_per_epoch // self.evals_per_epoch) if steps is None else 0
+        arguments = [
+            "--model", self.model, "--workers", str(WORKERS), "--batch-size", str(self.batch_size),
+            "--lr", str(self.lr), "--lr-schedule", "cosine",
+            "--warmup-steps", str(round(self.warmup_epochs * self.steps_per_epoch)),
+            "--steps", str(self.steps(epochs) if steps is None else steps), "--eval-every", str(eval_every),
+        ]  # fmt: skip
+        return arguments + (["--data-dir", self.data_dir] if self.data_dir else [])
+
+
+#: steps_per_epoch = ceil(ceil(examples / 4 workers) / batch): 60 000 images; 33 475 text windows.
+WORKLOADS = {
+    "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
+    "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
+                         steps_per_epoch=469),
+    "lstm": Workload("lstm", 32, 0.1, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
+    "gpt": Workload("gpt", 16, 0.3, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
+                    data_dir=None),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compressor at the setting its paper recommends; ``setting`` says which and why."""
+
+    compressor: str
+    options: dict[str, Any] = field(default_factory=dict)
+    setting: str = ""
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the method runs with error feedback (and so with DGC's recipe)."""
+        from gradsift.compressors.registry import compressor_class
+
+        return compressor_class(self.compressor).error_feedback
+
+    def train_arguments(self) -> list[str]:
+        import json
+
+        arguments = ["--compressor", self.compressor]
+        for key, value in self.options.items():
+            arguments += ["--option", f"{key}={json.dumps(value)}"]
+        return arguments
+
+
+METHODS = {
+    "none": Method("none", setting="fp32 allreduce (stock DDP)"),
+    "bf16": Method("bf16", setting="bf16 cast, allreduce, cast back"),
+    "qsgd": Method("qsgd", {"levels": 15, "bucket_size": 512},
+                   setting="16 magnitude levels (4 bits) + sign, buckets of 512 (the paper's 4-bit QSGD)"),
+    "terngrad": Method("terngrad", {"granularity": "layer"},
+                       setting="per-layer scale max|g|, 2.5-sigma clipping (the paper's c = 2.5)"),
+    "vgc": Method("vgc", {"alpha": 1.0, "zeta": 0.999}, setting="alpha 1, zeta 0.999 (the paper's main setting)"),
+    "vgc-a2": Method("vgc", {"alpha": 2.0, "zeta": 0.999}, setting="alpha 2, zeta 0.999 (the paper's sparser one)"),
+    "powersgd": Method("powersgd", {"rank": 2, "start_iter": 2, "warm_start": True},
+                       setting="rank 2, warm start, error feedback, compressed from step 2 (the paper)"),
+    "sidco-exp-0.01": Method("sidco-exp", {"ratio": 0.01}, setting="ratio 0.01, adaptive multi-stage fit"),
+    "topk-0.01": Method("topk", {"ratio": 0.01}, setting="ratio 0.01"),
+    "sidco-exp-0.001": Method("sidco-exp", {"ratio": 0.001}, setting="ratio 0.001"),
+    "sidco-gpareto-0.01": Method("sidco-gpareto", {"ratio": 0.01}, setting="ratio 0.01"),
+    "sidco-gpareto-0.001": Method("sidco-gpareto", {"ratio": 0.001}, setting="ratio 0.001"),
+    "sidco-gamma-0.01": Method("sidco-gamma", {"ratio": 0.01}, setting="ratio 0.01"),
+    "sidco-gamma-0.001": Method("sidco-gamma", {"ratio": 0.001}, setting="ratio 0.001"),
+    "dgc": Method("dgc", {"ratio": 0.001}, setting="ratio 0.001 (99.9% sparsity, the paper's setting)"),
+    "efsignsgd": Method("efsignsgd", setting="scaled sign ||p||_1/d with error feedback"),
+}  # fmt: skip
+
+#: The four methods every workload runs (VGG: with every seed).
+HEADLINE = ("none", "bf16", "sidco-exp-0.01", "topk-0.01")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One planned run."""
+
+    workload: str
+    method: str
+    seed: int
+    epochs: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-e{self.epochs:g}-s{self.seed}"
+
+    @property
+    def directory(self) -> Path:
+        return RUNS / self.workload / self.name
+
+    def arguments(self) -> list[str]:
+        workload, method = WORKLOADS[self.workload], METHODS[self.method]
+        return [*workload.train_arguments(self.epochs), *method.train_arguments(), "--seed", str(self.seed)]
+
+
+def study_runs() -> list[Run]:
+    """fp32 at every study length, seed 0: the curves that decide ``epochs``."""
+    return [Run(name, "none", 0, e) for name, w in WORKLOADS.items() for e in w.study_epochs]
+
+
+def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
+    """The campaign in priority order: VGG headline x 3 seeds, VGG every other method
+    (seed 0), then the other workloads' headline methods (seed 0). ``error_feedback``
+    keeps only the methods with (True) or without (False) error feedback."""
+    vgg = WORKLOADS["vgg"]
+    plan = [Run("vgg", m, s, vgg.epochs) for s in vgg.seeds for m in HEADLINE]
+    plan += [Run("vgg", m, 0, vgg.epochs) for m in METHODS if m not in HEADLINE]
+    for name in ("resnet20", "lstm", "gpt"):
+        plan += [Run(name, m, 0, WORKLOADS[name].epochs) for m in HEADLINE]
+    if error_feedback is not None:
+        plan = [r for r in plan if METHODS[r.method].error_feedback == error_feedback]
+    return plan
+
+
+#: Steps of a timing run (the median step time of all of them is its number).
+TIMING_STEPS = 40
+LINKS = ("100mbit", "1gbit")
+#: The hook's density warm-up knobs (see gradsift.recipe) and its first density.
+WARMUP_STEPS_OPTION, WARMUP_START_OPTION, WARMUP_START = "density_warmup_steps", "density_warmup_start", 0.25
+
+
+@dataclass(frozen=True)
+class TimingRun:
+    """Step time of one method on one emulated link, at one message size.
+
+    ``at_start``: the density warm-up's first density (the error-feedback sparsifiers'
+    largest message) instead of the target ratio; both run with the warm-up off, so
+    every step sends the same size."""
+
+    workload: str
+    method: str
+    link: str
+    at_start: bool = False
+
+    @property
+    def directory(self) -> Path:
+        return (
+            HERE / "timing" / self.workload / f"{self.method}-{self.link}{'-start' if self.at_start else ''}"
+        )
+
+    def arguments(self) -> list[str]:
+        workload, method = WORKLOADS[self.workload], METHODS[self.method]
+        arguments = [
+            *workload.train_arguments(workload.epochs, steps=TIMING_STEPS),
+            *method.train_arguments(),
+        ]
+        if warms_up(self.method):
+            arguments += ["--option", f"{WARMUP_STEPS_OPTION}=0"]
+            if self.at_start:
+                arguments += ["--ratio", str(WARMUP_START)]
+        return [*arguments, "--seed", "0", "--bandwidth", self.link]
+
+
+def warms_up(method: str) -> bool:
+    """Whether the trainer's default density warm-up applies (error feedback + a ratio)."""
+    return METHODS[method].error_feedback and "ratio" in METHODS[method].options
+
+
+def timing_runs() -> list[TimingRun]:
+    """Every method of the campaign on both links (and its warm-up start size), in plan order."""
+    plan = []
+    for run in dict.fromkeys((r.workload, r.method) for r in accuracy_runs()):
+        for link in LINKS:
+            plan.append(TimingRun(*run, link))
+            if warms_up(run[1]):
+                plan.append(TimingRun(*run, link, at_start=True))
+    return plan
+
+
+@dataclass(frozen=True)
+class ValidationRun:
+    """A full protocol run over an emulated link, to check the composed time axis."""
+
+    workload: str
+    method: str
+    link: str
+
+    @property
+    def directory(self) -> Path:
+        return HERE / "validation" / self.workload / f"{self.method}-{self.link}"
+
+    def arguments(self) -> list[str]:
+        return [*Run(self.workload, self.method, 0, WORKLOADS[self.workload].epochs).arguments(),
+                "--bandwidth", self.link]  # fmt: skip
+
+
+#: One full emulated run per headline pair (sidco-exp against fp32 and against bf16) on VGG.
+VALIDATION_RUNS = [ValidationRun("vgg", m, "100mbit") for m in ("sidco-exp-0.01", "none", "bf16")]

@@ -1,0 +1,141 @@
+"""Run the convergence protocol (resumable): every planned run that has no summary yet.
+
+    nice -n 19 python benchmarks/convergence/run.py study          # fp32 curves that decide the epochs
+    nice -n 19 python benchmarks/convergence/run.py accuracy       # the campaign, in priority order
+    nice -n 19 python benchmarks/convergence/run.py accuracy --no-ef   # methods without error feedback
+    python benchmarks/convergence/run.py timing                    # step times over emulated links (root)
+    python benchmarks/convergence/run.py validation                # full emulated runs (root)
+    python benchmarks/convergence/run.py status                    # what is done, what is left
+
+``timing`` and ``validation`` measure time: each run holds ``/tmp/gradsift-cpu.lock``
+(taken here, one run at a time, so others can interleave) and records the load
+average before and after it in ``load.json``.
+
+Each run is ``python -m gradsift train ... --out runs/<workload>/<method>-e<E>-s<seed>``
+in its own process (4 workers on localhost gloo). A finished run keeps config.json,
+summary.json, evals.jsonl and steps.jsonl.gz (gzipped: ``analyze.py`` reads it); a run
+that fails is reported and the next one starts, so re-running the same command
+completes the campaign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from protocol import METHODS, VALIDATION_RUNS, WORKLOADS, accuracy_runs, study_runs, timing_runs
+
+CPU_LOCK = Path("/tmp/gradsift-cpu.lock")
+
+
+def provenance() -> dict[str, str]:
+    """Which gradsift code runs: the commit of the checkout the package is imported from
+    (a ``COMMIT`` file for an exported snapshot), plus the Python and torch versions."""
+    import platform
+
+    import torch
+
+    import gradsift
+
+    root = Path(gradsift.__file__).resolve().parents[2]
+    if (root / "COMMIT").is_file():
+        commit = (root / "COMMIT").read_text().strip()
+    else:
+        result = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                                capture_output=True, text=True)  # fmt: skip
+        commit = result.stdout.strip() or "unknown"
+    return {"gradsift_commit": commit, "gradsift_path": str(root), "python": platform.python_version(),
+            "torch": torch.__version__}  # fmt: skip
+
+
+def finished(run) -> bool:
+    return (run.directory / "summary.json").is_file() and (run.directory / "steps.jsonl.gz").is_file()
+
+
+@contextlib.contextmanager
+def cpu_lock(directory: Path):
+    """Hold the shared CPU lock; write the load average before and after into load.json."""
+    with open(CPU_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        before = Path("/proc/loadavg").read_text().split()[:3]
+        try:
+            yield
+        finally:
+            after = Path("/proc/loadavg").read_text().split()[:3]
+            if directory.is_dir():
+                (directory / "load.json").write_text(
+                    json.dumps({"loadavg_before": before, "loadavg_after": after}) + "\n"
+                )
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def execute(run, timed: bool = False) -> bool:
+    """Run one training; on success gzip its steps and drop the per-rank logs."""
+    run.directory.mkdir(parents=True, exist_ok=True)
+    (run.directory / "provenance.json").write_text(json.dumps(provenance()) + "\n")
+    command = [sys.executable, "-m", "gradsift", "train", *run.arguments(), "--out", str(run.directory),
+               "--no-progress", "--timeout", "1800"]  # fmt: skip
+    started = time.monotonic()
+    print(
+        f"[{time.strftime('%H:%M:%S')}] start {run.workload}/{run.name}: {' '.join(command[3:])}", flush=True
+    )
+    with cpu_lock(run.directory) if timed else contextlib.nullcontext():
+        result = subprocess.run(command, capture_output=True, text=True)
+    took = time.monotonic() - started
+    if result.returncode != 0:
+        print(f"  FAILED after {took:.0f} s:\n{result.stderr[-3000:]}", flush=True)
+        return False
+    steps = run.directory / "steps.jsonl"
+    with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+    steps.unlink()
+    shutil.rmtree(run.directory / "logs", ignore_errors=True)
+    print(f"  done in {took:.0f} s: {result.stdout.strip().splitlines()[0]}", flush=True)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("group", choices=("study", "accuracy", "timing", "validation", "status"))
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="only these workloads")
+    parser.add_argument("--method", action="append", choices=sorted(METHODS), help="only these methods")
+    feedback = parser.add_mutually_exclusive_group()
+    feedback.add_argument("--no-ef", action="store_true", help="only methods without error feedback")
+    feedback.add_argument("--ef", action="store_true", help="only methods with error feedback")
+    args = parser.parse_args()
+    ef = True if args.ef else False if args.no_ef else None
+    groups = {
+        "study": study_runs, "accuracy": lambda: accuracy_runs(ef), "validation": lambda: VALIDATION_RUNS,
+        "timing": lambda: [t for t in timing_runs() if ef is None or METHODS[t.method].error_feedback == ef],
+    }  # fmt: skip
+    names = list(groups) if args.group == "status" else [args.group]
+    plan = [run for name in names for run in groups[name]()]
+    plan = [r for r in plan if (not args.workload or r.workload in args.workload)
+            and (not args.method or r.method in args.method)]  # fmt: skip
+    plan = list(dict.fromkeys(plan))
+    if args.group == "status":
+        for run in plan:
+            print(
+                f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(Path(__file__).parent)}"
+            )
+        return 0
+    timed = args.group in ("timing", "validation")
+    failures = [run for run in plan if not finished(run) and not execute(run, timed)]
+    print(
+        f"{len(plan) - len(failures)} of {len(plan)} runs finished; failed: {[str(r.directory) for r in failures]}"
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
