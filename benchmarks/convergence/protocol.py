@@ -59,8 +59,8 @@ WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
                          steps_per_epoch=469),
-    "lstm": Workload("lstm", 32, 0.1, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
-    "gpt": Workload("gpt", 16, 0.3, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
+    "lstm": Workload("lstm", 32, 0.2, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
+    "gpt": Workload("gpt", 16, 0.1, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
                     data_dir=None),
 }  # fmt: skip
 
@@ -138,8 +138,10 @@ class Run:
 
 
 def study_runs() -> list[Run]:
-    """fp32 at every study length, seed 0: the curves that decide ``epochs``."""
-    return [Run(name, "none", 0, e) for name, w in WORKLOADS.items() for e in w.study_epochs]
+    """fp32 at every study length, seed 0: the curves that decide ``epochs``. The
+    longest length of each workload (the plateau check) comes after all the others."""
+    plan = [Run(name, "none", 0, e) for name, w in WORKLOADS.items() for e in w.study_epochs]
+    return sorted(plan, key=lambda run: run.epochs == max(WORKLOADS[run.workload].study_epochs))
 
 
 def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
