@@ -8,8 +8,9 @@
     python benchmarks/convergence/run.py status                    # what is done, what is left
 
 ``timing`` and ``validation`` measure time: each run holds ``/tmp/gradsift-cpu.lock``
-(taken here, one run at a time, so others can interleave) and records the load
-average before and after it in ``load.json``.
+(taken here, one run at a time, so others can interleave) and records the 1-minute load
+average before and after it in ``load.json`` (``environment.load_average = [before, after]``,
+plus the three /proc/loadavg figures of each).
 
 Each run is ``python -m gradsift train ... --out runs/<workload>/<method>-e<E>-s<seed>``
 in its own process (4 workers on localhost gloo). A finished run keeps config.json,
@@ -71,9 +72,9 @@ def cpu_lock(directory: Path):
         finally:
             after = Path("/proc/loadavg").read_text().split()[:3]
             if directory.is_dir():
-                (directory / "load.json").write_text(
-                    json.dumps({"loadavg_before": before, "loadavg_after": after}) + "\n"
-                )
+                load = {"environment": {"load_average": [float(before[0]), float(after[0])],
+                                        "loadavg_before": before, "loadavg_after": after}}  # fmt: skip
+                (directory / "load.json").write_text(json.dumps(load) + "\n")
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
