@@ -1,0 +1,99 @@
+"""gradsift.stats against independent references: SciPy's distributions and KS test, closed
+forms, and the degenerate inputs (empty, one element, zero spread) each fit documents.
+
+Written to kill the mutants of stats.py that the other tests let live
+(scripts/mutation/report.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from gradsift import stats
+
+
+def test_fitted_distributions_carry_every_parameter():
+    x = np.linspace(0.05, 5.0, 40)
+    pareto = stats.GeneralizedParetoFit(shape=0.2, scale=1.7)
+    np.testing.assert_allclose(pareto.distribution().sf(x), (1 + 0.2 * x / 1.7) ** (-1 / 0.2), rtol=1e-12)
+    gamma = stats.GammaFit(shape=0.7, scale=2.5, nonzero_fraction=0.5)
+    np.testing.assert_allclose(gamma.distribution().mean(), 0.7 * 2.5, rtol=1e-12)
+    np.testing.assert_allclose(gamma.distribution().var(), 0.7 * 2.5**2, rtol=1e-12)
+    normal = stats.NormalFit(mean=-1.5, std=0.4)
+    assert normal.distribution().mean() == -1.5 and normal.distribution().std() == pytest.approx(0.4)
+    assert stats.ExponentialFit(scale=3.0).distribution().mean() == pytest.approx(3.0)
+
+
+def test_empty_and_single_element_fits():
+    empty = torch.empty(0)
+    assert stats.fit_exponential(empty) == stats.ExponentialFit(scale=0.0)
+    assert stats.fit_normal(empty) == stats.NormalFit(mean=0.0, std=0.0)
+    assert stats.fit_normal(torch.tensor([3.0])) == stats.NormalFit(mean=3.0, std=0.0)
+    assert stats.fit_exponential(torch.tensor([3.0])) == stats.ExponentialFit(scale=3.0)
+
+
+def test_normal_threshold_without_spread_is_the_magnitude_of_the_mean():
+    assert stats.normal_two_sided_threshold(-2.0, 0.0, 0.1) == 2.0
+    assert stats.normal_two_sided_threshold(2.0, -1.0, 0.1) == 2.0
+
+
+def test_ks_distance_of_signed_data_matches_scipy():
+    """Negative values and no point mass: the left limit is the fitted CDF itself."""
+    for values, fitted in [
+        ([-1.2, -0.3, 0.1, 0.4, 2.0], scipy_stats.norm(loc=0.2, scale=0.9)),
+        ([-1.0, -0.9, -0.8], scipy_stats.norm(loc=-3.0)),  # D from F(x_(1)-) at a negative x_(1)
+    ]:
+        x = torch.tensor(values, dtype=torch.float64)
+        expected = scipy_stats.kstest(x.numpy(), fitted.cdf).statistic
+        assert stats.ks_distance(x, fitted.cdf) == pytest.approx(expected, abs=1e-12)
+    assert stats.ks_distance(torch.empty(0), fitted.cdf) == 0.0
+
+
+def test_goodness_of_fit_reports_each_family_against_scipy_on_the_seeded_subsample():
+    generator = torch.Generator().manual_seed(9)
+    values = torch.randn(5000, generator=generator, dtype=torch.float64) * torch.rand(
+        5000, generator=generator
+    )
+    values[::7] = 0.0
+    report = stats.goodness_of_fit(values, sample_size=2000, seed=4)
+    assert set(report) == {"zero_fraction", "exponential", "gpareto", "gamma", "normal"}
+    sample = stats.subsample(values, 2000, seed=4).double()
+    assert not torch.equal(sample, stats.subsample(values, 2000, seed=0).double())
+    magnitudes = sample.abs().numpy()
+    zeros = float((magnitudes == 0).mean())
+    assert report["zero_fraction"] == pytest.approx(zeros)
+    expected = {
+        "exponential": scipy_stats.kstest(magnitudes, stats.fit_exponential(sample.abs()).distribution().cdf),
+        "gpareto": scipy_stats.kstest(
+            magnitudes, stats.fit_generalized_pareto(sample.abs()).distribution().cdf
+        ),
+        "normal": scipy_stats.kstest(sample.numpy(), stats.fit_normal(sample).distribution().cdf),
+    }
+    for family, result in expected.items():
+        assert report[family]["ks"] == pytest.approx(result.statistic, abs=1e-12), family
+    # gamma: the point mass of zeros in front of the fitted non-zero part
+    gamma = stats.fit_gamma(sample.abs())
+    assert report["gamma"]["params"] == {
+        "shape": gamma.shape,
+        "scale": gamma.scale,
+        "nonzero_fraction": gamma.nonzero_fraction,
+    }
+    nonzero_cdf = gamma.distribution().cdf
+    sorted_magnitudes = np.sort(magnitudes)
+    cdf = zeros + (1 - zeros) * nonzero_cdf(sorted_magnitudes)
+    left = np.where(sorted_magnitudes > 0, cdf, 0.0)
+    steps = np.arange(len(magnitudes) + 1) / len(magnitudes)
+    assert report["gamma"]["ks"] == pytest.approx(max((steps[1:] - cdf).max(), (left - steps[:-1]).max()))
+
+
+def test_goodness_of_fit_of_degenerate_data():
+    report = stats.goodness_of_fit(torch.zeros(100))
+    assert report["zero_fraction"] == 1.0
+    assert all(math.isnan(report[family]["ks"]) for family in ("exponential", "gpareto", "gamma", "normal"))
+    empty = stats.goodness_of_fit(torch.empty(0))
+    assert empty["zero_fraction"] == 0.0
