@@ -6,7 +6,9 @@ exponential MLE: with one stage ``eta = mean(sample) * ln(1/delta)``, with two
 ``eta_2 = t + mean(E - t) * ln(delta_1/delta)`` over the sample's exceedances ``E`` of
 ``eta_1 = mean(sample) * ln(1/delta_1)``, ``t = min(E)`` (docs/sidco.md). So the
 threshold a call records tells exactly which elements the fit saw and which ratios
-its stages used.
+its stages used. Thresholds are compared to a relative 1e-6: the reference runs in
+float64, the fit may sum its sample in float32 (a relative error near 1e-7 on these
+sizes), while a wrong sample or ratio moves the threshold by percents.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def test_plain_fit_default_is_one_stage_when_that_is_the_maximum():
     x = heavy_tailed(10_000, seed=1)
     default.compress(x)
     assert default.state_dict()["keys"][0]["stages"] == 1
-    assert threshold(default) == pytest.approx(exponential_chain(x, 0.6, 0.25, 1), rel=1e-12)
+    assert threshold(default) == pytest.approx(exponential_chain(x, 0.6, 0.25, 1), rel=1e-6)
 
 
 def test_two_stage_default_is_the_documented_chain():
@@ -77,7 +79,7 @@ def test_two_stage_default_is_the_documented_chain():
     compressor = gradsift.get_compressor("sidco-exp", ratio=0.001, adapt=False)
     payload = compressor.compress(x)
     eta = exponential_chain(x, 0.001, 0.25, 2)
-    assert threshold(compressor) == pytest.approx(eta, rel=1e-12)
+    assert threshold(compressor) == pytest.approx(eta, rel=1e-6)
     assert torch.equal(payload.indices, torch.nonzero(x.abs() > eta).view(-1))
 
 
@@ -92,7 +94,7 @@ def test_first_ratio_is_the_first_stage_ratio(first_ratio, stages):
         "sidco-exp", ratio=0.001, adapt=False, stages=stages, first_ratio=first_ratio
     )
     compressor.compress(x)
-    assert threshold(compressor) == pytest.approx(exponential_chain(x, 0.001, first_ratio, stages), rel=1e-12)
+    assert threshold(compressor) == pytest.approx(exponential_chain(x, 0.001, first_ratio, stages), rel=1e-6)
 
 
 def test_first_ratio_changes_the_threshold_on_heavy_tails():
@@ -136,7 +138,7 @@ def test_fit_sees_the_strided_sample_with_a_rotating_offset(numel, sample_size, 
         sample = x[call % stride :: stride]
         assert sample.numel() <= sample_size
         eta = float(sample.double().mean()) * math.log(100)
-        assert threshold(compressor) == pytest.approx(eta, rel=1e-12), call
+        assert threshold(compressor) == pytest.approx(eta, rel=1e-6), call
         assert torch.equal(payload.indices, torch.nonzero(x > eta).view(-1))
 
 
@@ -149,7 +151,7 @@ def test_sample_size_caps_the_fit_and_changes_the_threshold():
         etas[size] = threshold(compressor)
         reference = gradsift.get_compressor("sidco-gpareto", ratio=0.01, adapt=False)
         reference.compress(x[:: (1 << 16) // size].contiguous())  # the same sample as the whole tensor
-        assert etas[size] == pytest.approx(threshold(reference), rel=1e-12)
+        assert etas[size] == pytest.approx(threshold(reference), rel=1e-6)
     assert len(set(etas.values())) == 3
 
 
