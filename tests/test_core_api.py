@@ -5,6 +5,7 @@ import torch
 
 import gradsift
 from gradsift.compressors import Payload, scatter_mean, target_count
+from gradsift.compressors.base import FIELD_HEADER_NBYTES, index_dtype
 from gradsift.feedback import ErrorFeedback
 
 
@@ -141,3 +142,77 @@ def test_error_feedback_state_round_trip():
     assert torch.equal(other.compensate("a", g), fb.compensate("a", g))
     with pytest.raises(ValueError, match="momentum"):
         ErrorFeedback(momentum=0.0).load_state_dict(fb.state_dict())
+
+
+# --- the base classes' contract, each rule on a hand-made example --------------------------
+
+
+def test_payload_fields_bytes_and_count_by_layout():
+    values, indices = torch.tensor([1.0, 2.0], dtype=torch.float16), torch.tensor([4, 9])
+    sparse = Payload(numel=10, dtype=torch.float32, values=values, indices=indices)
+    assert list(sparse.fields()) == ["values", "indices"] and sparse.count == 2
+    assert sparse.header_nbytes == 2 * FIELD_HEADER_NBYTES
+    assert sparse.nbytes == 2 * 2 + 2 * 4 + 2 * FIELD_HEADER_NBYTES  # fp16 values, int32-wide indices
+    codes, scales = torch.zeros(3, dtype=torch.uint8), torch.ones(2, dtype=torch.float64)
+    quantized = Payload(numel=7, dtype=torch.float32, codes=codes, scales=scales)
+    assert list(quantized.fields()) == ["codes", "scales"] and quantized.count == 7
+    assert quantized.nbytes == 3 + 2 * 8 + 2 * FIELD_HEADER_NBYTES
+    dense = Payload(numel=5, dtype=torch.float32, values=torch.ones(5), variable_size=False)
+    assert dense.header_nbytes == 0 and dense.nbytes == 20 and dense.count == 5
+    long = Payload(numel=2**31, dtype=torch.float32, values=values, indices=indices)
+    assert long.nbytes == 2 * 2 + 2 * 8 + 2 * FIELD_HEADER_NBYTES  # int64 positions past 2^31 - 1
+
+
+def test_index_dtype_boundary():
+    assert index_dtype(0) == index_dtype(2**31 - 1) == torch.int32
+    assert index_dtype(2**31) == torch.int64
+
+
+def test_stateless_compressors_refuse_state_and_describe_themselves():
+    topk = gradsift.get_compressor("topk", ratio=0.25)
+    assert topk.state_dict() == {}
+    topk.load_state_dict({})  # nothing to restore
+    with pytest.raises(ValueError, match=r"topk keeps no state, got keys \['a', 'b'\]"):
+        topk.load_state_dict({"b": 1, "a": 2})
+    assert repr(topk) == "TopK(ratio=0.25)" and topk.options() == {"ratio": 0.25}
+    assert repr(gradsift.get_compressor("fp16")) == "Float16()"
+    assert gradsift.get_compressor("randomk", ratio=0.5, seed=3).options() == {"ratio": 0.5, "seed": 3}
+    model = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert topk.attach(model) is None and list(model._forward_hooks) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_sparsifier_payload_dtypes_devices_and_empty_input():
+    x = torch.tensor([[0.5, -3.0], [2.0, 0.1]], dtype=torch.float64)
+    p = gradsift.get_compressor("topk", ratio=0.5).compress(x)
+    assert p.numel == 4 and p.dtype == torch.float64 and p.variable_size
+    assert p.indices.dtype == torch.int64 and p.values.dtype == torch.float64
+    assert sorted(p.indices.tolist()) == [1, 2]
+    empty = gradsift.get_compressor("topk").compress(torch.empty(0, dtype=torch.float16))
+    assert empty.indices.dtype == torch.int64 and empty.values.dtype == torch.float16
+    assert empty.nbytes == 2 * FIELD_HEADER_NBYTES
+
+
+def test_scatter_mean_casts_to_the_first_payload_dtype_and_checks_numel():
+    a = Payload(
+        numel=3,
+        dtype=torch.float64,
+        values=torch.tensor([1.0], dtype=torch.float64),
+        indices=torch.tensor([0]),
+    )
+    b = Payload(
+        numel=3,
+        dtype=torch.float64,
+        values=torch.tensor([0.5], dtype=torch.float16),
+        indices=torch.tensor([2]),
+    )
+    dense = scatter_mean([a, b], 3)
+    assert dense.dtype == torch.float64 and dense.tolist() == [0.5, 0.0, 0.25]
+    assert scatter_mean([a], 3).tolist() == [1.0, 0.0, 0.0]  # one payload: no division
+    with pytest.raises(ValueError, match="payload encodes 3 elements, expected numel=4"):
+        scatter_mean([a], 4)
+    with pytest.raises(ValueError, match="at least one payload"):
+        scatter_mean([], 3)
+    topk = gradsift.get_compressor("topk", ratio=0.5)
+    assert torch.equal(topk.sent_dense(a), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
