@@ -39,7 +39,7 @@ def test_every_extra_is_a_pyproject_extra_and_the_tests_install_them() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(EXTRAS) <= set(optional)
-    assert "gradsift[tensorboard,lightning,accelerate,docs]" in optional["test"]
+    assert "gradsift[tensorboard,lightning,accelerate,transformers,docs]" in optional["test"]
 
 
 # -- telemetry ----------------------------------------------------------------------------
@@ -144,3 +144,86 @@ def test_lightning_callback_registers_where_lightning_did_not(one_process_group:
         callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=torch.nn.Linear(2, 2))), None)
     with pytest.raises(InvalidOptionError, match="not hook options"):
         GradsiftCallback(callback.state.compressor, ratio=0.1)
+
+
+# -- Hugging Face Trainer callback, in a one-process gloo group ----------------------------
+def test_trainer_callback_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    monkeypatch.delitem(sys.modules, "gradsift.integrations.transformers", raising=False)
+    with pytest.raises(MissingExtraError, match=r"pip install 'gradsift\[transformers\]'"):
+        importlib.import_module("gradsift.integrations.transformers")
+
+
+def _trainer_events(tmp_path: Path, step: int, resume_from: str | None = None) -> tuple[SimpleNamespace, ...]:
+    """``(args, state, control)`` as the Trainer passes them to a callback event."""
+    args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=resume_from)
+    return args, SimpleNamespace(global_step=step), SimpleNamespace()
+
+
+@pytest.mark.distributed
+def test_trainer_callback_registers_saves_each_rank_and_restores(
+    one_process_group: None, tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers", reason="pip install 'gradsift[transformers]'")
+    from gradsift.integrations.transformers import GradsiftTrainerCallback
+
+    ddp_model = _ddp_model()
+    trainer = SimpleNamespace(model_wrapped=ddp_model)
+    callback = GradsiftTrainerCallback(trainer, "topk", ratio=0.1)
+    callback.on_train_begin(*_trainer_events(tmp_path, 0))
+    callback.on_train_begin(*_trainer_events(tmp_path, 0))  # a second train(): the hook stays registered once
+    _train_step(ddp_model)
+    assert (
+        0 < callback.state.stats()["total"]["bytes_sent"] < callback.state.stats()["total"]["dense_bytes"] / 4
+    )
+    callback.on_save(*_trainer_events(tmp_path, 1))
+    saved = tmp_path / "checkpoint-1" / "gradsift_hook_state_0.pt"
+    assert saved.is_file()
+
+    # a resumed run (global_step 1 at on_train_begin) restores the residuals from OUTPUT_DIR/checkpoint-1
+    resumed = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()), "topk", ratio=0.1)
+    resumed.on_train_begin(*_trainer_events(tmp_path, 1))
+    before = callback.state.state_dict()["feedback"]["residuals"]
+    after = resumed.state.state_dict()["feedback"]["residuals"]
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(bool(t.abs().sum() > 0) for t in before.values())
+
+    # the folder comes from resume_from, else TrainingArguments.resume_from_checkpoint
+    moved = tmp_path / "moved"
+    (tmp_path / "checkpoint-1").rename(moved)
+    explicit = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()), "topk", ratio=0.1)
+    explicit.on_train_begin(*_trainer_events(tmp_path, 1, resume_from=str(moved)))
+    assert explicit.state.step == callback.state.step == 1
+
+
+@pytest.mark.distributed
+def test_trainer_callback_refuses_what_would_not_continue_the_run(
+    one_process_group: None, tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers", reason="pip install 'gradsift[transformers]'")
+    from gradsift.integrations.transformers import GradsiftTrainerCallback
+
+    def fresh(**options) -> GradsiftTrainerCallback:
+        return GradsiftTrainerCallback(
+            SimpleNamespace(model_wrapped=_ddp_model()), "topk", ratio=0.1, **options
+        )
+
+    with pytest.raises(InvalidOptionError, match="needs the Trainer to train with DistributedDataParallel"):
+        GradsiftTrainerCallback(SimpleNamespace(model_wrapped=torch.nn.Linear(2, 2)), "topk").on_train_begin(
+            *_trainer_events(tmp_path, 0)
+        )
+    with pytest.raises(InvalidOptionError, match=r"resumed at step 3 but .*checkpoint-3.* does not exist"):
+        fresh().on_train_begin(*_trainer_events(tmp_path, 3))
+    saver = fresh()
+    saver.on_train_begin(*_trainer_events(tmp_path, 0))
+    path = saver.save(tmp_path / "checkpoint-3", global_step=2)  # a file of another step
+    with pytest.raises(InvalidOptionError, match="holds the hook state of step 2"):
+        fresh().on_train_begin(*_trainer_events(tmp_path, 3))
+    torch.save({**torch.load(path, weights_only=False), "world_size": 2, "global_step": 3}, path)
+    with pytest.raises(InvalidOptionError, match="world_size=1"):
+        fresh().on_train_begin(*_trainer_events(tmp_path, 3))
+    with pytest.raises(InvalidOptionError, match="not hook options"):
+        GradsiftTrainerCallback(None, saver.state.compressor, ratio=0.1)

@@ -19,6 +19,7 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "hook statistics in TensorBoard (tensorboard, for torch.utils.tensorboard)",
     "lightning": "the PyTorch Lightning callback (pytorch-lightning)",
     "accelerate": "Hugging Face Accelerate examples (accelerate)",
+    "transformers": "the Hugging Face Trainer callback (transformers)",
     "docs": "building this documentation (mkdocs, mkdocs-material, mkdocstrings)",
 }
 

@@ -36,13 +36,18 @@ def load_hook_state(state: Any, saved: dict[str, Any], group: Any = None) -> Non
         raise InvalidOptionError(
             "saved must be the dict gather_hook_states returned (keys world_size, ranks)"
         )
+    check_same_world_size(saved["world_size"], group)
+    state.load_state_dict(saved["ranks"][dist.get_rank(group)])
+
+
+def check_same_world_size(saved_world_size: int, group: Any = None) -> None:
+    """Refuse a hook state saved by a run of another size: residuals belong to a rank."""
     world = dist.get_world_size(group)
-    if saved["world_size"] != world:
+    if saved_world_size != world:
         raise InvalidOptionError(
-            f"checkpoint holds the hook state of {saved['world_size']} ranks, this run has world_size={world}; "
+            f"checkpoint holds the hook state of {saved_world_size} ranks, this run has world_size={world}; "
             "error-feedback residuals belong to a rank, so resume with the same number of workers"
         )
-    state.load_state_dict(saved["ranks"][dist.get_rank(group)])
 
 
 def parameters_agree(module: torch.nn.Module, group: Any = None) -> bool:

@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.compressors.registry import get_compressor
-from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState, gradsift_hook, register_comm_hook
+from gradsift.ddp import gradsift_hook, register_comm_hook
 from gradsift.errors import InvalidOptionError
 from gradsift.extras import require
 from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
+from gradsift.integrations.hook_state import new_hook_state
 from gradsift.integrations.telemetry import scalar_metrics
 
 pl = require("pytorch_lightning", "lightning", purpose="gradsift.integrations.lightning")
@@ -47,14 +47,7 @@ class GradsiftCallback(pl.Callback):
     hook = staticmethod(gradsift_hook)
 
     def __init__(self, compressor: str | Compressor = "sidco-exp", **options: Any) -> None:
-        hook_options = {k: options.pop(k) for k in list(options) if k in HOOK_OPTIONS}
-        if isinstance(compressor, str):
-            compressor = get_compressor(compressor, **options)
-        elif options:
-            raise InvalidOptionError(
-                f"compressor is already built; options {sorted(options)} are not hook options"
-            )
-        self.state = GradsiftHookState(None, compressor, **hook_options)
+        self.state = new_hook_state(compressor, **options)
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """``{"ddp_comm_state": state, "ddp_comm_hook": hook}`` for ``DDPStrategy(**...)``."""

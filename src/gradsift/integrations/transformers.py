@@ -1,0 +1,144 @@
+"""Hugging Face ``Trainer``: gradsift's hook on the Trainer's DDP model, saved in its checkpoints.
+
+Extra ``transformers``. Where the Trainer lets a hook in (read from its source,
+transformers 5.x; the same flow holds in the 4.4x releases):
+
+1. ``Trainer.train()`` wraps the model in ``DistributedDataParallel`` itself (through
+   Accelerate's ``prepare``) and keeps the wrapper as ``trainer.model_wrapped``; callback
+   events receive only the unwrapped model, so :class:`GradsiftTrainerCallback` holds the
+   trainer. (Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` accepts only
+   PyTorch's built-in hooks, named by an enum, not a custom one.)
+2. ``on_train_begin`` fires after that wrapping -- and, in a resumed run, after model,
+   optimizer and scheduler were loaded -- and before the first forward pass: the callback
+   registers the hook there and, when resuming, restores this rank's hook state.
+3. ``on_save`` fires on every rank right after the Trainer wrote
+   ``OUTPUT_DIR/checkpoint-STEP``. The Trainer keeps per-rank state there already
+   (``rng_state_RANK.pth``); the callback writes each rank's hook state beside it, as
+   ``gradsift_hook_state_RANK.pt`` (:data:`HOOK_STATE_FILE`): residuals, compressor
+   state, RNG stream, step and telemetry totals. Each rank writes its own file, so no
+   collective runs and every node keeps the files of its own ranks.
+4. A resumed run starts with ``state.global_step`` read from the checkpoint. The folder is
+   the callback's ``resume_from``, else ``TrainingArguments.resume_from_checkpoint``, else
+   ``OUTPUT_DIR/checkpoint-STEP`` (where ``train(resume_from_checkpoint=True)`` resumes).
+   A resumed run without its hook state is an error: restarting error feedback from zero
+   residuals would not continue the run that was saved.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gradsift.compressors.base import Compressor
+from gradsift.ddp import GradsiftHookState, register_comm_hook
+from gradsift.errors import InvalidOptionError
+from gradsift.extras import require
+from gradsift.integrations.checkpoint import check_same_world_size
+from gradsift.integrations.hook_state import new_hook_state
+
+transformers = require("transformers", "transformers", purpose="gradsift.integrations.transformers")
+#: The Trainer's checkpoint folders are OUTPUT_DIR/{PREFIX}-{global_step}.
+CHECKPOINT_PREFIX: str = require("transformers.trainer_utils", "transformers").PREFIX_CHECKPOINT_DIR
+
+#: Name of each rank's hook state inside a Trainer checkpoint folder.
+HOOK_STATE_FILE = "gradsift_hook_state_{rank}.pt"
+
+
+class GradsiftTrainerCallback(transformers.TrainerCallback):  # type: ignore[misc]
+    """Install gradsift's hook on a ``Trainer``'s DDP model and checkpoint its state with the Trainer's.
+
+    Usage::
+
+        trainer = Trainer(model=model, args=training_args, train_dataset=train)
+        trainer.add_callback(GradsiftTrainerCallback(trainer, "sidco-exp", ratio=0.01))
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    Args:
+        trainer: the ``transformers.Trainer`` this callback is added to.
+        compressor: a registry name (``"sidco-exp"``, ``"topk"``, ...) or a built
+            :class:`~gradsift.compressors.base.Compressor`.
+        resume_from: the checkpoint folder a resumed run continues from, when it is
+            neither ``TrainingArguments.resume_from_checkpoint`` nor
+            ``OUTPUT_DIR/checkpoint-STEP``.
+        options: hook options (``granularity``, ``warmup_steps``, ...) and compressor
+            options (``ratio``, ...), as for :func:`gradsift.register_comm_hook`.
+
+    Attributes:
+        state: the :class:`~gradsift.ddp.GradsiftHookState` (``state.stats()`` for bytes,
+            density and timings).
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        compressor: str | Compressor = "sidco-exp",
+        *,
+        resume_from: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> None:
+        self.trainer = trainer
+        self.state: GradsiftHookState = new_hook_state(compressor, **options)
+        self.resume_from = resume_from
+        self._ddp_model: DistributedDataParallel | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ddp_model = self.trainer.model_wrapped
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise InvalidOptionError(
+                "GradsiftTrainerCallback needs the Trainer to train with DistributedDataParallel, i.e. on "
+                "2 or more processes (torchrun --nproc-per-node 2 SCRIPT); trainer.model_wrapped is a "
+                f"{type(ddp_model).__name__}"
+            )
+        if ddp_model is not self._ddp_model:  # a second train() reuses the wrapper and its hook
+            register_comm_hook(ddp_model, self.state)
+            self._ddp_model = ddp_model
+        if state.global_step > 0:
+            self.load(self.resume_folder(args, state.global_step), state.global_step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
+        self.save(folder, state.global_step)
+
+    def resume_folder(self, args: Any, global_step: int) -> Path:
+        """The checkpoint folder a run resumed at ``global_step`` continues from (see the module doc)."""
+        if self.resume_from is not None:
+            return Path(self.resume_from)
+        if isinstance(args.resume_from_checkpoint, str) and args.resume_from_checkpoint:
+            return Path(args.resume_from_checkpoint)
+        return Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{global_step}"
+
+    def save(self, folder: str | os.PathLike[str], global_step: int) -> Path:
+        """Write this rank's hook state into the checkpoint ``folder``; return the file."""
+        path = Path(folder) / HOOK_STATE_FILE.format(rank=dist.get_rank())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = {
+            "world_size": dist.get_world_size(),
+            "global_step": global_step,
+            "hook": self.state.state_dict(),
+        }
+        torch.save(saved, path)
+        return path
+
+    def load(self, folder: str | os.PathLike[str], global_step: int) -> None:
+        """Restore this rank's hook state from the checkpoint ``folder`` of a run resumed at ``global_step``."""
+        path = Path(folder) / HOOK_STATE_FILE.format(rank=dist.get_rank())
+        if not path.is_file():
+            raise InvalidOptionError(
+                f"the Trainer resumed at step {global_step} but {path} does not exist, so the hook's "
+                "error-feedback state cannot be restored; pass the checkpoint folder as "
+                "GradsiftTrainerCallback(..., resume_from=FOLDER) or TrainingArguments(resume_from_checkpoint=FOLDER)"
+            )
+        device = next(self.trainer.model_wrapped.parameters()).device
+        saved = torch.load(path, map_location=device, weights_only=False)
+        check_same_world_size(saved["world_size"])
+        if saved["global_step"] != global_step:
+            raise InvalidOptionError(
+                f"{path} holds the hook state of step {saved['global_step']}, but the Trainer resumed at "
+                f"step {global_step}: pass the folder of the checkpoint the Trainer resumed from"
+            )
+        self.state.load_state_dict(saved["hook"])
