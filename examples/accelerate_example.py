@@ -4,16 +4,17 @@
 processes run; gradsift's hook is registered on that prepared model. The main process
 saves one checkpoint holding the model, the optimizer and every rank's hook state.
 
-Two CPU processes::
+Two CPU processes, with Accelerate's multi-process launcher (which is torchrun: it needs
+no GPU; ``--cpu`` instead selects a one-process launcher that expects ``mpirun`` to start
+the others) or with torchrun itself::
 
-    accelerate launch --cpu --num_processes 2 examples/accelerate_example.py --steps 40
-    # or, equivalently:
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 40
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_example.py --steps 40 \
+        --checkpoint-every 20
 
 Resume::
 
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 80 \
-        --resume checkpoints/step40.pt
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 40 \
+        --resume checkpoints/step20.pt --checkpoint-dir resumed
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def main() -> None:
 
     # cpu=True on a machine without CUDA: Accelerate then runs multi-process CPU training on gloo
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.num_processes < 2:
+        raise SystemExit(
+            "accelerate_example.py needs 2 or more processes, and this is the only one: launch it with "
+            "`accelerate launch --multi_gpu --num_processes 2 ...` or `torchrun --standalone --nproc-per-node 2 ...` "
+            "(`accelerate launch --cpu` starts one process and expects mpirun to start the others)"
+        )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(), torch.nn.Linear(128, CLASSES)

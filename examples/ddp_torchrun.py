@@ -5,19 +5,16 @@ so the script runs anywhere in seconds. Rank 0 writes checkpoints that hold the 
 the optimizer *and every rank's hook state* (error-feedback residuals, compressor state),
 so a resumed run continues exactly where it stopped.
 
-One machine, two processes (CPU/gloo or one GPU each/NCCL)::
+One machine, two processes (CPU/gloo or one GPU each/NCCL), a checkpoint at step 20::
 
-    torchrun --standalone --nproc-per-node 2 examples/ddp_torchrun.py --steps 40
+    torchrun --standalone --nproc-per-node 2 examples/ddp_torchrun.py --steps 40 --checkpoint-every 20
 
-Two machines with 8 processes each; run the same line on both, host0 reachable on 29500::
+Resume from it; ``resumed/last.pt`` then equals ``checkpoints/last.pt``::
 
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-id gradsift-demo --rdzv-backend c10d \
-        --rdzv-endpoint host0:29500 examples/ddp_torchrun.py --steps 1000
+    torchrun --standalone --nproc-per-node 2 examples/ddp_torchrun.py --steps 40 \
+        --resume checkpoints/step20.pt --checkpoint-dir resumed
 
-Resume from a checkpoint written with ``--checkpoint-every``::
-
-    torchrun --standalone --nproc-per-node 2 examples/ddp_torchrun.py --steps 80 \
-        --resume checkpoints/step40.pt
+Several machines: the torchrun line in ``examples/README.md``.
 """
 
 from __future__ import annotations

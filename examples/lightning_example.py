@@ -11,7 +11,7 @@ Two CPU processes (Lightning launches them itself)::
 
 Resume from a checkpoint (model, optimizer, loops and the gradsift hook state)::
 
-    python examples/lightning_example.py --epochs 4 --resume checkpoints/epoch=1.ckpt
+    python examples/lightning_example.py --epochs 2 --resume "checkpoints/epoch=0.ckpt" --checkpoint-dir resumed
 """
 
 from __future__ import annotations

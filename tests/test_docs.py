@@ -1,7 +1,7 @@
-"""The documentation site builds with warnings as errors, and its CLI lines are real.
+"""Every documented command runs, the CLI lines use real flags, and the site builds strictly.
 
-Every ``gradsift ...`` line inside a fenced code block of ``docs/*.md`` is split into its
-subcommand path and its flags; each flag must appear in that subcommand's ``--help``.
+Which lines are commands, and how they run (shortened lengths, the installed wheel,
+shared runs), is defined at the top of ``tests/doc_commands.py``.
 """
 
 from __future__ import annotations
@@ -17,23 +17,119 @@ from pathlib import Path
 
 import pytest
 
+from doc_commands import FENCE, ROOT, Block, command_lines, docstring_block, documented_blocks, shorten
 from gradsift.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
+BLOCKS = documented_blocks()
+RUNNABLE = [block for block in BLOCKS if block.runnable]
 
 
+# -- the rules of tests/doc_commands.py ------------------------------------------------------
+def test_command_lines_join_continuations_and_drop_prompts_and_comments() -> None:
+    body = "# a comment\n$ gradsift demo   # the demo\n\ntorchrun --nnodes 2 \\\n    x.py --steps 3\n"
+    assert command_lines(body) == ["gradsift demo", "torchrun --nnodes 2 x.py --steps 3"]
+
+
+def test_markers_exempt_blocks_or_prefixes_and_continue_blocks(tmp_path: Path) -> None:
+    from doc_commands import markdown_blocks
+
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text(
+        "<!-- not-run: needs 2 machines -->\n```bash\nrun a\n```\n\n```python\nx = 1\n```\n"
+        "<!-- not-run `./dev test`: the suite itself -->\n```bash\n./dev demo\n./dev test\n```\n"
+        "<!-- continues -->\n```sh\ngradsift report runs/\n```\n",
+        encoding="utf-8",
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("doc_commands.ROOT", tmp_path)
+        first, second = markdown_blocks(page)
+    assert (
+        first.commands == ("run a",) and first.runnable == () and first.exempt("run a") == "needs 2 machines"
+    )
+    assert second.source == "docs/page.md:10"
+    assert second.commands == ("./dev demo", "./dev test", "gradsift report runs/")
+    assert second.runnable == ("./dev demo", "gradsift report runs/")
+
+
+def test_docstring_usage_blocks_form_one_sequence() -> None:
+    block = docstring_block(ROOT / "examples" / "ddp_torchrun.py")
+    assert block is not None and len(block.commands) == 2
+    assert block.commands[1].endswith("--steps 40 --resume checkpoints/step20.pt --checkpoint-dir resumed")
+
+
+@pytest.mark.parametrize(
+    "written,run",
+    [
+        ("gradsift demo", "gradsift demo --quick"),
+        ("./dev demo --localhost", "gradsift demo --localhost --quick"),
+        (
+            "gradsift train --model vgg --workers 4 --steps 500",
+            "gradsift train --model vgg --workers 2 --steps 2",
+        ),
+        ("gradsift train --epochs 1 --out runs/x", "gradsift train --epochs 0.001 --out runs/x"),
+        ("gradsift train --compressor topk", "gradsift train --compressor topk --steps 2"),
+        (
+            "gradsift bench compress --sizes 1e6 100 --json b.json",
+            "gradsift bench compress --sizes 4096 100 --json b.json",
+        ),
+        (
+            "torchrun --nproc-per-node 4 -m gradsift train",
+            "torchrun --nproc-per-node 2 -m gradsift train --steps 2",
+        ),
+        ("gradsift report runs/", "gradsift report runs/"),
+        ('python examples/x.py --resume "a=1.ckpt"', 'python examples/x.py --resume "a=1.ckpt"'),
+    ],
+)
+def test_shorten_keeps_the_flags_and_cuts_the_lengths(written: str, run: str) -> None:
+    assert shorten(written) == run
+
+
+def test_every_exemption_gives_a_reason_and_matches_a_command() -> None:
+    exemptions = [(block, prefix, reason) for block in BLOCKS for prefix, reason in block.not_run]
+    assert exemptions, "the multi-machine commands are documented and exempt"
+    for block, prefix, reason in exemptions:
+        assert reason, f"{block.source}: not-run without a reason"
+        assert any(command.startswith(prefix) for command in block.commands), (
+            f"{block.source}: stale {prefix!r}"
+        )
+
+
+def test_the_documentation_offers_commands_from_every_source() -> None:
+    sources = {block.source.split(":")[0] for block in RUNNABLE}
+    assert {
+        "README.md",
+        "examples/README.md",
+        "docs/quickstart.md",
+        "docs/cli.md",
+        "docs/integrations.md",
+    } <= sources
+    assert {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")} <= sources
+
+
+# -- every documented block runs ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.source for block in RUNNABLE])
+def test_documented_commands_run(block: Block, documented_runs) -> None:
+    result = documented_runs.run(block)
+    assert len(result.runs) == len(block.runnable) and result.ok, "\n\n".join(
+        r.describe() for r in result.runs
+    )
+
+
+# -- flags of gradsift lines in any fenced block (also synopses that do not run) --------------
 def docs_command_lines() -> list[tuple[str, str]]:
-    """``(page, command line)`` for each ``gradsift ...`` line in a fenced block of the docs."""
+    """``(page, line)`` for each ``gradsift ...`` line inside any fenced block of ``docs/*.md``."""
     found = []
     for page in sorted(DOCS.glob("*.md")):
         for block in FENCE.finditer(page.read_text(encoding="utf-8")):
-            body = block.group("body").replace("\\\n", " ")  # join shell continuations
-            for line in body.splitlines():
-                line = line.strip().removeprefix("$ ")
-                if line.startswith("gradsift "):
-                    found.append((page.name, line.split(" #")[0]))
+            found += [
+                (page.name, line)
+                for line in command_lines(block.group("body"))
+                if line.startswith("gradsift ")
+            ]
     return found
 
 

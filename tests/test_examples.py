@@ -1,10 +1,12 @@
-"""The examples run as written on 2 CPU processes, compress for real, and resume exactly.
+"""The examples, run by their documented commands, compress for real and resume exactly.
 
-Each example is launched the way its docstring says (torchrun / Lightning's own
-launcher), trains a few steps, and prints one ``gradsift-example {json}`` line on rank 0.
-Resuming from a mid-run checkpoint must land on bit-identical parameters, optimizer
-state and hook residuals as the uninterrupted run -- which only holds when the saved
-hook state was really restored (the control with zeroed residuals shows it matters).
+``docs/integrations.md`` documents each example as a pair of commands: train with a
+checkpoint half way, then resume from that checkpoint into another folder. The suite
+runs those pairs as written (``tests/doc_commands.py``; the runs are shared with
+``tests/test_docs.py``). Each run prints one ``gradsift-example {json}`` line on rank 0.
+The resumed run must print the same summary and land on bit-identical parameters,
+optimizer state and hook residuals -- which only holds when the saved hook state was
+really restored (the control with zeroed residuals shows that it matters).
 """
 
 from __future__ import annotations
@@ -19,20 +21,24 @@ from typing import Any
 import pytest
 import torch
 
+from doc_commands import BlockRun, DocumentedRuns
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PAGE = "docs/integrations.md"
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def launch(tmp_path: Path, script: str, *args: str, torchrun: bool = True) -> dict[str, Any]:
-    """Run an example on 2 CPU processes in ``tmp_path``; return its rank-0 summary line."""
-    command = [sys.executable, str(EXAMPLES / script), *args]
-    if torchrun:
-        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("gradsift-example ")]
+def documented_pair(runs: DocumentedRuns, script: str) -> tuple[BlockRun, dict[str, Any], dict[str, Any]]:
+    """The documented train + resume block of ``script``: its run and the two summary lines."""
+    block = runs.find(f"examples/{script}", source=PAGE)
+    result = runs.run(block)
+    assert result.ok and len(result.runs) == 2, "\n\n".join(r.describe() for r in result.runs)
+    full, resumed = (summary_line(run.output) for run in result.runs)
+    return result, full, resumed
+
+
+def summary_line(output: str) -> dict[str, Any]:
+    lines = [line for line in output.splitlines() if line.startswith("gradsift-example ")]
     assert len(lines) == 1, output[-6000:]
     return json.loads(lines[0].removeprefix("gradsift-example "))
 
@@ -80,68 +86,82 @@ def assert_resumed_exactly(full: dict[str, Any], resumed: dict[str, Any], keys: 
 PLAIN_KEYS = ("model", "optimizer", "gradsift")
 
 
-def test_torchrun_example_compresses_and_resumes_exactly(tmp_path: Path) -> None:
-    common = ["--steps", "8"]
-    full = launch(tmp_path, "ddp_torchrun.py", *common, "--checkpoint-every", "4")
-    assert_compressed_run(full, steps=8)
-    middle = load(tmp_path / "checkpoints" / "step4.pt")
-    resumed = launch(
-        tmp_path,
-        "ddp_torchrun.py",
-        *common,
-        "--resume",
-        "checkpoints/step4.pt",
-        "--checkpoint-dir",
-        "resumed",
-    )
+def test_torchrun_example_compresses_and_resumes_exactly(documented_runs: DocumentedRuns) -> None:
+    result, full, resumed = documented_pair(documented_runs, "ddp_torchrun.py")
+    assert_compressed_run(full, steps=40)
     assert resumed == full  # same loss, bytes and density: telemetry totals resume too
+    here = result.directory
     assert_resumed_exactly(
-        load(tmp_path / "checkpoints" / "last.pt"), load(tmp_path / "resumed" / "last.pt"), PLAIN_KEYS
+        load(here / "checkpoints" / "last.pt"), load(here / "resumed" / "last.pt"), PLAIN_KEYS
     )
 
     # Control: the same checkpoint without its residuals does not reproduce the run.
+    middle = load(here / "checkpoints" / "step20.pt")
     for rank in residuals(middle["gradsift"]):
         for tensor in rank.values():
             tensor.zero_()
-    torch.save(middle, tmp_path / "no-residuals.pt")
-    launch(tmp_path, "ddp_torchrun.py", *common, "--resume", "no-residuals.pt", "--checkpoint-dir", "control")
-    full_model, control_model = (
-        load(tmp_path / "checkpoints" / "last.pt")["model"],
-        load(tmp_path / "control" / "last.pt")["model"],
-    )
+    control = here.parent / "control"
+    control.mkdir()
+    torch.save(middle, control / "no-residuals.pt")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "40", "--resume", "no-residuals.pt"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, cwd=control, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    full_model = load(here / "checkpoints" / "last.pt")["model"]
+    control_model = load(control / "checkpoints" / "last.pt")["model"]
     assert not all(torch.equal(full_model[k], control_model[k]) for k in full_model)
 
 
-def test_accelerate_example_compresses_and_resumes_exactly(tmp_path: Path) -> None:
-    full = launch(tmp_path, "accelerate_example.py", "--steps", "8", "--checkpoint-every", "4")
-    assert_compressed_run(full, steps=8)
-    resumed = launch(
-        tmp_path,
-        "accelerate_example.py",
-        "--steps",
-        "8",
-        "--resume",
-        "checkpoints/step4.pt",
-        "--checkpoint-dir",
-        "resumed",
-    )
+def test_accelerate_example_launched_by_accelerate_resumes_exactly_under_torchrun(
+    documented_runs: DocumentedRuns,
+) -> None:
+    result, full, resumed = documented_pair(documented_runs, "accelerate_example.py")
+    assert result.runs[0].command.startswith("accelerate launch --multi_gpu --num_processes 2 ")
+    assert_compressed_run(full, steps=40)
     assert resumed == full
+    here = result.directory
     assert_resumed_exactly(
-        load(tmp_path / "checkpoints" / "last.pt"), load(tmp_path / "resumed" / "last.pt"), PLAIN_KEYS
+        load(here / "checkpoints" / "last.pt"), load(here / "resumed" / "last.pt"), PLAIN_KEYS
     )
 
 
-def test_lightning_example_compresses_logs_and_resumes_exactly(tmp_path: Path) -> None:
-    full = launch(tmp_path, "lightning_example.py", "--epochs", "2", torchrun=False)
+def test_lightning_example_compresses_logs_and_resumes_exactly(documented_runs: DocumentedRuns) -> None:
+    result, full, resumed = documented_pair(documented_runs, "lightning_example.py")
     assert_compressed_run(full, steps=16)  # 512 samples / (2 ranks x 32) = 8 steps per epoch
-    logged = (tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    here = result.directory
+    logged = (here / "logs" / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     assert "gradsift/total/bytes_sent" in logged[0].split(",")
-    resumed = launch(
-        tmp_path, "lightning_example.py", "--epochs", "2", "--resume", "checkpoints/epoch=0.ckpt",
-        "--checkpoint-dir", "resumed", torchrun=False,
-    )  # fmt: skip
     assert resumed == full
-    full_ckpt, resumed_ckpt = (load(tmp_path / d / "epoch=1.ckpt") for d in ("checkpoints", "resumed"))
+    full_ckpt, resumed_ckpt = (load(here / d / "epoch=1.ckpt") for d in ("checkpoints", "resumed"))
     for checkpoint in (full_ckpt, resumed_ckpt):
         checkpoint["hooks"] = checkpoint["callbacks"]["GradsiftCallback"]
     assert_resumed_exactly(full_ckpt, resumed_ckpt, ("state_dict", "optimizer_states", "hooks"))
+
+
+def test_hf_trainer_example_compresses_and_resumes_exactly_from_the_trainers_checkpoint(
+    documented_runs: DocumentedRuns,
+) -> None:
+    safetensors = pytest.importorskip("safetensors.torch", reason="pip install 'gradsift[transformers]'")
+    result, full, resumed = documented_pair(documented_runs, "hf_trainer_example.py")
+    assert_compressed_run(full, steps=40)
+    assert resumed == full  # the final model's loss, bytes and density
+    full_dir, resumed_dir = (result.directory / d / "checkpoint-40" for d in ("checkpoints", "resumed"))
+    model = [safetensors.load_file(d / "model.safetensors") for d in (full_dir, resumed_dir)]
+    optimizer = [load(d / "optimizer.pt") for d in (full_dir, resumed_dir)]
+    hooks = [
+        {"ranks": [load(d / f"gradsift_hook_state_{rank}.pt")["hook"] for rank in range(2)]}
+        for d in (full_dir, resumed_dir)
+    ]
+    assert_resumed_exactly(
+        {"model": model[0], "optimizer": optimizer[0], "hooks": hooks[0]},
+        {"model": model[1], "optimizer": optimizer[1], "hooks": hooks[1]},
+        ("model", "optimizer", "hooks"),
+    )
+    # every rank saved its own state in the Trainer's mid-run checkpoint, beside rng_state_RANK.pth
+    middle = result.directory / "checkpoints" / "checkpoint-20"
+    assert {p.name for p in middle.glob("gradsift_hook_state_*.pt")} == {
+        "gradsift_hook_state_0.pt",
+        "gradsift_hook_state_1.pt",
+    }
+    assert all(load(middle / f"gradsift_hook_state_{r}.pt")["global_step"] == 20 for r in range(2))
