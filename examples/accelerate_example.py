@@ -8,7 +8,7 @@ Two CPU processes, with Accelerate's multi-process launcher (which is torchrun: 
 no GPU; ``--cpu`` instead selects a one-process launcher that expects ``mpirun`` to start
 the others) or with torchrun itself::
 
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_example.py --steps 40 \
+    accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 examples/accelerate_example.py --steps 40 \
         --checkpoint-every 20
 
 Resume::

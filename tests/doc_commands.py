@@ -31,7 +31,9 @@ How the suite runs them (:class:`DocumentedRuns`)
   and finds its dependencies installed. ``torchrun`` and ``accelerate`` are the test
   environment's.
 - Lengths shrink, flags stay (:func:`shorten`): ``gradsift train`` runs 2 steps (or 0.001
-  epochs) on at most 2 workers, ``gradsift bench compress`` uses tensors of at most 4096
+  epochs) on at most 2 workers, on the Fashion-MNIST subset embedded in the package
+  (``--data-dir``; evaluating on the full test set would cost most of the run where the
+  full dataset is installed), ``gradsift bench compress`` uses tensors of at most 4096
   elements, ``gradsift demo`` gets ``--quick``, and ``torchrun ... -m gradsift`` starts at
   most 2 processes. Example scripts run exactly as written: their models are tiny.
 - ``./dev demo ARGS`` runs as ``gradsift demo ARGS``: that is what the dev script runs after
@@ -63,6 +65,7 @@ COMMAND_TIMEOUT_S = 300
 TRAIN_LENGTHS = {"--steps": "2", "--epochs": "0.001"}
 MAX_WORKERS = 2
 MAX_BENCH_SIZE = 4096
+EMBEDDED_DATA = ROOT / "src" / "gradsift" / "data"
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ def _shorten_gradsift(args: list[str]) -> list[str]:
         return args if "--quick" in args else [*args, "--quick"]
     if args[:1] == ["train"]:
         args = _cap_value(args, ("--workers",), MAX_WORKERS)
+        if "--data-dir" not in args and "--synthetic" not in args:
+            args = [*args, "--data-dir", str(EMBEDDED_DATA)]
         if not any(flag in args for flag in TRAIN_LENGTHS):
             return [*args, "--steps", TRAIN_LENGTHS["--steps"]]
         return [

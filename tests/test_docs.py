@@ -17,10 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import FENCE, ROOT, Block, command_lines, docstring_block, documented_blocks, shorten
+from doc_commands import (
+    EMBEDDED_DATA,
+    FENCE,
+    ROOT,
+    Block,
+    command_lines,
+    docstring_block,
+    documented_blocks,
+    shorten,
+)
 from gradsift.cli import main
 
 DOCS = ROOT / "docs"
+DATA = f"--data-dir {EMBEDDED_DATA}"
 BLOCKS = documented_blocks()
 RUNNABLE = [block for block in BLOCKS if block.runnable]
 
@@ -66,17 +76,18 @@ def test_docstring_usage_blocks_form_one_sequence() -> None:
         ("./dev demo --localhost", "gradsift demo --localhost --quick"),
         (
             "gradsift train --model vgg --workers 4 --steps 500",
-            "gradsift train --model vgg --workers 2 --steps 2",
+            f"gradsift train --model vgg --workers 2 --steps 2 {DATA}",
         ),
-        ("gradsift train --epochs 1 --out runs/x", "gradsift train --epochs 0.001 --out runs/x"),
-        ("gradsift train --compressor topk", "gradsift train --compressor topk --steps 2"),
+        ("gradsift train --epochs 1 --out runs/x", f"gradsift train --epochs 0.001 --out runs/x {DATA}"),
+        ("gradsift train --compressor topk", f"gradsift train --compressor topk {DATA} --steps 2"),
+        ("gradsift train --synthetic --steps 9", "gradsift train --synthetic --steps 2"),
         (
             "gradsift bench compress --sizes 1e6 100 --json b.json",
             "gradsift bench compress --sizes 4096 100 --json b.json",
         ),
         (
             "torchrun --nproc-per-node 4 -m gradsift train",
-            "torchrun --nproc-per-node 2 -m gradsift train --steps 2",
+            f"torchrun --nproc-per-node 2 -m gradsift train {DATA} --steps 2",
         ),
         ("gradsift report runs/", "gradsift report runs/"),
         ('python examples/x.py --resume "a=1.ckpt"', 'python examples/x.py --resume "a=1.ckpt"'),

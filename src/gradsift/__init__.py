@@ -11,7 +11,7 @@ Public API (stable)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
 from gradsift.errors import (
@@ -23,10 +23,20 @@ from gradsift.errors import (
     WireFormatError,
 )
 
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsift.ddp import GradsiftHookState
+
+#: The release, written only here (pyproject.toml reads it; CHANGELOG.md has its entry).
 __version__ = "0.1.0"
 
 
-def register_comm_hook(ddp_model: Any, compressor: Any = "sidco-exp", **options: Any) -> Any:
+def register_comm_hook(
+    ddp_model: DistributedDataParallel,
+    compressor: str | Compressor | GradsiftHookState = "sidco-exp",
+    **options: Any,
+) -> GradsiftHookState:
     """Install gradsift's communication hook on a ``DistributedDataParallel`` model.
 
     See :func:`gradsift.ddp.register_comm_hook` for the options; imported lazily so

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsift.compressors.base import Compressor
 from gradsift.ddp import gradsift_hook, register_comm_hook
@@ -26,10 +26,13 @@ from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
 from gradsift.integrations.hook_state import new_hook_state
 from gradsift.integrations.telemetry import scalar_metrics
 
-pl = require("pytorch_lightning", "lightning", purpose="gradsift.integrations.lightning")
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback
+else:
+    Callback = require("pytorch_lightning", "lightning", purpose="gradsift.integrations.lightning").Callback
 
 
-class GradsiftCallback(pl.Callback):
+class GradsiftCallback(Callback):
     """Compress DDP gradients under Lightning, log the hook's statistics, checkpoint its state.
 
     Args:

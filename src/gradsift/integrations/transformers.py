@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +41,18 @@ from gradsift.extras import require
 from gradsift.integrations.checkpoint import check_same_world_size
 from gradsift.integrations.hook_state import new_hook_state
 
-transformers = require("transformers", "transformers", purpose="gradsift.integrations.transformers")
-#: The Trainer's checkpoint folders are OUTPUT_DIR/{PREFIX}-{global_step}.
-CHECKPOINT_PREFIX: str = require("transformers.trainer_utils", "transformers").PREFIX_CHECKPOINT_DIR
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+else:
+    TrainerCallback = require("transformers", "transformers", purpose="gradsift.integrations.transformers").TrainerCallback
+    PREFIX_CHECKPOINT_DIR = require("transformers.trainer_utils", "transformers").PREFIX_CHECKPOINT_DIR
 
 #: Name of each rank's hook state inside a Trainer checkpoint folder.
 HOOK_STATE_FILE = "gradsift_hook_state_{rank}.pt"
 
 
-class GradsiftTrainerCallback(transformers.TrainerCallback):  # type: ignore[misc]
+class GradsiftTrainerCallback(TrainerCallback):
     """Install gradsift's hook on a ``Trainer``'s DDP model and checkpoint its state with the Trainer's.
 
     Usage::
@@ -101,7 +104,7 @@ class GradsiftTrainerCallback(transformers.TrainerCallback):  # type: ignore[mis
             self.load(self.resume_folder(args, state.global_step), state.global_step)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         self.save(folder, state.global_step)
 
     def resume_folder(self, args: Any, global_step: int) -> Path:
@@ -110,7 +113,7 @@ class GradsiftTrainerCallback(transformers.TrainerCallback):  # type: ignore[mis
             return Path(self.resume_from)
         if isinstance(args.resume_from_checkpoint, str) and args.resume_from_checkpoint:
             return Path(args.resume_from_checkpoint)
-        return Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{global_step}"
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
     def save(self, folder: str | os.PathLike[str], global_step: int) -> Path:
         """Write this rank's hook state into the checkpoint ``folder``; return the file."""
