@@ -31,7 +31,7 @@ How the suite runs them (:class:`DocumentedRuns`)
   and finds its dependencies installed. ``torchrun`` and ``accelerate`` are the test
   environment's.
 - Lengths shrink, flags stay (:func:`shorten`): ``gradsift train`` runs 2 steps (or 0.001
-  epochs) on at most 2 workers, on the Fashion-MNIST subset embedded in the package
+  epochs) on at most 2 workers (and 2 ``--nodes``), on the Fashion-MNIST subset embedded in the package
   (``--data-dir``; evaluating on the full test set would cost most of the run where the
   full dataset is installed), ``gradsift bench compress`` uses tensors of at most 4096
   elements, ``gradsift demo`` gets ``--quick``, and ``torchrun ... -m gradsift`` starts at
@@ -162,8 +162,9 @@ def _shorten_gradsift(args: list[str]) -> list[str]:
     if args[:1] == ["demo"]:
         return args if "--quick" in args else [*args, "--quick"]
     if args[:1] == ["train"]:
-        args = _cap_value(args, ("--workers",), MAX_WORKERS)
-        if "--data-dir" not in args and "--synthetic" not in args:
+        args = _cap_value(args, ("--workers", "--nodes"), MAX_WORKERS)
+        image_model = "gpt" not in args  # --data-dir means a folder of text files for gpt
+        if image_model and "--data-dir" not in args and "--synthetic" not in args:
             args = [*args, "--data-dir", str(EMBEDDED_DATA)]
         if not any(flag in args for flag in TRAIN_LENGTHS):
             return [*args, "--steps", TRAIN_LENGTHS["--steps"]]

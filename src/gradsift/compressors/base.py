@@ -219,11 +219,16 @@ def scatter_mean(payloads: Sequence[Payload], numel: int) -> torch.Tensor:
     if not payloads:
         raise InvalidOptionError("payloads must hold at least one payload")
     first = payloads[0]
-    dense = torch.zeros(numel, dtype=first.dtype, device=first.values.device)
+    dense: torch.Tensor | None = None
     for payload in payloads:
         if payload.numel != numel:
             raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
+        if payload.indices is None or payload.values is None:
+            raise InvalidOptionError("scatter_mean needs sparse payloads: each with indices and values")
+        if dense is None:
+            dense = torch.zeros(numel, dtype=first.dtype, device=payload.values.device)
         dense.index_add_(0, payload.indices, payload.values.to(first.dtype))
+    assert dense is not None  # payloads is not empty
     if len(payloads) > 1:
         dense /= len(payloads)
     return dense

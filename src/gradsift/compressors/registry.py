@@ -46,7 +46,8 @@ def compressor_class(name: str) -> type[Compressor]:
     if not isinstance(name, str) or name not in _TABLE:
         raise UnknownCompressorError(f"unknown compressor {name!r}; known compressors: {', '.join(_TABLE)}")
     module_name, class_name = _TABLE[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    cls: type[Compressor] = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
 def get_compressor(name: str, **options: Any) -> Compressor:

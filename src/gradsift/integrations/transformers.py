@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from transformers import TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 else:
-    TrainerCallback = require("transformers", "transformers", purpose="gradsift.integrations.transformers").TrainerCallback
+    TrainerCallback = require(
+        "transformers", "transformers", purpose="gradsift.integrations.transformers"
+    ).TrainerCallback
     PREFIX_CHECKPOINT_DIR = require("transformers.trainer_utils", "transformers").PREFIX_CHECKPOINT_DIR
 
 #: Name of each rank's hook state inside a Trainer checkpoint folder.
