@@ -1,7 +1,7 @@
 """Hugging Face ``Trainer``: gradsift's hook on the Trainer's DDP model, saved in its checkpoints.
 
-Extra ``transformers``. Where the Trainer lets a hook in (read from its source,
-transformers 5.x; the same flow holds in the 4.4x releases):
+Extra ``transformers`` (transformers >= 5). Where the Trainer lets a hook in (read from
+its source, transformers 5.24):
 
 1. ``Trainer.train()`` wraps the model in ``DistributedDataParallel`` itself (through
    Accelerate's ``prepare``) and keeps the wrapper as ``trainer.model_wrapped``; callback
