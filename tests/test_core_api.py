@@ -90,6 +90,12 @@ def test_scatter_mean_adds_duplicate_indices_across_workers():
     assert scatter_mean([a, b], 4).tolist() == [0.5, 0.0, 2.5, 2.5]
 
 
+def test_scatter_mean_refuses_a_payload_without_indices():
+    dense = Payload(numel=2, dtype=torch.float32, values=torch.ones(2), variable_size=False)
+    with pytest.raises(gradsift.InvalidOptionError, match="sparse payloads: each with indices and values"):
+        scatter_mean([dense], 2)
+
+
 @pytest.mark.parametrize(
     "name,wire", [("none", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)]
 )
