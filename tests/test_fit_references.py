@@ -97,3 +97,45 @@ def test_goodness_of_fit_of_degenerate_data():
     assert all(math.isnan(report[family]["ks"]) for family in ("exponential", "gpareto", "gamma", "normal"))
     empty = stats.goodness_of_fit(torch.empty(0))
     assert empty["zero_fraction"] == 0.0
+
+
+def test_moment_fits_on_a_hand_example():
+    """[1, 2, 3, 6]: mean 3, population variance 3.5, so m^2/v = 18/7."""
+    x = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    pareto = stats.fit_generalized_pareto(x)
+    moment_ratio = 9.0 / 3.5
+    assert pareto.shape == pytest.approx(0.5 * (1 - moment_ratio), rel=1e-12)
+    assert pareto.scale == pytest.approx(0.5 * 3.0 * (moment_ratio + 1), rel=1e-12)
+    # gamma over the non-zero values, r = ln(mean) - mean(ln x), Minka's closed form
+    with_zero = torch.tensor([0.0, 1.0, 2.0, 3.0, 6.0])
+    gamma = stats.fit_gamma(with_zero)
+    r = math.log(3.0) - (math.log(1) + math.log(2) + math.log(3) + math.log(6)) / 4
+    shape = (3 - r + math.sqrt((r - 3) ** 2 + 24 * r)) / (12 * r)
+    assert gamma == pytest.approx(
+        stats.GammaFit(shape=shape, scale=3.0 / shape, nonzero_fraction=0.8), rel=1e-12
+    )
+
+
+def test_degenerate_moment_fits():
+    assert stats.fit_generalized_pareto(torch.empty(0)) == stats.GeneralizedParetoFit(shape=0.0, scale=0.0)
+    # one element: zero variance, the capped moment ratio puts the threshold at the value
+    assert stats.fit_generalized_pareto(torch.tensor([3.0])).exceedance_threshold(0.01) == pytest.approx(
+        3.0, rel=1e-4
+    )
+    assert stats.fit_gamma(torch.zeros(4)).exceedance_threshold(0.5) == 0.0
+
+
+def test_moments_accumulate_in_float64_whatever_the_input_dtype():
+    """A float32 accumulation would be off by ~1e-7 relative; float64 agrees to rounding."""
+    x = torch.rand(1000, generator=torch.Generator().manual_seed(2)) * 3
+    wide = x.double()
+    assert stats.fit_exponential(x).scale == pytest.approx(float(wide.mean()), rel=1e-13)
+    normal = stats.fit_normal(x)
+    assert normal.mean == pytest.approx(float(wide.mean()), rel=1e-13)
+    assert normal.std == pytest.approx(float(wide.std(correction=0)), rel=1e-13)
+
+
+def test_default_subsample_is_200k_elements_with_seed_0():
+    x = torch.randn(200_001, generator=torch.Generator().manual_seed(3))
+    assert stats.goodness_of_fit(x) == stats.goodness_of_fit(x, sample_size=200_000, seed=0)
+    assert torch.equal(stats.subsample(x, 10), stats.subsample(x, 10, seed=0))
