@@ -181,6 +181,7 @@ def test_stateless_compressors_refuse_state_and_describe_themselves():
     with pytest.raises(ValueError, match=r"topk keeps no state, got keys \['a', 'b'\]"):
         topk.load_state_dict({"b": 1, "a": 2})
     assert repr(topk) == "TopK(ratio=0.25)" and topk.options() == {"ratio": 0.25}
+    assert repr(gradsift.get_compressor("randomk", ratio=0.5, seed=3)) == "RandomK(ratio=0.5, seed=3)"
     assert repr(gradsift.get_compressor("fp16")) == "Float16()"
     assert gradsift.get_compressor("randomk", ratio=0.5, seed=3).options() == {"ratio": 0.5, "seed": 3}
     model = torch.nn.Linear(2, 2)
@@ -218,7 +219,21 @@ def test_scatter_mean_casts_to_the_first_payload_dtype_and_checks_numel():
     assert scatter_mean([a], 3).tolist() == [1.0, 0.0, 0.0]  # one payload: no division
     with pytest.raises(ValueError, match="payload encodes 3 elements, expected numel=4"):
         scatter_mean([a], 4)
-    with pytest.raises(ValueError, match="at least one payload"):
+    with pytest.raises(ValueError, match="^payloads must hold at least one payload$"):
         scatter_mean([], 3)
     topk = gradsift.get_compressor("topk", ratio=0.5)
     assert torch.equal(topk.sent_dense(a), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_sparse_payloads_and_their_mean_stay_on_the_gradient_device():
+    """On the meta device (shapes, no data): every tensor a sparsifier makes follows its input."""
+    topk = gradsift.get_compressor("topk", ratio=0.5)
+    empty = topk.compress(torch.empty(0, device="meta"))
+    assert empty.indices.device.type == empty.values.device.type == "meta"
+    payload = Payload(
+        numel=5,
+        dtype=torch.float32,
+        values=torch.ones(2, device="meta"),
+        indices=torch.zeros(2, device="meta").long(),
+    )
+    assert scatter_mean([payload], 5).device.type == "meta"
