@@ -237,3 +237,9 @@ def test_sparse_payloads_and_their_mean_stay_on_the_gradient_device():
         indices=torch.zeros(2, device="meta").long(),
     )
     assert scatter_mean([payload], 5).device.type == "meta"
+
+
+def test_the_default_key_is_0():
+    randomk = gradsift.get_compressor("randomk", ratio=0.5)
+    randomk.compress(torch.randn(10))
+    assert randomk.state_dict() == {"steps": {0: 1}}
