@@ -4,6 +4,7 @@ Selection rules on hand-made inputs (exact indices), statistical behaviour with
 fixed seeds (tolerances), state round trips and bad input.
 """
 
+import copy
 import math
 import subprocess
 import sys
@@ -361,7 +362,7 @@ def test_empty_and_shaped_input(name):
 
 
 def test_threshold_selection_spans_chunks_and_checks_every_chunk():
-    from gradsift.compressors.threshold import SELECTION_CHUNK
+    from gradsift.kernels import SELECTION_CHUNK
 
     x = torch.randn(2 * SELECTION_CHUNK + 7, generator=torch.Generator().manual_seed(4))
     compressor = gradsift.get_compressor("threshold", threshold=2.0)
@@ -370,3 +371,59 @@ def test_threshold_selection_spans_chunks_and_checks_every_chunk():
     x[2 * SELECTION_CHUNK + 3] = float("nan")  # only the last, short chunk is bad
     with pytest.raises(gradsift.NonFiniteGradientError):
         compressor.compress(x)
+
+
+# --- the DDP hook's skipped-step contract ------------------------------------------------
+
+STATEFUL = ["randomk", "dgc", "sidco-exp", "sidco-gpareto", "sidco-gamma"]
+
+
+def _equal(a, b) -> bool:
+    """Structural equality of nested dicts/lists of numbers and tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _tensors(value)
+
+
+@pytest.mark.parametrize("numel", [1000, 200_000])
+@pytest.mark.parametrize("name", STATEFUL)
+def test_restored_state_replays_a_skipped_step_exactly(name, numel):
+    """compress -> state_dict -> compress -> load_state_dict -> compress: the last call repeats the second.
+
+    This is how the DDP hook undoes a skipped step (mixed-precision overflow); the
+    snapshot is taken every step, so it must also be small and not alias live state.
+    """
+    compressor = build(name)
+    stream = [laplace(numel, seed) * (1 + seed) for seed in range(3)]
+    for x in stream[:2]:
+        compressor.compress(x, key="bucket")
+    saved = compressor.state_dict()
+    snapshot = copy.deepcopy(saved)
+    second = compressor.compress(stream[2], key="bucket")
+    assert not _equal(compressor.state_dict(), snapshot)  # the call advanced the state ...
+    assert _equal(saved, snapshot)  # ... and the exported snapshot did not move with it
+    compressor.load_state_dict(saved)
+    third = compressor.compress(stream[2], key="bucket")
+    assert torch.equal(second.indices, third.indices) and torch.equal(second.values, third.values)
+    uninterrupted = build(name)
+    for x in stream:
+        uninterrupted.compress(x, key="bucket")
+    assert _equal(compressor.state_dict(), uninterrupted.state_dict())
+    assert all(t.numel() * t.element_size() <= 8192 for t in _tensors(saved))  # no gradient-sized tensors

@@ -92,10 +92,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
     when every element is -- except that finite values summing past float32's range
     (3.4e38) also read as non-finite, which for a gradient is as broken. On CPU this is
     one streaming read, about 20x faster than ``torch.isfinite(t).all()`` (0.57 vs
-    11.4 ms for 3.2M fp32 elements on one thread).
+    11.4 ms for 3.2M fp32 elements on one thread). The sum is tested on the host
+    (``math.isfinite``): one kernel and one scalar read, where ``torch.isfinite`` of
+    the sum would add four more small kernels.
     """
     accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(tensor.sum(dtype=accumulate)))
+    return math.isfinite(float(tensor.sum(dtype=accumulate)))
 
 
 def raise_if_nonfinite(statistic: torch.Tensor, what: str = "gradient") -> None:

@@ -5,15 +5,21 @@ fitted quantile gives a threshold ``eta`` with ``P(a > eta) = delta``; the selec
 then one comparison pass ``|g| > eta``. Per call, for a tensor of ``n`` elements and
 target count ``k = max(1, floor(n delta))``:
 
+0. **Small tensors** (``adapt=True`` and ``n < exact_below``): the exact top-k
+   (:func:`gradsift.compressors.topk.top_k_selection`), which there costs less than
+   any fit -- and is the best estimate of the top-``k`` set there is (exact zeros
+   left out, as ``|g| > eta`` leaves them out). Steps 1-6 are skipped; the state
+   records the call and the k-th magnitude as ``threshold``.
 1. **Sample.** ``S <= sample_size`` magnitudes at the stride ``ceil(n/sample_size)``
-   (the offset rotates with the call count), in float64. For ``n <= sample_size``
-   this is the whole tensor.
-2. **Fit in stages** (peaks over threshold, specs/sidco.md): stage 1 fits the first
+   (the offset rotates with the call count), in float32 (float64 for float64
+   gradients). For ``n <= sample_size`` this is the whole tensor.
+2. **Fit in stages** (peaks over threshold, docs/sidco.md): stage 1 fits the first
    family to the sample and takes ``eta_1`` for ``delta_1 = first_ratio``; stages
    ``m = 2..M`` keep the exceedances ``x > eta_{m-1}``, shift them by ``t = min(x)``
    and set ``eta_m = t + threshold(fit_tail(x - t), delta_m)`` with
    ``delta_m = (delta/delta_1)^(1/(M-1))``. ``M = 1`` (or ``delta >= delta_1``) is
-   the single-stage fit.
+   the single-stage fit. A NaN or Inf in the sample makes the fit non-finite, which
+   raises :class:`NonFiniteGradientError` here.
 3. **Correct.** ``eta = eta_M * exp(c)`` with ``c`` the per-tensor log correction
    learned from previous calls (step 6).
 4. **Check on the sample** (``adapt=True``): the sample's exceedance count at
@@ -22,8 +28,9 @@ target count ``k = max(1, floor(n delta))``:
    sample is not the whole tensor), ``eta`` becomes the sample's own quantile
    (``kthvalue`` on ``S`` elements). This is what holds the density on
    error-compensated gradients, where a few percent of ``eta`` moves the count 10-30x.
-5. **Select** ``|g| > eta`` over the full tensor in cache-sized chunks (one read of
-   memory); the chunks' maxima give the non-finite check for free.
+5. **Select** ``|g| > eta`` over the full tensor
+   (:func:`gradsift.compressors.threshold.select_above_threshold`: one read of
+   memory; NaN is selected, so checking the selected values checks all ``n``).
 6. **Adapt** (``adapt=True``): with ``L = ln(achieved/k)`` and ``s`` the local
    log-log slope ``d ln(count)/d ln(eta)`` measured on the sample, the next
    correction is ``c = ln(eta/eta_M) - 0.5 L/s`` (damped Newton step in log space,
@@ -32,23 +39,40 @@ target count ``k = max(1, floor(n delta))``:
    count best on the sample: all candidates on the first call, ``M-1..M+1`` every
    ``stage_period`` calls (``c`` is re-based so the applied threshold is continuous).
 
-Per-tensor state (stage count, log correction, call count, last threshold) lives in
-the instance per ``key`` and round-trips through ``state_dict()``.
+Every sample count a call needs (the check, the slope, the stage candidates) comes
+from one broadcast comparison of the sample with all those thresholds
+(:class:`SampleCounts`). Per-tensor state (stage count, log correction, call count,
+last threshold) lives in the instance per ``key`` and round-trips through
+``state_dict()``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
 
 from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.compressors.threshold import select_above_threshold
-from gradsift.errors import InvalidOptionError
-from gradsift.stats import MagnitudeFit, fit_exponential, fit_gamma, fit_generalized_pareto
-from gradsift.validation import check_int, check_real, raise_if_nonfinite
+from gradsift.compressors.threshold import selected_finite
+from gradsift.compressors.topk import top_k_selection
+from gradsift.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.kernels import calling_thread_only, counts_above, select_above_threshold, values_above
+from gradsift.stats import (
+    MagnitudeFit,
+    fit_exponential,
+    fit_exponential_excess,
+    fit_gamma,
+    fit_generalized_pareto,
+    fit_generalized_pareto_excess,
+    statistics_dtype,
+)
+from gradsift.validation import check_int, check_real
+
+#: Default ``exact_below``: below this many elements the exact top-k is cheaper than
+#: the statistical path on CPU (docs/decisions.md has the measured crossover).
+EXACT_BELOW = 1 << 15
 
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
 _STANDARD_ERRORS = 3.0  # ... widened to this many Poisson standard errors on a subsample
@@ -62,27 +86,50 @@ _STAGE_MARGIN = 0.05  # a stage count must predict better by this much (in |ln|)
 
 
 def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
-    """``|flat|`` at positions ``offset + j * stride``, ``stride = ceil(n / size)``, as float64.
+    """``|flat|`` at positions ``offset + j * stride``, ``stride = ceil(n / size)``.
 
     The sample spans the whole tensor (at most ``size`` elements; all of them when
     ``n <= size``). The offset is ``call mod stride``, so successive calls see
     different elements and a periodic layout cannot hide from the sample for long.
+    Returned in :func:`gradsift.stats.statistics_dtype` (float32, or float64 for float64).
     """
     n = flat.numel()
-    if n <= size:
-        return flat.abs().to(torch.float64)
     stride = -(-n // size)
-    return flat[call % stride :: stride].abs().to(torch.float64)
-
-
-def count_above(sample: torch.Tensor, eta: float) -> int:
-    """Number of sample elements strictly above ``eta``."""
-    return int(torch.count_nonzero(sample > eta))
+    strided = flat if stride == 1 else flat[call % stride :: stride]
+    return strided.abs().to(statistics_dtype(flat.dtype))
 
 
 def max_stage_count(ratio: float) -> int:
     """Largest stage count SIDCo uses for density ``ratio``: ``max(1, ceil(log2(1/ratio)))``."""
     return max(1, math.ceil(math.log2(1.0 / ratio) - 1e-12))
+
+
+def slope_points(eta: float) -> tuple[float, float]:
+    """The thresholds ``eta e^(-+0.1)`` at which the sample's log-log slope is read."""
+    return eta * math.exp(-_SLOPE_STEP), eta * math.exp(_SLOPE_STEP)
+
+
+class SampleCounts:
+    """Exceedance counts ``#{s > eta}`` of one sample, many thresholds per call.
+
+    :meth:`prefetch` counts every new threshold at once
+    (:func:`gradsift.kernels.counts_above`: on a GPU one comparison, one reduction and
+    one host transfer for all of them); calling the object returns a count, computing
+    it only if it was not prefetched. Thresholds are compared in the sample's dtype.
+    """
+
+    def __init__(self, sample: torch.Tensor) -> None:
+        self.sample = sample
+        self._counts: dict[float, int] = {}
+
+    def prefetch(self, thresholds: Iterable[float]) -> None:
+        missing = sorted(set(thresholds) - self._counts.keys())
+        if missing:
+            self._counts.update(zip(missing, counts_above(self.sample, missing), strict=True))
+
+    def __call__(self, eta: float) -> int:
+        self.prefetch((eta,))
+        return self._counts[eta]
 
 
 class _SIDCo(Sparsifier):
@@ -95,13 +142,16 @@ class _SIDCo(Sparsifier):
             stays at 2, or 1 when that is the maximum); an int in
             ``[1, ceil(log2(1/ratio))]`` fixes it.
         sample_size: elements the stages are fitted on (>= 1024; default 2^18).
-        adapt: run the sample check and the between-call correction (default True);
-            False gives the paper's plain fitted threshold.
+        adapt: run the sample check and the between-call correction, and take the
+            exact top-k below ``exact_below`` elements (default True); False gives
+            the paper's plain fitted threshold at every size.
         stage_period: calls between stage-count re-evaluations when ``stages=None``.
+        exact_below: with ``adapt=True``, tensors of fewer elements get the exact
+            top-k (integer >= 0; default :data:`EXACT_BELOW`; 0 fits every tensor).
     """
 
     first_fit: ClassVar[Callable[[torch.Tensor], MagnitudeFit]]
-    tail_fit: ClassVar[Callable[[torch.Tensor], MagnitudeFit]]
+    tail_fit: ClassVar[Callable[[torch.Tensor], tuple[float, MagnitudeFit]]]
 
     def __init__(
         self,
@@ -111,6 +161,7 @@ class _SIDCo(Sparsifier):
         sample_size: int = 1 << 18,
         adapt: bool = True,
         stage_period: int = 5,
+        exact_below: int = EXACT_BELOW,
     ) -> None:
         super().__init__(ratio)
         self.first_ratio = check_real(
@@ -123,6 +174,7 @@ class _SIDCo(Sparsifier):
             raise InvalidOptionError(f"adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
         self.stage_period = check_int(stage_period, "stage_period", low=1)
+        self.exact_below = check_int(exact_below, "exact_below", low=0)
         self._keys: dict[Hashable, dict[str, Any]] = {}
 
     def options(self) -> dict[str, Any]:
@@ -133,82 +185,120 @@ class _SIDCo(Sparsifier):
             "sample_size": self.sample_size,
             "adapt": self.adapt,
             "stage_period": self.stage_period,
+            "exact_below": self.exact_below,
         }
 
     # -- the statistical threshold ------------------------------------------------
 
     def fitted_threshold(self, sample: torch.Tensor, stages: int) -> float:
         """``eta_M`` of the multi-stage fit on ``sample`` (magnitudes) with ``stages`` stages."""
+        return self.fitted_thresholds(sample, (stages,))[stages]
+
+    def fitted_thresholds(self, sample: torch.Tensor, candidates: Iterable[int]) -> dict[int, float]:
+        """``{M: eta_M}`` for each stage count ``M`` in ``candidates``.
+
+        Stage 1's fit and its exceedances are computed once and shared by every ``M``.
+        Raises :class:`NonFiniteGradientError` when the sample holds NaN or Inf (the
+        stage-1 threshold is then not finite).
+        """
         first = type(self).first_fit(sample)
-        if stages == 1 or self.ratio >= self.first_ratio:
-            return first.exceedance_threshold(self.ratio)
-        eta = first.exceedance_threshold(self.first_ratio)
+        single = first.exceedance_threshold(self.ratio)
+        if not math.isfinite(single):
+            raise NonFiniteGradientError("gradient contains NaN or Inf values")
+        thresholds: dict[int, float] = {}
+        exceedances = None
+        for stages in candidates:
+            if stages == 1 or self.ratio >= self.first_ratio:
+                thresholds[stages] = single
+                continue
+            eta = first.exceedance_threshold(self.first_ratio)
+            if exceedances is None:
+                exceedances = values_above(sample, eta)
+            thresholds[stages] = self._tail_threshold(exceedances, eta, stages)
+        return thresholds
+
+    def _tail_threshold(self, exceedances: torch.Tensor, eta: float, stages: int) -> float:
+        """Stages 2..M from the exceedances of ``eta_1 = eta``."""
         stage_ratio = (self.ratio / self.first_ratio) ** (1.0 / (stages - 1))
-        tail = sample
-        for _ in range(stages - 1):
-            tail = tail[tail > eta]
+        tail = exceedances
+        for stage in range(stages - 1):
+            if stage > 0:
+                tail = values_above(tail, eta)
             if tail.numel() < 2:
                 break
-            base = tail.min()
-            eta = float(base) + type(self).tail_fit(tail - base).exceedance_threshold(stage_ratio)
+            base, fit = type(self).tail_fit(tail)
+            eta = base + fit.exceedance_threshold(stage_ratio)
         return eta
 
-    def _stage_error(self, sample: torch.Tensor, stages: int, expected: float) -> tuple[float, float]:
-        """(|ln(predicted/expected)| on the sample, eta) for one stage count."""
-        eta = self.fitted_threshold(sample, stages)
-        return abs(math.log((count_above(sample, eta) + 0.5) / (expected + 0.5))), eta
-
-    def _choose_stages(self, sample: torch.Tensor, state: dict[str, Any], expected: float) -> float:
-        """Pick the stage count (when adaptive) and return its fitted threshold."""
+    def _stage_candidates(self, state: dict[str, Any], expected: float) -> range:
+        """The stage counts to evaluate this call (only the current one unless re-evaluating)."""
         current = state["stages"]
-        if self.stages is not None or expected < _MIN_EXPECTED:
-            return self.fitted_threshold(sample, current)
-        if state["calls"] == 0:
-            candidates = range(1, self.max_stages + 1)
-        elif state["calls"] % self.stage_period == 0:
-            candidates = range(max(1, current - 1), min(self.max_stages, current + 1) + 1)
-        else:
-            return self.fitted_threshold(sample, current)
-        errors = {m: self._stage_error(sample, m, expected) for m in candidates}
-        best = min(errors, key=lambda m: errors[m][0])
-        if current in errors and errors[current][0] <= errors[best][0] + _STAGE_MARGIN:
+        if self.stages is None and expected >= _MIN_EXPECTED:
+            if state["calls"] == 0:
+                return range(1, self.max_stages + 1)
+            if state["calls"] % self.stage_period == 0:
+                return range(max(1, current - 1), min(self.max_stages, current + 1) + 1)
+        return range(current, current + 1)
+
+    def _fit_and_apply(
+        self, sample: torch.Tensor, state: dict[str, Any], expected: float, counts: SampleCounts
+    ) -> tuple[float, float]:
+        """``(eta_M, eta)``: the fitted threshold of the stage count in use and the applied one.
+
+        When several stage counts are evaluated, each one's *uncorrected* threshold is
+        scored by ``|ln(predicted/expected)|`` on the sample; the best replaces the
+        current one only if it is better by :data:`_STAGE_MARGIN`, and ``c`` is re-based
+        (``eta_old e^c_old == eta_new e^c_new``) so the applied ``eta`` does not jump.
+        """
+        current = state["stages"]
+        fitted = self.fitted_thresholds(sample, self._stage_candidates(state, expected))
+        applied = fitted[current] * math.exp(state["log_correction"])
+        if len(fitted) == 1:
+            return fitted[current], applied
+        counts.prefetch([*fitted.values(), applied, *slope_points(applied)])
+        errors = {m: abs(math.log((counts(eta) + 0.5) / (expected + 0.5))) for m, eta in fitted.items()}
+        best = min(errors, key=errors.__getitem__)
+        if errors[current] <= errors[best] + _STAGE_MARGIN:
             best = current
-        if best != current and current in errors and errors[current][1] > 0 and errors[best][1] > 0:
-            # keep the applied threshold continuous: eta_old * e^c_old == eta_new * e^c_new
-            state["log_correction"] += math.log(errors[current][1] / errors[best][1])
         state["stages"] = best
-        return errors[best][1]
+        if best == current:
+            return fitted[current], applied
+        if fitted[current] > 0 and fitted[best] > 0:
+            state["log_correction"] += math.log(fitted[current] / fitted[best])
+            return fitted[best], applied
+        return fitted[best], fitted[best] * math.exp(state["log_correction"])
 
     # -- closed loop --------------------------------------------------------------
 
     @staticmethod
-    def _checked_on_sample(sample: torch.Tensor, eta: float, expected: float, exact: bool) -> float:
+    def _checked_on_sample(
+        sample: torch.Tensor, counts: SampleCounts, eta: float, expected: float, exact: bool
+    ) -> float:
         """``eta``, or the sample's own quantile when the sample predicts a clear miss."""
         if expected < (1.0 if exact else _MIN_EXPECTED):
             return eta
         tolerance = (
             _SAMPLE_TOLERANCE if exact else max(_SAMPLE_TOLERANCE, _STANDARD_ERRORS / math.sqrt(expected))
         )
-        miss = math.log((count_above(sample, eta) + 0.5) / (expected + 0.5))
+        miss = math.log((counts(eta) + 0.5) / (expected + 0.5))
         if abs(miss) <= tolerance:
             return eta
         keep = min(round(expected), sample.numel() - 1)
         return float(torch.kthvalue(sample, sample.numel() - keep).values)
 
     @staticmethod
-    def _sample_slope(sample: torch.Tensor, eta: float) -> float:
+    def _sample_slope(counts: SampleCounts, eta: float) -> float:
         """``|d ln(count)/d ln(eta)|`` of the sample at ``eta`` (finite difference, bounded)."""
-        below = count_above(sample, eta * math.exp(-_SLOPE_STEP))
-        above = count_above(sample, eta * math.exp(_SLOPE_STEP))
+        below, above = (counts(point) for point in slope_points(eta))
         slope = math.log((below + 0.5) / (above + 0.5)) / (2 * _SLOPE_STEP)
         return min(max(slope, _SLOPE_RANGE[0]), _SLOPE_RANGE[1])
 
     def _next_correction(
-        self, sample: torch.Tensor, eta: float, eta_fit: float, achieved: int, k: int
+        self, counts: SampleCounts, eta: float, eta_fit: float, achieved: int, k: int
     ) -> float:
         """Damped Newton step in log space driving ``achieved/k`` to 1."""
         log_error = math.log((achieved + 0.5) / (k + 0.5))
-        step = _DAMPING * log_error / self._sample_slope(sample, eta)
+        step = _DAMPING * log_error / self._sample_slope(counts, eta)
         corrected = math.log(eta / eta_fit) + min(max(step, -_MAX_STEP), _MAX_STEP)
         return min(max(corrected, -_MAX_LOG_CORRECTION), _MAX_LOG_CORRECTION)
 
@@ -221,24 +311,31 @@ class _SIDCo(Sparsifier):
         return self._keys[key]
 
     def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        state = self._state(key)
+        with calling_thread_only(flat.device):
+            return self._select(flat, self._state(key))
+
+    def _select(self, flat: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         n = flat.numel()
         k = target_count(n, self.ratio)
+        if self.adapt and n < self.exact_below:
+            indices, magnitudes, state["threshold"] = top_k_selection(flat, k)
+            state["calls"] += 1
+            # like |g| > eta >= 0 on the statistical path, exact zeros are never sent
+            return indices if state["threshold"] > 0 else indices[magnitudes > 0]
         sample = magnitude_sample(flat, self.sample_size, state["calls"])
-        raise_if_nonfinite(sample.sum())  # the fits below need finite input; the full check is step 5
-        expected = k * sample.numel() / n
-        eta_fit = (
-            self._choose_stages(sample, state, expected)
-            if self.adapt
-            else self.fitted_threshold(sample, state["stages"])
-        )
-        eta = eta_fit * math.exp(state["log_correction"]) if self.adapt else eta_fit
         if self.adapt:
-            eta = self._checked_on_sample(sample, eta, expected, exact=sample.numel() == n)
-        indices, peak = select_above_threshold(flat, eta)
-        raise_if_nonfinite(peak)
+            expected = k * sample.numel() / n
+            counts = SampleCounts(sample)
+            eta_fit, eta = self._fit_and_apply(sample, state, expected, counts)
+            counts.prefetch([eta, *slope_points(eta)])
+            eta = self._checked_on_sample(sample, counts, eta, expected, exact=sample.numel() == n)
+        else:
+            eta_fit = eta = self.fitted_threshold(sample, state["stages"])
+        # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
+        eta = max(eta, 0.0)
+        indices = selected_finite(flat, select_above_threshold(flat, eta))
         if self.adapt and eta > 0 and eta_fit > 0:
-            state["log_correction"] = self._next_correction(sample, eta, eta_fit, indices.numel(), k)
+            state["log_correction"] = self._next_correction(counts, eta, eta_fit, indices.numel(), k)
         state["calls"] += 1
         state["threshold"] = eta
         return indices
@@ -264,7 +361,7 @@ class SIDCoExponential(_SIDCo):
 
     name = "sidco-exp"
     first_fit = staticmethod(fit_exponential)
-    tail_fit = staticmethod(fit_exponential)
+    tail_fit = staticmethod(fit_exponential_excess)
 
 
 class SIDCoGeneralizedPareto(_SIDCo):
@@ -272,7 +369,7 @@ class SIDCoGeneralizedPareto(_SIDCo):
 
     name = "sidco-gpareto"
     first_fit = staticmethod(fit_generalized_pareto)
-    tail_fit = staticmethod(fit_generalized_pareto)
+    tail_fit = staticmethod(fit_generalized_pareto_excess)
 
 
 class SIDCoGamma(_SIDCo):
@@ -280,4 +377,4 @@ class SIDCoGamma(_SIDCo):
 
     name = "sidco-gamma"
     first_fit = staticmethod(fit_gamma)
-    tail_fit = staticmethod(fit_generalized_pareto)
+    tail_fit = staticmethod(fit_generalized_pareto_excess)

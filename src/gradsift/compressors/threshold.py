@@ -1,8 +1,9 @@
 """Hard threshold: send every element with ``|g| > eta`` for a fixed, user-chosen ``eta``.
 
 Also home of the comparison pass that threshold-based sparsifiers end with:
-:func:`select_above_threshold` (chunked, one read of memory; SIDCo and this class) and
-:func:`indices_above` (on magnitudes a caller already holds at full size, as DGC does).
+:func:`gradsift.kernels.select_above_threshold` (one read of memory; SIDCo and this class) and :func:`indices_above` (on magnitudes a caller already holds at full size,
+as DGC does). Both select NaN, so :func:`selected_finite` -- a check of the ``~k``
+selected values -- is a check of all ``n``.
 """
 
 from __future__ import annotations
@@ -14,27 +15,8 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Sparsifier
+from gradsift.kernels import select_above_threshold
 from gradsift.validation import check_real, raise_if_nonfinite
-
-#: Elements per chunk of the final selection: the abs/compare temporaries (~1.3 MiB
-#: for fp32) stay in cache instead of round-tripping through memory.
-SELECTION_CHUNK = 1 << 18
-
-
-def select_above_threshold(flat: torch.Tensor, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of ``|flat| > eta`` (int64, ascending) and ``max |flat|`` (NaN if any NaN).
-
-    Works in chunks of :data:`SELECTION_CHUNK` elements so that ``|flat|`` and the
-    mask never exist at full size: one read of ``flat`` from memory. The maximum is
-    a reduction over the cached chunk, returned for the caller's non-finite check.
-    """
-    pieces = []
-    peaks = []
-    for start in range(0, flat.numel(), SELECTION_CHUNK):
-        magnitudes = flat[start : start + SELECTION_CHUNK].abs()
-        peaks.append(magnitudes.amax())
-        pieces.append(torch.nonzero(magnitudes > eta).view(-1).add_(start))
-    return torch.cat(pieces), torch.stack(peaks).amax()
 
 
 def indices_above(magnitudes: torch.Tensor, eta: float) -> torch.Tensor:
@@ -49,14 +31,15 @@ def indices_above(magnitudes: torch.Tensor, eta: float) -> torch.Tensor:
     return torch.le(magnitudes, eta).logical_not_().nonzero().view(-1)
 
 
-def selected_finite(magnitudes: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Return ``indices`` after checking the selected magnitudes are finite.
+def selected_finite(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Return ``indices`` after checking ``values[indices]`` are finite.
 
-    With a NaN-inclusive selection (:func:`indices_above`, ``torch.topk``) a
+    ``values`` is the gradient or its magnitudes. With a NaN-inclusive selection
+    (:func:`select_above_threshold`, :func:`indices_above`, ``torch.topk``) a
     non-finite gradient always has a non-finite element among the selected ones,
     so checking ``len(indices)`` values checks all ``n``.
     """
-    raise_if_nonfinite(magnitudes[indices])
+    raise_if_nonfinite(values[indices])
     return indices
 
 
@@ -71,8 +54,8 @@ class HardThreshold(Sparsifier):
         threshold: ``eta``, a finite number > 0 (required). Compared in the
             gradient's dtype, so it is rounded to fp16/bf16 for those gradients.
 
-    Cost: one chunked read of the gradient (:func:`select_above_threshold`); the
-    chunks' maxima give the non-finite check.
+    Cost: one read of the gradient (:func:`select_above_threshold`); the non-finite
+    check reads only the selected values.
     """
 
     name = "threshold"
@@ -86,6 +69,4 @@ class HardThreshold(Sparsifier):
         return {"threshold": self.threshold}
 
     def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        indices, peak = select_above_threshold(flat, self.threshold)
-        raise_if_nonfinite(peak)
-        return indices
+        return selected_finite(flat, select_above_threshold(flat, self.threshold))
