@@ -10,7 +10,6 @@ from scipy import stats as scipy_stats
 import gradsift
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.feedback import ErrorFeedback
-from gradsift.kernels import SELECTION_CHUNK, select_above_threshold
 
 VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 N = 10**6
@@ -118,20 +117,6 @@ def test_payload_invariants_across_dtypes(name, dtype):
     assert 0.5 <= payload.count / int(flat.numel() * 0.01) <= 2.0
     dense = compressor.decompress([payload], flat.numel())
     assert torch.equal(dense[payload.indices], payload.values)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_chunked_selection_equals_the_direct_mask(dtype):
-    x = torch.randn(2 * SELECTION_CHUNK + 12345).to(dtype)
-    x[SELECTION_CHUNK - 1] = 9.0  # both sides of a chunk border
-    x[SELECTION_CHUNK] = -9.0
-    x[7] = 2.5  # exactly eta: not selected (strictly above)
-    x[SELECTION_CHUNK + 5] = math.nan  # NaN is selected, so checking the selection checks all
-    indices = select_above_threshold(x, 2.5)
-    assert indices.dtype == torch.int64
-    assert torch.equal(indices, torch.nonzero(~(x.abs() <= 2.5)).view(-1))
-    assert SELECTION_CHUNK + 5 in indices.tolist() and 7 not in indices.tolist()
-    assert torch.equal(select_above_threshold(torch.tensor([0.0, -1.0, 0.0]), 0.0), torch.tensor([1]))
 
 
 @pytest.mark.parametrize("name", VARIANTS)

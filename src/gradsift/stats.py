@@ -145,7 +145,7 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _for_statistics(values: torch.Tensor) -> torch.Tensor:
-    flat = values.detach().reshape(-1)
+    flat = values.reshape(-1) if values.dim() != 1 else values
     return flat.to(statistics_dtype(flat.dtype))
 
 

@@ -58,7 +58,7 @@ from gradsift.compressors.base import Sparsifier, target_count
 from gradsift.compressors.threshold import selected_finite
 from gradsift.compressors.topk import top_k_selection
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
-from gradsift.kernels import calling_thread_only, counts_above, select_above_threshold, values_above
+from gradsift.kernels import CallingThreadOnly, counts_above, select_above_threshold, values_above
 from gradsift.stats import (
     MagnitudeFit,
     fit_exponential,
@@ -311,10 +311,7 @@ class _SIDCo(Sparsifier):
         return self._keys[key]
 
     def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        with calling_thread_only(flat.device):
-            return self._select(flat, self._state(key))
-
-    def _select(self, flat: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        state = self._state(key)
         n = flat.numel()
         k = target_count(n, self.ratio)
         if self.adapt and n < self.exact_below:
@@ -322,6 +319,12 @@ class _SIDCo(Sparsifier):
             state["calls"] += 1
             # like |g| > eta >= 0 on the statistical path, exact zeros are never sent
             return indices if state["threshold"] > 0 else indices[magnitudes > 0]
+        with CallingThreadOnly(flat.device):
+            return self._statistical_selection(flat, k, state)
+
+    def _statistical_selection(self, flat: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
+        """Steps 1-6 of the module docstring."""
+        n = flat.numel()
         sample = magnitude_sample(flat, self.sample_size, state["calls"])
         if self.adapt:
             expected = k * sample.numel() / n

@@ -1,0 +1,66 @@
+"""gradsift.kernels: the comparison kernels (NumPy on CPU, PyTorch elsewhere) and the one-thread section."""
+
+import math
+
+import pytest
+import torch
+
+from gradsift.errors import InvalidOptionError
+from gradsift.kernels import (
+    SELECTION_CHUNK,
+    CallingThreadOnly,
+    counts_above,
+    select_above_threshold,
+    values_above,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_selection_is_the_nan_inclusive_mask_across_chunks(dtype):
+    x = torch.randn(2 * SELECTION_CHUNK + 12345, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[SELECTION_CHUNK - 1] = 9.0  # both sides of a chunk border
+    x[SELECTION_CHUNK] = -9.0
+    x[7] = 2.5  # exactly eta: not selected (strictly above)
+    x[SELECTION_CHUNK + 5] = math.nan  # NaN is selected, so checking the selection checks all
+    x[11] = -math.inf
+    x[12] = -0.0
+    for eta in (2.5, 0.3, 0.0):  # 0.3 is not representable in 16 bits: compared in the dtype, like torch
+        indices = select_above_threshold(x, eta)
+        assert indices.dtype == torch.int64
+        assert torch.equal(indices, torch.nonzero(~(x.abs() <= eta)).view(-1))
+    indices = select_above_threshold(x, 2.5).tolist()
+    assert SELECTION_CHUNK + 5 in indices and 11 in indices and 7 not in indices
+
+
+def test_selection_of_a_short_strided_tensor_and_bad_eta():
+    x = torch.tensor([0.0, -1.0, 0.0, 3.0, 0.5, -2.0])[::2]  # a view with stride 2: 0, 0, 0.5
+    assert select_above_threshold(x, 0.0).tolist() == [2]
+    with pytest.raises(InvalidOptionError, match="eta must be >= 0"):
+        select_above_threshold(x, -1.0)
+
+
+def test_numpy_and_torch_branches_agree():
+    """float32 runs through NumPy, float16 through PyTorch; on values exact in both, the results agree."""
+    values = torch.arange(2000, dtype=torch.float32) / 8  # multiples of 1/8 up to 250: exact in fp16
+    half = values.half()
+    for eta in (0.0, 17.125, 100.0, 249.875):
+        assert torch.equal(values_above(values, eta), values[values > eta])
+        assert torch.equal(values_above(half, eta).float(), values[values > eta])
+    thresholds = [0.0, 17.125, 100.0, 300.0]
+    assert counts_above(values, thresholds) == counts_above(half, thresholds) == [1999, 1862, 1199, 0]
+
+
+def test_calling_thread_only_restores_the_pool_even_on_error():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with CallingThreadOnly(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"), CallingThreadOnly(torch.device("cpu")):
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+        with CallingThreadOnly(torch.device("meta")):  # not the CPU: the pool is left alone
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
