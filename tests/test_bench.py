@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ ROW_FIELDS = {
     "topk_ms",
     "compress_vs_floor",
     "speedup_vs_topk",
+    "speedup_vs_topk_compressor",
     "nbytes",
     "dense_nbytes",
 }
@@ -48,7 +51,8 @@ def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
     assert set(result) == {"config", "input", "environment", "skipped", "rows"}
     assert result["config"]["sizes"] == [2000, 5000] and result["config"]["threads"] == 1
     assert result["environment"]["threads"] == 1 and result["skipped"] == {}
-    assert len(result["environment"]["load_average"]) == 2
+    loads = result["environment"]["load_average"]
+    assert set(loads) == {"before", "after"} and len(loads["before"]) == len(loads["after"]) == 3
     rows = {(r["compressor"], r["numel"], r["ratio"]): r for r in result["rows"]}
     # 2 sizes x (2 ratios x 3 sparsifiers + the ratio-less fp16 once).
     assert len(rows) == len(result["rows"]) == 14
@@ -58,8 +62,13 @@ def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
         assert math.isclose(row["compress_vs_floor"], row["compress_ms"] / row["floor_ms"])
         if row["ratio"] is None:
             assert row["topk_ms"] is None and row["speedup_vs_topk"] is None
+            assert row["speedup_vs_topk_compressor"] is None
         else:
             assert math.isclose(row["speedup_vs_topk"], row["topk_ms"] / row["compress_ms"])
+            topk_row = rows["topk", row["numel"], row["ratio"]]
+            assert math.isclose(
+                row["speedup_vs_topk_compressor"], topk_row["compress_ms"] / row["compress_ms"]
+            )
     for n in (2000, 5000):
         for ratio in (0.1, 0.01):
             k = int(n * ratio)
@@ -89,6 +98,7 @@ def test_default_set_skips_what_cannot_compress_a_flat_tensor():
         ({"repeats": 0}, "repeats"),
         ({"threads": 0}, "threads"),
         ({"device": "tpu"}, "device"),
+        ({"processes": 0}, "processes"),
     ],
 )
 def test_bad_config_names_the_option(options, match):
@@ -119,3 +129,56 @@ def test_ratio_less_compressors_alone_time_no_ratio_groups():
     assert [(r["compressor"], r["ratio"], r["count"], r["nbytes"]) for r in rows] == [
         ("bf16", None, 3000, 6000)
     ]
+
+
+def test_contended_mode_pools_concurrent_processes(tmp_path):
+    out = tmp_path / "contended.json"
+    argv = ["bench", "compress", "--sizes", "3000", "--ratios", "0.01", "--repeats", "3", "--warmup", "1",
+            "--threads", "1", "--processes", "2", "--compressors", "topk", "sidco-exp", "--json", str(out),
+            "--no-progress"]  # fmt: skip
+    assert run_cli(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["processes"] == 2
+    rows = {r["compressor"]: r for r in result["rows"]}
+    assert set(rows) == {"topk", "sidco-exp"}
+    for row in rows.values():
+        assert len(row["compress_ms_by_process"]) == 2 and all(ms > 0 for ms in row["compress_ms_by_process"])
+        assert min(row["compress_ms_by_process"]) <= row["compress_ms"] <= max(row["compress_ms_by_process"])
+        assert row["count"] == 30  # 3000 elements are below sidco's exact_below: both send exactly k
+
+
+def test_dtype_option_times_the_gradient_in_that_dtype():
+    config = CompressBenchConfig(
+        sizes=[3000], ratios=[0.01], compressors=["topk"], dtype="bf16", repeats=1, warmup=0
+    )
+    (row,) = run_compress_benchmark(config, progress=False)["rows"]
+    assert row["dense_nbytes"] == 2 * 3000 and row["nbytes"] == 30 * (2 + 4) + 8  # bf16 values, int32 indices
+    with pytest.raises(InvalidOptionError, match="dtype"):
+        CompressBenchConfig(dtype="int8")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gpu_script_dry_run_exercises_every_step_on_cpu(tmp_path):
+    """benchmarks/gpu/run.sh --dry-run: the GPU measurements' own code, on CPU at toy sizes."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "run.sh"
+    done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for dtype in ("fp32", "bf16"):
+        result = json.loads((tmp_path / f"compress-{dtype}.json").read_text())
+        assert result["config"]["dtype"] == dtype and result["config"]["device"] == "cpu"
+        names = {row["compressor"] for row in result["rows"]}
+        assert {"topk", "sidco-exp", "sidco-gpareto", "sidco-gamma"} <= names
+        assert all(
+            row["dense_nbytes"] == row["numel"] * (4 if dtype == "fp32" else 2) for row in result["rows"]
+        )
+    hook = json.loads((tmp_path / "hook.json").read_text())
+    assert hook["backend"] == "gloo" and set(hook["results"]) == {
+        "stock",
+        "none",
+        "topk@0.01",
+        "sidco-exp@0.01",
+    }
+    assert hook["results"]["stock"]["ratio_to_stock"] == 1.0
+    assert hook["results"]["sidco-exp@0.01"]["density"] > 0

@@ -53,6 +53,10 @@ def main() -> None:
     parser.add_argument(
         "--no-adapt", action="store_true", help="the paper's plain fit (adapt=False), for comparison"
     )
+    parser.add_argument(
+        "--exact-below", type=int, default=None,
+        help="SIDCo's exact_below option (default: its own); 0 puts every tensor on the statistical path",
+    )  # fmt: skip
     parser.add_argument("--skip", type=int, default=3, help="adaptation calls left out of the summary")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "summary.png")
@@ -66,8 +70,13 @@ def main() -> None:
             for layer, steps in data[kind].items():
                 for variant in VARIANTS:
                     for ratio in args.ratios:
+                        exact = {} if args.exact_below is None else {"exact_below": args.exact_below}
                         compressor = get_compressor(
-                            variant, ratio=ratio, sample_size=args.sample_size, adapt=not args.no_adapt
+                            variant,
+                            ratio=ratio,
+                            sample_size=args.sample_size,
+                            adapt=not args.no_adapt,
+                            **exact,
                         )
                         feedback = ErrorFeedback() if setting == "ef-replay" else None
                         series = estimation_series(compressor, steps, key=layer, feedback=feedback)

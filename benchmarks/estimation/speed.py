@@ -1,32 +1,20 @@
 """Cost of SIDCo's compress on one large fp32 vector, beside torch.topk and one read pass.
 
-Run under the shared benchmark lock (see README.md). Medians of timeit repeats, all
-methods measured side by side in one process on the same vector.
+Run under the shared benchmark lock (see README.md). Medians of round-robin repeats,
+all methods measured side by side in one process on the same vector.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import time
 
 import torch
 
 import gradsift
-
-
-def interleaved_medians_ms(methods: dict, repeat: int) -> dict[str, float]:
-    """Median wall time of each method, timed round-robin so load drift hits all alike."""
-    for fn in methods.values():
-        fn()  # warm up (first-call stage search, allocator)
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeat):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+from gradsift.benchmarking import interleaved_medians_ms
 
 
 def main() -> None:
@@ -48,12 +36,14 @@ def main() -> None:
     for name in ("sidco-exp", "sidco-gpareto", "sidco-gamma"):
         compressor = gradsift.get_compressor(name, ratio=args.ratio)
         methods[name] = lambda c=compressor: c.compress(x)
+    load_before = os.getloadavg()
     results = interleaved_medians_ms(methods, args.repeat)
     read = results["read_pass_l1"]
     report = {
         "command_args": vars(args),
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "median_ms": results,
         "x_read_pass": {name: t / read for name, t in results.items()},
         "topk_speedup": {

@@ -18,14 +18,22 @@ methods are called in turn, ``repeats`` rounds, so drift and background load hit
 them alike. Reported: the median over rounds, per phase. The same ``x`` is
 compressed every time (no error feedback), with the same ``key``.
 
+Contended mode (``processes = N > 1``): ``N`` processes (each with ``threads``
+threads) run the same measurement at the same time, meeting at a barrier before
+every group, so each one's timings are taken while the other ``N - 1`` compete for
+the cores -- what ``N`` workers on one machine look like. Rows then hold the median
+over all processes' samples, and each process's own median.
+
 Input (:func:`synthetic_gradient`): a heavy-tailed synthetic gradient, fixed seed.
 """
 
 from __future__ import annotations
 
 import inspect
+import multiprocessing
 import os
 import platform
+import queue
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,19 +44,24 @@ import torch
 from tqdm import tqdm
 
 from gradsift import __version__
-from gradsift.compressors import Compressor, available_compressors, compressor_class, get_compressor
+from gradsift.compressors import available_compressors, compressor_class, get_compressor
 from gradsift.compressors.base import target_count
 from gradsift.errors import GradsiftError
 from gradsift.validation import check_choice, check_int, check_ratio
 
 #: Elements per block of :func:`synthetic_gradient` sharing one scale (a small layer's worth).
 SCALE_BLOCK = 4096
+#: Longest wait for a contended worker's results (a crashed worker must not hang the run).
+_CONTENDED_TIMEOUT_S = 3600
 #: Labels of the two reference measurements (parenthesised: never a registry name).
 FLOOR, TOPK = "(floor)", "(torch.topk)"
 INPUT_DESCRIPTION = (
-    f"float32 Laplace(0, 1) values times a log-normal scale exp(N(0, 1)) per block of {SCALE_BLOCK} "
-    "elements (a scale mixture: layers of different magnitudes, heavier tails than Laplace)"
+    f"Laplace(0, 1) values times a log-normal scale exp(N(0, 1)) per block of {SCALE_BLOCK} "
+    "elements (a scale mixture: layers of different magnitudes, heavier tails than Laplace), "
+    "drawn in float32 and cast to the run's dtype"
 )
+#: ``--dtype`` names -> gradient dtypes.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -64,7 +77,10 @@ class CompressBenchConfig:
         warmup: untimed calls per method before timing, >= 0.
         threads: ``torch.set_num_threads`` for the run (``None``: leave as is).
         device: ``"cpu"`` or ``"cuda"`` (timings then synchronise the device).
+        dtype: the gradient's dtype, a key of :data:`DTYPES` (``"fp32"``, ``"bf16"``, ``"fp16"``).
         seed: seed of the synthetic gradient.
+        processes: concurrent processes running the same measurement (>= 1; see the
+            module docstring's contended mode).
     """
 
     sizes: Sequence[int] = (250_000, 1_000_000)
@@ -74,7 +90,9 @@ class CompressBenchConfig:
     warmup: int = 3
     threads: int | None = None
     device: str = "cpu"
+    dtype: str = "fp32"
     seed: int = 0
+    processes: int = 1
 
     def __post_init__(self) -> None:
         self.sizes = [check_int(n, "sizes", low=1) for n in self.sizes]
@@ -84,14 +102,18 @@ class CompressBenchConfig:
         if self.threads is not None:
             self.threads = check_int(self.threads, "threads", low=1)
         self.device = check_choice(self.device, "device", ("cpu", "cuda"))
+        self.dtype = check_choice(self.dtype, "dtype", tuple(DTYPES))
         self.seed = check_int(self.seed, "seed", low=0)
+        self.processes = check_int(self.processes, "processes", low=1)
         if self.compressors is not None:
             for name in self.compressors:
                 compressor_class(name)  # unknown names fail here, before any timing
 
 
-def synthetic_gradient(numel: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
-    """A heavy-tailed float32 gradient: ``x_i = s_{i // B} * L_i`` (see :data:`INPUT_DESCRIPTION`).
+def synthetic_gradient(
+    numel: int, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A heavy-tailed gradient: ``x_i = s_{i // B} * L_i`` (see :data:`INPUT_DESCRIPTION`), drawn in float32.
 
     ``L_i ~ Laplace(0, 1)`` (a random sign times an ``Exp(1)`` magnitude) and one
     ``s_b = exp(Z_b)``, ``Z_b ~ N(0, 1)``, per block of ``B = 4096`` elements.
@@ -101,7 +123,7 @@ def synthetic_gradient(numel: int, seed: int = 0, device: str = "cpu") -> torch.
     x *= torch.randint(0, 2, (numel,), generator=generator, dtype=torch.int8).mul_(2).sub_(1)
     scales = torch.randn(-(-numel // SCALE_BLOCK), generator=generator).exp_()
     x *= scales.repeat_interleave(SCALE_BLOCK)[:numel]
-    return x.to(device)
+    return x.to(device, dtype)
 
 
 def density_option(name: str) -> str | None:
@@ -139,6 +161,27 @@ def benchmarkable(names: Sequence[str] | None, device: str) -> tuple[list[str], 
     return usable, skipped
 
 
+def interleaved_medians_ms(
+    methods: dict[str, Callable[[], Any]], repeats: int, *, inner: int = 1, warmup: int = 1
+) -> dict[str, float]:
+    """Median milliseconds per call of each method, timed round-robin so that drift hits all alike.
+
+    Each method is called ``warmup`` times first; then ``repeats`` rounds time every
+    method in turn, ``inner`` calls per timing (resolution for microsecond calls).
+    """
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - start) * 1e3 / inner)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
 def _synchronizer(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -150,15 +193,13 @@ class _Method:
     label: str
     run: Callable[[], Any]
     decompress: Callable[[Any], torch.Tensor] | None = None
+    options: dict[str, Any] | None = None  # a compressor's options; None for the baselines
 
 
-def _group_methods(
-    x: torch.Tensor, ratio: float | None, names: Sequence[str]
-) -> tuple[list[_Method], dict[str, Compressor]]:
+def _group_methods(x: torch.Tensor, ratio: float | None, names: Sequence[str]) -> list[_Method]:
     """The floor, (for a ratio) bare top-k, and a fresh instance of each compressor."""
     numel = x.numel()
     methods = [_Method(FLOOR, lambda: torch.linalg.vector_norm(x, 1))]
-    compressors: dict[str, Compressor] = {}
     if ratio is not None:
         k = target_count(numel, ratio)
         methods.append(_Method(TOPK, lambda: torch.topk(x.abs(), k, sorted=False)))
@@ -169,15 +210,15 @@ def _group_methods(
             continue
         options = {} if option is None else {option: oracle_eta if option == "threshold" else ratio}
         compressor = get_compressor(name, **options)
-        compressors[name] = compressor
         methods.append(
             _Method(
                 name,
                 lambda c=compressor: c.compress(x, key=0),
                 lambda p, c=compressor: c.decompress([p], numel),
+                compressor.options(),
             )
         )
-    return methods, compressors
+    return methods
 
 
 def _measure_group(
@@ -214,24 +255,109 @@ def _measure_group(
     return samples
 
 
-def _row(
-    name: str,
-    compressor: Compressor,
-    x: torch.Tensor,
-    ratio: float | None,
-    samples: dict[str, dict[str, list]],
-) -> dict[str, Any]:
-    """One result row: medians, achieved vs target count, ratios to the floor and to top-k."""
-    numel = x.numel()
+def _groups(config: CompressBenchConfig, names: Sequence[str]) -> list[float | None]:
+    """The ratios timed per size: each configured ratio if any compressor takes one, then None for the rest."""
+    ratio_less = any(density_option(name) is None for name in names)
+    with_ratio = any(density_option(name) is not None for name in names)
+    return [*(config.ratios if with_ratio else []), *([None] if ratio_less else [])]
+
+
+def _measure_all(
+    config: CompressBenchConfig, names: Sequence[str], *, progress: bool = False, barrier: Any = None
+) -> list[dict[str, Any]]:
+    """Raw samples of every (size, ratio) group, in order: ``[{numel, ratio, options, samples}]``.
+
+    ``barrier`` (contended mode) is waited on before each group, so that concurrent
+    processes time the same group at the same time.
+    """
+    ratios = _groups(config, names)
+    per_group = {ratio: 1 + (ratio is not None) + sum((density_option(n) is None) == (ratio is None) for n in names)
+                 for ratio in ratios}  # fmt: skip
+    total = sum(per_group.values()) * len(config.sizes) * (config.warmup + config.repeats)
+    previous_threads = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    groups = []
+    try:
+        with tqdm(total=total, desc="bench compress", unit="call", disable=not progress) as bar:
+            for numel in config.sizes:
+                x = synthetic_gradient(numel, config.seed, config.device, DTYPES[config.dtype])
+                for ratio in ratios:
+                    bar.set_postfix(numel=numel, ratio=ratio)
+                    methods = _group_methods(x, ratio, names)
+                    if barrier is not None:
+                        barrier.wait()
+                    groups.append({
+                        "numel": numel, "ratio": ratio, "element_size": x.element_size(),
+                        "options": {m.label: m.options for m in methods if m.options is not None},
+                        "samples": _measure_group(methods, config, bar),
+                    })  # fmt: skip
+                del x
+    finally:
+        torch.set_num_threads(previous_threads)
+    return groups
+
+
+def _contended_worker(config: CompressBenchConfig, names: Sequence[str], barrier: Any, results: Any) -> None:
+    """One process of the contended mode: measure everything, put ``(pid, groups)`` on ``results``."""
+    results.put((os.getpid(), _measure_all(config, names, barrier=barrier)))
+
+
+def _measure_in_processes(config: CompressBenchConfig, names: Sequence[str]) -> list[list[dict[str, Any]]]:
+    """Run :func:`_measure_all` in ``config.processes`` concurrent processes; their groups, by process."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(config.processes), context.Queue()
+    workers = [
+        context.Process(target=_contended_worker, args=(config, names, barrier, results))
+        for _ in range(config.processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        # get() before join(): a worker cannot exit while its result is still in the pipe
+        collected = dict(results.get(timeout=_CONTENDED_TIMEOUT_S) for _ in workers)
+    except queue.Empty as error:
+        raise GradsiftError(
+            f"bench compress: a contended worker sent no result within {_CONTENDED_TIMEOUT_S} s "
+            f"(exit codes {[w.exitcode for w in workers]})"
+        ) from error
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+    return [collected[pid] for pid in sorted(collected)]
+
+
+def _pooled(per_process: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One group measured by several processes: the samples of all of them, concatenated."""
+    first = per_process[0]
+    samples = {
+        label: {
+            phase: [v for group in per_process for v in group["samples"][label][phase]] for phase in phases
+        }
+        for label, phases in first["samples"].items()
+    }
+    by_process = {
+        label: [statistics.median(group["samples"][label]["compress"]) for group in per_process]
+        for label in first["samples"]
+    }
+    return {**first, "samples": samples, "compress_ms_by_process": by_process}
+
+
+def _row(name: str, group: dict[str, Any]) -> dict[str, Any]:
+    """One result row: medians, achieved vs target count, ratios to the floor, to top-k and to ``topk``."""
+    numel, ratio, samples = group["numel"], group["ratio"], group["samples"]
     own = samples[name]
     compress_ms = statistics.median(own["compress"])
     floor_ms = statistics.median(samples[FLOOR]["compress"])
     topk_ms = statistics.median(samples[TOPK]["compress"]) if TOPK in samples else None
+    topk_compressor_ms = statistics.median(samples["topk"]["compress"]) if "topk" in samples else None
     target = target_count(numel, ratio) if ratio is not None else numel
     count = statistics.mean(own["count"])
-    return {
+    row = {
         "compressor": name,
-        "options": compressor.options(),
+        "options": group["options"][name],
         "numel": numel,
         "ratio": ratio,
         "target_count": target,
@@ -243,9 +369,15 @@ def _row(
         "topk_ms": topk_ms,
         "compress_vs_floor": compress_ms / floor_ms,
         "speedup_vs_topk": topk_ms / compress_ms if topk_ms is not None else None,
+        "speedup_vs_topk_compressor": topk_compressor_ms / compress_ms
+        if topk_compressor_ms is not None
+        else None,
         "nbytes": statistics.mean(own["nbytes"]),
-        "dense_nbytes": numel * x.element_size(),
+        "dense_nbytes": numel * group["element_size"],
     }
+    if "compress_ms_by_process" in group:
+        row["compress_ms_by_process"] = group["compress_ms_by_process"][name]
+    return row
 
 
 def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True) -> dict[str, Any]:
@@ -254,37 +386,25 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
     Each row: ``compressor``, ``options``, ``numel``, ``ratio`` (None for ratio-less
     compressors), ``target_count`` (``k``; ``numel`` without a ratio), ``count`` (mean
     achieved), ``count_vs_target``, medians ``compress_ms``, ``decompress_ms``,
-    ``floor_ms``, ``topk_ms`` (None without a ratio), ``compress_vs_floor``,
-    ``speedup_vs_topk`` (``topk_ms / compress_ms``), ``nbytes`` (mean payload bytes)
-    and ``dense_nbytes`` (fp32, ``4 n``).
+    ``floor_ms``, ``topk_ms`` (bare ``torch.topk``; None without a ratio),
+    ``compress_vs_floor``, ``speedup_vs_topk`` (``topk_ms / compress_ms``),
+    ``speedup_vs_topk_compressor`` (the ``topk`` compressor's ``compress_ms`` over this
+    one's; None when ``topk`` is not in the run or there is no ratio), ``nbytes`` (mean
+    payload bytes) and ``dense_nbytes`` (``n`` times the element size). In the
+    contended mode rows add ``compress_ms_by_process`` (each process's median) and the
+    medians are over every process's samples.
     """
     names, skipped = benchmarkable(config.compressors, config.device)
-    load_before = os.getloadavg()[0]
-    ratio_less = sum(density_option(name) is None for name in names)
-    with_ratio = len(names) - ratio_less
-    # (ratio, methods timed): the floor, bare top-k when there is a ratio, the group's compressors.
-    groups: list[tuple[float | None, int]] = (
-        [(r, with_ratio + 2) for r in config.ratios] if with_ratio else []
-    )
-    if ratio_less:
-        groups.append((None, ratio_less + 1))
-    total = sum(size for _, size in groups) * len(config.sizes) * (config.warmup + config.repeats)
-    previous_threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    rows = []
-    try:
-        with tqdm(total=total, desc="bench compress", unit="call", disable=not progress) as bar:
-            for numel in config.sizes:
-                x = synthetic_gradient(numel, config.seed, config.device)
-                for ratio, _ in groups:
-                    bar.set_postfix(numel=numel, ratio=ratio)
-                    methods, compressors = _group_methods(x, ratio, names)
-                    samples = _measure_group(methods, config, bar)
-                    rows.extend(_row(n, c, x, ratio, samples) for n, c in compressors.items())
-                del x
-    finally:
-        torch.set_num_threads(previous_threads)
+    # Other processes on the machine inflate medians: the load averages (1, 5, 15 min) before and after.
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    if config.processes == 1:
+        groups = _measure_all(config, names, progress=progress)
+    else:
+        groups = [_pooled(together) for together in zip(*_measure_in_processes(config, names), strict=True)]
+    wall_s = time.perf_counter() - started
+    load_after = os.getloadavg()
+    rows = [_row(name, group) for group in groups for name in group["options"]]
     return {
         "config": {**asdict(config), "compressors": names},
         "input": INPUT_DESCRIPTION,
@@ -294,9 +414,9 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
             "python": platform.python_version(),
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
-            "threads": config.threads or previous_threads,
-            # Other processes on the machine inflate medians: the 1-minute load average around the run.
-            "load_average": [load_before, os.getloadavg()[0]],
+            "threads": config.threads or torch.get_num_threads(),
+            "load_average": {"before": list(load_before), "after": list(load_after)},
+            "wall_s": wall_s,
             "device": torch.cuda.get_device_name() if config.device == "cuda" else platform.processor(),
         },
         "skipped": skipped,
@@ -319,6 +439,7 @@ def format_table(result: dict[str, Any]) -> str:
         "decompress ms",
         "x floor",
         "vs topk",
+        "vs topk-c",
         "MB",
     ]
     lines = []
@@ -331,7 +452,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append([
             row["compressor"], f"{row['numel']:,}", _fmt(row["ratio"], "g"), f"{row['count_vs_target']:.3f}",
             f"{row['compress_ms']:.2f}", f"{row['decompress_ms']:.2f}", f"{row['compress_vs_floor']:.1f}",
-            _fmt(row["speedup_vs_topk"], ".2f"), f"{row['nbytes'] / 1e6:.3f}",
+            _fmt(row["speedup_vs_topk"], ".2f"), _fmt(row["speedup_vs_topk_compressor"], ".2f"),
+            f"{row['nbytes'] / 1e6:.3f}",
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in [header, *lines] if len(line) > 1) for i in range(len(header))]
     text = []

@@ -10,7 +10,13 @@ import argparse
 import json
 from pathlib import Path
 
-from gradsift.benchmarking import INPUT_DESCRIPTION, CompressBenchConfig, format_table, run_compress_benchmark
+from gradsift.benchmarking import (
+    DTYPES,
+    INPUT_DESCRIPTION,
+    CompressBenchConfig,
+    format_table,
+    run_compress_benchmark,
+)
 
 
 def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +30,8 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
             "torch.topk(x.abs(), k) and one read pass torch.linalg.vector_norm(x, 1) (the memory floor) "
             f"on the same tensor. Input: {INPUT_DESCRIPTION}. Columns: achieved count / target k, "
             "compress ms, decompress ms (one payload), compress time / floor, torch.topk time / compress "
-            "time, payload MB."
+            "time, the topk compressor's time / compress time, payload MB. Load averages before and after the "
+            "run go into the JSON."
         ),
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=list(defaults.sizes), metavar="N",
@@ -40,8 +47,13 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, help="torch threads for the run (default: torch's setting)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
                         help="where the gradient lives (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype,
+                        help="the gradient's dtype (default: %(default)s)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="seed of the synthetic gradient (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--processes", type=int, default=defaults.processes, metavar="N",
+                        help="contended mode: N processes (each with --threads threads) time the same thing "
+                        "at the same time; rows report the median over all of them (default: %(default)s)")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run_compress)
@@ -56,7 +68,9 @@ def _run_compress(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         threads=args.threads,
         device=args.device,
+        dtype=args.dtype,
         seed=args.seed,
+        processes=args.processes,
     )
     result = run_compress_benchmark(config, progress=not args.no_progress)
     print(format_table(result))
