@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,15 +56,16 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
-def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_rank(rank: int, world: int, store: str, args: argparse.Namespace, results: mp.Queue) -> None:
     device = rank_device(rank, args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the CPU check: two ranks, one thread each
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dist.init_process_group(backend_for(args.device), rank=rank, world_size=world)
+    dist.init_process_group(
+        backend_for(args.device), init_method=f"file://{store}", rank=rank, world_size=world
+    )
     runs = {}
     for label, configuration in CONFIGURATIONS.items():
         model = DistributedDataParallel(
@@ -104,14 +104,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, results
         for entry in report.values():
             entry["ratio_to_stock"] = entry["median_step_ms"] / report["stock"]["median_step_ms"]
         results.put(report)
-    dist.barrier()
+    dist.barrier()  # leave together: a rank that tears gloo down early aborts its peer
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -129,11 +123,12 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu to check the script)")
     results = mp.get_context("spawn").Queue()
-    processes = mp.start_processes(
-        run_rank, args=(2, free_port(), args, results), nprocs=2, start_method="spawn", join=False
-    )
-    report = results.get(timeout=1800)
-    processes.join()
+    with tempfile.TemporaryDirectory() as folder:  # the ranks meet through a file store: no port to pick
+        processes = mp.start_processes(
+            run_rank, args=(2, f"{folder}/store", args, results), nprocs=2, start_method="spawn", join=False
+        )
+        report = results.get(timeout=1800)
+        processes.join()
     parameters = sum(p.numel() for p in mlp(args.width, args.depth).parameters())
     facts = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
