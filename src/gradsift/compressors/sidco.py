@@ -131,6 +131,24 @@ class SampleCounts:
         self.prefetch((eta,))
         return self._counts[eta]
 
+    def record(self, eta: float, count: int) -> None:
+        """Remember a count the caller already has (the size of an exceedance set it formed)."""
+        self._counts[eta] = count
+
+    def value_with_above(self, keep: int) -> float:
+        """The sample value with exactly ``keep`` elements above it: the ``(S - keep)``-th smallest.
+
+        The order statistic lies in every tail ``{s > t}`` holding more than ``keep``
+        elements (it is the ``(m - keep)``-th smallest of an ``m``-element tail), so
+        ``kthvalue`` runs on the smallest such tail among the counts already known,
+        and on the whole sample only when none is.
+        """
+        known = [(count, eta) for eta, count in self._counts.items() if count > keep]
+        if not known:
+            return float(torch.kthvalue(self.sample, self.sample.numel() - keep).values)
+        count, eta = min(known)
+        return float(torch.kthvalue(values_above(self.sample, eta), count - keep).values)
+
 
 class _SIDCo(Sparsifier):
     """Multi-stage statistical threshold with per-tensor closed-loop correction.
@@ -194,12 +212,15 @@ class _SIDCo(Sparsifier):
         """``eta_M`` of the multi-stage fit on ``sample`` (magnitudes) with ``stages`` stages."""
         return self.fitted_thresholds(sample, (stages,))[stages]
 
-    def fitted_thresholds(self, sample: torch.Tensor, candidates: Iterable[int]) -> dict[int, float]:
+    def fitted_thresholds(
+        self, sample: torch.Tensor, candidates: Iterable[int], counts: SampleCounts | None = None
+    ) -> dict[int, float]:
         """``{M: eta_M}`` for each stage count ``M`` in ``candidates``.
 
-        Stage 1's fit and its exceedances are computed once and shared by every ``M``.
-        Raises :class:`NonFiniteGradientError` when the sample holds NaN or Inf (the
-        stage-1 threshold is then not finite).
+        Stage 1's fit and its exceedances are computed once and shared by every ``M``
+        (their number is recorded in ``counts``, when given). Raises
+        :class:`NonFiniteGradientError` when the sample holds NaN or Inf (the stage-1
+        threshold is then not finite).
         """
         first = type(self).first_fit(sample)
         single = first.exceedance_threshold(self.ratio)
@@ -214,6 +235,8 @@ class _SIDCo(Sparsifier):
             eta = first.exceedance_threshold(self.first_ratio)
             if exceedances is None:
                 exceedances = values_above(sample, eta)
+                if counts is not None:
+                    counts.record(eta, exceedances.numel())
             thresholds[stages] = self._tail_threshold(exceedances, eta, stages)
         return thresholds
 
@@ -251,7 +274,7 @@ class _SIDCo(Sparsifier):
         (``eta_old e^c_old == eta_new e^c_new``) so the applied ``eta`` does not jump.
         """
         current = state["stages"]
-        fitted = self.fitted_thresholds(sample, self._stage_candidates(state, expected))
+        fitted = self.fitted_thresholds(sample, self._stage_candidates(state, expected), counts)
         applied = fitted[current] * math.exp(state["log_correction"])
         if len(fitted) == 1:
             return fitted[current], applied
@@ -271,9 +294,7 @@ class _SIDCo(Sparsifier):
     # -- closed loop --------------------------------------------------------------
 
     @staticmethod
-    def _checked_on_sample(
-        sample: torch.Tensor, counts: SampleCounts, eta: float, expected: float, exact: bool
-    ) -> float:
+    def _checked_on_sample(counts: SampleCounts, eta: float, expected: float, exact: bool) -> float:
         """``eta``, or the sample's own quantile when the sample predicts a clear miss."""
         if expected < (1.0 if exact else _MIN_EXPECTED):
             return eta
@@ -283,8 +304,7 @@ class _SIDCo(Sparsifier):
         miss = math.log((counts(eta) + 0.5) / (expected + 0.5))
         if abs(miss) <= tolerance:
             return eta
-        keep = min(round(expected), sample.numel() - 1)
-        return float(torch.kthvalue(sample, sample.numel() - keep).values)
+        return counts.value_with_above(min(round(expected), counts.sample.numel() - 1))
 
     @staticmethod
     def _sample_slope(counts: SampleCounts, eta: float) -> float:
@@ -331,7 +351,7 @@ class _SIDCo(Sparsifier):
             counts = SampleCounts(sample)
             eta_fit, eta = self._fit_and_apply(sample, state, expected, counts)
             counts.prefetch([eta, *slope_points(eta)])
-            eta = self._checked_on_sample(sample, counts, eta, expected, exact=sample.numel() == n)
+            eta = self._checked_on_sample(counts, eta, expected, exact=sample.numel() == n)
         else:
             eta_fit = eta = self.fitted_threshold(sample, state["stages"])
         # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
