@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.compressors.threshold import indices_above, selected_finite
+from gradsift.compressors.threshold import selected_finite
+from gradsift.kernels import select_above_threshold
 from gradsift.validation import check_int, check_real, raise_if_nonfinite
 
 #: Over-selection bound: above ``OVER * k`` selected elements, DGC runs top-k on the selection.
@@ -23,13 +24,13 @@ class DGC(Sparsifier):
 
     For a flat gradient ``g`` of ``n`` elements and ``k = max(1, floor(n * ratio))``:
 
-    1. ``a = |g|``; draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))``
-       positions uniformly (with replacement) from this instance's generator.
+    1. Draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))`` positions
+       uniformly (with replacement) from this instance's generator; ``a = |g|`` there.
     2. ``eta`` = the smallest of the ``ceil(s * ratio)`` largest sampled magnitudes.
-    3. Select ``{i : a_i > eta}`` (count ``c``).
+    3. Select ``{i : |g_i| > eta}`` (count ``c``).
     4. If ``c > 4/3 k``: exact top-k among the selected (DGC's hierarchical top-k).
        If ``c < k/2`` (the sample missed the tail, or ties at ``eta``): exact top-k
-       over all of ``a`` -- a documented fallback, so the count is never far below
+       over all of ``|g|`` -- a documented fallback, so the count is never far below
        ``k``. Otherwise send the ``c`` selected elements.
 
     DGC's momentum correction and momentum factor masking are error-feedback
@@ -45,9 +46,11 @@ class DGC(Sparsifier):
 
     State (``state_dict``): the generator state per device.
 
-    Cost: ``abs`` + comparison + ``nonzero`` passes over ``n``, a top-k over the
-    sample (and over ``c`` elements when trimming); the non-finite check reads
-    only the sampled threshold and the selected values.
+    Cost: one comparison pass over ``n``
+    (:func:`gradsift.kernels.select_above_threshold`), a top-k over the sample (and
+    over ``c`` elements when trimming; ``abs`` over all ``n`` only in the top-k
+    fallback); the non-finite check reads only the sampled threshold and the
+    selected values (the comparison selects NaN).
     """
 
     name = "dgc"
@@ -79,18 +82,17 @@ class DGC(Sparsifier):
     def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
         n = flat.numel()
         k = target_count(n, self.ratio)
-        magnitudes = flat.abs()
         size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
         positions = torch.randint(n, (size,), generator=self.generator(flat.device), device=flat.device)
-        top = torch.topk(magnitudes[positions], math.ceil(size * self.ratio), sorted=False).values
+        top = torch.topk(flat[positions].abs(), math.ceil(size * self.ratio), sorted=False).values
         eta = top.min()
         raise_if_nonfinite(eta)
-        indices = indices_above(magnitudes, float(eta))
+        indices = select_above_threshold(flat, float(eta))
         if indices.numel() > OVER * k:
-            indices = indices[torch.topk(magnitudes[indices], k, sorted=False).indices]
+            indices = indices[torch.topk(flat[indices].abs(), k, sorted=False).indices]
         elif indices.numel() < UNDER * k:
-            indices = torch.topk(magnitudes, k, sorted=False).indices
-        return selected_finite(magnitudes, indices)
+            indices = torch.topk(flat.abs(), k, sorted=False).indices
+        return selected_finite(flat, indices)
 
     def state_dict(self) -> dict[str, Any]:
         return {"generators": {name: g.get_state() for name, g in self.generators.items()}}

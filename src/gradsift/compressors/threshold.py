@@ -1,9 +1,9 @@
 """Hard threshold: send every element with ``|g| > eta`` for a fixed, user-chosen ``eta``.
 
-Also home of the comparison pass that threshold-based sparsifiers end with:
-:func:`gradsift.kernels.select_above_threshold` (one read of memory; SIDCo and this class) and :func:`indices_above` (on magnitudes a caller already holds at full size,
-as DGC does). Both select NaN, so :func:`selected_finite` -- a check of the ``~k``
-selected values -- is a check of all ``n``.
+Also home of :func:`selected_finite`, the non-finite check the threshold sparsifiers
+(SIDCo, DGC, this class) end with: their comparison pass
+(:func:`gradsift.kernels.select_above_threshold`) selects NaN and Inf, so a check of
+the ``~k`` selected values is a check of all ``n``.
 """
 
 from __future__ import annotations
@@ -19,23 +19,11 @@ from gradsift.kernels import select_above_threshold
 from gradsift.validation import check_real, raise_if_nonfinite
 
 
-def indices_above(magnitudes: torch.Tensor, eta: float) -> torch.Tensor:
-    """Positions ``i`` with ``magnitudes[i] > eta`` -- or ``magnitudes[i]`` NaN.
-
-    Written as ``not (m <= eta)`` so that a NaN, for which every comparison is
-    false, is *selected*: a caller then detects a non-finite gradient by checking
-    only the selected values (``+Inf`` exceeds every finite ``eta`` anyway), never
-    with an extra pass over all ``n`` elements. The comparison runs in the
-    magnitudes' dtype (``eta`` is rounded to it). Returns 1-D int64 indices.
-    """
-    return torch.le(magnitudes, eta).logical_not_().nonzero().view(-1)
-
-
 def selected_finite(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Return ``indices`` after checking ``values[indices]`` are finite.
 
     ``values`` is the gradient or its magnitudes. With a NaN-inclusive selection
-    (:func:`select_above_threshold`, :func:`indices_above`, ``torch.topk``) a
+    (:func:`gradsift.kernels.select_above_threshold`, ``torch.topk``) a
     non-finite gradient always has a non-finite element among the selected ones,
     so checking ``len(indices)`` values checks all ``n``.
     """
