@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+import gradsift
+from gradsift import kernels
 from gradsift.errors import InvalidOptionError
 from gradsift.kernels import (
     SELECTION_CHUNK,
@@ -64,3 +66,19 @@ def test_calling_thread_only_restores_the_pool_even_on_error():
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pytorch_branch_the_gpu_runs_selects_what_numpy_selects(monkeypatch, dtype):
+    """On a GPU every kernel takes its PyTorch branch; forced here on CPU, the results must not change."""
+    x = torch.distributions.StudentT(3.0).sample((2 * SELECTION_CHUNK + 99,)).to(dtype)
+    x[5] = math.nan
+    reference = select_above_threshold(x, 1.5)
+    numpy_run = [gradsift.get_compressor(name, ratio=0.01) for name in ("sidco-exp", "sidco-gpareto", "dgc")]
+    expected = [[c.compress(x.nan_to_num(), key=0).indices for _ in range(3)] for c in numpy_run]
+    monkeypatch.setattr(kernels, "uses_numpy", lambda tensor: False)
+    assert torch.equal(select_above_threshold(x, 1.5), reference)
+    torch_run = [gradsift.get_compressor(name, ratio=0.01) for name in ("sidco-exp", "sidco-gpareto", "dgc")]
+    for compressor, indices in zip(torch_run, expected, strict=True):
+        for want in indices:
+            assert torch.equal(compressor.compress(x.nan_to_num(), key=0).indices, want), compressor.name
