@@ -166,6 +166,8 @@ def test_non_finite_raises_even_outside_the_sample(name, bad, position):
         ({"adapt": "yes"}, "adapt must be True or False"),
         ({"stage_period": 0}, "stage_period must lie in"),
         ({"ratio": 0.0}, "ratio must lie in"),
+        ({"exact_below": -1}, "exact_below must lie in"),
+        ({"exact_below": 2.0**16}, "exact_below must be an integer"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, match):
@@ -230,3 +232,18 @@ def test_sample_quantile_from_the_smallest_known_tail_is_exact():
         counts.prefetch(torch.rand(3, generator=generator).tolist())
         keep = int(torch.randint(0, sample.numel() - 1, (1,), generator=generator))
         assert counts.value_with_above(keep) == float(torch.kthvalue(sample, sample.numel() - keep).values)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_exact_path_below_the_crossover_sends_the_top_k(name):
+    compressor = gradsift.get_compressor(name, ratio=0.01)
+    assert compressor.options()["exact_below"] == type(compressor).crossover >= 1 << 16
+    x = _student_t3(20_000)
+    payload = compressor.compress(x)
+    top = torch.topk(x.abs(), 200).indices
+    assert torch.equal(payload.indices.sort().values, top.sort().values)  # exactly k, the largest ones
+    assert compressor.state_dict()["keys"][0]["threshold"] == float(x.abs()[top].min())
+    fitted = gradsift.get_compressor(name, ratio=0.01, exact_below=0)  # forced onto the statistical path
+    assert 0.5 <= _ratio(fitted, x) <= 2.0 and _ratio(fitted, x) != 1.0
+    plain = gradsift.get_compressor(name, ratio=0.01, adapt=False)  # the paper's fit at every size
+    assert _ratio(plain, x) != 1.0

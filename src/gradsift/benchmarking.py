@@ -162,12 +162,18 @@ def benchmarkable(names: Sequence[str] | None, device: str) -> tuple[list[str], 
 
 
 def interleaved_medians_ms(
-    methods: dict[str, Callable[[], Any]], repeats: int, *, inner: int = 1, warmup: int = 1
+    methods: dict[str, Callable[[], Any]],
+    repeats: int,
+    *,
+    inner: int = 1,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median milliseconds per call of each method, timed round-robin so that drift hits all alike.
 
     Each method is called ``warmup`` times first; then ``repeats`` rounds time every
-    method in turn, ``inner`` calls per timing (resolution for microsecond calls).
+    method in turn, ``inner`` calls per timing (resolution for microsecond calls), read
+    on ``clock`` (seconds; the wall clock unless told otherwise).
     """
     for fn in methods.values():
         for _ in range(warmup):
@@ -175,10 +181,10 @@ def interleaved_medians_ms(
     times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(inner):
                 fn()
-            times[name].append((time.perf_counter() - start) * 1e3 / inner)
+            times[name].append((clock() - start) * 1e3 / inner)
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 

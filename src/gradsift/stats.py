@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from scipy import special, stats
 
-from gradsift.kernels import values_above
 from gradsift.validation import check_ratio
 
 #: Bound on ``m^2/v`` and ``1/r``: keeps the fits finite on (nearly) constant data,
@@ -201,15 +200,18 @@ def fit_gamma(magnitudes: torch.Tensor) -> GammaFit:
 
     ``r = ln(mean(a)) - mean(ln a)`` (>= 0 by Jensen, floored at 1e-6),
     ``alpha = (3 - r + sqrt((r-3)^2 + 24 r)) / (12 r)``, ``beta = mean(a) / alpha``.
+    The sums run over all of ``a`` without forming the non-zero subset: a zero adds 0
+    to ``sum(a)`` and its ``ln 0 = -inf`` is replaced by 0 (a NaN stays NaN).
     """
     a = _for_statistics(magnitudes)
-    nonzero = values_above(a, 0.0)
-    if nonzero.numel() == 0:
+    logs = a.log().nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+    nonzero, total, total_log = host_values(torch.count_nonzero(a).double(), a.sum(), logs.sum())
+    if nonzero == 0:
         return GammaFit(shape=1.0, scale=0.0, nonzero_fraction=0.0)
-    mean, mean_log = host_values(nonzero.mean(), nonzero.log().mean())
-    spread = max(math.log(mean) - mean_log, 1.0 / _MAX_MOMENT_RATIO)
+    mean = total / nonzero
+    spread = max(math.log(mean) - total_log / nonzero, 1.0 / _MAX_MOMENT_RATIO)
     shape = (3.0 - spread + math.sqrt((spread - 3.0) ** 2 + 24.0 * spread)) / (12.0 * spread)
-    return GammaFit(shape=shape, scale=mean / shape, nonzero_fraction=nonzero.numel() / a.numel())
+    return GammaFit(shape=shape, scale=mean / shape, nonzero_fraction=nonzero / a.numel())
 
 
 def fit_exponential_excess(exceedances: torch.Tensor) -> tuple[float, ExponentialFit]:

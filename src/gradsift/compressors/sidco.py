@@ -70,10 +70,6 @@ from gradsift.stats import (
 )
 from gradsift.validation import check_int, check_real
 
-#: Default ``exact_below``: below this many elements the exact top-k is cheaper than
-#: the statistical path on CPU (docs/decisions.md has the measured crossover).
-EXACT_BELOW = 1 << 15
-
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
 _STANDARD_ERRORS = 3.0  # ... widened to this many Poisson standard errors on a subsample
 _MIN_EXPECTED = 4.0  # below this many expected sample exceedances a subsample says nothing
@@ -165,11 +161,15 @@ class _SIDCo(Sparsifier):
             the paper's plain fitted threshold at every size.
         stage_period: calls between stage-count re-evaluations when ``stages=None``.
         exact_below: with ``adapt=True``, tensors of fewer elements get the exact
-            top-k (integer >= 0; default :data:`EXACT_BELOW`; 0 fits every tensor).
+            top-k (integer >= 0; None, the default, takes the variant's
+            :attr:`crossover`; 0 fits every tensor).
     """
 
     first_fit: ClassVar[Callable[[torch.Tensor], MagnitudeFit]]
     tail_fit: ClassVar[Callable[[torch.Tensor], tuple[float, MagnitudeFit]]]
+    #: The size from which this variant's statistical path costs less than the exact top-k
+    #: on CPU (measured one thread, ratio 0.01; docs/decisions.md): ``exact_below``'s default.
+    crossover: ClassVar[int]
 
     def __init__(
         self,
@@ -179,7 +179,7 @@ class _SIDCo(Sparsifier):
         sample_size: int = 1 << 18,
         adapt: bool = True,
         stage_period: int = 5,
-        exact_below: int = EXACT_BELOW,
+        exact_below: int | None = None,
     ) -> None:
         super().__init__(ratio)
         self.first_ratio = check_real(
@@ -192,7 +192,9 @@ class _SIDCo(Sparsifier):
             raise InvalidOptionError(f"adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
         self.stage_period = check_int(stage_period, "stage_period", low=1)
-        self.exact_below = check_int(exact_below, "exact_below", low=0)
+        self.exact_below = (
+            self.crossover if exact_below is None else check_int(exact_below, "exact_below", low=0)
+        )
         self._keys: dict[Hashable, dict[str, Any]] = {}
 
     def options(self) -> dict[str, Any]:
@@ -385,6 +387,7 @@ class SIDCoExponential(_SIDCo):
     name = "sidco-exp"
     first_fit = staticmethod(fit_exponential)
     tail_fit = staticmethod(fit_exponential_excess)
+    crossover = 1 << 16
 
 
 class SIDCoGeneralizedPareto(_SIDCo):
@@ -393,6 +396,7 @@ class SIDCoGeneralizedPareto(_SIDCo):
     name = "sidco-gpareto"
     first_fit = staticmethod(fit_generalized_pareto)
     tail_fit = staticmethod(fit_generalized_pareto_excess)
+    crossover = 1 << 16
 
 
 class SIDCoGamma(_SIDCo):
@@ -401,3 +405,4 @@ class SIDCoGamma(_SIDCo):
     name = "sidco-gamma"
     first_fit = staticmethod(fit_gamma)
     tail_fit = staticmethod(fit_generalized_pareto_excess)
+    crossover = 1 << 17  # the gamma's first stage takes a logarithm of every sampled element
