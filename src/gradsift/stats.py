@@ -17,8 +17,8 @@ threshold ``eta`` with ``P(a > eta) = delta`` off the fit. The families here:
   (GaussianK-SGD); :func:`normal_two_sided_threshold` gives
   ``eta = mu + sigma * Phi^-1(1 - delta/2)``.
 
-Moments are accumulated in float32 (float64 for float64 input; 16-bit input is
-widened first), and every fit brings its few scalars to the host in one transfer.
+Moments are accumulated in float64 whatever the input dtype, and every fit brings its
+few scalars to the host in one transfer.
 SIDCo's later stages fit the *excess* ``x - min(x)`` of the exceedances
 (:func:`fit_exponential_excess`, :func:`fit_generalized_pareto_excess`) from the
 moments of ``x`` itself, without forming the shifted copy. Goodness of fit is the
@@ -139,13 +139,8 @@ def _as_float64(values: torch.Tensor) -> torch.Tensor:
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype fits accumulate in: float32 for 16-bit floats, else ``dtype`` (float32 or float64)."""
+    """The dtype samples are kept in: float32 for 16-bit floats, else ``dtype`` (float32 or float64)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _for_statistics(values: torch.Tensor) -> torch.Tensor:
-    flat = values.reshape(-1) if values.dim() != 1 else values
-    return flat.to(statistics_dtype(flat.dtype))
 
 
 def host_values(*scalars: torch.Tensor) -> list[float]:
@@ -182,13 +177,13 @@ def generalized_pareto_from_moments(mean: float, var: float) -> GeneralizedParet
 
 def fit_exponential(magnitudes: torch.Tensor) -> ExponentialFit:
     """MLE of the exponential: ``scale = mean(a)`` (0 for an empty tensor)."""
-    a = _for_statistics(magnitudes)
+    a = _as_float64(magnitudes)
     return exponential_from_mean(float(a.mean()) if a.numel() else 0.0)
 
 
 def fit_generalized_pareto(magnitudes: torch.Tensor) -> GeneralizedParetoFit:
     """Method-of-moments GP (:func:`generalized_pareto_from_moments`) of ``mean(a)``, ``var(a)``."""
-    a = _for_statistics(magnitudes)
+    a = _as_float64(magnitudes)
     if a.numel() == 0:
         return GeneralizedParetoFit(shape=0.0, scale=0.0)
     mean, var = _moments(a)
@@ -203,7 +198,7 @@ def fit_gamma(magnitudes: torch.Tensor) -> GammaFit:
     The sums run over all of ``a`` without forming the non-zero subset: a zero adds 0
     to ``sum(a)`` and its ``ln 0 = -inf`` is replaced by 0 (a NaN stays NaN).
     """
-    a = _for_statistics(magnitudes)
+    a = _as_float64(magnitudes)
     logs = a.log().nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
     nonzero, total, total_log = host_values(torch.count_nonzero(a).double(), a.sum(), logs.sum())
     if nonzero == 0:
@@ -219,21 +214,21 @@ def fit_exponential_excess(exceedances: torch.Tensor) -> tuple[float, Exponentia
 
     ``mean(x - t) = mean(x) - t``, so the shifted copy is never formed.
     """
-    x = _for_statistics(exceedances)
+    x = _as_float64(exceedances)
     base, mean = host_values(x.min(), x.mean())
     return base, exponential_from_mean(mean - base)
 
 
 def fit_generalized_pareto_excess(exceedances: torch.Tensor) -> tuple[float, GeneralizedParetoFit]:
     """``(t, GP fit of x - t)`` with ``t = min(x)``, from ``mean(x) - t`` and ``var(x)`` (shift-invariant)."""
-    x = _for_statistics(exceedances)
+    x = _as_float64(exceedances)
     mean, var, base = _moments(x, x.min())
     return base, generalized_pareto_from_moments(mean - base, var)
 
 
 def fit_normal(values: torch.Tensor) -> NormalFit:
     """Mean and (population) standard deviation of the signed values."""
-    a = _for_statistics(values)
+    a = _as_float64(values)
     if a.numel() == 0:
         return NormalFit(mean=0.0, std=0.0)
     std, mean = host_values(*torch.std_mean(a, correction=0))

@@ -12,7 +12,8 @@ target count ``k = max(1, floor(n delta))``:
    records the call and the k-th magnitude as ``threshold``.
 1. **Sample.** ``S <= sample_size`` magnitudes at the stride ``ceil(n/sample_size)``
    (the offset rotates with the call count), in float32 (float64 for float64
-   gradients). For ``n <= sample_size`` this is the whole tensor.
+   gradients; the fits accumulate in float64). For ``n <= sample_size`` this is the
+   whole tensor.
 2. **Fit in stages** (peaks over threshold, docs/sidco.md): stage 1 fits the first
    family to the sample and takes ``eta_1`` for ``delta_1 = first_ratio``; stages
    ``m = 2..M`` keep the exceedances ``x > eta_{m-1}``, shift them by ``t = min(x)``
