@@ -139,3 +139,45 @@ def test_default_subsample_is_200k_elements_with_seed_0():
     x = torch.randn(200_001, generator=torch.Generator().manual_seed(3))
     assert stats.goodness_of_fit(x) == stats.goodness_of_fit(x, sample_size=200_000, seed=0)
     assert torch.equal(stats.subsample(x, 10), stats.subsample(x, 10, seed=0))
+
+
+def test_generalized_pareto_threshold_leaves_the_exponential_limit_only_for_a_negligible_shape():
+    """``eta = (scale/shape) expm1(-shape ln ratio)``; the limit ``scale ln(1/ratio)`` only
+    when ``|shape ln ratio| < 1e-9``. At shape 5e-7 and ratio 1e-300 the product is 3.5e-4:
+    the limit would be off by 1.7e-4 relative."""
+    shape, scale, ratio = 5e-7, 2.0, 1e-300
+    exact = scale / shape * math.expm1(-shape * math.log(ratio))
+    assert stats.GeneralizedParetoFit(shape=shape, scale=scale).exceedance_threshold(ratio) == pytest.approx(
+        exact, rel=1e-12
+    )
+    assert abs(exact / (scale * -math.log(ratio)) - 1) > 1e-4
+    assert stats.GeneralizedParetoFit(shape=0.0, scale=scale).exceedance_threshold(0.01) == pytest.approx(
+        scale * math.log(100), rel=1e-15
+    )
+
+
+def test_gamma_fit_of_no_nonzero_value_and_of_equal_values():
+    """Empty or all-zero magnitudes: the documented placeholder fit (shape 1, scale 0), also
+    in goodness_of_fit's report. Equal values: ``r = 0`` is floored at 1e-6 before Minka's form."""
+    placeholder = stats.GammaFit(shape=1.0, scale=0.0, nonzero_fraction=0.0)
+    assert stats.fit_gamma(torch.zeros(5)) == placeholder
+    assert stats.fit_gamma(torch.empty(0)) == placeholder
+    assert stats.goodness_of_fit(torch.zeros(8))["gamma"]["params"] == {
+        "shape": 1.0,
+        "scale": 0.0,
+        "nonzero_fraction": 0.0,
+    }
+    r = 1e-6
+    shape = (3 - r + math.sqrt((r - 3) ** 2 + 24 * r)) / (12 * r)
+    equal = stats.fit_gamma(torch.tensor([0.0, 2.0, 2.0, 2.0]))
+    assert equal == pytest.approx(
+        stats.GammaFit(shape=shape, scale=2.0 / shape, nonzero_fraction=0.75), rel=1e-9
+    )
+
+
+def test_subsample_of_at_most_size_elements_is_the_input_in_its_order():
+    x = torch.arange(12.0).reshape(3, 4)
+    assert torch.equal(stats.subsample(x, 12), x.reshape(-1))
+    assert torch.equal(stats.subsample(x, 50), x.reshape(-1))
+    drawn = stats.subsample(x, 11)
+    assert drawn.numel() == 11 and len(set(drawn.tolist())) == 11
