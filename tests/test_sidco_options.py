@@ -190,3 +190,28 @@ def test_first_call_considers_every_stage_count_later_calls_only_neighbours():
     later.load_state_dict({"keys": {0: {"stages": 2, "calls": 1, "log_correction": 0.0, "threshold": 0.0}}})
     later.compress(x)
     assert later.state_dict()["keys"][0]["stages"] == 2
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_options_report_every_setting_and_rebuild_the_compressor(name):
+    settings = {
+        "ratio": 0.002,
+        "first_ratio": 0.3,
+        "stages": 3,
+        "sample_size": 4096,
+        "adapt": False,
+        "stage_period": 7,
+        "exact_below": 512,
+    }
+    compressor = gradsift.get_compressor(name, **settings)
+    assert compressor.options() == settings
+    assert gradsift.get_compressor(name, **compressor.options()).options() == settings
+    assert gradsift.get_compressor(name).options() == {
+        "ratio": 0.01,
+        "first_ratio": 0.25,
+        "stages": None,
+        "sample_size": 1 << 18,
+        "adapt": True,
+        "stage_period": 5,
+        "exact_below": compressor.crossover,
+    }

@@ -1,0 +1,202 @@
+"""SIDCo's closed loop on hand-made samples, each rule against the number the module
+docstring's formula gives: the sample counts and order statistic, the stage-count choice
+(candidates, margin, continuity), the sample slope, the damped correction step and its bounds, and
+the state checks.
+
+The stage-choice tests use a compressor whose fitted threshold per stage count is
+given (:class:`Scripted`): the fit is tested elsewhere (test_sidco_fit.py), here the
+rules that pick among its results are. On ``RAMP = 1, 2, ..., 1000`` a threshold
+``1000 - c`` has exactly ``c`` sample elements above it, so each stage count's
+predicted count is chosen by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradsift
+from gradsift.compressors.sidco import SampleCounts, SIDCoExponential
+from gradsift.errors import InvalidOptionError
+
+RAMP = torch.arange(1, 1001, dtype=torch.float64)
+
+
+class Scripted(SIDCoExponential):
+    """SIDCo-E whose fitted threshold for ``m`` stages is ``1000 - counts[m]``; it records
+    which stage counts each call evaluated."""
+
+    def __init__(self, counts: dict[int, int], **options) -> None:
+        super().__init__(**options)
+        self.counts = counts
+        self.evaluated: list[tuple[int, ...]] = []
+
+    def fitted_thresholds(self, sample, candidates, counts=None) -> dict[int, float]:
+        self.evaluated.append(tuple(candidates))
+        return {m: float(1000 - self.counts[m]) for m in candidates}
+
+
+def state(stages: int, calls: int, log_correction: float = 0.3) -> dict:
+    return {"stages": stages, "calls": calls, "log_correction": log_correction, "threshold": 0.0}
+
+
+def sample_error(count: int, expected: float) -> float:
+    return abs(math.log((count + 0.5) / (expected + 0.5)))
+
+
+def fit_and_apply(compressor: Scripted, record: dict, expected: float) -> tuple[float, float]:
+    return compressor._fit_and_apply(RAMP, record, expected, SampleCounts(RAMP))
+
+
+def test_sample_counts_are_strict_cached_and_recorded():
+    counts = SampleCounts(torch.tensor([1.0, 2.0, 2.0, 3.0], dtype=torch.float64))
+    assert [counts(t) for t in (0.5, 1.0, 2.0, 3.0)] == [4, 3, 1, 0]
+    ramp = SampleCounts(RAMP)
+    ramp.prefetch([1000.0 - c for c in (0, 1, 100, 999)])
+    assert [ramp(1000.0 - c) for c in (0, 1, 100, 999)] == [0, 1, 100, 999]
+    ramp.record(0.25, 7)  # a count the caller formed itself is taken as given
+    assert ramp(0.25) == 7
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 5, 7])
+def test_value_with_above_is_the_order_statistic_with_keep_elements_above(keep):
+    """With ties: 8 values, ``keep`` of them strictly above the returned one, known tails or not."""
+    sample = torch.tensor([5.0, 1.0, 3.0, 3.0, 2.0, 8.0, 3.0, 0.0], dtype=torch.float64)
+    expected = float(torch.sort(sample).values[sample.numel() - 1 - keep])
+    assert SampleCounts(sample).value_with_above(keep) == expected
+    known = SampleCounts(sample)
+    known.prefetch([0.5, 2.5, 4.0])  # tails of 7, 5 and 2 elements
+    assert known.value_with_above(keep) == expected
+
+
+def test_stage_candidates_every_count_first_then_neighbours_every_period():
+    compressor = SIDCoExponential(ratio=0.0625, stage_period=5)
+    assert compressor.max_stages == 4
+    assert list(compressor._stage_candidates(state(2, calls=0), 100.0)) == [1, 2, 3, 4]
+    assert list(compressor._stage_candidates(state(1, calls=10), 100.0)) == [1, 2]
+    assert list(compressor._stage_candidates(state(3, calls=5), 100.0)) == [2, 3, 4]
+    assert list(compressor._stage_candidates(state(4, calls=5), 100.0)) == [3, 4]
+    # between periods, below 4 expected sample exceedances, or with stages fixed: the current
+    assert list(compressor._stage_candidates(state(3, calls=7), 100.0)) == [3]
+    assert list(compressor._stage_candidates(state(3, calls=0), 3.9)) == [3]
+    assert list(compressor._stage_candidates(state(3, calls=0), 4.0)) == [1, 2, 3, 4]
+    fixed = SIDCoExponential(ratio=0.0625, stages=2)
+    assert list(fixed._stage_candidates(state(2, calls=0), 100.0)) == [2]
+
+
+def test_one_candidate_applies_the_correction_to_its_threshold():
+    compressor = Scripted({2: 400}, ratio=0.0625, stage_period=5)
+    record = state(stages=2, calls=7)
+    assert fit_and_apply(compressor, record, 100.0) == (
+        600.0,
+        pytest.approx(600.0 * math.exp(0.3), rel=1e-12),
+    )
+    assert compressor.evaluated == [(2,)] and record == state(stages=2, calls=7)
+
+
+def test_first_call_picks_the_best_stage_count_and_keeps_the_applied_threshold():
+    """Predicted counts 300, 150, 100, 104 for 100 expected: three stages win; the log
+    correction is re-based by ln(eta_2/eta_3), so the applied threshold stays eta_2 e^0.3."""
+    compressor = Scripted({1: 300, 2: 150, 3: 100, 4: 104}, ratio=0.0625)
+    record = state(stages=2, calls=0)
+    fitted, applied = fit_and_apply(compressor, record, 100.0)
+    assert compressor.evaluated == [(1, 2, 3, 4)]
+    assert (fitted, applied) == (900.0, pytest.approx(850.0 * math.exp(0.3), rel=1e-12))
+    assert record["stages"] == 3
+    assert record["log_correction"] == pytest.approx(0.3 + math.log(850.0 / 900.0), rel=1e-12)
+    assert applied == pytest.approx(fitted * math.exp(record["log_correction"]), rel=1e-12)
+
+
+def test_the_current_stage_count_stays_within_the_margin():
+    """Current two stages predict 104 (error 0.035), three stages 100 (error 0): within the
+    0.05 margin, so two stay and the correction is not re-based. At 110 (error 0.090) they go."""
+    assert sample_error(104, 100.0) < 0.05 < sample_error(110, 100.0)
+    record = state(stages=2, calls=0)
+    near = Scripted({1: 300, 2: 104, 3: 100, 4: 150}, ratio=0.0625)
+    assert fit_and_apply(near, record, 100.0) == (896.0, pytest.approx(896.0 * math.exp(0.3), rel=1e-12))
+    assert record == state(stages=2, calls=0)
+    far = Scripted({1: 300, 2: 110, 3: 100, 4: 150}, ratio=0.0625)
+    assert fit_and_apply(far, record, 100.0)[0] == 900.0
+    assert record["stages"] == 3
+
+
+def test_a_re_evaluation_changes_the_count_by_at_most_one():
+    """From three stages on call 10 (period 5) only 2..4 are fitted; of them four predict best."""
+    compressor = Scripted({2: 400, 3: 300, 4: 100}, ratio=0.0625, stage_period=5)
+    record = state(stages=3, calls=10)
+    assert fit_and_apply(compressor, record, 100.0)[0] == 900.0
+    assert compressor.evaluated == [(2, 3, 4)] and record["stages"] == 4
+
+
+@pytest.mark.parametrize(("counts", "best"), [({1: 1000, 2: 500}, 1), ({1: 100, 2: 1000}, 1)])
+def test_no_re_basing_when_either_threshold_is_zero(counts, best):
+    """A zero threshold (1000 predicted on RAMP) has no logarithm: the stage count changes,
+    the correction stays and applies to the new count's threshold."""
+    compressor = Scripted(counts, ratio=0.25, first_ratio=0.1)
+    assert compressor.max_stages == 2
+    record = state(stages=2, calls=0)
+    eta = 1000.0 - counts[best]
+    assert fit_and_apply(compressor, record, float(counts[best])) == (eta, pytest.approx(eta * math.exp(0.3)))
+    assert record == state(stages=best, calls=0)
+
+
+# --- the slope and the correction step --------------------------------------------------------
+
+#: 400 magnitudes at 1 and 100 at 2: around eta = 1 (+-10% in ln) the count falls from 500 to 100.
+STEP_SAMPLE = torch.cat([torch.ones(400, dtype=torch.float64), torch.full((100,), 2.0, dtype=torch.float64)])
+STEP_SLOPE = math.log(500.5 / 100.5) / 0.2
+
+
+def test_sample_slope_is_the_finite_difference_of_ln_count():
+    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 1.0) == pytest.approx(
+        STEP_SLOPE, rel=1e-12
+    )
+    # a flat count (nothing near eta) is floored at 0.5
+    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 10.0) == 0.5
+    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 1.5) == 0.5
+
+
+@pytest.mark.parametrize(("achieved", "k"), [(150, 100), (60, 100), (100, 100)])
+def test_correction_is_a_damped_newton_step_in_log_space(achieved, k):
+    compressor = SIDCoExponential(ratio=0.01)
+    step = 0.5 * math.log((achieved + 0.5) / (k + 0.5)) / STEP_SLOPE
+    assert abs(step) < 1
+    assert compressor._next_correction(SampleCounts(STEP_SAMPLE), 1.0, 0.8, achieved, k) == pytest.approx(
+        math.log(1.0 / 0.8) + step, rel=1e-12, abs=1e-15
+    )
+
+
+@pytest.mark.parametrize(
+    ("eta_fit", "achieved", "k", "expected"),
+    [
+        (0.8, 100, 10, math.log(10 / 0.8) + 1.0),  # step 0.5 ln(100.5/10.5) / 0.5 = 2.26: at most 1
+        (0.8, 0, 10, math.log(10 / 0.8) - 1.0),  # step -3.04: at least -1
+        (0.05, 100, 10, math.log(100.0)),  # ln(200) + 1: capped at ln(100)
+        (2000.0, 0, 10, -math.log(100.0)),  # ln(1/200) - 1: at least -ln(100)
+    ],
+)
+def test_correction_step_and_total_are_bounded(eta_fit, achieved, k, expected):
+    """At eta = 10 nothing of STEP_SAMPLE is near: the slope is its floor 0.5."""
+    compressor = SIDCoExponential(ratio=0.01)
+    assert compressor._next_correction(
+        SampleCounts(STEP_SAMPLE), 10.0, eta_fit, achieved, k
+    ) == pytest.approx(expected, rel=1e-12)
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+def test_load_state_dict_names_the_expected_layout_and_checks_stages():
+    compressor = gradsift.get_compressor("sidco-exp", ratio=0.01)
+    layout = "sidco-exp state must be {'keys': {key: {calls, log_correction, stages, threshold}}}, got"
+    for bad in ([("keys", {})], "keys", {"keys": [0]}, {"stages": 1}):
+        with pytest.raises(InvalidOptionError) as raised:
+            compressor.load_state_dict(bad)
+        assert str(raised.value).startswith(layout), raised.value
+    for stages in (0, -1, compressor.max_stages + 1):
+        with pytest.raises(InvalidOptionError, match="stages must lie in"):
+            compressor.load_state_dict({"keys": {0: state(stages=stages, calls=0)}})
+    compressor.load_state_dict({"keys": {0: state(stages=compressor.max_stages, calls=3)}})
+    assert compressor.state_dict() == {"keys": {0: state(stages=compressor.max_stages, calls=3)}}
