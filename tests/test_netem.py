@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,20 +161,59 @@ def test_cleanup_when_a_worker_is_killed_and_after_a_killed_launcher(tmp_path: P
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
-@needs_netem
-def test_sigterm_to_the_launcher_cleans_up(tmp_path: Path) -> None:
-    launcher = subprocess.Popen([sys.executable, "-m", "gradsift", "train", *TINY, "--steps", "100000",
-                                 "--bandwidth", "200mbit", "--out", str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+def _gone(pid: int) -> bool:
+    """The process no longer runs (exited, or a zombie waiting for its reaper)."""
     try:
-        wait_for(lambda: len([n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]) == 3,
-                 60, "the namespaces", launcher)  # fmt: skip
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@needs_netem
+@pytest.mark.parametrize("moment", ["network setup", "training"])
+def test_sigterm_to_the_launcher_cleans_up(tmp_path: Path, moment: str) -> None:
+    """SIGTERM exits with 143 and leaves no namespace and no worker behind, whether it
+    arrives while the network is still being built (its first namespace exists, the
+    ranks do not yet) or while both ranks train (the first step is written)."""
+    environment = dict(os.environ)
+    if moment == "network setup":
+        # every `ip` the launcher runs waits 0.3 s first: the build (a dozen commands)
+        # lasts seconds, so the signal lands inside it whatever the machine's load
+        shim = tmp_path / "bin"
+        shim.mkdir()
+        (shim / "ip").write_text(f'#!/bin/sh\nsleep 0.3\nexec {shutil.which("ip")} "$@"\n')
+        (shim / "ip").chmod(0o755)
+        environment["PATH"] = f"{shim}{os.pathsep}{environment['PATH']}"
+    launcher = subprocess.Popen([sys.executable, "-m", "gradsift", "train", *TINY, "--steps", "100000",
+                                 "--bandwidth", "200mbit", "--out", str(tmp_path / "run")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)  # fmt: skip
+
+    def mine() -> list[str]:
+        return [n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]
+
+    workers: list[int] = []
+    try:
+        if moment == "network setup":
+            wait_for(mine, 120, "the first namespace", launcher)
+            assert len(mine()) < 3 and rank_pid(launcher.pid, 0) is None, (
+                "the build was over before the signal"
+            )
+        else:
+            steps = tmp_path / "run" / "steps.jsonl"
+            wait_for(lambda: steps.exists() and steps.stat().st_size > 0, 120, "the first step", launcher)
+            workers = [wait_for(lambda r=r: rank_pid(launcher.pid, r), 10, f"rank {r}") for r in (0, 1)]
         launcher.send_signal(signal.SIGTERM)
-        launcher.communicate(timeout=60)
+        launcher.communicate(timeout=120)
     finally:
         launcher.kill()
-    assert launcher.returncode != 0
-    assert not [n for n in our_namespaces() if n.startswith(f"{netem.PREFIX}{launcher.pid}-")]
+        launcher.wait()
+        left = mine()
+        for name in left:  # a failing launcher's leftovers do not outlive the test
+            netem.delete_namespace(name)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert not left
+    for pid in workers:
+        wait_for(lambda pid=pid: _gone(pid), 10, f"worker {pid} to end")
 
 
 ECHO_SERVER = textwrap.dedent("""

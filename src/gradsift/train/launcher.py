@@ -289,7 +289,8 @@ def run_training(config: TrainConfig, *, launcher: str = "local", nodes: int | N
         return launch(config, Localhost())
     from gradsift.train.netem import EmulatedNetwork
 
-    with EmulatedNetwork(hosts, config.bandwidth_bps, config.latency_s) as network:
+    # SIGTERM while the network is being built unwinds through its cleanup too.
+    with _sigterm_as_exit(), EmulatedNetwork(hosts, config.bandwidth_bps, config.latency_s) as network:
         config_path = _prepare(config)
         if launcher == "local":
             specs = rank_processes(config, network, config_path)

@@ -199,8 +199,8 @@ class EmulatedNetwork:
         self.close()
 
     def _add_namespace(self, name: str) -> None:
+        self._created.append(name)  # first: an exit right after the add still deletes it
         _run("ip", "netns", "add", name)
-        self._created.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _build(self) -> None:
