@@ -183,10 +183,10 @@ def plot(rows: list[dict], path: Path) -> None:
     for label in sorted({r["label"] for r in rows}):
         series = sorted((r for r in rows if r["label"] == label), key=lambda r: r["workers"])
         workers = [r["workers"] for r in series]
-        line = axis.plot(
-            workers, [r["communicate_s"] * 1e3 for r in series], "o-", label=f"{label} measured"
-        )[0]
-        axis.plot(workers, [r["predicted_communicate_calibrated_s"] * 1e3 for r in series], "x--",
+        measured = [r for r in series if r["link_s"] is not None and r["link_s"] > 0]
+        line = axis.plot([r["workers"] for r in measured], [r["link_s"] * 1e3 for r in measured], "o-",
+                         label=f"{label} measured")[0]  # fmt: skip
+        axis.plot(workers, [r["predicted_link_calibrated_s"] * 1e3 for r in series], "x--",
                   color=line.get_color(), label=f"{label} model")  # fmt: skip
     axis.set(xscale="log", yscale="log", xlabel="workers (100 Mbit/s each)", ylabel="link time per step (ms)",
              title="mlp-wide: step minus localhost step, vs calibrated cost model")  # fmt: skip
