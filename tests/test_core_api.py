@@ -106,7 +106,7 @@ def test_dense_casts_average_and_count_bytes(name, wire):
     assert all(p.values.dtype == wire and p.nbytes == 100 * wire.itemsize for p in ps)
     expected = sum(x.to(wire).float() for x in xs) / 3
     torch.testing.assert_close(c.decompress(ps, 100), expected)
-    assert c.allreduce_compatible and not c.error_feedback
+    assert c.exchanges == ("allreduce",) and not c.error_feedback
 
 
 def test_error_feedback_conservation_is_bit_exact():

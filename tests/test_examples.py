@@ -65,7 +65,7 @@ def assert_same_tensors(a: Any, b: Any, where: str = "") -> None:
 
 def residuals(hooks: dict[str, Any]) -> list[dict[Any, torch.Tensor]]:
     """Per-rank residuals from the ``gather_hook_states`` dict of a checkpoint."""
-    return [rank["feedback"]["residuals"] for rank in hooks["ranks"]]
+    return [rank["store"]["tables"]["residual"] for rank in hooks["ranks"]]
 
 
 def assert_compressed_run(summary: dict[str, Any], steps: int) -> None:

@@ -122,8 +122,8 @@ def test_lightning_pair_fits_lightnings_registration(one_process_group: None) ->
     assert saved["world_size"] == 1
     restored = GradsiftCallback("topk", ratio=0.1)
     restored.load_state_dict(saved)
-    before = saved["ranks"][0]["feedback"]["residuals"]
-    after = restored.state.state_dict()["feedback"]["residuals"]
+    before = saved["ranks"][0]["store"]["tables"]["residual"]
+    after = restored.state.state_dict()["store"]["tables"]["residual"]
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert any(bool(t.abs().sum() > 0) for t in before.values())
     with pytest.raises(InvalidOptionError, match="world_size=1"):

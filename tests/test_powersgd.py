@@ -37,7 +37,7 @@ def test_bad_options_name_the_argument(options, message):
 def test_start_iter_may_be_zero_without_error_feedback_and_warm_start():
     compressor = gradsift.get_compressor("powersgd", start_iter=0, use_error_feedback=False, warm_start=False)
     assert compressor.options()["start_iter"] == 0
-    assert compressor.allreduce_compatible and not compressor.error_feedback
+    assert compressor.exchanges == ("delegated",) and not compressor.error_feedback
 
 
 def test_single_tensor_use_points_to_the_comm_hook():
@@ -66,11 +66,10 @@ def _train(ddp: DistributedDataParallel, rank: int, steps: range, record=None) -
             record(step)
 
 
-def _hooked(compressor, model: torch.nn.Module) -> DistributedDataParallel:
+def _hooked(model: torch.nn.Module, **options) -> tuple[DistributedDataParallel, object]:
     # One bucket holding every parameter, so the bucket index (0) is stable.
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
-    ddp.register_comm_hook(None, lambda group, bucket: compressor.ddp_hook(group, bucket))
-    return ddp
+    return ddp, gradsift.register_comm_hook(ddp, "powersgd", rank=1, start_iter=START, **options)
 
 
 def _checkpoint_roundtrip(state: dict) -> dict:
@@ -81,48 +80,44 @@ def _checkpoint_roundtrip(state: dict) -> dict:
 
 
 def powersgd_worker(rank: int, world_size: int) -> dict:
-    """Worker (run by ``run_workers``): our wrapper, PyTorch's hook, a resume, a refused checkpoint."""
-    compressor = gradsift.get_compressor("powersgd", rank=1, start_iter=START)
-    ours = _hooked(compressor, _model())
+    """Worker (run by ``run_workers``): gradsift's hook, PyTorch's hook, a resume, a refused checkpoint."""
+    ours, state = _hooked(_model())
     nbytes, checkpoint = [], {}
 
     def record(step):
-        nbytes.append(compressor.sent_nbytes[0])
+        nbytes.append(state.stats()["step"]["bytes_sent"])
         if step == STEPS - 1 - STEPS // 2:
             checkpoint["model"] = copy.deepcopy(ours.module.state_dict())
-            checkpoint["powersgd"] = _checkpoint_roundtrip(compressor.state_dict())
+            checkpoint["hook"] = _checkpoint_roundtrip(state.state_dict())
             # The uninterrupted run takes the same dense step after a load as a resumed one.
-            compressor.load_state_dict(compressor.state_dict())
+            state.load_state_dict(state.state_dict())
 
     _train(ours, rank, range(STEPS), record)
 
-    reference_model = _model()
-    reference = DistributedDataParallel(reference_model, bucket_cap_mb=25)
+    reference = DistributedDataParallel(_model(), bucket_cap_mb=25)
     reference.register_comm_hook(
         PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=START), powerSGD_hook
     )
     _train(reference, rank, range(STEPS - STEPS // 2))
-    baseline = _hooked(gradsift.get_compressor("powersgd", rank=1, start_iter=START), _model())
+    baseline, _ = _hooked(_model())
     _train(baseline, rank, range(STEPS - STEPS // 2))
 
-    resumed_compressor = gradsift.get_compressor("powersgd", rank=1, start_iter=START)
-    resumed_compressor.load_state_dict(checkpoint["powersgd"])
     resumed_model = _model()
     resumed_model.load_state_dict(checkpoint["model"])
-    resumed = _hooked(resumed_compressor, resumed_model)
+    resumed, resumed_state = _hooked(resumed_model)
+    resumed_state.load_state_dict(checkpoint["hook"])
     resumed_nbytes = []
     _train(
         resumed,
         rank,
         range(STEPS - STEPS // 2, STEPS),
-        lambda step: resumed_nbytes.append(resumed_compressor.sent_nbytes[0]),
+        lambda step: resumed_nbytes.append(resumed_state.stats()["step"]["bytes_sent"]),
     )
 
     # A checkpoint loaded into a model whose bucket holds other shapes is refused.
-    mismatched_compressor = gradsift.get_compressor("powersgd", rank=1, start_iter=START)
-    mismatched_compressor.load_state_dict(checkpoint["powersgd"])
     wider = torch.nn.Sequential(torch.nn.Linear(32, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1, bias=False))
-    mismatched = _hooked(mismatched_compressor, wider)
+    mismatched, mismatched_state = _hooked(wider, error_feedback=False)
+    mismatched_state.compressor.load_state_dict(checkpoint["hook"]["compressor"])
     try:
         _train(mismatched, rank, range(2))
         refusal = ""
@@ -136,7 +131,8 @@ def powersgd_worker(rank: int, world_size: int) -> dict:
         "resumed": [p.detach().clone() for p in resumed.parameters()],
         "nbytes": nbytes,
         "resumed_nbytes": resumed_nbytes,
-        "state": compressor.state_dict(),
+        "state": state.compressor.state_dict(),
+        "residual_keys": list(state.store.table("residual")),
         "refusal": refusal,
     }
 
@@ -149,7 +145,8 @@ def test_two_gloo_ranks_match_pytorch_hook_and_resume():
     results = run_workers(Path(__file__), "powersgd_worker", WORLD, timeout=120)
     dense, compressed = (32 * 16 + 16 + 16) * 4, (16 + 32 + 16 + 16) * 4
     for result in results:
-        # The wrapper is PyTorch's algorithm: bit-identical parameters to its own hook.
+        # PyTorch's algorithm, with its error feedback in gradsift's store: bit-identical
+        # parameters to PyTorch's own hook.
         for ours, reference in zip(result["baseline"], result["reference"], strict=True):
             assert torch.equal(ours, reference)
         # A checkpoint taken mid-run resumes, in a fresh DDP model, to the same parameters.
@@ -162,7 +159,8 @@ def test_two_gloo_ranks_match_pytorch_hook_and_resume():
         )
         assert result["resumed_nbytes"] == [dense] + [compressed] * (STEPS // 2 - 1)
         assert result["state"]["iter"] == STEPS
-        assert set(result["state"]["error_dict"]) == {0}
+        assert result["state"]["error_dict"] == {}  # the error lives in gradsift's store:
+        assert result["residual_keys"] == [(0, 1, 2)]  # one bucket, keyed by its parameters
         assert result["state"]["layouts"] == {0: [[1, 16], [16], [16, 32]]}
         assert "bucket 0 holds parameters of shapes [[1, 17], [17], [17, 32]]" in result["refusal"]
     # Every rank holds the same parameters.

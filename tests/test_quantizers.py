@@ -139,7 +139,7 @@ def test_signsgd_sends_signs_and_mean_magnitude():
 def test_error_feedback_flags():
     flags = {n: gradsift.get_compressor(n).error_feedback for n in QUANTIZERS}
     assert flags == {"qsgd": False, "terngrad": False, "signsgd": False, "efsignsgd": True}
-    assert not any(gradsift.get_compressor(n).allreduce_compatible for n in QUANTIZERS)
+    assert all(gradsift.get_compressor(n).exchanges == ("allgather",) for n in QUANTIZERS)
 
 
 def test_efsignsgd_conservation_law_over_steps():

@@ -250,7 +250,7 @@ def test_randomk_payload_is_allreduce_ready():
     assert p.indices.dtype == torch.int64  # drawn as int32, handed out as int64 (index_fill_ needs it)
     assert list(p.fields()) == ["values"]
     assert p.nbytes == 50 * 4  # k fp32 values, no indices, no header
-    assert gradsift.get_compressor("randomk").allreduce_compatible
+    assert gradsift.get_compressor("randomk").exchanges == ("allreduce",)
     # What the hook does: allreduce the values, divide by W, scatter at the local indices.
     reduced = SharedIndexPayload(
         numel=1000, dtype=torch.float32, values=sum(q.values for q in payloads) / 3, indices=p.indices

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gradsift
-from gradsift import wire
+from gradsift.exchanges import wire
 from gradsift.compressors import Payload
 
 
@@ -65,12 +65,59 @@ def test_decode_rejects_length_that_does_not_add_up():
 def test_decode_rejects_index_out_of_range():
     header, data, parts = message()
     data["indices"] = data["indices"].clone()
-    data["indices"][0] = 100
-    with pytest.raises(gradsift.WireFormatError, match=r"indices must lie in \[0, 100\)"):
+    data["indices"][-1] = 100
+    with pytest.raises(
+        gradsift.WireFormatError, match=r"indices must lie in \[0, 100\), got range \[\d+, 100\]"
+    ):
         wire.decode(header, data, parts)
+    data["indices"][-1] = 99
     data["indices"][0] = -1
-    with pytest.raises(gradsift.WireFormatError, match="indices must lie"):
+    with pytest.raises(
+        gradsift.WireFormatError, match=r"indices must lie in \[0, 100\), got range \[-1, 99\]"
+    ):
         wire.decode(header, data, parts)
+
+
+def test_decode_rejects_repeated_and_unsorted_indices():
+    header, data, parts = message()
+    repeated = data["indices"].clone()
+    repeated[1] = repeated[0]  # one worker's value would be added twice
+    with pytest.raises(gradsift.WireFormatError, match="indices must increase strictly"):
+        wire.decode(header, {**data, "indices": repeated}, parts)
+    with pytest.raises(gradsift.WireFormatError, match="indices must increase strictly"):
+        wire.decode(header, {**data, "indices": data["indices"].flip(0)}, parts)
+
+
+def test_to_wire_sorts_indices_with_their_values_and_narrows_them():
+    payload = gradsift.Payload(
+        numel=10, dtype=torch.float32, values=torch.tensor([3.0, 1.0, 2.0]), indices=torch.tensor([7, 1, 4])
+    )
+    sent = wire.to_wire(payload, torch.bfloat16)
+    assert sent.indices.tolist() == [1, 4, 7] and sent.indices.dtype == torch.int32
+    assert sent.values.tolist() == [1.0, 2.0, 3.0] and sent.values.dtype == torch.bfloat16
+    assert payload.indices.tolist() == [7, 1, 4]  # the local payload is not modified
+    ordered = gradsift.Payload(
+        numel=10, dtype=torch.float32, values=torch.ones(2), indices=torch.tensor([2, 5])
+    )
+    assert wire.to_wire(ordered).values is ordered.values  # nothing to change: no copy
+
+
+def test_decode_splits_a_multi_part_message_and_rejects_a_part_boundary_shift():
+    first = gradsift.Payload(
+        numel=8, dtype=torch.float32, values=torch.tensor([1.0, 2.0]), indices=torch.tensor([0, 5])
+    )
+    second = gradsift.Payload(
+        numel=4, dtype=torch.float32, values=torch.tensor([3.0]), indices=torch.tensor([3])
+    )
+    parts = [wire.to_wire(first), wire.to_wire(second)]
+    header, data = wire.header(parts), wire.concat_fields(parts)
+    assert header == [2, 2, 1, 1]
+    decoded = wire.decode(header, data, parts)
+    assert decoded[0].indices.tolist() == [0, 5] and decoded[1].indices.tolist() == [3]
+    assert decoded[1].values.tolist() == [3.0]
+    # The same data with the boundary moved: the second part would get indices [5, 3].
+    with pytest.raises(gradsift.WireFormatError, match=r"part 1: indices must increase strictly"):
+        wire.decode([1, 1, 2, 2], data, parts)
 
 
 def test_decode_rejects_wrong_dtype_and_shape():
@@ -111,17 +158,31 @@ def test_headers_flag_nonfinite_and_reject_negative_lengths():
 
 
 def test_register_comm_hook_rejects_non_ddp_and_bad_options():
-    from gradsift.ddp import GradsiftHookState
+    from gradsift.ddp import GradsiftHookState, HookOptions
 
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk")
-    topk = gradsift.get_compressor("topk")
     for option, value, match in [
         ("granularity", "tensor", "granularity must be one of bucket, layer"),
         ("min_numel", -1, "min_numel must lie in"),
         ("warmup_steps", 1.5, "warmup_steps must be an integer"),
-        ("nonfinite", "ignore", "nonfinite must be one of raise, skip"),
+        ("nonfinite", "ignore", "nonfinite must be one of propagate, skip, raise"),
         ("momentum", 1.0, "momentum must lie in"),
+        ("momentum_masking", 1, "momentum_masking must be True or False"),
+        ("clip_norm", 0.0, "clip_norm must lie in"),
+        ("density_warmup_start", 1.5, "density_warmup_start must lie in"),
+        ("exchange", "carrier-pigeon", "exchange must be one of auto, allreduce, allgather"),
+        ("value_dtype", "int8", "value_dtype must be one of"),
     ]:
         with pytest.raises(ValueError, match=match):
-            GradsiftHookState(None, topk, **{option: value})
+            HookOptions(**{option: value})
+        with pytest.raises(ValueError, match=match):
+            GradsiftHookState.build("topk", **{option: value})
+    with pytest.raises(ValueError, match="cannot travel by exchange 'allreduce'; it supports: allgather"):
+        GradsiftHookState.build("topk", exchange="allreduce")
+    with pytest.raises(ValueError, match="granularity='bucket'"):
+        GradsiftHookState.build("powersgd", granularity="layer")
+    with pytest.raises(ValueError, match="density_warmup_steps needs a sparsifier"):
+        GradsiftHookState.build("qsgd", density_warmup_steps=10)
+    with pytest.raises(ValueError, match="no option.*bogus"):
+        GradsiftHookState.build("topk", bogus=1)

@@ -4,15 +4,19 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
 
 1. ``compensate``: ``c = g + r``. With DGC's *momentum correction* (``momentum = m > 0``)
    the worker instead keeps a velocity ``u`` and accumulates it:
-   ``u <- m*u + g``, ``c = r + u`` -- the optimizer then must run *without* momentum.
-2. the compressor encodes ``c``; ``s`` is the dense tensor its payload stands for.
-3. ``update``: ``r <- c - s``. For a sparsifier this is ``c`` with the sent positions
-   set to zero, so ``c == s + r`` holds bit for bit (every element is in exactly one
-   of the two). With momentum correction the velocity is masked too
+   ``u <- m*u + g``, ``c = r + u`` -- the optimizer then must run *without* momentum
+   (the DDP hook's ``optimizer=`` option arranges that).
+2. the compressor encodes ``c`` and the exchange delivers it; ``s`` is the dense tensor
+   that this worker's contribution stands for.
+3. ``update``: ``r <- c - s``. For a sparse contribution this is ``c`` with the sent
+   positions set to zero, so ``c == s + r`` holds bit for bit (every element is in
+   exactly one of the two). With momentum correction the velocity is masked too
    (``u[sent] = 0``, DGC's momentum factor masking), unless ``momentum_masking=False``.
 
-State lives in the instance, one entry per key, and round-trips through
-``state_dict()`` / ``load_state_dict()``.
+State lives in a :class:`gradsift.state.TensorStore` (tables ``"residual"`` and
+``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
+step a transaction and follows DDP's bucket rebuilds. ``compensate`` and ``update`` put
+new tensors and never modify a stored one, so a rolled-back step costs nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError
+from gradsift.state import TensorStore
 from gradsift.validation import check_real
+
+RESIDUAL, VELOCITY = "residual", "velocity"
 
 
 class ErrorFeedback:
@@ -33,53 +40,75 @@ class ErrorFeedback:
     Args:
         momentum: DGC momentum-correction factor ``m`` in [0, 1); 0 disables it.
         momentum_masking: zero the velocity where elements were sent (DGC).
+        store: where the state lives; None = a store of this instance's own.
     """
 
-    def __init__(self, momentum: float = 0.0, momentum_masking: bool = True) -> None:
+    def __init__(
+        self, momentum: float = 0.0, momentum_masking: bool = True, store: TensorStore | None = None
+    ) -> None:
         self.momentum = check_real(momentum, "momentum", low=0.0, high=1.0, high_open=True)
         self.momentum_masking = bool(momentum_masking)
-        self.residuals: dict[Hashable, torch.Tensor] = {}
-        self.velocities: dict[Hashable, torch.Tensor] = {}
+        self.store = TensorStore() if store is None else store
+
+    @property
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        """The residual per key (a snapshot dict)."""
+        return self.store.table(RESIDUAL)
+
+    @property
+    def velocities(self) -> dict[Hashable, torch.Tensor]:
+        """The DGC velocity per key (a snapshot dict; empty without momentum correction)."""
+        return self.store.table(VELOCITY)
 
     def compensate(self, key: Hashable, gradient: torch.Tensor) -> torch.Tensor:
         """Return the compensated gradient ``c`` (a new tensor; ``gradient`` is not modified)."""
         flat = gradient.reshape(-1)
         if self.momentum > 0:
-            velocity = self.velocities.get(key)
-            velocity = flat.clone() if velocity is None else velocity.mul_(self.momentum).add_(flat)
-            self.velocities[key] = velocity
+            velocity = self.store.get(VELOCITY, key)
+            self._check_like(key, velocity, flat)
+            velocity = flat.clone() if velocity is None else torch.add(flat, velocity, alpha=self.momentum)
+            self.store.put(VELOCITY, key, velocity)
             flat = velocity
-        residual = self.residuals.get(key)
-        if residual is None:
-            return flat.clone()
-        if residual.shape != flat.shape or residual.dtype != flat.dtype:
-            raise InvalidOptionError(
-                f"tensor {key!r} changed from {tuple(residual.shape)}/{residual.dtype} to "
-                f"{tuple(flat.shape)}/{flat.dtype}; call reset({key!r}) when a bucket is rebuilt"
-            )
-        return residual + flat
+        residual = self.store.get(RESIDUAL, key)
+        self._check_like(key, residual, flat)
+        return flat.clone() if residual is None else residual + flat
 
     def update(
-        self, key: Hashable, compensated: torch.Tensor, payload: Payload, compressor: Compressor
+        self,
+        key: Hashable,
+        compensated: torch.Tensor,
+        sent: Payload | torch.Tensor,
+        compressor: Compressor | None = None,
     ) -> None:
-        """Keep what was not sent: ``r <- c - s`` (exactly ``c`` with sent positions zeroed for sparsifiers)."""
-        if payload.indices is not None:
+        """Keep what was not sent: ``r <- c - s``.
+
+        ``sent`` is what this worker's contribution stands for: a payload with
+        ``indices`` (the sent positions are zeroed in ``compensated``, which is
+        consumed), another payload (decoded with ``compressor.sent_dense``), or a dense
+        tensor.
+        """
+        indices = sent.indices if isinstance(sent, Payload) else None
+        if indices is not None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
-            residual.index_fill_(0, payload.indices, 0)
+            residual.index_fill_(0, indices, 0)
             if self.momentum > 0 and self.momentum_masking:
-                self.velocities[key].index_fill_(0, payload.indices, 0)
+                velocity = self.store.get(VELOCITY, key)
+                if velocity is not None:  # the velocity compensate() put this step: ours to modify
+                    velocity.index_fill_(0, indices, 0)
+        elif isinstance(sent, torch.Tensor):
+            residual = compensated - sent.reshape(-1).to(compensated.dtype)
         else:
-            residual = compensated - compressor.sent_dense(payload).to(compensated.dtype)
-        self.residuals[key] = residual
+            if compressor is None:
+                raise InvalidOptionError("update() needs the compressor to decode a payload without indices")
+            residual = compensated - compressor.sent_dense(sent).to(compensated.dtype)
+        self.store.put(RESIDUAL, key, residual)
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the state of one key, or of every key."""
-        if key is None:
-            self.residuals.clear()
-            self.velocities.clear()
-        else:
-            self.residuals.pop(key, None)
-            self.velocities.pop(key, None)
+        tables = (RESIDUAL, VELOCITY)
+        keys = {k for table in tables for k in self.store.table(table)} if key is None else {key}
+        for stale in keys:
+            self.store.discard(stale, tables)
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals and velocities by key (tensors are cloned)."""
@@ -95,5 +124,15 @@ class ErrorFeedback:
             raise InvalidOptionError(
                 f"checkpoint was made with momentum={state['momentum']}, this feedback has {self.momentum}"
             )
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
-        self.velocities = {k: v.clone() for k, v in state["velocities"].items()}
+        self.reset()
+        for table, name in ((RESIDUAL, "residuals"), (VELOCITY, "velocities")):
+            for key, tensor in state[name].items():
+                self.store.put(table, key, tensor.clone())
+
+    @staticmethod
+    def _check_like(key: Hashable, stored: torch.Tensor | None, flat: torch.Tensor) -> None:
+        if stored is not None and (stored.shape != flat.shape or stored.dtype != flat.dtype):
+            raise InvalidOptionError(
+                f"tensor {key!r} changed from {tuple(stored.shape)}/{stored.dtype} to "
+                f"{tuple(flat.shape)}/{flat.dtype}; call reset({key!r}) when a bucket is rebuilt"
+            )

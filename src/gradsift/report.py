@@ -94,15 +94,15 @@ def predicted_step_seconds(summary: dict[str, Any], bandwidth: float, workers: i
 
     ``T = T_c + T_s + T_comm`` with ``T_c`` the compute median, ``T_s`` the compress +
     decompress medians and ``T_comm`` a ring allreduce of the message for
-    allreduce-compatible methods (``none``, ``bf16``, ...) or a ring allgather of it
-    otherwise (sparsifiers, VGC).
+    methods whose default exchange is an allreduce (``none``, ``bf16``, ``randomk``,
+    ``powersgd``) or a ring allgather of it otherwise (sparsifiers, VGC, quantizers).
     """
     from gradsift.compressors.registry import compressor_class
     from gradsift.costmodel import allgather_seconds, ring_allreduce_seconds
 
     workers = workers or summary["workers"]
     message = summary["bytes_sent_per_step"]
-    if compressor_class(summary["compressor"]).allreduce_compatible:
+    if compressor_class(summary["compressor"]).exchanges[0] in ("allreduce", "delegated"):
         communicate = ring_allreduce_seconds(message, workers, bandwidth, latency)
     else:
         communicate = allgather_seconds(message, workers, bandwidth, latency)

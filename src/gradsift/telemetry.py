@@ -26,11 +26,15 @@ class BucketRecord:
     ``bytes_sent`` is the message the worker hands to the collectives (data plus
     headers, exactly ``sum(to_wire(p).nbytes)`` for allgathered payloads);
     ``bytes_padded`` adds the padding the allgather sends to match the longest
-    worker; ``dense_bytes`` is the uncompressed gradient in its own dtype.
+    worker; ``bytes_received`` is what arrives at this worker's network interface
+    under the bandwidth-optimal algorithm of each collective (each exchange's
+    docstring gives its formula); ``dense_bytes`` is the uncompressed gradient in its
+    own dtype.
     """
 
     bytes_sent: int = 0
     bytes_padded: int = 0
+    bytes_received: int = 0
     dense_bytes: int = 0
     elements_sent: int = 0
     elements: int = 0
@@ -40,6 +44,12 @@ class BucketRecord:
     communicate_ms: float = 0.0
     decompress_ms: float = 0.0
     nonfinite: bool = False
+
+    def add_bytes(self, *, sent: int, padded: int, received: int) -> None:
+        """Count one message: its bytes, with padding, and the bytes received for it."""
+        self.bytes_sent += sent
+        self.bytes_padded += padded
+        self.bytes_received += received
 
 
 _SUMMED = [f.name for f in fields(BucketRecord) if f.name != "nonfinite"]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsift.errors import InvalidOptionError
+from gradsift.state import TensorStore
 from gradsift.validation import as_flat_gradient, check_ratio
 
 #: Bytes of the length header the wire format sends for every variable-size field.
@@ -92,9 +93,11 @@ class Compressor(abc.ABC):
     Subclasses set ``name`` and implement :meth:`compress` and :meth:`decompress`.
 
     Class attributes describe how the method is used, not state:
-        allreduce_compatible: payloads of all workers have the same layout and can be
-            summed element-wise (dense casts, seeded random-k), so a plain allreduce
-            replaces the allgather.
+        exchanges: the exchanges (:mod:`gradsift.exchanges`) its payloads can travel
+            by, its default first: ``"allgather"`` for payloads whose size or positions
+            differ between workers, ``"allreduce"`` for payloads every worker lays out
+            alike (dense casts, seeded random-k: summed element-wise), ``"delegated"``
+            for a method that runs its own collectives (PowerSGD).
         error_feedback: whether the method is meant to run with error feedback
             (biased compressors); the DDP hook wraps it with
             :class:`gradsift.feedback.ErrorFeedback` when True.
@@ -108,8 +111,8 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str]
-    allreduce_compatible: ClassVar[bool] = False
-    error_feedback: ClassVar[bool] = True
+    exchanges: ClassVar[tuple[str, ...]] = ("allgather",)
+    error_feedback: bool = True  # a class default an instance may override (PowerSGD)
     needs_parameters: ClassVar[bool] = False
     identity: ClassVar[bool] = False
 
@@ -152,6 +155,39 @@ class Compressor(abc.ABC):
         """Restore what :meth:`state_dict` returned."""
         if state:
             raise InvalidOptionError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    def snapshot(self) -> dict[str, Any]:
+        r"""The state to return to if the step now starting is dropped (default: ``state_dict()``).
+
+        The DDP hook takes one at the start of every step and :meth:`restore`\ s it when
+        the step is dropped (a non-finite gradient on some rank), so it must be cheap:
+        per-tensor state of the size of a gradient belongs in the shared
+        :class:`~gradsift.state.TensorStore` (:attr:`store`), which rolls back for free.
+        """
+        return self.state_dict()
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return to a :meth:`snapshot` (default: ``load_state_dict``)."""
+        self.load_state_dict(snapshot)
+
+    @property
+    def store(self) -> TensorStore:
+        """Where per-tensor state of gradient size lives: the DDP hook's shared store once
+        :meth:`bind_store` was called, else a store of this instance's own."""
+        store = self.__dict__.get("_store")
+        if store is None:
+            store = self.__dict__["_store"] = TensorStore()
+        return store
+
+    def bind_store(self, store: TensorStore) -> None:
+        """Keep per-tensor state in ``store`` (the DDP hook's, which checkpoints and rolls it back)."""
+        self.__dict__["_store"] = store
+        self.__dict__["_store_shared"] = True
+
+    @property
+    def owns_store(self) -> bool:
+        """True until :meth:`bind_store`: the store's content is then part of :meth:`state_dict`."""
+        return not self.__dict__.get("_store_shared", False)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())

@@ -23,7 +23,7 @@ class DenseCast(Compressor):
     by the number of workers.
     """
 
-    allreduce_compatible = True
+    exchanges = ("allreduce",)
     error_feedback = False
     wire_dtype: ClassVar[torch.dtype | None] = None
 

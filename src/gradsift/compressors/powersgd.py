@@ -5,19 +5,23 @@ PyTorch ships the algorithm as ``torch.distributed.algorithms.ddp_comm_hooks.pow
 square matrix). This module does not reimplement it: :class:`PowerSGD` owns one
 ``PowerSGDState`` and hands it, with each bucket, to PyTorch's hook.
 
-Per bucket and step, PyTorch's per-layer hook (after ``start_iter`` plain allreduces):
+Per bucket and step (after ``start_iter`` plain allreduces):
 
-1. adds the local error ``e`` to the bucket (error feedback) and keeps a copy ``c``;
-2. views each gradient as a matrix ``M`` (``shape[0] x rest``) and compresses it when
-   ``(n + m) r * min_compression_rate < n m``; the others are allreduced as they are;
+1. gradsift's error feedback adds the local error ``e`` to the bucket: ``c = g + e``;
+2. PyTorch's hook views each gradient as a matrix ``M`` (``shape[0] x rest``) and
+   compresses it when ``(n + m) r * min_compression_rate < n m``; the others are
+   allreduced as they are;
 3. ``P = M Q`` (``Q`` random and orthogonalised at first, then warm-started),
    allreduce ``P``, orthogonalise it; ``Q = M^T P``, allreduce ``Q`` and divide by W;
-4. writes ``P Q^T`` back and keeps ``e = c - P Q^T``.
+4. writes the mean ``P Q^T`` back; error feedback keeps ``e = c - P Q^T``.
 
-Because communication happens *between* the two matrix products, PowerSGD has no
-``compress``/``decompress`` of one flat tensor: it only runs through
-``gradsift.register_comm_hook(ddp_model, "powersgd", ...)``, whose hook delegates to
-:meth:`PowerSGD.ddp_hook`.
+Steps 1 and 4 are PyTorch's own error feedback, moved into gradsift's state store
+(PyTorch's ``PowerSGDState`` runs with ``use_error_feedback=False``), so that the
+error follows DDP's bucket rebuilds, checkpoints with the hook, and is rolled back with
+every other state when a step is dropped. Because communication happens *between*
+the two matrix products, PowerSGD has no ``compress``/``decompress`` of one flat
+tensor: it only runs through ``gradsift.register_comm_hook(ddp_model, "powersgd", ...)``,
+whose ``delegated`` exchange calls :meth:`PowerSGD.ddp_hook`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class PowerSGD(Compressor):
         min_compression_rate: compress a layer only if it shrinks by more than this, > 0;
             default 2.
         use_error_feedback: keep the local error (PowerSGD is biased); default True.
-            PyTorch keeps it in its state, so gradsift's own error feedback is off.
+            It lives in gradsift's error feedback (the hook's state store).
         warm_start: reuse last step's ``Q``; default True.
         orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0; default 0.
         seed: seed of the NumPy generator that draws the initial ``Q`` (same on every rank).
@@ -63,8 +67,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
-    allreduce_compatible = True
-    error_feedback = False
+    exchanges = ("delegated",)
 
     def __init__(
         self,
@@ -79,6 +82,7 @@ class PowerSGD(Compressor):
     ) -> None:
         self.rank = check_int(rank, "rank", low=1)
         self.use_error_feedback = check_bool(use_error_feedback, "use_error_feedback")
+        self.error_feedback = self.use_error_feedback  # gradsift's, in place of PyTorch's
         self.warm_start = check_bool(warm_start, "warm_start")
         lowest_start = 2 if (self.use_error_feedback or self.warm_start) else 0
         self.start_iter = check_int(start_iter, "start_iter", low=lowest_start)
@@ -95,7 +99,7 @@ class PowerSGD(Compressor):
             matrix_approximation_rank=self.rank,
             start_powerSGD_iter=self.start_iter,
             min_compression_rate=self.min_compression_rate,
-            use_error_feedback=self.use_error_feedback,
+            use_error_feedback=False,
             warm_start=self.warm_start,
             orthogonalization_epsilon=self.orthogonalization_epsilon,
             random_seed=self.seed,
@@ -118,10 +122,14 @@ class PowerSGD(Compressor):
             "batched": self.batched,
         }
 
+    def will_compress(self, bucket: dist.GradBucket) -> bool:
+        """Whether the next :meth:`ddp_hook` call on ``bucket`` compresses (not a dense step)."""
+        return not self.dense_step_pending and self.state.iter >= self.state.start_powerSGD_iter
+
     def ddp_hook(
         self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
     ) -> torch.futures.Future:
-        """Run PyTorch's PowerSGD hook on ``bucket`` (the contract of :mod:`gradsift.ddp`).
+        """Run PyTorch's PowerSGD hook on ``bucket`` (the ``delegated`` exchange's contract).
 
         The first step after :meth:`load_state_dict` is a plain allreduce that leaves
         the memory untouched: a fresh DDP model uses its initial bucket layout for one
@@ -161,11 +169,11 @@ class PowerSGD(Compressor):
         index = bucket.index()
         layout = [list(g.shape) for g in bucket.gradients()]
         remembered = self.layouts.get(index)
-        has_memory = index in self.state.error_dict or index in self.state.p_memory_dict
+        has_memory = index in self.state.p_memory_dict
         if has_memory and remembered is not None and remembered != layout:
             raise InvalidOptionError(
                 f"DDP bucket {index} holds parameters of shapes {layout}, but its PowerSGD memory "
-                f"(error feedback, warm start) was made for {remembered}: load a checkpoint of this model"
+                f"(warm start) was made for {remembered}: load a checkpoint of this model"
             )
         self.layouts[index] = layout
 
@@ -175,8 +183,19 @@ class PowerSGD(Compressor):
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         raise _hook_only()
 
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict` plus the pending dense step (a rollback must not add one)."""
+        return {"state": self.state_dict(), "dense_step_pending": self.dense_step_pending}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.load_state_dict(snapshot["state"])
+        self.dense_step_pending = snapshot["dense_step_pending"]
+
     def state_dict(self) -> dict[str, Any]:
-        """Step count, byte counters, local errors, P/Q memories (warm start), their layouts, the RNG."""
+        """Step count, byte counters, P/Q memories (warm start), their layouts, the RNG.
+
+        ``error_dict`` stays empty (the error lives in gradsift's error feedback); it is
+        kept in the dict so that checkpoints keep one shape."""
         _, keys, position, has_gauss, cached_gaussian = self.state.rng.get_state()
         state: dict[str, Any] = {name: int(getattr(self.state, name)) for name in _STATE_COUNTERS}
         for name in _STATE_TENSOR_DICTS:

@@ -8,7 +8,7 @@ field, so ``nbytes`` counts those headers too (``variable_size=True``).
 
 Aggregation is ``(1/W) sum_w decode(payload_w)``: codes of different workers are
 relative to different scales and do not survive element-wise summation, so these
-payloads are allgathered, not allreduced (``allreduce_compatible = False``).
+payloads are allgathered, not allreduced (the ``allgather`` exchange).
 
 Arithmetic runs in ``float32`` for half-precision gradients and in the gradient's own
 dtype otherwise; ``decompress`` returns the gradient's dtype.
@@ -43,7 +43,6 @@ class Quantizer(Compressor):
     Subclasses set :attr:`code_bits` and implement :meth:`quantize` and :meth:`dequantize`.
     """
 
-    allreduce_compatible = False
     error_feedback = False
     code_bits: int
 

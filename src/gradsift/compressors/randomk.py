@@ -5,7 +5,7 @@ calls made with that ``key``. Workers that compress the same tensors in the same
 order therefore select the same positions without sending them: only the ``k``
 values cross the wire, and summing them with an allreduce is the aggregation.
 
-How the DDP hook uses it (``allreduce_compatible = True``): allreduce
+How the DDP hook uses it (the ``allreduce`` exchange): allreduce
 ``payload.values`` (the only field in ``payload.fields()``), divide by the world
 size, and scatter at the *local* ``payload.indices`` -- ``decompress([payload], n)``
 with the reduced values does exactly that. ``payload.nbytes`` is ``k`` values and
@@ -108,7 +108,7 @@ class RandomK(Sparsifier):
     """
 
     name = "randomk"
-    allreduce_compatible = True
+    exchanges = ("allreduce",)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         super().__init__(ratio)

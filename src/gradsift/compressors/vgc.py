@@ -20,8 +20,12 @@ mean, ``(1/B) * ((1/B) sum_z g_z^2 - g^2)``), so ``alpha`` is a squared signal-t
 ratio in standard errors: ``alpha = 1`` sends an element once its accumulated value
 exceeds one standard deviation of its accumulated noise.
 
-VGC's residual *is* its error feedback, so ``error_feedback = False``. Decompressing
-sums every worker's decoded words (``index_add_``) and divides by the worker count.
+VGC's residual *is* its error feedback, so ``error_feedback = False``. ``r`` and ``v``
+live in the compressor's :attr:`~gradsift.compressors.base.Compressor.store` (tables
+``vgc.residual`` and ``vgc.variance``): under the DDP hook that is the hook's shared
+store, so both follow DDP's bucket rebuilds, checkpoint with the hook and are rolled
+back with a dropped step. Decompressing sums every worker's decoded words
+(``index_add_``) and divides by the worker count.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from gradsift.compressors.base import Compressor, Payload, scatter_mean
 from gradsift.errors import InvalidOptionError
 from gradsift.validation import as_flat_gradient, check_choice, check_real, raise_if_nonfinite
 from gradsift.variance import CONV_RULES, METHODS, VarianceTracker
+
+RESIDUAL, VARIANCE = "vgc.residual", "vgc.variance"
 
 
 class VGCPayload(Payload):
@@ -86,8 +92,6 @@ class VGC(Compressor):
         self.variance_method = check_choice(variance_method, "variance_method", METHODS)
         self.conv_rule = check_choice(conv_rule, "conv_rule", CONV_RULES)
         self.tracker: VarianceTracker | None = None
-        self.residuals: dict[Hashable, torch.Tensor] = {}
-        self.variances: dict[Hashable, torch.Tensor] = {}
 
     def options(self) -> dict[str, Any]:
         return {
@@ -120,8 +124,8 @@ class VGC(Compressor):
         """
         flat = as_flat_gradient(tensor)
         step_variance = self._step_variance(flat, parameters, variance)
-        residual = self.residuals.get(key)
-        accumulated = self.variances.get(key)
+        residual = self.store.get(RESIDUAL, key)
+        accumulated = self.store.get(VARIANCE, key)
         if residual is not None and residual.shape != flat.shape:
             raise InvalidOptionError(
                 f"tensor {key!r} changed from {residual.numel()} to {flat.numel()} elements; "
@@ -150,8 +154,8 @@ class VGC(Compressor):
 
         residual.index_add_(0, indices, quantized, alpha=-1)
         accumulated.mul_(self.zeta).index_fill_(0, indices, 0)
-        self.residuals[key] = residual
-        self.variances[key] = accumulated
+        self.store.put(RESIDUAL, key, residual)
+        self.store.put(VARIANCE, key, accumulated)
         return VGCPayload(numel=flat.numel(), dtype=flat.dtype, codes=codes, scales=scales)
 
     def _step_variance(
@@ -182,17 +186,28 @@ class VGC(Compressor):
             decoded.append(Payload(numel=payload.numel, dtype=payload.dtype, values=values, indices=indices))
         return scatter_mean(decoded, numel)
 
+    @property
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        """The unsent gradient ``r`` per key (a snapshot dict)."""
+        return self.store.table(RESIDUAL)
+
+    @property
+    def variances(self) -> dict[Hashable, torch.Tensor]:
+        """The accumulated variance ``v`` per key (a snapshot dict)."""
+        return self.store.table(VARIANCE)
+
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the residual and variance of one key, or of every key."""
-        if key is None:
-            self.residuals.clear()
-            self.variances.clear()
-        else:
-            self.residuals.pop(key, None)
-            self.variances.pop(key, None)
+        tables = (RESIDUAL, VARIANCE)
+        keys = {k for table in tables for k in self.store.table(table)} if key is None else {key}
+        for stale in keys:
+            self.store.discard(stale, tables)
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals ``r`` and accumulated variances ``v`` by key (cloned)."""
+        """Residuals ``r`` and accumulated variances ``v`` by key (cloned) -- empty under the
+        DDP hook, whose shared store holds and checkpoints them."""
+        if not self.owns_store:
+            return {}
         return {
             "residuals": {k: r.clone() for k, r in self.residuals.items()},
             "variances": {k: v.clone() for k, v in self.variances.items()},
@@ -204,10 +219,14 @@ class VGC(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        if not state:
+            return
         missing = {"residuals", "variances"} - set(state)
         if missing:
             raise InvalidOptionError(
                 f"vgc state needs keys residuals and variances, missing {sorted(missing)}"
             )
-        self.residuals = {k: r.clone() for k, r in state["residuals"].items()}
-        self.variances = {k: v.clone() for k, v in state["variances"].items()}
+        self.reset()
+        for table, name in ((RESIDUAL, "residuals"), (VARIANCE, "variances")):
+            for key, tensor in state[name].items():
+                self.store.put(table, key, tensor.clone())

@@ -12,9 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.compressors.registry import get_compressor
-from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState
-from gradsift.errors import InvalidOptionError
+from gradsift.ddp import GradsiftHookState
 
 
 def new_hook_state(compressor: str | Compressor, **options: Any) -> GradsiftHookState:
@@ -24,11 +22,4 @@ def new_hook_state(compressor: str | Compressor, **options: Any) -> GradsiftHook
     ``warmup_steps``, ...) and, when ``compressor`` is a registry name, the compressor's
     options (``ratio``, ...).
     """
-    hook_options = {k: options.pop(k) for k in list(options) if k in HOOK_OPTIONS}
-    if isinstance(compressor, str):
-        compressor = get_compressor(compressor, **options)
-    elif options:
-        raise InvalidOptionError(
-            f"compressor is already built; options {sorted(options)} are not hook options"
-        )
-    return GradsiftHookState(None, compressor, **hook_options)
+    return GradsiftHookState.build(compressor, **options)

@@ -65,7 +65,6 @@ class GradsiftCallback(Callback):
             )
         if any(state is self.state for _, state in getattr(ddp_model, "_comm_hooks", ())):
             self.state.attach(ddp_model)  # Lightning registered it (CUDA): bind it only
-            self.state.compressor.attach(ddp_model.module)
         else:
             register_comm_hook(ddp_model, self.state)
 

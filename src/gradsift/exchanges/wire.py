@@ -9,7 +9,8 @@ order of :meth:`Payload.fields`. It travels as
   :data:`NONFINITE` (-1) in every slot says "my gradient was not finite, no data
   follows", so the non-finite flag rides in the size exchange at no extra byte;
 * per field, the parts' tensors concatenated: ``values`` in the chosen value dtype,
-  ``indices`` as int32 (int64 only when ``numel > 2**31 - 1``), ``codes`` and
+  ``indices`` as int32 (int64 only when ``numel > 2**31 - 1``) and strictly increasing
+  within a part (so a receiver checks uniqueness in one pass), ``codes`` and
   ``scales`` as the compressor made them.
 
 :func:`to_wire` applies the dtype rules; ``p.nbytes`` already counts indices at their
@@ -57,16 +58,24 @@ def parse_value_dtype(value: object) -> torch.dtype | None:
 
 
 def to_wire(payload: Payload, value_dtype: torch.dtype | None = None) -> Payload:
-    """The payload as it is sent: indices narrowed, values cast to ``value_dtype``.
+    """The payload as it is sent: indices sorted and narrowed, values cast to ``value_dtype``.
 
-    Fields that already have the wire dtype are not copied.
+    Unsorted indices (``torch.topk``'s) are sorted with their values (one check, and a
+    sort of the ``k`` sent elements only when needed); fields that already have the
+    wire dtype and order are not copied.
     """
-    changes = {}
+    changes: dict[str, torch.Tensor] = {}
     indices = payload.fields().get("indices")  # seeded random-k keeps its indices off the wire
+    if indices is not None and indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        indices, order = torch.sort(indices)
+        changes["indices"] = indices
+        if payload.values is not None:
+            changes["values"] = payload.values[order]
     if indices is not None and indices.dtype != index_dtype(payload.numel):
-        changes["indices"] = payload.indices.to(index_dtype(payload.numel))
-    if value_dtype is not None and payload.values is not None and payload.values.dtype != value_dtype:
-        changes["values"] = payload.values.to(value_dtype)
+        changes["indices"] = indices.to(index_dtype(payload.numel))
+    values = changes.get("values", payload.values)
+    if value_dtype is not None and values is not None and values.dtype != value_dtype:
+        changes["values"] = values.to(value_dtype)
     return dataclasses.replace(payload, **changes) if changes else payload
 
 
@@ -153,7 +162,11 @@ def decode(
 
 
 def _check_indices(payload: Payload, part: int) -> None:
-    """Indices must pair one-to-one with values and lie in ``[0, numel)``."""
+    """Indices must pair one-to-one with values, increase strictly and lie in ``[0, numel)``.
+
+    Strictly increasing means no index repeats (a repeated index would add one
+    worker's value twice); with sorted indices the range check reads the two ends.
+    """
     indices = payload.indices
     if indices is None:
         return
@@ -161,8 +174,10 @@ def _check_indices(payload: Payload, part: int) -> None:
         raise WireFormatError(f"part {part}: {payload.values.numel()} values for {indices.numel()} indices")
     if indices.numel() == 0:
         return
-    low, high = torch.aminmax(indices)
-    if int(low) < 0 or int(high) >= payload.numel:
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise WireFormatError(f"part {part}: indices must increase strictly (a repeated or unsorted index)")
+    low, high = int(indices[0]), int(indices[-1])
+    if low < 0 or high >= payload.numel:
         raise WireFormatError(
-            f"part {part}: indices must lie in [0, {payload.numel}), got range [{int(low)}, {int(high)}]"
+            f"part {part}: indices must lie in [0, {payload.numel}), got range [{low}, {high}]"
         )

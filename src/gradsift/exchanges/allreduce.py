@@ -1,0 +1,98 @@
+"""Dense allreduce: parts that every worker lays out identically, summed element-wise.
+
+Carries dense parts (``min_numel``, warm-up, ``none``) and the payloads of compressors
+whose payloads have the same layout on every worker (``fp16``/``bf16`` casts, seeded
+``randomk``, whose indices every worker regenerates). Per dtype, the parts' sent values
+are concatenated into one message ``m``; the exchange computes ``allreduce(m / W)``, the
+mean, and splits it back (for a payload: ``decompress`` with the reduced values, e.g.
+random-k's scatter at the shared indices).
+
+Non-finite flag: a worker whose input held NaN/Inf fills its message with NaN, so the
+reduced mean is NaN on every rank; every rank reads the mean's sum (one pass) and
+flags the same step. Bytes: ``bytes_sent = |m|``, no padding, received
+``2 (W-1)/W |m|`` (ring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
+from gradsift.exchanges.collectives import allreduce_sum, ring_allreduce_received
+from gradsift.validation import all_finite
+
+
+class Allreduce(Exchange):
+    """One ``allreduce`` of the mean per dtype of the sent values (see the module docstring)."""
+
+    name = "allreduce"
+
+    def start(
+        self, parts: list[Part], codec: Codec | None, context: Context
+    ) -> torch.futures.Future[Delivery]:
+        encoded: list[Encoded | None] = [
+            None if codec is None else codec.encode(part, context.record) for part in parts
+        ]
+        poisoned = any(e is not None and e.nonfinite for e in encoded)
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, (part, enc) in enumerate(zip(parts, encoded, strict=True)):
+            groups.setdefault((part.input if enc is None else enc.wire.values).dtype, []).append(i)
+        messages, futures = [], []
+        for members in groups.values():
+            sent = [parts[i].input if encoded[i] is None else encoded[i].wire.values for i in members]
+            message = torch.cat(sent) if len(sent) > 1 else sent[0]
+            message = torch.full_like(message, float("nan")) if poisoned else message / context.world
+            nbytes = message.numel() * message.element_size()
+            context.record.add_bytes(
+                sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
+            )
+            messages.append(message)
+            futures.append(allreduce_sum(message, context.group))
+
+        def finish(_: torch.futures.Future[Any]) -> Delivery:
+            for future in futures:
+                future.value()  # re-raises a failed collective
+            if not all(all_finite(mean) for mean in messages):
+                return Delivery(sent=[None] * len(parts), nonfinite=True)
+            for members, mean in zip(groups.values(), messages, strict=True):
+                _split(mean, [parts[i] for i in members], [encoded[i] for i in members], codec, context)
+            return Delivery(sent=[None if e is None else e.payload for e in encoded])
+
+        return torch.futures.collect_all(futures).then(finish)
+
+    def start_in_place(
+        self, buffer: torch.Tensor, context: Context, check: bool
+    ) -> torch.futures.Future[bool]:
+        """Stock DDP's own exchange of a whole bucket: ``buffer <- allreduce(buffer / W)`` in place.
+
+        The future holds whether the mean is non-finite (always False without ``check``).
+        """
+        nbytes = buffer.numel() * buffer.element_size()
+        context.record.add_bytes(
+            sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
+        )
+        future = allreduce_sum(buffer.div_(context.world), context.group)
+        return future.then(lambda done: check and not all_finite(done.value()[0]))
+
+
+def _split(
+    mean: torch.Tensor,
+    parts: list[Part],
+    encoded: list[Encoded | None],
+    codec: Codec | None,
+    context: Context,
+) -> None:
+    """Write each part's slice of the reduced ``mean`` into the result (payloads decoded)."""
+    start = 0
+    for part, enc in zip(parts, encoded, strict=True):
+        count = part.numel if enc is None else enc.wire.values.numel()
+        values = mean[start : start + count]
+        start += count
+        if enc is None or codec is None:
+            part.view(context.result).copy_(values)
+        else:
+            reduced = dataclasses.replace(enc.payload, values=values)
+            part.view(context.result).copy_(codec.decompress([reduced], part.numel, context.record))

@@ -1,0 +1,62 @@
+"""Delegated: a compressor that runs its own collectives between its two halves (PowerSGD).
+
+PowerSGD communicates *between* its matrix products (allreduce ``P``, orthogonalise,
+``Q = M^T P``, allreduce ``Q``), so it has no single ``compress``/``decompress``. Such a
+compressor offers ``ddp_hook(process_group, bucket) -> Future[Tensor]`` (PyTorch's
+hook contract) and ``will_compress(bucket) -> bool``; this exchange hands it the bucket
+holding the *compensated* gradient (gradsift's error feedback, in the shared store,
+replaces the compressor's own) and takes care of the rest:
+
+* the result is copied into the bucket's result tensor; what this worker's
+  contribution stands for is the mean it received when the step was compressed
+  (error feedback keeps ``c - mean``, PowerSGD's own rule); in its dense warm-up steps
+  all of ``c`` was sent (nothing is left over);
+* non-finite flag: a NaN/Inf input spreads through the allreduces of ``P`` and ``Q``
+  into every rank's result, whose sum every rank reads;
+* bytes: what the compressor reports (``hook_nbytes(bucket)``), received as a ring
+  allreduce of that many bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradsift.errors import InvalidOptionError
+from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
+from gradsift.exchanges.collectives import ring_allreduce_received
+from gradsift.validation import all_finite
+
+
+class Delegated(Exchange):
+    """Hand the whole bucket to the compressor's own ``ddp_hook`` (see the module docstring)."""
+
+    name = "delegated"
+
+    def start(
+        self, parts: list[Part], codec: Codec | None, context: Context
+    ) -> torch.futures.Future[Delivery]:
+        if codec is None or len(parts) != 1 or parts[0].numel != context.result.numel():
+            raise InvalidOptionError(
+                "the delegated exchange takes the whole bucket as one part (granularity='bucket')"
+            )
+        (part,) = parts
+        compressor, bucket = codec.compressor, context.bucket
+        buffer = bucket.buffer()
+        if part.input is not part.flat:
+            buffer.copy_(part.input)
+        compressing = bool(compressor.will_compress(bucket))
+        future = compressor.ddp_hook(context.group, bucket)
+        nbytes = int(compressor.hook_nbytes(bucket))
+        context.record.add_bytes(
+            sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
+        )
+
+        def finish(done: torch.futures.Future[torch.Tensor]) -> Delivery:
+            mean = done.value()
+            if not all_finite(mean):
+                return Delivery(sent=[None], nonfinite=True)
+            view = part.view(context.result)
+            view.copy_(mean)
+            return Delivery(sent=[view if compressing else None])
+
+        return future.then(finish)

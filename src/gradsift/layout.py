@@ -1,0 +1,56 @@
+"""Which parameters a DDP bucket holds, as the parts the hook exchanges.
+
+Parameters are numbered once, in ``module.parameters()`` order; the numbers are the
+stable keys of all per-tensor state (they do not depend on the bucket a parameter
+lands in, nor on the process). A bucket is cut into parts: the whole bucket, keyed by
+the sorted tuple of its parameter numbers (``granularity="bucket"``), or one part per
+parameter, keyed by its number (``"layer"``). Each part's layout (the order of its
+parameters in the flat tensor) is declared to the state store, which re-lays stored
+state when DDP rebuilds its buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsift.errors import InvalidOptionError
+from gradsift.exchanges.base import Part
+from gradsift.state import TensorStore
+
+GRANULARITIES = ("bucket", "layer")
+
+
+class ParameterLayout:
+    """Parameter numbers of one module and the parts of its DDP buckets."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[int, int] = {}
+        self.numels: dict[int, int] = {}
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Number ``module``'s parameters (in ``parameters()`` order)."""
+        params = list(module.parameters())
+        self.numbers = {id(p): i for i, p in enumerate(params)}
+        self.numels = {i: p.numel() for i, p in enumerate(params)}
+
+    def parts(self, bucket: Any, granularity: str, store: TensorStore) -> list[Part]:
+        """The parts of ``bucket`` (a ``GradBucket``), their layouts declared to ``store``."""
+        params = list(bucket.parameters())
+        try:
+            ids = tuple(self.numbers[id(p)] for p in params)
+        except KeyError:
+            raise InvalidOptionError(
+                "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
+            ) from None
+        buffer = bucket.buffer()
+        if granularity == "bucket":
+            key = tuple(sorted(ids))
+            store.follow(key, ids, self.numels)
+            return [Part(key, 0, buffer, params)]
+        parts, offset = [], 0
+        for number, param in zip(ids, params, strict=True):
+            parts.append(Part(number, offset, buffer[offset : offset + param.numel()], [param]))
+            offset += param.numel()
+        return parts

@@ -1,0 +1,118 @@
+"""DGC's recipe for sparse training (Lin et al. 2018), as the hook applies it.
+
+Sparsification with error feedback delays each element's update until it is sent;
+plain SGD momentum on top of that multiplies stale updates. Deep Gradient Compression
+fixes it with four techniques, all available as hook options:
+
+* **Momentum correction** (``optimizer=``): the worker accumulates the velocity
+  ``u <- m u + g`` before error feedback (:mod:`gradsift.feedback`), and the optimizer
+  runs without momentum. :func:`take_over_optimizer` moves SGD's ``momentum`` (and its
+  ``weight_decay``, which SGD folds into the gradient *before* momentum) from the
+  optimizer's parameter groups into the hook, so momentum is applied exactly once.
+  The group keeps the values under ``gradsift_momentum`` / ``gradsift_weight_decay``
+  (and ``momentum = weight_decay = 0``), so an optimizer checkpoint carries the
+  arrangement and a resumed run gets the same result whichever of
+  ``optimizer.load_state_dict`` and ``register_comm_hook`` comes first. With nothing
+  dropped (ratio 1, no masking) the hook then equals stock DDP + SGD momentum:
+  ``mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x``.
+* **Momentum factor masking** (``momentum_masking``, on by default): ``u[sent] = 0``.
+* **Local gradient clipping** (``clip_norm=c``): before accumulation, each part's local
+  gradient is scaled by ``min(1, t / ||g||)`` with ``t = c * sqrt(n_part / n_model) / sqrt(W)``
+  (the hook sees one part at a time: the per-part thresholds' squares sum to
+  ``c^2 / W``, DGC's ``N^{-1/2}`` scaling of the threshold).
+* **Warm-up of the density** (``density_warmup_steps=T``, ``density_warmup_start=d0``):
+  the sparsifier's ratio goes exponentially from ``d0`` to the target ``d``,
+  ``d0 (d / d0)^(t / T)`` at step ``t < T`` (DGC: 25% to 0.1% in four epochs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradsift.errors import InvalidOptionError
+
+MOMENTUM_KEY = "gradsift_momentum"
+WEIGHT_DECAY_KEY = "gradsift_weight_decay"
+
+
+@dataclass
+class OptimizerTakeover:
+    """What the hook took from the optimizer: one momentum, weight decay per parameter number."""
+
+    momentum: float = 0.0
+    weight_decay: dict[int, float] = field(default_factory=dict)
+
+
+def take_over_optimizer(optimizer: Any, numbers: dict[int, int]) -> OptimizerTakeover:
+    """Move SGD-style ``momentum`` and ``weight_decay`` of the model's parameters into the hook.
+
+    ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
+    :class:`InvalidOptionError` for an optimizer without ``momentum`` in its groups,
+    for Nesterov momentum or dampening, and for groups that disagree on momentum.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    taken = OptimizerTakeover()
+    momenta = set()
+    for index, group in enumerate(optimizer.param_groups):
+        mine = [numbers[id(p)] for p in group["params"] if id(p) in numbers]
+        if not mine:
+            continue
+        if "momentum" not in group:
+            raise InvalidOptionError(
+                f"optimizer= moves SGD-style momentum into the exchange, but {type(optimizer).__name__} "
+                "has no 'momentum' setting; pass optimizer=None (error feedback without momentum correction)"
+            )
+        if group.get("nesterov") or group.get("dampening", 0):
+            raise InvalidOptionError(
+                f"optimizer param group {index}: momentum correction implements plain momentum; "
+                "nesterov=True and dampening != 0 are not supported"
+            )
+        momentum = float(group.get(MOMENTUM_KEY, group["momentum"]))
+        decay = float(group.get(WEIGHT_DECAY_KEY, group.get("weight_decay", 0.0)))
+        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
+        if "weight_decay" in group:
+            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+        momenta.add(momentum)
+        if decay:
+            taken.weight_decay.update(dict.fromkeys(mine, decay))
+    if len(momenta) > 1:
+        raise InvalidOptionError(
+            f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
+        )
+    taken.momentum = momenta.pop() if momenta else 0.0
+    return taken
+
+
+def add_weight_decay(
+    flat: torch.Tensor, params: list[torch.Tensor], numbers: list[int], decay: dict[int, float]
+) -> None:
+    """``g <- g + wd x`` in place, per parameter of a part (``params`` in flattening order)."""
+    offset = 0
+    for param, number in zip(params, numbers, strict=True):
+        size = param.numel()
+        if number in decay:
+            flat[offset : offset + size].add_(param.detach().reshape(-1), alpha=decay[number])
+        offset += size
+
+
+def clip_local(
+    flat: torch.Tensor, clip_norm: float, part_numel: int, model_numel: int, world: int
+) -> torch.Tensor:
+    """DGC's local clipping of one part (see the module docstring); returns ``flat`` or a scaled copy."""
+    threshold = clip_norm * math.sqrt(part_numel / model_numel) / math.sqrt(world)
+    norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
+    if norm <= threshold or not math.isfinite(norm):
+        return flat
+    return flat * (threshold / norm)
+
+
+def density_at(step: int, target: float, warmup_steps: int, start: float) -> float:
+    """The ratio at 0-based ``step``: ``start (target / start)^(step / warmup_steps)``, then ``target``."""
+    if step >= warmup_steps or start <= target:
+        return target
+    return start * (target / start) ** (step / warmup_steps)
