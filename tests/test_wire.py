@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.exchanges import wire
 from gradsift.compressors import Payload
+from gradsift.exchanges import wire
 
 
 def sparse(numel=100, k=5, seed=0) -> Payload:
