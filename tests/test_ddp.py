@@ -1,5 +1,5 @@
 """The DDP hook in real gloo processes: equality with stock DDP, every sparsifier,
-granularity/min_numel/warm-up bytes, no_sync accumulation, non-finite policy."""
+granularity/min_numel/warm-up bytes, no_sync accumulation (non-finite steps: test_nonfinite.py)."""
 
 from __future__ import annotations
 
@@ -92,14 +92,9 @@ def test_none_matches_stock_ddp_bit_for_bit_and_topk_ratio_one_matches_dense():
 
 # --- every sparsifier: identical parameters, aggregate == reference from gathered payloads ----
 def sparsifier_names() -> list[str]:
-    names = []
-    for name in gradsift.available_compressors():
-        try:
-            if issubclass(compressor_class(name), Sparsifier):
-                names.append(name)
-        except (ImportError, AttributeError):
-            continue
-    return names
+    return [
+        name for name in gradsift.available_compressors() if issubclass(compressor_class(name), Sparsifier)
+    ]
 
 
 SPARSIFIER_OPTIONS = {"threshold": {"threshold": 0.05}}
@@ -203,51 +198,3 @@ def test_granularity_min_numel_and_warmup_change_bytes_as_documented():
     # bf16 values: 2 bytes per value instead of 4
     assert out["bf16_values"][2]["bytes_sent"] == 64 * (2 + 4) + 8
     assert bucket["density"] == pytest.approx(64 / sum(NUMELS))
-
-
-# --- non-finite gradients -----------------------------------------------------------------
-def nonfinite_worker(rank: int, world: int) -> dict:
-    out = {}
-    for name in ("topk", "none"):
-        model, state = hooked(name, ratio=0.1) if name == "topk" else hooked(name)
-        train(model, rank, range(1))
-        model.zero_grad()
-        x, y = batch(rank, 5)
-        if rank == 1:
-            x[0, 0] = float("nan")
-        try:
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            out[f"{name}_raise"] = "no error"
-        except gradsift.NonFiniteGradientError as error:
-            out[f"{name}_raise"] = str(error)
-        # skip policy: a fresh DDP model (a raised backward leaves DDP unusable)
-        options = {"ratio": 0.1} if name == "topk" else {}
-        model, state = hooked(name, nonfinite="skip", **options)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads, skipped = [], []
-        for step in range(3):
-            opt.zero_grad()
-            x, y = batch(rank, step)
-            if step == 1 and rank == 1:
-                x[0, 0] = float("inf")
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-            skipped.append(state.last_step_skipped)
-            if not state.last_step_skipped:
-                opt.step()
-        out[name] = {"grads": grads, "skipped": skipped, "stats": state.stats(), "params": flat_params(model)}
-    return out
-
-
-def test_nonfinite_raises_on_every_rank_or_skips_together():
-    runs = run_workers(__file__, "nonfinite_worker", 2)
-    for out in runs:
-        for name in ("topk", "none"):
-            assert "NaN or Inf" in out[f"{name}_raise"], out[f"{name}_raise"]
-            skip = out[name]
-            assert skip["skipped"] == [False, True, False]
-            assert not skip["grads"][1].any()  # the skipped step's gradient is all zero
-            assert torch.isfinite(skip["grads"][2]).all() and skip["grads"][2].any()
-            assert skip["stats"]["total"]["skipped_steps"] == 1
-    for name in ("topk", "none"):
-        assert torch.equal(runs[0][name]["params"], runs[1][name]["params"])

@@ -317,7 +317,9 @@ def _dense_in_place(state: GradsiftHookState, context: Context) -> torch.futures
     """Stock DDP's exchange of the whole bucket (the flag read only when some state could absorb it)."""
     record, buffer = context.record, context.result
     record.elements_sent, record.dense_tensors = buffer.numel(), 1
-    check = state.options.nonfinite == "raise" or not state.compressor.identity
+    # `none` under "propagate" is stock DDP: no state could absorb the step and the
+    # NaN reaches every rank through the allreduce, so no flag is read.
+    check = state.options.nonfinite != "propagate" or not state.compressor.identity
     started = time.perf_counter()
 
     def finish(done: torch.futures.Future[bool]) -> torch.Tensor:

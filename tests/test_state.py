@@ -1,0 +1,96 @@
+"""The keyed state store: transactions, layouts that follow parameters, checkpoints."""
+
+import pytest
+import torch
+
+from gradsift.errors import InvalidOptionError
+from gradsift.state import TensorStore
+
+NUMELS = {0: 2, 1: 3, 2: 1}  # parameter number -> element count
+
+
+def test_transaction_commits_or_leaves_no_trace():
+    store = TensorStore()
+    store.put("residual", "a", torch.tensor([1.0]))
+    store.begin()
+    store.put("residual", "a", torch.tensor([2.0]))
+    store.put("residual", "b", torch.tensor([3.0]))
+    store.discard("a")
+    assert store.get("residual", "a") is None  # the transaction's view
+    assert store.get("residual", "b").item() == 3.0
+    assert store.table("residual").keys() == {"b"}
+    store.rollback()
+    assert store.get("residual", "a").item() == 1.0 and store.get("residual", "b") is None
+    store.begin()
+    store.put("residual", "b", torch.tensor([3.0]))
+    store.discard("a")
+    store.commit()
+    assert store.table("residual").keys() == {"b"} and not store.in_transaction
+    with pytest.raises(InvalidOptionError, match="already open"):
+        store.begin()
+        store.begin()
+
+
+def test_discard_limited_to_tables_and_retain():
+    store = TensorStore()
+    store.put("residual", 1, torch.ones(1))
+    store.put("vgc.variance", 1, torch.ones(1))
+    store.put("residual", 2, torch.ones(1))
+    store.discard(1, ["residual"])
+    assert store.get("residual", 1) is None and store.get("vgc.variance", 1) is not None
+    store.layouts[2] = (0,)
+    store.retain({1})
+    assert store.keys() == {1} and 2 not in store.layouts
+
+
+def test_follow_permutes_per_element_tensors_and_keeps_scalars():
+    store = TensorStore()
+    key = (0, 1, 2)
+    store.follow(key, (0, 1, 2), NUMELS)
+    store.put("residual", key, torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0, 20.0]))  # 10 * param + element
+    store.put("threshold", key, torch.tensor([9.0]))  # one number per key: cannot be cut
+    store.follow(key, (2, 0, 1), NUMELS)
+    assert store.get("residual", key).tolist() == [20.0, 0.0, 1.0, 10.0, 11.0, 12.0]
+    assert store.get("threshold", key).tolist() == [9.0]
+    store.follow(key, (2, 0, 1), NUMELS)  # same order: nothing moves
+    assert store.get("residual", key).tolist() == [20.0, 0.0, 1.0, 10.0, 11.0, 12.0]
+
+
+def test_follow_regroups_parameters_into_new_buckets_with_zeros_for_newcomers():
+    store = TensorStore()
+    store.follow((0, 1), (1, 0), NUMELS)
+    store.put("residual", (0, 1), torch.tensor([10.0, 11.0, 12.0, 0.0, 1.0]))
+    store.put("velocity", (0, 1), torch.tensor([-10.0, -11.0, -12.0, -0.0, -1.0]))
+    # DDP rebuilt: parameter 0 alone, parameters 1 and 2 together (2 was never seen)
+    store.follow(0, (0,), NUMELS)
+    store.follow((1, 2), (2, 1), NUMELS)
+    assert store.get("residual", 0).tolist() == [0.0, 1.0]
+    assert store.get("residual", (1, 2)).tolist() == [0.0, 10.0, 11.0, 12.0]
+    assert store.get("velocity", (1, 2)).tolist() == [0.0, -10.0, -11.0, -12.0]
+    store.retain({0, (1, 2)})  # the old bucket's state is dropped once both took their parts
+    assert store.keys() == {0, (1, 2)}
+
+
+def test_follow_regroups_pending_state_inside_a_transaction():
+    store = TensorStore()
+    store.follow((0, 1), (0, 1), NUMELS)
+    store.begin()
+    store.put("residual", (0, 1), torch.arange(5.0))
+    store.follow(1, (1,), NUMELS)
+    assert store.get("residual", 1).tolist() == [2.0, 3.0, 4.0]
+    store.rollback()
+    assert store.get("residual", 1) is None
+
+
+def test_state_dict_round_trip_clones():
+    store = TensorStore()
+    store.follow("k", (1, 0), NUMELS)
+    store.put("residual", "k", torch.arange(5.0))
+    saved = store.state_dict()
+    store.get("residual", "k").zero_()  # the checkpoint holds a copy
+    other = TensorStore()
+    other.load_state_dict(saved)
+    assert other.get("residual", "k").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert other.layouts == {"k": (1, 0)}
+    with pytest.raises(InvalidOptionError, match="missing \\['layouts'\\]"):
+        other.load_state_dict({"tables": {}})
