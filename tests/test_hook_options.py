@@ -1,0 +1,261 @@
+"""Hook options against references computed in the same run (real gloo ranks).
+
+* momentum correction with nothing dropped equals stock DDP + SGD momentum;
+* every part's result equals the mean over ranks of what each rank sent for it
+  (bucket and layer granularity, ``min_numel`` parts, ``value_dtype``), with every
+  part at the right offset;
+* error feedback conserves: per rank and parameter, the sum of the gradients equals
+  the sum of what was sent plus the residual left (through a bucket rebuild);
+* ``warmup_steps`` is stock DDP; the density warm-up follows its schedule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from distributed_utils import run_workers
+from gradsift import recipe
+from test_ddp import NUMELS, batch, flat_params, make_model
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 5
+
+
+def sgd_run(model: DDP, rank: int, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return flat_params(model)
+
+
+def momentum_worker(rank: int, world: int) -> dict:
+    out = {}
+    stock = DDP(make_model())
+    out["stock"] = sgd_run(
+        stock, rank, torch.optim.SGD(stock.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    )
+    plain = DDP(make_model())
+    out["plain"] = sgd_run(plain, rank, torch.optim.SGD(plain.parameters(), lr=0.1, weight_decay=0.01))
+    for label, options in {
+        "bucket": {},
+        "layer": {"granularity": "layer"},
+        "masked": {"momentum_masking": True},
+        "warmup": {"warmup_steps": 2},
+    }.items():
+        model = DDP(make_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        state = gradsift.register_comm_hook(
+            model, "topk", ratio=1.0, optimizer=optimizer, **{"momentum_masking": False, **options}
+        )
+        out[label] = sgd_run(model, rank, optimizer)
+        out[label + "_momentum"] = state.feedback.momentum
+        out[label + "_group"] = dict(optimizer.param_groups[0], params=None)
+    return out
+
+
+def test_momentum_correction_with_nothing_dropped_equals_stock_sgd_momentum():
+    for out in run_workers(__file__, "momentum_worker", 2):
+        for label in ("bucket", "layer", "warmup"):
+            # mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x: equal up to rounding
+            torch.testing.assert_close(out[label], out["stock"], rtol=1e-5, atol=1e-6)
+            assert out[label + "_momentum"] == 0.9
+            group = out[label + "_group"]
+            assert (group["momentum"], group["weight_decay"]) == (0.0, 0.0)
+            assert (group[recipe.MOMENTUM_KEY], group[recipe.WEIGHT_DECAY_KEY]) == (0.9, 0.01)
+        # With masking every sent element's velocity is zeroed: at ratio 1 that is plain SGD.
+        torch.testing.assert_close(out["masked"], out["plain"], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(out["plain"], out["stock"], rtol=1e-3)  # the two references differ
+
+
+# --- every part at its offset, equal to the mean of what the ranks sent -----------------------
+PART_CASES = {
+    "bucket": {"ratio": 0.25},
+    "layer": {"ratio": 0.25, "granularity": "layer"},
+    "layer-min-numel": {"ratio": 0.25, "granularity": "layer", "min_numel": 20},
+    "bf16-values": {"ratio": 0.25, "value_dtype": "bf16"},
+}
+
+
+def parts_worker(rank: int, world: int) -> dict:
+    out = {}
+    for label, options in PART_CASES.items():
+        model = DDP(make_model())
+        state = gradsift.register_comm_hook(model, "topk", **options)
+        sent: dict = {}
+        original = state.compressor.compress
+
+        def recording(tensor, *, key, _original=original, _sent=sent, **kw):
+            payload = _original(tensor, key=key, **kw)
+            _sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
+            return payload
+
+        state.compressor.compress = recording
+        grads = []
+        for step in range(3):
+            model.zero_grad()
+            x, y = batch(rank, step)
+            local = torch.autograd.grad(
+                torch.nn.functional.mse_loss(model.module(x), y), list(model.module.parameters())
+            )
+            grads.append(torch.cat([g.reshape(-1) for g in local]))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        everyone_sent, everyone_grads = [None] * world, [None] * world
+        dist.all_gather_object(everyone_sent, sent)
+        dist.all_gather_object(everyone_grads, grads[-1])
+        out[label] = {
+            "grad": torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]),
+            "sent": everyone_sent,
+            "local_grads": everyone_grads,
+            "layouts": dict(state.bucket_layouts),
+            "stats": state.stats()["step"],
+        }
+    return out
+
+
+def reference_gradient(result: dict, options: dict, world: int) -> torch.Tensor:
+    """The mean of every rank's sent parts (and dense parts), in parameter order."""
+    offsets = [sum(NUMELS[:i]) for i in range(len(NUMELS))]
+    reference = torch.zeros(sum(NUMELS), dtype=torch.float64)
+    dtype = torch.bfloat16 if options.get("value_dtype") == "bf16" else torch.float64
+    for rank_sent in result["sent"]:
+        for key, (indices, values, numel) in rank_sent.items():
+            values = values.to(dtype).double()
+            if isinstance(key, tuple):  # a bucket: its flat order is the recorded layout
+                order = result["layouts"][key]
+                positions = torch.cat([torch.arange(offsets[i], offsets[i] + NUMELS[i]) for i in order])
+                reference.index_add_(0, positions[indices], values)
+            else:
+                assert numel == NUMELS[key]
+                reference.index_add_(0, offsets[key] + indices, values)
+    for number in range(len(NUMELS)):
+        if NUMELS[number] < options.get("min_numel", 0):  # dense parts: the plain mean
+            dense = sum(g[offsets[number] : offsets[number] + NUMELS[number]] for g in result["local_grads"])
+            reference[offsets[number] : offsets[number] + NUMELS[number]] = dense.double()
+    return reference / world
+
+
+@pytest.fixture(scope="module")
+def part_runs():
+    return run_workers(__file__, "parts_worker", 2)
+
+
+@pytest.mark.parametrize("label", list(PART_CASES))
+def test_every_part_lands_at_its_offset_as_the_mean_of_what_the_ranks_sent(label, part_runs):
+    options = PART_CASES[label]
+    for out in part_runs:
+        result = out[label]
+        reference = reference_gradient(result, options, 2)
+        torch.testing.assert_close(result["grad"].double(), reference, rtol=1e-6, atol=1e-7)
+        small = [n for n in NUMELS if n < options.get("min_numel", 0)]
+        assert result["stats"]["dense_tensors"] == len(small)
+    assert torch.equal(part_runs[0][label]["grad"], part_runs[1][label]["grad"])
+
+
+# --- error feedback conserves, through DDP's bucket rebuild -----------------------------------
+class Reordered(torch.nn.Module):
+    """Parameters defined in another order than the forward uses them: DDP's rebuild after
+    the first step regroups them (bucket_cap_mb tiny: one layer per bucket after it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.head = torch.nn.Linear(16, 3)
+        self.body = torch.nn.Linear(12, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def conservation_worker(rank: int, world: int, name: str, options: dict) -> dict:
+    model = Reordered()
+    ddp = DDP(model, bucket_cap_mb=0.0001)
+    state = gradsift.register_comm_hook(ddp, name, **options)
+    params = list(model.parameters())
+    copy = Reordered()
+    layouts, total_grad = [], torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    sent_total = torch.zeros_like(total_grad)
+    offsets = dict(
+        zip(range(len(params)), [sum(p.numel() for p in params[:i]) for i in range(len(params))], strict=True)
+    )
+    numels = [p.numel() for p in params]
+    original = state.compressor.compress
+
+    def recording(tensor, *, key, **kw):
+        payload = original(tensor, key=key, **kw)
+        own = state.compressor.sent_dense(payload).double()
+        order = state.bucket_layouts[key] if isinstance(key, tuple) else (key,)
+        start = 0
+        for number in order:
+            sent_total[offsets[number] : offsets[number] + numels[number]] += own[
+                start : start + numels[number]
+            ]
+            start += numels[number]
+        return payload
+
+    state.compressor.compress = recording
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(4):
+        copy.load_state_dict(model.state_dict())
+        x, y = batch(rank, step)
+        local = torch.autograd.grad(torch.nn.functional.mse_loss(copy(x), y), list(copy.parameters()))
+        total_grad += torch.cat([g.reshape(-1) for g in local]).double()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        layouts.append(dict(state.bucket_layouts))
+    left = torch.zeros_like(total_grad)
+    tables = [t for t in ("residual", "vgc.residual") if state.store.table(t)]
+    for table in tables:
+        for key, residual in state.store.table(table).items():
+            start = 0
+            for number in state.bucket_layouts[key] if isinstance(key, tuple) else (key,):
+                left[offsets[number] : offsets[number] + numels[number]] += residual[
+                    start : start + numels[number]
+                ].double()
+                start += numels[number]
+    return {"grad": total_grad, "sent": sent_total, "left": left, "layouts": layouts}
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("topk", {"ratio": 0.2}), ("sidco-exp", {"ratio": 0.2}), ("vgc", {"alpha": 2.0})],
+    ids=["topk", "sidco", "vgc"],
+)
+def test_error_feedback_conserves_every_parameter_through_a_bucket_rebuild(name, options):
+    for out in run_workers(__file__, "conservation_worker", 2, name=name, options=options):
+        assert out["layouts"][0] != out["layouts"][-1], (
+            "the buckets were not rebuilt: the test would be vacuous"
+        )
+        # sum of gradients = sum of what was sent + what is left, per element of every parameter
+        torch.testing.assert_close(out["sent"] + out["left"], out["grad"], rtol=1e-5, atol=1e-5)
+        assert out["left"].abs().sum() > 0 and out["sent"].abs().sum() > 0
+
+
+# --- the density warm-up follows its schedule -------------------------------------------------
+def schedule_worker(rank: int, world: int) -> dict:
+    model = DDP(make_model())
+    state = gradsift.register_comm_hook(
+        model, "topk", ratio=0.01, density_warmup_steps=4, density_warmup_start=0.5
+    )
+    counts = []
+    for step in range(6):
+        model.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        counts.append(state.stats()["step"]["elements_sent"])
+    return {"counts": counts}
+
+
+def test_density_warmup_sends_the_scheduled_counts():
+    total = sum(NUMELS)
+    expected = [max(1, int(total * recipe.density_at(s, 0.01, 4, 0.5))) for s in range(6)]
+    for out in run_workers(__file__, "schedule_worker", 2):
+        assert out["counts"] == expected
+    assert expected[0] == total // 2 and expected[-1] == 2  # 50 % at first, 1 % of 259 after
