@@ -174,8 +174,11 @@ class VarianceTracker:
             rule = functools.partial(conv_second_moments, exact=self.conv_rule == "exact")
 
         def on_output_grad(d: torch.Tensor) -> None:
+            # In the parameters' dtype: under autocast x and d may be fp16 (and a scaled d
+            # squared overflows fp16), while the moments add up next to fp32 gradients.
+            dtype = module.weight.dtype
             with torch.no_grad():
-                for param, moment in rule(module, x, d).items():
+                for param, moment in rule(module, x.to(dtype), d.to(dtype)).items():
                     self._add(param, moment, _batch_size(x), forward_pass)
 
         output.register_hook(on_output_grad)

@@ -98,5 +98,6 @@ class DGC(Sparsifier):
         return {"generators": {name: g.get_state() for name, g in self.generators.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generators = {}  # a generator made after the saved state must not survive it
         for name, generator_state in state["generators"].items():
             self.generator(torch.device(name)).set_state(generator_state)
