@@ -300,7 +300,8 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
     step = state.open_step()
     buffer = bucket.buffer()
     record = BucketRecord(dense_bytes=buffer.numel() * buffer.element_size(), elements=buffer.numel())
-    context = Context(state.process_group, dist.get_world_size(state.process_group), buffer, record, bucket)
+    world = dist.get_world_size(state.process_group)
+    context = Context(state.process_group, world, buffer, record, bucket, store=state.store, step=state.step)
     try:
         if state.dense_step():
             future = _dense_in_place(state, context)
@@ -337,7 +338,9 @@ def _exchange_bucket(
     started = time.perf_counter()
     context.result = torch.empty_like(bucket.buffer())
     parts = state.layout.parts(bucket, state.options.granularity, state.store)
-    keys.update(part.key for part in parts)
+    context.order, context.numels = state.layout.numbers_of(bucket), state.layout.numels
+    context.key = tuple(sorted(context.order))
+    keys.update([context.key, *(part.key for part in parts)])
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
     dense = state.ledger.step < state.options.warmup_steps  # warm-up with momentum correction

@@ -9,8 +9,9 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
 2. the compressor encodes ``c`` and the exchange delivers it; ``s`` is the dense tensor
    that this worker's contribution stands for.
 3. ``update``: ``r <- c - s``. For a sparse contribution this is ``c`` with the sent
-   positions set to zero, so ``c == s + r`` holds bit for bit (every element is in
-   exactly one of the two). With momentum correction the velocity is masked too
+   values subtracted at the sent positions: zero there when they were sent at full
+   precision, the rounding error when they travelled as fp16/bf16 -- so ``c == s + r``
+   holds bit for bit. With momentum correction the velocity is masked too
    (``u[sent] = 0``, DGC's momentum factor masking), unless ``momentum_masking=False``.
 
 State lives in a :class:`gradsift.state.TensorStore` (tables ``"residual"`` and
@@ -83,14 +84,18 @@ class ErrorFeedback:
         """Keep what was not sent: ``r <- c - s``.
 
         ``sent`` is what this worker's contribution stands for: a payload with
-        ``indices`` (the sent positions are zeroed in ``compensated``, which is
-        consumed), another payload (decoded with ``compressor.sent_dense``), or a dense
-        tensor.
+        ``indices`` and ``values`` (``compensated``, which is consumed, keeps ``c - v``
+        at those positions), another payload (decoded with ``compressor.sent_dense``),
+        or a dense tensor.
         """
         indices = sent.indices if isinstance(sent, Payload) else None
         if indices is not None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
-            residual.index_fill_(0, indices, 0)
+            indices = indices.long()
+            if sent.values is None or sent.values.dtype == residual.dtype:
+                residual.index_fill_(0, indices, 0)  # sent as they were: nothing left there
+            else:
+                residual.index_put_((indices,), residual[indices] - sent.values.to(residual.dtype))
             if self.momentum > 0 and self.momentum_masking:
                 velocity = self.store.get(VELOCITY, key)
                 if velocity is not None:  # the velocity compensate() put this step: ours to modify

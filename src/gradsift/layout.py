@@ -35,15 +35,19 @@ class ParameterLayout:
         self.numbers = {id(p): i for i, p in enumerate(params)}
         self.numels = {i: p.numel() for i, p in enumerate(params)}
 
-    def parts(self, bucket: Any, granularity: str, store: TensorStore) -> list[Part]:
-        """The parts of ``bucket`` (a ``GradBucket``), their layouts declared to ``store``."""
-        params = list(bucket.parameters())
+    def numbers_of(self, bucket: Any) -> tuple[int, ...]:
+        """The numbers of ``bucket``'s parameters, in the bucket's order."""
         try:
-            ids = tuple(self.numbers[id(p)] for p in params)
+            return tuple(self.numbers[id(p)] for p in bucket.parameters())
         except KeyError:
             raise InvalidOptionError(
                 "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
             ) from None
+
+    def parts(self, bucket: Any, granularity: str, store: TensorStore) -> list[Part]:
+        """The parts of ``bucket`` (a ``GradBucket``), their layouts declared to ``store``."""
+        params = list(bucket.parameters())
+        ids = self.numbers_of(bucket)
         buffer = bucket.buffer()
         if granularity == "bucket":
             key = tuple(sorted(ids))

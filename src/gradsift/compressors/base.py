@@ -216,6 +216,8 @@ class Sparsifier(Compressor):
     dropped).
     """
 
+    exchanges: ClassVar[tuple[str, ...]] = ("allgather", "balanced", "shared-mask")
+
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = check_ratio(ratio)
 

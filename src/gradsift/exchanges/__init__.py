@@ -18,6 +18,8 @@ EXCHANGES: dict[str, str] = {
     "allreduce": "gradsift.exchanges.allreduce:Allreduce",
     "allgather": "gradsift.exchanges.allgather:Allgather",
     "delegated": "gradsift.exchanges.delegated:Delegated",
+    "balanced": "gradsift.exchanges.balanced:Balanced",
+    "shared-mask": "gradsift.exchanges.shared_mask:SharedMask",
 }
 
 AUTO = "auto"

@@ -13,18 +13,30 @@ quantizers). One message per bucket holds the ``P`` parts' payloads (:mod:`wire`
 Bytes: ``bytes_sent`` is the message (data + headers, ``sum(p.nbytes)``), ``bytes_padded``
 adds the padding to the longest worker, ``bytes_received`` is ``(W-1)`` times the padded
 message (every other worker's slot). Per-worker traffic therefore grows with ``W``.
+Steps 1-3 are :func:`gather_payloads`, which the balanced exchange reuses.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gradsift.compressors.base import Payload
 from gradsift.errors import GradsiftError
 from gradsift.exchanges import wire
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import all_gather_into, allgather, guarded, ready
+from gradsift.exchanges.collectives import allgather, guarded, ready
+
+
+@dataclass
+class Gathered:
+    """Every worker's payloads (``decoded[w][part]``), or why there are none."""
+
+    decoded: list[list[Payload]] | None = None
+    nonfinite: bool = False
+    error: BaseException | None = None
 
 
 class Allgather(Exchange):
@@ -38,34 +50,56 @@ class Allgather(Exchange):
         if codec is None:
             raise GradsiftError("the allgather exchange carries compressed payloads only")
         encoded = [codec.encode(part, context.record) for part in parts]
-        payloads = [e.wire for e in encoded]
-        fields = len(payloads[0].fields())
-        headers = _gather_headers(wire.header(payloads, any(e.nonfinite for e in encoded)), context)
-        if wire.check_headers(headers, len(payloads), fields):
-            return ready(Delivery(sent=[None] * len(parts), nonfinite=True))
-        data = wire.concat_fields(payloads)
-        lengths = headers.view(context.world, len(payloads), fields).sum(dim=1).tolist()
-        longest = [max(row[j] for row in lengths) for j in range(fields)]
-        padded = headers.shape[1] * headers.element_size() + sum(
-            n * t.element_size() for n, t in zip(longest, data.values(), strict=True)
-        )
-        context.record.add_bytes(
-            sent=sum(p.nbytes for p in payloads), padded=padded, received=(context.world - 1) * padded
-        )
-        buffers, futures = [], []
-        for (name, local), size in zip(data.items(), longest, strict=True):
-            slot = torch.zeros(size, dtype=local.dtype, device=local.device)
-            slot[: local.numel()] = local
-            out = torch.empty(context.world * size, dtype=local.dtype, device=local.device)
-            futures.append(allgather(out, slot, context.group, f"{name} all_gather"))
-            buffers.append(out.view(context.world, size))
 
-        def finish(_: torch.futures.Future[Any]) -> Delivery:
-            for future in futures:
-                future.value()  # re-raises a failed gather
-            rows = headers.tolist()
-            try:
-                decoded = [
+        def finish(gathered: Gathered) -> Delivery:
+            if gathered.decoded is None:
+                return Delivery(sent=[None] * len(parts), nonfinite=gathered.nonfinite, error=gathered.error)
+            for i, part in enumerate(parts):
+                mean = codec.decompress([d[i] for d in gathered.decoded], part.numel, context.record)
+                part.view(context.result).copy_(mean)
+            return Delivery(sent=[e.wire for e in encoded])
+
+        future = gather_payloads([e.wire for e in encoded], any(e.nonfinite for e in encoded), context)
+        return future.then(lambda done: finish(done.value()))
+
+
+def gather_payloads(
+    payloads: list[Payload], nonfinite: bool, context: Context
+) -> torch.futures.Future[Gathered]:
+    """Steps 1-3 of the module docstring for one message of ``payloads`` (wire form).
+
+    Counts the bytes into ``context.record``. The future holds every worker's decoded
+    payloads, or ``nonfinite`` when some worker flagged, or the :class:`WireFormatError`
+    a malformed message raised.
+    """
+    fields = len(payloads[0].fields())
+    headers = _gather_headers(wire.header(payloads, nonfinite), context)
+    if wire.check_headers(headers, len(payloads), fields):
+        return ready(Gathered(nonfinite=True))
+    data = wire.concat_fields(payloads)
+    lengths = headers.view(context.world, len(payloads), fields).sum(dim=1).tolist()
+    longest = [max(row[j] for row in lengths) for j in range(fields)]
+    padded = headers.shape[1] * headers.element_size() + sum(
+        n * t.element_size() for n, t in zip(longest, data.values(), strict=True)
+    )
+    context.record.add_bytes(
+        sent=sum(p.nbytes for p in payloads), padded=padded, received=(context.world - 1) * padded
+    )
+    buffers, futures = [], []
+    for (name, local), size in zip(data.items(), longest, strict=True):
+        slot = torch.zeros(size, dtype=local.dtype, device=local.device)
+        slot[: local.numel()] = local
+        out = torch.empty(context.world * size, dtype=local.dtype, device=local.device)
+        futures.append(allgather(out, slot, context.group, f"{name} all_gather"))
+        buffers.append(out.view(context.world, size))
+
+    def decode(_: torch.futures.Future[Any]) -> Gathered:
+        for future in futures:
+            future.value()  # re-raises a failed gather
+        rows = headers.tolist()
+        try:
+            return Gathered(
+                decoded=[
                     wire.decode(
                         rows[w],
                         {name: buffers[j][w, : lengths[w][j]] for j, name in enumerate(data)},
@@ -73,15 +107,11 @@ class Allgather(Exchange):
                     )
                     for w in range(context.world)
                 ]
-            except GradsiftError as error:
-                return Delivery(sent=[None] * len(parts), error=error)
-            for i, part in enumerate(parts):
-                part.view(context.result).copy_(
-                    codec.decompress([d[i] for d in decoded], part.numel, context.record)
-                )
-            return Delivery(sent=[e.payload for e in encoded])
+            )
+        except GradsiftError as error:
+            return Gathered(error=error)
 
-        return torch.futures.collect_all(futures).then(finish)
+    return torch.futures.collect_all(futures).then(decode)
 
 
 def _gather_headers(lengths: list[int], context: Context) -> torch.Tensor:
@@ -89,5 +119,6 @@ def _gather_headers(lengths: list[int], context: Context) -> torch.Tensor:
     device = context.result.device
     local = torch.tensor(lengths, dtype=wire.HEADER_DTYPE, device=device)
     out = torch.empty(context.world * len(lengths), dtype=wire.HEADER_DTYPE, device=device)
-    guarded("header all_gather", context.group, lambda: all_gather_into(out, local, group=context.group))
+    pending = allgather(out, local, context.group, "header all_gather")
+    guarded("header all_gather", context.group, pending.wait)
     return out.view(context.world, len(lengths)).cpu()

@@ -59,7 +59,7 @@ class Allreduce(Exchange):
                 return Delivery(sent=[None] * len(parts), nonfinite=True)
             for members, mean in zip(groups.values(), messages, strict=True):
                 _split(mean, [parts[i] for i in members], [encoded[i] for i in members], codec, context)
-            return Delivery(sent=[None if e is None else e.payload for e in encoded])
+            return Delivery(sent=[None if e is None else e.wire for e in encoded])
 
         return torch.futures.collect_all(futures).then(finish)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,6 +27,7 @@ import torch
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import NonFiniteGradientError
 from gradsift.exchanges import wire
+from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord
 from gradsift.validation import all_finite
 
@@ -65,7 +66,11 @@ class Part:
 
 @dataclass
 class Encoded:
-    """A part as compressed: the local payload, the payload as sent, and the local flag."""
+    """A part as compressed: the local payload, the payload as sent, and the local flag.
+
+    ``wire`` is also what error feedback subtracts: the values as they travelled (maybe
+    rounded to ``value_dtype``) at their positions.
+    """
 
     payload: Payload
     wire: Payload
@@ -100,6 +105,10 @@ class Context:
         result: the bucket-sized tensor the parts' means are written into.
         record: the bucket's telemetry (bytes, phase times, the non-finite flag).
         bucket: the DDP ``GradBucket`` (the delegated exchange hands it to the compressor).
+        key: the bucket's state key (the sorted tuple of its parameter numbers).
+        order / numels: the bucket's parameter numbers in flat order, and each one's size.
+        store: the hook's state store (exchanges that keep state put it there, under ``key``).
+        step: the hook's step counter (the same on every rank).
         errors: failures found in callbacks, raised when the step closes.
     """
 
@@ -108,6 +117,11 @@ class Context:
     result: torch.Tensor
     record: BucketRecord
     bucket: Any = None
+    key: Hashable = None
+    order: tuple[int, ...] = ()
+    numels: Mapping[int, int] = field(default_factory=dict)
+    store: TensorStore | None = None
+    step: int = 0
     errors: list[BaseException] = field(default_factory=list)
 
 

@@ -162,22 +162,25 @@ def decode(
 
 
 def _check_indices(payload: Payload, part: int) -> None:
-    """Indices must pair one-to-one with values, increase strictly and lie in ``[0, numel)``.
-
-    Strictly increasing means no index repeats (a repeated index would add one
-    worker's value twice); with sorted indices the range check reads the two ends.
-    """
+    """Indices must pair one-to-one with values, increase strictly and lie in ``[0, numel)``."""
     indices = payload.indices
     if indices is None:
         return
     if payload.values is not None and payload.values.numel() != indices.numel():
         raise WireFormatError(f"part {part}: {payload.values.numel()} values for {indices.numel()} indices")
+    check_positions(indices, payload.numel, part)
+
+
+def check_positions(indices: torch.Tensor, numel: int, part: int = 0) -> None:
+    """Raise :class:`WireFormatError` unless ``indices`` increase strictly within ``[0, numel)``.
+
+    Strictly increasing means no index repeats (a repeated index would add one
+    worker's value twice); with sorted indices the range check reads the two ends.
+    """
     if indices.numel() == 0:
         return
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise WireFormatError(f"part {part}: indices must increase strictly (a repeated or unsorted index)")
     low, high = int(indices[0]), int(indices[-1])
-    if low < 0 or high >= payload.numel:
-        raise WireFormatError(
-            f"part {part}: indices must lie in [0, {payload.numel}), got range [{low}, {high}]"
-        )
+    if low < 0 or high >= numel:
+        raise WireFormatError(f"part {part}: indices must lie in [0, {numel}), got range [{low}, {high}]")
