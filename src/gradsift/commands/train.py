@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsift.errors import InvalidOptionError
+from gradsift.exchanges import available_exchanges
 from gradsift.train.config import LR_SCHEDULES, TrainConfig
 from gradsift.train.datasets import examples_for_model
 from gradsift.train.models import MODELS
@@ -56,6 +57,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--ratio", type=float, help="target density delta, passed as the compressor's ratio option"
     )
+    run.add_argument("--exchange", choices=("auto", *available_exchanges()),
+                     help="how buckets travel: auto (the compressor's default) or an exchange it supports")  # fmt: skip
     run.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
                      help="another compressor/hook option (repeatable; value parsed as JSON when possible)")  # fmt: skip
     run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine (default: 2)")
@@ -105,6 +108,8 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     options = dict(args.option)
     if args.ratio is not None:
         options["ratio"] = args.ratio
+    if args.exchange is not None:
+        options["exchange"] = args.exchange
     if args.latency is not None and args.bandwidth is None:
         raise InvalidOptionError("--latency needs --bandwidth (latency is emulated on the shaped links)")
     steps = args.steps if args.steps is not None else 100

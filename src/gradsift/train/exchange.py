@@ -16,6 +16,7 @@ EXCHANGE_FIELDS = (
     "decompress_s",
     "bytes_sent",
     "bytes_padded",
+    "bytes_received",
     "dense_bytes",
     "density",
 )
@@ -34,7 +35,8 @@ def step_exchange_stats(step: dict[str, Any]) -> dict[str, float]:
     """The hook's last-step statistics in seconds and bytes.
 
     ``bytes_sent`` is this worker's message (data + headers); ``bytes_padded`` adds the
-    padding an allgather sends to match the longest worker; ``dense_bytes`` is the
+    padding an allgather sends to match the longest worker; ``bytes_received`` is what
+    arrives at this worker under the collectives' bandwidth-optimal algorithms; ``dense_bytes`` is the
     uncompressed gradient. Phase times are the hook's host wall-clock sums over buckets
     (buckets overlap backward and each other).
     """
@@ -44,6 +46,7 @@ def step_exchange_stats(step: dict[str, Any]) -> dict[str, float]:
         "decompress_s": step["decompress_ms"] / 1e3,
         "bytes_sent": float(step["bytes_sent"]),
         "bytes_padded": float(step["bytes_padded"]),
+        "bytes_received": float(step["bytes_received"]),
         "dense_bytes": float(step["dense_bytes"]),
         "density": float(step["density"]),
     }

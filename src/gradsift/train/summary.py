@@ -7,7 +7,7 @@ timers for that step, summed over buckets), ``compute_s = step_s - compress_s -
 communicate_s - decompress_s`` (floored at 0; the hook's phases overlap backward, so
 this is a lower bound of the compute time), ``bytes_sent`` (bytes of this worker's
 message), ``bytes_padded`` (plus the padding an allgather adds to match the longest
-worker), ``dense_bytes`` (the uncompressed gradient, what an fp32 allreduce carries)
+worker), ``bytes_received`` (what arrives at this worker), ``dense_bytes`` (the uncompressed gradient, what an fp32 allreduce carries)
 and ``density`` (achieved fraction of gradient elements sent). An eval record (``evals.jsonl``) holds ``step``,
 ``accuracy``, ``loss`` (mean per prediction: per image, or per byte for the language
 model), ``train_time_s`` (sum of ``step_s`` so far: evaluation time
@@ -62,6 +62,7 @@ def summarize(
         summary[f"{phase.removesuffix('_s')}_median_s"] = statistics.median(r[phase] for r in steps)
     summary["bytes_sent_per_step"] = statistics.fmean(r["bytes_sent"] for r in steps)
     summary["bytes_padded_per_step"] = statistics.fmean(r["bytes_padded"] for r in steps)
+    summary["bytes_received_per_step"] = statistics.fmean(r.get("bytes_received", 0.0) for r in steps)
     summary["dense_bytes_per_step"] = statistics.fmean(r["dense_bytes"] for r in steps)
     summary["compression_factor"] = summary["dense_bytes_per_step"] / max(summary["bytes_sent_per_step"], 1.0)
     summary["achieved_density"] = statistics.fmean(r["density"] for r in steps)
