@@ -43,7 +43,9 @@ from gradsift.exchanges import (
     Exchange,
     Part,
     available_exchanges,
+    choose_exchange,
     exchange_for,
+    get_exchange,
 )
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.collectives import peer_failure
@@ -82,8 +84,10 @@ class HookOptions:
         density_warmup_steps: steps over which a sparsifier's ratio goes exponentially
             from ``density_warmup_start`` to its target (default 0 = off).
         density_warmup_start: the density the warm-up starts from (default 0.25, DGC's).
-        exchange: ``"auto"`` (default: the compressor's default exchange) or one of
-            :func:`gradsift.exchanges.available_exchanges` that the compressor supports.
+        exchange: ``"auto"`` (default: per bucket, the supported exchange the cost model
+            predicts fastest -- the allgather on 2 workers, the balanced reduce-scatter
+            from 3 or 4 on) or one of :func:`gradsift.exchanges.available_exchanges`
+            that the compressor supports.
         log_every: log every this many steps (``gradsift.ddp`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
     """
@@ -157,6 +161,7 @@ class GradsiftHookState:
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
     telemetry: Telemetry | None = None
     codec: Codec = dataclasses.field(init=False)
+    exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -276,6 +281,15 @@ class GradsiftHookState:
         warming = self.ledger.step < self.options.warmup_steps
         return warming and (self.feedback is None or self.feedback.momentum == 0)
 
+    def exchange_for(self, context: Context) -> Exchange:
+        """The exchange of one bucket: the chosen one, or ``"auto"``'s pick for its size."""
+        if self.options.exchange != AUTO or len(self.compressor.exchanges) == 1:
+            return self.exchange
+        name = choose_exchange(self.compressor, context.result.numel(), context.world)
+        if name not in self.exchanges:
+            self.exchanges[name] = get_exchange(name)
+        return self.exchanges[name]
+
     def close_step(self) -> None:
         """End of backward: commit or roll back the step on every rank (:mod:`gradsift.step`)."""
         self.ledger.close(self.compressor, self.store, self.telemetry, self.process_group)
@@ -348,7 +362,7 @@ def _exchange_bucket(
         part.compensated = _compensate(state, part, context.world)
     batches: list[tuple[list[Part], Exchange, Codec | None]] = []
     if large:
-        batches.append((large, _DENSE, None) if dense else (large, state.exchange, state.codec))
+        batches.append((large, _DENSE, None) if dense else (large, state.exchange_for(context), state.codec))
     if small:
         batches.append((small, _DENSE, None))
     futures = [exchange.start(group, codec, context) for group, exchange, codec in batches]

@@ -3,7 +3,12 @@
 ``EXCHANGES`` maps each name to ``"module:Class"`` (imported on first use). A
 compressor declares the exchanges it can travel by (``Compressor.exchanges``, the
 first being its default); the DDP hook's ``exchange=`` option picks one of them, or
-``"auto"`` (the default), the compressor's default.
+``"auto"`` (the default): per bucket, the supported exchange that
+:mod:`gradsift.costmodel` predicts fastest for the bucket's ``n`` elements, the
+sparsifier's ``k = ratio n`` and the ``W`` workers, on :data:`AUTO_LINK` (the hook
+cannot see the network; the choice hardly depends on it: the allgather's ``(W-1) k``
+bytes against the others' ``O(k)``, and their extra rounds, decide). Every rank
+computes the same choice from the same numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ EXCHANGES: dict[str, str] = {
 }
 
 AUTO = "auto"
+
+#: The link ``"auto"`` plans for: 10 Gbit/s (in bytes per second) and 50 us per message.
+AUTO_LINK = (10e9 / 8, 50e-6)
 
 
 def available_exchanges() -> list[str]:
@@ -55,6 +63,28 @@ def exchange_for(compressor: Compressor, name: str = AUTO) -> Exchange:
     return exchange
 
 
+def choose_exchange(
+    compressor: Compressor, numel: int, world: int, link: tuple[float, float] = AUTO_LINK
+) -> str:
+    """``"auto"``'s pick for one bucket: the supported exchange with the least predicted time
+    (ties and exchanges the cost model has no formula for: the compressor's default)."""
+    from gradsift import costmodel
+    from gradsift.compressors.base import target_count
+
+    supported = compressor.exchanges
+    ratio = getattr(compressor, "ratio", None)
+    if len(supported) == 1 or ratio is None or world < 2:
+        return supported[0]
+    k = target_count(numel, ratio)
+    traffic = {
+        "allgather": lambda: costmodel.allgather_traffic(k, world),
+        "balanced": lambda: costmodel.sparse_reduce_scatter_traffic(k, world),
+        "shared-mask": lambda: costmodel.shared_mask_traffic(k, world),
+    }
+    seconds = {name: float(traffic[name]().seconds(*link)) for name in supported if name in traffic}
+    return min(supported, key=lambda name: (seconds.get(name, float("inf")), supported.index(name)))
+
+
 __all__ = [
     "AUTO",
     "EXCHANGES",
@@ -65,6 +95,7 @@ __all__ = [
     "Exchange",
     "Part",
     "available_exchanges",
+    "choose_exchange",
     "exchange_for",
     "get_exchange",
 ]
