@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift import recipe
-from gradsift.compressors.base import Compressor
+from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import get_compressor
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import (
@@ -153,13 +153,13 @@ class GradsiftHookState:
     compressor: Compressor
     options: HookOptions = dataclasses.field(default_factory=HookOptions)
     process_group: Any = None
-    exchange: Exchange | None = None
     store: TensorStore = dataclasses.field(default_factory=TensorStore)
     feedback: ErrorFeedback | None = None
     layout: ParameterLayout = dataclasses.field(default_factory=ParameterLayout)
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
-    telemetry: Telemetry | None = None
+    exchange: Exchange = dataclasses.field(init=False)
+    telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
     exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
@@ -169,12 +169,12 @@ class GradsiftHookState:
             raise InvalidOptionError(
                 f"compressor must be a registry name or a Compressor, got {self.compressor!r}"
             )
-        self.exchange = self.exchange or exchange_for(self.compressor, self.options.exchange)
+        self.exchange = exchange_for(self.compressor, self.options.exchange)
         if self.exchange.name == "delegated" and self.options.granularity != "bucket":
             raise InvalidOptionError(
                 f"{self.compressor.name} runs on whole buckets: use granularity='bucket'"
             )
-        if self.options.density_warmup_steps and not hasattr(self.compressor, "ratio"):
+        if self.options.density_warmup_steps and not isinstance(self.compressor, Sparsifier):
             raise InvalidOptionError(
                 f"density_warmup_steps needs a sparsifier with a ratio; {self.compressor.name} has none"
             )
@@ -185,9 +185,8 @@ class GradsiftHookState:
             self.feedback = ErrorFeedback(self.options.momentum, self.options.momentum_masking, self.store)
         self.compressor.bind_store(self.store)
         self.ledger.nonfinite = self.options.nonfinite
-        if self.telemetry is None:
-            self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
-        self.target_ratio = getattr(self.compressor, "ratio", None)
+        self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
+        self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
         self.codec = Codec(self.compressor, self.options.value_dtype)
 
     @classmethod
@@ -295,11 +294,8 @@ class GradsiftHookState:
         self.ledger.close(self.compressor, self.store, self.telemetry, self.process_group)
 
     def open_step(self) -> Any:
-        if (
-            self.ledger.current is None
-            and self.target_ratio is not None
-            and self.options.density_warmup_steps
-        ):
+        warming = self.ledger.current is None and self.options.density_warmup_steps
+        if warming and self.target_ratio is not None and isinstance(self.compressor, Sparsifier):
             self.compressor.ratio = recipe.density_at(
                 self.ledger.step,
                 self.target_ratio,
@@ -379,7 +375,7 @@ def _exchange_bucket(
         if large and state.feedback is not None and not context.record.nonfinite and not context.errors:
             for part, sent in zip(large, deliveries[0].sent, strict=True):
                 state.feedback.update(
-                    part.key, part.compensated, part.compensated if sent is None else sent, state.compressor
+                    part.key, part.input, part.input if sent is None else sent, state.compressor
                 )
         record = context.record
         record.communicate_ms = (

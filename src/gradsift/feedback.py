@@ -88,14 +88,13 @@ class ErrorFeedback:
         at those positions), another payload (decoded with ``compressor.sent_dense``),
         or a dense tensor.
         """
-        indices = sent.indices if isinstance(sent, Payload) else None
-        if indices is not None:
+        if isinstance(sent, Payload) and sent.indices is not None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
-            indices = indices.long()
-            if sent.values is None or sent.values.dtype == residual.dtype:
+            indices, values = sent.indices.long(), sent.values
+            if values is None or values.dtype == residual.dtype:
                 residual.index_fill_(0, indices, 0)  # sent as they were: nothing left there
             else:
-                residual.index_put_((indices,), residual[indices] - sent.values.to(residual.dtype))
+                residual.index_put_((indices,), residual[indices] - values.to(residual.dtype))
             if self.momentum > 0 and self.momentum_masking:
                 velocity = self.store.get(VELOCITY, key)
                 if velocity is not None:  # the velocity compensate() put this step: ours to modify

@@ -28,6 +28,7 @@ fixes it with four techniques, all available as hook options:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +90,7 @@ def take_over_optimizer(optimizer: Any, numbers: dict[int, int]) -> OptimizerTak
 
 
 def add_weight_decay(
-    flat: torch.Tensor, params: list[torch.Tensor], numbers: list[int], decay: dict[int, float]
+    flat: torch.Tensor, params: Sequence[torch.Tensor], numbers: Sequence[int], decay: dict[int, float]
 ) -> None:
     """``g <- g + wd x`` in place, per parameter of a part (``params`` in flattening order)."""
     offset = 0

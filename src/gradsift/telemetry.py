@@ -57,7 +57,7 @@ _SUMMED = [f.name for f in fields(BucketRecord) if f.name != "nonfinite"]
 
 def combine(records: Iterable[BucketRecord]) -> dict[str, Any]:
     """Sum bucket records into one step dict (``density = elements_sent / elements``)."""
-    step = dict.fromkeys(_SUMMED, 0)
+    step: dict[str, Any] = dict.fromkeys(_SUMMED, 0)
     for record in records:
         for name in _SUMMED:
             step[name] += getattr(record, name)

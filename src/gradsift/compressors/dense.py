@@ -37,13 +37,14 @@ class DenseCast(Compressor):
         if not payloads:
             raise InvalidOptionError("payloads must hold at least one payload")
         dtype = payloads[0].dtype
-        total = torch.zeros(numel, dtype=dtype, device=payloads[0].values.device)
+        total: torch.Tensor | None = None
         for payload in payloads:
-            if payload.values.numel() != numel:
-                raise InvalidOptionError(
-                    f"payload holds {payload.values.numel()} values, expected numel={numel}"
-                )
-            total += payload.values.to(dtype)
+            if payload.values is None or payload.values.numel() != numel:
+                count = None if payload.values is None else payload.values.numel()
+                raise InvalidOptionError(f"payload holds {count} values, expected numel={numel}")
+            values = payload.values.to(dtype)
+            total = values.clone() if total is None else total.add_(values)
+        assert total is not None
         if len(payloads) > 1:
             total /= len(payloads)
         return total

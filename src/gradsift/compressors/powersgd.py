@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -145,7 +146,7 @@ class PowerSGD(Compressor):
             self.dense_step_pending = not bucket.is_last()
             self.state.maybe_increase_iter(bucket)
             self.sent_nbytes[bucket.index()] = dense_nbytes
-            return default_hooks.allreduce_hook(process_group, bucket)
+            return default_hooks.allreduce_hook(process_group, bucket)  # type: ignore[arg-type]  # None: the default group
         compressing = self.state.iter >= self.state.start_powerSGD_iter
         if compressing:
             self._check_layout(bucket)
@@ -196,7 +197,8 @@ class PowerSGD(Compressor):
 
         ``error_dict`` stays empty (the error lives in gradsift's error feedback); it is
         kept in the dict so that checkpoints keep one shape."""
-        _, keys, position, has_gauss, cached_gaussian = self.state.rng.get_state()
+        _, keys, position, has_gauss, cached_gaussian = self.state.rng.get_state(legacy=True)
+        keys = np.asarray(keys)
         state: dict[str, Any] = {name: int(getattr(self.state, name)) for name in _STATE_COUNTERS}
         for name in _STATE_TENSOR_DICTS:
             state[name] = {k: v.clone() for k, v in getattr(self.state, name).items()}

@@ -54,7 +54,7 @@ class VGCPayload(Payload):
 
     @property
     def count(self) -> int:
-        return self.codes.numel() - vgc_codec.chunk_count(self.numel)
+        return 0 if self.codes is None else self.codes.numel() - vgc_codec.chunk_count(self.numel)
 
 
 class VGC(Compressor):
@@ -182,6 +182,8 @@ class VGC(Compressor):
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         decoded = []
         for payload in payloads:
+            if payload.codes is None or payload.scales is None:
+                raise InvalidOptionError("a vgc payload carries codes and scales")
             indices, values = vgc_codec.decode(payload.codes, payload.scales, numel)
             decoded.append(Payload(numel=payload.numel, dtype=payload.dtype, values=values, indices=indices))
         return scatter_mean(decoded, numel)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gradsift.errors import GradsiftError
 from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
 from gradsift.exchanges.collectives import allreduce_sum, ring_allreduce_received
 from gradsift.validation import all_finite
@@ -37,14 +38,15 @@ class Allreduce(Exchange):
             None if codec is None else codec.encode(part, context.record) for part in parts
         ]
         poisoned = any(e is not None and e.nonfinite for e in encoded)
+        sent = [_sent_values(part, enc) for part, enc in zip(parts, encoded, strict=True)]
         groups: dict[torch.dtype, list[int]] = {}
-        for i, (part, enc) in enumerate(zip(parts, encoded, strict=True)):
-            groups.setdefault((part.input if enc is None else enc.wire.values).dtype, []).append(i)
-        messages, futures = [], []
+        for i, values in enumerate(sent):
+            groups.setdefault(values.dtype, []).append(i)
+        messages: list[torch.Tensor] = []
+        futures = []
         for members in groups.values():
-            sent = [parts[i].input if encoded[i] is None else encoded[i].wire.values for i in members]
-            message = torch.cat(sent) if len(sent) > 1 else sent[0]
-            message = torch.full_like(message, float("nan")) if poisoned else message / context.world
+            joined = torch.cat([sent[i] for i in members]) if len(members) > 1 else sent[members[0]]
+            message = torch.full_like(joined, float("nan")) if poisoned else torch.div(joined, context.world)
             nbytes = message.numel() * message.element_size()
             context.record.add_bytes(
                 sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
@@ -78,6 +80,15 @@ class Allreduce(Exchange):
         return future.then(lambda done: check and not all_finite(done.value()[0]))
 
 
+def _sent_values(part: Part, encoded: Encoded | None) -> torch.Tensor:
+    """What a part puts into the allreduce: its (compensated) gradient, or its payload's values."""
+    if encoded is None:
+        return part.input
+    if encoded.wire.values is None:
+        raise GradsiftError("the allreduce exchange carries payloads with values only")
+    return encoded.wire.values
+
+
 def _split(
     mean: torch.Tensor,
     parts: list[Part],
@@ -88,7 +99,7 @@ def _split(
     """Write each part's slice of the reduced ``mean`` into the result (payloads decoded)."""
     start = 0
     for part, enc in zip(parts, encoded, strict=True):
-        count = part.numel if enc is None else enc.wire.values.numel()
+        count = _sent_values(part, enc).numel()
         values = mean[start : start + count]
         start += count
         if enc is None or codec is None:

@@ -43,7 +43,7 @@ from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
 from gradsift.exchanges.allgather import Gathered, gather_payloads
-from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
+from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part, sparse_entries
 from gradsift.exchanges.collectives import guarded, ready
 
 BOUNDS = "balanced.bounds"
@@ -60,10 +60,6 @@ class Balanced(Exchange):
         if codec is None:
             raise InvalidOptionError("the balanced exchange carries sparse payloads only")
         encoded = [codec.encode(part, context.record) for part in parts]
-        if any(e.payload.indices is None or e.payload.values is None for e in encoded):
-            raise InvalidOptionError(
-                f"the balanced exchange needs (indices, values) payloads; {codec.compressor.name} has none"
-            )
         world, numel = context.world, context.result.numel()
         canonical = Canonical(context.order, context.numels, context.result.device)
         positions, values = _bucket_entries(parts, encoded, canonical)
@@ -91,8 +87,9 @@ class Balanced(Exchange):
             if gathered.decoded is None:
                 return Delivery(sent=[None] * len(parts), nonfinite=gathered.nonfinite, error=gathered.error)
             started = time.perf_counter()
-            kept = torch.cat([d[0].indices.long() for d in gathered.decoded])
-            summed = torch.cat([d[0].values for d in gathered.decoded])
+            entries = [sparse_entries(d[0], self.name) for d in gathered.decoded]
+            kept = torch.cat([indices.long() for indices, _ in entries])
+            summed = torch.cat([values for _, values in entries])
             context.store.put(BOUNDS, context.key, _balanced_bounds(kept, numel, world))
             dense = torch.zeros(numel, dtype=context.result.dtype, device=context.result.device)
             dense.index_put_((canonical.to_flat(kept),), summed.to(dense.dtype) / world)
@@ -142,8 +139,11 @@ def _bucket_entries(
     parts: list[Part], encoded: list[Encoded], canonical: Canonical
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All parts' sent entries at canonical positions, sorted by position."""
-    flat = torch.cat([e.wire.indices.long() + part.offset for part, e in zip(parts, encoded, strict=True)])
-    values = torch.cat([e.wire.values for e in encoded])
+    entries = [sparse_entries(e.wire, Balanced.name) for e in encoded]
+    flat = torch.cat(
+        [indices.long() + part.offset for part, (indices, _) in zip(parts, entries, strict=True)]
+    )
+    values = torch.cat([values for _, values in entries])
     if canonical.identity:
         return flat, values
     positions, order = torch.sort(canonical.to_canonical(flat))
@@ -222,11 +222,9 @@ def _reduce_slice(
 
 def _delivered(part: Part, encoded: Encoded, kept: torch.Tensor, canonical: Canonical) -> Payload:
     """The part's sent entries whose (canonical) positions survived; the rest stays in the residual."""
-    local = encoded.wire.indices.long()
+    indices, values = sparse_entries(encoded.wire, Balanced.name)
+    local = indices.long()
     survived = torch.isin(canonical.to_canonical(local + part.offset), kept)
     return Payload(
-        numel=part.numel,
-        dtype=encoded.payload.dtype,
-        values=encoded.wire.values[survived],
-        indices=local[survived],
+        numel=part.numel, dtype=encoded.payload.dtype, values=values[survived], indices=local[survived]
     )

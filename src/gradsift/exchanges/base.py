@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsift.compressors.base import Compressor, Payload
-from gradsift.errors import NonFiniteGradientError
+from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.exchanges import wire
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord
@@ -77,6 +77,13 @@ class Encoded:
     nonfinite: bool
 
 
+def sparse_entries(payload: Payload, exchange: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A payload's ``(indices, values)``; :class:`InvalidOptionError` names the exchange otherwise."""
+    if payload.indices is None or payload.values is None:
+        raise InvalidOptionError(f"the {exchange} exchange carries (indices, values) payloads only")
+    return payload.indices, payload.values
+
+
 @dataclass
 class Delivery:
     """What an exchange reports for its parts once the data arrived.
@@ -120,7 +127,7 @@ class Context:
     key: Hashable = None
     order: tuple[int, ...] = ()
     numels: Mapping[int, int] = field(default_factory=dict)
-    store: TensorStore | None = None
+    store: TensorStore = field(default_factory=TensorStore)
     step: int = 0
     errors: list[BaseException] = field(default_factory=list)
 
@@ -156,7 +163,12 @@ class Codec:
             cleaned = torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0)
             payload = self.compressor.compress(cleaned, key=part.key, **extra)
         sent = wire.to_wire(payload, self.value_dtype)
-        if not nonfinite and sent.values is not None and sent.values.dtype != payload.values.dtype:
+        narrowed = (
+            sent.values is not None
+            and payload.values is not None
+            and sent.values.dtype != payload.values.dtype
+        )
+        if not nonfinite and narrowed and sent.values is not None:
             nonfinite = not all_finite(sent.values)  # a down-cast may overflow
         record.compressed_tensors += 1
         record.elements_sent += sent.count

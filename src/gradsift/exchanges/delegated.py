@@ -19,12 +19,25 @@ replaces the compressor's own) and takes care of the rest:
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
 from gradsift.exchanges.collectives import ring_allreduce_received
 from gradsift.validation import all_finite
+
+
+@runtime_checkable
+class DelegatingCompressor(Protocol):
+    """What a compressor offers to run its own collectives (PowerSGD)."""
+
+    def will_compress(self, bucket: Any) -> bool: ...
+
+    def ddp_hook(self, process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]: ...
+
+    def hook_nbytes(self, bucket: Any) -> int: ...
 
 
 class Delegated(Exchange):
@@ -41,6 +54,10 @@ class Delegated(Exchange):
             )
         (part,) = parts
         compressor, bucket = codec.compressor, context.bucket
+        if not isinstance(compressor, DelegatingCompressor):
+            raise InvalidOptionError(
+                f"{compressor.name} has no ddp_hook/will_compress/hook_nbytes to delegate to"
+            )
         buffer = bucket.buffer()
         if part.input is not part.flat:
             buffer.copy_(part.input)

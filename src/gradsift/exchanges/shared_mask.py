@@ -30,7 +30,7 @@ import torch.distributed as dist
 from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
+from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part, sparse_entries
 from gradsift.exchanges.collectives import allreduce_sum, guarded, ready, ring_allreduce_received
 from gradsift.validation import all_finite
 
@@ -50,20 +50,16 @@ class SharedMask(Exchange):
         device = context.result.device
         if rank == leader:
             encoded = [codec.encode(part, context.record) for part in parts]
-            if any(e.payload.indices is None for e in encoded):
-                raise InvalidOptionError(
-                    f"the shared-mask exchange needs sparse payloads; {codec.compressor.name} has none"
-                )
+            indices = [sparse_entries(e.wire, self.name)[0] for e in encoded]
             nonfinite = any(e.nonfinite for e in encoded)
-            counts = [-1] * len(parts) if nonfinite else [e.wire.indices.numel() for e in encoded]
-            indices = [e.wire.indices for e in encoded]
+            header = [-1] * len(parts) if nonfinite else [i.numel() for i in indices]
         else:
             started = time.perf_counter()
             nonfinite = not all(all_finite(part.input) for part in parts)
             context.record.compress_ms += (time.perf_counter() - started) * 1e3
-            counts, indices = [0] * len(parts), []
+            header, indices = [0] * len(parts), []
         counts = _broadcast(
-            torch.tensor(counts, dtype=wire.HEADER_DTYPE, device=device), leader, context, "counts broadcast"
+            torch.tensor(header, dtype=wire.HEADER_DTYPE, device=device), leader, context, "counts broadcast"
         )
         if bool((counts < 0).any()):
             return ready(Delivery(sent=[None] * len(parts), nonfinite=True))
@@ -83,7 +79,7 @@ class SharedMask(Exchange):
         values = torch.cat([part.input[p] for part, p in zip(parts, positions, strict=True)])
         if codec.value_dtype is not None:
             values = values.to(codec.value_dtype)
-        message = torch.full_like(values, float("nan")) if nonfinite else values / world
+        message = torch.full_like(values, float("nan")) if nonfinite else torch.div(values, world)
         index_bytes = flat.numel() * flat.element_size() + counts.numel() * counts.element_size()
         value_bytes = message.numel() * message.element_size()
         sent = value_bytes + (index_bytes if rank == leader else 0)

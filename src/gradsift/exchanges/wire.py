@@ -64,19 +64,19 @@ def to_wire(payload: Payload, value_dtype: torch.dtype | None = None) -> Payload
     sort of the ``k`` sent elements only when needed); fields that already have the
     wire dtype and order are not copied.
     """
-    changes: dict[str, torch.Tensor] = {}
-    indices = payload.fields().get("indices")  # seeded random-k keeps its indices off the wire
+    values, indices = payload.values, payload.fields().get("indices")  # random-k keeps its indices local
     if indices is not None and indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         indices, order = torch.sort(indices)
-        changes["indices"] = indices
-        if payload.values is not None:
-            changes["values"] = payload.values[order]
+        values = None if values is None else values[order]
     if indices is not None and indices.dtype != index_dtype(payload.numel):
-        changes["indices"] = indices.to(index_dtype(payload.numel))
-    values = changes.get("values", payload.values)
+        indices = indices.to(index_dtype(payload.numel))
     if value_dtype is not None and values is not None and values.dtype != value_dtype:
-        changes["values"] = values.to(value_dtype)
-    return dataclasses.replace(payload, **changes) if changes else payload
+        values = values.to(value_dtype)
+    if indices is None:
+        indices = payload.indices
+    if values is payload.values and indices is payload.indices:
+        return payload
+    return dataclasses.replace(payload, values=values, indices=indices)
 
 
 def header(payloads: Sequence[Payload], nonfinite: bool = False) -> list[int]:
@@ -155,7 +155,14 @@ def decode(
             n = lengths[part * len(names) + j]
             fields[name] = data[name][offsets[name] : offsets[name] + n]
             offsets[name] += n
-        payload = dataclasses.replace(template, info={}, **fields)
+        payload = dataclasses.replace(
+            template,
+            info={},
+            values=fields.get("values", template.values),
+            indices=fields.get("indices", template.indices),
+            codes=fields.get("codes", template.codes),
+            scales=fields.get("scales", template.scales),
+        )
         _check_indices(payload, part)
         decoded.append(payload)
     return decoded
