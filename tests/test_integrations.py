@@ -186,8 +186,8 @@ def test_trainer_callback_registers_saves_each_rank_and_restores(
     # a resumed run (global_step 1 at on_train_begin) restores the residuals from OUTPUT_DIR/checkpoint-1
     resumed = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()), "topk", ratio=0.1)
     resumed.on_train_begin(*_trainer_events(tmp_path, 1))
-    before = callback.state.state_dict()["feedback"]["residuals"]
-    after = resumed.state.state_dict()["feedback"]["residuals"]
+    before = callback.state.state_dict()["store"]["tables"]["residual"]
+    after = resumed.state.state_dict()["store"]["tables"]["residual"]
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert any(bool(t.abs().sum() > 0) for t in before.values())
 

@@ -174,7 +174,7 @@ class GradsiftHookState:
             raise InvalidOptionError(
                 f"{self.compressor.name} runs on whole buckets: use granularity='bucket'"
             )
-        if self.options.density_warmup_steps and not isinstance(self.compressor, Sparsifier):
+        if self.options.density_warmup_steps and getattr(self.compressor, "ratio", None) is None:
             raise InvalidOptionError(
                 f"density_warmup_steps needs a sparsifier with a ratio; {self.compressor.name} has none"
             )
@@ -186,7 +186,9 @@ class GradsiftHookState:
         self.compressor.bind_store(self.store)
         self.ledger.nonfinite = self.options.nonfinite
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
-        self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
+        self.target_ratio = (
+            getattr(self.compressor, "ratio", None) if isinstance(self.compressor, Sparsifier) else None
+        )
         self.codec = Codec(self.compressor, self.options.value_dtype)
 
     @classmethod
