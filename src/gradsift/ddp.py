@@ -11,21 +11,23 @@ and returns its :class:`GradsiftHookState`. Per DDP bucket, per backward:
    ``c = g + r`` (with momentum correction ``u <- m u + g``, ``c = r + u``).
 4. compress + exchange + decompress: the exchange (:mod:`gradsift.exchanges`; the
    compressor's default, or ``exchange=``) encodes each part, moves it, validates what
-   arrives and writes each part's mean over the workers into the bucket's result,
-   overlapping the rest of backward; dense parts go by one allreduce.
+   arrives and writes each part's mean over the workers into the bucket's result;
+   the collectives overlap the rest of backward, reading their results waits for the
+   step's end; dense parts go by one allreduce.
 5. update: error feedback keeps ``r <- c - s``, ``s`` what this worker's contribution
    stood for.
-6. When backward ends, the step closes (:mod:`gradsift.step`): every rank together
-   commits the step's state, or -- a peer failure, a malformed message, a NaN/Inf on any
-   rank -- rolls it back and applies the ``nonfinite`` policy. Then DDP copies the
-   results into ``.grad``.
+6. When backward ends, the step closes (:mod:`gradsift.step`) on the thread that ran
+   backward: it waits for the exchanges and decodes what arrived (no Python runs on the
+   backend's threads), then every rank together commits the step's state, or -- a peer
+   failure, a malformed message, a NaN/Inf on any rank -- rolls it back and applies the
+   ``nonfinite`` policy, and completes the futures the hook returned. Then DDP copies
+   the results into ``.grad``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime
 # (``bucket: dist.GradBucket``, a Future return) and rejects strings.
 import dataclasses
 import os
-import time
 from typing import Any
 
 import torch
@@ -48,7 +50,7 @@ from gradsift.exchanges import (
     get_exchange,
 )
 from gradsift.exchanges.allreduce import Allreduce
-from gradsift.exchanges.collectives import peer_failure
+from gradsift.exchanges.collectives import Pending
 from gradsift.exchanges.wire import parse_value_dtype
 from gradsift.feedback import ErrorFeedback
 from gradsift.layout import GRANULARITIES, ParameterLayout
@@ -268,10 +270,10 @@ class GradsiftHookState:
         self.telemetry.load_state_dict(state["telemetry"])
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the process group and the step in progress (like ``PowerSGDState``)."""
+        """Pickle without the process group and the steps in flight (like ``PowerSGDState``)."""
         state = dict(self.__dict__)
         state["process_group"] = None
-        state["ledger"] = dataclasses.replace(self.ledger, current=None)
+        state["ledger"] = dataclasses.replace(self.ledger, current=None, retired=[])
         return state
 
     # -- per-step ---------------------------------------------------------------------------
@@ -293,7 +295,7 @@ class GradsiftHookState:
 
     def close_step(self) -> None:
         """End of backward: commit or roll back the step on every rank (:mod:`gradsift.step`)."""
-        self.ledger.close(self.compressor, self.store, self.telemetry, self.process_group)
+        self.ledger.close(self.compressor, self.store, self.telemetry)
 
     def open_step(self) -> Any:
         warming = self.ledger.current is None and self.options.density_warmup_steps
@@ -316,28 +318,30 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
     context = Context(state.process_group, world, buffer, record, bucket, store=state.store, step=state.step)
     try:
         if state.dense_step():
-            future = _dense_in_place(state, context)
+            pending = _dense_in_place(state, context)
         else:
-            future = _exchange_bucket(state, bucket, context, step.keys)
+            pending = _exchange_bucket(state, bucket, context, step.keys)
     except BaseException:
         state.ledger.abort(state.compressor, state.store)
         raise
-    step.buckets.append(BucketInFlight(future, record, context.errors))
+    # DDP gets a future of the hook's own, completed when the step closes (gradsift.step)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=None if buffer.device.type == "cpu" else [buffer.device]
+    )
+    step.buckets.append(BucketInFlight(future, pending, record, context.errors))
     return future
 
 
-def _dense_in_place(state: GradsiftHookState, context: Context) -> torch.futures.Future[torch.Tensor]:
+def _dense_in_place(state: GradsiftHookState, context: Context) -> Pending[torch.Tensor]:
     """Stock DDP's exchange of the whole bucket (the flag read only when some state could absorb it)."""
     record, buffer = context.record, context.result
     record.elements_sent, record.dense_tensors = buffer.numel(), 1
     # `none` under "propagate" is stock DDP: no state could absorb the step and the
     # NaN reaches every rank through the allreduce, so no flag is read.
     check = state.options.nonfinite != "propagate" or not state.compressor.identity
-    started = time.perf_counter()
 
-    def finish(done: torch.futures.Future[bool]) -> torch.Tensor:
-        record.communicate_ms += (time.perf_counter() - started) * 1e3
-        record.nonfinite |= done.value()
+    def finish(nonfinite: bool) -> torch.Tensor:
+        record.nonfinite |= nonfinite
         return buffer
 
     return _DENSE.start_in_place(buffer, context, check).then(finish)
@@ -345,9 +349,8 @@ def _dense_in_place(state: GradsiftHookState, context: Context) -> torch.futures
 
 def _exchange_bucket(
     state: GradsiftHookState, bucket: dist.GradBucket, context: Context, keys: set[Any]
-) -> torch.futures.Future[torch.Tensor]:
+) -> Pending[torch.Tensor]:
     """compensate -> compress -> exchange -> decompress -> update, for one bucket."""
-    started = time.perf_counter()
     context.result = torch.empty_like(bucket.buffer())
     parts = state.layout.parts(bucket, state.options.granularity, state.store)
     context.order, context.numels = state.layout.numbers_of(bucket), state.layout.numels
@@ -363,15 +366,10 @@ def _exchange_bucket(
         batches.append((large, _DENSE, None) if dense else (large, state.exchange_for(context), state.codec))
     if small:
         batches.append((small, _DENSE, None))
-    futures = [exchange.start(group, codec, context) for group, exchange, codec in batches]
+    exchanges = [exchange.start(group, codec, context) for group, exchange, codec in batches]
     _count_dense(context.record, small + (large if dense else []))
 
-    def finish(done: torch.futures.Future[list[torch.futures.Future[Delivery]]]) -> torch.Tensor:
-        try:
-            deliveries = [future.value() for future in done.value()]
-        except RuntimeError as exc:
-            context.errors.append(peer_failure(exc, context.group, "gradient exchange"))
-            return context.result
+    def finish(deliveries: list[Delivery]) -> torch.Tensor:
         context.record.nonfinite = any(d.nonfinite for d in deliveries)
         context.errors.extend(d.error for d in deliveries if d.error is not None)
         if large and state.feedback is not None and not context.record.nonfinite and not context.errors:
@@ -379,13 +377,9 @@ def _exchange_bucket(
                 state.feedback.update(
                     part.key, part.input, part.input if sent is None else sent, state.compressor
                 )
-        record = context.record
-        record.communicate_ms = (
-            (time.perf_counter() - started) * 1e3 - record.compress_ms - record.decompress_ms
-        )
         return context.result
 
-    return torch.futures.collect_all(futures).then(finish)
+    return Pending.gather(exchanges).then(finish)
 
 
 def _compensate(state: GradsiftHookState, part: Part, world: int) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 The first bucket of a backward opens the step: the state store begins a transaction
 and the compressor's (small) ``snapshot()`` is kept, and a callback is queued on the
-autograd engine to close the step once every bucket has been handed to DDP. Closing
-waits for the buckets' exchanges and then, on every rank alike (every exchange delivers
-the non-finite flag to all ranks):
+autograd engine to close the step once every bucket has been handed to DDP (the
+engine runs it before DDP's own end-of-backward callback, which DDP queues when its
+last bucket is ready). The hook hands DDP futures of its own; closing, on the thread
+that ran backward, waits for the buckets' exchanges (:class:`Pending`: no Python runs
+on the backend's threads), completes those futures and, on every rank alike (every
+exchange delivers the non-finite flag to all ranks):
 
 * a collective failed -> state rolled back, :class:`PeerFailureError` raised;
 * a received message was malformed -> state rolled back, that error raised;
@@ -17,7 +20,10 @@ the non-finite flag to all ranks):
   ``"skip"`` fills them with zeros; ``"raise"`` raises :class:`NonFiniteGradientError`;
 * otherwise the transaction commits, state of keys no bucket used is dropped, and the
   step counter advances.
-DDP copies the bucket results into ``.grad`` after this callback.
+DDP copies the bucket results into ``.grad`` after this callback. The step's pending
+exchanges (and through them every tensor their collectives touched) stay referenced
+until the next step opens, so a backend thread never drops the last reference to a
+Python object (docs/decisions.md, "Clean exit").
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.errors import NonFiniteGradientError
-from gradsift.exchanges.collectives import peer_failure
+from gradsift.exchanges.base import waited
+from gradsift.exchanges.collectives import Pending
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord, Telemetry
 
@@ -39,9 +46,11 @@ NONFINITE_POLICIES = ("propagate", "skip", "raise")
 
 @dataclass
 class BucketInFlight:
-    """One bucket handed to DDP: its result future, telemetry, and a failure found on the way."""
+    """One bucket handed to DDP: the future DDP waits for, the exchange that will produce
+    its result, telemetry, and failures found while reading the result."""
 
     future: torch.futures.Future[torch.Tensor]
+    pending: Pending[torch.Tensor]
     record: BucketRecord
     errors: list[BaseException] = field(default_factory=list)
 
@@ -63,16 +72,19 @@ class StepLedger:
         step: synchronised steps applied so far (a dropped non-finite step does not count).
         last_step_skipped: the last step was dropped for a non-finite gradient.
         current: the step in progress, or None between steps.
+        retired: the last closed step's exchanges, kept until the next step opens.
     """
 
     nonfinite: str = "propagate"
     step: int = 0
     last_step_skipped: bool = False
     current: OpenStep | None = None
+    retired: list[Pending[torch.Tensor]] = field(default_factory=list)
 
     def open(self, compressor: Compressor, store: TensorStore, on_close: Callable[[], None]) -> OpenStep:
         """Open the step on its first bucket (later buckets get the same :class:`OpenStep`)."""
         if self.current is None:
+            self.retired = []
             self.current = OpenStep(compressor_state=compressor.snapshot())
             store.begin()
             torch.autograd.Variable._execution_engine.queue_callback(on_close)
@@ -82,35 +94,37 @@ class StepLedger:
         """Forget the step in progress (a bucket raised): roll its state back."""
         if self.current is not None:
             _roll_back(self.current, compressor, store)
+            _fail(self.current, RuntimeError("gradsift: the step was abandoned (a bucket raised)"))
             self.current = None
 
-    def close(self, compressor: Compressor, store: TensorStore, telemetry: Telemetry, group: Any) -> None:
+    def close(self, compressor: Compressor, store: TensorStore, telemetry: Telemetry) -> None:
         """Wait for the step's buckets, apply the failure and non-finite policies, commit."""
         step, self.current = self.current, None
         if step is None:
             return
+        self.retired = [bucket.pending for bucket in step.buckets]
         results = []
         try:
             for bucket in step.buckets:
-                try:
-                    results.append(bucket.future.wait())
-                except RuntimeError as exc:
-                    raise peer_failure(exc, group, "gradient exchange") from exc
+                results.append(waited(bucket.record, bucket.pending))
                 if bucket.errors:
                     raise bucket.errors[0]
-        except BaseException:
+        except BaseException as failure:
             _roll_back(step, compressor, store)
+            _fail(step, failure)
             raise
         records = [bucket.record for bucket in step.buckets]
         nonfinite = any(record.nonfinite for record in records)
         if nonfinite:
             _roll_back(step, compressor, store)
             if self.nonfinite == "raise":
-                raise NonFiniteGradientError(
+                refusal = NonFiniteGradientError(
                     f"step {self.step}: a gradient holds NaN or Inf on at least one rank; every rank raises "
                     "(nonfinite='propagate', the default, hands NaN gradients to the optimizer as stock DDP "
                     "does, for torch.amp.GradScaler; nonfinite='skip' zeroes them)"
                 )
+                _fail(step, refusal)
+                raise refusal
             fill = float("nan") if self.nonfinite == "propagate" else 0.0
             for result in results:
                 result.fill_(fill)
@@ -118,6 +132,8 @@ class StepLedger:
             store.commit()
             if step.keys:
                 store.retain(step.keys)
+        for bucket, result in zip(step.buckets, results, strict=True):
+            bucket.future.set_result(result)
         self.last_step_skipped = nonfinite
         telemetry.end_step(self.step, records, skipped=nonfinite)
         self.step += int(not nonfinite)
@@ -126,3 +142,10 @@ class StepLedger:
 def _roll_back(step: OpenStep, compressor: Compressor, store: TensorStore) -> None:
     store.rollback()
     compressor.restore(step.compressor_state)
+
+
+def _fail(step: OpenStep, error: BaseException) -> None:
+    """Complete every future DDP may still wait for with ``error``."""
+    for bucket in step.buckets:
+        if not bucket.future.done():
+            bucket.future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong

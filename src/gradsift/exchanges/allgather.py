@@ -19,15 +19,14 @@ Steps 1-3 are :func:`gather_payloads`, which the balanced exchange reuses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from gradsift.compressors.base import Payload
 from gradsift.errors import GradsiftError
 from gradsift.exchanges import wire
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import allgather, guarded, ready
+from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part, waited
+from gradsift.exchanges.collectives import Pending, allgather, ready
 
 
 @dataclass
@@ -44,9 +43,7 @@ class Allgather(Exchange):
 
     name = "allgather"
 
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
         if codec is None:
             raise GradsiftError("the allgather exchange carries compressed payloads only")
         encoded = [codec.encode(part, context.record) for part in parts]
@@ -59,16 +56,15 @@ class Allgather(Exchange):
                 part.view(context.result).copy_(mean)
             return Delivery(sent=[e.wire for e in encoded])
 
-        future = gather_payloads([e.wire for e in encoded], any(e.nonfinite for e in encoded), context)
-        return future.then(lambda done: finish(done.value()))
+        return gather_payloads([e.wire for e in encoded], any(e.nonfinite for e in encoded), context).then(
+            finish
+        )
 
 
-def gather_payloads(
-    payloads: list[Payload], nonfinite: bool, context: Context
-) -> torch.futures.Future[Gathered]:
+def gather_payloads(payloads: list[Payload], nonfinite: bool, context: Context) -> Pending[Gathered]:
     """Steps 1-3 of the module docstring for one message of ``payloads`` (wire form).
 
-    Counts the bytes into ``context.record``. The future holds every worker's decoded
+    Counts the bytes into ``context.record``. The result holds every worker's decoded
     payloads, or ``nonfinite`` when some worker flagged, or the :class:`WireFormatError`
     a malformed message raised.
     """
@@ -85,17 +81,15 @@ def gather_payloads(
     context.record.add_bytes(
         sent=sum(p.nbytes for p in payloads), padded=padded, received=(context.world - 1) * padded
     )
-    buffers, futures = [], []
+    buffers, gathers = [], []
     for (name, local), size in zip(data.items(), longest, strict=True):
         slot = torch.zeros(size, dtype=local.dtype, device=local.device)
         slot[: local.numel()] = local
         out = torch.empty(context.world * size, dtype=local.dtype, device=local.device)
-        futures.append(allgather(out, slot, context.group, f"{name} all_gather"))
+        gathers.append(allgather(out, slot, context.group, f"{name} all_gather"))
         buffers.append(out.view(context.world, size))
 
-    def decode(_: torch.futures.Future[Any]) -> Gathered:
-        for future in futures:
-            future.value()  # re-raises a failed gather
+    def decode(_: list[torch.Tensor]) -> Gathered:
         rows = headers.tolist()
         try:
             return Gathered(
@@ -111,7 +105,7 @@ def gather_payloads(
         except GradsiftError as error:
             return Gathered(error=error)
 
-    return torch.futures.collect_all(futures).then(decode)
+    return Pending.gather(gathers).then(decode)
 
 
 def _gather_headers(lengths: list[int], context: Context) -> torch.Tensor:
@@ -119,6 +113,5 @@ def _gather_headers(lengths: list[int], context: Context) -> torch.Tensor:
     device = context.result.device
     local = torch.tensor(lengths, dtype=wire.HEADER_DTYPE, device=device)
     out = torch.empty(context.world * len(lengths), dtype=wire.HEADER_DTYPE, device=device)
-    pending = allgather(out, local, context.group, "header all_gather")
-    guarded("header all_gather", context.group, pending.wait)
+    waited(context.record, allgather(out, local, context.group, "header all_gather"))
     return out.view(context.world, len(lengths)).cpu()

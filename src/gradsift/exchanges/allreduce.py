@@ -16,13 +16,12 @@ flags the same step. Bytes: ``bytes_sent = |m|``, no padding, received
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from gradsift.errors import GradsiftError
 from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
-from gradsift.exchanges.collectives import allreduce_sum, ring_allreduce_received
+from gradsift.exchanges.collectives import Pending, allreduce_sum, ring_allreduce_received
 from gradsift.validation import all_finite
 
 
@@ -31,9 +30,7 @@ class Allreduce(Exchange):
 
     name = "allreduce"
 
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
         encoded: list[Encoded | None] = [
             None if codec is None else codec.encode(part, context.record) for part in parts
         ]
@@ -42,8 +39,7 @@ class Allreduce(Exchange):
         groups: dict[torch.dtype, list[int]] = {}
         for i, values in enumerate(sent):
             groups.setdefault(values.dtype, []).append(i)
-        messages: list[torch.Tensor] = []
-        futures = []
+        reductions = []
         for members in groups.values():
             joined = torch.cat([sent[i] for i in members]) if len(members) > 1 else sent[members[0]]
             message = torch.full_like(joined, float("nan")) if poisoned else torch.div(joined, context.world)
@@ -51,33 +47,28 @@ class Allreduce(Exchange):
             context.record.add_bytes(
                 sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
             )
-            messages.append(message)
-            futures.append(allreduce_sum(message, context.group))
+            reductions.append(allreduce_sum(message, context.group))
 
-        def finish(_: torch.futures.Future[Any]) -> Delivery:
-            for future in futures:
-                future.value()  # re-raises a failed collective
+        def finish(messages: list[torch.Tensor]) -> Delivery:
             if not all(all_finite(mean) for mean in messages):
                 return Delivery(sent=[None] * len(parts), nonfinite=True)
             for members, mean in zip(groups.values(), messages, strict=True):
                 _split(mean, [parts[i] for i in members], [encoded[i] for i in members], codec, context)
             return Delivery(sent=[None if e is None else e.wire for e in encoded])
 
-        return torch.futures.collect_all(futures).then(finish)
+        return Pending.gather(reductions).then(finish)
 
-    def start_in_place(
-        self, buffer: torch.Tensor, context: Context, check: bool
-    ) -> torch.futures.Future[bool]:
+    def start_in_place(self, buffer: torch.Tensor, context: Context, check: bool) -> Pending[bool]:
         """Stock DDP's own exchange of a whole bucket: ``buffer <- allreduce(buffer / W)`` in place.
 
-        The future holds whether the mean is non-finite (always False without ``check``).
+        The result is whether the mean is non-finite (always False without ``check``).
         """
         nbytes = buffer.numel() * buffer.element_size()
         context.record.add_bytes(
             sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
         )
-        future = allreduce_sum(buffer.div_(context.world), context.group)
-        return future.then(lambda done: check and not all_finite(done.value()[0]))
+        reduction = allreduce_sum(buffer.div_(context.world), context.group)
+        return reduction.then(lambda mean: check and not all_finite(mean))
 
 
 def _sent_values(part: Part, encoded: Encoded | None) -> torch.Tensor:

@@ -44,7 +44,7 @@ from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
 from gradsift.exchanges.allgather import Gathered, gather_payloads
 from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import guarded, ready
+from gradsift.exchanges.collectives import Pending, guarded, ready
 
 BOUNDS = "balanced.bounds"
 
@@ -54,9 +54,7 @@ class Balanced(Exchange):
 
     name = "balanced"
 
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
         if codec is None:
             raise InvalidOptionError("the balanced exchange carries sparse payloads only")
         encoded = [codec.encode(part, context.record) for part in parts]
@@ -100,7 +98,7 @@ class Balanced(Exchange):
                 sent=[_delivered(part, e, kept, canonical) for part, e in zip(parts, encoded, strict=True)]
             )
 
-        return gather_payloads([template], False, context).then(lambda done: finish(done.value()))
+        return gather_payloads([template], False, context).then(finish)
 
 
 class Canonical:

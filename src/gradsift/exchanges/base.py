@@ -20,16 +20,19 @@ import abc
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.exchanges import wire
+from gradsift.exchanges.collectives import Pending
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord
 from gradsift.validation import all_finite
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Context:
         order / numels: the bucket's parameter numbers in flat order, and each one's size.
         store: the hook's state store (exchanges that keep state put it there, under ``key``).
         step: the hook's step counter (the same on every rank).
-        errors: failures found in callbacks, raised when the step closes.
+        errors: failures found while the step's results are read, raised when it closes.
     """
 
     group: Any
@@ -183,17 +186,25 @@ class Codec:
         return mean
 
 
+def waited(record: BucketRecord, pending: Pending[T]) -> T:
+    """``pending.wait()``; the time spent waiting, less decoding, adds to ``record.communicate_ms``
+    (the communication that the rest of backward did not hide)."""
+    started, decoding = time.perf_counter(), record.decompress_ms
+    try:
+        return pending.wait()
+    finally:
+        record.communicate_ms += (time.perf_counter() - started) * 1e3 - (record.decompress_ms - decoding)
+
+
 class Exchange(abc.ABC):
     """One way of moving a bucket's parts between the workers (see the module docstring)."""
 
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
-        """Start the exchange of ``parts``; the future completes once every part's mean is
-        written into ``context.result`` (or a non-finite input was flagged).
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
+        """Start the exchange of ``parts``; waiting for the result writes every part's mean
+        into ``context.result`` (or reports a non-finite input).
 
         ``codec`` is None for parts that travel uncompressed (dense).
         """

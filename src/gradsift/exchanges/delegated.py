@@ -15,6 +15,11 @@ replaces the compressor's own) and takes care of the rest:
   into every rank's result, whose sum every rank reads;
 * bytes: what the compressor reports (``hook_nbytes(bucket)``), received as a ring
   allreduce of that many bytes.
+
+The compressor's future is waited for on the training thread like every other
+exchange's result; what the compressor itself chains onto its collectives (PyTorch's
+PowerSGD hook uses ``Future.then``) still runs on the backend's threads
+(docs/decisions.md, "Clean exit").
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import ring_allreduce_received
+from gradsift.exchanges.collectives import Pending, guarded, ring_allreduce_received
 from gradsift.validation import all_finite
 
 
@@ -45,9 +50,7 @@ class Delegated(Exchange):
 
     name = "delegated"
 
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
         if codec is None or len(parts) != 1 or parts[0].numel != context.result.numel():
             raise InvalidOptionError(
                 "the delegated exchange takes the whole bucket as one part (granularity='bucket')"
@@ -68,12 +71,12 @@ class Delegated(Exchange):
             sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
         )
 
-        def finish(done: torch.futures.Future[torch.Tensor]) -> Delivery:
-            mean = done.value()
+        def finish(mean: torch.Tensor) -> Delivery:
             if not all_finite(mean):
                 return Delivery(sent=[None], nonfinite=True)
             view = part.view(context.result)
             view.copy_(mean)
             return Delivery(sent=[view if compressing else None])
 
-        return future.then(finish)
+        result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait), [future])
+        return result.then(finish)

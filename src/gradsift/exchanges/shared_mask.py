@@ -22,7 +22,6 @@ Step 1 blocks (the values depend on it); the allreduce overlaps backward.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import allreduce_sum, guarded, ready, ring_allreduce_received
+from gradsift.exchanges.collectives import Pending, allreduce_sum, guarded, ready, ring_allreduce_received
 from gradsift.validation import all_finite
 
 
@@ -40,9 +39,7 @@ class SharedMask(Exchange):
 
     name = "shared-mask"
 
-    def start(
-        self, parts: list[Part], codec: Codec | None, context: Context
-    ) -> torch.futures.Future[Delivery]:
+    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
         if codec is None:
             raise InvalidOptionError("the shared-mask exchange carries sparse payloads only")
         rank, world = dist.get_rank(context.group), context.world
@@ -86,8 +83,7 @@ class SharedMask(Exchange):
         received = ring_allreduce_received(value_bytes, world) + (0 if rank == leader else index_bytes)
         context.record.add_bytes(sent=sent, padded=sent, received=received)
 
-        def finish(done: torch.futures.Future[Any]) -> Delivery:
-            done.value()
+        def finish(message: torch.Tensor) -> Delivery:
             if not all_finite(message):
                 return Delivery(sent=[None] * len(parts), nonfinite=True)
             started = time.perf_counter()
