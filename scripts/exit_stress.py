@@ -1,0 +1,193 @@
+"""Run a plain two-rank user script many times per compressor and count abnormal exits.
+
+Each run starts ``scripts/exit_user_script.py`` on 2 gloo ranks (by hand: two processes
+with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, or through ``torchrun``), lets it train and
+``destroy_process_group()`` without a barrier, and records how every rank ended. A rank
+ended *abnormally* when its exit status is not 0 (a negative status is a signal, e.g.
+SIGABRT), when its output holds ``terminate called`` (C++ ``std::terminate``), or when
+it was still running after ``--timeout`` seconds (killed). A run is abnormal when any of
+its ranks is. Compressors are interleaved run by run, so a change in machine load hits
+them all alike.
+
+    python scripts/exit_stress.py --runs 200 --json benchmarks/exit/results.json
+
+Exit status: 0 when no run was abnormal, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+USER_SCRIPT = Path(__file__).with_name("exit_user_script.py")
+DEFAULT_COMPRESSORS = ("stock", "sidco-exp", "fp16", "vgc", "powersgd")
+WORLD_SIZE = 2
+ABORT_MARKER = "terminate called"
+
+
+@dataclass
+class RankEnd:
+    """How one rank of one run ended."""
+
+    rank: int
+    returncode: int | None  # None: killed after the timeout
+    output_tail: str
+
+    @property
+    def signal(self) -> str | None:
+        if self.returncode is None or self.returncode >= 0:
+            return None
+        return signal.Signals(-self.returncode).name
+
+    @property
+    def abnormal(self) -> bool:
+        return self.returncode != 0 or ABORT_MARKER in self.output_tail
+
+
+@dataclass
+class Tally:
+    """Every run of one compressor; ``failures`` lists the abnormal ranks."""
+
+    runs: int = 0
+    abnormal: int = 0
+    failures: list[dict] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_commands(compressor: str, steps: int, launcher: str) -> list[tuple[list[str], dict[str, str]]]:
+    """The processes of one run: one per rank by hand, or a single torchrun."""
+    script = [str(USER_SCRIPT), "--compressor", compressor, "--steps", str(steps)]
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", str(WORLD_SIZE), *script]
+        return [(command, base)]
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD_SIZE)}
+    return [
+        ([sys.executable, *script], {**base, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        for rank in range(WORLD_SIZE)
+    ]
+
+
+def run_once(compressor: str, steps: int, launcher: str, timeout: float) -> list[RankEnd]:
+    """Start one run, wait for every process (killing them all after ``timeout``)."""
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in launch_commands(compressor, steps, launcher)
+    ]
+    deadline = time.monotonic() + timeout
+    ends = []
+    for rank, proc in enumerate(procs):
+        try:
+            output = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+            returncode: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            output, returncode = proc.communicate()[0], None
+        ends.append(RankEnd(rank, returncode, output[-2000:]))
+    return ends
+
+
+def stress(
+    compressors: list[str],
+    runs: int,
+    *,
+    steps: int = 120,
+    launcher: str = "env",
+    timeout: float = 180.0,
+    progress: bool = True,
+) -> dict[str, Tally]:
+    """``runs`` runs of every compressor, interleaved; the tally per compressor."""
+    tallies = {name: Tally() for name in compressors}
+    schedule = [(i, name) for i in range(runs) for name in compressors]
+    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress, file=sys.stderr)
+    for index, name in bar:
+        ends = run_once(name, steps, launcher, timeout)
+        tally = tallies[name]
+        tally.runs += 1
+        bad = [end for end in ends if end.abnormal]
+        if bad:
+            tally.abnormal += 1
+            tally.failures += [{"run": index, **asdict(end), "signal": end.signal} for end in bad]
+        bar.set_postfix_str(" ".join(f"{n}:{t.abnormal}/{t.runs}" for n, t in tallies.items()))
+    return tallies
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=8, help="runs per compressor (default 8)")
+    parser.add_argument(
+        "--compressors",
+        nargs="+",
+        default=list(DEFAULT_COMPRESSORS),
+        help="registry names, 'stock' (DDP without a hook) or 'torch-allreduce-hook' "
+        f"(PyTorch's Python allreduce hook); default: {' '.join(DEFAULT_COMPRESSORS)}",
+    )
+    parser.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
+    parser.add_argument(
+        "--launcher",
+        choices=("env", "torchrun"),
+        default="env",
+        help="env: one process per rank started by hand (default); torchrun: python -m torch.distributed.run",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds before a run counts as hung (default 180)"
+    )
+    parser.add_argument("--json", type=Path, help="write the tallies and the machine's load here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.steps < 1:
+        parser.error("--runs and --steps must be at least 1")
+
+    started, load_before = time.time(), os.getloadavg()
+    tallies = stress(
+        args.compressors,
+        args.runs,
+        steps=args.steps,
+        launcher=args.launcher,
+        timeout=args.timeout,
+        progress=not args.no_progress,
+    )
+    for name, tally in tallies.items():
+        print(f"{name:>22}: {tally.abnormal} abnormal of {tally.runs}")
+    if args.json is not None:
+        report = {
+            "command": " ".join(["python", *sys.argv]) if argv is None else None,
+            "started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(),
+            "duration_s": round(time.time() - started, 1),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "launcher": args.launcher,
+            "steps": args.steps,
+            "results": {name: asdict(tally) for name, tally in tallies.items()},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any(t.abnormal for t in tallies.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
