@@ -9,7 +9,9 @@ it was still running after ``--timeout`` seconds (killed). A run is abnormal whe
 its ranks is. Compressors are interleaved run by run, so a change in machine load hits
 them all alike.
 
-    python scripts/exit_stress.py --runs 200 --json benchmarks/exit/results.json
+    python scripts/exit_stress.py --runs 200 --jobs 2 --json benchmarks/exit/results.json
+
+``--jobs N`` runs N at a time (more load on the machine: a harsher test, not a gentler one).
 
 Exit status: 0 when no run was abnormal, 1 otherwise.
 """
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,21 +117,26 @@ def stress(
     steps: int = 120,
     launcher: str = "env",
     timeout: float = 180.0,
+    jobs: int = 1,
     progress: bool = True,
 ) -> dict[str, Tally]:
-    """``runs`` runs of every compressor, interleaved; the tally per compressor."""
+    """``runs`` runs of every compressor, interleaved, ``jobs`` runs at a time; the tally per compressor."""
     tallies = {name: Tally() for name in compressors}
     schedule = [(i, name) for i in range(runs) for name in compressors]
-    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress, file=sys.stderr)
-    for index, name in bar:
-        ends = run_once(name, steps, launcher, timeout)
-        tally = tallies[name]
-        tally.runs += 1
-        bad = [end for end in ends if end.abnormal]
-        if bad:
-            tally.abnormal += 1
-            tally.failures += [{"run": index, **asdict(end), "signal": end.signal} for end in bad]
-        bar.set_postfix_str(" ".join(f"{n}:{t.abnormal}/{t.runs}" for n, t in tallies.items()))
+    bar = tqdm(total=len(schedule), desc="runs", unit="run", disable=not progress, file=sys.stderr)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        started = {pool.submit(run_once, name, steps, launcher, timeout): (i, name) for i, name in schedule}
+        for done in as_completed(started):
+            index, name = started[done]
+            tally = tallies[name]
+            tally.runs += 1
+            bad = [end for end in done.result() if end.abnormal]
+            if bad:
+                tally.abnormal += 1
+                tally.failures += [{"run": index, **asdict(end), "signal": end.signal} for end in bad]
+            bar.update()
+            bar.set_postfix_str(" ".join(f"{n}:{t.abnormal}/{t.runs}" for n, t in tallies.items()))
+    bar.close()
     return tallies
 
 
@@ -154,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds before a run counts as hung (default 180)"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
     parser.add_argument("--json", type=Path, help="write the tallies and the machine's load here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.steps < 1:
-        parser.error("--runs and --steps must be at least 1")
+    if min(args.runs, args.steps, args.jobs) < 1:
+        parser.error("--runs, --steps and --jobs must be at least 1")
 
     started, load_before = time.time(), os.getloadavg()
     tallies = stress(
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         launcher=args.launcher,
         timeout=args.timeout,
+        jobs=args.jobs,
         progress=not args.no_progress,
     )
     for name, tally in tallies.items():
@@ -182,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "launcher": args.launcher,
             "steps": args.steps,
+            "jobs": args.jobs,
             "results": {name: asdict(tally) for name, tally in tallies.items()},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
