@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -17,6 +19,7 @@ from gradsift.cli import main as cli_main
 from gradsift.commands.train import parse_option
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.train.config import TrainConfig, learning_rate
+from gradsift.train.data import EMBEDDED_DIR
 from gradsift.train.summary import summarize, time_to_accuracy
 from train_utils import TINY, rank_pid, wait_for
 
@@ -99,19 +102,35 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
     assert json.loads((out / "config.json").read_text())["steps"] == 6
 
 
+def truncated_dataset(directory: Path) -> Path:
+    """The embedded Fashion-MNIST with one byte cut off the training images: only reading
+    the whole file finds that, so the workers fail, not the launcher's checks."""
+    directory.mkdir()
+    for source in EMBEDDED_DIR.glob("*-ubyte.gz"):
+        if source.name.startswith("train-images"):
+            data = gzip.decompress(source.read_bytes())
+            (directory / source.name.removesuffix(".gz")).write_bytes(data[:-1])
+        else:
+            shutil.copy(source, directory / source.name)
+    return directory
+
+
 @pytest.mark.distributed
 def test_worker_error_ends_the_run_with_that_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = cli_main(["train", *TINY, "--compressor", "topk", "--option", "bogus=1", "--steps", "2",
-                     "--out", str(tmp_path)])  # fmt: skip
+    data = truncated_dataset(tmp_path / "data")
+    tiny = [arg for arg in TINY if arg != "--synthetic"]
+    code = cli_main(["train", *tiny, "--data-dir", str(data), "--compressor", "topk", "--steps", "2",
+                     "--out", str(tmp_path / "run")])  # fmt: skip
     assert code == 2
     message = capsys.readouterr().err.splitlines()[-1]
     assert re.match(
-        r"gradsift train: error: rank [01] of 2 failed: .*no option\(s\) bogus.*traceback: ", message
+        r"gradsift train: error: rank [01] of 2 failed: .*train-images-idx3-ubyte: IDX data holds .*traceback: ",
+        message,
     )
     rank = int(message.split("rank ")[1][0])
-    assert "bogus" in (tmp_path / "logs" / f"rank{rank}.err").read_text()
+    assert "IDX data holds" in (tmp_path / "run" / "logs" / f"rank{rank}.err").read_text()
 
 
 def start_long_run(out: Path, *extra: str) -> subprocess.Popen:

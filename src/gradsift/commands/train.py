@@ -101,22 +101,59 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      "--workers must be a multiple)")  # fmt: skip
 
 
+def exchange_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The compressor/hook options: every ``--option``, ``--ratio`` as ``ratio`` and
+    ``--exchange`` as ``exchange``; each key once."""
+    options: dict[str, Any] = {}
+    given = [
+        *args.option,
+        *([("ratio", args.ratio)] if args.ratio is not None else []),
+        *([("exchange", args.exchange)] if args.exchange is not None else []),
+    ]
+    for key, value in given:
+        if key in options:
+            raise InvalidOptionError(
+                f"option {key} is given twice (--ratio sets ratio, --exchange exchange; --option {key}=...)"
+            )
+        options[key] = value
+    return options
+
+
+def check_paths(args: argparse.Namespace, out: str) -> None:
+    """``--out`` can be a directory and ``--json``'s directory exists."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InvalidOptionError(f"--out {out} exists and is not a directory")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise InvalidOptionError(f"--json {args.json}: directory {args.json.parent} does not exist")
+
+
+def check_devices(workers: int) -> None:
+    """With CUDA every local rank takes one GPU: there must be as many GPUs as workers."""
+    import torch
+
+    if torch.cuda.is_available() and workers > torch.cuda.device_count():
+        raise InvalidOptionError(
+            f"--workers {workers} needs {workers} GPUs (one per rank with NCCL); "
+            f"this machine has {torch.cuda.device_count()}"
+        )
+
+
 def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
-    """Validate the parsed flags into a :class:`TrainConfig`."""
+    """Validate the parsed flags into a :class:`TrainConfig` (which also builds the
+    compressor and the hook state once: :func:`gradsift.train.config.check_exchange_options`)."""
     from gradsift.train.netem import parse_delay, parse_rate
 
-    options = dict(args.option)
-    if args.ratio is not None:
-        options["ratio"] = args.ratio
-    if args.exchange is not None:
-        options["exchange"] = args.exchange
+    options = exchange_options(args)
     if args.latency is not None and args.bandwidth is None:
         raise InvalidOptionError("--latency needs --bandwidth (latency is emulated on the shaped links)")
+    check_paths(args, out)
+    # Finds the data and reads its index (Fashion-MNIST's labels, or the text corpus), so a
+    # missing or malformed dataset fails here rather than in every worker.
+    examples = examples_for_model(args.model, args.data_dir, synthetic=args.synthetic)
     steps = args.steps if args.steps is not None else 100
     if args.epochs is not None:
         if args.epochs <= 0:
             raise InvalidOptionError(f"--epochs must be > 0, got {args.epochs}")
-        examples = examples_for_model(args.model, args.data_dir, synthetic=args.synthetic)
         per_rank = math.ceil(examples / workers)
         steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
     return TrainConfig(
@@ -160,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     torchrun = under_torchrun()
     workers = int(os.environ["WORLD_SIZE"]) if torchrun else args.workers
     out = args.out or f"runs/{args.compressor}-w{workers}" + (f"-{args.bandwidth}" if args.bandwidth else "")
-    config = config_from_args(args, out, workers)
+    config = config_from_args(args, out, workers)  # every check before any worker starts
     if torchrun:
         if config.bandwidth_bps is not None:
             raise InvalidOptionError(
@@ -170,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         if summary is None:
             return 0
     else:
+        check_devices(workers)
         summary = run_training(config, launcher=args.launcher, nodes=args.nodes)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -6,13 +6,15 @@ ranks cannot disagree about a setting.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsift.compressors.registry import available_compressors
+from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
+from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.train.models import MODELS
 from gradsift.validation import check_choice, check_int, check_real
@@ -96,6 +98,7 @@ class TrainConfig:
             check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
         if self.target_loss is not None:
             check_real(self.target_loss, "target_loss", low=0.0, low_open=True)
+        check_exchange_options(self.compressor, self.options)
 
     def save(self, path: Path) -> None:
         """Write the config as JSON."""
@@ -109,6 +112,41 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON types."""
         return asdict(self)
+
+
+def check_exchange_options(compressor: str, options: dict[str, Any]) -> None:
+    """Build ``compressor`` and the DDP hook's state with ``options`` once, as every rank
+    will, so that an unknown or inapplicable option fails here, before any worker starts.
+
+    ``options`` holds the compressor's options and the hook's (:data:`gradsift.ddp.HOOK_OPTIONS`,
+    except ``process_group``: the trainer passes its own group).
+    """
+    if "process_group" in options:
+        raise InvalidOptionError(
+            "option process_group cannot be set for a training run (it uses its own group)"
+        )
+    hook_options = {name: value for name, value in options.items() if name in HOOK_OPTIONS}
+    compressor_options = {name: value for name, value in options.items() if name not in HOOK_OPTIONS}
+    parameters = inspect.signature(compressor_class(compressor)).parameters
+    missing = [
+        name
+        for name, p in parameters.items()
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in options
+    ]
+    if missing:
+        raise InvalidOptionError(
+            f"compressor {compressor!r} needs option(s) {', '.join(missing)} (--option {missing[0]}=VALUE)"
+        )
+    try:
+        built = get_compressor(compressor, **compressor_options)
+    except InvalidOptionError as error:
+        if set(compressor_options) <= set(parameters):
+            raise  # a value out of range: the compressor's message says which
+        hook = ", ".join(name for name in HOOK_OPTIONS if name != "process_group")
+        raise InvalidOptionError(f"{error}; the DDP hook's options are: {hook}") from error
+    GradsiftHookState(None, built, **hook_options)
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
