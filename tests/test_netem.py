@@ -103,6 +103,8 @@ def test_shaped_link_carries_the_set_rate_and_is_removed(tmp_path: Path) -> None
             receiver.kill()
     assert int(received) == megabytes << 20
     goodput = int(received) * 8 / float(seconds)
+    # Measured goodput / rate over 8 runs at load average 21 on 2 cores: 0.9658-0.9683 (the
+    # tbf shaper sets the pace, not the CPU); the lower bound sits 0.17 below the lowest.
     assert 0.8 * rate <= goodput <= 1.2 * rate, f"measured {goodput / 1e6:.1f} Mbit/s at {rate / 1e6} Mbit/s"
     _assert_removed(network)
 

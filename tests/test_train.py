@@ -97,7 +97,9 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
     assert 0.009 <= summary["achieved_density"] <= 0.011
     assert summary["bytes_sent_per_step"] < summary["dense_bytes_per_step"] / 20
     assert [e["step"] for e in evals] == [3, 6] and summary["final_test_accuracy"] == evals[-1]["accuracy"]
-    assert summary["time_to_accuracy_s"] == evals[0]["train_time_s"]  # 5% is reached at once
+    # 5% is reached at the first evaluation: accuracy after 3 steps over seeds 0-5 was
+    # 0.156-0.309 (0.309 for seed 0); chance is 0.1 on the balanced synthetic classes.
+    assert summary["time_to_accuracy_s"] == evals[0]["train_time_s"]
     assert summary["wall_time_s"] >= summary["train_time_s"] >= steps[0]["step_s"]
     assert json.loads((out / "config.json").read_text())["steps"] == 6
 
