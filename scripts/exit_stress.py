@@ -12,6 +12,7 @@ them all alike.
     python scripts/exit_stress.py --runs 200 --jobs 2 --json benchmarks/exit/results.json
 
 ``--jobs N`` runs N at a time (more load on the machine: a harsher test, not a gentler one).
+``--json`` is rewritten after every run; ``--resume`` continues its tallies up to ``--runs``.
 
 Exit status: 0 when no run was abnormal, 1 otherwise.
 """
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,10 +121,17 @@ def stress(
     timeout: float = 180.0,
     jobs: int = 1,
     progress: bool = True,
+    tallies: dict[str, Tally] | None = None,
+    on_run: Callable[[dict[str, Tally]], None] | None = None,
 ) -> dict[str, Tally]:
-    """``runs`` runs of every compressor, interleaved, ``jobs`` runs at a time; the tally per compressor."""
-    tallies = {name: Tally() for name in compressors}
-    schedule = [(i, name) for i in range(runs) for name in compressors]
+    """Bring every compressor to ``runs`` runs (counting those already in ``tallies``),
+    interleaved, ``jobs`` at a time; ``on_run(tallies)`` after each run. The tally per compressor."""
+    tallies = {name: Tally() for name in compressors} | (tallies or {})
+    remaining = {name: max(0, runs - tallies[name].runs) for name in compressors}
+    schedule = [
+        (tallies[name].runs + i, name) for i in range(max(remaining.values(), default=0)) for name in compressors
+        if i < remaining[name]
+    ]  # fmt: skip
     bar = tqdm(total=len(schedule), desc="runs", unit="run", disable=not progress, file=sys.stderr)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         started = {pool.submit(run_once, name, steps, launcher, timeout): (i, name) for i, name in schedule}
@@ -134,6 +143,8 @@ def stress(
             if bad:
                 tally.abnormal += 1
                 tally.failures += [{"run": index, **asdict(end), "signal": end.signal} for end in bad]
+            if on_run is not None:
+                on_run(tallies)
             bar.update()
             bar.set_postfix_str(" ".join(f"{n}:{t.abnormal}/{t.runs}" for n, t in tallies.items()))
     bar.close()
@@ -163,13 +174,44 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=180.0, help="seconds before a run counts as hung (default 180)"
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
-    parser.add_argument("--json", type=Path, help="write the tallies and the machine's load here")
+    parser.add_argument(
+        "--json", type=Path, help="write the tallies and the machine's load here (rewritten after every run)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the tallies in --json up to --runs per compressor"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if min(args.runs, args.steps, args.jobs) < 1:
         parser.error("--runs, --steps and --jobs must be at least 1")
+    if args.resume and (args.json is None or not args.json.exists()):
+        parser.error("--resume needs an existing --json file")
 
-    started, load_before = time.time(), os.getloadavg()
+    report = json.loads(args.json.read_text()) if args.resume else {"sessions": [], "results": {}}
+    if args.resume and (report["steps"], report["launcher"]) != (args.steps, args.launcher):
+        parser.error(
+            f"--resume: {args.json} was made with --steps {report['steps']} --launcher {report['launcher']}"
+        )
+    session = {
+        "command": " ".join(["python", *sys.argv]) if argv is None else None,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "loadavg_before": os.getloadavg(),
+        "jobs": args.jobs,
+    }
+    report["sessions"].append(session)
+    report |= {"python": platform.python_version(), "torch": torch.__version__}
+    report |= {"launcher": args.launcher, "steps": args.steps}
+    started = time.time()
+
+    def write(tallies: dict[str, Tally]) -> None:
+        if args.json is None:
+            return
+        session["duration_s"] = round(time.time() - started, 1)
+        session["loadavg_after"] = os.getloadavg()
+        report["results"] = {name: asdict(tally) for name, tally in tallies.items()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
     tallies = stress(
         args.compressors,
         args.runs,
@@ -178,25 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         jobs=args.jobs,
         progress=not args.no_progress,
+        tallies={name: Tally(**tally) for name, tally in report["results"].items()},
+        on_run=write,
     )
+    write(tallies)
     for name, tally in tallies.items():
         print(f"{name:>22}: {tally.abnormal} abnormal of {tally.runs}")
-    if args.json is not None:
-        report = {
-            "command": " ".join(["python", *sys.argv]) if argv is None else None,
-            "started": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(),
-            "duration_s": round(time.time() - started, 1),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "launcher": args.launcher,
-            "steps": args.steps,
-            "jobs": args.jobs,
-            "results": {name: asdict(tally) for name, tally in tallies.items()},
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if any(t.abnormal for t in tallies.values()) else 0
 
 
