@@ -5,9 +5,9 @@ with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, or through ``torchrun``), lets it
 ``destroy_process_group()`` without a barrier, and records how every rank ended. A rank
 ended *abnormally* when its exit status is not 0 (a negative status is a signal, e.g.
 SIGABRT), when its output holds ``terminate called`` (C++ ``std::terminate``), or when
-it was still running after ``--timeout`` seconds (killed). A run is abnormal when any of
-its ranks is. Compressors are interleaved run by run, so a change in machine load hits
-them all alike.
+it was still running after ``--timeout`` seconds (it is then aborted, so that its output
+holds every thread's stack). A run is abnormal when any of its ranks is. Compressors are
+interleaved run by run, so a change in machine load hits them all alike.
 
     python scripts/exit_stress.py --runs 200 --jobs 2 --json benchmarks/exit/results.json
 
@@ -45,11 +45,18 @@ ABORT_MARKER = "terminate called"
 
 @dataclass
 class RankEnd:
-    """How one rank of one run ended."""
+    """How one rank of one run ended.
+
+    A rank still running at the timeout gets SIGABRT, so that Python's fault handler
+    (``PYTHONFAULTHANDLER``) writes every thread's stack into its output; ``cpu_s`` is the
+    CPU time it had used by then (little on a starved machine, the whole wait when it spins).
+    """
 
     rank: int
-    returncode: int | None  # None: killed after the timeout
+    returncode: int | None  # None: still running at the timeout
     output_tail: str
+    elapsed_s: float
+    cpu_s: float | None = None
 
     @property
     def signal(self) -> str | None:
@@ -64,10 +71,12 @@ class RankEnd:
 
 @dataclass
 class Tally:
-    """Every run of one compressor; ``failures`` lists the abnormal ranks."""
+    """Every run of one compressor; ``timed_out`` of the ``abnormal`` ones hung; ``failures``
+    lists the abnormal ranks."""
 
     runs: int = 0
     abnormal: int = 0
+    timed_out: int = 0
     failures: list[dict] = field(default_factory=list)
 
 
@@ -80,7 +89,7 @@ def free_port() -> int:
 def launch_commands(compressor: str, steps: int, launcher: str) -> list[tuple[list[str], dict[str, str]]]:
     """The processes of one run: one per rank by hand, or a single torchrun."""
     script = [str(USER_SCRIPT), "--compressor", compressor, "--steps", str(steps)]
-    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc-per-node", str(WORLD_SIZE), *script]
@@ -92,24 +101,44 @@ def launch_commands(compressor: str, steps: int, launcher: str) -> list[tuple[li
     ]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a live process (Linux ``/proc``); None when unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(compressor: str, steps: int, launcher: str, timeout: float) -> list[RankEnd]:
-    """Start one run, wait for every process (killing them all after ``timeout``)."""
+    """Start one run and wait for every process; after ``timeout`` seconds abort the ones left."""
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd, env in launch_commands(compressor, steps, launcher)
     ]
-    deadline = time.monotonic() + timeout
-    ends = []
+    started = time.monotonic()
+    outputs: list[str | None] = [None] * len(procs)
+    try:
+        for rank, proc in enumerate(procs):
+            outputs[rank] = proc.communicate(timeout=max(0.1, started + timeout - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        pass
+    hung = {proc.pid: cpu_seconds(proc.pid) for proc in procs if proc.poll() is None}
+    for proc in procs:
+        if proc.pid in hung:
+            proc.send_signal(signal.SIGABRT)
     for rank, proc in enumerate(procs):
-        try:
-            output = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
-            returncode: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            output, returncode = proc.communicate()[0], None
-        ends.append(RankEnd(rank, returncode, output[-2000:]))
-    return ends
+        if outputs[rank] is None:
+            try:
+                outputs[rank] = proc.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outputs[rank] = proc.communicate()[0]
+    elapsed = round(time.monotonic() - started, 1)
+    return [
+        RankEnd(rank, None if proc.pid in hung else proc.returncode, outputs[rank][-4000:], elapsed, hung.get(proc.pid))
+        for rank, proc in enumerate(procs)
+    ]  # fmt: skip
 
 
 def stress(
@@ -118,7 +147,7 @@ def stress(
     *,
     steps: int = 120,
     launcher: str = "env",
-    timeout: float = 180.0,
+    timeout: float = 900.0,
     jobs: int = 1,
     progress: bool = True,
     tallies: dict[str, Tally] | None = None,
@@ -142,6 +171,7 @@ def stress(
             bad = [end for end in done.result() if end.abnormal]
             if bad:
                 tally.abnormal += 1
+                tally.timed_out += any(end.returncode is None for end in bad)
                 tally.failures += [{"run": index, **asdict(end), "signal": end.signal} for end in bad]
             if on_run is not None:
                 on_run(tallies)
@@ -171,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         help="env: one process per rank started by hand (default); torchrun: python -m torch.distributed.run",
     )
     parser.add_argument(
-        "--timeout", type=float, default=180.0, help="seconds before a run counts as hung (default 180)"
+        "--timeout", type=float, default=900.0, help="seconds before a run counts as hung (default 900)"
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
     parser.add_argument(
@@ -225,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     write(tallies)
     for name, tally in tallies.items():
-        print(f"{name:>22}: {tally.abnormal} abnormal of {tally.runs}")
+        print(f"{name:>22}: {tally.abnormal} abnormal of {tally.runs} ({tally.timed_out} timed out)")
     return 1 if any(t.abnormal for t in tallies.values()) else 0
 
 
