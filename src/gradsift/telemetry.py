@@ -1,10 +1,10 @@
 """Per-step communication telemetry of the DDP hook: bytes, density, phase times.
 
-Each DDP bucket fills its own :class:`BucketRecord` (the hook on the autograd
-thread, the completion callback on the communication thread); when backward ends the
-hook folds the step's records into one :class:`Telemetry` step and adds it to the
-running totals. Times are host wall-clock milliseconds summed over buckets; buckets
-overlap each other and backward, so the sum can exceed the step time.
+Each DDP bucket fills its own :class:`BucketRecord` (the hook, then the step's close,
+both on the thread that runs backward); when backward ends the hook folds the step's
+records into one :class:`Telemetry` step and adds it to the running totals. Times are
+host wall-clock milliseconds summed over buckets; ``communicate_ms`` is the time spent
+waiting for collectives, the part of the communication backward did not hide.
 """
 
 from __future__ import annotations
