@@ -92,6 +92,21 @@ def run_workers(
         ]
 
 
+def record_sparse_payloads(compressor: Any) -> dict:
+    """Wrap ``compressor.compress`` so that every (indices, values, numel) it returns is
+    kept, by key, in the returned dict (the payloads this rank really compressed)."""
+    sent: dict = {}
+    original = compressor.compress
+
+    def recording(tensor: torch.Tensor, *, key: Any, **kwargs: Any) -> Any:
+        payload = original(tensor, key=key, **kwargs)
+        sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
+        return payload
+
+    compressor.compress = recording
+    return sent
+
+
 def _worker_main(path: str, function: str, rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from distributed_utils import record_sparse_payloads, run_workers
 from gradsift.compressors import Sparsifier, compressor_class
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -107,15 +107,7 @@ def sparsifier_worker(rank: int, world: int, names: list[str]) -> dict:
         model, state = hooked(name, **options)
         train(model, rank, range(3))
         # one more step, recording the payloads this rank really compressed
-        sent = {}
-        original = state.compressor.compress
-
-        def recording(tensor, *, key, _original=original, _sent=sent, **kw):
-            payload = _original(tensor, key=key, **kw)
-            _sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
-            return payload
-
-        state.compressor.compress = recording
+        sent = record_sparse_payloads(state.compressor)
         model.zero_grad()
         x, y = batch(rank, 99)
         torch.nn.functional.mse_loss(model(x), y).backward()

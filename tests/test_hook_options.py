@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from distributed_utils import record_sparse_payloads, run_workers
 from gradsift import recipe
 from test_ddp import NUMELS, batch, flat_params, make_model
 
@@ -88,15 +88,7 @@ def parts_worker(rank: int, world: int) -> dict:
     for label, options in PART_CASES.items():
         model = DDP(make_model())
         state = gradsift.register_comm_hook(model, "topk", **options)
-        sent: dict = {}
-        original = state.compressor.compress
-
-        def recording(tensor, *, key, _original=original, _sent=sent, **kw):
-            payload = _original(tensor, key=key, **kw)
-            _sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
-            return payload
-
-        state.compressor.compress = recording
+        sent = record_sparse_payloads(state.compressor)
         grads = []
         for step in range(3):
             model.zero_grad()
