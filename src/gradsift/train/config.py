@@ -146,7 +146,8 @@ def check_exchange_options(compressor: str, options: dict[str, Any]) -> None:
             raise  # a value out of range: the compressor's message says which
         hook = ", ".join(name for name in HOOK_OPTIONS if name != "process_group")
         raise InvalidOptionError(f"{error}; the DDP hook's options are: {hook}") from error
-    GradsiftHookState(None, built, **hook_options)
+    hook_options.pop("optimizer", None)  # the trainer passes its own optimizer
+    GradsiftHookState.build(built, **hook_options)
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
