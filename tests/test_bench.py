@@ -12,6 +12,8 @@ from gradsift import cli
 from gradsift.benchmarking import (
     CompressBenchConfig,
     benchmarkable,
+    in_rotation,
+    interleaved_medians_ms,
     run_compress_benchmark,
     synthetic_gradient,
 )
@@ -182,3 +184,14 @@ def test_gpu_script_dry_run_exercises_every_step_on_cpu(tmp_path):
     }
     assert hook["results"]["stock"]["ratio_to_stock"] == 1.0
     assert hook["results"]["sidco-exp@0.01"]["density"] > 0
+
+
+def test_rounds_rotate_the_order_of_the_methods():
+    assert in_rotation([1, 2, 3], 0) == [1, 2, 3]
+    assert in_rotation([1, 2, 3], 4) == [2, 3, 1]
+    assert in_rotation([], 2) == []
+    calls: list[str] = []
+    methods = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    medians = interleaved_medians_ms(methods, 3, warmup=0)
+    assert set(medians) == {"a", "b", "c"}
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]

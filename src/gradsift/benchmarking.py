@@ -15,7 +15,10 @@ per size (``ratio=None``). ``threshold`` gets the oracle ``eta`` = the ``k``-th 
 Protocol: every method is first called ``warmup`` times on ``x`` (adaptive methods
 settle their per-tensor state; allocator and caches warm up), then the group's
 methods are called in turn, ``repeats`` rounds, so drift and background load hit
-them alike. Reported: the median over rounds, per phase. The same ``x`` is
+them alike; round ``r`` starts at the ``r``-th method (:func:`in_rotation`), so no
+method always follows the same one (a microsecond call measured right after the bare
+``torch.topk`` ran ~1.4x faster than the same call after a NumPy-kernel method).
+Reported: the median over rounds, per phase. The same ``x`` is
 compressed every time (no error feedback), with the same ``key``.
 
 Contended mode (``processes = N > 1``): ``N`` processes (each with ``threads``
@@ -38,7 +41,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -48,6 +51,8 @@ from gradsift.compressors import available_compressors, compressor_class, get_co
 from gradsift.compressors.base import target_count
 from gradsift.errors import GradsiftError
 from gradsift.validation import check_choice, check_int, check_ratio
+
+T = TypeVar("T")
 
 #: Elements per block of :func:`synthetic_gradient` sharing one scale (a small layer's worth).
 SCALE_BLOCK = 4096
@@ -161,6 +166,12 @@ def benchmarkable(names: Sequence[str] | None, device: str) -> tuple[list[str], 
     return usable, skipped
 
 
+def in_rotation(items: Sequence[T], round_index: int) -> list[T]:
+    """``items`` starting at position ``round_index mod len(items)``, wrapping around."""
+    start = round_index % len(items) if items else 0
+    return [*items[start:], *items[:start]]
+
+
 def interleaved_medians_ms(
     methods: dict[str, Callable[[], Any]],
     repeats: int,
@@ -172,15 +183,15 @@ def interleaved_medians_ms(
     """Median milliseconds per call of each method, timed round-robin so that drift hits all alike.
 
     Each method is called ``warmup`` times first; then ``repeats`` rounds time every
-    method in turn, ``inner`` calls per timing (resolution for microsecond calls), read
-    on ``clock`` (seconds; the wall clock unless told otherwise).
+    method in turn (:func:`in_rotation`), ``inner`` calls per timing (resolution for
+    microsecond calls), read on ``clock`` (seconds; the wall clock unless told otherwise).
     """
     for fn in methods.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
+    for round_index in range(repeats):
+        for name, fn in in_rotation(list(methods.items()), round_index):
             start = clock()
             for _ in range(inner):
                 fn()
@@ -247,8 +258,8 @@ def _measure_group(
             if method.decompress is not None:
                 method.decompress(out)
             progress.update(1)
-    for _ in range(config.repeats):
-        for method in methods:
+    for round_index in range(config.repeats):
+        for method in in_rotation(methods, round_index):
             out, ms = timed(method.run)
             record = samples[method.label]
             record["compress"].append(ms)
