@@ -9,6 +9,7 @@ import gradsift
 from gradsift import kernels
 from gradsift.errors import InvalidOptionError
 from gradsift.kernels import (
+    PARALLEL_GRAIN,
     SELECTION_CHUNK,
     CallingThreadOnly,
     counts_above,
@@ -64,6 +65,11 @@ def test_calling_thread_only_restores_the_pool_even_on_error():
         assert torch.get_num_threads() == 2
         with CallingThreadOnly(torch.device("meta")):  # not the CPU: the pool is left alone
             assert torch.get_num_threads() == 2
+        # kernels over at most PARALLEL_GRAIN elements never use the pool: left alone
+        with CallingThreadOnly(torch.device("cpu"), largest=PARALLEL_GRAIN):
+            assert torch.get_num_threads() == 2
+        with CallingThreadOnly(torch.device("cpu"), largest=PARALLEL_GRAIN + 1):
+            assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

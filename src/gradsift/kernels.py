@@ -12,7 +12,9 @@ kernels are used as they are.
 
 :class:`CallingThreadOnly` is the same remedy for the PyTorch kernels a caller
 cannot avoid (reductions over a sample): it runs a block with the intra-op pool at
-one thread, so no kernel in it waits at a barrier.
+one thread, so no kernel in it waits at a barrier. Gathers use ``index_select``:
+advanced indexing ``x[indices]`` of 1% of a 2^19-element tensor took 16 ms with two
+threads on the loaded machine (load ~20), ``index_select`` 7 us (one thread: 16 vs 5 us).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from gradsift.errors import InvalidOptionError
 #: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache
 #: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
 SELECTION_CHUNK = 1 << 18
+
+#: PyTorch's CPU kernels split their work over the intra-op pool only above this many
+#: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
+#: read pass took 0.036 ms at 32768 elements and 16 ms at 65536, waiting for a thread.
+PARALLEL_GRAIN = 32768
 
 #: Integer dtype of the same width and the mask that clears the sign bit, per float dtype.
 _MAGNITUDE_BITS = {
@@ -109,12 +116,15 @@ def counts_above(values: torch.Tensor, thresholds: Sequence[float]) -> list[int]
 class CallingThreadOnly:
     """Run a ``with`` block with PyTorch's intra-op thread pool at one thread when ``device`` is the CPU.
 
-    Restores the previous count afterwards (also on error). A no-op on other devices
-    and when the pool already has one thread. Entering and leaving costs about 1 us.
+    Restores the previous count afterwards (also on error). A no-op on other devices,
+    when the pool already has one thread, and when ``largest`` (the most elements any
+    kernel of the block reads) is at most :data:`PARALLEL_GRAIN`: such kernels never
+    use the pool. Entering and leaving costs about 1 us, a no-op nothing measurable.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.previous = torch.get_num_threads() if device.type == "cpu" else 1
+    def __init__(self, device: torch.device, largest: int | None = None) -> None:
+        small = largest is not None and largest <= PARALLEL_GRAIN
+        self.previous = torch.get_num_threads() if device.type == "cpu" and not small else 1
 
     def __enter__(self) -> None:
         if self.previous > 1:

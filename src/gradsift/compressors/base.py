@@ -237,7 +237,7 @@ class Sparsifier(Compressor):
         return Payload(
             numel=flat.numel(),
             dtype=flat.dtype,
-            values=flat[indices],
+            values=flat.index_select(0, indices),
             indices=indices,
         )
 

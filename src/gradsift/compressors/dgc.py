@@ -84,12 +84,14 @@ class DGC(Sparsifier):
         k = target_count(n, self.ratio)
         size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
         positions = torch.randint(n, (size,), generator=self.generator(flat.device), device=flat.device)
-        top = torch.topk(flat[positions].abs(), math.ceil(size * self.ratio), sorted=False).values
+        top = torch.topk(
+            flat.index_select(0, positions).abs(), math.ceil(size * self.ratio), sorted=False
+        ).values
         eta = top.min()
         raise_if_nonfinite(eta)
         indices = select_above_threshold(flat, float(eta))
         if indices.numel() > OVER * k:
-            indices = indices[torch.topk(flat[indices].abs(), k, sorted=False).indices]
+            indices = indices[torch.topk(flat.index_select(0, indices).abs(), k, sorted=False).indices]
         elif indices.numel() < UNDER * k:
             indices = torch.topk(flat.abs(), k, sorted=False).indices
         return selected_finite(flat, indices)

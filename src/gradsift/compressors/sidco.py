@@ -337,12 +337,12 @@ class _SIDCo(Sparsifier):
         state = self._state(key)
         n = flat.numel()
         k = target_count(n, self.ratio)
-        if self.adapt and n < self.exact_below:
-            indices, magnitudes, state["threshold"] = top_k_selection(flat, k)
-            state["calls"] += 1
-            # like |g| > eta >= 0 on the statistical path, exact zeros are never sent
-            return indices if state["threshold"] > 0 else indices[magnitudes > 0]
-        with CallingThreadOnly(flat.device):
+        with CallingThreadOnly(flat.device, largest=n):
+            if self.adapt and n < self.exact_below:
+                indices, magnitudes, state["threshold"] = top_k_selection(flat, k)
+                state["calls"] += 1
+                # like |g| > eta >= 0 on the statistical path, exact zeros are never sent
+                return indices if state["threshold"] > 0 else indices[magnitudes > 0]
             return self._statistical_selection(flat, k, state)
 
     def _statistical_selection(self, flat: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:

@@ -27,7 +27,7 @@ def selected_finite(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
     non-finite gradient always has a non-finite element among the selected ones,
     so checking ``len(indices)`` values checks all ``n``.
     """
-    raise_if_nonfinite(values[indices])
+    raise_if_nonfinite(values.index_select(0, indices))
     return indices
 
 
