@@ -11,7 +11,7 @@ Public API (stable)::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
 from gradsift.errors import (
@@ -24,6 +24,7 @@ from gradsift.errors import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsift.ddp import GradsiftHookState
@@ -33,18 +34,24 @@ __version__ = "0.1.0"
 
 
 def register_comm_hook(
-    ddp_model: DistributedDataParallel,
+    ddp_model: DistributedDataParallel | FullyShardedDataParallel | FSDPModule,
     compressor: str | Compressor | GradsiftHookState = "sidco-exp",
     **options: Any,
 ) -> GradsiftHookState:
-    """Install gradsift's communication hook on a ``DistributedDataParallel`` model.
+    """Install gradsift's communication hook on a ``DistributedDataParallel`` (or FSDP) model.
 
     See :func:`gradsift.ddp.register_comm_hook` for the options; imported lazily so
-    that ``import gradsift`` does not initialise ``torch.distributed``.
+    that ``import gradsift`` does not initialise ``torch.distributed``. An FSDP model
+    (``FullyShardedDataParallel`` or ``fully_shard``) goes to
+    :func:`gradsift.fsdp.register_fsdp_comm_hook`.
     """
+    from gradsift.fsdp import is_fsdp_model, register_fsdp_comm_hook
+
+    if is_fsdp_model(ddp_model):
+        return register_fsdp_comm_hook(ddp_model, compressor, **options)
     from gradsift.ddp import register_comm_hook as _register
 
-    return _register(ddp_model, compressor, **options)
+    return _register(cast("DistributedDataParallel", ddp_model), compressor, **options)  # it checks the type
 
 
 __all__ = [
