@@ -50,8 +50,8 @@ from gradsift.compressors.base import Compressor
 from gradsift.compressors.dense import DenseCast
 from gradsift.ddp import GradsiftHookState, HookOptions, gradsift_hook
 from gradsift.errors import GradsiftError, InvalidOptionError
-from gradsift.exchanges.base import Part
-from gradsift.exchanges.collectives import guarded, ready
+from gradsift.exchanges.base import Part, waited
+from gradsift.exchanges.collectives import guarded, ready, started
 from gradsift.step import BucketInFlight
 from gradsift.telemetry import BucketRecord
 from gradsift.validation import all_finite
@@ -203,15 +203,15 @@ def _reduce_scatter_hook(binding: Binding, grad: torch.Tensor, output: torch.Ten
     reduced = torch.empty(output.numel(), dtype=message.dtype, device=message.device)
     nbytes = message.numel() * message.element_size()
     record.add_bytes(sent=nbytes, padded=nbytes, received=(world - 1) * nbytes // world)
-    guarded(
-        "reduce-scatter",
-        state.process_group,
-        lambda: _reduce_scatter(reduced, message, group=state.process_group),
+    group = state.process_group
+    work = guarded(
+        "reduce-scatter", group, lambda: _reduce_scatter(reduced, message, group=group, async_op=True)
     )
+    waited(record, started(work, reduced, group, "reduce-scatter"))
     output.copy_(reduced)
     record.nonfinite = not all_finite(output)
     _apply_nonfinite(state, record, output)
-    step.buckets.append(BucketInFlight(ready(output), record))
+    step.buckets.append(BucketInFlight(torch.futures.Future(), ready(output), record))
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
@@ -293,15 +293,21 @@ def _placeholder(numel: int) -> torch.nn.Parameter:
 def exchange_unit(state: GradsiftHookState, unit: torch.nn.Parameter, flat: torch.Tensor) -> None:
     """Replace ``flat`` (one unit's gradient) in place by gradsift's mean over the ranks.
 
-    Runs the DDP hook on the unit as one bucket and waits for it; a step whose
+    Runs the DDP hook on the unit as one bucket and waits for its exchange; a step whose
     gradient is non-finite on some rank gets the ``nonfinite`` policy's fill right away
     (FSDP consumes ``flat`` when the hook returns, before the step closes).
     """
     flat = flat.view(-1)  # FSDP's flat gradients are 1-D already: the same tensor
     bucket = cast(dist.GradBucket, UnitBucket(flat, unit))  # the hook reads buffer() and parameters() only
-    mean = gradsift_hook(state, bucket).wait()
+    gradsift_hook(state, bucket)  # its future completes when the step closes; FSDP needs the mean now
     assert state.ledger.current is not None  # the hook opened the step
-    record = state.ledger.current.buckets[-1].record
+    in_flight = state.ledger.current.buckets[-1]
+    record = in_flight.record
+    try:
+        mean = waited(record, in_flight.pending)  # the step's close reads the same result again
+    except BaseException:
+        state.ledger.abort(state.compressor, state.store)
+        raise
     if mean is not flat and not record.nonfinite:
         flat.copy_(mean)
     _apply_nonfinite(state, record, flat)
