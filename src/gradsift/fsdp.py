@@ -59,9 +59,8 @@ from gradsift.validation import all_finite
 # torch >= 2.13 renames reduce_scatter_tensor (same signature) and deprecates the old name.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-#: Hook options that mean nothing to a stateless reduce-scatter and must stay at their defaults there.
+#: The hook options the sharded strategies' reduce-scatter honours; every other one must keep its default.
 _SHARDED_FREE_OPTIONS = ("nonfinite", "log_every", "jsonl_path")
 _SUPPORTED = (
     "gradsift supports: FSDP1 NO_SHARD with any compressor but powersgd and vgc; FSDP1 FULL_SHARD/"
@@ -91,11 +90,8 @@ class UnitBucket:
 
 @dataclasses.dataclass
 class Binding:
-    """What an FSDP hook needs: the gradsift state and the units it numbered.
-
-    ``units[i]`` stands for unit ``i`` in the state's layout (its FSDP1 ``FlatParameter``,
-    or for FSDP2 a parameter-less placeholder with the unit's reduced-shard size).
-    """
+    """What FSDP1 hands its hook as ``state``: gradsift's state and the units' flat parameters
+    (``units[i]`` is unit ``i`` of the state's layout)."""
 
     state: GradsiftHookState
     units: list[torch.nn.Parameter]
