@@ -142,6 +142,47 @@ def test_no_re_basing_when_either_threshold_is_zero(counts, best):
     assert record == state(stages=best, calls=0)
 
 
+# --- the sample check ------------------------------------------------------------------------
+
+
+def checked(eta: float, expected: float, exact: bool) -> float:
+    return SIDCoExponential._checked_on_sample(SampleCounts(RAMP), eta, expected, exact)
+
+
+def test_sample_check_needs_one_expected_exceedance_on_the_whole_tensor_and_four_on_a_subsample():
+    """eta = 0 keeps all 1000: a clear miss whenever the check runs, which then takes the
+    value with round(expected) elements above it."""
+    assert checked(0.0, 0.9, exact=True) == 0.0
+    assert checked(0.0, 1.0, exact=True) == 999.0
+    assert checked(0.0, 3.9, exact=True) == 996.0
+    assert checked(0.0, 3.9, exact=False) == 0.0
+    assert checked(0.0, 4.0, exact=False) == 996.0
+
+
+def test_sample_check_band_is_ln_1_25_on_the_whole_tensor_and_3_standard_errors_on_a_subsample():
+    """130 predicted for 100 expected: ln(130.5/100.5) = 0.26 lies outside ln(1.25) = 0.22
+    but inside 3/sqrt(100) = 0.3."""
+    assert checked(870.0, 100.0, exact=True) == 900.0
+    assert checked(870.0, 100.0, exact=False) == 870.0
+    # 40 for 100: -0.91, outside both
+    assert checked(960.0, 100.0, exact=False) == 900.0
+
+
+@pytest.mark.parametrize(
+    ("eta", "expected", "kept"), [(999.5, 1.0, True), (998.5, 1.5, True), (997.5, 1.5, False)]
+)
+def test_sample_check_compares_half_corrected_counts_edge_included(eta, expected, kept):
+    """One predicted for one expected is a hit (ln(1.5/1.5) = 0); two for 1.5 lies exactly on
+    the band's edge ((2 + 0.5)/(1.5 + 0.5) = 1.25), which keeps eta; three for 1.5 does not."""
+    assert checked(eta, expected, exact=True) == (eta if kept else 998.0)
+
+
+def test_sample_check_keeps_at_least_the_smallest_sample_value():
+    """1000 expected from a sample of 1000 at a threshold one element exceeds: the
+    replacement keeps 999 above it, the sample's minimum."""
+    assert checked(999.5, 1000.0, exact=True) == 1.0
+
+
 # --- the slope and the correction step --------------------------------------------------------
 
 #: 400 magnitudes at 1 and 100 at 2: around eta = 1 (+-10% in ln) the count falls from 500 to 100.
