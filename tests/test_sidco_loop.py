@@ -28,14 +28,14 @@ class Scripted(SIDCoExponential):
     """SIDCo-E whose fitted threshold for ``m`` stages is ``1000 - counts[m]``; it records
     which stage counts each call evaluated."""
 
-    def __init__(self, counts: dict[int, int], **options) -> None:
+    def __init__(self, counts: dict[int, int], scale: float = 1.0, **options) -> None:
         super().__init__(**options)
-        self.counts = counts
+        self.counts, self.scale = counts, scale
         self.evaluated: list[tuple[int, ...]] = []
 
     def fitted_thresholds(self, sample, candidates, counts=None) -> dict[int, float]:
         self.evaluated.append(tuple(candidates))
-        return {m: float(1000 - self.counts[m]) for m in candidates}
+        return {m: self.scale * (1000 - self.counts[m]) for m in candidates}
 
 
 def state(stages: int, calls: int, log_correction: float = 0.3) -> dict:
@@ -47,7 +47,8 @@ def sample_error(count: int, expected: float) -> float:
 
 
 def fit_and_apply(compressor: Scripted, record: dict, expected: float) -> tuple[float, float]:
-    return compressor._fit_and_apply(RAMP, record, expected, SampleCounts(RAMP))
+    sample = RAMP * compressor.scale
+    return compressor._fit_and_apply(sample, record, expected, SampleCounts(sample))
 
 
 def test_sample_counts_are_strict_cached_and_recorded():
@@ -107,6 +108,40 @@ def test_first_call_picks_the_best_stage_count_and_keeps_the_applied_threshold()
     assert record["stages"] == 3
     assert record["log_correction"] == pytest.approx(0.3 + math.log(850.0 / 900.0), rel=1e-12)
     assert applied == pytest.approx(fitted * math.exp(record["log_correction"]), rel=1e-12)
+
+
+def test_re_basing_with_thresholds_below_one():
+    """Gradient magnitudes are mostly below 1: the same choice on RAMP / 1000."""
+    compressor = Scripted({1: 300, 2: 150, 3: 100, 4: 104}, scale=1e-3, ratio=0.0625)
+    record = state(stages=2, calls=0)
+    fitted, applied = fit_and_apply(compressor, record, 100.0)
+    assert (fitted, record["stages"]) == (pytest.approx(0.9), 3)
+    assert record["log_correction"] == pytest.approx(0.3 + math.log(0.85 / 0.9), rel=1e-12)
+    assert applied == pytest.approx(0.85 * math.exp(0.3), rel=1e-12)
+
+
+@pytest.mark.parametrize(("current", "counts", "best"), [(2, {1: 4, 2: 3}, 1), (1, {1: 5, 2: 4}, 2)])
+def test_stage_errors_use_half_corrected_counts(current, counts, best):
+    """At 4 expected the +0.5 on both counts decides: 4 (error 0) beats 3 (ln(3.5/4.5) = 0.25),
+    and 4 beats 5 (ln(5.5/4.5) = 0.2); +1.5 on either side would reverse one of them."""
+    compressor = Scripted(counts, ratio=0.25, first_ratio=0.1)
+    record = state(stages=current, calls=0)
+    fit_and_apply(compressor, record, 4.0)
+    assert record["stages"] == best
+
+
+def test_the_stage_one_exceedance_count_is_shared_with_the_sample_counts():
+    """fitted_thresholds records #{s > eta_1} (it formed that set): the exponential's
+    eta_1 = mean * ln(1/first_ratio)."""
+    sample = torch.rand(4000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    eta_1 = float(sample.mean()) * math.log(1 / 0.25)
+    compressor = SIDCoExponential(ratio=0.01)
+    counts = SampleCounts(sample)
+    compressor._fit_and_apply(sample, state(stages=2, calls=0), 40.0, counts)
+    assert counts._counts[eta_1] == int((sample > eta_1).sum())
+    direct = SampleCounts(sample)
+    compressor.fitted_thresholds(sample, (3,), direct)
+    assert direct._counts == {eta_1: int((sample > eta_1).sum())}
 
 
 def test_the_current_stage_count_stays_within_the_margin():
