@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.compressors.sidco import SampleCounts, SIDCoExponential
-from gradsift.errors import InvalidOptionError
+from gradsift.compressors.sidco import SampleCounts, SIDCoExponential, magnitude_sample
+from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 
 RAMP = torch.arange(1, 1001, dtype=torch.float64)
 
@@ -276,3 +276,41 @@ def test_load_state_dict_names_the_expected_layout_and_checks_stages():
             compressor.load_state_dict({"keys": {0: state(stages=stages, calls=0)}})
     compressor.load_state_dict({"keys": {0: state(stages=compressor.max_stages, calls=3)}})
     assert compressor.state_dict() == {"keys": {0: state(stages=compressor.max_stages, calls=3)}}
+
+
+# --- the sample and the stages ----------------------------------------------------------------
+
+
+def test_magnitude_sample_strides_from_a_rotating_offset_in_the_statistics_dtype():
+    x = -torch.arange(10.0)
+    assert magnitude_sample(x, 10, call=3).tolist() == list(range(10))  # n <= size: all of it
+    assert magnitude_sample(x, 5, call=0).tolist() == [0, 2, 4, 6, 8]  # stride 2
+    assert magnitude_sample(x, 5, call=1).tolist() == [1, 3, 5, 7, 9]
+    assert magnitude_sample(x, 4, call=4).tolist() == [1, 4, 7]  # stride 3, offset 4 mod 3
+    for dtype, kept in [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ]:
+        assert magnitude_sample(x.to(dtype), 5, call=0).dtype == kept
+
+
+def test_a_tail_of_two_exceedances_is_fitted_and_one_stops_the_stages():
+    """998 ones and [50, 60]: eta_1 = mean ln 4 = 1.536 keeps the two; the exponential excess
+    over t = 50 has mean 5, so two stages give 50 + 5 ln(0.25/0.01); with three stages
+    (delta_m = 0.2) stage 2 gives 50 + 5 ln 5 = 58.05, above which one element is left: stop."""
+    sample = torch.cat(
+        [torch.ones(998, dtype=torch.float64), torch.tensor([50.0, 60.0], dtype=torch.float64)]
+    )
+    compressor = SIDCoExponential(ratio=0.01, adapt=False)
+    assert compressor.fitted_threshold(sample, 2) == pytest.approx(50 + 5 * math.log(25), rel=1e-12)
+    assert compressor.fitted_threshold(sample, 3) == pytest.approx(50 + 5 * math.log(5), rel=1e-12)
+    assert compressor.fitted_threshold(sample, 1) == pytest.approx(1.108 * math.log(100), rel=1e-12)
+
+
+def test_a_non_finite_sample_raises_before_any_stage():
+    compressor = SIDCoExponential(ratio=0.01)
+    for bad in (math.nan, math.inf):
+        sample = torch.tensor([1.0, bad, 2.0], dtype=torch.float64)
+        with pytest.raises(NonFiniteGradientError, match="^gradient contains NaN or Inf values$"):
+            compressor.fitted_thresholds(sample, (1, 2))
