@@ -1,4 +1,7 @@
-"""Curves of a ``gradsift bench compress`` sweep over sizes (see README.md for the command).
+"""Curves of ``gradsift bench compress`` sweeps over sizes (see README.md for the commands).
+
+Several result files (e.g. a small-size and a large-size sweep run one after the
+other) are drawn as one sweep; the title gives each file's load averages.
 
 Left: median compress time vs gradient size, one line per compressor, with the bare
 ``torch.topk`` and the one-read-pass floor. Right: ``topk`` (the compressor) time over
@@ -18,7 +21,9 @@ from gradsift.extras import require
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="JSON written by gradsift bench compress --json")
+    parser.add_argument(
+        "results", type=Path, nargs="+", help="JSON written by gradsift bench compress --json"
+    )
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     args = parser.parse_args()
@@ -26,8 +31,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(args.results.read_text())
-    rows = [r for r in result["rows"] if r["ratio"] == args.ratio]
+    results = [json.loads(path.read_text()) for path in args.results]
+    rows = [r for result in results for r in result["rows"] if r["ratio"] == args.ratio]
     by_name: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_name[row["compressor"]].append(row)
@@ -53,9 +58,11 @@ def main() -> None:
         label="bare torch.topk / sidco-exp",
     )
     ratios.axhline(1.0, color="red", linewidth=0.8)
-    environment = result["environment"]
-    load = f"load {environment['load_average']['before'][0]:.1f} -> {environment['load_average']['after'][0]:.1f}"
-    threads = f"{environment['threads']} threads, {result['config']['processes']} process(es)"
+    loads = [r["environment"]["load_average"] for r in results]
+    load = "load " + ", ".join(f"{a['before'][0]:.0f}->{a['after'][0]:.0f}" for a in loads)
+    threads = (
+        f"{results[0]['environment']['threads']} threads, {results[0]['config']['processes']} process(es)"
+    )
     times.set(xscale="log", yscale="log", xlabel="elements", ylabel="median compress ms",
               title=f"compress time, ratio {args.ratio} ({threads}, {load})")  # fmt: skip
     ratios.set(xscale="log", yscale="log", xlabel="elements", ylabel="time ratio (> 1: SIDCo cheaper)",
