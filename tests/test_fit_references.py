@@ -135,10 +135,22 @@ def test_moments_accumulate_in_float64_whatever_the_input_dtype():
     assert normal.std == pytest.approx(float(wide.std(correction=0)), rel=1e-13)
 
 
-def test_default_subsample_is_200k_elements_with_seed_0():
-    x = torch.randn(200_001, generator=torch.Generator().manual_seed(3))
-    assert stats.goodness_of_fit(x) == stats.goodness_of_fit(x, sample_size=200_000, seed=0)
-    assert torch.equal(stats.subsample(x, 10), stats.subsample(x, 10, seed=0))
+def test_default_subsample_is_200k_elements_with_seed_0(monkeypatch):
+    """goodness_of_fit draws its subsample with (200_000, seed 0) unless told otherwise:
+    recorded on the call (a 200_001-element input, which would show it, costs ~10 s of fits)."""
+    drawn = []
+    real = stats.subsample
+
+    def recording(values, size, seed=0):
+        drawn.append((size, seed))
+        return real(values, size, seed)
+
+    monkeypatch.setattr(stats, "subsample", recording)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    stats.goodness_of_fit(x)
+    stats.goodness_of_fit(x, sample_size=32, seed=5)
+    assert drawn == [(200_000, 0), (32, 5)]
+    assert torch.equal(real(x, 10), real(x, 10, seed=0))
 
 
 def test_generalized_pareto_threshold_leaves_the_exponential_limit_only_for_a_negligible_shape():
