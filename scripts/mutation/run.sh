@@ -62,7 +62,9 @@ for module in "${modules[@]}"; do
   [ -z "${MUTATION_FRESH:-}" ] || rm -rf "$dir"
   again=; [ -d "$dir/mutants" ] && again=1
   mkdir -p "$dir"
-  rsync -a --delete --exclude __pycache__ src tests pyproject.toml "$dir/"
+  rm -rf "$dir/src" "$dir/tests"
+  cp -r src tests pyproject.toml "$dir"
+  find "$dir/src" "$dir/tests" -name __pycache__ -prune -exec rm -rf {} +
   {
     echo "[mutmut]"
     echo "source_paths = src"
