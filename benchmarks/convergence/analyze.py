@@ -153,7 +153,23 @@ def analyze(results: list[Result]) -> dict[str, Any]:
         add_ratios(section)
         out["workloads"][name] = section
     out["validation"] = validation(results)
+    out["trainer_defaults"] = trainer_defaults(results)
     return out
+
+
+def trainer_defaults(results: list[Result]) -> dict[str, Any]:
+    """One epoch of VGG with the trainer's defaults: each method's final accuracy against fp32's."""
+    runs = {r.method: r for r in results if r.workload == "vgg-defaults"}
+    if "none" not in runs:
+        return {}
+    dense = runs["none"].evals[-1]["accuracy"]
+    return {
+        method: {"seed": run.seed, "final": run.evals[-1]["accuracy"], "vs_fp32_points": 100 * (run.evals[-1]["accuracy"] - dense),
+                 "within_half_point": run.evals[-1]["accuracy"] >= dense - ACCURACY_MARGIN,
+                 "fewer_bytes_than_fp32": run.summary["dense_bytes_per_step"] / run.summary["bytes_sent_per_step"],
+                 "hook_options": run.summary.get("hook_options")}
+        for method, run in runs.items()
+    }  # fmt: skip
 
 
 def method_row(workload: str, runs: list[Result], target: float) -> dict[str, Any]:
@@ -315,6 +331,16 @@ def markdown(analysis: dict[str, Any]) -> str:
                 f"| {fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s "
                 f"| {fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s | {ratios} |"
             )  # fmt: skip
+        lines.append("")
+    defaults = analysis.get("trainer_defaults") or {}
+    if defaults:
+        lines += ["**One epoch of VGG with `gradsift train`'s defaults** (constant lr 0.05, seed 3; "
+                  "target: within 0.5 point of fp32)", "",
+                  "| method | test accuracy | vs fp32 | fewer bytes than fp32 | within 0.5 point |",
+                  "| --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for method, row in defaults.items():
+            lines.append(f"| {method} | {100 * row['final']:.2f}% | {row['vs_fp32_points']:+.2f} pt "
+                         f"| {row['fewer_bytes_than_fp32']:.1f}x | {'yes' if row['within_half_point'] else 'no'} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

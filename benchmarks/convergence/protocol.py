@@ -232,3 +232,25 @@ class ValidationRun:
 
 #: One full emulated run per headline pair (sidco-exp against fp32 and against bf16) on VGG.
 VALIDATION_RUNS = [ValidationRun("vgg", m, "100mbit") for m in ("sidco-exp-0.01", "none", "bf16")]
+
+
+@dataclass(frozen=True)
+class DefaultsRun:
+    """One epoch of VGG with nothing but ``gradsift train``'s defaults (constant lr 0.05,
+    batch 32, momentum 0.9 -- and DGC's recipe for the error-feedback sparsifiers), the
+    issue's seed 3: the target says sidco-exp and topk at 0.01 end within 0.5 point of fp32."""
+
+    method: str
+    seed: int = 3
+    workload: str = "vgg-defaults"
+
+    @property
+    def directory(self) -> Path:
+        return RUNS / self.workload / f"{self.method}-e1-s{self.seed}"
+
+    def arguments(self) -> list[str]:
+        return ["--model", "vgg", "--workers", str(WORKERS), "--epochs", "1", "--eval-every", "117",
+                "--data-dir", FASHION_MNIST, *METHODS[self.method].train_arguments(), "--seed", str(self.seed)]  # fmt: skip
+
+
+DEFAULTS_RUNS = [DefaultsRun(m) for m in ("none", "sidco-exp-0.01", "topk-0.01")]

@@ -3,6 +3,7 @@
     nice -n 19 python benchmarks/convergence/run.py study          # fp32 curves that decide the epochs
     nice -n 19 python benchmarks/convergence/run.py accuracy       # the campaign, in priority order
     nice -n 19 python benchmarks/convergence/run.py accuracy --no-ef   # methods without error feedback
+    nice -n 19 python benchmarks/convergence/run.py defaults       # one epoch, trainer defaults (VGG)
     python benchmarks/convergence/run.py timing                    # step times over emulated links (root)
     python benchmarks/convergence/run.py validation                # full emulated runs (root)
     python benchmarks/convergence/run.py status                    # what is done, what is left
@@ -32,7 +33,15 @@ import sys
 import time
 from pathlib import Path
 
-from protocol import METHODS, VALIDATION_RUNS, WORKLOADS, accuracy_runs, study_runs, timing_runs
+from protocol import (
+    DEFAULTS_RUNS,
+    METHODS,
+    VALIDATION_RUNS,
+    WORKLOADS,
+    accuracy_runs,
+    study_runs,
+    timing_runs,
+)
 
 CPU_LOCK = Path("/tmp/gradsift-cpu.lock")
 
@@ -107,7 +116,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("group", choices=("study", "accuracy", "timing", "validation", "status"))
+    parser.add_argument("group", choices=("study", "accuracy", "defaults", "timing", "validation", "status"))
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="only these workloads")
     parser.add_argument("--method", action="append", choices=sorted(METHODS), help="only these methods")
     feedback = parser.add_mutually_exclusive_group()
@@ -117,6 +126,7 @@ def main() -> int:
     ef = True if args.ef else False if args.no_ef else None
     groups = {
         "study": study_runs, "accuracy": lambda: accuracy_runs(ef), "validation": lambda: VALIDATION_RUNS,
+        "defaults": lambda: DEFAULTS_RUNS,
         "timing": lambda: [t for t in timing_runs() if ef is None or METHODS[t.method].error_feedback == ef],
     }  # fmt: skip
     names = list(groups) if args.group == "status" else [args.group]
