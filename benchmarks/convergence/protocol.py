@@ -59,7 +59,7 @@ WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
                          steps_per_epoch=469),
-    "lstm": Workload("lstm", 32, 0.2, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
+    "lstm": Workload("lstm", 32, 0.2, epochs=8, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "gpt": Workload("gpt", 16, 0.1, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
                     data_dir=None),
 }  # fmt: skip
