@@ -65,6 +65,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
     run.add_argument("--lr", type=float, default=0.05, help="peak learning rate of SGD (default: 0.05)")
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    run.add_argument("--no-recipe", dest="recipe", action="store_false",
+                     help="without DGC's recipe: SGD keeps its momentum on top of error feedback, no density "
+                     "warm-up (default: momentum correction + masking and a density warm-up over the first "
+                     "10%% of the steps for error-feedback sparsifiers)")  # fmt: skip
     run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
     run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="step",
                      help="after the warm-up: step (multiply by --decay-factor at --decay-steps; default) "
@@ -158,7 +162,7 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
         steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
     return TrainConfig(
         out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
-        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, recipe=args.recipe, warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule, decay_steps=args.decay_steps, decay_factor=args.decay_factor,
         steps=steps, eval_every=args.eval_every, seed=args.seed, target_accuracy=args.target_accuracy,
         target_loss=args.target_loss, bandwidth=args.bandwidth,

@@ -35,6 +35,10 @@ class TrainConfig:
         model: a key of :data:`gradsift.train.models.MODELS`.
         compressor: a registry name; ``options`` are its keyword options (and the
             DDP hook's, e.g. ``warmup_steps``), passed to ``register_comm_hook``.
+        recipe: DGC's recipe (default True, see :mod:`gradsift.train.exchange`): the
+            optimizer's momentum moves into the hook for error-feedback compressors
+            (momentum correction + factor masking), and error-feedback sparsifiers warm
+            their density up; False: SGD momentum on top of plain error feedback.
         workers: number of ranks the launcher starts (torchrun: its WORLD_SIZE).
         batch_size: samples per worker per step.
         steps: optimizer steps in total.
@@ -56,6 +60,7 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    recipe: bool = True
     lr_schedule: str = "step"
     warmup_steps: int = 0
     decay_steps: list[int] = field(default_factory=list)
@@ -92,6 +97,8 @@ class TrainConfig:
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
         check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
         check_real(self.timeout_s, "timeout_s", low=1.0)
+        if not isinstance(self.recipe, bool):
+            raise InvalidOptionError(f"recipe must be True or False, got {self.recipe!r}")
         for step in self.decay_steps:
             check_int(step, "decay_steps", low=1)
         if self.target_accuracy is not None:

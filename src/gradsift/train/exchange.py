@@ -1,13 +1,30 @@
-"""The gradient exchange of the trainer: gradsift's DDP hook and its per-step numbers."""
+"""The gradient exchange of the trainer: gradsift's DDP hook, DGC's recipe, per-step numbers.
+
+With the recipe on (the trainer's default, ``--no-recipe`` turns it off), the hook gets
+``optimizer=`` -- for a compressor with error feedback, SGD's momentum moves into the
+exchange (DGC's momentum correction, with momentum factor masking) and the optimizer
+runs without it; for the others the optimizer keeps its momentum -- and an
+error-feedback sparsifier with a ratio warms its density up exponentially from 0.25 to
+the target over the first :data:`DENSITY_WARMUP_FRACTION` of the run's steps
+(:mod:`gradsift.recipe`). Options given explicitly (e.g. ``density_warmup_steps=0``)
+win over the recipe's defaults.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
+from gradsift.compressors.base import Sparsifier
+from gradsift.compressors.registry import compressor_class
+
+#: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
+DENSITY_WARMUP_FRACTION = 0.1
 
 #: Keys of the per-step dict :func:`install_exchange`'s callable returns.
 EXCHANGE_FIELDS = (
@@ -22,13 +39,63 @@ EXCHANGE_FIELDS = (
 )
 
 
+def warms_up_density(compressor: str, options: dict[str, Any]) -> bool:
+    """Whether the recipe's density warm-up applies: a sparsifier that takes a ``ratio``
+    and runs with error feedback (its own, unless ``error_feedback=`` says otherwise)."""
+    cls = compressor_class(compressor)
+    takes_ratio = "ratio" in inspect.signature(cls.__init__).parameters
+    feedback = options.get("error_feedback")
+    return (
+        issubclass(cls, Sparsifier)
+        and takes_ratio
+        and bool(cls.error_feedback if feedback is None else feedback)
+    )
+
+
+def recipe_options(compressor: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The hook options with the recipe's density warm-up added where it applies
+    (``round(DENSITY_WARMUP_FRACTION * steps)`` steps, at least 1); explicit options win."""
+    hook_options = dict(options)
+    if warms_up_density(compressor, options):
+        hook_options.setdefault("density_warmup_steps", max(1, round(DENSITY_WARMUP_FRACTION * steps)))
+    return hook_options
+
+
 def install_exchange(
-    ddp_model: DistributedDataParallel, compressor: str, options: dict[str, Any]
-) -> Callable[[], dict[str, float]]:
-    """Register ``gradsift.register_comm_hook(ddp_model, compressor, **options)``; return a
-    function giving the last step's exchange numbers (:func:`step_exchange_stats`)."""
-    state = gradsift.register_comm_hook(ddp_model, compressor, **options)
-    return lambda: step_exchange_stats(state.stats()["step"])
+    ddp_model: DistributedDataParallel,
+    compressor: str,
+    options: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    recipe: bool = True,
+) -> tuple[Callable[[], dict[str, float]], dict[str, Any]]:
+    """Register gradsift's hook on ``ddp_model`` -- with DGC's recipe (module docstring)
+    for a run of ``steps``, or with ``options`` only (``recipe=False``: the optimizer
+    keeps its momentum). Returns a function giving the last step's exchange numbers
+    (:func:`step_exchange_stats`) and the recipe in use (:func:`recipe_in_use`)."""
+    hook_options = recipe_options(compressor, options, steps) if recipe else dict(options)
+    state = gradsift.register_comm_hook(
+        ddp_model, compressor, optimizer=optimizer if recipe else None, **hook_options
+    )
+    return lambda: step_exchange_stats(state.stats()["step"]), recipe_in_use(state, optimizer, recipe)
+
+
+def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -> dict[str, Any]:
+    """What the run applies, for ``summary.json``: whether the recipe is on, the momentum
+    inside the exchange (momentum correction; None without error feedback) and the one
+    left in the optimizer, momentum factor masking (None without momentum correction),
+    and the density warm-up (steps; start density, None without a warm-up)."""
+    feedback = state.feedback
+    correcting = feedback is not None and feedback.momentum > 0
+    warmup = state.options.density_warmup_steps
+    return {
+        "enabled": enabled,
+        "hook_momentum": None if feedback is None else feedback.momentum,
+        "optimizer_momentum": optimizer.param_groups[0]["momentum"],
+        "momentum_masking": feedback.momentum_masking if correcting else None,
+        "density_warmup_steps": warmup,
+        "density_warmup_start": state.options.density_warmup_start if warmup else None,
+    }
 
 
 def step_exchange_stats(step: dict[str, Any]) -> dict[str, float]:

@@ -140,8 +140,10 @@ def train_rank(
     )
     model = build_model(config.model, config.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    exchange_stats = install_exchange(ddp_model, config.compressor, config.options)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=config.lr, momentum=config.momentum)
+    exchange_stats, recipe = install_exchange(
+        ddp_model, config.compressor, config.options, optimizer, config.steps, recipe=config.recipe
+    )
     writer = RunWriter(Path(config.out), enabled=rank == 0)
     progress = tqdm(
         total=config.steps, disable=rank != 0 or not config.progress, desc=config.compressor, unit="step"
@@ -187,6 +189,7 @@ def train_rank(
         if rank == 0:
             run = _run_facts(config, model, world, backend, device, source)
             run["epochs_seen"] = round(step * config.batch_size * world / len(train), 4)
+            run["recipe"] = recipe
             summary = summarize(
                 writer.steps, writer.evals, run=run, target_accuracy=config.target_accuracy,
                 target_loss=config.target_loss, wall_time_s=time.perf_counter() - started,

@@ -1,0 +1,72 @@
+"""`gradsift train`'s defaults are DGC's recipe; ``--no-recipe`` restores plain SGD momentum."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsift.cli import main as cli_main
+from gradsift.errors import InvalidOptionError
+from gradsift.train.config import TrainConfig
+from gradsift.train.exchange import DENSITY_WARMUP_FRACTION, recipe_options, warms_up_density
+from train_utils import TINY
+
+WITHOUT_FEEDBACK = {"hook_momentum": None, "momentum_masking": None, "density_warmup_steps": 0,
+                    "density_warmup_start": None}  # fmt: skip
+
+
+def test_density_warmup_applies_to_error_feedback_sparsifiers_with_a_ratio() -> None:
+    for name in (
+        "topk",
+        "randomk",
+        "dgc",
+        "gaussiank",
+        "redsync",
+        "sidco-exp",
+        "sidco-gpareto",
+        "sidco-gamma",
+    ):
+        assert warms_up_density(name, {}), name
+    # no ratio (threshold), no sparsifier (quantizers, low rank), or error feedback turned off
+    for name in ("none", "fp16", "bf16", "threshold", "vgc", "qsgd", "terngrad", "efsignsgd", "powersgd"):
+        assert not warms_up_density(name, {}), name
+    assert not warms_up_density("topk", {"error_feedback": False})
+
+
+def test_recipe_options_warm_up_a_tenth_of_the_run_and_explicit_options_win() -> None:
+    assert DENSITY_WARMUP_FRACTION == 0.1
+    assert recipe_options("topk", {"ratio": 0.01}, 469) == {"ratio": 0.01, "density_warmup_steps": 47}
+    assert recipe_options("sidco-exp", {}, 3) == {"density_warmup_steps": 1}  # at least one step
+    assert recipe_options("topk", {"density_warmup_steps": 0}, 469) == {"density_warmup_steps": 0}
+    assert recipe_options("qsgd", {"levels": 15}, 469) == {"levels": 15}
+
+
+def test_config_checks_recipe_is_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(InvalidOptionError, match="recipe must be True or False, got 'off'"):
+        TrainConfig(out=str(tmp_path), recipe="off")  # type: ignore[arg-type]
+    assert TrainConfig(out=str(tmp_path)).recipe is True
+
+
+def _train(tmp_path: Path, name: str, *flags: str) -> tuple[dict, list[dict]]:
+    out = tmp_path / name
+    assert cli_main(["train", *TINY, "--steps", "4", "--out", str(out), *flags]) == 0
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), steps
+
+
+@pytest.mark.distributed
+def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> None:
+    summary, steps = _train(tmp_path, "off", "--compressor", "topk", "--ratio", "0.01", "--no-recipe")
+    assert summary["recipe"] == {"enabled": False, "hook_momentum": 0.0, "optimizer_momentum": 0.9,
+                                 "momentum_masking": None, "density_warmup_steps": 0,
+                                 "density_warmup_start": None}  # fmt: skip
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["recipe"] is False
+    assert all(0.009 <= r["density"] <= 0.011 for r in steps)
+
+
+@pytest.mark.distributed
+def test_recipe_leaves_compressors_without_error_feedback_their_sgd_momentum(tmp_path: Path) -> None:
+    summary, _ = _train(tmp_path, "fp16", "--compressor", "fp16")
+    assert summary["recipe"] == {"enabled": True, "optimizer_momentum": 0.9, **WITHOUT_FEEDBACK}
