@@ -245,8 +245,12 @@ class DefaultsRun:
     workload: str = "vgg-defaults"
 
     @property
+    def name(self) -> str:
+        return f"{self.method}-e1-s{self.seed}"
+
+    @property
     def directory(self) -> Path:
-        return RUNS / self.workload / f"{self.method}-e1-s{self.seed}"
+        return RUNS / self.workload / self.name
 
     def arguments(self) -> list[str]:
         return ["--model", "vgg", "--workers", str(WORKERS), "--epochs", "1", "--eval-every", "117",
