@@ -95,7 +95,7 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
     assert summary["bytes_sent_per_step"] == statistics.fmean(r["bytes_sent"] for r in steps)
     assert summary["dense_bytes_per_step"] == 4 * 235_146  # fp32 gradient of the MLP
     # DGC's recipe by default: momentum inside the exchange, the density warmed up over
-    # round(0.1 * 6) = 1 step (step 0 at the warm-up's start, 0.25), then the target
+    # max(1, round(0.025 * 6)) = 1 step (step 0 at the warm-up's start, 0.25), then the target
     assert summary["recipe"] == {"enabled": True, "hook_momentum": 0.9, "optimizer_momentum": 0.0,
                                  "momentum_masking": True, "density_warmup_steps": 1,
                                  "density_warmup_start": 0.25}  # fmt: skip

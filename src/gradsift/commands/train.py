@@ -68,7 +68,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-recipe", dest="recipe", action="store_false",
                      help="without DGC's recipe: SGD keeps its momentum on top of error feedback, no density "
                      "warm-up (default: momentum correction + masking and a density warm-up over the first "
-                     "10%% of the steps for error-feedback sparsifiers)")  # fmt: skip
+                     "2.5%% of the steps for error-feedback sparsifiers)")  # fmt: skip
     run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
     run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="step",
                      help="after the warm-up: step (multiply by --decay-factor at --decay-steps; default) "

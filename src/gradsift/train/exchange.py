@@ -24,7 +24,7 @@ from gradsift.compressors.base import Sparsifier
 from gradsift.compressors.registry import compressor_class
 
 #: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
-DENSITY_WARMUP_FRACTION = 0.1
+DENSITY_WARMUP_FRACTION = 0.025
 
 #: Keys of the per-step dict :func:`install_exchange`'s callable returns.
 EXCHANGE_FIELDS = (
