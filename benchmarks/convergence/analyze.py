@@ -167,7 +167,7 @@ def trainer_defaults(results: list[Result]) -> dict[str, Any]:
         method: {"seed": run.seed, "final": run.evals[-1]["accuracy"], "vs_fp32_points": 100 * (run.evals[-1]["accuracy"] - dense),
                  "within_half_point": run.evals[-1]["accuracy"] >= dense - ACCURACY_MARGIN,
                  "fewer_bytes_than_fp32": run.summary["dense_bytes_per_step"] / run.summary["bytes_sent_per_step"],
-                 "hook_options": run.summary.get("hook_options")}
+                 "recipe": run.summary.get("recipe")}
         for method, run in runs.items()
     }  # fmt: skip
 
