@@ -94,14 +94,13 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
     assert summary["step_time_median_s"] == statistics.median(r["step_s"] for r in steps)
     assert summary["bytes_sent_per_step"] == statistics.fmean(r["bytes_sent"] for r in steps)
     assert summary["dense_bytes_per_step"] == 4 * 235_146  # fp32 gradient of the MLP
-    # DGC's recipe by default: momentum inside the exchange, the density warmed up over
-    # max(1, round(0.025 * 6)) = 1 step (step 0 at the warm-up's start, 0.25), then the target
+    # DGC's recipe by default: momentum inside the exchange; a 6-step run is too short for
+    # a density warm-up (round(0.025 * 6) = 0 steps)
     assert summary["recipe"] == {"enabled": True, "hook_momentum": 0.9, "optimizer_momentum": 0.0,
-                                 "momentum_masking": True, "density_warmup_steps": 1,
-                                 "density_warmup_start": 0.25}  # fmt: skip
-    assert steps[0]["density"] == pytest.approx(0.25, abs=1e-3)
-    assert all(0.009 <= r["density"] <= 0.011 for r in steps[1:])
-    assert summary["bytes_sent_per_step"] < summary["dense_bytes_per_step"] / 5
+                                 "momentum_masking": True, "density_warmup_steps": 0,
+                                 "density_warmup_start": None}  # fmt: skip
+    assert 0.009 <= summary["achieved_density"] <= 0.011
+    assert summary["bytes_sent_per_step"] < summary["dense_bytes_per_step"] / 20
     assert [e["step"] for e in evals] == [3, 6] and summary["final_test_accuracy"] == evals[-1]["accuracy"]
     # 5% is reached at the first evaluation: accuracy after 3 steps over seeds 0-5 was
     # 0.156-0.309 (0.309 for seed 0); chance is 0.1 on the balanced synthetic classes.

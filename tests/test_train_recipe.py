@@ -39,7 +39,8 @@ def test_recipe_options_warm_up_a_fortieth_of_the_run_and_explicit_options_win()
     assert DENSITY_WARMUP_FRACTION == 0.025
     assert recipe_options("topk", {"ratio": 0.01}, 469) == {"ratio": 0.01, "density_warmup_steps": 12}
     assert recipe_options("topk", {"ratio": 0.01}, 1876) == {"ratio": 0.01, "density_warmup_steps": 47}
-    assert recipe_options("sidco-exp", {}, 3) == {"density_warmup_steps": 1}  # at least one step
+    assert recipe_options("sidco-exp", {}, 21) == {"density_warmup_steps": 1}
+    assert recipe_options("sidco-exp", {}, 20) == {}  # a warm-up that rounds to 0 steps: none
     assert recipe_options("topk", {"density_warmup_steps": 0}, 469) == {"density_warmup_steps": 0}
     assert recipe_options("qsgd", {"levels": 15}, 469) == {"levels": 15}
 

@@ -53,11 +53,13 @@ def warms_up_density(compressor: str, options: dict[str, Any]) -> bool:
 
 
 def recipe_options(compressor: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
-    """The hook options with the recipe's density warm-up added where it applies
-    (``round(DENSITY_WARMUP_FRACTION * steps)`` steps, at least 1); explicit options win."""
+    """The hook options with the recipe's density warm-up added where it applies, over
+    ``round(DENSITY_WARMUP_FRACTION * steps)`` steps (none for runs of 20 steps or fewer,
+    where that rounds to 0); explicit options win."""
     hook_options = dict(options)
-    if warms_up_density(compressor, options):
-        hook_options.setdefault("density_warmup_steps", max(1, round(DENSITY_WARMUP_FRACTION * steps)))
+    warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
+    if warmup_steps and warms_up_density(compressor, options):
+        hook_options.setdefault("density_warmup_steps", warmup_steps)
     return hook_options
 
 
