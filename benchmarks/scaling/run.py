@@ -67,6 +67,18 @@ def cpu_times() -> tuple[float, float]:
     return sum(fields) - idle, sum(fields)
 
 
+def code_version() -> dict[str, object]:
+    """The commit the run's code comes from, and whether ``src/`` differed from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "src_modified": bool(git("status", "--porcelain", "--", "../../src")),
+    }
+
+
 def _lines(path: Path) -> int:
     try:
         return path.read_text().count("\n")
@@ -126,7 +138,7 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         "means": {key: statistics.fmean(r[key] for r in records) for key in COUNTED if key in records[0]},
         "load_average_before": load_before, "load_average_after": load_after,
         "cpu_busy_share": (cpu_after[0] - cpu_before[0]) / max(cpu_after[1] - cpu_before[1], 1.0),
-        "wall_s": wall,
+        "wall_s": wall, "code": code_version(),
     }  # fmt: skip
     if args.warmup in snapshots and args.steps in snapshots:
         span = args.steps - args.warmup
