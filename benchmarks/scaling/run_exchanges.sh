@@ -2,20 +2,31 @@
 # The exchanges of the scaling benchmark, worker count by worker count: SIDCo (sidco-exp,
 # ratio 0.01) through the allgather, balanced and shared-mask exchanges, and dense fp32
 # (the reference), each over 100 Mbit/s emulated links and on localhost (the CPU-bound
-# floor). Every run takes /tmp/gradsift-cpu.lock for itself (run.py's --lock), so other
-# jobs may run between two runs but never inside one; the runs of one worker count
-# follow each other directly. WORKERS picks the worker counts (default: the cheap ones
-# first, then the headline 16, then 8).
+# floor). The runs of one worker count go back to back under one hold of
+# /tmp/gradsift-cpu.lock (so the ratios at one worker count are measured side by side;
+# other jobs run between worker counts). A run whose results file exists is skipped
+# (delete it to re-measure). WORKERS picks the worker counts (default: the cheap ones
+# first, then the headline 16, then 8), SERIES the series.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=.venv/bin/python
-run="$py benchmarks/scaling/run.py"
+results=benchmarks/scaling/results
+point() {  # label workers mode [run.py flags...]
+  local label=$1 p=$2 mode=$3; shift 3
+  local suffix=""; [ -n "$mode" ] && suffix=-localhost
+  [ -e "$results/$label-w$p$suffix.json" ] && return 0
+  $py benchmarks/scaling/run.py --lock= --label "$label" --workers "$p" $mode "$@"
+}
+export -f point
+export py results
 for p in ${WORKERS:-2 4 16 8}; do
-  for mode in '' --localhost; do
-    for exchange in allgather balanced shared-mask; do
-      $run --label "$exchange" --compressor sidco-exp --ratio 0.01 --exchange "$exchange" --workers "$p" $mode
-    done
-    $run --label fp32 --compressor none --workers "$p" $mode
-  done
+  flock /tmp/gradsift-cpu.lock bash -c "
+    set -euo pipefail
+    for mode in '' --localhost; do
+      for series in ${SERIES:-allgather balanced shared-mask fp32}; do
+        if [ \$series = fp32 ]; then point fp32 $p \"\$mode\" --compressor none
+        else point \$series $p \"\$mode\" --compressor sidco-exp --ratio 0.01 --exchange \$series; fi
+      done
+    done"
 done
 $py benchmarks/scaling/analyze.py
