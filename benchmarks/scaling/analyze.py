@@ -25,10 +25,16 @@ padded/sent ratio). Then:
   ``allgather``'s.
 
     python benchmarks/scaling/analyze.py      # writes analysis.json, plots/measured_vs_model.png, prints tables
+    python benchmarks/scaling/analyze.py --results benchmarks/scaling/unlocked \\
+        --json benchmarks/scaling/unlocked/analysis.json --plot benchmarks/scaling/plots/unlocked_vs_model.png
+
+Without localhost runs (or fewer than two dense ones) there is no link time and no
+calibration: the bytes are still compared with the model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -82,8 +88,12 @@ def traffic(result: dict) -> Traffic:
             total += allgather_traffic(k * means["bytes_padded"] / means["bytes_sent"], workers)
         elif kind == "reduce-scatter":
             total += sparse_reduce_scatter_traffic(k, workers)
-        else:
-            total += shared_mask_traffic(k, workers)
+        else:  # rank 0's mean over the leader cycle: as leader (1 step in P) it receives no header or indices
+            step = shared_mask_traffic(k, workers)
+            broadcast = shared_mask_traffic(k, workers, value_bytes=0)
+            total += Traffic(
+                step.received_bytes - broadcast.received_bytes / workers, step.path_bytes, step.hops
+            )
     return total
 
 
@@ -107,8 +117,15 @@ def calibrate(points: list[dict]) -> tuple[float, float]:
     return 1.0 / inverse_bandwidth, max(0.0, float(latency))
 
 
-def main() -> int:
-    shaped, floor = load(HERE / "results")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", type=Path, default=HERE / "results", help="folder of run.py's JSON")
+    parser.add_argument("--json", type=Path, default=HERE / "analysis.json")
+    parser.add_argument("--plot", type=Path, default=HERE / "plots" / "measured_vs_model.png")
+    args = parser.parse_args(argv)
+    shaped, floor = load(args.results)
     measured = []
     for point in shaped:
         point["model"] = traffic(point)
@@ -117,43 +134,57 @@ def main() -> int:
             point["localhost_step_s"] = control["medians"]["step_s"]
             point["link_s"] = point["medians"]["step_s"] - point["localhost_step_s"]
             measured.append(point)
-    bandwidth_eff, latency_eff = calibrate([p for p in measured if family(p) == "allreduce"])
-    rows = []
-    for p in sorted(shaped, key=lambda p: (p["label"], p["workers"])):
-        calibrated = float(p["model"].seconds(bandwidth_eff, latency_eff))
-        row = {
-            "label": p["label"], "workers": p["workers"], "fitted_on": family(p) == "allreduce",
-            "step_s": p["medians"]["step_s"], "hook_communicate_s": p["medians"]["communicate_s"],
-            "localhost_step_s": p.get("localhost_step_s"), "link_s": p.get("link_s"),
-            "predicted_link_nominal_s": float(p["model"].seconds(parse_rate(p["bandwidth"]) / 8)),
-            "predicted_link_calibrated_s": calibrated,
-            "model_received_bytes": float(p["model"].received_bytes),
-            "hook_bytes_received": p["means"].get("bytes_received"),
-            "hook_bytes_sent": p["means"]["bytes_sent"], "ratio": p["ratio"], "exchange": p["exchange"],
-            "density": p["means"]["density"],
-            "final_test_accuracy": p["final_test_accuracy"],
-            "load_average_before": p["load_average_before"][0], "load_average_after": p["load_average_after"][0],
-        }  # fmt: skip
-        if "link_s" in p:
-            row["link_share"] = p["link_s"] / row["step_s"]
-            row["error_nominal"] = row["predicted_link_nominal_s"] / p["link_s"] - 1
-            row["error_calibrated"] = calibrated / p["link_s"] - 1
-            row["predicted_step_s"] = p["localhost_step_s"] + calibrated
-            row["error_step"] = row["predicted_step_s"] / row["step_s"] - 1
-        if "nic_per_step" in p:
-            row["nic_rx_bytes_mean"] = float(np.mean([h["rx_bytes"] for h in p["nic_per_step"]]))
-            row["nic_over_model"] = row["nic_rx_bytes_mean"] / row["model_received_bytes"]
-        rows.append(row)
-    analysis = {"targets": targets(rows), "calibration": {"bandwidth_bytes_per_s": bandwidth_eff, "bandwidth_mbit": bandwidth_eff * 8 / 1e6,
-                                "latency_per_message_s": latency_eff,
-                                "fitted_on": "link times of the dense allreduce runs (fp32, bf16)"},
-                "buckets": list(BUCKETS), "points": rows}  # fmt: skip
-    (HERE / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
+    dense = [p for p in measured if family(p) == "allreduce"]
+    bandwidth_eff, latency_eff = calibrate(dense) if len(dense) >= 2 else (None, None)
+    rows = [
+        row(p, bandwidth_eff, latency_eff) for p in sorted(shaped, key=lambda p: (p["label"], p["workers"]))
+    ]
+    calibration = None if bandwidth_eff is None else {
+        "bandwidth_bytes_per_s": bandwidth_eff, "bandwidth_mbit": bandwidth_eff * 8 / 1e6,
+        "latency_per_message_s": latency_eff, "fitted_on": "link times of the dense allreduce runs"}  # fmt: skip
+    analysis = {"results": str(args.results.resolve().relative_to(HERE)), "targets": targets(rows),
+                "accuracy_at_equal_steps": accuracy_runs(HERE / "accuracy"),
+                "calibration": calibration, "buckets": list(BUCKETS), "points": rows}  # fmt: skip
+    args.json.write_text(json.dumps(analysis, indent=2) + "\n")
     print(table(analysis))
     print()
     print(targets_table(analysis["targets"]))
-    plot(rows, HERE / "plots" / "measured_vs_model.png")
+    print()
+    print(accuracy_table(analysis["accuracy_at_equal_steps"]))
+    plot(rows, args.plot)
     return 0
+
+
+def row(p: dict, bandwidth_eff: float | None, latency_eff: float | None) -> dict:
+    """One shaped run beside its model: bytes received (hook, NIC, model) and link time."""
+    calibrated = None if bandwidth_eff is None else float(p["model"].seconds(bandwidth_eff, latency_eff))
+    row = {
+        "label": p["label"], "workers": p["workers"], "fitted_on": family(p) == "allreduce" and "link_s" in p,
+        "step_s": p["medians"]["step_s"], "hook_communicate_s": p["medians"]["communicate_s"],
+        "localhost_step_s": p.get("localhost_step_s"), "link_s": p.get("link_s"),
+        "predicted_link_nominal_s": float(p["model"].seconds(parse_rate(p["bandwidth"]) / 8)),
+        "predicted_link_calibrated_s": calibrated,
+        "model_received_bytes": float(p["model"].received_bytes),
+        "hook_bytes_received": p["means"].get("bytes_received"),
+        "hook_bytes_sent": p["means"]["bytes_sent"], "ratio": p["ratio"], "exchange": p["exchange"],
+        "density": p["means"]["density"],
+        "final_test_accuracy": p["final_test_accuracy"],
+        "load_average_before": p["load_average_before"][0], "load_average_after": p["load_average_after"][0],
+        "cpu_lock": p.get("cpu_lock", "/tmp/gradsift-cpu.lock"),
+    }  # fmt: skip
+    if row["hook_bytes_received"] is not None:
+        row["hook_over_model"] = row["hook_bytes_received"] / row["model_received_bytes"]
+    if "link_s" in p:
+        row["link_share"] = p["link_s"] / row["step_s"]
+        row["error_nominal"] = row["predicted_link_nominal_s"] / p["link_s"] - 1
+        if calibrated is not None:
+            row["error_calibrated"] = calibrated / p["link_s"] - 1
+            row["predicted_step_s"] = p["localhost_step_s"] + calibrated
+            row["error_step"] = row["predicted_step_s"] / row["step_s"] - 1
+    if "nic_per_step" in p:
+        row["nic_rx_bytes_mean"] = float(np.mean([h["rx_bytes"] for h in p["nic_per_step"]]))
+        row["nic_over_model"] = row["nic_rx_bytes_mean"] / row["model_received_bytes"]
+    return row
 
 
 def _series(rows: list[dict], exchange: str) -> dict[int, dict]:
@@ -204,6 +235,31 @@ def targets(rows: list[dict]) -> dict:
     return result
 
 
+def accuracy_runs(folder: Path) -> dict:
+    """run_accuracy.sh's runs: test accuracy per exchange, workers, seed and evaluated
+    step, and each new exchange's gap to allgather's run of the same seed at each step
+    (the target: every gap within ``TARGETS["accuracy_gap_max"]``)."""
+    curves: dict = {}
+    for evals in sorted(folder.glob("*-w*-s*/evals.jsonl")):
+        if not (evals.parent / "summary.json").exists():
+            continue  # unfinished
+        exchange, workers, seed = evals.parent.name.rsplit("-", 2)
+        points = {str(r["step"]): r["accuracy"] for r in map(json.loads, evals.read_text().splitlines())}
+        curves.setdefault(exchange, {}).setdefault(workers[1:], {})[seed[1:]] = points
+    gaps: dict = {}
+    for name in NEW_EXCHANGES:
+        for workers, seeds in curves.get(name, {}).items():
+            for seed, points in seeds.items():
+                reference = curves.get("allgather", {}).get(workers, {}).get(seed)
+                if reference is not None:
+                    gaps.setdefault(name, {}).setdefault(workers, {})[seed] = {
+                        step: points[step] - reference[step] for step in points if step in reference
+                    }
+    met = {name: all(abs(g) <= TARGETS["accuracy_gap_max"] for w in by.values() for s in w.values() for g in s.values())
+           for name, by in gaps.items()}  # fmt: skip
+    return {"accuracy": curves, "gap_to_allgather": gaps, "met": met}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else a / b
 
@@ -237,6 +293,22 @@ def targets_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def accuracy_table(result: dict) -> str:
+    """Markdown: test accuracy at each evaluated step, one line per exchange, workers and seed."""
+    lines = [
+        "| exchange | P | seed | step: accuracy (gap to allgather, points) |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name, by_workers in result["accuracy"].items():
+        for workers, seeds in by_workers.items():
+            for seed, points in seeds.items():
+                gaps = result["gap_to_allgather"].get(name, {}).get(workers, {}).get(seed, {})
+                cells = ", ".join(f"{step}: {acc:.4f}" + (f" ({gaps[step] * 100:+.2f})" if step in gaps else "")
+                                  for step, acc in points.items())  # fmt: skip
+                lines.append(f"| {name} | {workers} | {seed} | {cells} |")
+    return "\n".join(lines)
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
@@ -246,51 +318,74 @@ def _pct(value: float | None) -> str:
 
 
 def table(analysis: dict) -> str:
+    """Markdown: traffic per worker and step (model against hook and NIC), then time."""
+    lines = ["| series | P | sent kB | received kB: model R | hook (/R) | NIC rx (/R) | accuracy | load before/after |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in analysis["points"]:
+        hook = "-" if r["hook_bytes_received"] is None else (
+            f"{r['hook_bytes_received'] / 1e3:.1f} ({r['hook_over_model']:.3f})")  # fmt: skip
+        nic = (
+            "-"
+            if "nic_rx_bytes_mean" not in r
+            else f"{r['nic_rx_bytes_mean'] / 1e3:.1f} ({r['nic_over_model']:.3f})"
+        )
+        lines.append(f"| {r['label']} | {r['workers']} | {r['hook_bytes_sent'] / 1e3:.1f} | "
+                     f"{r['model_received_bytes'] / 1e3:.1f} | {hook} | {nic} | {r['final_test_accuracy']:.4f} | "
+                     f"{r['load_average_before']:.1f}/{r['load_average_after']:.1f} |")  # fmt: skip
     c = analysis["calibration"]
-    lines = [
-        f"calibration on the dense runs' link times: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
-        f"L_eff = {c['latency_per_message_s'] * 1e3:.2f} ms per message",
-        "",
-        "| series | P | step ms | localhost step ms | link ms (share) | hook communicate ms "
-        "| model nominal ms (err) | model calibrated ms (err) | predicted step ms (err) | NIC rx / model R "
-        "| accuracy | load before/after |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines += ["", "no calibration (no localhost floors): link times not measured" if c is None else
+              f"calibration on the dense runs' link times: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
+              f"L_eff = {c['latency_per_message_s'] * 1e3:.2f} ms per message", "",
+              "| series | P | step ms | hook communicate ms | localhost step ms | link ms (share) "
+              "| model nominal ms (err) | model calibrated ms (err) | predicted step ms (err) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in analysis["points"]:
         fitted = " (fit)" if r["fitted_on"] else ""
         share = "" if r.get("link_share") is None else f" ({r['link_share'] * 100:.0f}%)"
         lines.append(
-            f"| {r['label']}{fitted} | {r['workers']} | {_ms(r['step_s'])} | {_ms(r['localhost_step_s'])} | "
-            f"{_ms(r['link_s'])}{share} | {_ms(r['hook_communicate_s'])} | "
+            f"| {r['label']}{fitted} | {r['workers']} | {_ms(r['step_s'])} | {_ms(r['hook_communicate_s'])} | "
+            f"{_ms(r['localhost_step_s'])} | {_ms(r['link_s'])}{share} | "
             f"{_ms(r['predicted_link_nominal_s'])} ({_pct(r.get('error_nominal'))}) | "
             f"{_ms(r['predicted_link_calibrated_s'])} ({_pct(r.get('error_calibrated'))}) | "
-            f"{_ms(r.get('predicted_step_s'))} ({_pct(r.get('error_step'))}) | "
-            f"{r.get('nic_over_model', float('nan')):.3f} | {r['final_test_accuracy']:.4f} | "
-            f"{r['load_average_before']:.1f}/{r['load_average_after']:.1f} |"
+            f"{_ms(r.get('predicted_step_s'))} ({_pct(r.get('error_step'))}) |"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Left: bytes received per worker and step, hook (o) against the model (x); right:
+    link time (shaped minus localhost step) against the calibrated model, when measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.6))
+    figure, (traffic_axis, time_axis) = plt.subplots(1, 2, figsize=(12, 4.6))
     for label in sorted({r["label"] for r in rows}):
         series = sorted((r for r in rows if r["label"] == label), key=lambda r: r["workers"])
         workers = [r["workers"] for r in series]
-        measured = [r for r in series if r["link_s"] is not None and r["link_s"] > 0]
-        line = axis.plot([r["workers"] for r in measured], [r["link_s"] * 1e3 for r in measured], "o-",
-                         label=f"{label} measured")[0]  # fmt: skip
-        axis.plot(workers, [r["predicted_link_calibrated_s"] * 1e3 for r in series], "x--",
-                  color=line.get_color(), label=f"{label} model")  # fmt: skip
-    axis.set(xscale="log", yscale="log", xlabel="workers (100 Mbit/s each)", ylabel="link time per step (ms)",
-             title="mlp-wide: step minus localhost step, vs calibrated cost model")  # fmt: skip
-    axis.set_xticks([2, 4, 8, 16], labels=["2", "4", "8", "16"])
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=7)
+        hooked = [r for r in series if r["hook_bytes_received"] is not None]
+        line = traffic_axis.plot([r["workers"] for r in hooked], [r["hook_bytes_received"] / 1e3 for r in hooked],
+                                 "o-", label=f"{label} measured (hook)")[0]  # fmt: skip
+        traffic_axis.plot(workers, [r["model_received_bytes"] / 1e3 for r in series], "x--",
+                          color=line.get_color(), label=f"{label} model R")  # fmt: skip
+        timed = [r for r in series if r["link_s"] is not None and r["link_s"] > 0]
+        if timed:
+            line = time_axis.plot([r["workers"] for r in timed], [r["link_s"] * 1e3 for r in timed], "o-",
+                                  label=f"{label} measured")[0]  # fmt: skip
+            calibrated = [r for r in series if r["predicted_link_calibrated_s"] is not None]
+            time_axis.plot([r["workers"] for r in calibrated], [r["predicted_link_calibrated_s"] * 1e3 for r in calibrated],
+                           "x--", color=line.get_color(), label=f"{label} model")  # fmt: skip
+    traffic_axis.set(yscale="log", ylabel="bytes received per worker and step (kB)",
+                     title="mlp-wide at 100 Mbit/s: hook's count vs cost model")  # fmt: skip
+    time_axis.set(yscale="log", ylabel="link time per step (ms)",
+                  title="step minus localhost step vs calibrated model")  # fmt: skip
+    for axis in (traffic_axis, time_axis):
+        axis.set(xscale="log", xlabel="workers")
+        axis.set_xticks([2, 4, 8, 16], labels=["2", "4", "8", "16"])
+        axis.grid(True, which="both", alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

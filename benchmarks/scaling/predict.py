@@ -5,7 +5,10 @@ Scenario (change with the flags): a 25.6M-parameter model (ResNet-50's size) in 
 density 0.01 (k = 256 000 entries of fp32 value + int32 index), 10 us per message,
 compression time left out (the tables compare the wire only). PowerSGD: the same
 elements as 2048 x 2048 matrices at rank 10 (0.98 % of the elements on the wire).
-Everything comes from gradsift.costmodel; see its docstring for the formulas.
+Everything comes from gradsift.costmodel; see its docstring for the formulas. When
+``analysis.json`` (analyze.py, the measured runs) holds the balanced exchange's traffic
+at 16 workers in units of ``k (P-1)/P`` entries, one more line predicts the balanced
+exchange at that measured traffic (its measured slice imbalance and headers included).
 
     python benchmarks/scaling/predict.py            # writes predictions.json, plots/predicted_scaling.png
 """
@@ -34,16 +37,33 @@ BANDWIDTHS_GBIT = (1, 10, 100)
 WORKERS = (64, 128, 256, 512, 1024)
 
 
-def exchanges(numel: float, density: float, side: int, rank: int) -> dict[str, Callable[[object], Traffic]]:
+def measured_balanced_units(path: Path) -> float | None:
+    """The balanced exchange's measured bytes received per worker at 16 workers, in
+    ``k (P-1)/P`` entries (analysis.json's target check), or None before it is measured."""
+    if not path.exists():
+        return None
+    received = json.loads(path.read_text())["targets"]["exchanges"].get("balanced", {}).get("received")
+    return None if received is None else received["in_k_entries_per_worker"]
+
+
+def exchanges(
+    numel: float, density: float, side: int, rank: int, balanced_units: float | None = None
+) -> dict[str, Callable[[object], Traffic]]:
     """Name -> traffic of that exchange as a function of the worker count."""
     k = density * numel
     matrices = [(side, side)] * round(numel / side**2)
+    measured = {}
+    if balanced_units is not None:  # received = (load + kept) k (P-1)/P entries, all the excess as load
+        measured[f"balanced as measured ({balanced_units:.2f} k(P-1)/P)"] = lambda p: (
+            sparse_reduce_scatter_traffic(k, p, load=max(1.0, balanced_units - 1), kept=1)
+        )
     return {
         "dense fp32 allreduce": lambda p: dense_allreduce_traffic(numel, p),
         "dense bf16 allreduce": lambda p: dense_allreduce_traffic(numel, p, value_bytes=2),
         "allgather": lambda p: allgather_traffic(k, p),
         "balanced (reduce-scatter + allgather)": lambda p: sparse_reduce_scatter_traffic(k, p),
         "balanced, 4k(P-1)/P bound": lambda p: sparse_reduce_scatter_traffic(k, p, load=2, kept=2),
+        **measured,
         "shared-mask": lambda p: shared_mask_traffic(k, p),
         f"PowerSGD rank {rank}": lambda p: powersgd_traffic(matrices, rank, p),
     }
@@ -60,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=10, help="PowerSGD rank")
     parser.add_argument("--json", type=Path, default=HERE / "predictions.json")
     parser.add_argument("--plot", type=Path, default=HERE / "plots" / "predicted_scaling.png")
+    parser.add_argument(
+        "--analysis", type=Path, default=HERE / "analysis.json", help="measured runs (analyze.py)"
+    )
     args = parser.parse_args(argv)
-    models = exchanges(args.numel, args.density, args.side, args.rank)
+    balanced_units = measured_balanced_units(args.analysis)
+    models = exchanges(args.numel, args.density, args.side, args.rank, balanced_units)
     workers = np.array(WORKERS)
     result = {
         "scenario": {"numel": args.numel, "density": args.density, "latency_s": args.latency,
-                     "powersgd": {"matrix_side": args.side, "rank": args.rank}, "compress_seconds": 0.0},
+                     "powersgd": {"matrix_side": args.side, "rank": args.rank}, "compress_seconds": 0.0,
+                     "balanced_measured_k_entries": balanced_units},
         "workers": list(WORKERS), "predictions": {}, "crossover_vs_dense_fp32": {},
     }  # fmt: skip
     dense = models["dense fp32 allreduce"]

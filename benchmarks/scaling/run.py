@@ -16,7 +16,9 @@ runs, never inside one).
     python benchmarks/scaling/run.py --label NAME --compressor sidco-exp --ratio 0.01 --exchange NAME
     python benchmarks/scaling/run.py --label fp32 --compressor none --localhost   # CPU floor (no shaping)
 
-Writes ``results/<label>-w<P>[-localhost].json`` and keeps the run directory under ``runs/``.
+Writes ``results/<label>-w<P>[-localhost].json`` and keeps the run directory under ``runs/``
+(``--results DIR``: ``DIR/<name>.json`` and ``DIR/runs/<name>``, for runs kept apart from
+the timed ones, e.g. on a loaded machine without the CPU lock).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -93,7 +96,7 @@ def _counters(launcher_pid: int, workers: int) -> list[dict[str, int]]:
 def run_point(args: argparse.Namespace, workers: int) -> dict:
     """One ``gradsift train`` run at ``workers`` workers; its measurements."""
     name = f"{args.label}-w{workers}" + ("-localhost" if args.localhost else "")
-    out = HERE / "runs" / name
+    out = (HERE / "runs" if args.results is None else args.results / "runs") / name
     command = [sys.executable, "-m", "gradsift", "train", *MODEL, "--workers", str(workers),
                "--batch-size", str(args.batch_size), "--compressor", args.compressor, "--steps", str(args.steps),
                "--out", str(out)]  # fmt: skip
@@ -138,7 +141,7 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         "means": {key: statistics.fmean(r[key] for r in records) for key in COUNTED if key in records[0]},
         "load_average_before": load_before, "load_average_after": load_after,
         "cpu_busy_share": (cpu_after[0] - cpu_before[0]) / max(cpu_after[1] - cpu_before[1], 1.0),
-        "wall_s": wall, "code": code_version(),
+        "wall_s": wall, "code": code_version(), "cpu_lock": args.lock, "nice": os.nice(0),
     }  # fmt: skip
     if args.warmup in snapshots and args.steps in snapshots:
         span = args.steps - args.warmup
@@ -166,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", default="100mbit")
     parser.add_argument("--localhost", action="store_true", help="no emulation: the CPU-bound floor")
     parser.add_argument("--lock", default="/tmp/gradsift-cpu.lock", help="CPU lock per run ('' for none)")
+    parser.add_argument("--results", type=Path, help="folder for results and runs (default: results/, runs/)")
     args = parser.parse_args(argv)
     args.lock = args.lock or None
-    results = HERE / "results"
+    results = HERE / "results" if args.results is None else args.results
     results.mkdir(exist_ok=True)
     for workers in args.workers:
         result = run_point(args, workers)
