@@ -100,7 +100,7 @@ def traffic(result: dict) -> Traffic:
 def load(results: Path) -> tuple[list[dict], dict[tuple[str, int], dict]]:
     """(shaped runs, localhost runs by (label, workers))."""
     shaped, floor = [], {}
-    for path in sorted(results.glob("*.json")):
+    for path in sorted(results.glob("*-w*.json")):  # not an analysis.json written beside them
         result = json.loads(path.read_text())
         if result["bandwidth"] is None:
             floor[(result["label"], result["workers"])] = result
@@ -378,11 +378,13 @@ def plot(rows: list[dict], path: Path) -> None:
                            "x--", color=line.get_color(), label=f"{label} model")  # fmt: skip
     traffic_axis.set(yscale="log", ylabel="bytes received per worker and step (kB)",
                      title="mlp-wide at 100 Mbit/s: hook's count vs cost model")  # fmt: skip
+    timed_any = any(r["link_s"] is not None for r in rows)
     time_axis.set(yscale="log", ylabel="link time per step (ms)",
-                  title="step minus localhost step vs calibrated model")  # fmt: skip
+                  title="step minus localhost step vs calibrated model" + ("" if timed_any else ": no localhost runs"))  # fmt: skip
     for axis in (traffic_axis, time_axis):
         axis.set(xscale="log", xlabel="workers")
         axis.set_xticks([2, 4, 8, 16], labels=["2", "4", "8", "16"])
+        axis.set_xticks([], minor=True)
         axis.grid(True, which="both", alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
