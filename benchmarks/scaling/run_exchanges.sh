@@ -6,7 +6,8 @@
 # /tmp/gradsift-cpu.lock (so the ratios at one worker count are measured side by side;
 # other jobs run between worker counts). A run whose results file exists is skipped
 # (delete it to re-measure). WORKERS picks the worker counts (default: the cheap ones
-# first, then the headline 16, then 8), SERIES the series.
+# first, then the headline 16, then 8), SERIES the series; LOCK= (empty) takes no lock
+# per worker count, for a caller that holds it around several.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=.venv/bin/python
@@ -20,7 +21,7 @@ point() {  # label workers mode [run.py flags...]
 export -f point
 export py results
 for p in ${WORKERS:-2 4 16 8}; do
-  flock /tmp/gradsift-cpu.lock bash -c "
+  ${LOCK-flock /tmp/gradsift-cpu.lock} bash -c "
     set -euo pipefail
     for mode in '' --localhost; do
       for series in ${SERIES:-allgather balanced shared-mask fp32}; do
