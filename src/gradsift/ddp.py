@@ -50,6 +50,7 @@ from gradsift.exchanges import (
     get_exchange,
 )
 from gradsift.exchanges.allreduce import Allreduce
+from gradsift.exchanges.base import waited
 from gradsift.exchanges.collectives import Pending
 from gradsift.exchanges.wire import parse_value_dtype
 from gradsift.feedback import ErrorFeedback
@@ -330,6 +331,23 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
     )
     step.buckets.append(BucketInFlight(future, pending, record, context.errors))
     return future
+
+
+def exchange_now(state: GradsiftHookState, bucket: Any) -> torch.Tensor:
+    """:func:`gradsift_hook` for callers that need the bucket's mean before backward ends
+    (FSDP's hooks consume it on return): the exchange is waited for and decoded at once.
+
+    The step still closes at the end of backward (the non-finite policy, the commit or
+    rollback); until then the mean of a step that turns out non-finite is not yet filled.
+    """
+    gradsift_hook(state, bucket)
+    assert state.ledger.current is not None  # the hook opened the step
+    in_flight = state.ledger.current.buckets[-1]
+    try:
+        return waited(in_flight.record, in_flight.pending)  # the step's close reads it again
+    except BaseException:
+        state.ledger.abort(state.compressor, state.store)
+        raise
 
 
 def _dense_in_place(state: GradsiftHookState, context: Context) -> Pending[torch.Tensor]:

@@ -81,6 +81,11 @@ class StepLedger:
     current: OpenStep | None = None
     retired: list[Pending[torch.Tensor]] = field(default_factory=list)
 
+    @property
+    def fill_value(self) -> float:
+        """What a dropped step's results hold: NaN under ``"propagate"``, 0 under ``"skip"``."""
+        return float("nan") if self.nonfinite == "propagate" else 0.0
+
     def open(self, compressor: Compressor, store: TensorStore, on_close: Callable[[], None]) -> OpenStep:
         """Open the step on its first bucket (later buckets get the same :class:`OpenStep`)."""
         if self.current is None:
@@ -125,9 +130,8 @@ class StepLedger:
                 )
                 _fail(step, refusal)
                 raise refusal
-            fill = float("nan") if self.nonfinite == "propagate" else 0.0
             for result in results:
-                result.fill_(fill)
+                result.fill_(self.fill_value)
         else:
             store.commit()
             if step.keys:
