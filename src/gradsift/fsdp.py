@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.dense import DenseCast
-from gradsift.ddp import GradsiftHookState, HookOptions, gradsift_hook
+from gradsift.ddp import GradsiftHookState, HookOptions, exchange_now
 from gradsift.errors import GradsiftError, InvalidOptionError
 from gradsift.exchanges.base import Part, waited
 from gradsift.exchanges.collectives import guarded, ready, started
@@ -206,7 +206,8 @@ def _reduce_scatter_hook(binding: Binding, grad: torch.Tensor, output: torch.Ten
     waited(record, started(work, reduced, group, "reduce-scatter"))
     output.copy_(reduced)
     record.nonfinite = not all_finite(output)
-    _apply_nonfinite(state, record, output)
+    if record.nonfinite:
+        output.fill_(state.ledger.fill_value)
     step.buckets.append(BucketInFlight(torch.futures.Future(), ready(output), record))
 
 
@@ -295,24 +296,12 @@ def exchange_unit(state: GradsiftHookState, unit: torch.nn.Parameter, flat: torc
     """
     flat = flat.view(-1)  # FSDP's flat gradients are 1-D already: the same tensor
     bucket = cast(dist.GradBucket, UnitBucket(flat, unit))  # the hook reads buffer() and parameters() only
-    gradsift_hook(state, bucket)  # its future completes when the step closes; FSDP needs the mean now
+    mean = exchange_now(state, bucket)
     assert state.ledger.current is not None  # the hook opened the step
-    in_flight = state.ledger.current.buckets[-1]
-    record = in_flight.record
-    try:
-        mean = waited(record, in_flight.pending)  # the step's close reads the same result again
-    except BaseException:
-        state.ledger.abort(state.compressor, state.store)
-        raise
-    if mean is not flat and not record.nonfinite:
+    if state.ledger.current.buckets[-1].record.nonfinite:
+        flat.fill_(state.ledger.fill_value)
+    elif mean is not flat:
         flat.copy_(mean)
-    _apply_nonfinite(state, record, flat)
-
-
-def _apply_nonfinite(state: GradsiftHookState, record: BucketRecord, result: torch.Tensor) -> None:
-    """The ``nonfinite`` policy's fill (:mod:`gradsift.step`): NaN to propagate, else zeros."""
-    if record.nonfinite:
-        result.fill_(float("nan") if state.options.nonfinite == "propagate" else 0.0)
 
 
 def _check_allreduce_compressor(compressor: Compressor) -> None:
