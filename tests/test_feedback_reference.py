@@ -152,3 +152,25 @@ def test_state_lives_in_the_given_store_and_follows_its_transactions():
     store.rollback()  # a skipped step leaves no trace
     assert feedback.residuals[0].tolist() == [0.0, 2.0] and feedback.velocities[0].tolist() == [0.0, 2.0]
     assert ErrorFeedback().store is not ErrorFeedback().store
+
+
+def test_a_payload_of_positions_only_zeroes_them():
+    feedback = ErrorFeedback()
+    c = feedback.compensate(0, torch.tensor([1.0, 2.0, 3.0]))
+    feedback.update(0, c, Payload(numel=3, dtype=torch.float32, values=None, indices=torch.tensor([1])))
+    assert feedback.residuals[0].tolist() == [1.0, 0.0, 3.0]
+
+
+def test_reset_leaves_other_tables_of_a_shared_store_alone():
+    """The hook's store also holds VGC's accumulators under the same keys: reset forgets
+    only the residual and the velocity."""
+    store = TensorStore()
+    store.put("vgc.variance", "k", torch.ones(2))
+    feedback = ErrorFeedback(momentum=0.5, store=store)
+    feedback.update("k", feedback.compensate("k", torch.ones(2)), sparse([1.0], [0], 2))
+    feedback.reset("k")
+    assert store.get("residual", "k") is None and store.get("velocity", "k") is None
+    assert store.get("vgc.variance", "k").tolist() == [1.0, 1.0]
+    feedback.update("k", feedback.compensate("k", torch.ones(2)), sparse([1.0], [0], 2))
+    feedback.reset()
+    assert feedback.residuals == {} and store.get("vgc.variance", "k").tolist() == [1.0, 1.0]
