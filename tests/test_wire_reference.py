@@ -148,8 +148,9 @@ def test_check_positions_names_the_part_and_the_range():
     wire.check_positions(torch.tensor([0, 4, 9]), 10)
     with pytest.raises(WireFormatError, match=r"part 3: indices must lie in \[0, 9\), got range \[0, 9\]"):
         wire.check_positions(torch.tensor([0, 4, 9]), 9, part=3)
-    with pytest.raises(WireFormatError, match="part 0: indices must increase strictly"):
-        wire.check_positions(torch.tensor([4, 4]), 10)
+    for bad in ([4, 4], [1, 5, 3], [0, 4, 4], [2, 7, 9, 8]):  # each pair of neighbours is checked
+        with pytest.raises(WireFormatError, match="part 0: indices must increase strictly"):
+            wire.check_positions(torch.tensor(bad), 10)
 
 
 def test_decode_of_a_multi_field_length_mismatch_names_the_field():
