@@ -162,3 +162,24 @@ def test_decode_of_a_multi_field_length_mismatch_names_the_field():
         wire.decode([2, 2], data, parts)
     with pytest.raises(WireFormatError, match=r"message carries fields \['codes', 'indices', 'values'\]"):
         wire.decode([2, 2, 1, 1], {**data, "codes": torch.zeros(1, dtype=torch.uint8)}, parts)
+
+
+def test_decode_takes_every_field_from_the_message_not_from_the_local_templates():
+    """The templates are the receiver's own payloads: codes and scales must come from the
+    sender's message."""
+    qsgd = gradsift.get_compressor("qsgd")
+    mine = [qsgd.compress(torch.linspace(-1, 1, 40)), qsgd.compress(torch.linspace(0, 3, 9))]
+    theirs = [qsgd.compress(torch.linspace(2, -5, 40)), qsgd.compress(torch.linspace(-1, 0, 9))]
+    assert not torch.equal(mine[0].codes, theirs[0].codes) and not torch.equal(
+        mine[1].scales, theirs[1].scales
+    )
+    decoded = wire.decode(wire.header(theirs), wire.concat_fields(theirs), mine)
+    for got, sent in zip(decoded, theirs, strict=True):
+        assert torch.equal(got.codes, sent.codes) and torch.equal(got.scales, sent.scales)
+
+
+def test_decode_of_three_parts_keeps_each_offset():
+    parts = [wire.to_wire(payload(i, numel=10)) for i in ([1, 2, 3], [0], [4, 8])]
+    decoded = wire.decode(wire.header(parts), wire.concat_fields(parts), parts)
+    assert [p.indices.tolist() for p in decoded] == [[1, 2, 3], [0], [4, 8]]
+    assert [p.values.tolist() for p in decoded] == [[1.0, 2.0, 3.0], [0.0], [4.0, 8.0]]
