@@ -183,3 +183,14 @@ def test_decode_of_three_parts_keeps_each_offset():
     decoded = wire.decode(wire.header(parts), wire.concat_fields(parts), parts)
     assert [p.indices.tolist() for p in decoded] == [[1, 2, 3], [0], [4, 8]]
     assert [p.values.tolist() for p in decoded] == [[1.0, 2.0, 3.0], [0.0], [4.0, 8.0]]
+
+
+def test_to_wire_sorts_any_disorder_and_carries_a_positions_only_payload():
+    """[1, 5, 3] is out of order only after the first element. A payload of positions
+    without values is sorted and sent as it is, with or without a value dtype."""
+    mixed = wire.to_wire(payload([1, 5, 3], [0.1, 0.5, 0.3]))
+    assert mixed.indices.tolist() == [1, 3, 5] and mixed.values.tolist() == pytest.approx([0.1, 0.3, 0.5])
+    positions = Payload(numel=10, dtype=torch.float32, values=None, indices=torch.tensor([5, 2]))
+    for value_dtype in (None, torch.float16):
+        sent = wire.to_wire(positions, value_dtype)
+        assert sent.indices.tolist() == [2, 5] and sent.values is None
