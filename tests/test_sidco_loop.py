@@ -314,3 +314,18 @@ def test_a_non_finite_sample_raises_before_any_stage():
         sample = torch.tensor([1.0, bad, 2.0], dtype=torch.float64)
         with pytest.raises(NonFiniteGradientError, match="^gradient contains NaN or Inf values$"):
             compressor.fitted_thresholds(sample, (1, 2))
+
+
+def test_a_new_key_starts_from_the_documented_state_and_round_trips():
+    """A call that raises (a NaN in the sample) leaves the key's initial state visible."""
+    compressor = SIDCoExponential(ratio=0.001, exact_below=0)
+    bad = torch.ones(4096)
+    bad[0] = math.nan
+    with pytest.raises(NonFiniteGradientError):
+        compressor.compress(bad, key="k")
+    assert compressor.state_dict() == {"keys": {"k": state(stages=2, calls=0, log_correction=0.0)}}
+    compressor.compress(torch.randn(4096, generator=torch.Generator().manual_seed(1)), key="k")
+    again = SIDCoExponential(ratio=0.001, exact_below=0)
+    again.load_state_dict(compressor.state_dict())
+    assert again.state_dict() == compressor.state_dict()
+    assert set(again.state_dict()["keys"]["k"]) == {"stages", "log_correction", "calls", "threshold"}
