@@ -110,6 +110,7 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         command += ["--bandwidth", args.bandwidth]
     steps_file = out / "steps.jsonl"
     snapshots: dict[int, list[dict[str, int]]] = {}
+    code = code_version()  # before the run: the code it starts with
     with cpu_lock(args.lock):
         load_before, cpu_before, started = load_average(), cpu_times(), time.time()
         steps_file.unlink(missing_ok=True)
@@ -141,7 +142,7 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         "means": {key: statistics.fmean(r[key] for r in records) for key in COUNTED if key in records[0]},
         "load_average_before": load_before, "load_average_after": load_after,
         "cpu_busy_share": (cpu_after[0] - cpu_before[0]) / max(cpu_after[1] - cpu_before[1], 1.0),
-        "wall_s": wall, "code": code_version(), "cpu_lock": args.lock, "nice": os.nice(0),
+        "wall_s": wall, "code": code, "cpu_lock": args.lock, "nice": os.nice(0),
     }  # fmt: skip
     if args.warmup in snapshots and args.steps in snapshots:
         span = args.steps - args.warmup
