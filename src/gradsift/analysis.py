@@ -184,7 +184,7 @@ def plot_fits(
     each family's quantiles at plotting positions ``(i - 0.5)/n``; a good fit lies on
     the diagonal.
     """
-    from gradsift.stats import ExponentialFit, GammaFit, GeneralizedParetoFit
+    from gradsift.stats import ExponentialFit, GammaFit, GeneralizedParetoFit, MagnitudeFit
 
     plt = _pyplot()
     directory = Path(directory)
@@ -192,7 +192,7 @@ def plot_fits(
     magnitudes = subsample(tensor, 200_000).double().abs()
     nonzero = magnitudes[magnitudes > 0].numpy()
     fits = result["fits"]
-    families = {
+    families: dict[str, MagnitudeFit] = {
         "exponential": ExponentialFit(**fits["exponential"]["params"]),
         "gpareto": GeneralizedParetoFit(**fits["gpareto"]["params"]),
         "gamma": GammaFit(**fits["gamma"]["params"]),

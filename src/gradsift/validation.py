@@ -65,7 +65,7 @@ def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``; raise listing them otherwise."""
     if value not in choices:
         raise InvalidOptionError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def as_flat_gradient(tensor: object, name: str = "tensor") -> torch.Tensor:

@@ -44,9 +44,9 @@ class GaussianK(Sparsifier):
 
     def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
         k = target_count(flat.numel(), self.ratio)
-        std, mean = torch.std_mean(flat, correction=0)
-        raise_if_nonfinite(torch.stack((std, mean)))
-        std, mean = float(std), float(mean)
+        std_tensor, mean_tensor = torch.std_mean(flat, correction=0)
+        raise_if_nonfinite(torch.stack((std_tensor, mean_tensor)))
+        std, mean = float(std_tensor), float(mean_tensor)
         eta = normal_two_sided_threshold(abs(mean), std, self.ratio)
         magnitudes = flat.abs()
         for correction in range(CORRECTIONS + 1):

@@ -91,6 +91,14 @@ def _split_paths(directory: Path, split: str) -> tuple[Path, Path] | None:
     return found[0], found[1]
 
 
+def _required_split_paths(directory: str | Path, split: str) -> tuple[Path, Path]:
+    """:func:`_split_paths`, raising :class:`DatasetError` when a file is absent."""
+    paths = _split_paths(Path(directory), split)
+    if paths is None:
+        raise DatasetError(f"{directory} does not hold the {split} split files {_SPLIT_FILES[split]}")
+    return paths
+
+
 def has_dataset(directory: Path) -> bool:
     """True when ``directory`` holds both splits' image and label files."""
     return all(_split_paths(directory, split) is not None for split in _SPLIT_FILES)
@@ -138,9 +146,7 @@ def load_split(directory: str | Path, split: str) -> Split:
     """Read and normalise one split (``"train"`` or ``"test"``) from ``directory``."""
     if split not in _SPLIT_FILES:
         raise InvalidOptionError(f"split must be one of {', '.join(_SPLIT_FILES)}; got {split!r}")
-    paths = _split_paths(Path(directory), split)
-    if paths is None:
-        raise DatasetError(f"{directory} does not hold the {split} split files {_SPLIT_FILES[split]}")
+    paths = _required_split_paths(directory, split)
     images, labels = read_idx(paths[0], 3), read_idx(paths[1], 1)
     if images.shape[1:] != (IMAGE_SIDE, IMAGE_SIDE):
         raise DatasetError(f"{paths[0]}: images are {tuple(images.shape[1:])}, expected (28, 28)")
@@ -214,5 +220,5 @@ def train_size(data_dir: str | Path | None = None, *, synthetic: bool = False) -
     """Number of training examples :func:`load_dataset` would return (reads only the labels)."""
     if synthetic:
         return SYNTHETIC_TRAIN_SIZE
-    paths = _split_paths(find_dataset_dir(data_dir), "train")
+    paths = _required_split_paths(find_dataset_dir(data_dir), "train")
     return int(read_idx(paths[1], 1).numel())

@@ -26,6 +26,7 @@ gpt        478 976     GPT-style causal transformer over bytes: token + learned 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -195,7 +196,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(self.blocks(hidden)))
 
 
-MODELS = {
+MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet20": ResNet20, "vgg": vgg_small, "lstm": RowLSTM, "mlp": mlp, "mlp-wide": mlp_wide, "gpt": TinyGPT,
 }  # fmt: skip
 
