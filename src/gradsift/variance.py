@@ -47,17 +47,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.grad import conv1d_weight, conv2d_weight, conv3d_weight
 
+from gradsift.errors import InvalidTensorError
 from gradsift.validation import check_choice
 
 _CONV_WEIGHT_GRAD = {
-    nn.Conv1d: torch.nn.grad.conv1d_weight,
-    nn.Conv2d: torch.nn.grad.conv2d_weight,
-    nn.Conv3d: torch.nn.grad.conv3d_weight,
+    nn.Conv1d: conv1d_weight,
+    nn.Conv2d: conv2d_weight,
+    nn.Conv3d: conv3d_weight,
 }
 SUPPORTED_MODULES = (nn.Linear, *_CONV_WEIGHT_GRAD)
 METHODS = ("hooks", "exact")
@@ -78,14 +81,14 @@ def linear_second_moments(
     module: nn.Linear,
     x: torch.Tensor,
     d: torch.Tensor,
-    previous: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: None,
-) -> dict[nn.Parameter, torch.Tensor]:
+    previous: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None,
+) -> dict[torch.Tensor, torch.Tensor]:
     """``Q`` of a Linear call: weight ``(d*d)^T (x*x)`` over all rows, bias ``sum_z (sum_p d_zp)^2``.
 
     ``previous(weight)`` is the running weight ``Q`` to add into in place (one fused
     ``addmm_`` per call of a recurrent cell instead of a product and a sum).
     """
-    moments = {}
+    moments: dict[torch.Tensor, torch.Tensor] = {}
     if module.weight.requires_grad:
         rows_x = x.reshape(-1, x.shape[-1])
         rows_d = d.reshape(-1, d.shape[-1])
@@ -102,16 +105,16 @@ def linear_second_moments(
 
 def conv_second_moments(
     module: nn.modules.conv._ConvNd, x: torch.Tensor, d: torch.Tensor, *, exact: bool = False
-) -> dict[nn.Parameter, torch.Tensor]:
+) -> dict[torch.Tensor, torch.Tensor]:
     """``Q`` of a convolution call; exact bias.
 
     Weight: the weight-gradient convolution of ``x*x`` and ``d*d`` (cross-position terms
     dropped), or with ``exact`` the per-sample weight gradients (``vmap`` of the same
     convolution, ``B x |W|`` transient memory for this layer only) squared and summed.
     """
-    moments = {}
+    moments: dict[torch.Tensor, torch.Tensor] = {}
     if module.weight.requires_grad:
-        padding = module.padding
+        padding: str | tuple[int, ...] | int = module.padding
         if isinstance(padding, str) or module.padding_mode != "zeros":
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = nn.functional.pad(x, module._reversed_padding_repeated_twice, mode=mode)
@@ -148,7 +151,7 @@ class VarianceTracker:
         self.method = check_choice(method, "method", METHODS)
         self.conv_rule = check_choice(conv_rule, "conv_rule", CONV_RULES)
         self.module = module
-        self._moments: dict[nn.Parameter, _Moment] = {}
+        self._moments: dict[torch.Tensor, _Moment] = {}
         self._forward_pass = 0
         self._handles = []
         if self.method == "hooks":
@@ -168,22 +171,27 @@ class VarianceTracker:
             return  # inside a torch.func transform (e.g. an exact per-sample reference): not a training pass
         x = args[0].detach()
         forward_pass = self._forward_pass
+        layer: nn.Linear | nn.modules.conv._ConvNd
+        rule: Callable[[torch.Tensor, torch.Tensor], dict[torch.Tensor, torch.Tensor]]
         if isinstance(module, nn.Linear):
-            rule = functools.partial(linear_second_moments, previous=self.second_moment)
+            layer = module
+            rule = functools.partial(linear_second_moments, layer, previous=self.second_moment)
         else:
-            rule = functools.partial(conv_second_moments, exact=self.conv_rule == "exact")
+            # A convolution: this hook is registered on SUPPORTED_MODULES only.
+            layer = cast(nn.modules.conv._ConvNd, module)
+            rule = functools.partial(conv_second_moments, layer, exact=self.conv_rule == "exact")
 
         def on_output_grad(d: torch.Tensor) -> None:
             # In the parameters' dtype: under autocast x and d may be fp16 (and a scaled d
             # squared overflows fp16), while the moments add up next to fp32 gradients.
-            dtype = module.weight.dtype
+            dtype = layer.weight.dtype
             with torch.no_grad():
-                for param, moment in rule(module, x.to(dtype), d.to(dtype)).items():
+                for param, moment in rule(x.to(dtype), d.to(dtype)).items():
                     self._add(param, moment, _batch_size(x), forward_pass)
 
         output.register_hook(on_output_grad)
 
-    def _add(self, param: nn.Parameter, moment: torch.Tensor, batch: int, forward_pass: int) -> None:
+    def _add(self, param: torch.Tensor, moment: torch.Tensor, batch: int, forward_pass: int) -> None:
         entry = self._moments.get(param)
         if entry is None:
             self._moments[param] = _Moment(moment, batch, forward_pass)
@@ -229,7 +237,7 @@ class VarianceTracker:
         return {names[n]: ((g * g).sum(0) * factor, batch) for n, g in per_sample.items()}
 
     # -- results -----------------------------------------------------------------
-    def second_moment(self, param: nn.Parameter) -> torch.Tensor | None:
+    def second_moment(self, param: torch.Tensor) -> torch.Tensor | None:
         """``Q`` collected for ``param`` since it was last taken (None if none)."""
         entry = self._moments.get(param)
         return None if entry is None else entry.second_moment
@@ -237,6 +245,8 @@ class VarianceTracker:
     def variance(self, param: nn.Parameter, gradient: torch.Tensor | None = None) -> torch.Tensor:
         """``s = clamp(Q - G^2/B, 0)`` for ``param`` (``G`` defaults to ``param.grad``); 0 without ``Q``."""
         gradient = param.grad if gradient is None else gradient
+        if gradient is None:
+            raise InvalidTensorError("variance: param.grad is None; run a backward pass or pass gradient")
         return self.take_variance([param], gradient.reshape(-1), forget=False).view_as(param)
 
     def take_variance(
