@@ -50,7 +50,7 @@ last threshold) lives in the instance per ``key`` and round-trips through
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -166,8 +166,8 @@ class _SIDCo(Sparsifier):
             :attr:`crossover`; 0 fits every tensor).
     """
 
-    first_fit: ClassVar[Callable[[torch.Tensor], MagnitudeFit]]
-    tail_fit: ClassVar[Callable[[torch.Tensor], tuple[float, MagnitudeFit]]]
+    first_fit: ClassVar[staticmethod[[torch.Tensor], MagnitudeFit]]
+    tail_fit: ClassVar[staticmethod[[torch.Tensor], tuple[float, MagnitudeFit]]]
     #: The size from which this variant's statistical path costs less than the exact top-k
     #: on CPU (measured one thread, ratio 0.01; docs/decisions.md): ``exact_below``'s default.
     crossover: ClassVar[int]
