@@ -75,10 +75,12 @@ class Quantizer(Compressor):
         if not payloads:
             raise InvalidOptionError("payloads must hold at least one payload")
         dtype = payloads[0].dtype
-        total = None
+        total: torch.Tensor | None = None
         for payload in payloads:
             if payload.numel != numel:
                 raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
+            if payload.codes is None or payload.scales is None:
+                raise InvalidOptionError(f"a {self.name} payload carries codes and scales")
             if payload.codes.numel() != packed_nbytes(numel, self.code_bits):
                 raise WireFormatError(
                     f"{self.name} payload holds {payload.codes.numel()} code bytes, "
@@ -87,6 +89,7 @@ class Quantizer(Compressor):
             codes = unpack(payload.codes, self.code_bits, numel)
             decoded = self.dequantize(codes, payload.scales, compute_dtype(dtype))
             total = decoded if total is None else total.add_(decoded)
+        assert total is not None  # payloads is not empty
         if len(payloads) > 1:
             total /= len(payloads)
         return total.to(dtype)
