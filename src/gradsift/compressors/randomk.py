@@ -80,10 +80,14 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> to
     wanted = min(n - 0.5, k + 4 * math.sqrt(k) + 16)
     length = math.ceil(-n * math.log1p(-wanted / n))
     # int32 positions when they fit: the sort is the cost, and it is several times faster.
-    options = {"generator": generator, "device": generator.device, "dtype": index_dtype(n)}
-    draws = torch.randint(n, (length,), **options)
+    dtype = index_dtype(n)
+
+    def draw(count: int) -> torch.Tensor:
+        return torch.randint(n, (count,), generator=generator, device=generator.device, dtype=dtype)
+
+    draws = draw(length)
     while (distinct := first_distinct(draws)).numel() < k:
-        draws = torch.cat([draws, torch.randint(n, (k,), **options)])
+        draws = torch.cat([draws, draw(k)])
     return distinct[:k].long()
 
 
