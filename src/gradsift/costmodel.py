@@ -66,6 +66,8 @@ from gradsift.validation import check_int, check_real
 
 #: Workers as a Python int or a numpy integer array (every traffic formula accepts both).
 Workers = int | np.ndarray
+#: A size in bytes or a count as a Python real or a numpy array (every traffic formula accepts both).
+Amount = float | np.ndarray
 CROSSOVER_LIMIT = 2**20
 
 
@@ -122,26 +124,26 @@ def _log2_ceil(workers: Workers) -> float | np.ndarray:
 # --- collectives -----------------------------------------------------------------------------
 
 
-def ring_allreduce(nbytes: float, workers: Workers) -> Traffic:
+def ring_allreduce(nbytes: Amount, workers: Workers) -> Traffic:
     """Reduce-scatter then allgather of ``P`` chunks: ``R = C = 2 (P-1)/P S``, ``H = 2 (P-1)``."""
     nbytes, workers = _bytes(nbytes, "nbytes"), _workers(workers)
     moved = 2 * (workers - 1) / workers * nbytes
     return Traffic(moved, moved, 2 * (workers - 1))
 
 
-def ring_allgather(message_nbytes: float, workers: Workers) -> Traffic:
+def ring_allgather(message_nbytes: Amount, workers: Workers) -> Traffic:
     """Every worker receives the other ``P-1`` messages: ``R = C = (P-1) m``, ``H = P-1``."""
     message_nbytes, workers = _bytes(message_nbytes, "message_nbytes"), _workers(workers)
     return Traffic((workers - 1) * message_nbytes, (workers - 1) * message_nbytes, workers - 1)
 
 
-def all_to_all(received_nbytes: float | np.ndarray, workers: Workers) -> Traffic:
+def all_to_all(received_nbytes: Amount, workers: Workers) -> Traffic:
     """All pairs at once (gloo posts every send and receive together): ``R = C = r``, ``H = 1``."""
     _workers(workers)
     return Traffic(received_nbytes, received_nbytes, 1.0)
 
 
-def binomial_broadcast(nbytes: float, workers: Workers) -> Traffic:
+def binomial_broadcast(nbytes: Amount, workers: Workers) -> Traffic:
     """A binomial tree from the root: ``R = m``, ``C = H m`` with ``H = ceil(log2 P)`` rounds
     (the root sends the whole message once per round)."""
     nbytes, workers = _bytes(nbytes, "nbytes"), _workers(workers)
@@ -152,13 +154,13 @@ def binomial_broadcast(nbytes: float, workers: Workers) -> Traffic:
 # --- exchanges -------------------------------------------------------------------------------
 
 
-def dense_allreduce_traffic(numel: float, workers: Workers, *, value_bytes: float = 4) -> Traffic:
+def dense_allreduce_traffic(numel: Amount, workers: Workers, *, value_bytes: Amount = 4) -> Traffic:
     """The dense exchange: one ring allreduce of ``n b`` bytes."""
     return ring_allreduce(_bytes(numel, "numel") * _bytes(value_bytes, "value_bytes"), workers)
 
 
 def allgather_traffic(
-    k: float, workers: Workers, *, entry_bytes: float = 8, header_bytes: float = 8
+    k: Amount, workers: Workers, *, entry_bytes: Amount = 8, header_bytes: Amount = 8
 ) -> Traffic:
     """The variable-size allgather: a header allgather, then the ``k`` entries (the
     largest worker's count: shorter messages are padded)."""
@@ -167,11 +169,11 @@ def allgather_traffic(
 
 
 def sparse_reduce_scatter_traffic(
-    k: float,
+    k: Amount,
     workers: Workers,
     *,
-    entry_bytes: float = 8,
-    header_bytes: float = 8,
+    entry_bytes: Amount = 8,
+    header_bytes: Amount = 8,
     load: float = 1.0,
     kept: float = 1.0,
 ) -> Traffic:
@@ -193,7 +195,7 @@ def sparse_reduce_scatter_traffic(
 
 
 def shared_mask_traffic(
-    k: float, workers: Workers, *, value_bytes: float = 4, index_bytes: float = 4, header_bytes: float = 8
+    k: Amount, workers: Workers, *, value_bytes: Amount = 4, index_bytes: Amount = 4, header_bytes: Amount = 8
 ) -> Traffic:
     """ScaleCom-style shared mask: the leader's header (its part counts) and ``k`` indices
     broadcast, then a ring allreduce of the ``k`` values at those positions."""
@@ -208,8 +210,8 @@ def powersgd_traffic(
     rank: int,
     workers: Workers,
     *,
-    vector_numel: float = 0,
-    value_bytes: float = 4,
+    vector_numel: Amount = 0,
+    value_bytes: Amount = 4,
 ) -> Traffic:
     """PowerSGD's three ring allreduces: the dense 1-D tensors, the P factors
     (``rows x rank`` per matrix) and the Q factors (``cols x rank``)."""
@@ -243,7 +245,7 @@ def crossover_workers(
     limit = check_int(limit, "limit", low=2)
     workers = np.arange(2, limit + 1)
     mine = exchange(workers).seconds(bandwidth, latency) + compress_seconds
-    pays = mine < baseline(workers).seconds(bandwidth, latency)
+    pays = np.asarray(mine < baseline(workers).seconds(bandwidth, latency))
     if pays[-1]:
         return None
     paying = np.nonzero(pays)[0]
@@ -316,7 +318,7 @@ def allgather_crossover_workers(
     cheaper for every ``N`` once it is: the answer is None (it never stops paying), or
     2 when it never pays at all (``a = 0`` and ``c >= b``). The compute time cancels out.
     """
-    model_nbytes = _bytes(model_nbytes, "nbytes")
+    model_nbytes = check_real(model_nbytes, "nbytes", low=0.0)
     bandwidth = check_real(bandwidth, "bandwidth", low=0.0, low_open=True)
     latency = check_real(latency, "latency", low=0.0)
     message_nbytes = check_real(message_nbytes, "message_nbytes", low=0.0)
