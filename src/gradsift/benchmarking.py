@@ -32,6 +32,7 @@ Input (:func:`synthetic_gradient`): a heavy-tailed synthetic gradient, fixed see
 
 from __future__ import annotations
 
+import functools
 import inspect
 import multiprocessing
 import os
@@ -48,7 +49,7 @@ from tqdm import tqdm
 
 from gradsift import __version__
 from gradsift.compressors import available_compressors, compressor_class, get_compressor
-from gradsift.compressors.base import target_count
+from gradsift.compressors.base import Compressor, Payload, target_count
 from gradsift.errors import GradsiftError
 from gradsift.validation import check_choice, check_int, check_ratio
 
@@ -226,16 +227,20 @@ def _group_methods(x: torch.Tensor, ratio: float | None, names: Sequence[str]) -
         if (option is None) != (ratio is None):
             continue
         options = {} if option is None else {option: oracle_eta if option == "threshold" else ratio}
-        compressor = get_compressor(name, **options)
-        methods.append(
-            _Method(
-                name,
-                lambda c=compressor: c.compress(x, key=0),
-                lambda p, c=compressor: c.decompress([p], numel),
-                compressor.options(),
-            )
-        )
+        methods.append(_compressor_method(name, get_compressor(name, **options), x, numel))
     return methods
+
+
+def _compressor_method(name: str, compressor: Compressor, x: torch.Tensor, numel: int) -> _Method:
+    """``compressor``'s compress of ``x`` and decompress of its payload, as a timed method."""
+
+    def run() -> Payload:
+        return compressor.compress(x, key=0)
+
+    def decompress(payload: Payload) -> torch.Tensor:
+        return compressor.decompress([payload], numel)
+
+    return _Method(name, run, decompress, compressor.options())
 
 
 def _measure_group(
@@ -243,7 +248,9 @@ def _measure_group(
 ) -> dict[str, dict[str, list]]:
     """Warm up each method, then time ``repeats`` interleaved rounds; raw samples per label."""
     sync = _synchronizer(config.device)
-    samples = {m.label: {"compress": [], "decompress": [], "count": [], "nbytes": []} for m in methods}
+    samples: dict[str, dict[str, list]] = {
+        m.label: {"compress": [], "decompress": [], "count": [], "nbytes": []} for m in methods
+    }
 
     def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
         sync()
@@ -264,7 +271,7 @@ def _measure_group(
             record = samples[method.label]
             record["compress"].append(ms)
             if method.decompress is not None:
-                record["decompress"].append(timed(lambda m=method, p=out: m.decompress(p))[1])
+                record["decompress"].append(timed(functools.partial(method.decompress, out))[1])
                 record["count"].append(out.count)
                 record["nbytes"].append(out.nbytes)
             del out
