@@ -23,6 +23,7 @@ from gradsift.costmodel import (
     shared_mask_traffic,
     sparse_reduce_scatter_traffic,
 )
+from gradsift.errors import InvalidOptionError
 
 
 def _fields(traffic: Traffic) -> tuple[float, float, float]:
@@ -191,3 +192,24 @@ def test_crossover_example_and_latency_dominated_cases():
 def test_bad_arguments_name_themselves(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    ("model_nbytes", "message"),
+    [
+        ("1e8", r"nbytes must be a real number, got '1e8'"),
+        (True, "nbytes must be a real number, got True"),
+        (-1.0, r"nbytes must lie in \[0.0, inf\], got -1.0"),
+        (math.nan, "nbytes must be a number, got NaN"),
+    ],
+)
+def test_allgather_crossover_refuses_a_model_size_that_is_not_a_size(model_nbytes, message):
+    # A message cheaper than its latency (a < 0): the closed form answers without computing
+    # an allreduce time, so only the function's own check of model_nbytes can refuse it.
+    assert (
+        allgather_crossover_workers(model_nbytes=1e8, message_nbytes=1e3, bandwidth=1e9, latency=1e-3) is None
+    )
+    with pytest.raises(InvalidOptionError, match=message):
+        allgather_crossover_workers(
+            model_nbytes=model_nbytes, message_nbytes=1e3, bandwidth=1e9, latency=1e-3
+        )

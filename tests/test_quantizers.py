@@ -260,6 +260,16 @@ def test_decompress_rejects_wrong_numel_and_no_payloads():
         compressor.decompress([], 10)
 
 
+@pytest.mark.parametrize("missing", ["codes", "scales"])
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_decompress_refuses_a_payload_without_codes_or_scales(name, missing):
+    compressor = gradsift.get_compressor(name)
+    payload = compressor.compress(torch.randn(10))
+    setattr(payload, missing, None)
+    with pytest.raises(gradsift.InvalidOptionError, match=f"a {name} payload carries codes and scales"):
+        compressor.decompress([payload], 10)
+
+
 @pytest.mark.parametrize("name", QUANTIZERS)
 def test_truncated_codes_are_a_wire_error(name):
     compressor = gradsift.get_compressor(name)

@@ -6,7 +6,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from gradsift.errors import InvalidOptionError
+from gradsift.errors import InvalidOptionError, InvalidTensorError
 from gradsift.variance import VarianceTracker
 
 
@@ -274,3 +274,16 @@ def test_exact_method_matches_per_sample_reference_for_every_layer(reduction):
 def test_bad_method_is_rejected():
     with pytest.raises(InvalidOptionError, match="method must be one of hooks, exact"):
         VarianceTracker(_mlp(), method="fast")
+
+
+def test_variance_of_a_parameter_without_grad_says_what_is_missing():
+    model = _mlp()
+    tracker = VarianceTracker(model)
+    weight = model[0].weight
+    assert weight.grad is None
+    with pytest.raises(
+        InvalidTensorError, match="variance: param.grad is None; run a backward pass or pass gradient"
+    ):
+        tracker.variance(weight)
+    # the way out the message names: an explicit gradient (no moments collected -> s = 0)
+    assert torch.equal(tracker.variance(weight, torch.ones_like(weight)), torch.zeros_like(weight))
