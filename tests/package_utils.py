@@ -13,6 +13,8 @@ package of the test environment's site-packages except gradsift itself (so neith
 editable install nor its metadata leaks in). Its ``bin/pip`` runs that pip; with
 :func:`pip_offline_env`, ``pip install gradsift`` then installs the built wheel and finds
 every dependency already satisfied.
+
+:func:`read_pyproject` parses the tree's ``pyproject.toml`` on every Python gradsift supports.
 """
 
 from __future__ import annotations
@@ -25,8 +27,19 @@ import sys
 import venv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (requires-python >= 3.10) has no tomllib; pytest itself depends on tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_pyproject(root: Path = ROOT) -> dict[str, Any]:
+    """``root/pyproject.toml`` as a dict (tomllib, or the same parser as tomli on Python 3.10)."""
+    return tomllib.loads((root / "pyproject.toml").read_text())
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsift.errors import InvalidOptionError, MissingExtraError
 from gradsift.extras import EXTRAS, install_hint, require
 from gradsift.integrations.telemetry import scalar_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
+from package_utils import read_pyproject
 
 
 # -- extras -----------------------------------------------------------------------------
@@ -36,8 +35,7 @@ def test_unknown_extra_is_rejected_with_the_known_ones() -> None:
 
 
 def test_every_extra_is_a_pyproject_extra_and_the_tests_install_them() -> None:
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    optional = read_pyproject()["project"]["optional-dependencies"]
     assert set(EXTRAS) <= set(optional)
     assert "gradsift[tensorboard,lightning,accelerate,transformers,docs]" in optional["test"]
 

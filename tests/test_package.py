@@ -20,7 +20,7 @@ import pytest
 
 import gradsift
 from doc_commands import ROOT, DocumentedRuns
-from package_utils import Distributions, Environment
+from package_utils import Distributions, Environment, read_pyproject
 
 pytestmark = pytest.mark.slow
 LICENSES = ("LICENSE", "NOTICE", "src/gradsift/data/LICENSE-fashion-mnist.txt")
@@ -72,8 +72,7 @@ def test_twine_check_passes_on_sdist_and_wheel(built_package: Distributions) -> 
 
 
 def test_the_version_is_written_once_in_gradsift_init(built_package: Distributions) -> None:
-    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = read_pyproject()
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradsift.__version__"}
     _, metadata = wheel_metadata(built_package.wheel)
