@@ -67,6 +67,7 @@ CONFIGS = {  # name: (compressor, hook options, whether it decodes payloads)
     "topk+dense": ("topk", {"granularity": "layer", "min_numel": 100}, True),  # dense parts beside
     "none": ("none", {}, False),  # stock DDP's in-place allreduce
     "warm-up": ("sidco-exp", {"warmup_steps": 2}, True),  # dense steps, then compressed ones
+    "powersgd": ("powersgd", {"start_iter": 2}, False),  # PyTorch's own hooks, dense then compressed
 }
 STEPS = 4
 
@@ -125,3 +126,48 @@ def test_hook_runs_no_python_on_backend_threads():
             assert result["attached_to_pending"] == [], name
             assert result["decode_threads"] == ("training" if decodes else "none"), name
             assert result["steps"] == STEPS, name
+
+
+# --- every collective's Work outlives the script ------------------------------------------
+def keeper_worker(rank: int, world: int) -> dict:
+    """Train 3 steps recording the Work of every collective started; what the keeper holds."""
+    from gradsift.exchanges import collectives
+
+    started_by_step: list[list] = []
+    gather = collectives.all_gather_into
+
+    def recording_gather(*args, **kwargs):
+        work = gather(*args, **kwargs)
+        started_by_step[-1].append(work)
+        return work
+
+    collectives.all_gather_into = recording_gather
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+    gradsift.register_comm_hook(model, "sidco-exp", exchange="allgather")
+    kept_by_step = []
+    for _ in range(3):
+        started_by_step.append([])
+        model(torch.randn(8, 20)).square().mean().backward()
+        kept_by_step.append(list(collectives.KEPT_WORKS.works))
+    held = collectives.KEPT_WORKS.works
+    references = sys.getrefcount(held)
+    collectives.KEPT_WORKS.hold_past_exit()  # what atexit runs; this worker exits right after
+    return {
+        "started": [len(works) for works in started_by_step],
+        "kept_is_started": [
+            [id(w) for w in kept] == [id(w) for w in started]
+            for kept, started in zip(kept_by_step, started_by_step, strict=True)
+        ],
+        "last_done": all(work.is_completed() for work in kept_by_step[-1]),
+        "extra_references": sys.getrefcount(held) - references,
+    }
+
+
+def test_every_collective_of_the_last_step_is_held_past_exit():
+    """The keeper holds exactly the works of the step that ran last (the blocking header
+    round trip's too), released when the next step opens, and pins them at exit."""
+    for result in run_workers(__file__, "keeper_worker", 2):
+        assert result["started"][0] >= 2 and len(set(result["started"])) == 1, result  # header + payload
+        assert result["kept_is_started"] == [True, True, True], result
+        assert result["last_done"] and result["extra_references"] == 1, result

@@ -274,7 +274,7 @@ class GradsiftHookState:
         """Pickle without the process group and the steps in flight (like ``PowerSGDState``)."""
         state = dict(self.__dict__)
         state["process_group"] = None
-        state["ledger"] = dataclasses.replace(self.ledger, current=None, retired=[])
+        state["ledger"] = dataclasses.replace(self.ledger, current=None)
         return state
 
     # -- per-step ---------------------------------------------------------------------------

@@ -20,10 +20,10 @@ exchange delivers the non-finite flag to all ranks):
   ``"skip"`` fills them with zeros; ``"raise"`` raises :class:`NonFiniteGradientError`;
 * otherwise the transaction commits, state of keys no bucket used is dropped, and the
   step counter advances.
-DDP copies the bucket results into ``.grad`` after this callback. The step's pending
-exchanges (and through them every tensor their collectives touched) stay referenced
-until the next step opens, so a backend thread never drops the last reference to a
-Python object (docs/decisions.md, "Clean exit").
+DDP copies the bucket results into ``.grad`` after this callback. The step's
+collectives' ``Work`` handles stay with :data:`~gradsift.exchanges.collectives.KEPT_WORKS`
+until the next step opens (past interpreter exit for the last step), so a backend
+thread never drops the last reference to one (docs/decisions.md, "Clean exit").
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.errors import NonFiniteGradientError
 from gradsift.exchanges.base import waited
-from gradsift.exchanges.collectives import Pending
+from gradsift.exchanges.collectives import KEPT_WORKS, Pending
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord, Telemetry
 
@@ -72,14 +72,12 @@ class StepLedger:
         step: synchronised steps applied so far (a dropped non-finite step does not count).
         last_step_skipped: the last step was dropped for a non-finite gradient.
         current: the step in progress, or None between steps.
-        retired: the last closed step's exchanges, kept until the next step opens.
     """
 
     nonfinite: str = "propagate"
     step: int = 0
     last_step_skipped: bool = False
     current: OpenStep | None = None
-    retired: list[Pending[torch.Tensor]] = field(default_factory=list)
 
     @property
     def fill_value(self) -> float:
@@ -89,7 +87,7 @@ class StepLedger:
     def open(self, compressor: Compressor, store: TensorStore, on_close: Callable[[], None]) -> OpenStep:
         """Open the step on its first bucket (later buckets get the same :class:`OpenStep`)."""
         if self.current is None:
-            self.retired = []
+            KEPT_WORKS.next_step()
             self.current = OpenStep(compressor_state=compressor.snapshot())
             store.begin()
             torch.autograd.Variable._execution_engine.queue_callback(on_close)
@@ -107,7 +105,6 @@ class StepLedger:
         step, self.current = self.current, None
         if step is None:
             return
-        self.retired = [bucket.pending for bucket in step.buckets]
         results = []
         try:
             for bucket in step.buckets:

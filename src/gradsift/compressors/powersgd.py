@@ -26,13 +26,15 @@ whose ``delegated`` exchange calls :meth:`PowerSGD.ddp_hook`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd_module
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState,
     batched_powerSGD_hook,
@@ -41,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError
+from gradsift.exchanges.collectives import started
 from gradsift.validation import check_bool, check_int, check_real
 
 #: The ``PowerSGDState`` fields a checkpoint needs (the hyperparameters come from the options).
@@ -146,13 +149,15 @@ class PowerSGD(Compressor):
             self.dense_step_pending = not bucket.is_last()
             self.state.maybe_increase_iter(bucket)
             self.sent_nbytes[bucket.index()] = dense_nbytes
-            return default_hooks.allreduce_hook(process_group, bucket)  # type: ignore[arg-type]  # None: the default group
+            with collectives_done_on_return():
+                return default_hooks.allreduce_hook(process_group, bucket)  # type: ignore[arg-type]  # None: the default group
         compressing = self.state.iter >= self.state.start_powerSGD_iter
         if compressing:
             self._check_layout(bucket)
         sent_before = self.state.total_numel_after_compression
         hook = batched_powerSGD_hook if self.batched else powerSGD_hook
-        future = hook(self.state, bucket)
+        with collectives_done_on_return():
+            future = hook(self.state, bucket)
         sent = self.state.total_numel_after_compression - sent_before
         self.sent_nbytes[bucket.index()] = sent * buffer.element_size() if compressing else dense_nbytes
         return future
@@ -231,6 +236,47 @@ class PowerSGD(Compressor):
                 rng["cached_gaussian"],
             )
         )
+
+
+class _AllreduceDoneOnReturn:
+    """``torch.distributed`` as PyTorch's hook modules see it inside :func:`collectives_done_on_return`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``dist.all_reduce``, waited for before it returns; its ``Work`` kept like every collective's."""
+        work = dist.all_reduce(tensor, *args, **kwargs)
+        if work is not None:  # async_op=True, what the hooks ask for
+            started(work, None, kwargs.get("group"), "powersgd allreduce").wait()
+        return work
+
+
+@contextlib.contextmanager
+def collectives_done_on_return() -> Iterator[None]:
+    """Run PyTorch's PowerSGD and allreduce hooks with no Python left for gloo's threads.
+
+    Those hooks chain their steps with ``work.get_future().then(callback)``; on a
+    future still in flight the callback runs, and is destroyed, on the backend thread
+    that completes the collective, which takes the GIL and can land in interpreter
+    finalization when a script returns right after its last step: SIGABRT,
+    "terminate called without an active exception" (docs/decisions.md, "Clean exit").
+    Inside this context the hook modules' ``dist.all_reduce`` waits for the collective
+    before it returns, so every ``then`` finds its future complete and runs the callback
+    at once, on the calling (training) thread; the work handles are kept past exit by
+    :data:`~gradsift.exchanges.collectives.KEPT_WORKS`. The price: PowerSGD's first
+    allreduce no longer overlaps the rest of backward (its later ones never did).
+    """
+    modules = (powersgd_module, default_hooks)
+    originals = [vars(module)["dist"] for module in modules]
+    for module in modules:
+        vars(module)["dist"] = _AllreduceDoneOnReturn()
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            vars(module)["dist"] = original
 
 
 def _hook_only() -> InvalidOptionError:

@@ -44,7 +44,7 @@ from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
 from gradsift.exchanges.allgather import Gathered, gather_payloads
 from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import Pending, guarded, ready
+from gradsift.exchanges.collectives import Pending, blocking, ready
 
 BOUNDS = "balanced.bounds"
 
@@ -175,10 +175,10 @@ def _exchange_counts(counts: torch.Tensor, nonfinite: bool, context: Context) ->
     """Blocking all_to_all of the per-slice counts; every slot ``-1`` flags a non-finite sender."""
     local = torch.full_like(counts, -1) if nonfinite else counts.clone()
     received = torch.empty_like(local)
-    guarded(
+    blocking(
         "counts all_to_all",
         context.group,
-        lambda: dist.all_to_all_single(received, local, group=context.group),
+        lambda: dist.all_to_all_single(received, local, group=context.group, async_op=True),
     )
     return received
 
@@ -187,7 +187,7 @@ def _all_to_all(
     tensor: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, context: Context, what: str
 ) -> torch.Tensor:
     out = torch.empty(int(received.sum()), dtype=tensor.dtype, device=tensor.device)
-    guarded(
+    blocking(
         what,
         context.group,
         lambda: dist.all_to_all_single(
@@ -196,6 +196,7 @@ def _all_to_all(
             output_split_sizes=received.tolist(),
             input_split_sizes=counts.tolist(),
             group=context.group,
+            async_op=True,
         ),
     )
     return out

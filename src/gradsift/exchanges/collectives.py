@@ -14,6 +14,8 @@ message) are those of the bandwidth-optimal algorithms: ring allreduce
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -57,8 +59,8 @@ class Pending(Generic[T]):
     last reference to a tensor's Python object) while the interpreter finalizes is
     ended by ``pthread_exit`` inside a C++ destructor, and the process dies with
     SIGABRT, "terminate called without an active exception" (docs/decisions.md, "Clean
-    exit"). Keeping the object alive until the next step keeps the tensors referenced
-    from Python, so a backend thread never drops the last reference either.
+    exit"). Every ``Work`` goes through :data:`KEPT_WORKS` as well, so a backend thread
+    never drops the last reference to one either.
     """
 
     def __init__(self, read: Callable[[], T], works: Sequence[Any] = ()) -> None:
@@ -82,19 +84,72 @@ class Pending(Generic[T]):
         return Pending(lambda: [p.wait() for p in pendings], [w for p in pendings for w in p.works])
 
 
+class WorkKeeper:
+    """Holds every collective's ``Work`` handle from its start until the next step opens.
+
+    A gloo worker thread keeps its own reference to a ``Work`` for a moment after it
+    completes the work's future. If ours goes first, the thread's release is the last
+    one and runs the work's destructor, which drops the tensors the collective read and
+    wrote; releasing a Python-visible tensor takes the GIL, and a thread that takes the
+    GIL while the interpreter finalizes dies inside that destructor (``std::terminate``,
+    SIGABRT: docs/decisions.md, "Clean exit"). During training that release is harmless
+    (the thread just waits for the GIL); at exit it is not, and a user's script returns
+    right after its last step, when the thread may not have run yet. So:
+
+    * :meth:`keep` records each ``Work`` when its collective starts (also the blocking
+      ones, e.g. a header round trip, whose handle would otherwise go at once);
+    * :meth:`next_step` (a step opens: the last one was waited for when it closed)
+      releases them, on the training thread;
+    * at interpreter exit the works still held are never released (their list's
+      reference count is raised once more, on purpose): the backend's release is then
+      not the last one and runs no destructor. What stays unreleased is the last step's
+      send/receive buffers, which the operating system takes back with the process.
+
+    One keeper serves the process (the hook state may be gone before exit); with
+    several hooked models, a step of one releases the other's works early, which is
+    harmless while the interpreter runs.
+    """
+
+    def __init__(self) -> None:
+        self.works: list[Any] = []
+
+    def keep(self, work: Any) -> None:
+        self.works.append(work)
+
+    def next_step(self) -> None:
+        self.works = []
+
+    def hold_past_exit(self) -> None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.works))
+
+
+#: The process's keeper: collectives of every hook and exchange go through it.
+KEPT_WORKS = WorkKeeper()
+atexit.register(KEPT_WORKS.hold_past_exit)
+
+
 def ready(value: T) -> Pending[T]:
     """A result that is already there."""
     return Pending(lambda: value)
 
 
 def started(work: Any, result: T, group: Any, what: str) -> Pending[T]:
-    """``result`` once ``work`` (collective ``what``) is done; its failure as :class:`PeerFailureError`."""
+    """``result`` once ``work`` (collective ``what``) is done; its failure as :class:`PeerFailureError`.
+
+    ``work`` is kept by :data:`KEPT_WORKS` until the next step opens."""
+    KEPT_WORKS.keep(work)
 
     def read() -> T:
         guarded(what, group, work.wait)
         return result
 
     return Pending(read, [work])
+
+
+def blocking(what: str, group: Any, start: Callable[[], Any]) -> None:
+    """Run a collective to its end: ``start()`` launches it (``async_op=True``) and returns
+    its ``Work``, which is waited for here and kept by :data:`KEPT_WORKS` like any other."""
+    started(guarded(what, group, start), None, group, what).wait()
 
 
 def allreduce_sum(tensor: torch.Tensor, group: Any, what: str = "allreduce") -> Pending[torch.Tensor]:

@@ -17,9 +17,9 @@ replaces the compressor's own) and takes care of the rest:
   allreduce of that many bytes.
 
 The compressor's future is waited for on the training thread like every other
-exchange's result; what the compressor itself chains onto its collectives (PyTorch's
-PowerSGD hook uses ``Future.then``) still runs on the backend's threads
-(docs/decisions.md, "Clean exit").
+exchange's result. What a compressor chains onto its collectives must not run on the
+backend's threads (docs/decisions.md, "Clean exit"): PowerSGD runs PyTorch's hook
+inside :func:`~gradsift.compressors.powersgd.collectives_done_on_return`.
 """
 
 from __future__ import annotations

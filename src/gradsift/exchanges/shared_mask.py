@@ -30,7 +30,7 @@ from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import Pending, allreduce_sum, guarded, ready, ring_allreduce_received
+from gradsift.exchanges.collectives import Pending, allreduce_sum, blocking, ready, ring_allreduce_received
 from gradsift.validation import all_finite
 
 
@@ -105,7 +105,7 @@ class SharedMask(Exchange):
 def _broadcast(tensor: torch.Tensor, source: int, context: Context, what: str) -> torch.Tensor:
     """Blocking broadcast from ``source`` (a rank of the group)."""
     root = dist.get_global_rank(context.group, source) if context.group is not None else source
-    guarded(what, context.group, lambda: dist.broadcast(tensor, root, group=context.group))
+    blocking(what, context.group, lambda: dist.broadcast(tensor, root, group=context.group, async_op=True))
     return tensor
 
 

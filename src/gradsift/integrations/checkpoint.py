@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift.errors import InvalidOptionError
+from gradsift.exchanges.collectives import blocking
 
 
 def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str, Any] | None:
@@ -61,5 +62,5 @@ def parameters_agree(module: torch.nn.Module, group: Any = None) -> bool:
     positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     digest = torch.stack([flat.sum(), (flat * positions).sum(), flat.square().sum()])
     digests = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(digests, digest, group=group)
+    blocking("digest all_gather", group, lambda: dist.all_gather(digests, digest, group=group, async_op=True))
     return all(torch.equal(d, digests[0]) for d in digests)

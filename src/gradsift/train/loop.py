@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from gradsift.exchanges.collectives import blocking
 from gradsift.train.config import TrainConfig, learning_rate
 from gradsift.train.data import batches, shard_indices
 from gradsift.train.datasets import is_language_model, load_for_model
@@ -61,7 +62,7 @@ def evaluate(
             totals[1] += float(cross_entropy(logits, targets, reduction="sum"))
             totals[2] += targets.numel()
     model.train()
-    dist.all_reduce(totals)
+    blocking("evaluation allreduce", None, lambda: dist.all_reduce(totals, async_op=True))
     return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
