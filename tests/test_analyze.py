@@ -9,6 +9,7 @@ import torch
 from gradsift.analysis import estimation_series, load_gradients, percentile_summary
 from gradsift.cli import main
 from gradsift.compressors import get_compressor
+from gradsift.errors import InvalidOptionError
 from gradsift.feedback import ErrorFeedback
 
 
@@ -103,6 +104,18 @@ def test_load_gradients_accepts_a_bare_tensor_and_rejects_non_float(tmp_path):
         load_gradients(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_gradients(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("content", [{}, [torch.ones(3)]], ids=["empty dict", "list"])
+def test_a_file_without_named_tensors_is_refused_by_name(tmp_path, capsys, content):
+    path = tmp_path / "grads.pt"
+    torch.save(content, path)
+    message = f"FILE {str(path)!r} must hold a tensor or a non-empty dict name -> tensor"
+    with pytest.raises(InvalidOptionError) as info:
+        load_gradients(path)
+    assert str(info.value) == message
+    assert main(["analyze", str(path)]) == 2
+    assert capsys.readouterr().err == f"gradsift analyze: error: {message}\n"
 
 
 def test_estimation_series_closes_the_error_feedback_loop():

@@ -109,6 +109,17 @@ def test_dense_casts_average_and_count_bytes(name, wire):
     assert c.exchanges == ("allreduce",) and not c.error_feedback
 
 
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16"])
+def test_dense_decompress_refuses_a_payload_of_the_wrong_length_or_without_values(name):
+    c = gradsift.get_compressor(name)
+    payload = c.compress(torch.randn(5))
+    with pytest.raises(gradsift.InvalidOptionError, match="payload holds 5 values, expected numel=6"):
+        c.decompress([payload], 6)
+    payload.values = None
+    with pytest.raises(gradsift.InvalidOptionError, match="payload holds None values, expected numel=5"):
+        c.decompress([payload], 5)
+
+
 def test_error_feedback_conservation_is_bit_exact():
     torch.manual_seed(3)
     c = gradsift.get_compressor("topk", ratio=0.05)

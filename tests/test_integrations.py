@@ -40,6 +40,20 @@ def test_every_extra_is_a_pyproject_extra_and_the_tests_install_them() -> None:
     assert "gradsift[tensorboard,lightning,accelerate,transformers,docs]" in optional["test"]
 
 
+@pytest.mark.parametrize(
+    "saved", [None, {"ranks": [{}]}, {"world_size": 1}, [{"world_size": 1, "ranks": [{}]}]], ids=repr
+)
+def test_load_hook_state_refuses_what_gather_hook_states_did_not_return(saved) -> None:
+    from gradsift.ddp import GradsiftHookState
+    from gradsift.integrations.checkpoint import load_hook_state
+
+    with pytest.raises(
+        InvalidOptionError,
+        match=r"saved must be the dict gather_hook_states returned \(keys world_size, ranks\)",
+    ):
+        load_hook_state(GradsiftHookState.build("topk", ratio=0.1), saved)
+
+
 # -- telemetry ----------------------------------------------------------------------------
 def test_scalar_metrics_flattens_numbers_and_drops_the_rest() -> None:
     stats = {

@@ -112,6 +112,26 @@ def test_more_workers_than_gpus_is_rejected(tmp_path, capsys, no_workers, monkey
     assert "--workers 2 needs 2 GPUs" in line and "has 1" in line
 
 
+def test_bandwidth_under_torchrun_is_rejected_before_the_rank_starts(tmp_path, capsys, monkeypatch):
+    import gradsift.commands.train
+
+    def rank(config):
+        raise AssertionError("a torchrun rank was started")
+
+    monkeypatch.setattr(gradsift.commands.train, "_run_as_torchrun_rank", rank)
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    line = rejected(tmp_path, capsys, "--bandwidth", "100mbit")
+    assert line == (
+        "gradsift train: error: --bandwidth emulates links between local ranks; it cannot be used under torchrun"
+    )
+
+
 REQUIRED = {"threshold": {"threshold": 0.001}}  # compressors with an option that has no default
 
 

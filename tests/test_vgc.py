@@ -179,6 +179,38 @@ def test_bad_calls_are_rejected():
     assert vgc.compress(torch.randn(11), variance=torch.ones(11), key="b").numel == 11
 
 
+def test_parameters_that_do_not_cover_the_tensor_are_refused():
+    model = nn.Linear(4, 3)  # 12 + 3 elements
+    vgc = VGC()
+    vgc.attach(model)
+    with pytest.raises(gradsift.InvalidOptionError, match="parameters hold 15 elements but tensor has 10"):
+        vgc.compress(torch.randn(10), parameters=list(model.parameters()))
+    assert vgc.residuals == {}  # refused before any state was written
+
+
+@pytest.mark.parametrize("missing", ["codes", "scales"])
+def test_decompress_refuses_a_payload_without_codes_or_scales(missing):
+    payload = VGC(alpha=0.0).compress(torch.tensor([1.0, 0.0, 2.0]), variance=torch.zeros(3))
+    setattr(payload, missing, None)
+    with pytest.raises(gradsift.InvalidOptionError, match="a vgc payload carries codes and scales"):
+        VGC().decompress([payload], 3)
+
+
+@pytest.mark.parametrize("missing", ["residuals", "variances"])
+def test_load_state_dict_names_the_missing_table(missing):
+    vgc = VGC()
+    vgc.compress(torch.randn(6), variance=torch.ones(6))
+    state = vgc.state_dict()
+    del state[missing]
+    fresh = VGC()
+    with pytest.raises(
+        gradsift.InvalidOptionError,
+        match=rf"vgc state needs keys residuals and variances, missing \['{missing}'\]",
+    ):
+        fresh.load_state_dict(state)
+    assert fresh.residuals == {} and fresh.variances == {}
+
+
 def test_attached_compressor_reads_the_hooks_variance_for_its_parameters():
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
     vgc = VGC(alpha=1.0)

@@ -1,0 +1,45 @@
+"""Argument checks of the DDP hook's public entry points, in one process.
+
+These checks run before anything collective happens, so they need no process group
+and sit here rather than in the multi-process (``distributed``, ``slow``) test_ddp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsift
+from gradsift.ddp import GradsiftHookState
+from gradsift.errors import InvalidOptionError
+
+
+def test_register_comm_hook_refuses_a_model_that_is_not_ddp():
+    with pytest.raises(
+        InvalidOptionError, match="ddp_model must be a DistributedDataParallel model, got Linear"
+    ):
+        gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk", ratio=0.1)
+
+
+def test_a_restored_hook_state_takes_no_compressor_options():
+    state = GradsiftHookState.build("topk", ratio=0.1)
+    # The refusal comes before the model is touched: a bare (never initialised) DDP object
+    # passes the type check and would fail on its first attribute if the check were gone.
+    model = DistributedDataParallel.__new__(DistributedDataParallel)
+    with pytest.raises(
+        InvalidOptionError, match=r"a restored hook state takes no options but optimizer, got \['ratio'\]"
+    ):
+        gradsift.register_comm_hook(model, state, ratio=0.2)
+    assert state.compressor.ratio == 0.1
+
+
+@pytest.mark.parametrize("saved_with_feedback", [True, False])
+def test_a_checkpoint_with_the_other_error_feedback_setting_is_refused(saved_with_feedback):
+    saved = GradsiftHookState.build("topk", ratio=0.1, error_feedback=saved_with_feedback).state_dict()
+    hook = GradsiftHookState.build("topk", ratio=0.1, error_feedback=not saved_with_feedback)
+    with pytest.raises(
+        InvalidOptionError,
+        match=r"checkpoint and hook disagree on error feedback \(on in one, off in the other\)",
+    ):
+        hook.load_state_dict(saved)
