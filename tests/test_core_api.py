@@ -78,6 +78,31 @@ def test_integer_tensor_is_a_type_error():
         gradsift.get_compressor("topk").compress(torch.arange(10))
 
 
+# powersgd has no compress() of a single tensor (it refuses every call, tested in test_powersgd.py)
+SINGLE_TENSOR_COMPRESSORS = [name for name in gradsift.available_compressors() if name != "powersgd"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([1.0, 2.0, 3.0, 4.0], "tensor must be a torch.Tensor, got list"),
+        (torch.ones(4).to_sparse(), "tensor must be a dense (strided) tensor, got layout torch.sparse_coo"),
+        (
+            torch.ones(4, dtype=torch.int32),
+            "tensor must have a floating dtype (float16, bfloat16, float32, float64), got torch.int32",
+        ),
+    ],
+    ids=["list", "sparse", "int32"],
+)
+@pytest.mark.parametrize("name", SINGLE_TENSOR_COMPRESSORS)
+def test_every_compressor_refuses_what_is_not_a_dense_float_tensor(name, bad, message):
+    compressor = gradsift.get_compressor(name, **({"threshold": 0.001} if name == "threshold" else {}))
+    extra = {"variance": torch.ones(4)} if name == "vgc" else {}
+    with pytest.raises(gradsift.InvalidTensorError) as info:
+        compressor.compress(bad, **extra)
+    assert str(info.value) == message
+
+
 def test_empty_tensor_gives_empty_payload():
     p = gradsift.get_compressor("topk").compress(torch.empty(0))
     assert p.count == 0 and p.numel == 0
