@@ -427,3 +427,36 @@ def test_restored_state_replays_a_skipped_step_exactly(name, numel):
         uninterrupted.compress(x, key="bucket")
     assert _equal(compressor.state_dict(), uninterrupted.state_dict())
     assert all(t.numel() * t.element_size() <= 8192 for t in _tensors(saved))  # no gradient-sized tensors
+
+
+# --- decompress_into: the hook's in-place decoding ---------------------------------------
+@pytest.mark.parametrize("name", [*BASELINES, "topk", "sidco-exp"])
+def test_decompress_into_writes_what_decompress_returns_over_stale_contents(name):
+    grads = [laplace(5000, seed) for seed in (1, 2, 3)]
+    compressor = build(name, ratio=0.02, threshold=1.5)
+    payloads = [compressor.compress(g, key=w) for w, g in enumerate(grads)]
+    out = torch.full((5000,), 7.0)  # stale contents (the bucket's gradient) must not leak through
+    compressor.decompress_into(payloads, out)
+    assert torch.equal(out, compressor.decompress(payloads, 5000))
+
+
+def test_decompress_into_keeps_a_subclass_own_decoding():
+    class Doubled(type(build("topk"))):
+        def decompress(self, payloads, numel):
+            return 2 * super().decompress(payloads, numel)
+
+    compressor = Doubled(ratio=0.1)
+    payload = compressor.compress(laplace(100, 4))
+    out = torch.empty(100)
+    compressor.decompress_into([payload], out)
+    assert torch.equal(out, 2 * scatter_mean([payload], 100))
+
+
+def test_scatter_mean_refuses_an_out_of_the_wrong_size_or_dtype():
+    payload = build("topk", ratio=0.1).compress(laplace(100, 5))
+    for out, what in (
+        (torch.empty(99), "99 torch.float32"),
+        (torch.empty(100, dtype=torch.float64), "100 torch.float64"),
+    ):
+        with pytest.raises(InvalidOptionError, match=f"out holds {what}"):
+            scatter_mean([payload], 100, out=out)

@@ -369,7 +369,7 @@ def _exchange_bucket(
     state: GradsiftHookState, bucket: dist.GradBucket, context: Context, keys: set[Any]
 ) -> Pending[torch.Tensor]:
     """compensate -> compress -> exchange -> decompress -> update, for one bucket."""
-    context.result = torch.empty_like(bucket.buffer())
+    context.result = bucket.buffer()  # free once compensated (or compressed): results land in place
     parts = state.layout.parts(bucket, state.options.granularity, state.store)
     context.order, context.numels = state.layout.numbers_of(bucket), state.layout.numels
     context.key = tuple(sorted(context.order))

@@ -139,6 +139,14 @@ class Compressor(abc.ABC):
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         """Return the mean over ``payloads`` as a dense 1-D tensor of length ``numel``."""
 
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> None:
+        """Write the mean over ``payloads`` into ``out`` (1-D, ``numel`` elements), in place.
+
+        What the DDP hook calls, with ``out`` a view of the bucket's result: the default
+        copies :meth:`decompress`; sparsifiers scatter straight into ``out``.
+        """
+        out.copy_(self.decompress(payloads, out.numel()))
+
     def sent_dense(self, payload: Payload) -> torch.Tensor:
         """The dense tensor this worker's payload stands for (its own contribution).
 
@@ -244,20 +252,31 @@ class Sparsifier(Compressor):
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         return scatter_mean(payloads, numel)
 
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> None:
+        if type(self).decompress is not Sparsifier.decompress:  # a subclass decodes its own way
+            super().decompress_into(payloads, out)
+        else:
+            scatter_mean(payloads, out.numel(), out=out)
+
     def sent_dense(self, payload: Payload) -> torch.Tensor:
         return scatter_mean([payload], payload.numel)
 
 
-def scatter_mean(payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense mean of sparse payloads: ``(1/W) sum_w scatter_add(indices_w, values_w)``.
 
     Uses ``index_add_`` so an index sent by several workers accumulates every value.
-    The result has the payloads' dtype and device.
+    The result has the payloads' dtype and device; with ``out`` (``numel`` elements of
+    that dtype) it is written there, in place, and returned.
     """
     if not payloads:
         raise InvalidOptionError("payloads must hold at least one payload")
     first = payloads[0]
-    dense: torch.Tensor | None = None
+    if out is not None and (out.numel() != numel or out.dtype != first.dtype):
+        raise InvalidOptionError(
+            f"out holds {out.numel()} {out.dtype} elements; the payloads decode to {numel} {first.dtype}"
+        )
+    dense = out
     for payload in payloads:
         if payload.numel != numel:
             raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
@@ -265,6 +284,8 @@ def scatter_mean(payloads: Sequence[Payload], numel: int) -> torch.Tensor:
             raise InvalidOptionError("scatter_mean needs sparse payloads: each with indices and values")
         if dense is None:
             dense = torch.zeros(numel, dtype=first.dtype, device=payload.values.device)
+        elif dense is out and payload is first:
+            dense.zero_()
         dense.index_add_(0, payload.indices, payload.values.to(first.dtype))
     assert dense is not None  # payloads is not empty
     if len(payloads) > 1:

@@ -52,8 +52,9 @@ class Allgather(Exchange):
             if gathered.decoded is None:
                 return Delivery(sent=[None] * len(parts), nonfinite=gathered.nonfinite, error=gathered.error)
             for i, part in enumerate(parts):
-                mean = codec.decompress([d[i] for d in gathered.decoded], part.numel, context.record)
-                part.view(context.result).copy_(mean)
+                codec.decompress_into(
+                    [d[i] for d in gathered.decoded], part.view(context.result), context.record
+                )
             return Delivery(sent=[e.wire for e in encoded])
 
         return gather_payloads([e.wire for e in encoded], any(e.nonfinite for e in encoded), context).then(
