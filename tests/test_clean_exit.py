@@ -87,13 +87,16 @@ def train_recording_callbacks(rank: int, compressor: str, options: dict) -> dict
     model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
     state = gradsift.register_comm_hook(model, compressor, **options)
     decode_threads = set()
-    decompress = state.compressor.decompress
 
-    def recording_decompress(*args, **kwargs):
-        decode_threads.add(threading.get_ident())
-        return decompress(*args, **kwargs)
+    def recording(decode):
+        def recorded(*args, **kwargs):
+            decode_threads.add(threading.get_ident())
+            return decode(*args, **kwargs)
 
-    state.compressor.decompress = recording_decompress
+        return recorded
+
+    for name in ("decompress", "decompress_into"):  # the hook decodes through either
+        setattr(state.compressor, name, recording(getattr(state.compressor, name)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     torch._C.Future.then = recording_then
