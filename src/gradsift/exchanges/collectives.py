@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift.errors import PeerFailureError
+from gradsift.threads import wait_until_idle
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -125,7 +126,14 @@ class WorkKeeper:
 
 #: The process's keeper: collectives of every hook and exchange go through it.
 KEPT_WORKS = WorkKeeper()
-atexit.register(KEPT_WORKS.hold_past_exit)
+
+
+@atexit.register
+def _leave_cleanly() -> None:
+    """At interpreter exit: pin gradsift's works, then let the backend's threads finish
+    releasing the works a script started itself (:mod:`gradsift.threads`)."""
+    KEPT_WORKS.hold_past_exit()
+    wait_until_idle()
 
 
 def ready(value: T) -> Pending[T]:
