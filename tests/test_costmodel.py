@@ -197,10 +197,11 @@ def test_bad_arguments_name_themselves(call, match):
 @pytest.mark.parametrize(
     ("model_nbytes", "message"),
     [
-        ("1e8", r"nbytes must be a real number, got '1e8'"),
-        (True, "nbytes must be a real number, got True"),
-        (-1.0, r"nbytes must lie in \[0.0, inf\], got -1.0"),
-        (math.nan, "nbytes must be a number, got NaN"),
+        ("1e8", r"^model_nbytes must be a real number, got '1e8'"),
+        (True, "^model_nbytes must be a real number, got True"),
+        (-1.0, r"^model_nbytes must lie in \[0.0, inf\], got -1.0"),
+        (math.nan, "^model_nbytes must be a number, got NaN"),
+        (math.inf, "^model_nbytes must be finite, got inf"),
     ],
 )
 def test_allgather_crossover_refuses_a_model_size_that_is_not_a_size(model_nbytes, message):
@@ -213,3 +214,11 @@ def test_allgather_crossover_refuses_a_model_size_that_is_not_a_size(model_nbyte
         allgather_crossover_workers(
             model_nbytes=model_nbytes, message_nbytes=1e3, bandwidth=1e9, latency=1e-3
         )
+
+
+@pytest.mark.parametrize("argument", ["message_nbytes", "bandwidth", "latency", "compress_seconds"])
+def test_allgather_crossover_refuses_an_infinite_argument(argument):
+    """check_real promises a finite float: inf is refused by name, not a bare ValueError later."""
+    arguments = {"model_nbytes": 1e8, "message_nbytes": 1e6, "bandwidth": 1e9, "latency": 1e-4}
+    with pytest.raises(InvalidOptionError, match=f"^{argument} must be finite, got inf"):
+        allgather_crossover_workers(**{**arguments, argument: math.inf})

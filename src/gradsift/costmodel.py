@@ -318,7 +318,7 @@ def allgather_crossover_workers(
     cheaper for every ``N`` once it is: the answer is None (it never stops paying), or
     2 when it never pays at all (``a = 0`` and ``c >= b``). The compute time cancels out.
     """
-    model_nbytes = check_real(model_nbytes, "nbytes", low=0.0)
+    model_nbytes = check_real(model_nbytes, "model_nbytes", low=0.0)
     bandwidth = check_real(bandwidth, "bandwidth", low=0.0, low_open=True)
     latency = check_real(latency, "latency", low=0.0)
     message_nbytes = check_real(message_nbytes, "message_nbytes", low=0.0)

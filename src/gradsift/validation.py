@@ -36,6 +36,8 @@ def check_real(
     number = float(value)
     if math.isnan(number):
         raise InvalidOptionError(f"{name} must be a number, got NaN")
+    if math.isinf(number):
+        raise InvalidOptionError(f"{name} must be finite, got {number!r}")
     below = number <= low if low_open else number < low
     above = number >= high if high_open else number > high
     if below or above:
