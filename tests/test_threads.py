@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import threading
@@ -14,13 +15,17 @@ from gradsift.threads import TASKS, running_threads, wait_until_idle
 pytestmark = pytest.mark.skipif(not TASKS.exists(), reason="needs Linux /proc/self/task")
 
 
+BLOCK = bytes(1 << 20)
+
+
 def spinner(stop: threading.Event, seconds: float | None) -> threading.Thread:
-    """A thread that keeps a CPU busy (pure Python, so it needs the GIL) until ``stop`` or ``seconds``."""
+    """A thread that keeps a CPU busy until ``stop`` or ``seconds``, mostly in C without the
+    GIL (hashing a 1 MiB block), as a backend thread runs a destructor."""
 
     def spin() -> None:
         end = None if seconds is None else time.monotonic() + seconds
         while not stop.is_set() and (end is None or time.monotonic() < end):
-            sum(range(1000))
+            hashlib.sha256(BLOCK).digest()
 
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()
@@ -61,12 +66,12 @@ def test_a_thread_that_never_sleeps_ends_the_wait_at_its_timeout():
 
 
 SCRIPT = """
-import sys, threading, time
+import hashlib, sys, threading, time
 import gradsift.exchanges.collectives  # imported by every hook: registers the exit wait
 def work():
-    end = time.monotonic() + 0.2
+    end, block = time.monotonic() + 0.2, bytes(1 << 20)
     while time.monotonic() < end:
-        sum(range(1000))
+        hashlib.sha256(block).digest()
     open(sys.argv[1], "w").write("done")
 threading.Thread(target=work, daemon=True).start()
 """
