@@ -276,7 +276,7 @@ def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | No
         raise InvalidOptionError(
             f"out holds {out.numel()} {out.dtype} elements; the payloads decode to {numel} {first.dtype}"
         )
-    dense = out
+    dense = None if out is None else out.zero_()
     for payload in payloads:
         if payload.numel != numel:
             raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
@@ -284,8 +284,6 @@ def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | No
             raise InvalidOptionError("scatter_mean needs sparse payloads: each with indices and values")
         if dense is None:
             dense = torch.zeros(numel, dtype=first.dtype, device=payload.values.device)
-        elif dense is out and payload is first:
-            dense.zero_()
         dense.index_add_(0, payload.indices, payload.values.to(first.dtype))
     assert dense is not None  # payloads is not empty
     if len(payloads) > 1:

@@ -52,20 +52,18 @@ def guarded(what: str, group: Any, call: Callable[[], T]) -> T:
 class Pending(Generic[T]):
     """A result that collectives in flight will produce, read by :meth:`wait` on the calling thread.
 
-    ``works`` are the backend's ``Work`` handles (and, through them, every tensor the
-    collectives read or write); ``read`` computes the result once they are done, and
-    :meth:`then` composes further Python onto it, all of it run by :meth:`wait` on the
-    thread that calls it. No callback is attached to a backend future: a gloo thread
+    ``read`` waits for the collectives and computes the result, and :meth:`then`
+    composes further Python onto it, all of it run by :meth:`wait` on the thread that
+    calls it. No callback is attached to a backend future: a gloo thread
     that has to take the GIL (to run or destroy a Python callback, or to release the
     last reference to a tensor's Python object) while the interpreter finalizes is
     ended by ``pthread_exit`` inside a C++ destructor, and the process dies with
     SIGABRT, "terminate called without an active exception" (docs/decisions.md, "Clean
-    exit"). Every ``Work`` goes through :data:`KEPT_WORKS` as well, so a backend thread
-    never drops the last reference to one either.
+    exit"). The collectives' ``Work`` handles are held by :data:`KEPT_WORKS`, so a
+    backend thread never drops the last reference to one either.
     """
 
-    def __init__(self, read: Callable[[], T], works: Sequence[Any] = ()) -> None:
-        self.works = list(works)
+    def __init__(self, read: Callable[[], T]) -> None:
         self._read: Callable[[], T] | None = read
         self._value: T | None = None
 
@@ -77,12 +75,12 @@ class Pending(Generic[T]):
 
     def then(self, follow: Callable[[T], U]) -> Pending[U]:
         """The result of ``follow(self.wait())``, computed when the new object is waited for."""
-        return Pending(lambda: follow(self.wait()), self.works)
+        return Pending(lambda: follow(self.wait()))
 
     @staticmethod
     def gather(pendings: Sequence[Pending[Any]]) -> Pending[list[Any]]:
         """Every result of ``pendings``, in order."""
-        return Pending(lambda: [p.wait() for p in pendings], [w for p in pendings for w in p.works])
+        return Pending(lambda: [p.wait() for p in pendings])
 
 
 class WorkKeeper:
@@ -151,7 +149,7 @@ def started(work: Any, result: T, group: Any, what: str) -> Pending[T]:
         guarded(what, group, work.wait)
         return result
 
-    return Pending(read, [work])
+    return Pending(read)
 
 
 def blocking(what: str, group: Any, start: Callable[[], Any]) -> None:

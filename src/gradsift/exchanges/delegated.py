@@ -78,5 +78,5 @@ class Delegated(Exchange):
             view.copy_(mean)
             return Delivery(sent=[view if compressing else None])
 
-        result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait), [future])
+        result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait))
         return result.then(finish)
