@@ -109,7 +109,12 @@ def test_more_workers_than_gpus_is_rejected(tmp_path, capsys, no_workers, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     line = rejected(tmp_path, capsys, "--workers", "2")
-    assert "--workers 2 needs 2 GPUs" in line and "has 1" in line
+    assert "--workers 2 needs 2 GPUs" in line and "has 1" in line and "--device cpu" in line
+    line = rejected(tmp_path, capsys, "--workers", "2", "--device", "cuda")
+    assert "--workers 2 needs 2 GPUs" in line
+    with pytest.raises(AssertionError, match="a worker was started"):  # every check passed
+        cli_main(["train", *TINY, "--out", str(tmp_path / "run"), "--device", "cpu"])
+    assert TrainConfig.load(tmp_path / "run" / "config.json").device == "cpu"
 
 
 def test_bandwidth_under_torchrun_is_rejected_before_the_rank_starts(tmp_path, capsys, monkeypatch):

@@ -13,6 +13,7 @@ from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import available_exchanges
 from gradsift.train.config import LR_SCHEDULES, TrainConfig
 from gradsift.train.datasets import examples_for_model
+from gradsift.train.devices import DEVICES
 from gradsift.train.models import MODELS
 
 EPILOG = """\
@@ -91,6 +92,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--data-dir", help="Fashion-MNIST IDX files (default: search path); for --model gpt, "
                      "a directory of *.py files (default: this Python's standard library)")  # fmt: skip
     run.add_argument("--synthetic", action="store_true", help="tiny generated data instead of Fashion-MNIST")
+    run.add_argument("--device", choices=DEVICES, default="auto",
+                     help="auto (default): one GPU per worker with NCCL on a machine with CUDA (too few GPUs "
+                     "is an error), the CPU with gloo on one without; cuda: insist on GPUs; cpu: the CPU with "
+                     "gloo even where CUDA is present")  # fmt: skip
     run.add_argument("--timeout", type=float, default=300.0,
                      help="process-group timeout in seconds: a vanished peer ends the run after it")  # fmt: skip
     net = parser.add_argument_group("network emulation (root + iproute2)")
@@ -131,15 +136,12 @@ def check_paths(args: argparse.Namespace, out: str) -> None:
         raise InvalidOptionError(f"--json {args.json}: directory {args.json.parent} does not exist")
 
 
-def check_devices(workers: int) -> None:
-    """With CUDA every local rank takes one GPU: there must be as many GPUs as workers."""
-    import torch
+def check_devices(workers: int, device: str) -> None:
+    """``--device`` can place ``workers`` local ranks: with CUDA every rank takes one GPU,
+    so a CUDA machine with fewer GPUs than workers is refused (``--device cpu`` trains there)."""
+    from gradsift.train.devices import resolve_device
 
-    if torch.cuda.is_available() and workers > torch.cuda.device_count():
-        raise InvalidOptionError(
-            f"--workers {workers} needs {workers} GPUs (one per rank with NCCL); "
-            f"this machine has {torch.cuda.device_count()}"
-        )
+    resolve_device(device, workers)
 
 
 def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
@@ -168,7 +170,7 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
         target_loss=args.target_loss, bandwidth=args.bandwidth,
         bandwidth_bps=parse_rate(args.bandwidth) if args.bandwidth else None, latency=args.latency,
         latency_s=parse_delay(args.latency) if args.latency else 0.0, data_dir=args.data_dir,
-        synthetic=args.synthetic, timeout_s=args.timeout, progress=not args.no_progress,
+        synthetic=args.synthetic, timeout_s=args.timeout, device=args.device, progress=not args.no_progress,
     )  # fmt: skip
 
 
@@ -176,7 +178,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="one distributed training run (model, compressor, workers, bandwidth, steps)",
         description="Train on Fashion-MNIST with data-parallel workers exchanging compressed gradients. "
-        "Starts --workers processes on this machine (gloo on CPU, NCCL with CUDA), or runs as one rank "
+        "Starts --workers processes on this machine (NCCL, one GPU each, with CUDA; gloo on the CPU "
+        "without it or with --device cpu), or runs as one rank "
         "when started by torchrun. Writes config.json, steps.jsonl, evals.jsonl and summary.json to --out.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
@@ -211,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         if summary is None:
             return 0
     else:
-        check_devices(workers)
+        check_devices(workers, config.device)
         summary = run_training(config, launcher=args.launcher, nodes=args.nodes)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

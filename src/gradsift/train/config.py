@@ -16,6 +16,7 @@ from typing import Any
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.train.devices import DEVICES
 from gradsift.train.models import MODELS
 from gradsift.validation import check_choice, check_int, check_real
 
@@ -50,6 +51,9 @@ class TrainConfig:
         bandwidth_bps / latency_s: emulated link (None: plain localhost).
         data_dir: explicit dataset directory; synthetic: tiny generated data (tests).
         timeout_s: process-group timeout; a vanished peer ends the run after it.
+        device: ``auto``, ``cpu`` or ``cuda`` (:mod:`gradsift.train.devices`): ``cuda``
+            gives every local rank its own GPU and NCCL, ``cpu`` gloo on the CPU,
+            ``auto`` CUDA when the machine has it, else the CPU.
     """
 
     out: str
@@ -77,6 +81,7 @@ class TrainConfig:
     data_dir: str | None = None
     synthetic: bool = False
     timeout_s: float = 300.0
+    device: str = "auto"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -97,6 +102,7 @@ class TrainConfig:
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
         check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
         check_real(self.timeout_s, "timeout_s", low=1.0)
+        check_choice(self.device, "device", DEVICES)
         if not isinstance(self.recipe, bool):
             raise InvalidOptionError(f"recipe must be True or False, got {self.recipe!r}")
         for step in self.decay_steps:

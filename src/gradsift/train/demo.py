@@ -5,7 +5,8 @@ fp32 dense (``none``), ``bf16``, ``sidco-exp`` and ``topk`` at ratio 0.01, and `
 subset with 2 workers, same seed and steps. As root with iproute2 the workers talk
 over emulated links (default 100 Mbit/s); otherwise over localhost, and the table
 adds the step times :mod:`gradsift.costmodel` predicts at 1 Gbit/s and 100 Mbit/s,
-labelled "predicted".
+labelled "predicted". With CUDA and a GPU for each worker the workers train on the GPUs
+with NCCL; otherwise (no CUDA, or fewer GPUs than workers) on the CPU with gloo.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gradsift.compressors.registry import compressor_class
 from gradsift.report import comparison_rows, default_target, find_runs, format_table, predicted_step_seconds
 from gradsift.train.config import TrainConfig
 from gradsift.train.data import EMBEDDED_DIR
+from gradsift.train.devices import fallback_device
 from gradsift.train.launcher import run_training
 from gradsift.train.netem import missing_prerequisites, parse_rate
 
@@ -55,8 +57,12 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
     network = (
         f"emulated {bandwidth} links (tc tbf, network namespaces)" if emulated else "localhost (no emulation)"
     )
-    print(f"gradsift demo: {DEMO_MODEL} on the embedded Fashion-MNIST subset, {DEMO_WORKERS} workers, "
-          f"{steps} steps per run, over {network}")  # fmt: skip
+    device, device_note = fallback_device(DEMO_WORKERS)
+    print(f"gradsift demo: {DEMO_MODEL} on the embedded Fashion-MNIST subset, {DEMO_WORKERS} workers "
+          f"on {'CUDA (NCCL)' if device == 'cuda' else 'the CPU (gloo)'}, {steps} steps per run, "
+          f"over {network}")  # fmt: skip
+    if device_note is not None:
+        print(f"  {device_note}")
     if emulate and missing_tools:
         print(
             "  network emulation unavailable (needs "
@@ -74,7 +80,7 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
             out=str(out / name), model=DEMO_MODEL, compressor=name, options=options, workers=DEMO_WORKERS,
             batch_size=32, lr=0.05, warmup_steps=min(10, steps // 4), steps=steps, eval_every=eval_every,
             seed=0, data_dir=str(EMBEDDED_DIR), bandwidth=bandwidth if emulated else None,
-            bandwidth_bps=parse_rate(bandwidth) if emulated else None, progress=progress,
+            bandwidth_bps=parse_rate(bandwidth) if emulated else None, device=device, progress=progress,
         )  # fmt: skip
         run_training(config)
     runs = find_runs([out / name for name, _ in DEMO_RUNS if name not in missing])
@@ -86,7 +92,7 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
         print()
         print(format_predictions(rows))
     result = {"network": network, "emulated": emulated, "bandwidth": bandwidth if emulated else None,
-              "model": DEMO_MODEL, "workers": DEMO_WORKERS, "steps": steps, "missing_compressors": missing,
+              "model": DEMO_MODEL, "workers": DEMO_WORKERS, "device": device, "steps": steps, "missing_compressors": missing,
               "wall_time_s": time.perf_counter() - started, "rows": rows}  # fmt: skip
     (out / "demo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nresults: {out / 'demo.json'} (and one run directory per compressor)")

@@ -26,6 +26,7 @@ from gradsift.exchanges.collectives import blocking
 from gradsift.train.config import TrainConfig, learning_rate
 from gradsift.train.data import batches, shard_indices
 from gradsift.train.datasets import is_language_model, load_for_model
+from gradsift.train.devices import backend_for, resolve_device
 from gradsift.train.exchange import install_exchange
 from gradsift.train.models import build_model, parameter_count
 from gradsift.train.summary import summarize
@@ -49,21 +50,26 @@ def evaluate(
 ) -> tuple[float, float]:
     """Accuracy and mean loss per prediction over the whole evaluation split (images:
     test accuracy; text: next-byte accuracy and loss in nats per byte), each rank scoring
-    ``test[rank::world]`` and one allreduce of ``(correct, loss_sum, count)``."""
+    ``test[rank::world]`` and one allreduce of ``(correct, loss_sum, count)``.
+
+    The totals stay on ``device`` (the model's): NCCL reduces only CUDA tensors, and
+    the device is read once, after the allreduce, instead of once per batch.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    indices = torch.arange(rank, len(test), world)
-    totals = torch.zeros(3, dtype=torch.float64)
+    indices = torch.arange(rank, len(test), world, device="cpu")  # the split lives on the host
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
         for inputs, targets in batches(test, indices, batch_size):
             logits = model(inputs.to(device))
             targets = targets.to(device)
-            totals[0] += int((logits.argmax(dim=-1) == targets).sum())
-            totals[1] += float(cross_entropy(logits, targets, reduction="sum"))
+            totals[0] += (logits.argmax(dim=-1) == targets).sum()
+            totals[1] += cross_entropy(logits, targets, reduction="sum")
             totals[2] += targets.numel()
     model.train()
     blocking("evaluation allreduce", None, lambda: dist.all_reduce(totals, async_op=True))
-    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
+    correct, loss_sum, count = totals.tolist()
+    return correct / count, loss_sum / count
 
 
 class RunWriter:
@@ -101,16 +107,30 @@ class RunWriter:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def rank_device(config: TrainConfig) -> tuple[torch.device, str]:
+    """This rank's device and backend (:func:`gradsift.train.devices.resolve_device` for
+    the machine's ``LOCAL_WORLD_SIZE`` ranks); on CUDA the rank's GPU is made current
+    (``LOCAL_RANK``), so NCCL and every ``cuda`` tensor without an index use it."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    kind = resolve_device(config.device, local_world, count_name="LOCAL_WORLD_SIZE")
+    if kind == "cpu":
+        return torch.device("cpu"), backend_for(kind)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device, backend_for(kind)
+
+
 def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Train on this rank's shard; returns the summary on rank 0 (None elsewhere)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads_per_worker(local_world))
-    use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s))
+    device, backend = rank_device(config)
+    # device_id binds the NCCL communicator to this rank's GPU (its barrier then needs no guess)
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=config.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         result, _ = train_rank(config, device, backend)
         dist.barrier()  # leave together: an early teardown can abort a peer still closing its pairs
