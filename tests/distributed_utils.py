@@ -1,22 +1,33 @@
 """Run a test function in real gloo worker processes on localhost.
 
-``run_workers(path, "fn", world_size, **kwargs)`` starts ``world_size`` fresh Python
-processes; each joins a gloo process group and calls ``fn(rank, world_size, **kwargs)``
-from the file at ``path``, and whatever ``fn`` returns is sent back (``torch.save``).
-Every run has a hard timeout: workers still alive after it are killed and the test
-fails with their output, so a hung collective can never hang the test suite.
+``run_workers(path, "fn", world_size, **kwargs)`` starts ``world_size`` processes; each
+joins a gloo process group and calls ``fn(rank, world_size, **kwargs)`` from the file at
+``path``, and whatever ``fn`` returns is sent back (``torch.save``). Every run has a hard
+timeout: workers still alive after it are killed and the test fails with their output,
+so a hung collective can never hang the test suite.
+
+The processes are forks of one server per pytest process that has torch and gradsift
+imported already (``tests/forkserver.py``): a launch costs milliseconds instead of an
+interpreter start and torch's import per rank. ``GRADSIFT_TEST_WORKERS=subprocess``
+starts every rank as a fresh ``python tests/distributed_utils.py ...`` instead, as
+before the server existed (for debugging a doubt about the server).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib.util
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +35,28 @@ import torch
 
 #: Gloo's timeout inside the workers; failure tests rely on it being short.
 GROUP_TIMEOUT_S = 20
+#: How the ranks start (``GRADSIFT_TEST_WORKERS``): forks of the server, or fresh interpreters.
+LAUNCHERS = ("forkserver", "subprocess")
+#: The audit event of each call (tests/conftest.py checks that such a test is marked).
+RUN_WORKERS_EVENT = "gradsift.tests.run_workers"
+#: Beyond a call's own timeout, how long the client waits for the server (its first start
+#: imports torch) before it gives up on it.
+SERVER_GRACE_S = 120.0
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass
+class Launch:
+    """How the ranks of one call ended: exit codes (``-signal`` if killed), their output."""
+
+    exit_codes: list[int]
+    outputs: list[str]
+    timed_out: bool
 
 
 def run_workers(
@@ -48,6 +75,7 @@ def run_workers(
     rank that dies on purpose); its result is then None.
     """
     expect_exit = expect_exit or {}
+    sys.audit(RUN_WORKERS_EVENT, os.fspath(path), function)
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(kwargs, Path(tmp, "kwargs.pt"))
         env = {
@@ -57,39 +85,133 @@ def run_workers(
             "OMP_NUM_THREADS": "1",
             "GRADSIFT_TEST_GROUP_TIMEOUT": str(group_timeout),
         }
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, os.fspath(path), function, str(rank), str(world_size), tmp],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(world_size)
-        ]
-        outputs, timed_out = [], False
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                for other in procs:
-                    other.kill()
-                outputs.append(proc.communicate()[0])
+        launch = launcher()(os.fspath(path), function, world_size, tmp, env, timeout)
         report = "\n".join(
-            f"--- rank {r} (exit {p.returncode}) ---\n{o[-3000:]}"
-            for r, (p, o) in enumerate(zip(procs, outputs, strict=True))
+            f"--- rank {r} (exit {code}) ---\n{output[-3000:]}"
+            for r, (code, output) in enumerate(zip(launch.exit_codes, launch.outputs, strict=True))
         )
-        if timed_out:
+        if launch.timed_out:
             raise AssertionError(f"workers did not finish within {timeout} s (killed)\n{report}")
-        for rank, proc in enumerate(procs):
-            if proc.returncode != expect_exit.get(rank, 0):
-                raise AssertionError(f"rank {rank} exited with {proc.returncode}\n{report}")
+        for rank, code in enumerate(launch.exit_codes):
+            if code != expect_exit.get(rank, 0):
+                raise AssertionError(f"rank {rank} exited with {code}\n{report}")
         return [
             None if rank in expect_exit else torch.load(Path(tmp, f"{rank}.pt"), weights_only=False)
             for rank in range(world_size)
         ]
+
+
+def launcher() -> Callable[..., Launch]:
+    """The launch function ``GRADSIFT_TEST_WORKERS`` names (default: the fork server)."""
+    name = os.environ.get("GRADSIFT_TEST_WORKERS", LAUNCHERS[0])
+    if name not in LAUNCHERS:
+        raise ValueError(f"GRADSIFT_TEST_WORKERS={name!r}: expected one of {LAUNCHERS}")
+    return launch_forked if name == "forkserver" else launch_subprocesses
+
+
+def launch_subprocesses(
+    path: str, function: str, world_size: int, tmp: str, env: dict[str, str], timeout: float
+) -> Launch:
+    """Each rank a fresh interpreter running this file."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, path, function, str(rank), str(world_size), tmp],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    outputs, timed_out = [], False
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for other in procs:
+                other.kill()
+            outputs.append(proc.communicate()[0])
+    return Launch([proc.returncode for proc in procs], outputs, timed_out)
+
+
+def launch_forked(
+    path: str, function: str, world_size: int, tmp: str, env: dict[str, str], timeout: float
+) -> Launch:
+    """Each rank a fork of this pytest process's fork server."""
+    request = {
+        "path": path,
+        "function": function,
+        "world_size": world_size,
+        "directory": tmp,
+        "env": env,
+        "cwd": os.getcwd(),
+        "timeout": timeout,
+    }
+    reply = fork_server().launch(request, timeout + SERVER_GRACE_S)
+    logs = [Path(tmp, f"rank{rank}.log") for rank in range(world_size)]
+    outputs = [log.read_text(errors="replace") if log.exists() else "" for log in logs]
+    return Launch(reply["exit_codes"], outputs, reply["timed_out"])
+
+
+class ForkServer:
+    """The client's handle on one ``tests/forkserver.py`` process."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="gradsift-forkserver-"))
+        self.address = str(self.directory / "socket")
+        self.log = self.directory / "server.log"
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(self.address)
+            listener.listen(8)
+            with self.log.open("wb") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).with_name("forkserver.py")), str(listener.fileno())],
+                    pass_fds=(listener.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+
+    def launch(self, request: dict[str, Any], patience: float) -> dict[str, Any]:
+        """Send one launch request; return the server's final reply (exit codes)."""
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.settimeout(patience)
+            try:
+                connection.connect(self.address)
+                stream = connection.makefile("rwb")
+                stream.write(json.dumps(request).encode() + b"\n")
+                stream.flush()
+                replies = [json.loads(line) for line in (stream.readline(), stream.readline()) if line]
+            except OSError as error:  # TimeoutError included
+                raise AssertionError(f"the fork server failed ({error!r})\n{self.describe()}") from error
+        if len(replies) != 2 or "exit_codes" not in replies[1]:
+            raise AssertionError(f"the fork server answered {replies}\n{self.describe()}")
+        return replies[1]
+
+    def describe(self) -> str:
+        """Whether the server still runs, and the end of its log (its own errors)."""
+        state = "running" if self.process.poll() is None else f"exited with {self.process.returncode}"
+        return f"fork server {state}; its log:\n{self.log.read_text(errors='replace')[-3000:]}"
+
+    def close(self) -> None:
+        """Stop the server (ranks still running end on their own timeouts) and remove its files."""
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_SERVER: list[ForkServer] = []
+
+
+def fork_server() -> ForkServer:
+    """This process's fork server, started on first use and stopped at exit."""
+    if not _SERVER:
+        _SERVER.append(ForkServer())
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
 
 
 def record_sparse_payloads(compressor: Any) -> dict:
