@@ -1,10 +1,15 @@
-"""Shared test settings: fixed seeds and a hypothesis profile without deadlines."""
+"""Shared test settings: fixed seeds, a hypothesis profile without deadlines, the session's
+package fixtures, and the rule that a test that starts a process is marked ``slow``."""
 
+import multiprocessing.util
 import os
+import sys
 
 import pytest
 import torch
 from hypothesis import settings
+
+from distributed_utils import RUN_WORKERS_EVENT
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=30)
@@ -16,6 +21,69 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+# -- a test that starts a process is marked slow (and distributed if it runs gloo workers) ---
+# ``-m "not slow"`` is the quick in-process suite: it must start no interpreter and no
+# process group. Every way a test can start a program is recorded while it runs (its
+# setup included): the audit events of subprocess and os.fork/posix_spawn/system, the
+# fork server's launches (``distributed_utils`` raises RUN_WORKERS_EVENT), and
+# multiprocessing's spawn and forkserver, which raise no event (``spawnv_passfds``).
+# System tools that take milliseconds and run no other program (``platform.processor()``
+# runs ``uname -p``; ``ip`` builds network namespaces, and counts when it execs a command)
+# are not counted.
+PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system"}
+QUICK_TOOLS = {"uname", "git", "ip", "tc"}
+STARTED: list[str] = []  # what the running test started: the event, and the program when known
+
+
+def _program(event: str, args: tuple) -> str | None:
+    """The program an audit event starts, or None when it starts nothing worth a marker."""
+    argv = {"subprocess.Popen": 1, "os.posix_spawn": 1}.get(event)
+    if argv is None or not args[argv]:
+        return event
+    command = [os.fsdecode(arg) for arg in args[argv]]
+    name = os.path.basename(command[0])
+    return None if name in QUICK_TOOLS and "exec" not in command else f"{event} {name}"
+
+
+def _record_process_events(event: str, args: tuple) -> None:
+    if event in PROCESS_EVENTS and (program := _program(event, args)) is not None:
+        STARTED.append(program)
+    elif event == RUN_WORKERS_EVENT:
+        STARTED.append(event)
+
+
+def _recording_spawn(spawnv_passfds):
+    """multiprocessing's ``spawnv_passfds``, recording that it starts an interpreter."""
+
+    def spawnv_passfds_recorded(path, args, passfds):
+        STARTED.append(f"multiprocessing {os.path.basename(path)}")
+        return spawnv_passfds(path, args, passfds)
+
+    return spawnv_passfds_recorded
+
+
+sys.addaudithook(_record_process_events)
+multiprocessing.util.spawnv_passfds = _recording_spawn(multiprocessing.util.spawnv_passfds)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    STARTED.clear()
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request: pytest.FixtureRequest):
+    """Fail a test that starts a process without ``slow``, or gloo workers without ``distributed``."""
+    yield
+    missing = [
+        marker
+        for marker, needed in (("slow", STARTED), ("distributed", RUN_WORKERS_EVENT in STARTED))
+        if needed and request.node.get_closest_marker(marker) is None
+    ]
+    if missing:
+        pytest.fail(f"starts processes ({', '.join(sorted(set(STARTED)))}) but is not marked {missing}")
 
 
 # -- the package as a user installs it, and the documented commands run against it ---------

@@ -133,6 +133,7 @@ def test_ratio_less_compressors_alone_time_no_ratio_groups():
     ]
 
 
+@pytest.mark.slow
 def test_contended_mode_pools_concurrent_processes(tmp_path):
     out = tmp_path / "contended.json"
     argv = ["bench", "compress", "--sizes", "3000", "--ratios", "0.01", "--repeats", "3", "--warmup", "1",

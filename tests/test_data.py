@@ -55,6 +55,7 @@ def test_embedded_subset_is_class_balanced() -> None:
 
 
 @needs_real
+@pytest.mark.slow
 def test_embedded_subset_is_reproduced_by_the_committed_script(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_embedded_subset.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True)  # fmt: skip

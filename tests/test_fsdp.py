@@ -25,7 +25,7 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 import gradsift
 from distributed_utils import run_workers
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CPU = torch.device("cpu")
 
@@ -382,7 +382,6 @@ EXAMPLE_MARGIN = 0.09
 
 
 # -- the documented example -----------------------------------------------------------------
-@pytest.mark.slow
 def test_fsdp_example_trains_like_stock_and_resumes_exactly(documented_runs):
     """docs/integrations.md's FSDP block as written: gradsift (FSDP2 hybrid), FSDP's own
     HSDP, a run stopped at step 30 and its resume. Margin: over seeds 0-4 of the example

@@ -87,6 +87,7 @@ SENDER = textwrap.dedent("""
 
 
 @needs_netem
+@pytest.mark.slow
 def test_shaped_link_carries_the_set_rate_and_is_removed(tmp_path: Path) -> None:
     rate = 40_000_000
     megabytes = 10  # 2 s at 40 Mbit/s: bounded bytes and time
@@ -172,6 +173,8 @@ def _gone(pid: int) -> bool:
 
 
 @needs_netem
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["network setup", "training"])
 def test_sigterm_to_the_launcher_cleans_up(tmp_path: Path, moment: str) -> None:
     """SIGTERM exits with 143 and leaves no namespace and no worker behind, whether it
@@ -251,6 +254,7 @@ def _assert_removed(network: EmulatedNetwork) -> None:
 
 
 @needs_netem
+@pytest.mark.slow
 def test_latency_is_applied_where_the_kernel_has_netem_and_refused_clearly_where_not() -> None:
     delay = 0.02
     network = EmulatedNetwork(2, 10**8, delay, tag="lat")

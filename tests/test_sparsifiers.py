@@ -270,6 +270,7 @@ def test_randomk_state_round_trip_resumes_the_stream():
         b.load_state_dict({"steps": {0: -1}})
 
 
+@pytest.mark.slow
 def test_randomk_stream_is_identical_in_another_process():
     # hash() is salted per process; the seed derivation must not be.
     code = (

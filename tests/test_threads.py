@@ -77,6 +77,7 @@ threading.Thread(target=work, daemon=True).start()
 """
 
 
+@pytest.mark.slow
 def test_a_script_that_returns_at_once_lets_a_busy_thread_finish(tmp_path):
     """Interpreter exit waits (gradsift's atexit) for a thread still running: without the wait
     the daemon thread would be stopped at finalization, before it writes its file."""

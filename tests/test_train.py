@@ -75,6 +75,7 @@ def test_summary_and_time_to_accuracy() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     code = cli_main(["train", *TINY, "--compressor", "topk", "--ratio", "0.01", "--steps", "6",
@@ -123,6 +124,7 @@ def truncated_dataset(directory: Path) -> Path:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_worker_error_ends_the_run_with_that_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

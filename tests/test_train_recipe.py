@@ -59,6 +59,7 @@ def _train(tmp_path: Path, name: str, *flags: str) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> None:
     summary, steps = _train(tmp_path, "off", "--compressor", "topk", "--ratio", "0.01", "--no-recipe")
     assert summary["recipe"] == {"enabled": False, "hook_momentum": 0.0, "optimizer_momentum": 0.9,
@@ -69,6 +70,7 @@ def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> 
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_recipe_leaves_compressors_without_error_feedback_their_sgd_momentum(tmp_path: Path) -> None:
     summary, _ = _train(tmp_path, "fp16", "--compressor", "fp16")
     assert summary["recipe"] == {"enabled": True, "optimizer_momentum": 0.9, **WITHOUT_FEEDBACK}
