@@ -6,6 +6,11 @@ optimizer states are replicated. The usual pattern -- rank 0 writes one checkpoi
 therefore needs every rank's hook state gathered to rank 0 (:func:`gather_hook_states`,
 a collective) and, on resume, each rank picking its own entry (:func:`load_hook_state`).
 Resuming on a different number of workers is refused: residuals belong to a rank.
+
+Gathered states travel and are saved on the CPU: rank 0 would otherwise unpickle every
+rank's residuals onto its own GPU (a model's worth of memory per rank). Load the file
+with ``torch.load(path, map_location="cpu")``; :func:`load_hook_state` puts this rank's
+entry on its device.
 """
 
 from __future__ import annotations
@@ -17,28 +22,96 @@ import torch.distributed as dist
 
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.collectives import blocking
+from gradsift.validation import check_int
+
+#: Elements per step of :func:`parameter_digest`: its float64 temporaries are this long.
+DIGEST_CHUNK = 1 << 20
+
+
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside its dicts, lists and tuples on the CPU (other
+    values as they are): what a checkpoint should hold, whatever device made it."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def _to_device(value: Any, device: torch.device, floating_only: bool) -> Any:
+    """``value`` with its tensors on ``device``; with ``floating_only`` the other tensors
+    (RNG states, counters) go to the CPU instead, where torch reads them."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device if value.is_floating_point() or not floating_only else "cpu")
+    if isinstance(value, dict):
+        return {key: _to_device(item, device, floating_only) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device, floating_only) for item in value)
+    return value
+
+
+def hook_state_on(state_dict: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """One rank's ``GradsiftHookState.state_dict()`` placed for a hook on ``device``.
+
+    The state store (residuals, velocities, VGC's accumulators, exchange bounds) meets the
+    gradients: all of it goes to ``device``. In the compressor's state the floating-point
+    tensors (PowerSGD's P/Q memories) go to ``device`` and every other tensor to the CPU:
+    those are RNG states, and ``torch.Generator.set_state`` takes only a CPU ``ByteTensor``.
+    """
+    device = torch.device(device)
+    placed = dict(state_dict)
+    placed["store"] = _to_device(state_dict["store"], device, floating_only=False)
+    placed["compressor"] = _to_device(state_dict["compressor"], device, floating_only=True)
+    return placed
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device this rank's collectives run on: its current CUDA device when ``group``'s
+    backend is NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str, Any] | None:
     """Collective: rank ``dst`` (of ``group``) receives ``{"world_size": W, "ranks": [sd_0, ..., sd_{W-1}]}``.
 
-    ``sd_r`` is rank r's ``state.state_dict()``; every other rank gets ``None``. Every rank
-    of ``group`` must call this (it is a ``gather_object``).
+    ``sd_r`` is rank r's ``state.state_dict()`` with every tensor on the CPU (:func:`to_cpu`);
+    every other rank gets ``None``. Every rank of ``group`` must call this (it is a
+    ``gather_object``).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: list[Any] | None = [None] * world if rank == dst else None
-    dist.gather_object(state.state_dict(), gathered, group=group, group_dst=dst)
+    dist.gather_object(to_cpu(state.state_dict()), gathered, group=group, group_dst=dst)
     return None if gathered is None else {"world_size": world, "ranks": gathered}
 
 
-def load_hook_state(state: Any, saved: dict[str, Any], group: Any = None) -> None:
-    """Restore this rank's entry of :func:`gather_hook_states`' result into ``state``."""
+def load_hook_state(
+    state: Any, saved: dict[str, Any], group: Any = None, device: torch.device | str | None = None
+) -> None:
+    """Restore this rank's entry of :func:`gather_hook_states`' result into ``state``.
+
+    ``saved`` may come from ``torch.load(path, map_location="cpu")``: the entry is placed
+    for a hook on ``device`` (:func:`hook_state_on`), the device of the model's parameters.
+    None takes :func:`collective_device`: the current CUDA device under NCCL, else the CPU;
+    pass ``device`` when the model lives elsewhere (CUDA tensors over gloo, say).
+    """
+    entry = rank_entry(saved, group)
+    state.load_state_dict(hook_state_on(entry, collective_device(group) if device is None else device))
+
+
+def rank_entry(saved: dict[str, Any], group: Any = None) -> dict[str, Any]:
+    """This rank's state dict in :func:`gather_hook_states`' result, after checking that
+    ``saved`` is such a result, made by a run of this world size."""
     if not isinstance(saved, dict) or "ranks" not in saved or "world_size" not in saved:
         raise InvalidOptionError(
             "saved must be the dict gather_hook_states returned (keys world_size, ranks)"
         )
     check_same_world_size(saved["world_size"], group)
-    state.load_state_dict(saved["ranks"][dist.get_rank(group)])
+    entry: dict[str, Any] = saved["ranks"][dist.get_rank(group)]
+    return entry
 
 
 def check_same_world_size(saved_world_size: int, group: Any = None) -> None:
@@ -51,16 +124,40 @@ def check_same_world_size(saved_world_size: int, group: Any = None) -> None:
         )
 
 
+def parameter_digest(module: torch.nn.Module, chunk: int = DIGEST_CHUNK) -> torch.Tensor:
+    """``(sum p_i, sum i * p_i, sum p_i^2)`` in float64 over ``module``'s parameters
+    flattened and concatenated (``i`` counts from 1), on the first parameter's device.
+
+    Computed ``chunk`` elements at a time -- each chunk's positions start at its offset in
+    the concatenation -- so the float64 temporaries stay ``chunk`` long (a whole 7B-parameter
+    model in float64 would take 56 GB, and its positions as much again).
+    """
+    check_int(chunk, "chunk", low=1)
+    parameters = [p.detach() for p in module.parameters()]
+    if not parameters:
+        raise InvalidOptionError(f"{type(module).__name__} has no parameters to compare")
+    digest = torch.zeros(3, dtype=torch.float64, device=parameters[0].device)
+    offset = 0
+    for parameter in parameters:
+        flat = parameter.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk].to(torch.float64)
+            first = offset + start + 1
+            positions = torch.arange(first, first + part.numel(), dtype=torch.float64, device=part.device)
+            sums = torch.stack([part.sum(), torch.dot(part, positions), torch.dot(part, part)])
+            digest += sums.to(digest.device)
+        offset += flat.numel()
+    return digest
+
+
 def parameters_agree(module: torch.nn.Module, group: Any = None) -> bool:
     """Collective: True when every rank holds bit-identical parameters.
 
-    Compares a float64 digest ``(sum p, sum i*p_i, sum p^2)`` of the flattened
-    parameters across ranks (one small all_gather), so a diverged replica -- e.g. after
-    an optimizer step on unsynchronised gradients -- is caught before it is saved.
+    Compares :func:`parameter_digest` across ranks (one small all_gather on the
+    parameters' device, which NCCL needs), so a diverged replica -- e.g. after an
+    optimizer step on unsynchronised gradients -- is caught before it is saved.
     """
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
-    positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-    digest = torch.stack([flat.sum(), (flat * positions).sum(), flat.square().sum()])
+    digest = parameter_digest(module)
     digests = [torch.empty_like(digest) for _ in range(dist.get_world_size(group))]
     blocking("digest all_gather", group, lambda: dist.all_gather(digests, digest, group=group, async_op=True))
     return all(torch.equal(d, digests[0]) for d in digests)

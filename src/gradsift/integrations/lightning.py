@@ -11,7 +11,9 @@
 3. logs ``state.stats()`` to every logger of the trainer each ``log_every_n_steps``
    (``gradsift/step/bytes_sent``, ``gradsift/total/density``, ...);
 4. checkpoints the hook state of *every rank* (``state_dict`` gathers them to rank 0, which
-   writes the file) and gives each rank its own entry back on resume.
+   writes the file, on the CPU) and gives each rank its own entry back on resume. Lightning
+   restores callbacks before it moves the model to its device and wraps it in DDP, so the
+   entry is kept until ``on_fit_start`` and then placed on the DDP model's device.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.ddp import gradsift_hook, register_comm_hook
 from gradsift.errors import InvalidOptionError
 from gradsift.extras import require
-from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
+from gradsift.integrations.checkpoint import gather_hook_states, hook_state_on, rank_entry
 from gradsift.integrations.hook_state import new_hook_state
 from gradsift.integrations.telemetry import scalar_metrics
 
@@ -51,6 +53,8 @@ class GradsiftCallback(Callback):
 
     def __init__(self, compressor: str | Compressor = "sidco-exp", **options: Any) -> None:
         self.state = new_hook_state(compressor, **options)
+        self._ddp_model: Any = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's entry until the model is placed
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """``{"ddp_comm_state": state, "ddp_comm_hook": hook}`` for ``DDPStrategy(**...)``."""
@@ -67,6 +71,9 @@ class GradsiftCallback(Callback):
             self.state.attach(ddp_model)  # Lightning registered it (CUDA): bind it only
         else:
             register_comm_hook(ddp_model, self.state)
+        self._ddp_model = ddp_model
+        if self._restored is not None:
+            self._load(self._restored)
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
@@ -79,4 +86,13 @@ class GradsiftCallback(Callback):
         return gather_hook_states(self.state) or {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_hook_state(self.state, state_dict)
+        """Check ``state_dict`` and take this rank's entry; restore it now if the DDP model
+        is known, else at ``on_fit_start`` (once Lightning has put the model on its device)."""
+        self._restored = rank_entry(state_dict)
+        if self._ddp_model is not None:
+            self._load(self._restored)
+
+    def _load(self, entry: dict[str, Any]) -> None:
+        """Restore this rank's ``entry`` onto the DDP model's device."""
+        self.state.load_state_dict(hook_state_on(entry, next(self._ddp_model.parameters()).device))
+        self._restored = None

@@ -38,7 +38,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.ddp import GradsiftHookState, register_comm_hook
 from gradsift.errors import InvalidOptionError
 from gradsift.extras import require
-from gradsift.integrations.checkpoint import check_same_world_size
+from gradsift.integrations.checkpoint import check_same_world_size, hook_state_on, to_cpu
 from gradsift.integrations.hook_state import new_hook_state
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class GradsiftTrainerCallback(TrainerCallback):
             "global_step": global_step,
             "hook": self.state.state_dict(),
         }
-        torch.save(saved, path)
+        torch.save(to_cpu(saved), path)
         return path
 
     def load(self, folder: str | os.PathLike[str], global_step: int) -> None:
@@ -138,12 +138,12 @@ class GradsiftTrainerCallback(TrainerCallback):
                 "error-feedback state cannot be restored; pass the checkpoint folder as "
                 "GradsiftTrainerCallback(..., resume_from=FOLDER) or TrainingArguments(resume_from_checkpoint=FOLDER)"
             )
-        device = next(self.trainer.model_wrapped.parameters()).device
-        saved = torch.load(path, map_location=device, weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=False)
         check_same_world_size(saved["world_size"])
         if saved["global_step"] != global_step:
             raise InvalidOptionError(
                 f"{path} holds the hook state of step {saved['global_step']}, but the Trainer resumed at "
                 f"step {global_step}: pass the folder of the checkpoint the Trainer resumed from"
             )
-        self.state.load_state_dict(saved["hook"])
+        device = next(self.trainer.model_wrapped.parameters()).device
+        self.state.load_state_dict(hook_state_on(saved["hook"], device))
