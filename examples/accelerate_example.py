@@ -82,11 +82,11 @@ def main() -> None:
 
     step = 0
     if args.resume is not None:
-        device = accelerator.device  # may read "cpu:0", which map_location does not accept
-        checkpoint = torch.load(args.resume, map_location="cpu" if device.type == "cpu" else device)
+        # on the CPU: the file holds every rank's hook state; each rank keeps its own
+        checkpoint = torch.load(args.resume, map_location="cpu")
         accelerator.unwrap_model(model).load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        load_hook_state(hook_state, checkpoint["gradsift"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # moves its state to the parameters' device
+        load_hook_state(hook_state, checkpoint["gradsift"], device=accelerator.device)
         step = checkpoint["step"]
 
     batches_per_epoch = len(loader)

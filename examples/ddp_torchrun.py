@@ -85,13 +85,16 @@ def save(path: Path, step: int, ddp_model, optimizer, hook_state) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        # before the process group: NCCL and every "cuda" tensor without an index
+        # (gather_object's buffers too) then use this rank's GPU, not cuda:0
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
     model = make_model(args.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     # The one gradsift line: compress every DDP bucket before it is exchanged.
@@ -102,10 +105,11 @@ def main() -> None:
 
     step = 0
     if args.resume is not None:
-        checkpoint = torch.load(args.resume, map_location=device)
+        # on the CPU: rank 0's file holds every rank's hook state; each rank keeps its own
+        checkpoint = torch.load(args.resume, map_location="cpu")
         ddp_model.module.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        load_hook_state(hook_state, checkpoint["gradsift"])
+        optimizer.load_state_dict(checkpoint["optimizer"])  # moves its state to the parameters' device
+        load_hook_state(hook_state, checkpoint["gradsift"], device=device)
         step = checkpoint["step"]
 
     writer = None
