@@ -10,6 +10,7 @@ import torch
 from hypothesis import settings
 
 from distributed_utils import RUN_WORKERS_EVENT
+from doc_commands import COMMANDS_GROUP, EXAMPLES_GROUP
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=30)
@@ -84,6 +85,38 @@ def _processes_are_marked(request: pytest.FixtureRequest):
     ]
     if missing:
         pytest.fail(f"starts processes ({', '.join(sorted(set(STARTED)))}) but is not marked {missing}")
+
+
+# -- parallel runs: `./dev test` runs pytest-xdist's `-n 2 --dist loadgroup` --------------
+# A test without an xdist group is grouped with its module, so module-scoped fixtures (one
+# run_workers launch shared by a module's tests) run once, not once per worker. On a
+# worker, the two groups of documented runs (tests/doc_commands.py, run_group) come first,
+# then the rest of the slow tests, then the quick ones: the longest units start first and
+# the quick ones fill the end, so neither worker waits alone for a long group.
+DOCUMENTED_GROUPS = (EXAMPLES_GROUP, COMMANDS_GROUP)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if hasattr(config, "workerinput"):  # an xdist worker
+        order = _start_order(items)
+        items.sort(key=lambda item: order[_group(item)])  # stable: a group's tests keep their order
+
+
+def _group(item: pytest.Item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def _start_order(items: list[pytest.Item]) -> dict[str, int]:
+    """Per group: 0 for documented runs, 1 for a group with a slow test, else 2."""
+    order: dict[str, int] = {}
+    for item in items:
+        rank = 0 if _group(item) in DOCUMENTED_GROUPS else 1 if item.get_closest_marker("slow") else 2
+        order[_group(item)] = min(rank, order.get(_group(item), 2))
+    return order
 
 
 # -- the package as a user installs it, and the documented commands run against it ---------

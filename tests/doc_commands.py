@@ -41,6 +41,10 @@ How the suite runs them (:class:`DocumentedRuns`)
 - Runs are shared where the commands are the same: a block whose (shortened) commands are
   the first commands of another block shares that block's run, and a command that repeats
   the one just before it in its block shares that one's.
+- Under pytest-xdist each worker has its own runs, so every test that reads runs is in one
+  of two groups (:func:`run_group`, ``pytest.mark.xdist_group``): the example scripts' runs
+  and the other documented commands' runs, each about half of the work; a group's tests
+  run on one worker, which builds the wheel once and runs each of its blocks once.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ TRAIN_LENGTHS = {"--steps": "2", "--epochs": "0.001"}
 MAX_WORKERS = 2
 MAX_BENCH_SIZE = 4096
 EMBEDDED_DATA = ROOT / "src" / "gradsift" / "data"
+#: The xdist groups of the tests that read documented runs (see :func:`run_group`).
+EXAMPLES_GROUP = "documented-examples"
+COMMANDS_GROUP = "documented-commands"
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,13 @@ def documented_blocks(root: Path = ROOT) -> list[Block]:
     blocks = [block for page in pages for block in markdown_blocks(page) if block.commands]
     scripts = sorted((root / "examples").glob("*.py"))
     return blocks + [block for block in map(docstring_block, scripts) if block is not None]
+
+
+def run_group(block: Block) -> str:
+    """The xdist group of the test that runs ``block``: :data:`EXAMPLES_GROUP` when its first
+    command runs an example script, else :data:`COMMANDS_GROUP`. Blocks that share a run
+    start with the same command, so they are in the same group."""
+    return EXAMPLES_GROUP if "examples/" in block.runnable[0] else COMMANDS_GROUP
 
 
 # -- shortening ----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from doc_commands import (
     command_lines,
     docstring_block,
     documented_blocks,
+    run_group,
     shorten,
 )
 from gradsift.cli import main
@@ -122,7 +123,9 @@ def test_the_documentation_offers_commands_from_every_source() -> None:
 # -- every documented block runs ------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("block", RUNNABLE, ids=[block.source for block in RUNNABLE])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=b.source, marks=pytest.mark.xdist_group(run_group(b))) for b in RUNNABLE]
+)
 def test_documented_commands_run(block: Block, documented_runs) -> None:
     result = documented_runs.run(block)
     assert len(result.runs) == len(block.runnable) and result.ok, "\n\n".join(

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from doc_commands import BlockRun, DocumentedRuns
+from doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAGE = "docs/integrations.md"
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group(EXAMPLES_GROUP)]
 
 
 def documented_pair(runs: DocumentedRuns, script: str) -> tuple[BlockRun, dict[str, Any], dict[str, Any]]:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 
 import gradsift
 from distributed_utils import run_workers
+from doc_commands import EXAMPLES_GROUP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -382,6 +383,7 @@ EXAMPLE_MARGIN = 0.09
 
 
 # -- the documented example -----------------------------------------------------------------
+@pytest.mark.xdist_group(EXAMPLES_GROUP)
 def test_fsdp_example_trains_like_stock_and_resumes_exactly(documented_runs):
     """docs/integrations.md's FSDP block as written: gradsift (FSDP2 hybrid), FSDP's own
     HSDP, a run stopped at step 30 and its resume. Margin: over seeds 0-4 of the example

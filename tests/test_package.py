@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 import gradsift
-from doc_commands import ROOT, DocumentedRuns
+from doc_commands import COMMANDS_GROUP, ROOT, DocumentedRuns
 from package_utils import Distributions, Environment, read_pyproject
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(COMMANDS_GROUP)]
 LICENSES = ("LICENSE", "NOTICE", "src/gradsift/data/LICENSE-fashion-mnist.txt")
 
 
