@@ -215,17 +215,19 @@ def fork_server() -> ForkServer:
 
 
 def record_sparse_payloads(compressor: Any) -> dict:
-    """Wrap ``compressor.compress`` so that every (indices, values, numel) it returns is
-    kept, by key, in the returned dict (the payloads this rank really compressed)."""
+    """Wrap ``compressor.encode`` (what the DDP hook calls) so that every (indices, values,
+    numel) it returns -- the entries in use of its fixed-capacity payload -- is kept, by
+    key, in the returned dict (the payloads this rank really compressed)."""
     sent: dict = {}
-    original = compressor.compress
+    original = compressor.encode
 
     def recording(tensor: torch.Tensor, *, key: Any, **kwargs: Any) -> Any:
         payload = original(tensor, key=key, **kwargs)
-        sent[key] = (payload.indices.clone(), payload.values.clone(), payload.numel)
+        used = payload.trimmed()
+        sent[key] = (used.indices.clone(), used.values.clone(), payload.numel)
         return payload
 
-    compressor.compress = recording
+    compressor.encode = recording
     return sent
 
 

@@ -50,6 +50,15 @@ def _is_mask(index: Any) -> bool:
     return False
 
 
+def _copied_to_a_device(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> bool:
+    """``torch.tensor(host data, device=d)`` with ``d`` taken from a tensor (a ``torch.device``)
+    or naming an accelerator: a host-to-device copy on a GPU. CPU-only code that names
+    ``device="cpu"`` is not one."""
+    if isinstance(data, torch.Tensor) or device is None:
+        return False
+    return isinstance(device, torch.device) or device != "cpu"
+
+
 class HostReads:
     """``with HostReads() as reads: ...`` counts host reads in the block (``reads.count``).
 
@@ -67,7 +76,7 @@ class HostReads:
         if self._inside:  # a counted call made by another counted call (bool() of .item()...)
             return
         self.count += 1
-        for frame in reversed(traceback.extract_stack()[:-3]):
+        for frame in reversed(traceback.extract_stack()[:-2]):
             if "/torch/" not in frame.filename and not frame.filename.endswith("host_reads.py"):
                 self.sites[f"{what} {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno}"] += 1
                 break
@@ -100,12 +109,7 @@ class HostReads:
             lambda *args, **kwargs: kwargs.get("output_size") is None,
         )
         self._wrap(torch, "repeat_interleave", lambda *args, **kwargs: kwargs.get("output_size") is None)
-        self._wrap(
-            torch,
-            "tensor",
-            lambda data, *args, **kwargs: kwargs.get("device") is not None
-            and not isinstance(data, torch.Tensor),
-        )
+        self._wrap(torch, "tensor", _copied_to_a_device)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

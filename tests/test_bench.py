@@ -74,7 +74,7 @@ def test_bench_compress_cli_writes_documented_json(tmp_path, capsys):
     for n in (2000, 5000):
         for ratio in (0.1, 0.01):
             k = int(n * ratio)
-            assert rows["topk", n, ratio]["count"] == k and rows["topk", n, ratio]["nbytes"] == k * 8 + 8
+            assert rows["topk", n, ratio]["count"] == k and rows["topk", n, ratio]["nbytes"] == k * 8 + 4
             assert rows["randomk", n, ratio]["count_vs_target"] == 1.0
             assert rows["randomk", n, ratio]["nbytes"] == k * 4
             # Oracle eta = the k-th largest |x|; strictly above it: k - 1 (continuous data).
@@ -155,7 +155,9 @@ def test_dtype_option_times_the_gradient_in_that_dtype():
         sizes=[3000], ratios=[0.01], compressors=["topk"], dtype="bf16", repeats=1, warmup=0
     )
     (row,) = run_compress_benchmark(config, progress=False)["rows"]
-    assert row["dense_nbytes"] == 2 * 3000 and row["nbytes"] == 30 * (2 + 4) + 8  # bf16 values, int32 indices
+    assert (
+        row["dense_nbytes"] == 2 * 3000 and row["nbytes"] == 30 * (2 + 4) + 4
+    )  # bf16 values, int32 indices, one length
     with pytest.raises(InvalidOptionError, match="dtype"):
         CompressBenchConfig(dtype="int8")
 

@@ -60,8 +60,8 @@ def test_topk_selects_largest_magnitudes_and_counts_bytes():
     p = gradsift.get_compressor("topk", ratio=0.3).compress(x.reshape(2, 5))
     assert sorted(p.indices.tolist()) == [1, 5, 8]
     assert torch.equal(p.values, x[p.indices])
-    # 3 fp32 values + 3 indices at wire width (int32) + one 4-byte length per field.
-    assert p.indices.dtype == torch.int64 and p.nbytes == 3 * 4 + 3 * 4 + 2 * 4
+    # 3 fp32 values + 3 indices at wire width (int32) + the payload's one 4-byte length.
+    assert p.indices.dtype == torch.int64 and p.nbytes == 3 * 4 + 3 * 4 + 4
 
 
 def test_topk_nonfinite_raises_documented_error():
@@ -193,16 +193,23 @@ def test_payload_fields_bytes_and_count_by_layout():
     values, indices = torch.tensor([1.0, 2.0], dtype=torch.float16), torch.tensor([4, 9])
     sparse = Payload(numel=10, dtype=torch.float32, values=values, indices=indices)
     assert list(sparse.fields()) == ["values", "indices"] and sparse.count == 2
-    assert sparse.header_nbytes == 2 * FIELD_HEADER_NBYTES
-    assert sparse.nbytes == 2 * 2 + 2 * 4 + 2 * FIELD_HEADER_NBYTES  # fp16 values, int32-wide indices
+    assert sparse.header_nbytes == FIELD_HEADER_NBYTES  # one length per variable-size payload
+    assert sparse.nbytes == 2 * 2 + 2 * 4 + FIELD_HEADER_NBYTES  # fp16 values, int32-wide indices
     codes, scales = torch.zeros(3, dtype=torch.uint8), torch.ones(2, dtype=torch.float64)
-    quantized = Payload(numel=7, dtype=torch.float32, codes=codes, scales=scales)
+    quantized = Payload(numel=7, dtype=torch.float32, codes=codes, scales=scales, variable_size=False)
     assert list(quantized.fields()) == ["codes", "scales"] and quantized.count == 7
-    assert quantized.nbytes == 3 + 2 * 8 + 2 * FIELD_HEADER_NBYTES
+    assert quantized.nbytes == 3 + 2 * 8  # its size follows from numel: no length travels
     dense = Payload(numel=5, dtype=torch.float32, values=torch.ones(5), variable_size=False)
     assert dense.header_nbytes == 0 and dense.nbytes == 20 and dense.count == 5
     long = Payload(numel=2**31, dtype=torch.float32, values=values, indices=indices)
-    assert long.nbytes == 2 * 2 + 2 * 8 + 2 * FIELD_HEADER_NBYTES  # int64 positions past 2^31 - 1
+    assert long.nbytes == 2 * 2 + 2 * 8 + FIELD_HEADER_NBYTES  # int64 positions past 2^31 - 1
+    # a fixed-capacity payload: every entry travels; used_nbytes counts those in use
+    padded = Payload(
+        numel=10, dtype=torch.float32, values=torch.ones(4), indices=torch.arange(4), length=torch.tensor(3)
+    )
+    assert padded.nbytes == 4 * 4 + 4 * 4 + FIELD_HEADER_NBYTES and padded.count == 3
+    assert int(padded.used_nbytes()) == 3 * 4 + 3 * 4 + FIELD_HEADER_NBYTES
+    assert padded.trimmed().indices.tolist() == [0, 1, 2] and padded.trimmed().length is None
 
 
 def test_index_dtype_boundary():
@@ -234,7 +241,7 @@ def test_sparsifier_payload_dtypes_devices_and_empty_input():
     assert sorted(p.indices.tolist()) == [1, 2]
     empty = gradsift.get_compressor("topk").compress(torch.empty(0, dtype=torch.float16))
     assert empty.indices.dtype == torch.int64 and empty.values.dtype == torch.float16
-    assert empty.nbytes == 2 * FIELD_HEADER_NBYTES
+    assert empty.nbytes == FIELD_HEADER_NBYTES
 
 
 def test_scatter_mean_casts_to_the_first_payload_dtype_and_checks_numel():

@@ -170,17 +170,18 @@ def test_granularity_min_numel_and_warmup_change_bytes_as_documented():
     dense = 4 * sum(NUMELS)
     k = [math.floor(n * 0.25) for n in NUMELS]  # 48, 4, 12, 0 -> max(1, .) = 1 for the last
     k = [max(1, v) for v in k]
-    # one compress for the whole bucket: k = 64 values + 64 int32 indices + 2 length headers
+    # one compress for the whole bucket: k = 64 values + 64 int32 indices + the payload's
+    # 4-byte length + the message's 4-byte flag word
     bucket = out["bucket"][2]
-    assert (bucket["bytes_sent"], bucket["dense_bytes"]) == (64 * 8 + 8, dense)
+    assert (bucket["bytes_sent"], bucket["dense_bytes"]) == (64 * 8 + 4 + 4, dense)
     assert (bucket["compressed_tensors"], bucket["dense_tensors"], bucket["elements_sent"]) == (1, 0, 64)
-    # one compress per parameter: per layer its own k and its own 8 header bytes
+    # one compress per parameter: per layer its own k and its own length, one message
     layer = out["layer"][2]
-    assert layer["bytes_sent"] == sum(8 * v + 8 for v in k)
+    assert layer["bytes_sent"] == sum(8 * v + 4 for v in k) + 4
     assert (layer["compressed_tensors"], layer["dense_tensors"]) == (4, 0)
     # min_numel=20: the biases (16 and 3 elements) go dense in fp32, the weights compressed
     small = out["layer_min"][2]
-    assert small["bytes_sent"] == (8 * k[0] + 8) + (8 * k[2] + 8) + 4 * (NUMELS[1] + NUMELS[3])
+    assert small["bytes_sent"] == (8 * k[0] + 4) + (8 * k[2] + 4) + 4 + 4 * (NUMELS[1] + NUMELS[3])
     assert (small["compressed_tensors"], small["dense_tensors"]) == (2, 2)
     assert small["elements_sent"] == k[0] + k[2] + NUMELS[1] + NUMELS[3]
     # warm-up: two dense steps (every byte, density 1), then compressed

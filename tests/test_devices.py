@@ -97,8 +97,9 @@ def test_the_meta_guard_catches_a_tensor_made_without_device():
     """The harness above is only as good as this: a factory call without device= is caught."""
 
     class HiddenDefaultDevice(gradsift.compressors.topk.TopK):
-        def select(self, flat, key):
-            return super().select(flat, key) + torch.zeros((), dtype=torch.int64)
+        def select(self, flat, key, capacity, readout):
+            chosen = super().select(flat, key, capacity, readout)
+            return chosen._replace(indices=chosen.indices + torch.zeros((), dtype=torch.int64))
 
     x = gradient(1000, torch.float32, "cpu")
     with torch.device("meta"), pytest.raises(RuntimeError, match="meta"):

@@ -174,13 +174,11 @@ def dying_worker(rank: int, world: int, exchange: str) -> dict:
         model.zero_grad()
         torch.nn.functional.mse_loss(model(batch(rank, step)[0]), batch(rank, step)[1]).backward()
     if rank == 1:
-        original = state.compressor.compress
 
         def dying(*args, **kwargs):
             os._exit(3)
 
-        state.compressor.compress = dying
-        del original
+        state.compressor.encode = dying  # what the hook calls
     started = time.monotonic()
     try:
         for step in range(2, 5):  # shared-mask: rank 1 compresses only when it leads

@@ -78,7 +78,9 @@ def test_a_residual_that_changed_shape_or_dtype_is_refused_without_momentum():
     ):
         feedback.compensate("r", torch.ones(2))
     with pytest.raises(InvalidOptionError, match=r"call reset\('r'\) when a bucket is rebuilt"):
-        feedback.compensate("r", torch.ones(3, dtype=torch.float16))
+        feedback.compensate("r", torch.ones(3, dtype=torch.float64))
+    # a 16-bit gradient accumulates into the float32 residual: widened, not refused
+    assert feedback.compensate("r", torch.ones(3, dtype=torch.bfloat16)).dtype == torch.float32
 
 
 def test_momentum_must_lie_in_zero_one():

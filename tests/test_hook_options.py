@@ -177,11 +177,11 @@ def conservation_worker(rank: int, world: int, name: str, options: dict) -> dict
         zip(range(len(params)), [sum(p.numel() for p in params[:i]) for i in range(len(params))], strict=True)
     )
     numels = [p.numel() for p in params]
-    original = state.compressor.compress
+    original = state.compressor.encode  # what the hook calls
 
     def recording(tensor, *, key, **kw):
         payload = original(tensor, key=key, **kw)
-        own = state.compressor.sent_dense(payload).double()
+        own = state.compressor.sent_dense(payload.trimmed()).double()
         order = state.bucket_layouts[key] if isinstance(key, tuple) else (key,)
         start = 0
         for number in order:
@@ -191,7 +191,7 @@ def conservation_worker(rank: int, world: int, name: str, options: dict) -> dict
             start += numels[number]
         return payload
 
-    state.compressor.compress = recording
+    state.compressor.encode = recording
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     for step in range(4):
         copy.load_state_dict(model.state_dict())

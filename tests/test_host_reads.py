@@ -53,6 +53,7 @@ def _bucket_cap_mb(buckets: int) -> float:
     weight = WIDTH * WIDTH * 4 / 2**20
     return weight * 0.99 if buckets == 3 else weight * 4
 
+
 def reads_per_step(rank: int, world: int, compressor: str, exchange: str, buckets: int) -> dict:
     model = DDP(_model(), bucket_cap_mb=_bucket_cap_mb(buckets))
     if compressor != "stock":
@@ -71,7 +72,11 @@ def reads_per_step(rank: int, world: int, compressor: str, exchange: str, bucket
         if step >= STEPS - COUNTED:
             counts.append(reads.count)
             sites.update(reads.sites)
-    return {"counts": counts, "sites": sites, "buckets": model._get_ddp_logging_data().get("num_buckets_reduced")}
+    return {
+        "counts": counts,
+        "sites": sites,
+        "buckets": model._get_ddp_logging_data().get("num_buckets_reduced"),
+    }
 
 
 def all_worker(rank: int, world: int, buckets: int, pairs: list) -> dict:

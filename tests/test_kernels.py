@@ -1,25 +1,31 @@
-"""gradsift.kernels: the comparison kernels (NumPy on CPU, PyTorch elsewhere) and the one-thread section."""
+"""gradsift.kernels: the selection kernels (NumPy on CPU, PyTorch without host reads elsewhere),
+keeping the largest, zeroing in place, and the one-thread section."""
 
 import math
 
 import pytest
 import torch
 
-import gradsift
 from gradsift import kernels
 from gradsift.errors import InvalidOptionError
 from gradsift.kernels import (
     PARALLEL_GRAIN,
     SELECTION_CHUNK,
     CallingThreadOnly,
-    counts_above,
-    select_above_threshold,
-    values_above,
+    Candidates,
+    keep_largest,
+    select_above,
+    select_mask,
+    zero_at,
 )
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_selection_is_the_nan_inclusive_mask_across_chunks(dtype):
+def nan_inclusive(x: torch.Tensor, eta: float) -> torch.Tensor:
+    """The reference: every position with ``not (|x| <= eta)`` (NaN included), by brute force."""
+    return torch.nonzero(~(x.abs() <= eta)).view(-1)
+
+
+def hard_input(dtype: torch.dtype) -> torch.Tensor:
     x = torch.randn(2 * SELECTION_CHUNK + 12345, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[SELECTION_CHUNK - 1] = 9.0  # both sides of a chunk border
     x[SELECTION_CHUNK] = -9.0
@@ -27,30 +33,80 @@ def test_selection_is_the_nan_inclusive_mask_across_chunks(dtype):
     x[SELECTION_CHUNK + 5] = math.nan  # NaN is selected, so checking the selection checks all
     x[11] = -math.inf
     x[12] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_selection_is_the_nan_inclusive_mask_across_chunks(dtype):
+    x = hard_input(dtype)
     for eta in (2.5, 0.3, 0.0):  # 0.3 is not representable in 16 bits: compared in the dtype, like torch
-        indices = select_above_threshold(x, eta)
-        assert indices.dtype == torch.int64
-        assert torch.equal(indices, torch.nonzero(~(x.abs() <= eta)).view(-1))
-    indices = select_above_threshold(x, 2.5).tolist()
-    assert SELECTION_CHUNK + 5 in indices and 11 in indices and 7 not in indices
+        found = select_above(x, eta)
+        assert found.indices.dtype == torch.int64 and found.length is None
+        assert torch.equal(found.indices, nan_inclusive(x, eta)) and found.selected == found.indices.numel()
+        assert bool(found.nonfinite)
+    assert 7 not in select_above(x, 2.5).indices.tolist()
+    clean = torch.ones(10, dtype=dtype)
+    assert not bool(select_above(clean, 0.5).nonfinite)
 
 
-def test_selection_of_a_short_strided_tensor_and_bad_eta():
+def test_selection_of_a_short_strided_tensor_a_tensor_threshold_and_bad_eta():
     x = torch.tensor([0.0, -1.0, 0.0, 3.0, 0.5, -2.0])[::2]  # a view with stride 2: 0, 0, 0.5
-    assert select_above_threshold(x, 0.0).tolist() == [2]
+    assert select_above(x, 0.0).indices.tolist() == [2]
+    assert select_above(x, torch.tensor(0.25, dtype=torch.float64)).indices.tolist() == [2]
     with pytest.raises(InvalidOptionError, match="eta must be >= 0"):
-        select_above_threshold(x, -1.0)
+        select_above(x, -1.0)
 
 
-def test_numpy_and_torch_branches_agree():
-    """float32 runs through NumPy, float16 through PyTorch; on values exact in both, the results agree."""
-    values = torch.arange(2000, dtype=torch.float32) / 8  # multiples of 1/8 up to 250: exact in fp16
-    half = values.half()
-    for eta in (0.0, 17.125, 100.0, 249.875):
-        assert torch.equal(values_above(values, eta), values[values > eta])
-        assert torch.equal(values_above(half, eta).float(), values[values > eta])
-    thresholds = [0.0, 17.125, 100.0, 300.0]
-    assert counts_above(values, thresholds) == counts_above(half, thresholds) == [1999, 1862, 1199, 0]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_branch_selects_what_numpy_selects_into_a_fixed_room(monkeypatch, dtype):
+    """On a GPU every kernel takes its PyTorch branch; forced here on CPU. With a room, the
+    positions are nonzero_static's (padding 0, the count a tensor) and agree with NumPy's."""
+    x = hard_input(dtype)
+    reference = nan_inclusive(x, 1.5)
+    monkeypatch.setattr(kernels, "uses_numpy", lambda tensor: False)
+    exact = select_above(x, 1.5)
+    assert torch.equal(exact.indices, reference) and bool(exact.nonfinite)
+    room = reference.numel() + 50
+    roomy = select_above(x, torch.tensor(1.5), room)
+    assert roomy.indices.numel() == room and int(roomy.length) == int(roomy.selected) == reference.numel()
+    assert torch.equal(roomy.indices[: reference.numel()], reference)
+    assert bool((roomy.indices[reference.numel() :] == 0).all())
+    tight = select_mask(~(x.abs() <= 1.5), 100)
+    assert int(tight.length) == 100 and int(tight.selected) == reference.numel()
+    assert torch.equal(tight.indices, reference[:100])
+
+
+def test_select_mask_on_cpu_returns_every_position_with_a_host_count():
+    mask = torch.tensor([False, True, True, False, True])
+    found = select_mask(mask, room=2)  # CPU: the count is free, so nothing is cut
+    assert found.indices.tolist() == [1, 2, 4] and found.length is None and found.selected == 3
+
+
+def test_keep_largest_takes_the_largest_magnitudes_in_position_order():
+    values = torch.tensor([0.5, -4.0, 1.0, 3.0, -2.0, math.nan, 0.1])
+    exact = Candidates(torch.tensor([0, 1, 2, 3, 4, 5, 6]), None, 7)
+    indices, length = keep_largest(values, exact, 3)
+    assert indices.tolist() == [1, 3, 5] and length == 3  # NaN counts as the largest
+    few = Candidates(torch.tensor([2, 4]), None, 2)
+    indices, length = keep_largest(values, few, 4)
+    assert indices.tolist() == [2, 4, 0, 0] and length == 2  # padded with 0
+    # a fixed room whose first 4 entries are in use (the rest is padding, never chosen)
+    padded = Candidates(torch.tensor([0, 2, 3, 6, 0, 0]), torch.tensor(4), torch.tensor(9))
+    indices, length = keep_largest(values, padded, 3)  # of 0.5, 1.0, 3.0, 0.1 at 0, 2, 3, 6
+    assert int(length) == 3 and indices.tolist() == [0, 2, 3]
+    indices, length = keep_largest(values, Candidates(torch.tensor([3, 1, 0, 0]), torch.tensor(2), 2), 3)
+    assert indices.tolist() == [1, 3, 0] and int(length) == 2
+
+
+def test_zero_at_clears_positions_in_use_and_ignores_padding_at_zero():
+    tensor = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    zero_at(tensor, torch.tensor([0, 2, 0, 0]), torch.tensor([True, True, False, False]))
+    assert tensor.tolist() == [0.0, 6.0, 0.0, 8.0]
+    tensor = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    zero_at(tensor, torch.tensor([3, 0]), torch.tensor([True, False]))  # index 0 only as padding
+    assert tensor.tolist() == [5.0, 6.0, 7.0, 0.0]
+    zero_at(tensor, torch.tensor([1]), None)
+    assert tensor.tolist() == [5.0, 0.0, 7.0, 0.0]
 
 
 def test_calling_thread_only_restores_the_pool_even_on_error():
@@ -72,19 +128,3 @@ def test_calling_thread_only_restores_the_pool_even_on_error():
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pytorch_branch_the_gpu_runs_selects_what_numpy_selects(monkeypatch, dtype):
-    """On a GPU every kernel takes its PyTorch branch; forced here on CPU, the results must not change."""
-    x = torch.distributions.StudentT(3.0).sample((2 * SELECTION_CHUNK + 99,)).to(dtype)
-    x[5] = math.nan
-    reference = select_above_threshold(x, 1.5)
-    numpy_run = [gradsift.get_compressor(name, ratio=0.01) for name in ("sidco-exp", "sidco-gpareto", "dgc")]
-    expected = [[c.compress(x.nan_to_num(), key=0).indices for _ in range(3)] for c in numpy_run]
-    monkeypatch.setattr(kernels, "uses_numpy", lambda tensor: False)
-    assert torch.equal(select_above_threshold(x, 1.5), reference)
-    torch_run = [gradsift.get_compressor(name, ratio=0.01) for name in ("sidco-exp", "sidco-gpareto", "dgc")]
-    for compressor, indices in zip(torch_run, expected, strict=True):
-        for want in indices:
-            assert torch.equal(compressor.compress(x.nan_to_num(), key=0).indices, want), compressor.name

@@ -83,11 +83,11 @@ def test_payload_is_a_faithful_sparse_copy(name, x, ratio, threshold, rows):
     if p.count:
         assert int(p.indices.min()) >= 0 and int(p.indices.max()) < n
     assert torch.equal(p.values, x[p.indices])
-    # Bytes: the values, the indices unless every worker regenerates them, a length per field.
+    # Bytes: the values, the indices unless every worker regenerates them, one length.
     value_bytes = p.count * x.element_size()
     index_bytes = p.count * index_dtype(n).itemsize  # counted at wire width
     if p.variable_size:
-        assert p.nbytes == value_bytes + index_bytes + 2 * FIELD_HEADER_NBYTES
+        assert p.nbytes == value_bytes + index_bytes + FIELD_HEADER_NBYTES
     else:  # seeded indices: an allreduce of the values alone
         assert p.nbytes == value_bytes
 

@@ -104,16 +104,16 @@ def test_qsgd_exact_when_levels_hit_integers():
     assert torch.equal(compressor.decompress([payload], 3), x)
     assert payload.scales.tolist() == [5.0]
     assert compressor.code_bits == 4  # codes in [0, 10]
-    # packed codes + one fp32 norm + the allgather's 4-byte length per field
-    assert payload.nbytes == math.ceil(3 * 4 / 8) + 4 + 2 * 4
-    assert payload.variable_size is True
+    # packed codes + one fp32 norm; the size follows from numel, so no length travels
+    assert payload.nbytes == math.ceil(3 * 4 / 8) + 4
+    assert payload.variable_size is False
 
 
 def test_qsgd_counts_bytes_of_codes_and_bucket_norms():
     payload = gradsift.get_compressor("qsgd").compress(torch.randn(1001))
     # levels 15 -> codes in [0, 30] -> 5 bits; 2 buckets of 512 -> 2 fp32 norms.
-    assert payload.nbytes == math.ceil(1001 * 5 / 8) + 2 * 4 + 2 * 4 == 642
-    assert payload.info["bits_per_element"] == pytest.approx(8 * 642 / 1001)
+    assert payload.nbytes == math.ceil(1001 * 5 / 8) + 2 * 4 == 634
+    assert payload.info["bits_per_element"] == pytest.approx(8 * 634 / 1001)
     assert gradsift.get_compressor("qsgd", levels=127).code_bits == 8
 
 
@@ -122,7 +122,7 @@ def test_terngrad_exact_values_and_bytes():
     x = torch.tensor([2.0, -2.0, 0.0, 2.0, -2.0])
     payload = compressor.compress(x)
     assert torch.equal(compressor.decompress([payload], 5), x)
-    assert payload.nbytes == 2 + 4 + 2 * 4  # 10 bits -> 2 bytes, one fp32 scale, 2 lengths
+    assert payload.nbytes == 2 + 4  # 10 bits -> 2 bytes, one fp32 scale
 
 
 def test_signsgd_sends_signs_and_mean_magnitude():
@@ -130,7 +130,7 @@ def test_signsgd_sends_signs_and_mean_magnitude():
     payload = compressor.compress(torch.tensor([1.0, -2.0, 0.0, 3.0]))
     assert payload.scales.tolist() == [1.5]
     assert payload.codes.tolist() == [0b0010]
-    assert payload.nbytes == 1 + 4 + 2 * 4
+    assert payload.nbytes == 1 + 4
     assert compressor.decompress([payload], 4).tolist() == [1.5, -1.5, 1.5, 1.5]
     other = compressor.compress(torch.tensor([-1.0, -1.0, -1.0, -1.0]))
     assert compressor.decompress([payload, other], 4).tolist() == [0.25, -1.25, 0.25, 0.25]
@@ -211,7 +211,7 @@ def test_empty_tensor_gives_empty_payload(name):
     compressor = gradsift.get_compressor(name)
     payload = compressor.compress(torch.empty(0))
     assert payload.numel == 0 and payload.codes.numel() == 0
-    assert payload.nbytes == payload.header_nbytes  # only the allgather's lengths
+    assert payload.nbytes == payload.header_nbytes == 0  # a size that follows from numel
     assert compressor.decompress([payload], 0).shape == (0,)
 
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.compressors.sidco import SampleCounts, SIDCoExponential, magnitude_sample
+from gradsift.compressors.sidco import SIDCoExponential, magnitude_sample, sample_counts
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.readout import Readout
 
 RAMP = torch.arange(1, 1001, dtype=torch.float64)
 
@@ -33,9 +34,11 @@ class Scripted(SIDCoExponential):
         self.counts, self.scale = counts, scale
         self.evaluated: list[tuple[int, ...]] = []
 
-    def fitted_thresholds(self, sample, candidates, counts=None) -> dict[int, float]:
+    def fitted_thresholds(self, sample, candidates) -> dict[int, torch.Tensor]:
         self.evaluated.append(tuple(candidates))
-        return {m: self.scale * (1000 - self.counts[m]) for m in candidates}
+        return {
+            m: torch.tensor(self.scale * (1000 - self.counts[m]), dtype=torch.float64) for m in candidates
+        }
 
 
 def state(stages: int, calls: int, log_correction: float = 0.3) -> dict:
@@ -47,29 +50,36 @@ def sample_error(count: int, expected: float) -> float:
 
 
 def fit_and_apply(compressor: Scripted, record: dict, expected: float) -> tuple[float, float]:
+    """``_fit_and_apply`` as a committed step runs it: its deferred stage choice applied."""
     sample = RAMP * compressor.scale
-    return compressor._fit_and_apply(sample, record, expected, SampleCounts(sample))
+    readout = Readout()
+    fitted, applied = compressor._fit_and_apply(sample, record, expected, readout)
+    readout.read()
+    readout.commit()
+    return float(fitted), float(applied)
 
 
-def test_sample_counts_are_strict_cached_and_recorded():
-    counts = SampleCounts(torch.tensor([1.0, 2.0, 2.0, 3.0], dtype=torch.float64))
-    assert [counts(t) for t in (0.5, 1.0, 2.0, 3.0)] == [4, 3, 1, 0]
-    ramp = SampleCounts(RAMP)
-    ramp.prefetch([1000.0 - c for c in (0, 1, 100, 999)])
-    assert [ramp(1000.0 - c) for c in (0, 1, 100, 999)] == [0, 1, 100, 999]
-    ramp.record(0.25, 7)  # a count the caller formed itself is taken as given
-    assert ramp(0.25) == 7
+def plain(record: dict) -> dict:
+    """A state record with its 0-d tensors as floats (for comparisons)."""
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
-@pytest.mark.parametrize("keep", [0, 1, 3, 5, 7])
-def test_value_with_above_is_the_order_statistic_with_keep_elements_above(keep):
-    """With ties: 8 values, ``keep`` of them strictly above the returned one, known tails or not."""
-    sample = torch.tensor([5.0, 1.0, 3.0, 3.0, 2.0, 8.0, 3.0, 0.0], dtype=torch.float64)
-    expected = float(torch.sort(sample).values[sample.numel() - 1 - keep])
-    assert SampleCounts(sample).value_with_above(keep) == expected
-    known = SampleCounts(sample)
-    known.prefetch([0.5, 2.5, 4.0])  # tails of 7, 5 and 2 elements
-    assert known.value_with_above(keep) == expected
+def test_sample_counts_are_strict():
+    sample = torch.tensor([1.0, 2.0, 2.0, 3.0], dtype=torch.float64)
+    thresholds = [torch.tensor(t, dtype=torch.float64) for t in (0.5, 1.0, 2.0, 3.0)]
+    assert sample_counts(sample, thresholds).tolist() == [4, 3, 1, 0]
+    ramp = [torch.tensor(1000.0 - c, dtype=torch.float64) for c in (0, 1, 100, 999)]
+    assert sample_counts(RAMP, ramp).tolist() == [0, 1, 100, 999]
+
+
+def test_a_dropped_step_never_applies_the_stage_choice():
+    """The choice is deferred to the step's commit: a discarded readout leaves the count."""
+    compressor = Scripted({1: 300, 2: 150, 3: 100, 4: 104}, ratio=0.0625)
+    record = state(stages=2, calls=0)
+    readout = Readout()
+    compressor._fit_and_apply(RAMP, record, 100.0, readout)
+    readout.discard()
+    assert record == state(stages=2, calls=0)
 
 
 def test_stage_candidates_every_count_first_then_neighbours_every_period():
@@ -94,20 +104,22 @@ def test_one_candidate_applies_the_correction_to_its_threshold():
         600.0,
         pytest.approx(600.0 * math.exp(0.3), rel=1e-12),
     )
-    assert compressor.evaluated == [(2,)] and record == state(stages=2, calls=7)
+    assert compressor.evaluated == [(2,)] and plain(record) == state(stages=2, calls=7)
 
 
 def test_first_call_picks_the_best_stage_count_and_keeps_the_applied_threshold():
-    """Predicted counts 300, 150, 100, 104 for 100 expected: three stages win; the log
-    correction is re-based by ln(eta_2/eta_3), so the applied threshold stays eta_2 e^0.3."""
+    """Predicted counts 300, 150, 100, 104 for 100 expected: three stages win. The choice is
+    known once the step's readout is read, so this call applied the current count's
+    eta_2 e^0.3; the log correction is re-based by ln(eta_2/eta_3), so the next call's
+    eta_3 e^c applies that same threshold."""
     compressor = Scripted({1: 300, 2: 150, 3: 100, 4: 104}, ratio=0.0625)
     record = state(stages=2, calls=0)
     fitted, applied = fit_and_apply(compressor, record, 100.0)
     assert compressor.evaluated == [(1, 2, 3, 4)]
-    assert (fitted, applied) == (900.0, pytest.approx(850.0 * math.exp(0.3), rel=1e-12))
+    assert (fitted, applied) == (850.0, pytest.approx(850.0 * math.exp(0.3), rel=1e-12))
     assert record["stages"] == 3
-    assert record["log_correction"] == pytest.approx(0.3 + math.log(850.0 / 900.0), rel=1e-12)
-    assert applied == pytest.approx(fitted * math.exp(record["log_correction"]), rel=1e-12)
+    assert float(record["log_correction"]) == pytest.approx(0.3 + math.log(850.0 / 900.0), rel=1e-12)
+    assert 900.0 * math.exp(float(record["log_correction"])) == pytest.approx(applied, rel=1e-12)
 
 
 def test_re_basing_with_thresholds_below_one():
@@ -115,8 +127,8 @@ def test_re_basing_with_thresholds_below_one():
     compressor = Scripted({1: 300, 2: 150, 3: 100, 4: 104}, scale=1e-3, ratio=0.0625)
     record = state(stages=2, calls=0)
     fitted, applied = fit_and_apply(compressor, record, 100.0)
-    assert (fitted, record["stages"]) == (pytest.approx(0.9), 3)
-    assert record["log_correction"] == pytest.approx(0.3 + math.log(0.85 / 0.9), rel=1e-12)
+    assert (fitted, record["stages"]) == (pytest.approx(0.85), 3)
+    assert float(record["log_correction"]) == pytest.approx(0.3 + math.log(0.85 / 0.9), rel=1e-12)
     assert applied == pytest.approx(0.85 * math.exp(0.3), rel=1e-12)
 
 
@@ -130,20 +142,6 @@ def test_stage_errors_use_half_corrected_counts(current, counts, best):
     assert record["stages"] == best
 
 
-def test_the_stage_one_exceedance_count_is_shared_with_the_sample_counts():
-    """fitted_thresholds records #{s > eta_1} (it formed that set): the exponential's
-    eta_1 = mean * ln(1/first_ratio)."""
-    sample = torch.rand(4000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    eta_1 = float(sample.mean()) * math.log(1 / 0.25)
-    compressor = SIDCoExponential(ratio=0.01)
-    counts = SampleCounts(sample)
-    compressor._fit_and_apply(sample, state(stages=2, calls=0), 40.0, counts)
-    assert counts._counts[eta_1] == int((sample > eta_1).sum())
-    direct = SampleCounts(sample)
-    compressor.fitted_thresholds(sample, (3,), direct)
-    assert direct._counts == {eta_1: int((sample > eta_1).sum())}
-
-
 def test_the_current_stage_count_stays_within_the_margin():
     """Current two stages predict 104 (error 0.035), three stages 100 (error 0): within the
     0.05 margin, so two stay and the correction is not re-based. At 110 (error 0.090) they go."""
@@ -151,9 +149,9 @@ def test_the_current_stage_count_stays_within_the_margin():
     record = state(stages=2, calls=0)
     near = Scripted({1: 300, 2: 104, 3: 100, 4: 150}, ratio=0.0625)
     assert fit_and_apply(near, record, 100.0) == (896.0, pytest.approx(896.0 * math.exp(0.3), rel=1e-12))
-    assert record == state(stages=2, calls=0)
+    assert plain(record) == state(stages=2, calls=0)
     far = Scripted({1: 300, 2: 110, 3: 100, 4: 150}, ratio=0.0625)
-    assert fit_and_apply(far, record, 100.0)[0] == 900.0
+    fit_and_apply(far, record, 100.0)
     assert record["stages"] == 3
 
 
@@ -161,7 +159,7 @@ def test_a_re_evaluation_changes_the_count_by_at_most_one():
     """From three stages on call 10 (period 5) only 2..4 are fitted; of them four predict best."""
     compressor = Scripted({2: 400, 3: 300, 4: 100}, ratio=0.0625, stage_period=5)
     record = state(stages=3, calls=10)
-    assert fit_and_apply(compressor, record, 100.0)[0] == 900.0
+    assert fit_and_apply(compressor, record, 100.0)[0] == 700.0  # this call: the current count's
     assert compressor.evaluated == [(2, 3, 4)] and record["stages"] == 4
 
 
@@ -172,16 +170,18 @@ def test_no_re_basing_when_either_threshold_is_zero(counts, best):
     compressor = Scripted(counts, ratio=0.25, first_ratio=0.1)
     assert compressor.max_stages == 2
     record = state(stages=2, calls=0)
-    eta = 1000.0 - counts[best]
+    eta = 1000.0 - counts[2]  # this call applies the current (two-stage) threshold
     assert fit_and_apply(compressor, record, float(counts[best])) == (eta, pytest.approx(eta * math.exp(0.3)))
-    assert record == state(stages=best, calls=0)
+    assert plain(record) == state(stages=best, calls=0)
 
 
 # --- the sample check ------------------------------------------------------------------------
 
 
 def checked(eta: float, expected: float, exact: bool) -> float:
-    return SIDCoExponential._checked_on_sample(SampleCounts(RAMP), eta, expected, exact)
+    return float(
+        SIDCoExponential._checked_on_sample(RAMP, torch.tensor(eta, dtype=torch.float64), expected, exact)
+    )
 
 
 def test_sample_check_needs_one_expected_exceedance_on_the_whole_tensor_and_four_on_a_subsample():
@@ -226,12 +226,13 @@ STEP_SLOPE = math.log(500.5 / 100.5) / 0.2
 
 
 def test_sample_slope_is_the_finite_difference_of_ln_count():
-    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 1.0) == pytest.approx(
-        STEP_SLOPE, rel=1e-12
-    )
+    def slope(eta: float) -> float:
+        return float(SIDCoExponential._sample_slope(STEP_SAMPLE, torch.tensor(eta, dtype=torch.float64)))
+
+    assert slope(1.0) == pytest.approx(STEP_SLOPE, rel=1e-12)
     # a flat count (nothing near eta) is floored at 0.5
-    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 10.0) == 0.5
-    assert SIDCoExponential._sample_slope(SampleCounts(STEP_SAMPLE), 1.5) == 0.5
+    assert slope(10.0) == 0.5
+    assert slope(1.5) == 0.5
 
 
 @pytest.mark.parametrize(("achieved", "k"), [(150, 100), (60, 100), (100, 100)])
@@ -239,7 +240,8 @@ def test_correction_is_a_damped_newton_step_in_log_space(achieved, k):
     compressor = SIDCoExponential(ratio=0.01)
     step = 0.5 * math.log((achieved + 0.5) / (k + 0.5)) / STEP_SLOPE
     assert abs(step) < 1
-    assert compressor._next_correction(SampleCounts(STEP_SAMPLE), 1.0, 0.8, achieved, k) == pytest.approx(
+    one, fit = torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.8, dtype=torch.float64)
+    assert float(compressor._next_correction(STEP_SAMPLE, one, fit, achieved, k)) == pytest.approx(
         math.log(1.0 / 0.8) + step, rel=1e-12, abs=1e-15
     )
 
@@ -256,9 +258,12 @@ def test_correction_is_a_damped_newton_step_in_log_space(achieved, k):
 def test_correction_step_and_total_are_bounded(eta_fit, achieved, k, expected):
     """At eta = 10 nothing of STEP_SAMPLE is near: the slope is its floor 0.5."""
     compressor = SIDCoExponential(ratio=0.01)
-    assert compressor._next_correction(
-        SampleCounts(STEP_SAMPLE), 10.0, eta_fit, achieved, k
-    ) == pytest.approx(expected, rel=1e-12)
+    ten, fit = torch.tensor(10.0, dtype=torch.float64), torch.tensor(eta_fit, dtype=torch.float64)
+    # the achieved count as the CPU selection gives it (a host int) and as a GPU's (a tensor)
+    for count in (achieved, torch.tensor(achieved)):
+        assert float(compressor._next_correction(STEP_SAMPLE, ten, fit, count, k)) == pytest.approx(
+            expected, rel=1e-12
+        )
 
 
 # --- the state ------------------------------------------------------------------------------
@@ -303,27 +308,30 @@ def test_a_tail_of_two_exceedances_is_fitted_and_one_stops_the_stages():
         [torch.ones(998, dtype=torch.float64), torch.tensor([50.0, 60.0], dtype=torch.float64)]
     )
     compressor = SIDCoExponential(ratio=0.01, adapt=False)
-    assert compressor.fitted_threshold(sample, 2) == pytest.approx(50 + 5 * math.log(25), rel=1e-12)
-    assert compressor.fitted_threshold(sample, 3) == pytest.approx(50 + 5 * math.log(5), rel=1e-12)
-    assert compressor.fitted_threshold(sample, 1) == pytest.approx(1.108 * math.log(100), rel=1e-12)
+    assert float(compressor.fitted_threshold(sample, 2)) == pytest.approx(50 + 5 * math.log(25), rel=1e-12)
+    assert float(compressor.fitted_threshold(sample, 3)) == pytest.approx(50 + 5 * math.log(5), rel=1e-12)
+    assert float(compressor.fitted_threshold(sample, 1)) == pytest.approx(1.108 * math.log(100), rel=1e-12)
 
 
-def test_a_non_finite_sample_raises_before_any_stage():
+def test_a_non_finite_sample_makes_every_threshold_non_finite():
+    """Nothing is read on the host during the fit: a NaN or Inf reaches every threshold,
+    and the selection's flag (NaN and Inf are always selected) reports the input."""
     compressor = SIDCoExponential(ratio=0.01)
     for bad in (math.nan, math.inf):
         sample = torch.tensor([1.0, bad, 2.0], dtype=torch.float64)
-        with pytest.raises(NonFiniteGradientError, match="^gradient contains NaN or Inf values$"):
-            compressor.fitted_thresholds(sample, (1, 2))
+        assert all(
+            not math.isfinite(float(eta)) for eta in compressor.fitted_thresholds(sample, (1, 2)).values()
+        )
 
 
 def test_a_new_key_starts_from_the_documented_state_and_round_trips():
-    """A call that raises (a NaN in the sample) leaves the key's initial state visible."""
+    """A call that raises (a NaN in the input) leaves the state as it was: no key yet."""
     compressor = SIDCoExponential(ratio=0.001, exact_below=0)
     bad = torch.ones(4096)
     bad[0] = math.nan
     with pytest.raises(NonFiniteGradientError):
         compressor.compress(bad, key="k")
-    assert compressor.state_dict() == {"keys": {"k": state(stages=2, calls=0, log_correction=0.0)}}
+    assert compressor.state_dict() == {"keys": {}}
     compressor.compress(torch.randn(4096, generator=torch.Generator().manual_seed(1)), key="k")
     again = SIDCoExponential(ratio=0.001, exact_below=0)
     again.load_state_dict(compressor.state_dict())

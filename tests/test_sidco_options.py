@@ -24,7 +24,7 @@ VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 
 
 def threshold(compressor, key=0) -> float:
-    return compressor.state_dict()["keys"][key]["threshold"]
+    return float(compressor.state_dict()["keys"][key]["threshold"])
 
 
 def heavy_tailed(n: int, seed: int) -> torch.Tensor:

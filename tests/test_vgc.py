@@ -109,7 +109,7 @@ def test_payload_layout_and_bytes():
     # 0.02 is sent at the lowest level, M/128.
     assert payload.count == 4
     # 1 chunk count + 4 words (int32), 1 float32 scale, one 4-byte length per field.
-    assert payload.nbytes == 4 * 5 + 4 + 2 * 4
+    assert payload.nbytes == 4 * 5 + 4 + 4  # words and chunk count, the scale, one length
     # 3, -0.75 = -3/4 and 1.5 = 3/2 are exact levels.
     assert vgc.decompress([payload], 6).tolist() == [3.0, 0.0, -0.75, 0.0, 1.5, 3.0 / 128]
     assert vgc.residuals[0][3] == 0.01 and vgc.variances[0][3] == 0

@@ -16,19 +16,21 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 class RecordingVGC(VGC):
-    """VGC that notes, at every compress call, which of its parameters had a recorded variance."""
+    """VGC that notes, at every encode call (the hook's), which of its parameters had a recorded variance."""
 
     def __init__(self, **options):
         super().__init__(**options)
         self.ready, self.sent, self.total = [], 0, 0
         self.covered = set()  # ids of the parameters the hooks cover (set by the worker)
 
-    def compress(self, tensor, *, key=0, parameters=None, variance=None):
+    def encode(self, tensor, *, key, capacity, readout, parameters=None, variance=None):
         # (has a variance now, is covered by a hook) per parameter of this call
         self.ready.append(
             [(self.tracker.second_moment(p) is not None, id(p) in self.covered) for p in parameters]
         )
-        payload = super().compress(tensor, key=key, parameters=parameters, variance=variance)
+        payload = super().encode(
+            tensor, key=key, capacity=capacity, readout=readout, parameters=parameters, variance=variance
+        )
         self.sent += payload.count
         self.total += payload.numel
         return payload

@@ -1,40 +1,55 @@
-"""Wire format: exact byte counts, dtype rules, and rejection of malformed messages."""
+"""Wire format: one fixed-size message per bucket -- its layout, exact byte counts, the dtype
+rules, the round trip, and what a receiver does with a malformed message (flags the
+sender on the device and writes nothing out of range)."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 
 import gradsift
-from gradsift.compressors import Payload
+from gradsift.compressors.base import FIELD_HEADER_NBYTES, INT32_LIMIT, Payload
 from gradsift.exchanges import wire
 
 
-def sparse(numel=100, k=5, seed=0) -> Payload:
-    payload = gradsift.get_compressor("topk", ratio=k / numel).compress(
-        torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+def payload(indices, values=None, numel=10, length=None, demand=None) -> Payload:
+    values = [float(i) + 0.5 for i in indices] if values is None else values
+    return Payload(
+        numel=numel,
+        dtype=torch.float32,
+        values=torch.tensor(values),
+        indices=torch.tensor(indices),
+        length=length,
+        demand=demand,
     )
-    assert payload.count == k
-    return payload
 
 
-def test_to_wire_narrows_indices_and_counts_exact_bytes():
-    sent = wire.to_wire(sparse())
-    assert sent.indices.dtype == torch.int32 and sent.values.dtype == torch.float32
-    data = wire.concat_fields([sent])
-    header = wire.header([sent])
-    assert header == [5, 5]
-    on_wire = 4 * len(header) + sum(t.numel() * t.element_size() for t in data.values())
-    assert sent.nbytes == on_wire == 5 * 4 + 5 * 4 + 8
+def gathered(layout: wire.MessageLayout, messages: list[list[Payload]], flags=None) -> torch.Tensor:
+    """What an all_gather of each worker's packed message would hand every worker."""
+    flags = flags or [None] * len(messages)
+    return torch.cat([layout.pack(m, f) for m, f in zip(messages, flags, strict=True)])
 
 
-def test_value_dtype_casts_values_only():
-    sent = wire.to_wire(sparse(), torch.bfloat16)
-    assert sent.values.dtype == torch.bfloat16 and sent.nbytes == 5 * 2 + 5 * 4 + 8
-    assert sent.dtype == torch.float32  # the dense gradient keeps its dtype
+# -- dtypes and bytes ---------------------------------------------------------------------------
 
 
-def test_index_dtype_switches_to_int64_past_int32():
-    assert wire.index_dtype(2**31 - 1) == torch.int32
-    assert wire.index_dtype(2**31) == torch.int64
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("fp32", torch.float32),
+        ("float32", torch.float32),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (None, None),
+    ],
+)
+def test_value_dtype_names(name, dtype):
+    assert wire.parse_value_dtype(name) is dtype
 
 
 @pytest.mark.parametrize("bad", ["fp8", "int8", torch.int32, 3])
@@ -43,146 +58,129 @@ def test_value_dtype_rejects_unknown(bad):
         wire.parse_value_dtype(bad)
 
 
-def test_roundtrip_of_two_parts():
-    parts = [wire.to_wire(sparse(100, 5, 1)), wire.to_wire(sparse(40, 2, 2))]
-    decoded = wire.decode(wire.header(parts), wire.concat_fields(parts), parts)
-    for got, want in zip(decoded, parts, strict=True):
-        assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
-        assert got.numel == want.numel
-
-
-def message():
-    parts = [wire.to_wire(sparse())]
-    return wire.header(parts), wire.concat_fields(parts), parts
-
-
-def test_decode_rejects_length_that_does_not_add_up():
-    _, data, parts = message()
-    with pytest.raises(gradsift.WireFormatError, match="'values' holds 5 elements, header says 6"):
-        wire.decode([6, 5], data, parts)
-
-
-def test_decode_rejects_index_out_of_range():
-    header, data, parts = message()
-    data["indices"] = data["indices"].clone()
-    data["indices"][-1] = 100
-    with pytest.raises(
-        gradsift.WireFormatError, match=r"indices must lie in \[0, 100\), got range \[\d+, 100\]"
-    ):
-        wire.decode(header, data, parts)
-    data["indices"][-1] = 99
-    data["indices"][0] = -1
-    with pytest.raises(
-        gradsift.WireFormatError, match=r"indices must lie in \[0, 100\), got range \[-1, 99\]"
-    ):
-        wire.decode(header, data, parts)
-
-
-def test_decode_rejects_repeated_and_unsorted_indices():
-    header, data, parts = message()
-    repeated = data["indices"].clone()
-    repeated[1] = repeated[0]  # one worker's value would be added twice
-    with pytest.raises(gradsift.WireFormatError, match="indices must increase strictly"):
-        wire.decode(header, {**data, "indices": repeated}, parts)
-    with pytest.raises(gradsift.WireFormatError, match="indices must increase strictly"):
-        wire.decode(header, {**data, "indices": data["indices"].flip(0)}, parts)
-
-
-def test_to_wire_sorts_indices_with_their_values_and_narrows_them():
-    payload = gradsift.Payload(
-        numel=10, dtype=torch.float32, values=torch.tensor([3.0, 1.0, 2.0]), indices=torch.tensor([7, 1, 4])
+def test_to_wire_narrows_indices_casts_values_and_leaves_a_wire_ready_payload_alone():
+    local = gradsift.get_compressor("topk", ratio=0.05).compress(torch.randn(100))
+    sent = wire.to_wire(local)
+    assert sent.indices.dtype == torch.int32 and sent.values is local.values
+    assert sent.nbytes == local.nbytes == 5 * 4 + 5 * 4 + FIELD_HEADER_NBYTES
+    narrow = wire.to_wire(local, torch.bfloat16)
+    assert narrow.values.dtype == torch.bfloat16 and narrow.nbytes == 5 * 2 + 5 * 4 + FIELD_HEADER_NBYTES
+    assert narrow.dtype == torch.float32  # the dense gradient keeps its dtype
+    assert wire.to_wire(sent) is sent and wire.to_wire(sent, torch.float32) is sent
+    long = Payload(
+        numel=INT32_LIMIT + 1, dtype=torch.float32, values=torch.ones(1), indices=torch.tensor([0])
     )
-    sent = wire.to_wire(payload, torch.bfloat16)
-    assert sent.indices.tolist() == [1, 4, 7] and sent.indices.dtype == torch.int32
-    assert sent.values.tolist() == [1.0, 2.0, 3.0] and sent.values.dtype == torch.bfloat16
-    assert payload.indices.tolist() == [7, 1, 4]  # the local payload is not modified
-    ordered = gradsift.Payload(
-        numel=10, dtype=torch.float32, values=torch.ones(2), indices=torch.tensor([2, 5])
+    assert wire.to_wire(long).indices.dtype == torch.int64
+
+
+def test_to_wire_keeps_random_k_indices_local():
+    randomk = gradsift.get_compressor("randomk", ratio=0.1).compress(torch.randn(100))
+    sent = wire.to_wire(randomk, torch.float16)
+    assert sent.indices is randomk.indices and "indices" not in sent.fields()
+
+
+def test_layout_aligns_every_field_to_eight_bytes_after_the_header():
+    parts = [wire.to_wire(payload([1, 4, 7])), wire.to_wire(payload([2], numel=5))]
+    layout = wire.MessageLayout(parts)
+    assert layout.header_words == 1 + 2 * 2  # flags, then (length, demand) per part
+    offsets = [(s.part, s.name, s.offset, s.nbytes) for s in layout.slots]
+    assert offsets == [
+        (0, "values", 24, 12),
+        (0, "indices", 40, 12),
+        (1, "values", 56, 4),
+        (1, "indices", 64, 4),
+    ]
+    assert layout.nbytes == 72 and all(s.offset % 8 == 0 for s in layout.slots)
+
+
+# -- round trip ---------------------------------------------------------------------------------
+
+
+def test_two_workers_two_parts_round_trip_with_padding_lengths_and_demands():
+    mine = [
+        wire.to_wire(payload([1, 4, 7, 0], length=torch.tensor(3), demand=torch.tensor(9))),
+        wire.to_wire(payload([2, 3])),
+    ]
+    theirs = [
+        wire.to_wire(payload([0, 5, 9, 0], length=torch.tensor(3), demand=torch.tensor(4))),
+        wire.to_wire(payload([1, 4])),
+    ]
+    layout = wire.MessageLayout(mine)
+    received = layout.unpack(gathered(layout, [mine, theirs]), world=2)
+    assert received.malformed.tolist() == [False, False] and not bool(received.nonfinite)
+    assert received.demand.tolist() == [9, 2]  # the most any worker wanted, per part
+    for worker, sent in enumerate([mine, theirs]):
+        for got, want in zip(received.payloads[worker], sent, strict=True):
+            used = int(want.entries())
+            assert torch.equal(got.indices[:used], want.indices[:used])
+            assert torch.equal(got.values[:used], want.values[:used])
+            assert int(got.length) == used
+            assert bool((got.indices[used:] == 0).all()) and bool((got.values[used:] == 0).all())
+
+
+def test_a_flagged_sender_makes_the_whole_group_non_finite():
+    part = [wire.to_wire(payload([1, 2]))]
+    layout = wire.MessageLayout(part)
+    received = layout.unpack(
+        gathered(layout, [part, part], [torch.tensor(False), torch.tensor(True)]), world=2
     )
-    assert wire.to_wire(ordered).values is ordered.values  # nothing to change: no copy
+    assert bool(received.nonfinite) and received.malformed.tolist() == [False, False]
 
 
-def test_decode_splits_a_multi_part_message_and_rejects_a_part_boundary_shift():
-    first = gradsift.Payload(
-        numel=8, dtype=torch.float32, values=torch.tensor([1.0, 2.0]), indices=torch.tensor([0, 5])
-    )
-    second = gradsift.Payload(
-        numel=4, dtype=torch.float32, values=torch.tensor([3.0]), indices=torch.tensor([3])
-    )
-    parts = [wire.to_wire(first), wire.to_wire(second)]
-    header, data = wire.header(parts), wire.concat_fields(parts)
-    assert header == [2, 2, 1, 1]
-    decoded = wire.decode(header, data, parts)
-    assert decoded[0].indices.tolist() == [0, 5] and decoded[1].indices.tolist() == [3]
-    assert decoded[1].values.tolist() == [3.0]
-    # The same data with the boundary moved: the second part would get indices [5, 3].
-    with pytest.raises(gradsift.WireFormatError, match=r"part 1: indices must increase strictly"):
-        wire.decode([1, 1, 2, 2], data, parts)
+def test_quantized_payloads_travel_as_codes_and_scales_without_a_length():
+    qsgd = gradsift.get_compressor("qsgd").compress(torch.randn(1000))
+    layout = wire.MessageLayout([qsgd])
+    assert [s.name for s in layout.slots] == ["codes", "scales"]
+    received = layout.unpack(gathered(layout, [[qsgd], [qsgd]]), world=2)
+    got = received.payloads[1][0]
+    assert torch.equal(got.codes, qsgd.codes) and torch.equal(got.scales, qsgd.scales) and got.length is None
+    assert received.malformed.tolist() == [False, False]
 
 
-def test_decode_rejects_wrong_dtype_and_shape():
-    header, data, parts = message()
-    with pytest.raises(gradsift.WireFormatError, match="'indices' must be a 1-D torch.int32"):
-        wire.decode(header, {**data, "indices": data["indices"].long()}, parts)
-    with pytest.raises(gradsift.WireFormatError, match="'values' must be a 1-D torch.float32"):
-        wire.decode(header, {**data, "values": data["values"].reshape(5, 1)}, parts)
+# -- what a peer could get wrong ----------------------------------------------------------------
 
 
-def test_decode_rejects_missing_field_and_wrong_header_size():
-    header, data, parts = message()
-    with pytest.raises(gradsift.WireFormatError, match="carries fields"):
-        wire.decode(header, {"values": data["values"]}, parts)
-    with pytest.raises(gradsift.WireFormatError, match="header has 3 lengths, expected 2"):
-        wire.decode([*header, 0], data, parts)
+def tampered(mutate) -> wire.Received:
+    """Worker 1's message for two parts, with ``mutate`` applied to its raw bytes' header or
+    fields (``mutate(header int32 view, indices of part 0 int32 view)``)."""
+    good = [wire.to_wire(payload([1, 4, 7])), wire.to_wire(payload([2, 3], numel=5))]
+    layout = wire.MessageLayout(good)
+    buffer = gathered(layout, [good, good])
+    second = buffer[layout.nbytes :]
+    header = second[: layout.header_words * 4].view(torch.int32)
+    slot = layout.slots[1]
+    mutate(header, second[slot.offset : slot.offset + slot.nbytes].view(torch.int32))
+    return layout.unpack(buffer, world=2)
 
 
-def test_decode_rejects_values_indices_count_mismatch():
-    _, data, parts = message()
-    data = {"values": data["values"][:4], "indices": data["indices"]}
-    with pytest.raises(gradsift.WireFormatError, match="4 values for 5 indices"):
-        wire.decode([4, 5], data, parts)
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda header, idx: header.__setitem__(1, 4),  # length beyond the capacity of 3
+        lambda header, idx: header.__setitem__(1, -1),  # a negative length
+        lambda header, idx: header.__setitem__(2, -5),  # a negative demand
+        lambda header, idx: header.__setitem__(0, 6),  # an unknown flag bit
+        lambda header, idx: idx.__setitem__(2, 10),  # index == numel
+        lambda header, idx: idx.__setitem__(0, -1),  # index below 0
+        lambda header, idx: idx.__setitem__(1, 1),  # a repeated index
+        lambda header, idx: idx.__setitem__(2, 3),  # not increasing
+    ],
+)
+def test_a_malformed_message_flags_its_sender_and_decodes_into_nothing_out_of_range(mutate):
+    received = tampered(mutate)
+    assert received.malformed.tolist() == [False, True]
+    for part in received.payloads[1]:
+        if part.indices is not None:
+            assert bool(((part.indices >= 0) & (part.indices < part.numel)).all())
 
 
-def test_headers_flag_nonfinite_and_reject_negative_lengths():
-    assert wire.header([wire.to_wire(sparse())], nonfinite=True) == [wire.NONFINITE] * 2
-    ok = torch.tensor([[5, 5], [3, 3]], dtype=torch.int32)
-    assert wire.check_headers(ok, parts=1, fields=2) is False
-    flagged = torch.tensor([[5, 5], [-1, -1]], dtype=torch.int32)
-    assert wire.check_headers(flagged, parts=1, fields=2) is True
-    with pytest.raises(gradsift.WireFormatError, match="negative lengths"):
-        wire.check_headers(torch.tensor([[5, -1], [3, 3]], dtype=torch.int32), parts=1, fields=2)
-    with pytest.raises(gradsift.WireFormatError, match="negative lengths"):
-        wire.check_headers(torch.tensor([[5, 5], [-7, -7]], dtype=torch.int32), parts=1, fields=2)
-    with pytest.raises(gradsift.WireFormatError, match="2 lengths per worker"):
-        wire.check_headers(torch.zeros(2, 3, dtype=torch.int32), parts=1, fields=2)
+def test_an_index_at_the_last_position_or_zero_is_accepted():
+    received = tampered(lambda header, idx: (idx.__setitem__(0, 0), idx.__setitem__(2, 9)))
+    assert received.malformed.tolist() == [False, False]
 
 
-def test_register_comm_hook_rejects_non_ddp_and_bad_options():
-    from gradsift.ddp import GradsiftHookState, HookOptions
-
-    with pytest.raises(ValueError, match="DistributedDataParallel"):
-        gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk")
-    for option, value, match in [
-        ("granularity", "tensor", "granularity must be one of bucket, layer"),
-        ("min_numel", -1, "min_numel must lie in"),
-        ("warmup_steps", 1.5, "warmup_steps must be an integer"),
-        ("nonfinite", "ignore", "nonfinite must be one of propagate, skip, raise"),
-        ("momentum", 1.0, "momentum must lie in"),
-        ("momentum_masking", 1, "momentum_masking must be True or False"),
-        ("clip_norm", 0.0, "clip_norm must lie in"),
-        ("density_warmup_start", 1.5, "density_warmup_start must lie in"),
-        ("exchange", "carrier-pigeon", "exchange must be one of auto, allreduce, allgather"),
-        ("value_dtype", "int8", "value_dtype must be one of"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            HookOptions(**{option: value})
-        with pytest.raises(ValueError, match=match):
-            GradsiftHookState.build("topk", **{option: value})
-    with pytest.raises(ValueError, match="cannot travel by exchange 'allreduce'; it supports: allgather"):
-        GradsiftHookState.build("topk", exchange="allreduce")
-    with pytest.raises(ValueError, match="granularity='bucket'"):
-        GradsiftHookState.build("powersgd", granularity="layer")
-    with pytest.raises(ValueError, match="density_warmup_steps needs a sparsifier"):
-        GradsiftHookState.build("qsgd", density_warmup_steps=10)
-    with pytest.raises(ValueError, match="no option.*bogus"):
-        GradsiftHookState.build("topk", bogus=1)
+def test_padding_beyond_the_length_is_never_checked():
+    """Entries past the length may hold anything: they are not in use."""
+    received = tampered(lambda header, idx: (header.__setitem__(1, 1), idx.__setitem__(2, 99)))
+    assert received.malformed.tolist() == [False, False]
+    assert received.payloads[1][0].indices.tolist() == [1, 0, 0]

@@ -4,24 +4,30 @@
 and returns its :class:`GradsiftHookState`. Per DDP bucket, per backward:
 
 1. Dense steps -- the identity compressor ``none``, and the first ``warmup_steps``
-   steps without momentum correction -- run stock DDP's in-place ``allreduce(g / W)``.
+   steps without momentum correction -- run stock DDP's in-place ``allreduce(g / W)``
+   (the allreduce exchange with the identity codec).
 2. Otherwise the bucket is cut into parts (:mod:`gradsift.layout`): the whole bucket or
    one per layer; parts below ``min_numel`` elements travel dense.
-3. compensate: the recipe's weight decay and clipping, then error feedback
-   ``c = g + r`` (with momentum correction ``u <- m u + g``, ``c = r + u``).
+3. compensate: with ``scaler=`` (a ``torch.amp.GradScaler``) the gradient divided by the
+   loss scale ``s``; the recipe's weight decay and clipping; then error feedback
+   ``c = g + r`` (with momentum correction ``u <- m u + g``, ``c = r + u``) -- so
+   weight decay, clipping, fixed thresholds, residuals and velocities all see unscaled
+   gradients and a change of the scale leaves the state right.
 4. compress + exchange + decompress: the exchange (:mod:`gradsift.exchanges`; the
-   compressor's default, or ``exchange=``) encodes each part, moves it, validates what
-   arrives and writes each part's mean over the workers into the bucket's result;
-   the collectives overlap the rest of backward, reading their results waits for the
-   step's end; dense parts go by one allreduce.
+   compressor's default, or ``exchange=``) encodes each part into its fixed-capacity
+   payload, moves it, validates what arrives and writes each part's mean over the
+   workers into the bucket's result (times ``s`` under a scaler, as stock DDP's scaled
+   mean); the collectives overlap the rest of backward; dense parts go by one allreduce.
 5. update: error feedback keeps ``r <- c - s``, ``s`` what this worker's contribution
    stood for.
-6. When backward ends, the step closes (:mod:`gradsift.step`) on the thread that ran
-   backward: it waits for the exchanges and decodes what arrived (no Python runs on the
-   backend's threads), then every rank together commits the step's state, or -- a peer
-   failure, a malformed message, a NaN/Inf on any rank -- rolls it back and applies the
-   ``nonfinite`` policy, and completes the futures the hook returned. Then DDP copies
-   the results into ``.grad``.
+6. On DDP's last bucket of the backward pass (or when backward ends, for callers
+   without buckets), the step closes (:mod:`gradsift.step`) on the thread that ran
+   backward: it waits for the exchanges, reads the step's checks in one host transfer
+   -- nothing before it reads a tensor on the host, so on a GPU nothing waits for the
+   device during backward -- and every rank together commits the step's state, or -- a
+   peer failure, a malformed message, a NaN/Inf on any rank -- rolls it back and
+   applies the ``nonfinite`` policy, and completes the futures the hook returned. Then
+   DDP copies the results into ``.grad``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift import recipe
+from gradsift.capacity import CapacityPlan
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import get_compressor
 from gradsift.errors import InvalidOptionError
@@ -50,14 +57,14 @@ from gradsift.exchanges import (
     get_exchange,
 )
 from gradsift.exchanges.allreduce import Allreduce
-from gradsift.exchanges.base import waited
+from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.exchanges.collectives import Pending
 from gradsift.exchanges.wire import parse_value_dtype
 from gradsift.feedback import ErrorFeedback
 from gradsift.layout import GRANULARITIES, ParameterLayout
 from gradsift.state import TensorStore
-from gradsift.step import NONFINITE_POLICIES, BucketInFlight, StepLedger
-from gradsift.telemetry import BucketRecord, Telemetry
+from gradsift.step import NONFINITE_POLICIES, BucketInFlight, BucketOutcome, StepLedger
+from gradsift.telemetry import Telemetry
 from gradsift.validation import check_choice, check_int, check_ratio, check_real
 
 
@@ -91,6 +98,8 @@ class HookOptions:
             predicts fastest -- the allgather on 2 workers, the balanced reduce-scatter
             from 3 or 4 on) or one of :func:`gradsift.exchanges.available_exchanges`
             that the compressor supports.
+        scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
+            the hook then works on unscaled gradients (see the module docstring).
         log_every: log every this many steps (``gradsift.ddp`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
     """
@@ -107,6 +116,7 @@ class HookOptions:
     density_warmup_steps: int = 0
     density_warmup_start: float = 0.25
     exchange: str = AUTO
+    scaler: Any = None
     log_every: int = 0
     jsonl_path: str | os.PathLike[str] | None = None
 
@@ -128,6 +138,10 @@ class HookOptions:
         check_int(self.density_warmup_steps, "density_warmup_steps", low=0)
         check_ratio(self.density_warmup_start, "density_warmup_start")
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
+        if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
+            raise InvalidOptionError(
+                f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
+            )
         check_int(self.log_every, "log_every", low=0)
 
 
@@ -161,9 +175,11 @@ class GradsiftHookState:
     layout: ParameterLayout = dataclasses.field(default_factory=ParameterLayout)
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
+    capacities: CapacityPlan = dataclasses.field(default_factory=CapacityPlan)
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
+    dense_codec: Codec = dataclasses.field(init=False)
     exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
 
@@ -193,6 +209,11 @@ class GradsiftHookState:
             getattr(self.compressor, "ratio", None) if isinstance(self.compressor, Sparsifier) else None
         )
         self.codec = Codec(self.compressor, self.options.value_dtype)
+        self.dense_codec = (
+            Codec(self.compressor, checks_values=self.options.nonfinite != "propagate")
+            if self.compressor.identity
+            else IDENTITY
+        )
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
@@ -205,6 +226,8 @@ class GradsiftHookState:
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any = None) -> None:
         """Bind to ``ddp_model`` (parameter numbers, process group, the compressor's
         instrumentation); with ``optimizer``, take over its momentum (:mod:`gradsift.recipe`)."""
+        if getattr(ddp_model, "_use_python_reducer", False):
+            raise InvalidOptionError(_PYTHON_REDUCER)
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         if optimizer is not None and self.feedback is not None:
@@ -250,6 +273,7 @@ class GradsiftHookState:
             "store": self.store.state_dict(),
             "compressor": self.compressor.state_dict(),
             "weight_decay": dict(self.weight_decay),
+            "capacities": self.capacities.state_dict(),
             "telemetry": self.telemetry.state_dict(),
         }
 
@@ -268,6 +292,7 @@ class GradsiftHookState:
         self.store.load_state_dict(state["store"])
         self.compressor.load_state_dict(state["compressor"])
         self.weight_decay = dict(state["weight_decay"])
+        self.capacities.load_state_dict(state.get("capacities", {}))
         self.telemetry.load_state_dict(state["telemetry"])
 
     def __getstate__(self) -> dict[str, Any]:
@@ -286,7 +311,7 @@ class GradsiftHookState:
         return warming and (self.feedback is None or self.feedback.momentum == 0)
 
     def exchange_for(self, context: Context) -> Exchange:
-        """The exchange of one bucket: the chosen one, or ``"auto"``'s pick for its size."""
+        """The exchange of one bucket: the chosen one, or ``"auto"``'s pick."""
         if self.options.exchange != AUTO or len(self.compressor.exchanges) == 1:
             return self.exchange
         name = choose_exchange(self.compressor, context.result.numel(), context.world)
@@ -294,9 +319,16 @@ class GradsiftHookState:
             self.exchanges[name] = get_exchange(name)
         return self.exchanges[name]
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """The scaler's current scale (a device tensor, not read), or None without loss scaling."""
+        scaler = self.options.scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # None until the scaler scaled a loss
+
     def close_step(self) -> None:
-        """End of backward: commit or roll back the step on every rank (:mod:`gradsift.step`)."""
-        self.ledger.close(self.compressor, self.store, self.telemetry)
+        """Commit or roll back the step on every rank (:mod:`gradsift.step`)."""
+        self.ledger.close(self.compressor, self.store, self.telemetry, self.capacities)
 
     def open_step(self) -> Any:
         warming = self.ledger.current is None and self.options.density_warmup_steps
@@ -312,97 +344,114 @@ class GradsiftHookState:
 
 def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook; see the module docstring for the algorithm."""
+    if not hasattr(bucket, "buffer"):  # compiled autograd's per-parameter (grad, param) calls
+        raise InvalidOptionError(_PYTHON_REDUCER)
     step = state.open_step()
-    buffer = bucket.buffer()
-    record = BucketRecord(dense_bytes=buffer.numel() * buffer.element_size(), elements=buffer.numel())
-    world = dist.get_world_size(state.process_group)
-    context = Context(state.process_group, world, buffer, record, bucket, store=state.store, step=state.step)
     try:
-        if state.dense_step():
-            pending = _dense_in_place(state, context)
-        else:
-            pending = _exchange_bucket(state, bucket, context, step.keys)
+        parts, context = state.layout.trip(
+            bucket,
+            state.options.granularity,
+            state.store,
+            group=state.process_group,
+            world=dist.get_world_size(state.process_group),
+            rank=dist.get_rank(state.process_group),
+            readout=step.readout,
+            step=state.step,
+            capacity=lambda key, numel: state.capacities.capacity(state.compressor, key, numel),
+        )
+        step.keys.update([context.key, *(part.key for part in parts)])
+        pending = _exchange_bucket(state, parts, context)
     except BaseException:
         state.ledger.abort(state.compressor, state.store)
         raise
     # DDP gets a future of the hook's own, completed when the step closes (gradsift.step)
+    buffer = context.result
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=None if buffer.device.type == "cpu" else [buffer.device]
     )
-    step.buckets.append(BucketInFlight(future, pending, record, context.errors))
+    step.buckets.append(BucketInFlight(future, pending, buffer, context.record))
+    if getattr(bucket, "is_last", lambda: False)():
+        state.close_step()  # DDP may wait for the futures before our end-of-backward callback runs
     return future
 
 
-def exchange_now(state: GradsiftHookState, bucket: Any) -> torch.Tensor:
+def exchange_now(state: GradsiftHookState, bucket: Any) -> tuple[torch.Tensor, BucketOutcome]:
     """:func:`gradsift_hook` for callers that need the bucket's mean before backward ends
-    (FSDP's hooks consume it on return): the exchange is waited for and decoded at once.
+    (FSDP's hooks consume it on return): the exchange is waited for at once.
 
-    The step still closes at the end of backward (the non-finite policy, the commit or
-    rollback); until then the mean of a step that turns out non-finite is not yet filled.
+    The step still closes at the end of backward (the checks, the non-finite policy,
+    the commit or rollback); until then the mean of a step that turns out non-finite is
+    not filled (the caller can use the outcome's device flags).
     """
     gradsift_hook(state, bucket)
     assert state.ledger.current is not None  # the hook opened the step
     in_flight = state.ledger.current.buckets[-1]
     try:
-        return waited(in_flight.record, in_flight.pending)  # the step's close reads it again
+        outcome = waited(in_flight.record, in_flight.pending, in_flight.result.device)
     except BaseException:
         state.ledger.abort(state.compressor, state.store)
         raise
+    return in_flight.result, outcome
 
 
-def _dense_in_place(state: GradsiftHookState, context: Context) -> Pending[torch.Tensor]:
-    """Stock DDP's exchange of the whole bucket (the flag read only when some state could absorb it)."""
-    record, buffer = context.record, context.result
-    record.elements_sent, record.dense_tensors = buffer.numel(), 1
-    # `none` under "propagate" is stock DDP: no state could absorb the step and the
-    # NaN reaches every rank through the allreduce, so no flag is read.
-    check = state.options.nonfinite != "propagate" or not state.compressor.identity
-
-    def finish(nonfinite: bool) -> torch.Tensor:
-        record.nonfinite |= nonfinite
-        return buffer
-
-    return _DENSE.start_in_place(buffer, context, check).then(finish)
-
-
-def _exchange_bucket(
-    state: GradsiftHookState, bucket: dist.GradBucket, context: Context, keys: set[Any]
-) -> Pending[torch.Tensor]:
+def _exchange_bucket(state: GradsiftHookState, parts: list[Part], context: Context) -> Pending[BucketOutcome]:
     """compensate -> compress -> exchange -> decompress -> update, for one bucket."""
-    context.result = bucket.buffer()  # free once compensated (or compressed): results land in place
-    parts = state.layout.parts(bucket, state.options.granularity, state.store)
-    context.order, context.numels = state.layout.numbers_of(bucket), state.layout.numels
-    context.key = tuple(sorted(context.order))
-    keys.update([context.key, *(part.key for part in parts)])
+    if state.dense_step():
+        whole = [Part(context.key, 0, context.result, [p for part in parts for p in part.params])]
+        return _DENSE.start(whole, state.dense_codec, context).then(_outcome(state, context, [], None))
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
     dense = state.ledger.step < state.options.warmup_steps  # warm-up with momentum correction
+    scale = state.loss_scale()
     for part in large:
-        part.compensated = _compensate(state, part, context.world)
-    batches: list[tuple[list[Part], Exchange, Codec | None]] = []
+        part.compensated = _compensate(state, part, context.world, scale)
+    batches: list[tuple[list[Part], Exchange, Codec]] = []
     if large:
-        batches.append((large, _DENSE, None) if dense else (large, state.exchange_for(context), state.codec))
+        batches.append(
+            (large, _DENSE, IDENTITY) if dense else (large, state.exchange_for(context), state.codec)
+        )
     if small:
-        batches.append((small, _DENSE, None))
+        batches.append((small, _DENSE, IDENTITY))
     exchanges = [exchange.start(group, codec, context) for group, exchange, codec in batches]
-    _count_dense(context.record, small + (large if dense else []))
+    return Pending.gather(exchanges).then(_outcome(state, context, large, scale))
 
-    def finish(deliveries: list[Delivery]) -> torch.Tensor:
-        context.record.nonfinite = any(d.nonfinite for d in deliveries)
-        context.errors.extend(d.error for d in deliveries if d.error is not None)
-        if large and state.feedback is not None and not context.record.nonfinite and not context.errors:
+
+def _outcome(
+    state: GradsiftHookState, context: Context, large: list[Part], scale: torch.Tensor | None
+) -> Any:
+    """What finishes a bucket once its exchanges delivered: the loss scale put back into the
+    compensated parts' means, error feedback's update, and the flags for the step's close."""
+
+    def finish(deliveries: Delivery | list[Delivery]) -> BucketOutcome:
+        deliveries = deliveries if isinstance(deliveries, list) else [deliveries]
+        if large and scale is not None:
+            for part in large:
+                part.view(context.result).mul_(scale)
+        if large and state.feedback is not None:
             for part, sent in zip(large, deliveries[0].sent, strict=True):
                 state.feedback.update(
                     part.key, part.input, part.input if sent is None else sent, state.compressor
                 )
-        return context.result
+        outcome = BucketOutcome(
+            nonfinite=[d.nonfinite for d in deliveries if d.nonfinite is not None],
+            malformed=[d.malformed for d in deliveries if d.malformed is not None],
+            error=next((d.error for d in deliveries if d.error is not None), None),
+        )
+        demand = deliveries[0].demand if large else None
+        if demand is not None and state.compressor.adaptive_capacity:
+            for i, part in enumerate(large):
+                outcome.demands[part.key] = (demand[i], part.numel)
+        return outcome
 
-    return Pending.gather(exchanges).then(finish)
+    return finish
 
 
-def _compensate(state: GradsiftHookState, part: Part, world: int) -> torch.Tensor:
-    """The recipe's weight decay and local clipping, then error feedback: ``c = g + r``."""
+def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """Unscaled (under a loss scaler), the recipe's weight decay and local clipping, then
+    error feedback: ``c = g / s + wd x + r``."""
     flat = part.flat
+    if scale is not None:
+        flat = flat * scale.double().reciprocal().float()  # GradScaler's own inverse, fp32
     if state.weight_decay:
         numbers = [state.layout.numbers[id(p)] for p in part.params]
         recipe.add_weight_decay(flat, part.params, numbers, state.weight_decay)
@@ -412,10 +461,13 @@ def _compensate(state: GradsiftHookState, part: Part, world: int) -> torch.Tenso
     return flat if state.feedback is None else state.feedback.compensate(part.key, flat)
 
 
-def _count_dense(record: BucketRecord, parts: list[Part]) -> None:
-    """Telemetry of the parts that travel uncompressed (the codec counts the others)."""
-    record.dense_tensors += len(parts)
-    record.elements_sent += sum(part.numel for part in parts)
+#: Why compiled autograd's Python reducer is refused.
+_PYTHON_REDUCER = (
+    "gradsift's hook takes DDP's buckets, but torch._dynamo.config.optimize_ddp='python_reducer' "
+    "(which compiled autograd needs) calls communication hooks once per parameter with "
+    "(param.grad, param); compile the forward pass only (the default optimize_ddp=True keeps "
+    "DDP's buckets and gradsift's hook), or use granularity='layer' with the default reducer"
+)
 
 
 def _resolve_compressor(compressor: Any, options: dict[str, Any]) -> Compressor:

@@ -9,10 +9,18 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
 2. the compressor encodes ``c`` and the exchange delivers it; ``s`` is the dense tensor
    that this worker's contribution stands for.
 3. ``update``: ``r <- c - s``. For a sparse contribution this is ``c`` with the sent
-   values subtracted at the sent positions: zero there when they were sent at full
-   precision, the rounding error when they travelled as fp16/bf16 -- so ``c == s + r``
-   holds bit for bit. With momentum correction the velocity is masked too
-   (``u[sent] = 0``, DGC's momentum factor masking), unless ``momentum_masking=False``.
+   values subtracted at the sent positions (``index_add_`` of ``-v``): zero there when
+   they were sent at full precision, the rounding error when they travelled as
+   fp16/bf16 -- so ``c == s + r`` holds bit for bit. A fixed-capacity payload's padding
+   (index 0, value 0) subtracts nothing. With momentum correction the velocity is
+   masked too (``u[sent] = 0``, DGC's momentum factor masking), unless
+   ``momentum_masking=False``.
+
+Residuals and velocities are kept in float32 at least: a bf16/fp16 gradient is widened
+before it is accumulated (``value_dtype`` may still send bf16), so that small updates do
+not round away over the steps they wait. Under mixed precision they are kept *unscaled*
+(the hook hands ``compensate`` the gradient divided by the loss scale), so a change of
+the scale between steps leaves them right.
 
 State lives in a :class:`gradsift.state.TensorStore` (tables ``"residual"`` and
 ``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
@@ -27,8 +35,9 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Compressor, Payload
+from gradsift.compressors.base import Compressor, Payload, in_use
 from gradsift.errors import InvalidOptionError
+from gradsift.kernels import zero_at
 from gradsift.state import TensorStore
 from gradsift.validation import check_real
 
@@ -62,8 +71,11 @@ class ErrorFeedback:
         return self.store.table(VELOCITY)
 
     def compensate(self, key: Hashable, gradient: torch.Tensor) -> torch.Tensor:
-        """Return the compensated gradient ``c`` (a new tensor; ``gradient`` is not modified)."""
+        """Return the compensated gradient ``c`` (a new tensor, float32 or wider; ``gradient``
+        is not modified)."""
         flat = gradient.reshape(-1)
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            flat = flat.float()
         if self.momentum > 0:
             velocity = self.store.get(VELOCITY, key)
             self._check_like(key, velocity, flat)
@@ -90,15 +102,16 @@ class ErrorFeedback:
         """
         if isinstance(sent, Payload) and sent.indices is not None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
-            indices, values = sent.indices.long(), sent.values
-            if values is None or values.dtype == residual.dtype:
-                residual.index_fill_(0, indices, 0)  # sent as they were: nothing left there
+            indices = sent.indices
+            used = in_use(indices.numel(), sent.length, indices.device)
+            if sent.values is None:  # positions only: everything there was sent
+                zero_at(residual, indices, used)
             else:
-                residual.index_put_((indices,), residual[indices] - values.to(residual.dtype))
+                residual.index_add_(0, indices, sent.values.to(residual.dtype), alpha=-1)
             if self.momentum > 0 and self.momentum_masking:
                 velocity = self.store.get(VELOCITY, key)
                 if velocity is not None:  # the velocity compensate() put this step: ours to modify
-                    velocity.index_fill_(0, indices, 0)
+                    zero_at(velocity, indices, used)
         elif isinstance(sent, torch.Tensor):
             residual = compensated - sent.reshape(-1).to(compensated.dtype)
         else:

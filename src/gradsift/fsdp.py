@@ -12,10 +12,11 @@ hook can take over depends on the flavour (torch 2.13, every path runs on gloo/C
   but the ones that run their own collectives (PowerSGD) or read parameters (VGC).
 * **FSDP1, ``FULL_SHARD`` / ``SHARD_GRAD_OP``** -- the hook gets the padded flat
   gradient and the shard it must fill (``hook(state, g, out)``): a reduce-scatter of
-  elementwise sums. gradsift sends the gradient cast by ``fp16``/``bf16`` (or as is:
-  ``none``): ``out <- reduce_scatter(cast(g) / W)`` in the cast dtype, back in the
-  gradient's dtype -- half the bytes. Sparse payloads do not add up elementwise, so
-  they are refused here.
+  elementwise sums (:class:`gradsift.exchanges.reduce_scatter.ReduceScatter`). gradsift
+  sends the gradient cast by ``fp16``/``bf16`` (or as is: ``none``):
+  ``out <- reduce_scatter(cast(g) / W)`` in the cast dtype, back in the gradient's
+  dtype -- half the bytes. Sparse payloads do not add up elementwise, so they are
+  refused here.
 * **FSDP1, hybrid strategies** -- ``register_comm_hook`` refuses hooks for
   ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` (an ``AssertionError`` in FSDP itself).
 * **FSDP2 (``fully_shard``) on a 1-D mesh plus ``process_group=`` the replicate
@@ -28,8 +29,10 @@ hook can take over depends on the flavour (torch 2.13, every path runs on gloo/C
   1-D FSDP2 model without ``process_group`` has no allreduce to compress.
 
 Every exchange is synchronous within its hook (FSDP reads the result as soon as the
-hook returns); a step still closes when backward ends (:mod:`gradsift.step`), which
-raises a peer failure or, under ``nonfinite="raise"``, the non-finite error. The
+hook returns), and a non-finite step's fill is applied there on the device from the
+exchange's flag; the step still closes when backward ends (:mod:`gradsift.step`), which
+reads the step's checks, raises a peer failure or, under ``nonfinite="raise"``, the
+non-finite error. The
 returned :class:`~gradsift.ddp.GradsiftHookState` is the DDP hook's: ``stats()``,
 ``state_dict()`` / ``load_state_dict()`` (residuals keyed by unit number, in
 ``FSDP.fsdp_modules`` / module order) behave as for DDP.
@@ -50,14 +53,13 @@ from gradsift.compressors.base import Compressor
 from gradsift.compressors.dense import DenseCast
 from gradsift.ddp import GradsiftHookState, HookOptions, exchange_now
 from gradsift.errors import GradsiftError, InvalidOptionError
-from gradsift.exchanges.base import Part, waited
-from gradsift.exchanges.collectives import guarded, ready, started
-from gradsift.step import BucketInFlight
+from gradsift.exchanges.base import Context, Part, waited
+from gradsift.exchanges.collectives import ready
+from gradsift.exchanges.reduce_scatter import ReduceScatter
+from gradsift.step import BucketInFlight, BucketOutcome
 from gradsift.telemetry import BucketRecord
-from gradsift.validation import all_finite
 
-# torch >= 2.13 renames reduce_scatter_tensor (same signature) and deprecates the old name.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_SCATTER = ReduceScatter()
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 #: The hook options the sharded strategies' reduce-scatter honours; every other one must keep its default.
@@ -179,36 +181,29 @@ def _no_shard_hook(binding: Binding, grad: torch.Tensor) -> None:
 
 
 def _reduce_scatter_hook(binding: Binding, grad: torch.Tensor, output: torch.Tensor) -> None:
-    """FSDP1 sharded strategies: ``output <- reduce_scatter(cast(grad) / W)`` in the cast dtype.
-
-    ``cast`` is the compressor's (``fp16``, ``bf16``, or the identity for ``none``); the
-    division happens in the cast dtype before the sum, as the allreduce exchange does.
-    Bytes: sent ``|m|`` (the message, as the allreduce exchange counts it), received
-    ``(W-1)/W |m|`` (ring reduce-scatter). A NaN/Inf in any
-    rank's gradient reaches every rank (that rank sends NaN everywhere) and follows
-    the ``nonfinite`` policy.
-    """
+    """FSDP1 sharded strategies: ``output <- reduce_scatter(cast(grad) / W)`` in the cast dtype
+    (:class:`ReduceScatter`), waited for at once; a non-finite step gets the ``nonfinite``
+    policy's fill on the device."""
     state = binding.state
     step = state.open_step()
-    world = dist.get_world_size(state.process_group)
-    record = BucketRecord(dense_bytes=grad.numel() * grad.element_size(), elements=grad.numel())
-    encoded = state.codec.encode(Part(0, 0, grad, []), record)
-    values = encoded.wire.values
-    assert values is not None  # a DenseCast payload always has values
-    message = torch.full_like(values, float("nan")) if encoded.nonfinite else torch.div(values, world)
-    reduced = torch.empty(output.numel(), dtype=message.dtype, device=message.device)
-    nbytes = message.numel() * message.element_size()
-    record.add_bytes(sent=nbytes, padded=nbytes, received=(world - 1) * nbytes // world)
     group = state.process_group
-    work = guarded(
-        "reduce-scatter", group, lambda: _reduce_scatter(reduced, message, group=group, async_op=True)
+    record = BucketRecord(dense_bytes=grad.numel() * grad.element_size(), elements=grad.numel())
+    context = Context(
+        group=group,
+        world=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        result=output,
+        record=record,
+        readout=step.readout,
+        store=state.store,
+        step=state.step,
     )
-    waited(record, started(work, reduced, group, "reduce-scatter"))
-    output.copy_(reduced)
-    record.nonfinite = not all_finite(output)
-    if record.nonfinite:
-        output.fill_(state.ledger.fill_value)
-    step.buckets.append(BucketInFlight(torch.futures.Future(), ready(output), record))
+    delivery = waited(
+        record, _REDUCE_SCATTER.start([Part(0, 0, grad, [])], state.codec, context), output.device
+    )
+    outcome = BucketOutcome(nonfinite=[] if delivery.nonfinite is None else [delivery.nonfinite])
+    _fill_if_nonfinite(state, output, outcome)
+    step.buckets.append(BucketInFlight(torch.futures.Future(), ready(outcome), output, record))
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
@@ -296,12 +291,16 @@ def exchange_unit(state: GradsiftHookState, unit: torch.nn.Parameter, flat: torc
     """
     flat = flat.view(-1)  # FSDP's flat gradients are 1-D already: the same tensor
     bucket = cast(dist.GradBucket, UnitBucket(flat, unit))  # the hook reads buffer() and parameters() only
-    mean = exchange_now(state, bucket)
-    assert state.ledger.current is not None  # the hook opened the step
-    if state.ledger.current.buckets[-1].record.nonfinite:
-        flat.fill_(state.ledger.fill_value)
-    elif mean is not flat:
+    mean, outcome = exchange_now(state, bucket)
+    if mean is not flat:
         flat.copy_(mean)
+    _fill_if_nonfinite(state, flat, outcome)
+
+
+def _fill_if_nonfinite(state: GradsiftHookState, result: torch.Tensor, outcome: BucketOutcome) -> None:
+    """The ``nonfinite`` policy's fill where the outcome's device flag says so (no host read)."""
+    if outcome.nonfinite:
+        result.masked_fill_(torch.stack(outcome.nonfinite).any(), state.ledger.fill_value)
 
 
 def _check_allreduce_compressor(compressor: Compressor) -> None:

@@ -1,29 +1,34 @@
-"""Comparison kernels of the threshold sparsifiers and the fits: NumPy on CPU, PyTorch elsewhere.
+"""Selection kernels of the sparsifiers: NumPy on CPU, PyTorch (without host reads) elsewhere.
 
-On CPU, PyTorch's comparison kernels that produce a boolean tensor, ``nonzero`` and
-``masked_select`` are 4-50x slower than NumPy's on the same memory (measured on the
-project's 2-core machine, one thread, 2^20 fp32 elements: ``abs(x) > eta`` 630 us vs
-NumPy 170 us, ``nonzero`` of the mask 1010 us vs ``flatnonzero`` 220 us; 2^18
-elements, 25% kept: ``masked_select`` 9 ms vs ``np.compress`` 0.19 ms), and above
-32768 elements each PyTorch kernel opens an OpenMP parallel region, which on an
-oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
-calling thread, on a zero-copy view of the tensor. On other devices the PyTorch
-kernels are used as they are.
+Two jobs:
 
-:class:`CallingThreadOnly` is the same remedy for the PyTorch kernels a caller
-cannot avoid (reductions over a sample): it runs a block with the intra-op pool at
-one thread, so no kernel in it waits at a barrier. Gathers use ``index_select``:
-advanced indexing ``x[indices]`` of 1% of a 2^19-element tensor took 16 ms with two
-threads on the loaded machine (load ~20), ``index_select`` 7 us (one thread: 16 vs 5 us).
+* **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
+  mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
+  and ``nonzero`` are 4-50x slower than NumPy's on the same memory (measured on the
+  project's 2-core machine, one thread, 2^20 fp32 elements: ``abs(x) > eta`` 630 us vs
+  NumPy 170 us, ``nonzero`` of the mask 1010 us vs ``flatnonzero`` 220 us), and above
+  32768 elements each PyTorch kernel opens an OpenMP parallel region, which on an
+  oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
+  calling thread, on a zero-copy view of the tensor, and the number of selected
+  elements is known on the host at no cost: CPU memory *is* host memory. On other
+  devices the number of selected elements is data the host does not have, and asking
+  for it (``nonzero``) stalls the device; with a ``room`` the selection is
+  ``nonzero_static`` into ``room`` slots, its count a device scalar.
+* **Keeping the largest** of the selected elements when there are more than a payload's
+  capacity (:func:`keep_largest`): the ``capacity`` largest magnitudes, in position order.
+
+:class:`CallingThreadOnly` runs a block with the intra-op pool at one thread (the
+remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
+``index_select``: advanced indexing ``x[indices]`` of 1% of a 2^19-element tensor took
+16 ms with two threads on the loaded machine (load ~20), ``index_select`` 7 us.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from gradsift.errors import InvalidOptionError
 
@@ -45,36 +50,24 @@ _MAGNITUDE_BITS = {
     torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
 }
 
+Threshold = float | torch.Tensor
 
-def select_above_threshold(flat: torch.Tensor, eta: float) -> torch.Tensor:
-    """Indices ``i`` (int64, ascending) with ``|flat[i]| > eta`` or ``flat[i]`` NaN, for ``eta >= 0``.
 
-    The comparison runs in ``flat``'s dtype (``eta`` is rounded to it). One read of
-    ``flat``, in one of two ways:
+class Candidates(NamedTuple):
+    """Selected positions.
 
-    * CPU: the IEEE bit patterns of non-negative floats are ordered like the floats,
-      so ``|x| > eta`` is ``(bits(x) & ~sign) > bits(eta)`` on the integer view --
-      and NaN (exponent all ones, mantissa non-zero) lies above every finite
-      ``eta``, so it is selected. NumPy evaluates that and ``flatnonzero`` over
-      :data:`SELECTION_CHUNK`-element chunks on the calling thread.
-    * other devices: ``nonzero(hardshrink(flat, eta))`` in one go (``hardshrink``
-      keeps ``x`` where ``|x| > eta`` and NaN, and zeroes the rest).
+    Attributes:
+        indices: int64 positions, ascending over the first ``length`` (padding: 0).
+        length: positions in use (None: all of ``indices``).
+        selected: how many elements passed the test (``>= length``; a host int on CPU).
+        nonfinite: 0-d bool, some element of the tested tensor is NaN or Inf (only for
+            :func:`select_above`, whose test selects every NaN and Inf; else None).
     """
-    if eta < 0:
-        raise InvalidOptionError(f"eta must be >= 0, got {eta}")
-    if not uses_numpy(flat):
-        return torch.nonzero(F.hardshrink(flat, eta)).view(-1)
-    integer, magnitude = _MAGNITUDE_BITS[flat.dtype]
-    bound = int(torch.tensor(eta, dtype=flat.dtype, device="cpu").view(integer))  # a host scalar
-    words = _numpy(flat.view(integer))
-    if words.size <= SELECTION_CHUNK:
-        return torch.from_numpy(np.flatnonzero((words & magnitude) > bound))
-    pieces = []
-    for start in range(0, words.size, SELECTION_CHUNK):
-        positions = np.flatnonzero((words[start : start + SELECTION_CHUNK] & magnitude) > bound)
-        positions += start
-        pieces.append(positions)
-    return torch.from_numpy(np.concatenate(pieces))
+
+    indices: torch.Tensor
+    length: int | torch.Tensor | None
+    selected: int | torch.Tensor
+    nonfinite: torch.Tensor | None = None
 
 
 def uses_numpy(tensor: torch.Tensor) -> bool:
@@ -82,35 +75,130 @@ def uses_numpy(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
+def select_above(flat: torch.Tensor, eta: Threshold, room: int | None = None) -> Candidates:
+    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN (``eta >= 0``), ascending.
+
+    The comparison runs in ``flat``'s dtype (``eta`` is rounded to it). NaN and Inf always
+    pass the test, so ``nonfinite`` -- read from the selected elements only -- checks all
+    of them. ``room`` (ignored on CPU, where the count is free) bounds the positions
+    returned on other devices; ``selected`` is exact either way.
+
+    * CPU: the IEEE bit patterns of non-negative floats are ordered like the floats,
+      so ``|x| > eta`` is ``(bits(x) & ~sign) > bits(eta)`` on the integer view --
+      and NaN (exponent all ones, mantissa non-zero) lies above every finite
+      ``eta``. NumPy evaluates that and ``flatnonzero`` over
+      :data:`SELECTION_CHUNK`-element chunks on the calling thread.
+    * other devices: the mask ``not (|x| <= eta)`` (true for NaN), its ``nonzero_static``
+      into ``room`` slots, its sum (the number selected) and the sum of the selected values (finite
+      exactly when every selected element is).
+    """
+    if uses_numpy(flat):
+        return _select_above_numpy(flat, eta)
+    if isinstance(eta, float) and eta < 0:
+        raise InvalidOptionError(f"eta must be >= 0, got {eta}")
+    mask = ~(flat.abs() <= eta)
+    total = torch.where(mask, flat, 0).sum(dtype=torch.promote_types(flat.dtype, torch.float32))
+    candidates = select_mask(mask, room)
+    return candidates._replace(nonfinite=~torch.isfinite(total))
+
+
+def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
+    integer, magnitude = _MAGNITUDE_BITS[flat.dtype]
+    # CPU memory: reading it is no device round trip (numpy has no bfloat16: widened first)
+    threshold = float(eta.to(torch.float64).numpy()) if isinstance(eta, torch.Tensor) else float(eta)
+    if threshold < 0:
+        raise InvalidOptionError(f"eta must be >= 0, got {threshold}")
+    bound = int(
+        torch.tensor(threshold, dtype=flat.dtype, device="cpu").view(integer).numpy()
+    )  # eta in the dtype
+    words = _numpy(flat.view(integer))
+    if words.size <= SELECTION_CHUNK:
+        positions = np.flatnonzero((words & magnitude) > bound)
+    else:
+        pieces = []
+        for start in range(0, words.size, SELECTION_CHUNK):
+            piece = np.flatnonzero((words[start : start + SELECTION_CHUNK] & magnitude) > bound)
+            piece += start
+            pieces.append(piece)
+        positions = np.concatenate(pieces)
+    infinity = _infinity_bits(flat.dtype)
+    nonfinite = bool(((words[positions] & magnitude) >= infinity).any())
+    indices = torch.from_numpy(positions.astype(np.int64, copy=False))
+    return Candidates(indices, None, int(positions.size), torch.tensor(nonfinite, device="cpu"))
+
+
+def select_mask(mask: torch.Tensor, room: int | None = None) -> Candidates:
+    """Positions of the True elements of the 1-D boolean ``mask``, ascending.
+
+    CPU: every position (NumPy), count on the host. Other devices: without ``room`` every
+    position (``nonzero``: a host read, for callers off the hot path); with ``room``,
+    ``nonzero_static`` into ``room`` slots (padding 0) and the count as a device scalar.
+    """
+    if uses_numpy(mask):
+        positions = np.flatnonzero(_numpy(mask))
+        return Candidates(torch.from_numpy(positions.astype(np.int64, copy=False)), None, int(positions.size))
+    if room is None:
+        indices = torch.nonzero(mask).view(-1)
+        return Candidates(indices, None, indices.numel())
+    found = torch.nonzero_static(mask, size=room, fill_value=-1).view(-1)
+    count = mask.sum()
+    return Candidates(found.clamp_min(0), torch.clamp(count, max=room), count)
+
+
+def keep_largest(
+    magnitudes_of: torch.Tensor, candidates: Candidates, capacity: int
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """The at most ``capacity`` candidates of largest ``|magnitudes_of[i]|``, in position order.
+
+    Returns ``(indices, length)``: exactly ``capacity`` int64 positions, the first
+    ``length`` in use and ascending, the rest 0. NaN counts as the largest magnitude (as
+    in ``torch.topk``), so a non-finite element that was selected stays selected.
+    """
+    indices, length = candidates.indices, candidates.length
+    found = indices.numel()
+    device = indices.device
+    if length is None and found <= capacity:
+        if found == capacity:
+            return indices, found
+        return torch.cat([indices, indices.new_zeros(capacity - found)]), found
+    magnitudes = magnitudes_of.index_select(0, indices).abs()
+    if length is not None:
+        magnitudes = torch.where(torch.arange(found, device=device) < length, magnitudes, -1)
+    if found > capacity:
+        top = torch.topk(magnitudes, capacity, sorted=False)
+        chosen, kept = indices.index_select(0, top.indices), top.values
+    else:
+        chosen, kept = indices, magnitudes
+    if length is None:  # every candidate was in use, and there were more than capacity
+        return torch.sort(chosen).values, capacity
+    valid = (kept >= 0) | torch.isnan(kept)
+    chosen = torch.sort(torch.where(valid, chosen, torch.iinfo(torch.int64).max)).values
+    used = valid.sum()
+    chosen = torch.where(torch.arange(chosen.numel(), device=device) < used, chosen, 0)
+    if chosen.numel() < capacity:
+        chosen = torch.cat([chosen, chosen.new_zeros(capacity - chosen.numel())])
+    return chosen, used
+
+
+def zero_at(tensor: torch.Tensor, indices: torch.Tensor, used: torch.Tensor | None) -> None:
+    """``tensor[indices[used]] = 0`` in place, without a host read: ``index_add_`` of minus
+    the values there, so a padding entry (index 0, not in use) adds 0 even when index 0
+    is also a real entry, and a position given twice is zeroed once."""
+    found = tensor.index_select(0, indices)
+    if used is not None:
+        found = torch.where(used, found, 0)
+    tensor.index_add_(0, indices, found, alpha=-1)
+
+
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A zero-copy NumPy view (``detach`` only when needed: it is one more dispatched operator)."""
     return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 
 
-def _numpy_floats(values: torch.Tensor) -> bool:
-    """NumPy has the dtype (it has no bfloat16; float16 arithmetic there is slow): float32/float64 on CPU."""
-    return uses_numpy(values) and values.dtype in (torch.float32, torch.float64)
-
-
-def values_above(values: torch.Tensor, eta: float) -> torch.Tensor:
-    """The elements of the 1-D ``values`` that are ``> eta``, in order (NaN is not kept)."""
-    if not _numpy_floats(values):
-        return torch.masked_select(values, values > eta)
-    array = _numpy(values)
-    return torch.from_numpy(np.compress(array > eta, array))
-
-
-def counts_above(values: torch.Tensor, thresholds: Sequence[float]) -> list[int]:
-    """``[#{v > t} for t in thresholds]`` for a 1-D ``values``.
-
-    CPU: one NumPy compare-and-count per threshold. Elsewhere: one broadcast
-    comparison with every threshold, one reduction and one host transfer.
-    """
-    if not _numpy_floats(values):
-        bounds = torch.tensor(list(thresholds), dtype=values.dtype, device=values.device)
-        return torch.gt(values.unsqueeze(1), bounds).sum(0).tolist()
-    array = _numpy(values)
-    return [int(np.count_nonzero(array > array.dtype.type(t))) for t in thresholds]
+def _infinity_bits(dtype: torch.dtype) -> int:
+    """The bit pattern of +Inf in ``dtype``: every magnitude pattern at or above it is Inf or NaN."""
+    integer, _ = _MAGNITUDE_BITS[dtype]
+    return int(torch.tensor(float("inf"), dtype=dtype, device="cpu").view(integer).numpy())
 
 
 class CallingThreadOnly:

@@ -6,18 +6,23 @@ lands in, nor on the process). A bucket is cut into parts: the whole bucket, key
 the sorted tuple of its parameter numbers (``granularity="bucket"``), or one part per
 parameter, keyed by its number (``"layer"``). Each part's layout (the order of its
 parameters in the flat tensor) is declared to the state store, which re-lays stored
-state when DDP rebuilds its buckets.
+state when DDP rebuilds its buckets. :meth:`ParameterLayout.trip` builds, once per
+bucket and step, the parts and the one frozen :class:`~gradsift.exchanges.Context`
+their exchange takes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from gradsift.errors import InvalidOptionError
-from gradsift.exchanges.base import Part
+from gradsift.exchanges.base import Context, Part
+from gradsift.readout import Readout
 from gradsift.state import TensorStore
+from gradsift.telemetry import BucketRecord
 
 GRANULARITIES = ("bucket", "layer")
 
@@ -58,3 +63,44 @@ class ParameterLayout:
             parts.append(Part(number, offset, buffer[offset : offset + param.numel()], [param]))
             offset += param.numel()
         return parts
+
+    def trip(
+        self,
+        bucket: Any,
+        granularity: str,
+        store: TensorStore,
+        *,
+        group: Any,
+        world: int,
+        rank: int,
+        readout: Readout,
+        step: int,
+        capacity: Callable[[Hashable, int], int | None],
+    ) -> tuple[list[Part], Context]:
+        """The parts of ``bucket`` and the :class:`Context` of their trip (``capacity(key, numel)``
+        gives each part's payload capacity)."""
+        parts = self.parts(bucket, granularity, store)
+        buffer = bucket.buffer()
+        order = self.numbers_of(bucket)
+        record = BucketRecord(dense_bytes=buffer.numel() * buffer.element_size(), elements=buffer.numel())
+        capacities = {}
+        for part in parts:
+            room = capacity(part.key, part.numel)
+            if room is not None:
+                capacities[part.key] = room
+        context = Context(
+            group=group,
+            world=world,
+            rank=rank,
+            result=buffer,
+            record=record,
+            readout=readout,
+            store=store,
+            key=tuple(sorted(order)),
+            order=order,
+            numels=self.numels,
+            capacities=capacities,
+            step=step,
+            bucket=bucket,
+        )
+        return parts, context

@@ -104,12 +104,12 @@ def add_weight_decay(
 def clip_local(
     flat: torch.Tensor, clip_norm: float, part_numel: int, model_numel: int, world: int
 ) -> torch.Tensor:
-    """DGC's local clipping of one part (see the module docstring); returns ``flat`` or a scaled copy."""
+    """DGC's local clipping of one part (see the module docstring): ``flat * min(1, t / ||flat||)``,
+    a new tensor, on the device (no host read); a non-finite norm leaves ``flat`` as it is."""
     threshold = clip_norm * math.sqrt(part_numel / model_numel) / math.sqrt(world)
-    norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
-    if norm <= threshold or not math.isfinite(norm):
-        return flat
-    return flat * (threshold / norm)
+    norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    factor = torch.where(torch.isfinite(norm) & (norm > threshold), threshold / norm, 1.0)
+    return flat * factor.to(flat.dtype)
 
 
 def density_at(step: int, target: float, warmup_steps: int, start: float) -> float:

@@ -1,16 +1,23 @@
 """One synchronised step of the hook as a transaction: open, collect buckets, close.
 
-The first bucket of a backward opens the step: the state store begins a transaction
-and the compressor's (small) ``snapshot()`` is kept, and a callback is queued on the
-autograd engine to close the step once every bucket has been handed to DDP (the
-engine runs it before DDP's own end-of-backward callback, which DDP queues when its
-last bucket is ready). The hook hands DDP futures of its own; closing, on the thread
-that ran backward, waits for the buckets' exchanges (:class:`Pending`: no Python runs
-on the backend's threads), completes those futures and, on every rank alike (every
-exchange delivers the non-finite flag to all ranks):
+The first bucket of a backward opens the step: the state store begins a transaction,
+the compressor's (small) ``snapshot()`` is kept, a :class:`~gradsift.readout.Readout`
+collects the device facts the step will need on the host, and a callback is queued on
+the autograd engine that closes the step once backward ends, if nothing closed it
+before. The DDP hook closes it itself on DDP's last bucket (``GradBucket.is_last()``):
+DDP waits for the hook's futures when its own end-of-backward work runs, which with
+``static_graph=True`` is *inside* an engine callback queued before ours -- a future
+completed only by our callback would never complete.
+
+The hook hands DDP futures of its own; closing, on the thread that ran backward, waits
+for the buckets' exchanges (:class:`Pending`: no Python runs on the backend's threads),
+then reads the step's readout once -- every bucket's non-finite and malformed flags,
+the device-valued telemetry, the compressors' deferred facts, in one transfer, the only
+host read of the step -- completes those futures and, on every rank alike (every
+exchange delivers the same flags to all ranks):
 
 * a collective failed -> state rolled back, :class:`PeerFailureError` raised;
-* a received message was malformed -> state rolled back, that error raised;
+* a received message was malformed -> state rolled back, :class:`WireFormatError` raised;
 * some rank's gradient held NaN/Inf -> state rolled back (residuals, velocities, VGC's
   accumulators, the compressor's adaptation and generators: as if the step never
   happened; ``step`` does not advance), then the ``nonfinite`` policy:
@@ -18,12 +25,13 @@ exchange delivers the non-finite flag to all ranks):
   non-finite on every rank, exactly what ``torch.amp.GradScaler`` looks for to skip the
   optimizer step and back off its scale (and what stock DDP delivers);
   ``"skip"`` fills them with zeros; ``"raise"`` raises :class:`NonFiniteGradientError`;
-* otherwise the transaction commits, state of keys no bucket used is dropped, and the
+* otherwise the transaction commits, the readout's deferred updates run (SIDCo's stage
+  choice, the adaptive capacities), state of keys no bucket used is dropped, and the
   step counter advances.
-DDP copies the bucket results into ``.grad`` after this callback. The step's
-collectives' ``Work`` handles stay with :data:`~gradsift.exchanges.collectives.KEPT_WORKS`
-until the next step opens (past interpreter exit for the last step), so a backend
-thread never drops the last reference to one (docs/decisions.md, "Clean exit").
+DDP copies the bucket results into ``.grad`` after this. The step's collectives'
+``Work`` handles stay with :data:`~gradsift.exchanges.collectives.KEPT_WORKS` until the
+next step opens (past interpreter exit for the last step), so a backend thread never
+drops the last reference to one (docs/decisions.md, "Clean exit").
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ from typing import Any
 
 import torch
 
+from gradsift.capacity import CapacityPlan
 from gradsift.compressors.base import Compressor
-from gradsift.errors import NonFiniteGradientError
+from gradsift.errors import NonFiniteGradientError, WireFormatError
 from gradsift.exchanges.base import waited
 from gradsift.exchanges.collectives import KEPT_WORKS, Pending
+from gradsift.readout import Readout, Slot
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord, Telemetry
 
@@ -45,28 +55,56 @@ NONFINITE_POLICIES = ("propagate", "skip", "raise")
 
 
 @dataclass
+class BucketOutcome:
+    """What a bucket's trip left for the step's close to decide on.
+
+    Attributes:
+        nonfinite: 0-d bool device flags (some worker's input held NaN/Inf), one per
+            exchange of the bucket that can tell.
+        malformed: device bool flags (a sender's message broke the format).
+        demands: per adaptive-capacity part key, its ``(demand, numel)``.
+        error: a failure the host knows already.
+    """
+
+    nonfinite: list[torch.Tensor] = field(default_factory=list)
+    malformed: list[torch.Tensor] = field(default_factory=list)
+    demands: dict[Hashable, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+@dataclass
 class BucketInFlight:
     """One bucket handed to DDP: the future DDP waits for, the exchange that will produce
-    its result, telemetry, and failures found while reading the result."""
+    its outcome, the tensor its result lands in, and its telemetry."""
 
     future: torch.futures.Future[torch.Tensor]
-    pending: Pending[torch.Tensor]
+    pending: Pending[BucketOutcome]
+    result: torch.Tensor
     record: BucketRecord
-    errors: list[BaseException] = field(default_factory=list)
 
 
 @dataclass
 class OpenStep:
-    """The step in progress: the compressor's state at its start, its buckets and keys."""
+    """The step in progress: the compressor's state at its start, its buckets, keys and readout."""
 
     compressor_state: dict[str, Any]
     buckets: list[BucketInFlight] = field(default_factory=list)
     keys: set[Hashable] = field(default_factory=set)
+    readout: Readout = field(default_factory=Readout)
+
+
+@dataclass
+class _Checks:
+    """The step's flags as registered with its readout."""
+
+    nonfinite: list[Slot] = field(default_factory=list)
+    malformed: list[Slot] = field(default_factory=list)
+    demands: list[tuple[Hashable, int, Slot]] = field(default_factory=list)
 
 
 @dataclass
 class StepLedger:
-    """Step counting and the per-step transaction of one hook (plain data plus two verbs).
+    """Step counting and the per-step transaction of one hook (plain data plus three verbs).
 
     Attributes:
         step: synchronised steps applied so far (a dropped non-finite step does not count).
@@ -100,23 +138,44 @@ class StepLedger:
             _fail(self.current, RuntimeError("gradsift: the step was abandoned (a bucket raised)"))
             self.current = None
 
-    def close(self, compressor: Compressor, store: TensorStore, telemetry: Telemetry) -> None:
-        """Wait for the step's buckets, apply the failure and non-finite policies, commit."""
+    def close(
+        self, compressor: Compressor, store: TensorStore, telemetry: Telemetry, capacities: CapacityPlan
+    ) -> None:
+        """Wait for the step's buckets, read its checks once, apply the failure and
+        non-finite policies, commit (a no-op when no step is open)."""
         step, self.current = self.current, None
         if step is None:
             return
-        results = []
+        outcomes = []
         try:
             for bucket in step.buckets:
-                results.append(waited(bucket.record, bucket.pending))
-                if bucket.errors:
-                    raise bucket.errors[0]
+                outcome = waited(bucket.record, bucket.pending, bucket.result.device)
+                outcomes.append(outcome)
+                if outcome.error is not None:
+                    raise outcome.error
         except BaseException as failure:
             _roll_back(step, compressor, store)
             _fail(step, failure)
             raise
+        checks = _register(step, outcomes)
+        step.readout.read()  # the step's one host read
+        for bucket in step.buckets:
+            bucket.record.settle()
         records = [bucket.record for bucket in step.buckets]
-        nonfinite = any(record.nonfinite for record in records)
+        nonfinite = any(slot[0] for slot in checks.nonfinite)
+        if not nonfinite:  # a non-finite input may break a payload's own rules (VGC's scale): not malformed
+            malformed = sorted(
+                {rank for slot in checks.malformed for rank, bad in enumerate(slot.values) if bad}
+            )
+            if malformed:
+                _roll_back(step, compressor, store)
+                error = WireFormatError(
+                    f"step {self.step}: a malformed message arrived from rank(s) {malformed} of the group "
+                    "(a length beyond the payload's capacity, an index out of range or repeated, or an "
+                    "encoding the compressor rejects); every rank drops the step"
+                )
+                _fail(step, error)
+                raise error
         if nonfinite:
             _roll_back(step, compressor, store)
             if self.nonfinite == "raise":
@@ -127,22 +186,40 @@ class StepLedger:
                 )
                 _fail(step, refusal)
                 raise refusal
-            for result in results:
-                result.fill_(self.fill_value)
+            for bucket in step.buckets:
+                bucket.result.fill_(self.fill_value)
         else:
             store.commit()
+            step.readout.commit()
+            for key, numel, slot in checks.demands:
+                capacities.follow(key, slot[0], numel)
             if step.keys:
                 store.retain(step.keys)
-        for bucket, result in zip(step.buckets, results, strict=True):
-            bucket.future.set_result(result)
+        for bucket in step.buckets:
+            bucket.future.set_result(bucket.result)
         self.last_step_skipped = nonfinite
         telemetry.end_step(self.step, records, skipped=nonfinite)
         self.step += int(not nonfinite)
 
 
+def _register(step: OpenStep, outcomes: list[BucketOutcome]) -> _Checks:
+    """Hand every bucket's flags, demands and device-valued telemetry to the step's readout."""
+    checks = _Checks()
+    readout = step.readout
+    for bucket, outcome in zip(step.buckets, outcomes, strict=True):
+        if outcome.nonfinite:
+            checks.nonfinite.append(readout.slot(torch.stack(outcome.nonfinite).any()))
+        checks.malformed.extend(readout.slot(flags) for flags in outcome.malformed)
+        for key, (demand, numel) in outcome.demands.items():
+            checks.demands.append((key, numel, readout.slot(demand)))
+        bucket.record.register(readout)
+    return checks
+
+
 def _roll_back(step: OpenStep, compressor: Compressor, store: TensorStore) -> None:
     store.rollback()
     compressor.restore(step.compressor_state)
+    step.readout.discard()
 
 
 def _fail(step: OpenStep, error: BaseException) -> None:

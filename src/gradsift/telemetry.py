@@ -2,19 +2,32 @@
 
 Each DDP bucket fills its own :class:`BucketRecord` (the hook, then the step's close,
 both on the thread that runs backward); when backward ends the hook folds the step's
-records into one :class:`Telemetry` step and adds it to the running totals. Times are
-host wall-clock milliseconds summed over buckets; ``communicate_ms`` is the time spent
+records into one :class:`Telemetry` step and adds it to the running totals.
+
+Counts the host does not know without reading the device (the entries a threshold
+sparsifier really sent, the bytes they take) are added as device scalars and read with
+the step's other checks, once, when the step closes (:meth:`BucketRecord.register`).
+Times are milliseconds summed over buckets: on CPU host wall-clock around each phase;
+on CUDA the time between two ``torch.cuda.Event`` records on the current stream, read
+at step close (host wall-clock there would time the launch of kernels, and absorb
+whatever backward kernels were still queued). ``communicate_ms`` is the time spent
 waiting for collectives, the part of the communication backward did not hide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
+
+from gradsift.readout import Readout, Slot
 
 logger = logging.getLogger("gradsift.ddp")
 
@@ -43,16 +56,58 @@ class BucketRecord:
     compress_ms: float = 0.0
     communicate_ms: float = 0.0
     decompress_ms: float = 0.0
-    nonfinite: bool = False
+    _device: list[tuple[str, torch.Tensor]] = field(default_factory=list, repr=False)
+    _events: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)
+    _slot: Slot | None = field(default=None, repr=False)
 
-    def add_bytes(self, *, sent: int, padded: int, received: int) -> None:
+    def add(self, name: str, value: int | float | torch.Tensor) -> None:
+        """Add ``value`` to the field ``name``: now for a host number, at step close for a tensor."""
+        if isinstance(value, torch.Tensor):
+            self._device.append((name, value))
+        else:
+            setattr(self, name, getattr(self, name) + value)
+
+    def add_bytes(self, *, sent: int | torch.Tensor, padded: int, received: int | torch.Tensor) -> None:
         """Count one message: its bytes, with padding, and the bytes received for it."""
-        self.bytes_sent += sent
-        self.bytes_padded += padded
-        self.bytes_received += received
+        self.add("bytes_sent", sent)
+        self.add("bytes_padded", padded)
+        self.add("bytes_received", received)
+
+    @contextlib.contextmanager
+    def timed(self, name: str, device: torch.device) -> Iterator[None]:
+        """Add the time the ``with`` block takes to the field ``name`` (milliseconds; see the
+        module docstring for CPU and CUDA)."""
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((name, start, end))
+            return
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, (time.perf_counter() - started) * 1e3)
+
+    def register(self, readout: Readout) -> None:
+        """Hand the device-valued counts to the step's readout (read when the step closes)."""
+        if self._device:
+            self._slot = readout.slot(torch.stack([value.double().reshape(()) for _, value in self._device]))
+
+    def settle(self) -> None:
+        """After the readout was read: fold its values and the CUDA event times into the fields."""
+        if self._slot is not None:
+            for (name, _), value in zip(self._device, self._slot.values, strict=True):
+                setattr(self, name, getattr(self, name) + int(value))  # device-valued fields are counts
+        for name, start, end in self._events:
+            setattr(self, name, getattr(self, name) + start.elapsed_time(end))
+        self._device, self._events, self._slot = [], [], None
 
 
-_SUMMED = [f.name for f in fields(BucketRecord) if f.name != "nonfinite"]
+_SUMMED = [f.name for f in fields(BucketRecord) if not f.name.startswith("_")]
 
 
 def combine(records: Iterable[BucketRecord]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from numbers import Real
 
 import torch
 
-from gradsift.errors import InvalidOptionError, InvalidTensorError, NonFiniteGradientError
+from gradsift.errors import InvalidOptionError, InvalidTensorError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -84,31 +84,3 @@ def as_flat_gradient(tensor: object, name: str = "tensor") -> torch.Tensor:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
         raise InvalidTensorError(f"{name} must have a floating dtype ({allowed}), got {tensor.dtype}")
     return tensor.reshape(-1)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True when no element of ``tensor`` is NaN or +-Inf.
-
-    Reads the sum (accumulated in float32, float64 for float64 input): NaN and Inf
-    propagate through addition (``Inf + -Inf`` is NaN), so the sum is finite exactly
-    when every element is -- except that finite values summing past float32's range
-    (3.4e38) also read as non-finite, which for a gradient is as broken. On CPU this is
-    one streaming read, about 20x faster than ``torch.isfinite(t).all()`` (0.57 vs
-    11.4 ms for 3.2M fp32 elements on one thread). The sum is tested on the host
-    (``math.isfinite``): one kernel and one scalar read, where ``torch.isfinite`` of
-    the sum would add four more small kernels.
-    """
-    accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    return math.isfinite(float(tensor.sum(dtype=accumulate)))
-
-
-def raise_if_nonfinite(statistic: torch.Tensor, what: str = "gradient") -> None:
-    """Raise :class:`NonFiniteGradientError` unless every element of ``statistic`` is finite.
-
-    Callers pass either the input itself (one extra read, see :func:`all_finite`) or,
-    better, a reduction they already computed over the whole input (a sum, a norm, a
-    maximum, the selected top values): it is finite exactly when every element is, so
-    the check costs one host read of a scalar.
-    """
-    if not all_finite(statistic):
-        raise NonFiniteGradientError(f"{what} contains NaN or Inf values")

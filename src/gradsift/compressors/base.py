@@ -1,33 +1,54 @@
 """The compressor protocol and the payload it produces.
 
-A compressor turns one flat gradient into a :class:`Payload` (``compress``) and a
-list of payloads, one per worker, back into the dense mean (``decompress``). It
-never talks to the network and never keeps error-feedback residuals: those are
-:mod:`gradsift.feedback`'s job. Per-tensor state (stage counts, thresholds, RNG
-streams) is kept per ``key`` inside the compressor *instance* and exported with
-``state_dict()`` -- never in class attributes or module globals.
+A compressor turns one flat gradient into a :class:`Payload` and a list of payloads, one
+per worker, back into the dense mean (``decompress``). It never talks to the network and
+never keeps error-feedback residuals: those are :mod:`gradsift.feedback`'s job.
+Per-tensor state (stage counts, thresholds, RNG streams) is kept per ``key`` inside the
+compressor *instance* and exported with ``state_dict()`` -- never in class attributes or
+module globals.
+
+Two ways in, one implementation:
+
+* :meth:`Compressor.encode` is the hot path the DDP hook takes. It never reads a tensor
+  on the host (on a GPU that would stall the device during backward): its payload has a
+  **fixed capacity** known from the options (``capacity`` entries, the unused ones
+  padding at index 0 with value 0, so every additive use of a padded payload ignores
+  them), the number of entries in use is a device scalar (:attr:`Payload.length`), and
+  whether the input held NaN/Inf is a device flag (:attr:`Payload.nonfinite`). Facts the
+  compressor needs on the host later (SIDCo's stage choice) go through the step's
+  :class:`~gradsift.readout.Readout`, read once when the step closes.
+* :meth:`Compressor.compress` is the public call: the same ``encode`` with no capacity
+  (every selected element, exactly), then one host read that raises
+  :class:`~gradsift.errors.NonFiniteGradientError` for a non-finite input and applies
+  the compressor's adaptation.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from gradsift.errors import InvalidOptionError
+from gradsift.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.readout import Readout
 from gradsift.state import TensorStore
 from gradsift.validation import as_flat_gradient, check_ratio
 
-#: Bytes of the length header the wire format sends for every variable-size field.
+#: Bytes of the length word the wire format sends for every variable-size payload.
 FIELD_HEADER_NBYTES = 4
 
 #: Largest position an int32 index can hold; longer tensors send int64 indices.
 INT32_LIMIT = 2**31 - 1
 
 _WIRE_FIELDS = ("values", "indices", "codes", "scales")
+
+#: A count: a host int when the compressor knows it without looking at the data, else a
+#: 0-d integer tensor on the data's device.
+Count = int | torch.Tensor
 
 
 @dataclass
@@ -38,13 +59,21 @@ class Payload:
         numel: length of the dense gradient this payload encodes.
         dtype: dtype of that dense gradient (``decompress`` returns it).
         values: sent values (sparsifiers: ``values[j]`` belongs at ``indices[j]``).
-        indices: 1-D integer positions in ``[0, numel)``, unique within a payload.
+        indices: 1-D integer positions in ``[0, numel)``, strictly increasing over the
+            entries in use.
         codes: packed integer codes (quantizers, VGC's 32-bit words).
         scales: a small 1-D float tensor of per-message scalars (norms, scales).
-        variable_size: True when the payload travels by allgather, whose framing
-            carries a 4-byte length per field (lengths may differ between workers,
-            and the hook's non-finite flag rides in them); False for payloads that
-            go through a plain allreduce (dense casts, seeded random-k).
+        variable_size: True when the payload's entries in use vary (sparsifiers, VGC):
+            the wire then sends one 4-byte length with it; False for payloads whose size
+            depends on ``numel`` only (dense casts, seeded random-k, the quantizers).
+        length: entries in use of a fixed-capacity payload (the first ``length`` of
+            ``values``/``indices``/``codes``; the rest is padding: index 0, value 0);
+            None when every entry is in use.
+        demand: entries the compressor would have sent without the capacity (>= length;
+            the rest stayed in the residual); None when it equals ``length``.
+        nonfinite: 0-d bool tensor, True when the input held NaN or Inf; None for
+            payloads whose values carry every element (dense casts), so that a NaN
+            reaches the receivers by itself.
         info: local facts about the compression (not sent), e.g. the threshold used.
     """
 
@@ -55,6 +84,9 @@ class Payload:
     codes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     variable_size: bool = True
+    length: Count | None = None
+    demand: Count | None = None
+    nonfinite: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def fields(self) -> dict[str, torch.Tensor]:
@@ -63,12 +95,20 @@ class Payload:
 
     @property
     def header_nbytes(self) -> int:
-        """Bytes of framing the wire format adds (one length per variable-size field)."""
-        return FIELD_HEADER_NBYTES * len(self.fields()) if self.variable_size else 0
+        """Bytes of framing the wire format adds: one length word for a variable-size payload."""
+        return FIELD_HEADER_NBYTES if self.variable_size else 0
+
+    @property
+    def capacity(self) -> int:
+        """Entries the payload has room for (all of them are sent, padding included)."""
+        if self.indices is not None:
+            return self.indices.numel()
+        return self.numel if self.values is None else self.values.numel()
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes this payload puts on the wire: data plus headers.
+        """Bytes this payload puts on the wire: every field at its size (a fixed-capacity
+        payload's padding included) plus its header.
 
         Indices are counted at their wire width, :func:`index_dtype` of ``numel``
         (int32 below 2^31 elements), whatever dtype the compressor produced them in.
@@ -79,18 +119,45 @@ class Payload:
             data += fields["indices"].numel() * index_dtype(self.numel).itemsize
         return data + self.header_nbytes
 
+    def entry_nbytes(self) -> int:
+        """Bytes of one entry in use (a value and its index): what ``length`` counts."""
+        size = 0 if self.values is None else self.values.element_size()
+        return size + (index_dtype(self.numel).itemsize if self.indices is not None else 0)
+
+    def entries(self) -> Count:
+        """Entries in use: ``length``, or every entry (a dense payload's: every element)."""
+        return self.capacity if self.length is None else self.length
+
+    def used_nbytes(self) -> Count:
+        """Bytes of the entries in use plus the header: :attr:`nbytes` without the padding
+        (a device scalar for a payload whose ``length`` is one)."""
+        if self.length is None:
+            return self.nbytes
+        padding_entries = self.capacity - self.length
+        return self.nbytes - padding_entries * self.entry_nbytes()
+
     @property
     def count(self) -> int:
-        """Number of selected elements (sparsifiers) or encoded elements."""
+        """Number of selected (or encoded) elements; reads ``length`` on the host if it is a tensor."""
+        if self.length is not None:
+            return int(self.length)
         if self.indices is not None:
             return int(self.indices.numel())
         return self.numel
+
+    def trimmed(self) -> Payload:
+        """The payload without padding (one host read of ``length``); itself when unpadded."""
+        if self.length is None:
+            return self
+        used = int(self.length)
+        cut = {name: t[:used] for name in ("values", "indices") if (t := getattr(self, name)) is not None}
+        return dataclasses.replace(self, **cut, length=None)
 
 
 class Compressor(abc.ABC):
     """Base class of every registered compressor.
 
-    Subclasses set ``name`` and implement :meth:`compress` and :meth:`decompress`.
+    Subclasses set ``name`` and implement :meth:`encode` and :meth:`decompress`.
 
     Class attributes describe how the method is used, not state:
         exchanges: the exchanges (:mod:`gradsift.exchanges`) its payloads can travel
@@ -102,12 +169,14 @@ class Compressor(abc.ABC):
             (biased compressors); the DDP hook wraps it with
             :class:`gradsift.feedback.ErrorFeedback` when True.
         identity: the payload is the gradient itself (``none``), so the DDP hook
-            runs stock DDP's in-place allreduce on the bucket instead of the
-            compress/exchange/decompress path.
+            runs stock DDP's in-place allreduce on the bucket.
         needs_parameters: the method needs to know which parameters a flat tensor
             holds (VGC reads their per-sample variance); the DDP hook then calls
-            ``compress(tensor, key=..., parameters=[p, ...])`` with the parameters in
+            ``encode(tensor, key=..., parameters=[p, ...])`` with the parameters in
             flattening order.
+        adaptive_capacity: the number of entries the method sends follows the data,
+            with no ratio to bound it (a fixed threshold, VGC): the DDP hook then sizes
+            the payload from the counts of earlier steps (:mod:`gradsift.capacity`).
     """
 
     name: ClassVar[str]
@@ -115,6 +184,7 @@ class Compressor(abc.ABC):
     error_feedback: bool = True  # a class default an instance may override (PowerSGD)
     needs_parameters: ClassVar[bool] = False
     identity: ClassVar[bool] = False
+    adaptive_capacity: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).
@@ -127,25 +197,70 @@ class Compressor(abc.ABC):
         """The options this instance was built with (for summaries and reports)."""
         return {}
 
-    @abc.abstractmethod
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
-        """Compress one gradient (any shape; flattened) into a payload.
+    def capacity(self, numel: int) -> int | None:
+        """Entries a fixed-capacity payload of a ``numel``-element tensor has room for
+        (the first step's, for an adaptive-capacity method); None: the payload's size
+        depends on ``numel`` only."""
+        del numel
+        return None
 
-        ``key`` names the tensor (a bucket index, a parameter name) so that
-        per-tensor adaptation state is kept apart.
+    @abc.abstractmethod
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
+        """Compress the 1-D floating-point ``flat`` without reading any tensor on the host.
+
+        ``capacity`` (from :meth:`capacity`, or None for an exact payload) bounds the
+        entries; ``key`` names the tensor so that per-tensor state is kept apart;
+        ``readout`` receives what the compressor needs on the host once the step closes.
         """
+
+    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0, **extra: Any) -> Payload:
+        """Compress one gradient (any shape; flattened) into an exact payload: the method as
+        its paper defines it, with no capacity (under the DDP hook a threshold method's
+        selection beyond the payload's capacity is cut to its largest entries).
+
+        Raises :class:`NonFiniteGradientError` when ``tensor`` holds NaN or Inf (the
+        compressor's state then stays as it was).
+        """
+        flat = as_flat_gradient(tensor)
+        readout = Readout()
+        store = self.store
+        owned = not store.in_transaction
+        if owned:
+            store.begin()
+        before = self.snapshot()
+        payload = self.encode(flat, key=key, capacity=None, readout=readout, **extra)
+        flag = payload.nonfinite
+        if flag is None and payload.values is not None:
+            flag = ~torch.isfinite(payload.values.sum(dtype=torch.float64))
+        checked = None if flag is None else readout.slot(flag)
+        readout.read()
+        if checked is not None and checked[0]:
+            if owned:
+                store.rollback()
+            self.restore(before)
+            raise NonFiniteGradientError("gradient contains NaN or Inf values")
+        if owned:
+            store.commit()
+        readout.commit()
+        return payload.trimmed()
 
     @abc.abstractmethod
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         """Return the mean over ``payloads`` as a dense 1-D tensor of length ``numel``."""
 
-    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> None:
-        """Write the mean over ``payloads`` into ``out`` (1-D, ``numel`` elements), in place.
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor | None:
+        """Write the mean over ``payloads`` (as received) into ``out`` (1-D, ``numel`` elements).
 
-        What the DDP hook calls, with ``out`` a view of the bucket's result: the default
-        copies :meth:`decompress`; sparsifiers scatter straight into ``out``.
+        What the DDP hook calls, with ``out`` a view of the bucket's result, and without
+        a host read: the default copies :meth:`decompress`; sparsifiers scatter straight
+        into ``out``. Returns a 0-d bool device flag when a payload breaks the
+        compressor's own encoding rules beyond what the wire checks (None: nothing to
+        check); decoding stays safe whatever the flag says, and the hook drops the step.
         """
         out.copy_(self.decompress(payloads, out.numel()))
+        return None
 
     def sent_dense(self, payload: Payload) -> torch.Tensor:
         """The dense tensor this worker's payload stands for (its own contribution).
@@ -214,14 +329,42 @@ def target_count(numel: int, ratio: float) -> int:
     return max(1, int(numel * ratio))
 
 
+class Selection(NamedTuple):
+    """What a sparsifier's :meth:`Sparsifier.select` found.
+
+    Attributes:
+        indices: int64 positions, strictly increasing over the first ``length``; with a
+            capacity, exactly that many entries, the unused ones 0.
+        length: entries in use (None: all of ``indices``).
+        nonfinite: 0-d bool, True when the input held NaN or Inf.
+        demand: entries selected before the capacity cut (None: ``length``).
+    """
+
+    indices: torch.Tensor
+    length: Count | None
+    nonfinite: torch.Tensor
+    demand: Count | None = None
+
+
+def in_use(capacity: int, length: Count | None, device: torch.device) -> torch.Tensor | None:
+    """Mask of the entries in use of a ``capacity``-entry payload (None: all of them)."""
+    if length is None or (isinstance(length, int) and length >= capacity):
+        return None
+    return torch.arange(capacity, device=device) < length
+
+
 class Sparsifier(Compressor):
     """A compressor that sends ``(values, indices)`` of selected elements.
 
-    Subclasses implement :meth:`select`, returning the 1-D int64 indices to send.
-    This class handles flattening, the empty tensor, gathering the values, the
-    payload layout and the aggregation ``mean_w scatter_add(indices_w, values_w)``
-    (``index_add_``, so indices repeated across workers add up instead of being
-    dropped).
+    Subclasses implement :meth:`select`. This class handles the empty tensor, gathering
+    the values (zero at padding), the payload layout and the aggregation
+    ``mean_w scatter_add(indices_w, values_w)`` (``index_add_``, so indices repeated
+    across workers add up instead of being dropped; padding adds zero at index 0).
+
+    The capacity of a sparsifier with a ``ratio`` is ``k = max(1, floor(n ratio))``:
+    the ratio is the wire budget, and a threshold method that selects more sends the
+    ``k`` largest of them (:func:`gradsift.kernels.keep_largest`), the rest waiting in
+    error feedback.
     """
 
     exchanges: ClassVar[tuple[str, ...]] = ("allgather", "balanced", "shared-mask")
@@ -232,31 +375,45 @@ class Sparsifier(Compressor):
     def options(self) -> dict[str, Any]:
         return {"ratio": self.ratio}
 
-    @abc.abstractmethod
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        """Return the indices to send for the non-empty flat gradient ``flat``."""
+    def capacity(self, numel: int) -> int | None:
+        return target_count(numel, self.ratio)
 
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
-        flat = as_flat_gradient(tensor)
+    @abc.abstractmethod
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
+        """The elements to send of the non-empty flat gradient ``flat`` (at most ``capacity``)."""
+
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
+        if extra:
+            raise InvalidOptionError(f"{self.name} takes no {', '.join(sorted(extra))}")
         if flat.numel() == 0:
-            indices = torch.empty(0, dtype=torch.int64, device=flat.device)
+            empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
+            selection = Selection(empty, None, torch.zeros((), dtype=torch.bool, device=flat.device))
         else:
-            indices = self.select(flat, key)
+            selection = self.select(flat, key, capacity, readout)
+        values = flat.index_select(0, selection.indices)
+        used = in_use(values.numel(), selection.length, flat.device)
+        if used is not None:
+            values = torch.where(used, values, 0)
         return Payload(
             numel=flat.numel(),
             dtype=flat.dtype,
-            values=flat.index_select(0, indices),
-            indices=indices,
+            values=values,
+            indices=selection.indices,
+            length=selection.length,
+            demand=selection.demand,
+            nonfinite=selection.nonfinite,
         )
 
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
         return scatter_mean(payloads, numel)
 
-    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> None:
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor | None:
         if type(self).decompress is not Sparsifier.decompress:  # a subclass decodes its own way
-            super().decompress_into(payloads, out)
-        else:
-            scatter_mean(payloads, out.numel(), out=out)
+            return super().decompress_into(payloads, out)
+        scatter_mean(payloads, out.numel(), out=out)
+        return None
 
     def sent_dense(self, payload: Payload) -> torch.Tensor:
         return scatter_mean([payload], payload.numel)
@@ -265,27 +422,29 @@ class Sparsifier(Compressor):
 def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense mean of sparse payloads: ``(1/W) sum_w scatter_add(indices_w, values_w)``.
 
-    Uses ``index_add_`` so an index sent by several workers accumulates every value.
-    The result has the payloads' dtype and device; with ``out`` (``numel`` elements of
-    that dtype) it is written there, in place, and returned.
+    Uses ``index_add_`` so an index sent by several workers accumulates every value
+    (padding entries add zero at index 0). The result has the payloads' dtype and
+    device; with ``out`` (``numel`` elements) it is written there, in place, and
+    returned (summed in the payloads' dtype, then cast, when ``out`` has another one).
     """
     if not payloads:
         raise InvalidOptionError("payloads must hold at least one payload")
     first = payloads[0]
-    if out is not None and (out.numel() != numel or out.dtype != first.dtype):
-        raise InvalidOptionError(
-            f"out holds {out.numel()} {out.dtype} elements; the payloads decode to {numel} {first.dtype}"
-        )
-    dense = None if out is None else out.zero_()
+    if out is not None and out.numel() != numel:
+        raise InvalidOptionError(f"out holds {out.numel()} elements; the payloads decode to {numel}")
+    if out is not None and out.dtype != first.dtype:  # a bf16 bucket of fp32 payloads: sum in fp32
+        return out.copy_(scatter_mean(payloads, numel))
     for payload in payloads:
         if payload.numel != numel:
             raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
         if payload.indices is None or payload.values is None:
             raise InvalidOptionError("scatter_mean needs sparse payloads: each with indices and values")
-        if dense is None:
-            dense = torch.zeros(numel, dtype=first.dtype, device=payload.values.device)
-        dense.index_add_(0, payload.indices, payload.values.to(first.dtype))
-    assert dense is not None  # payloads is not empty
+    values = [p.values for p in payloads if p.values is not None]
+    indices = [p.indices for p in payloads if p.indices is not None]
+    joined_values = values[0] if len(values) == 1 else torch.cat([v.to(first.dtype) for v in values])
+    joined_indices = indices[0] if len(indices) == 1 else torch.cat(indices)
+    dense = torch.zeros(numel, dtype=first.dtype, device=joined_values.device) if out is None else out.zero_()
+    dense.index_add_(0, joined_indices, joined_values.to(first.dtype))
     if len(payloads) > 1:
         dense /= len(payloads)
     return dense

@@ -7,29 +7,30 @@ the 16-bit one, which halves the bytes at almost no cost.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError
-from gradsift.validation import as_flat_gradient, raise_if_nonfinite
+from gradsift.readout import Readout
 
 
 class DenseCast(Compressor):
     """Send every element, cast to ``wire_dtype`` (or as is when it is None).
 
     ``decompress`` sums the workers' values in the gradient's own dtype and divides
-    by the number of workers.
+    by the number of workers. A NaN or Inf travels in the values themselves (the payload
+    carries every element, ``nonfinite=None``), as with stock DDP.
     """
 
     exchanges = ("allreduce",)
     error_feedback = False
     wire_dtype: ClassVar[torch.dtype | None] = None
 
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
-        flat = as_flat_gradient(tensor)
-        raise_if_nonfinite(flat)
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
         values = flat if self.wire_dtype is None else flat.to(self.wire_dtype)
         return Payload(numel=flat.numel(), dtype=flat.dtype, values=values, variable_size=False)
 

@@ -8,15 +8,14 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.compressors.threshold import selected_finite
-from gradsift.kernels import select_above_threshold
-from gradsift.validation import check_int, check_real, raise_if_nonfinite
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.threshold import threshold_selection
+from gradsift.kernels import Candidates, keep_largest
+from gradsift.readout import Readout
+from gradsift.validation import check_int, check_real
 
-#: Over-selection bound: above ``OVER * k`` selected elements, DGC runs top-k on the selection.
+#: Over-selection bound of the paper: above ``OVER * k`` selected elements, DGC runs top-k on them.
 OVER = 4 / 3
-#: "Far too few": below ``UNDER * k`` selected elements, fall back to exact top-k.
-UNDER = 1 / 2
 
 
 class DGC(Sparsifier):
@@ -27,11 +26,13 @@ class DGC(Sparsifier):
     1. Draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))`` positions
        uniformly (with replacement) from this instance's generator; ``a = |g|`` there.
     2. ``eta`` = the smallest of the ``ceil(s * ratio)`` largest sampled magnitudes.
-    3. Select ``{i : |g_i| > eta}`` (count ``c``).
-    4. If ``c > 4/3 k``: exact top-k among the selected (DGC's hierarchical top-k).
-       If ``c < k/2`` (the sample missed the tail, or ties at ``eta``): exact top-k
-       over all of ``|g|`` -- a documented fallback, so the count is never far below
-       ``k``. Otherwise send the ``c`` selected elements.
+    3. Select ``{i : |g_i| >= eta}`` (count ``c``; ties at ``eta`` included, so a
+       constant tensor is never left unsent).
+    4. If ``c > 4/3 k``: the exact top-k among the selected (DGC's hierarchical top-k).
+       Under the DDP hook the payload has room for ``k``, so there any ``c > k`` is cut
+       to the ``k`` largest (the rest waits in error feedback). Fewer than ``k`` (the
+       sample missed the tail) are sent as they are: an exact top-k over all of ``|g|``
+       in that case would need the count on the host, which a GPU only has after a stall.
 
     DGC's momentum correction and momentum factor masking are error-feedback
     concerns: use :class:`gradsift.feedback.ErrorFeedback` with ``momentum=m``
@@ -46,11 +47,9 @@ class DGC(Sparsifier):
 
     State (``state_dict``): the generator state per device.
 
-    Cost: one comparison pass over ``n``
-    (:func:`gradsift.kernels.select_above_threshold`), a top-k over the sample (and
-    over ``c`` elements when trimming; ``abs`` over all ``n`` only in the top-k
-    fallback); the non-finite check reads only the sampled threshold and the
-    selected values (the comparison selects NaN).
+    Cost: one comparison pass over ``n`` (:func:`gradsift.kernels.select_above`), a
+    top-k over the sample (and over ``c`` elements when trimming); the non-finite check
+    reads only the selected values (the comparison selects NaN).
     """
 
     name = "dgc"
@@ -79,7 +78,7 @@ class DGC(Sparsifier):
             self.generators[name] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[name]
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         n = flat.numel()
         k = target_count(n, self.ratio)
         size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
@@ -88,13 +87,13 @@ class DGC(Sparsifier):
             flat.index_select(0, positions).abs(), math.ceil(size * self.ratio), sorted=False
         ).values
         eta = top.min()
-        raise_if_nonfinite(eta)
-        indices = select_above_threshold(flat, float(eta))
-        if indices.numel() > OVER * k:
-            indices = indices[torch.topk(flat.index_select(0, indices).abs(), k, sorted=False).indices]
-        elif indices.numel() < UNDER * k:
-            indices = torch.topk(flat.abs(), k, sorted=False).indices
-        return selected_finite(flat, indices)
+        # ">= eta": the comparison is strict, so a hair below eta (in the gradient's dtype)
+        # -- ties at eta (a constant tensor) are selected and cut to k, never left to stall
+        selection = threshold_selection(flat, eta - eta.abs() * torch.finfo(flat.dtype).eps, capacity)
+        if capacity is None and selection.indices.numel() > OVER * k:  # compress(): host-sized
+            indices, _ = keep_largest(flat, Candidates(selection.indices, None, selection.indices.numel()), k)
+            return selection._replace(indices=indices)
+        return selection
 
     def state_dict(self) -> dict[str, Any]:
         return {"generators": {name: g.get_state() for name, g in self.generators.items()}}

@@ -44,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.collectives import started
+from gradsift.readout import Readout
 from gradsift.validation import check_bool, check_int, check_real
 
 #: The ``PowerSGDState`` fields a checkpoint needs (the hyperparameters come from the options).
@@ -183,7 +184,9 @@ class PowerSGD(Compressor):
             )
         self.layouts[index] = layout
 
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
         raise _hook_only()
 
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from gradsift.bitpack import bits_for
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
-from gradsift.validation import check_int, raise_if_nonfinite
+from gradsift.validation import check_int
 
 #: Largest ``levels``: signed levels ``[-s, s]`` then fit 8-bit codes (the widest bitpack packs).
 MAX_LEVELS = 127
@@ -49,7 +49,6 @@ class QSGD(StochasticQuantizer):
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buckets = self._buckets(flat.to(compute_dtype(flat.dtype)), fill=0.0)
         norms = torch.linalg.vector_norm(buckets, dim=1)
-        raise_if_nonfinite(norms)
         tiny = torch.finfo(norms.dtype).tiny
         ratio = buckets.abs().mul_((self.levels / norms.clamp_min(tiny)).unsqueeze(1)).clamp_(max=self.levels)
         levels = ratio.floor()

@@ -3,8 +3,9 @@
 A quantizer encodes *every* element as a fixed-width unsigned code and adds a few
 float scales (a norm, a maximum). The payload is ``codes`` (bit-packed with
 :mod:`gradsift.bitpack`, ``ceil(n*b/8)`` bytes) plus ``scales``; its size depends only
-on ``numel``, but it travels by allgather, whose framing sends one 4-byte length per
-field, so ``nbytes`` counts those headers too (``variable_size=True``).
+on ``numel`` (``variable_size=False``: no length travels with it). Whether the input
+held NaN/Inf is a device flag computed from the scales (a norm or maximum propagates
+NaN and is Inf when any element is).
 
 Aggregation is ``(1/W) sum_w decode(payload_w)``: codes of different workers are
 relative to different scales and do not survive element-wise summation, so these
@@ -26,7 +27,8 @@ import torch.distributed as dist
 from gradsift.bitpack import pack, packed_nbytes, unpack
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError, WireFormatError
-from gradsift.validation import as_flat_gradient, check_int
+from gradsift.readout import Readout
+from gradsift.validation import check_int
 
 #: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
 RANK_SEED_STRIDE = 1_000_003
@@ -48,14 +50,16 @@ class Quantizer(Compressor):
 
     @abc.abstractmethod
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``."""
+        """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``;
+        the scales are non-finite exactly when ``flat`` holds NaN or Inf."""
 
     @abc.abstractmethod
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Decode int64 ``codes`` with their ``scales`` into a dense tensor of ``dtype``."""
 
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
-        flat = as_flat_gradient(tensor)
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
         numel = flat.numel()
         if numel == 0:
             codes = torch.empty(0, dtype=torch.int64, device=flat.device)
@@ -67,6 +71,8 @@ class Quantizer(Compressor):
             dtype=flat.dtype,
             codes=pack(codes, self.code_bits),
             scales=scales,
+            variable_size=False,
+            nonfinite=~torch.isfinite(scales.sum()),
         )
         payload.info["bits_per_element"] = 8 * payload.nbytes / numel if numel else 0.0
         return payload

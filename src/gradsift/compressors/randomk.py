@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Payload, Sparsifier, index_dtype, target_count
-from gradsift.validation import check_int, raise_if_nonfinite
+from gradsift.compressors.base import Payload, Selection, Sparsifier, index_dtype, target_count
+from gradsift.readout import Readout
+from gradsift.validation import check_int
 
 
 @dataclass
@@ -51,44 +52,41 @@ def stream_seed(seed: int, key: Hashable, step: int) -> int:
 
 
 def first_distinct(draws: torch.Tensor) -> torch.Tensor:
-    """The distinct values of ``draws`` in order of first appearance.
+    """Mask of the draws that are the first appearance of their value.
 
-    A stable sort groups equal values with the earliest draw first; the first of
-    each group is marked and mapped back to draw order. ``O(m log m)`` for ``m``
-    draws, no memory proportional to the range of the values.
+    A stable sort groups equal values with the earliest draw first; the first of each
+    group is marked and mapped back to draw order. ``O(m log m)`` for ``m`` draws, no
+    memory proportional to the range of the values.
     """
     ordered, order = torch.sort(draws, stable=True)
     starts = torch.ones_like(ordered, dtype=torch.bool)
     starts[1:] = ordered[1:] != ordered[:-1]
-    keep = torch.zeros_like(starts)
-    keep[order[starts]] = True
-    return draws[keep]
+    first = torch.zeros_like(starts)
+    first.index_put_((order,), starts)
+    return first
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """``k`` distinct positions of ``[0, n)``, every ``k``-subset equally likely.
+    """``k`` distinct positions of ``[0, n)``, every ``k``-subset equally likely, in draw order.
 
     For ``k <= n/2``: the first ``k`` distinct values of an i.i.d. uniform stream
     (sequential sampling without replacement by rejection). The stream length ``m``
-    solves ``n (1 - exp(-m/n)) = k + 4 sqrt(k) + 16`` (expected distinct count
-    above ``k`` by a margin), and is extended in the rare case it falls short.
+    solves ``n (1 - exp(-m/n)) = k + 8 sqrt(k) + 32``: the number of distinct values in
+    ``m`` draws has mean ``n (1 - e^(-m/n))`` and a standard deviation below
+    ``sqrt(k)``, so falling short of ``k`` is an 8-sigma event (the first ``k`` distinct
+    are found by ``nonzero_static``, without reading the count on the host; in that
+    event the missing positions are 0, the same on every worker).
     For ``k > n/2`` the stream would need up to ``n ln n`` draws, so a random
     permutation is cut instead.
     """
     if 2 * k > n:
         return torch.randperm(n, generator=generator, device=generator.device)[:k]
-    wanted = min(n - 0.5, k + 4 * math.sqrt(k) + 16)
+    wanted = min(n - 0.5, k + 8 * math.sqrt(k) + 32)
     length = math.ceil(-n * math.log1p(-wanted / n))
     # int32 positions when they fit: the sort is the cost, and it is several times faster.
-    dtype = index_dtype(n)
-
-    def draw(count: int) -> torch.Tensor:
-        return torch.randint(n, (count,), generator=generator, device=generator.device, dtype=dtype)
-
-    draws = draw(length)
-    while (distinct := first_distinct(draws)).numel() < k:
-        draws = torch.cat([draws, draw(k)])
-    return distinct[:k].long()
+    draws = torch.randint(n, (length,), generator=generator, device=generator.device, dtype=index_dtype(n))
+    first = torch.nonzero_static(first_distinct(draws), size=k, fill_value=-1).view(-1)
+    return torch.where(first >= 0, draws.index_select(0, first.clamp_min(0)), 0).long()
 
 
 class RandomK(Sparsifier):
@@ -122,21 +120,25 @@ class RandomK(Sparsifier):
     def options(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "seed": self.seed}
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        raise_if_nonfinite(torch.stack(torch.aminmax(flat)))
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
+        smallest, largest = torch.aminmax(flat)
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
         generator = torch.Generator(device=flat.device).manual_seed(stream_seed(self.seed, key, step))
-        return sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
+        drawn = sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
+        return Selection(drawn, None, ~torch.isfinite(smallest + largest))
 
-    def compress(self, tensor: torch.Tensor, *, key: Hashable = 0) -> Payload:
-        payload = super().compress(tensor, key=key)
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
+        payload = super().encode(flat, key=key, capacity=capacity, readout=readout, **extra)
         return SharedIndexPayload(
             numel=payload.numel,
             dtype=payload.dtype,
             values=payload.values,
             indices=payload.indices,
             variable_size=False,
+            nonfinite=payload.nonfinite,
         )
 
     def state_dict(self) -> dict[str, Any]:

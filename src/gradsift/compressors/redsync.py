@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.validation import check_int, raise_if_nonfinite
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.threshold import mask_selection
+from gradsift.readout import Readout
+from gradsift.validation import check_int
 
 
 class RedSync(Sparsifier):
@@ -22,17 +24,21 @@ class RedSync(Sparsifier):
     3. Send ``{i : a_i > eta(lo)}``: the bracket's hit, or else the highest ``r``
        seen that still selected at least ``k`` (``r = 0``, the mean, when none did --
        then fewer than ``k`` can be sent: the method cannot go below the mean).
-    4. Only if that selects nothing from a non-zero gradient (every element tied at
-       ``M``, e.g. a constant tensor) fall back to exact top-k, so error feedback
-       never stalls.
+    4. The elements at the maximum ``M > 0`` are always sent too, so that a gradient
+       whose elements all tie at ``M`` (a constant tensor) still sends something and
+       error feedback never stalls.
+
+    The search runs on the device: "stop" freezes ``lo`` and ``hi`` for the remaining
+    steps (``torch.where``), so every call makes ``iterations`` count passes and no host
+    read. Under the DDP hook the payload has room for ``k``: of more, the largest go.
 
     Options:
         ratio: target density in (0, 1].
         iterations: bound on the search steps, integer in [1, 64] (default 10).
 
-    Cost: ``abs``, one mean/max pass, one count pass per search step, one
-    ``nonzero`` pass. The maximum doubles as the non-finite check (it propagates
-    NaN and is Inf when any element is).
+    Cost: ``abs``, one mean/max pass, ``iterations`` count passes, one selection pass.
+    The maximum doubles as the non-finite check (it propagates NaN and is Inf when any
+    element is).
     """
 
     name = "redsync"
@@ -44,27 +50,21 @@ class RedSync(Sparsifier):
     def options(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "iterations": self.iterations}
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         k = target_count(flat.numel(), self.ratio)
         magnitudes = flat.abs()
-        maximum = magnitudes.max()
-        raise_if_nonfinite(maximum)
-        mean, top = float(magnitudes.mean()), float(maximum)
-        lo, hi = 0.0, 1.0
-        selected = None  # the mask at eta(lo), once evaluated
+        top = magnitudes.max()
+        mean = magnitudes.mean()
+        lo = torch.zeros((), dtype=mean.dtype, device=flat.device)
+        hi = torch.ones_like(lo)
+        searching = torch.ones((), dtype=torch.bool, device=flat.device)
         for _ in range(self.iterations):
             r = (lo + hi) / 2
-            mask = magnitudes > mean + r * (top - mean)
-            count = int(torch.count_nonzero(mask))
-            if count < k:
-                hi = r
-            else:
-                lo, selected = r, mask
-                if count <= 2 * k:
-                    break
-        if selected is None:
-            selected = magnitudes > mean
-        indices = selected.nonzero().view(-1)
-        if indices.numel() == 0 and top > 0:
-            indices = torch.topk(magnitudes, k, sorted=False).indices
-        return indices
+            count = (magnitudes > mean + r * (top - mean)).sum()
+            few = searching & (count < k)
+            enough = searching & ~(count < k)
+            hi = torch.where(few, r, hi)
+            lo = torch.where(enough, r, lo)
+            searching = searching & ~(enough & (count <= 2 * k))
+        mask = (magnitudes > mean + lo * (top - mean)) | ((magnitudes >= top) & (top > 0))
+        return mask_selection(flat, mask, capacity, ~torch.isfinite(top))

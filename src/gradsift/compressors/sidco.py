@@ -27,11 +27,13 @@ target count ``k = max(1, floor(n delta))``:
    ``eta`` predicts the achieved count; if it misses the expected ``k S/n`` by more
    than a factor ``1.25`` (or 3 standard errors, ``exp(3/sqrt(k S/n))``, when the
    sample is not the whole tensor), ``eta`` becomes the sample's own quantile
-   (``kthvalue`` on ``S`` elements). This is what holds the density on
-   error-compensated gradients, where a few percent of ``eta`` moves the count 10-30x.
+   (the value with ``round(k S/n)`` sample elements above it). This is what holds
+   the density on error-compensated gradients, where a few percent of ``eta`` moves
+   the count 10-30x.
 5. **Select** ``|g| > eta`` over the full tensor
-   (:func:`gradsift.compressors.threshold.select_above_threshold`: one read of
-   memory; NaN is selected, so checking the selected values checks all ``n``).
+   (:func:`gradsift.compressors.threshold.threshold_selection`: one read of memory;
+   NaN is selected, so checking the selected values checks all ``n``); with a
+   capacity (the DDP hook's ``k``), the ``k`` largest of them when there are more.
 6. **Adapt** (``adapt=True``): with ``L = ln(achieved/k)`` and ``s`` the local
    log-log slope ``d ln(count)/d ln(eta)`` measured on the sample, the next
    correction is ``c = ln(eta/eta_M) - 0.5 L/s`` (damped Newton step in log space,
@@ -40,33 +42,40 @@ target count ``k = max(1, floor(n delta))``:
    count best on the sample: all candidates on the first call, ``M-1..M+1`` every
    ``stage_period`` calls (``c`` is re-based so the applied threshold is continuous).
 
-Every sample count a call needs (the check, the slope, the stage candidates) comes
-from one broadcast comparison of the sample with all those thresholds
-(:class:`SampleCounts`). Per-tensor state (stage count, log correction, call count,
-last threshold) lives in the instance per ``key`` and round-trips through
-``state_dict()``.
+Everything runs on the gradient's device without a host read: the fits, thresholds,
+the correction and the sample counts are 0-d tensors, and each choice between two
+thresholds is a ``torch.where``. The sample counts a call needs come from broadcast
+comparisons of the sample with several thresholds at once (:func:`sample_counts`). The
+one decision the host must make -- which stage count the next calls use, since it sets
+how many stages are computed -- is taken from the sample errors read once when the
+DDP hook's step closes (``readout``; at once in :meth:`compress`), and applied only
+if that step is kept. Per-tensor state (stage count, log correction, call count, last
+threshold) lives in the instance per ``key`` and round-trips through ``state_dict()``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.compressors.threshold import selected_finite
+from gradsift.compressors.base import Count, Selection, Sparsifier, target_count
+from gradsift.compressors.threshold import threshold_selection
 from gradsift.compressors.topk import top_k_selection
-from gradsift.errors import InvalidOptionError, NonFiniteGradientError
-from gradsift.kernels import CallingThreadOnly, counts_above, select_above_threshold, values_above
+from gradsift.errors import InvalidOptionError
+from gradsift.kernels import CallingThreadOnly
+from gradsift.readout import Readout
 from gradsift.stats import (
     MagnitudeFit,
-    fit_exponential,
-    fit_exponential_excess,
-    fit_gamma,
-    fit_generalized_pareto,
-    fit_generalized_pareto_excess,
+    Moments,
+    exponential_excess,
+    exponential_of,
+    gamma_of,
+    generalized_pareto_excess,
+    generalized_pareto_of,
+    moments,
     statistics_dtype,
 )
 from gradsift.validation import check_int, check_real
@@ -80,6 +89,7 @@ _DAMPING = 0.5
 _MAX_STEP = 1.0
 _MAX_LOG_CORRECTION = math.log(100.0)
 _STAGE_MARGIN = 0.05  # a stage count must predict better by this much (in |ln|) to replace the current
+_STATE_KEYS = {"stages", "log_correction", "calls", "threshold"}
 
 
 def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
@@ -101,50 +111,43 @@ def max_stage_count(ratio: float) -> int:
     return max(1, math.ceil(math.log2(1.0 / ratio) - 1e-12))
 
 
-def slope_points(eta: float) -> tuple[float, float]:
+def sample_counts(sample: torch.Tensor, thresholds: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[#{s > t} for t in thresholds]`` as a float64 tensor: one broadcast comparison."""
+    bounds = torch.stack([t.to(torch.float64) for t in thresholds])
+    return torch.gt(sample.unsqueeze(1), bounds.to(sample.dtype)).sum(0, dtype=torch.float64)
+
+
+def sample_quantile(sample: torch.Tensor, keep: int) -> torch.Tensor:
+    """The sample value with exactly ``keep`` elements above it (the ``(keep+1)``-th largest;
+    ties may leave fewer above it)."""
+    return torch.topk(sample, keep + 1, sorted=False).values.min()
+
+
+def log_miss(count: torch.Tensor | Count, expected: float) -> torch.Tensor | float:
+    """``ln((count + 1/2) / (expected + 1/2))``: how far a count is from its target, in log space."""
+    if isinstance(count, torch.Tensor):
+        return torch.log((count.double() + 0.5) / (expected + 0.5))
+    return math.log((count + 0.5) / (expected + 0.5))
+
+
+def device_threshold(fit: MagnitudeFit, ratio: float) -> torch.Tensor:
+    """``fit``'s exceedance threshold for ``ratio``: a tensor, since the fit's fields are."""
+    threshold = fit.exceedance_threshold(ratio)
+    assert isinstance(threshold, torch.Tensor)  # fits of device moments have tensor fields
+    return threshold
+
+
+def correction_of(state: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The state's log correction as a float64 0-d tensor on ``device`` (a float before the first fit)."""
+    correction = state["log_correction"]
+    if isinstance(correction, torch.Tensor):
+        return correction.to(device, torch.float64)
+    return torch.full((), float(correction), dtype=torch.float64, device=device)
+
+
+def slope_points(eta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The thresholds ``eta e^(-+0.1)`` at which the sample's log-log slope is read."""
     return eta * math.exp(-_SLOPE_STEP), eta * math.exp(_SLOPE_STEP)
-
-
-class SampleCounts:
-    """Exceedance counts ``#{s > eta}`` of one sample, many thresholds per call.
-
-    :meth:`prefetch` counts every new threshold at once
-    (:func:`gradsift.kernels.counts_above`: on a GPU one comparison, one reduction and
-    one host transfer for all of them); calling the object returns a count, computing
-    it only if it was not prefetched. Thresholds are compared in the sample's dtype.
-    """
-
-    def __init__(self, sample: torch.Tensor) -> None:
-        self.sample = sample
-        self._counts: dict[float, int] = {}
-
-    def prefetch(self, thresholds: Iterable[float]) -> None:
-        missing = sorted(set(thresholds) - self._counts.keys())
-        if missing:
-            self._counts.update(zip(missing, counts_above(self.sample, missing), strict=True))
-
-    def __call__(self, eta: float) -> int:
-        self.prefetch((eta,))
-        return self._counts[eta]
-
-    def record(self, eta: float, count: int) -> None:
-        """Remember a count the caller already has (the size of an exceedance set it formed)."""
-        self._counts[eta] = count
-
-    def value_with_above(self, keep: int) -> float:
-        """The sample value with exactly ``keep`` elements above it: the ``(S - keep)``-th smallest.
-
-        The order statistic lies in every tail ``{s > t}`` holding more than ``keep``
-        elements (it is the ``(m - keep)``-th smallest of an ``m``-element tail), so
-        ``kthvalue`` runs on the smallest such tail among the counts already known,
-        and on the whole sample only when none is.
-        """
-        known = [(count, eta) for eta, count in self._counts.items() if count > keep]
-        if not known:
-            return float(torch.kthvalue(self.sample, self.sample.numel() - keep).values)
-        count, eta = min(known)
-        return float(torch.kthvalue(values_above(self.sample, eta), count - keep).values)
 
 
 class _SIDCo(Sparsifier):
@@ -167,7 +170,7 @@ class _SIDCo(Sparsifier):
     """
 
     first_fit: ClassVar[staticmethod[[torch.Tensor], MagnitudeFit]]
-    tail_fit: ClassVar[staticmethod[[torch.Tensor], tuple[float, MagnitudeFit]]]
+    tail_fit: ClassVar[staticmethod[[Moments], tuple[torch.Tensor, MagnitudeFit]]]
     #: The size from which this variant's statistical path costs less than the exact top-k
     #: on CPU (measured one thread, ratio 0.01; docs/decisions.md): ``exact_below``'s default.
     crossover: ClassVar[int]
@@ -211,49 +214,37 @@ class _SIDCo(Sparsifier):
 
     # -- the statistical threshold ------------------------------------------------
 
-    def fitted_threshold(self, sample: torch.Tensor, stages: int) -> float:
+    def fitted_threshold(self, sample: torch.Tensor, stages: int) -> torch.Tensor:
         """``eta_M`` of the multi-stage fit on ``sample`` (magnitudes) with ``stages`` stages."""
         return self.fitted_thresholds(sample, (stages,))[stages]
 
-    def fitted_thresholds(
-        self, sample: torch.Tensor, candidates: Iterable[int], counts: SampleCounts | None = None
-    ) -> dict[int, float]:
-        """``{M: eta_M}`` for each stage count ``M`` in ``candidates``.
+    def fitted_thresholds(self, sample: torch.Tensor, candidates: Iterable[int]) -> dict[int, torch.Tensor]:
+        """``{M: eta_M}`` (0-d tensors) for each stage count ``M`` in ``candidates``.
 
-        Stage 1's fit and its exceedances are computed once and shared by every ``M``
-        (their number is recorded in ``counts``, when given). Raises
-        :class:`NonFiniteGradientError` when the sample holds NaN or Inf (the stage-1
-        threshold is then not finite).
+        Stage 1's fit is computed once and shared by every ``M``. A NaN or Inf in the
+        sample makes every threshold non-finite (the selection then flags the input).
         """
         first = type(self).first_fit(sample)
-        single = first.exceedance_threshold(self.ratio)
-        if not math.isfinite(single):
-            raise NonFiniteGradientError("gradient contains NaN or Inf values")
-        thresholds: dict[int, float] = {}
-        exceedances = None
+        single = device_threshold(first, self.ratio)
+        eta_1 = None
+        thresholds: dict[int, torch.Tensor] = {}
         for stages in candidates:
             if stages == 1 or self.ratio >= self.first_ratio:
                 thresholds[stages] = single
                 continue
-            eta = first.exceedance_threshold(self.first_ratio)
-            if exceedances is None:
-                exceedances = values_above(sample, eta)
-                if counts is not None:
-                    counts.record(eta, exceedances.numel())
-            thresholds[stages] = self._tail_threshold(exceedances, eta, stages)
+            if eta_1 is None:
+                eta_1 = device_threshold(first, self.first_ratio)
+            thresholds[stages] = self._tail_threshold(sample, eta_1, stages)
         return thresholds
 
-    def _tail_threshold(self, exceedances: torch.Tensor, eta: float, stages: int) -> float:
-        """Stages 2..M from the exceedances of ``eta_1 = eta``."""
+    def _tail_threshold(self, sample: torch.Tensor, eta: torch.Tensor, stages: int) -> torch.Tensor:
+        """Stages 2..M from ``eta_1 = eta``: each fits the excess of the exceedances of the
+        previous threshold; a stage with fewer than 2 exceedances keeps the previous one."""
         stage_ratio = (self.ratio / self.first_ratio) ** (1.0 / (stages - 1))
-        tail = exceedances
-        for stage in range(stages - 1):
-            if stage > 0:
-                tail = values_above(tail, eta)
-            if tail.numel() < 2:
-                break
-            base, fit = type(self).tail_fit(tail)
-            eta = base + fit.exceedance_threshold(stage_ratio)
+        for _ in range(stages - 1):
+            above = moments(sample, above=eta)
+            base, fit = type(self).tail_fit(above)
+            eta = torch.where(above.count >= 2, base + device_threshold(fit, stage_ratio), eta)
         return eta
 
     def _stage_candidates(self, state: dict[str, Any], expected: float) -> range:
@@ -267,63 +258,77 @@ class _SIDCo(Sparsifier):
         return range(current, current + 1)
 
     def _fit_and_apply(
-        self, sample: torch.Tensor, state: dict[str, Any], expected: float, counts: SampleCounts
-    ) -> tuple[float, float]:
-        """``(eta_M, eta)``: the fitted threshold of the stage count in use and the applied one.
+        self, sample: torch.Tensor, state: dict[str, Any], expected: float, readout: Readout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(eta_M, eta)``: the fitted threshold of the stage count in use and the applied
+        one, ``eta_M e^c``.
 
         When several stage counts are evaluated, each one's *uncorrected* threshold is
-        scored by ``|ln(predicted/expected)|`` on the sample; the best replaces the
-        current one only if it is better by :data:`_STAGE_MARGIN`, and ``c`` is re-based
+        scored by ``|ln(predicted/expected)|`` on the sample; once those scores are read
+        (the step's readout), the best replaces the current count only if it is better
+        by :data:`_STAGE_MARGIN`, and ``c`` is re-based
         (``eta_old e^c_old == eta_new e^c_new``) so the applied ``eta`` does not jump.
         """
         current = state["stages"]
-        fitted = self.fitted_thresholds(sample, self._stage_candidates(state, expected), counts)
-        applied = fitted[current] * math.exp(state["log_correction"])
-        if len(fitted) == 1:
-            return fitted[current], applied
-        counts.prefetch([*fitted.values(), applied, *slope_points(applied)])
-        errors = {m: abs(math.log((counts(eta) + 0.5) / (expected + 0.5))) for m, eta in fitted.items()}
+        fitted = self.fitted_thresholds(sample, self._stage_candidates(state, expected))
+        applied = fitted[current] * torch.exp(correction_of(state, sample.device))
+        if len(fitted) > 1:
+            counts = sample_counts(sample, list(fitted.values()))
+            scores = readout.slot(torch.log((counts + 0.5) / (expected + 0.5)).abs())
+            readout.after_commit(
+                lambda: self._choose_stages(state, fitted, dict(zip(fitted, scores.values, strict=True)))
+            )
+        return fitted[current], applied
+
+    @staticmethod
+    def _choose_stages(
+        state: dict[str, Any], fitted: dict[int, torch.Tensor], errors: dict[int, float]
+    ) -> None:
+        """Apply the stage choice of :meth:`_fit_and_apply` (host values of its scores)."""
+        current = state["stages"]
         best = min(errors, key=errors.__getitem__)
-        if errors[current] <= errors[best] + _STAGE_MARGIN:
-            best = current
+        if errors[current] <= errors[best] + _STAGE_MARGIN or best == current:
+            return
         state["stages"] = best
-        if best == current:
-            return fitted[current], applied
-        if fitted[current] > 0 and fitted[best] > 0:
-            state["log_correction"] += math.log(fitted[current] / fitted[best])
-            return fitted[best], applied
-        return fitted[best], fitted[best] * math.exp(state["log_correction"])
+        old, new = fitted[current], fitted[best]
+        correction = correction_of(state, old.device)
+        rebased = correction + torch.log(old.clamp_min(1e-300) / new.clamp_min(1e-300))
+        state["log_correction"] = torch.where((old > 0) & (new > 0), rebased, correction)
 
     # -- closed loop --------------------------------------------------------------
 
     @staticmethod
-    def _checked_on_sample(counts: SampleCounts, eta: float, expected: float, exact: bool) -> float:
+    def _checked_on_sample(
+        sample: torch.Tensor, eta: torch.Tensor, expected: float, exact: bool
+    ) -> torch.Tensor:
         """``eta``, or the sample's own quantile when the sample predicts a clear miss."""
         if expected < (1.0 if exact else _MIN_EXPECTED):
             return eta
         tolerance = (
             _SAMPLE_TOLERANCE if exact else max(_SAMPLE_TOLERANCE, _STANDARD_ERRORS / math.sqrt(expected))
         )
-        miss = math.log((counts(eta) + 0.5) / (expected + 0.5))
-        if abs(miss) <= tolerance:
-            return eta
-        return counts.value_with_above(min(round(expected), counts.sample.numel() - 1))
+        (count,) = sample_counts(sample, [eta])
+        quantile = sample_quantile(sample, min(round(expected), sample.numel() - 1))
+        miss = log_miss(count, expected)
+        assert isinstance(miss, torch.Tensor)  # a count of the sample is a tensor
+        return torch.where(miss.abs() <= tolerance, eta, quantile.double())
 
     @staticmethod
-    def _sample_slope(counts: SampleCounts, eta: float) -> float:
+    def _sample_slope(sample: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
         """``|d ln(count)/d ln(eta)|`` of the sample at ``eta`` (finite difference, bounded)."""
-        below, above = (counts(point) for point in slope_points(eta))
-        slope = math.log((below + 0.5) / (above + 0.5)) / (2 * _SLOPE_STEP)
-        return min(max(slope, _SLOPE_RANGE[0]), _SLOPE_RANGE[1])
+        below, above = sample_counts(sample, slope_points(eta))
+        slope = torch.log((below + 0.5) / (above + 0.5)) / (2 * _SLOPE_STEP)
+        return slope.clamp(*_SLOPE_RANGE)
 
     def _next_correction(
-        self, counts: SampleCounts, eta: float, eta_fit: float, achieved: int, k: int
-    ) -> float:
+        self, sample: torch.Tensor, eta: torch.Tensor, eta_fit: torch.Tensor, achieved: Count, k: int
+    ) -> torch.Tensor:
         """Damped Newton step in log space driving ``achieved/k`` to 1."""
-        log_error = math.log((achieved + 0.5) / (k + 0.5))
-        step = _DAMPING * log_error / self._sample_slope(counts, eta)
-        corrected = math.log(eta / eta_fit) + min(max(step, -_MAX_STEP), _MAX_STEP)
-        return min(max(corrected, -_MAX_LOG_CORRECTION), _MAX_LOG_CORRECTION)
+        step = (_DAMPING * log_miss(achieved, k) / self._sample_slope(sample, eta)).clamp(
+            -_MAX_STEP, _MAX_STEP
+        )
+        corrected = torch.log(eta.clamp_min(1e-300) / eta_fit.clamp_min(1e-300)) + step
+        return corrected.clamp(-_MAX_LOG_CORRECTION, _MAX_LOG_CORRECTION)
 
     # -- Sparsifier ---------------------------------------------------------------
 
@@ -333,61 +338,86 @@ class _SIDCo(Sparsifier):
             self._keys[key] = {"stages": initial, "log_correction": 0.0, "calls": 0, "threshold": 0.0}
         return self._keys[key]
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         state = self._state(key)
         n = flat.numel()
         k = target_count(n, self.ratio)
         with CallingThreadOnly(flat.device, largest=n):
             if self.adapt and n < self.exact_below:
-                indices, magnitudes, state["threshold"] = top_k_selection(flat, k)
-                state["calls"] += 1
-                # like |g| > eta >= 0 on the statistical path, exact zeros are never sent
-                return indices if state["threshold"] > 0 else indices[magnitudes > 0]
-            return self._statistical_selection(flat, k, state)
+                return self._exact_selection(flat, k, state)
+            return self._statistical_selection(flat, k, state, capacity, readout)
 
-    def _statistical_selection(self, flat: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
+    @staticmethod
+    def _exact_selection(flat: torch.Tensor, k: int, state: dict[str, Any]) -> Selection:
+        """Step 0: the exact top-k, exact zeros left out (like ``|g| > eta >= 0``)."""
+        indices, magnitudes, state["threshold"], nonfinite = top_k_selection(flat, k)
+        state["calls"] += 1
+        nonzero = magnitudes > 0
+        last = torch.iinfo(torch.int64).max
+        ordered = torch.sort(torch.where(nonzero, indices, last)).values
+        length = nonzero.sum()
+        return Selection(
+            torch.where(torch.arange(k, device=flat.device) < length, ordered, 0), length, nonfinite
+        )
+
+    def _statistical_selection(
+        self, flat: torch.Tensor, k: int, state: dict[str, Any], capacity: int | None, readout: Readout
+    ) -> Selection:
         """Steps 1-6 of the module docstring."""
         n = flat.numel()
         sample = magnitude_sample(flat, self.sample_size, state["calls"])
         if self.adapt:
             expected = k * sample.numel() / n
-            counts = SampleCounts(sample)
-            eta_fit, eta = self._fit_and_apply(sample, state, expected, counts)
-            counts.prefetch([eta, *slope_points(eta)])
-            eta = self._checked_on_sample(counts, eta, expected, exact=sample.numel() == n)
+            eta_fit, eta = self._fit_and_apply(sample, state, expected, readout)
+            eta = self._checked_on_sample(sample, eta, expected, exact=sample.numel() == n)
         else:
             eta_fit = eta = self.fitted_threshold(sample, state["stages"])
         # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
-        eta = max(eta, 0.0)
-        indices = selected_finite(flat, select_above_threshold(flat, eta))
-        if self.adapt and eta > 0 and eta_fit > 0:
-            state["log_correction"] = self._next_correction(counts, eta, eta_fit, indices.numel(), k)
+        eta = eta.clamp_min(0.0)
+        selection = threshold_selection(flat, eta, capacity)
+        if self.adapt:
+            assert selection.demand is not None  # threshold_selection reports the count
+            corrected = self._next_correction(sample, eta, eta_fit, selection.demand, k)
+            state["log_correction"] = torch.where(
+                (eta > 0) & (eta_fit > 0), corrected, correction_of(state, flat.device)
+            )
         state["calls"] += 1
         state["threshold"] = eta
-        return indices
+        return selection
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"keys": {key: {"stages", "log_correction", "calls", "threshold"}}}`` (plain numbers)."""
+        """``{"keys": {key: {"stages", "log_correction", "calls", "threshold"}}}``: host ints for
+        the counts, 0-d tensors (or floats before the first fit) for the correction and threshold."""
         return {"keys": {key: dict(state) for key, state in self._keys.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"stages", "log_correction", "calls", "threshold"}
         keys = state.get("keys") if isinstance(state, dict) else None
-        if not isinstance(keys, dict) or any(set(entry) != expected for entry in keys.values()):
+        if not isinstance(keys, dict) or any(
+            not isinstance(entry, dict) or set(entry) != _STATE_KEYS for entry in keys.values()
+        ):
             raise InvalidOptionError(
-                f"{self.name} state must be {{'keys': {{key: {{{', '.join(sorted(expected))}}}}}}}, got {state!r:.200}"
+                f"{self.name} state must be {{'keys': {{key: {{{', '.join(sorted(_STATE_KEYS))}}}}}}}, got {state!r:.200}"
             )
         for entry in keys.values():
             check_int(entry["stages"], "stages", low=1, high=self.max_stages)
         self._keys = {key: dict(entry) for key, entry in keys.items()}
 
 
+def _exponential_first(sample: torch.Tensor) -> MagnitudeFit:
+    return exponential_of(moments(sample))
+
+
+def _pareto_first(sample: torch.Tensor) -> MagnitudeFit:
+    whole = moments(sample)
+    return generalized_pareto_of(whole.mean, whole.variance)
+
+
 class SIDCoExponential(_SIDCo):
     """SIDCo-E: exponential first stage, exponential tails (``"sidco-exp"``)."""
 
     name = "sidco-exp"
-    first_fit = staticmethod(fit_exponential)
-    tail_fit = staticmethod(fit_exponential_excess)
+    first_fit = staticmethod(_exponential_first)
+    tail_fit = staticmethod(exponential_excess)
     crossover = 1 << 16
 
 
@@ -395,8 +425,8 @@ class SIDCoGeneralizedPareto(_SIDCo):
     """SIDCo-P: generalized Pareto first stage and tails (``"sidco-gpareto"``)."""
 
     name = "sidco-gpareto"
-    first_fit = staticmethod(fit_generalized_pareto)
-    tail_fit = staticmethod(fit_generalized_pareto_excess)
+    first_fit = staticmethod(_pareto_first)
+    tail_fit = staticmethod(generalized_pareto_excess)
     crossover = 1 << 16
 
 
@@ -404,6 +434,6 @@ class SIDCoGamma(_SIDCo):
     """SIDCo-GP: gamma first stage (zeros dropped, delta rescaled), generalized Pareto tails (``"sidco-gamma"``)."""
 
     name = "sidco-gamma"
-    first_fit = staticmethod(fit_gamma)
-    tail_fit = staticmethod(fit_generalized_pareto_excess)
+    first_fit = staticmethod(gamma_of)
+    tail_fit = staticmethod(generalized_pareto_excess)
     crossover = 1 << 17  # the gamma's first stage takes a logarithm of every sampled element

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from gradsift.compressors.quantization import Quantizer, compute_dtype
-from gradsift.validation import raise_if_nonfinite
 
 
 class SignSGD(Quantizer):
@@ -22,12 +21,11 @@ class SignSGD(Quantizer):
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=compute_dtype(flat.dtype)).reshape(1)
-        raise_if_nonfinite(l1)
         return (flat < 0).to(torch.uint8), l1 / flat.numel()
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signs = torch.tensor([1.0, -1.0], dtype=dtype, device=codes.device)
-        return signs[codes].mul_(scales.to(dtype))
+        signs = (1 - 2 * codes).to(dtype)  # 0 -> +1, 1 -> -1
+        return signs.mul_(scales.to(dtype))
 
 
 class EFSignSGD(SignSGD):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
-from gradsift.validation import check_real, raise_if_nonfinite
+from gradsift.validation import check_real
 
 #: The paper's clipping factor ``c``: elements beyond ``c`` standard deviations are clipped.
 PAPER_CLIP = 2.5
@@ -57,13 +57,13 @@ class TernGrad(StochasticQuantizer):
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         values = self.clipped(flat)
         magnitudes = values.abs()
-        scale = magnitudes.amax().reshape(1)  # NaN propagates through amax, so this checks every element
-        raise_if_nonfinite(scale)
+        scale = magnitudes.amax().reshape(1)  # NaN propagates through amax: the flag checks every element
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))
         kept = self.uniform(probability) < probability
         codes = (values > 0).to(torch.int64).add_(1).mul_(kept)
         return codes, scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ternary = torch.tensor([0.0, -1.0, 1.0], dtype=dtype, device=codes.device)
-        return ternary[codes].mul_(scales.to(dtype))
+        # 0 -> 0, 1 -> -1, 2 -> +1 (and a peer's invalid 3 -> 0): arithmetic, no lookup table to copy
+        ternary = ((codes >> 1) - (codes & 1)).to(dtype)
+        return ternary.mul_(scales.to(dtype))

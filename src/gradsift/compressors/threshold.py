@@ -1,9 +1,9 @@
 """Hard threshold: send every element with ``|g| > eta`` for a fixed, user-chosen ``eta``.
 
-Also home of :func:`selected_finite`, the non-finite check the threshold sparsifiers
-(SIDCo, DGC, this class) end with: their comparison pass
-(:func:`gradsift.kernels.select_above_threshold`) selects NaN and Inf, so a check of
-the ``~k`` selected values is a check of all ``n``.
+Also home of :func:`threshold_selection`, the selection every threshold sparsifier (SIDCo,
+DGC, RedSync, GaussianK, this class) ends with: the elements that pass their test
+(:mod:`gradsift.kernels`), and when there are more than the payload's capacity, the
+largest of them (:func:`gradsift.kernels.keep_largest`).
 """
 
 from __future__ import annotations
@@ -14,47 +14,75 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Sparsifier
-from gradsift.kernels import select_above_threshold
-from gradsift.validation import check_real, raise_if_nonfinite
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.kernels import Candidates, Threshold, keep_largest, select_above, select_mask
+from gradsift.readout import Readout
+from gradsift.validation import check_ratio, check_real
+
+#: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity
+#: (on CPU every selected element is a candidate).
+ROOM = 2
 
 
-def selected_finite(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Return ``indices`` after checking ``values[indices]`` are finite.
+def threshold_selection(flat: torch.Tensor, eta: Threshold, capacity: int | None) -> Selection:
+    """``{i : |flat_i| > eta}`` (NaN included), cut to the ``capacity`` largest when over it."""
+    candidates = select_above(flat, eta, None if capacity is None else ROOM * capacity)
+    assert candidates.nonfinite is not None  # select_above always checks
+    return _fitted(flat, candidates, capacity, candidates.nonfinite)
 
-    ``values`` is the gradient or its magnitudes. With a NaN-inclusive selection
-    (:func:`gradsift.kernels.select_above_threshold`, ``torch.topk``) a
-    non-finite gradient always has a non-finite element among the selected ones,
-    so checking ``len(indices)`` values checks all ``n``.
-    """
-    raise_if_nonfinite(values.index_select(0, indices))
-    return indices
+
+def mask_selection(
+    flat: torch.Tensor, mask: torch.Tensor, capacity: int | None, nonfinite: torch.Tensor
+) -> Selection:
+    """The elements where ``mask`` holds, cut to the ``capacity`` largest when over it."""
+    return _fitted(
+        flat, select_mask(mask, None if capacity is None else ROOM * capacity), capacity, nonfinite
+    )
+
+
+def _fitted(
+    flat: torch.Tensor, candidates: Candidates, capacity: int | None, nonfinite: torch.Tensor
+) -> Selection:
+    if capacity is None:
+        return Selection(candidates.indices, candidates.length, nonfinite, demand=candidates.selected)
+    indices, length = keep_largest(flat, candidates, capacity)
+    return Selection(indices, length, nonfinite, demand=candidates.selected)
 
 
 class HardThreshold(Sparsifier):
     """Send ``{i : |g_i| > eta}`` for a fixed ``eta`` (Strom 2015; Sahu et al. 2021).
 
     Sahu et al. show the fixed threshold is total-error-optimal under a total
-    communication budget: the density follows the data instead of a target, so
-    the method has no ``ratio`` and :meth:`options` reports only ``threshold``.
+    communication budget: the density follows the data instead of a target, so the
+    method has no ``ratio``. Under the DDP hook the payload's capacity follows the
+    counts of earlier steps (``adaptive_capacity``; the first step's is ``first_ratio``
+    of the elements); when more elements pass than there is room for, the largest go
+    and the rest wait in error feedback.
 
     Options:
         threshold: ``eta``, a finite number > 0 (required). Compared in the
             gradient's dtype, so it is rounded to fp16/bf16 for those gradients.
+        first_ratio: the first step's capacity as a fraction of the elements, in (0, 1]
+            (default 0.01).
 
-    Cost: one read of the gradient (:func:`select_above_threshold`); the non-finite
-    check reads only the selected values.
+    Cost: one read of the gradient (:func:`gradsift.kernels.select_above`); the
+    non-finite check reads only the selected values.
     """
 
     name = "threshold"
+    adaptive_capacity = True
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, first_ratio: float = 0.01) -> None:
         self.threshold = check_real(
             threshold, "threshold", low=0.0, high=math.inf, low_open=True, high_open=True
         )
+        self.first_ratio = check_ratio(first_ratio, "first_ratio")
 
     def options(self) -> dict[str, Any]:
-        return {"threshold": self.threshold}
+        return {"threshold": self.threshold, "first_ratio": self.first_ratio}
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        return selected_finite(flat, select_above_threshold(flat, self.threshold))
+    def capacity(self, numel: int) -> int | None:
+        return target_count(numel, self.first_ratio)
+
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
+        return threshold_selection(flat, self.threshold, capacity)

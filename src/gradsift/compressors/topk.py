@@ -2,30 +2,31 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 
 import torch
 
-from gradsift.compressors.base import Sparsifier, target_count
-from gradsift.errors import NonFiniteGradientError
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.readout import Readout
 
 
-def top_k_selection(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(indices, magnitudes, kth)`` of the ``k`` largest ``|flat|`` (``torch.topk``, unsorted).
+def top_k_selection(
+    flat: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices, magnitudes, kth, nonfinite)`` of the ``k`` largest ``|flat|``, in position order.
 
-    ``kth`` is the k-th largest magnitude (the smallest selected one).
-
-    NaN sorts above every number and Inf is the largest value, so a non-finite input
-    always reaches the selection: the ``aminmax`` of the ``k`` selected magnitudes
-    (one kernel) gives both the k-th magnitude and the check of all ``n`` elements.
-    Raises :class:`NonFiniteGradientError` for a NaN or Inf.
+    ``torch.topk`` (unsorted), then the ``k`` positions sorted (the wire sends them
+    ascending) with their magnitudes; ``kth`` is the k-th largest magnitude (the smallest
+    selected one). NaN sorts above every number and Inf is the largest value, so a
+    non-finite input always reaches the selection: the ``aminmax`` of the ``k`` selected
+    magnitudes (one kernel) gives both ``kth`` and the check of all ``n`` elements,
+    ``nonfinite`` (0-d bool). No host read.
     """
     magnitudes, indices = torch.topk(flat.abs(), k, sorted=False)
-    smallest, largest = (float(m) for m in torch.aminmax(magnitudes))
-    if not math.isfinite(largest):  # aminmax propagates NaN
-        raise NonFiniteGradientError("gradient contains NaN or Inf values")
-    return indices, magnitudes, smallest
+    indices, order = torch.sort(indices)
+    magnitudes = magnitudes.index_select(0, order)
+    smallest, largest = torch.aminmax(magnitudes)
+    return indices, magnitudes, smallest, ~torch.isfinite(largest)
 
 
 class TopK(Sparsifier):
@@ -36,5 +37,7 @@ class TopK(Sparsifier):
 
     name = "topk"
 
-    def select(self, flat: torch.Tensor, key: Hashable) -> torch.Tensor:
-        return top_k_selection(flat, target_count(flat.numel(), self.ratio))[0]
+    def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
+        k = target_count(flat.numel(), self.ratio)
+        indices, _, _, nonfinite = top_k_selection(flat, k)
+        return Selection(indices, None, nonfinite)

@@ -20,6 +20,11 @@ mean, ``(1/B) * ((1/B) sum_z g_z^2 - g^2)``), so ``alpha`` is a squared signal-t
 ratio in standard errors: ``alpha = 1`` sends an element once its accumulated value
 exceeds one standard deviation of its accumulated noise.
 
+Under the DDP hook the message has room for a fixed number of words, sized from the
+counts of earlier steps (``adaptive_capacity``; the first step's from ``first_ratio``):
+when more elements pass, the largest are sent and the others stay unsent (their residual
+and variance as in step 4).
+
 VGC's residual *is* its error feedback, so ``error_feedback = False``. ``r`` and ``v``
 live in the compressor's :attr:`~gradsift.compressors.base.Compressor.store` (tables
 ``vgc.residual`` and ``vgc.variance``): under the DDP hook that is the hook's shared
@@ -30,6 +35,7 @@ back with a dropped step. Decompressing sums every worker's decoded words
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -37,10 +43,15 @@ import torch
 from torch import nn
 
 from gradsift.compressors import vgc_codec
-from gradsift.compressors.base import Compressor, Payload, scatter_mean
+from gradsift.compressors.base import Compressor, Payload, in_use, scatter_mean, target_count
 from gradsift.errors import InvalidOptionError
-from gradsift.validation import as_flat_gradient, check_choice, check_real, raise_if_nonfinite
+from gradsift.kernels import Candidates, keep_largest, select_mask, zero_at
+from gradsift.readout import Readout
+from gradsift.validation import check_choice, check_ratio, check_real
 from gradsift.variance import CONV_RULES, METHODS, VarianceTracker
+
+#: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity.
+ROOM = 2
 
 RESIDUAL, VARIANCE = "vgc.residual", "vgc.variance"
 
@@ -48,13 +59,26 @@ RESIDUAL, VARIANCE = "vgc.residual", "vgc.variance"
 class VGCPayload(Payload):
     """A VGC message: ``codes`` (chunk counts + one word per element), ``scales = [M]``.
 
-    ``count`` is the number of elements sent (``Payload.count`` would report ``numel``
-    for a payload without ``indices``).
+    Its capacity is the number of words (``codes`` less the chunk counts), each entry
+    one 4-byte word; ``count`` is the number of elements sent.
     """
 
     @property
-    def count(self) -> int:
+    def capacity(self) -> int:
         return 0 if self.codes is None else self.codes.numel() - vgc_codec.chunk_count(self.numel)
+
+    def entry_nbytes(self) -> int:
+        return 4
+
+    @property
+    def count(self) -> int:
+        return self.capacity if self.length is None else int(self.length)
+
+    def trimmed(self) -> Payload:
+        if self.length is None or self.codes is None:
+            return self
+        used = vgc_codec.chunk_count(self.numel) + int(self.length)
+        return dataclasses.replace(self, codes=self.codes[:used], length=None)
 
 
 class VGC(Compressor):
@@ -69,14 +93,18 @@ class VGC(Compressor):
             (``torch.func``; call ``compressor.tracker.record_exact(...)`` each step).
         conv_rule: ``"approx"`` (cross-position terms dropped) or ``"exact"`` (per-sample
             convolution weight gradients, one layer at a time); see :mod:`gradsift.variance`.
+        first_ratio: under the DDP hook, the first step's room for words as a fraction of
+            the elements, in (0, 1] (default 0.01; later steps follow the counts).
 
     Use standalone with ``compress(grad, variance=s)``, or after :meth:`attach` with
-    ``compress(flat, key=..., parameters=[...])`` (what the DDP hook does).
+    ``compress(flat, key=..., parameters=[...])`` (what the DDP hook does, through
+    :meth:`encode`).
     """
 
     name = "vgc"
     error_feedback = False
     needs_parameters = True
+    adaptive_capacity = True
 
     def __init__(
         self,
@@ -85,12 +113,14 @@ class VGC(Compressor):
         tau: float | None = None,
         variance_method: str = "hooks",
         conv_rule: str = "approx",
+        first_ratio: float = 0.01,
     ) -> None:
         self.alpha = check_real(alpha, "alpha", low=0.0)
         self.zeta = check_real(zeta, "zeta", low=0.0, high=1.0)
         self.tau = None if tau is None else check_real(tau, "tau", low=0.0, low_open=True)
         self.variance_method = check_choice(variance_method, "variance_method", METHODS)
         self.conv_rule = check_choice(conv_rule, "conv_rule", CONV_RULES)
+        self.first_ratio = check_ratio(first_ratio, "first_ratio")
         self.tracker: VarianceTracker | None = None
 
     def options(self) -> dict[str, Any]:
@@ -100,7 +130,11 @@ class VGC(Compressor):
             "tau": self.tau,
             "variance_method": self.variance_method,
             "conv_rule": self.conv_rule,
+            "first_ratio": self.first_ratio,
         }
+
+    def capacity(self, numel: int) -> int | None:
+        return target_count(numel, self.first_ratio)
 
     def attach(self, module: nn.Module) -> None:
         """Install the variance hooks on ``module`` (once; a second call replaces them)."""
@@ -108,21 +142,25 @@ class VGC(Compressor):
             self.tracker.remove()
         self.tracker = VarianceTracker(module, method=self.variance_method, conv_rule=self.conv_rule)
 
-    def compress(
+    def encode(
         self,
-        tensor: torch.Tensor,
+        flat: torch.Tensor,
         *,
-        key: Hashable = 0,
+        key: Hashable,
+        capacity: int | None,
+        readout: Readout,
         parameters: Sequence[nn.Parameter] | None = None,
         variance: torch.Tensor | None = None,
+        **extra: Any,
     ) -> Payload:
-        """Accumulate ``tensor`` and its variance under ``key``; send what passes the test.
+        """Accumulate ``flat`` and its variance under ``key``; send what passes the test.
 
         The variance comes from ``variance`` (same number of elements), or from the
         attached tracker for ``parameters`` (their gradients concatenated in order
-        make up ``tensor``; parameters without a recorded variance count as 0).
+        make up ``flat``; parameters without a recorded variance count as 0). No host read.
         """
-        flat = as_flat_gradient(tensor)
+        if extra:
+            raise InvalidOptionError(f"vgc takes no {', '.join(sorted(extra))}")
         step_variance = self._step_variance(flat, parameters, variance)
         residual = self.store.get(RESIDUAL, key)
         accumulated = self.store.get(VARIANCE, key)
@@ -131,32 +169,52 @@ class VGC(Compressor):
                 f"tensor {key!r} changed from {residual.numel()} to {flat.numel()} elements; "
                 f"call reset({key!r}) when a bucket is rebuilt"
             )
-        # New tensors, committed only after the finiteness check: a NaN never enters the state.
+        # New tensors, put into the store: the hook's step rolls them back if a rank was non-finite.
         residual = flat.clone() if residual is None else residual + flat
         accumulated = step_variance if accumulated is None else step_variance.add_(accumulated)
 
         squared = residual * residual
         # "not (r^2 <= alpha v)" rather than "r^2 > alpha v": a NaN is selected, so it
-        # reaches the scale M below, whose finiteness check then covers every element.
+        # reaches the scale M below, whose finiteness covers every element.
         keep = squared <= accumulated * self.alpha
         if self.tau is not None:
             keep &= squared <= self.tau * self.tau
-        candidates = torch.nonzero(~keep).squeeze(1)
-        magnitudes = residual[candidates].abs()
-        if candidates.numel():
-            scale = magnitudes.max()
-            raise_if_nonfinite(scale)
-            # Below M * 2^-7.5 a value would be sent as M/128, injecting that overshoot as
-            # noise: it stays in the residual instead (unsent, its variance keeps decaying).
-            candidates = candidates[vgc_codec.representable(magnitudes, scale)]
-        indices = candidates
-        codes, scales, quantized = vgc_codec.encode(indices, residual[indices], flat.numel())
+        room = None if capacity is None else ROOM * capacity
+        passed = select_mask(~keep, room)
+        magnitudes = residual.index_select(0, passed.indices).abs()
+        used = in_use(passed.indices.numel(), passed.length, flat.device)
+        live = magnitudes if used is None else torch.where(used, magnitudes, 0.0)
+        scale = live.max() if live.numel() else live.new_zeros(())
+        # Below M * 2^-7.5 a value would be sent as M/128, injecting that overshoot as
+        # noise: it stays in the residual instead (unsent, its variance keeps decaying).
+        sendable = vgc_codec.representable(magnitudes, scale)
+        if used is not None:
+            sendable &= used
+        chosen = select_mask(sendable, None if capacity is None else passed.indices.numel())
+        candidates = Candidates(
+            passed.indices.index_select(0, chosen.indices), chosen.length, chosen.selected
+        )
+        if capacity is None:
+            indices, length = candidates.indices, None
+        else:
+            indices, length = keep_largest(residual, candidates, capacity)
+        codes, scales, quantized = vgc_codec.encode(
+            indices, residual.index_select(0, indices), flat.numel(), length
+        )
 
         residual.index_add_(0, indices, quantized, alpha=-1)
-        accumulated.mul_(self.zeta).index_fill_(0, indices, 0)
+        zero_at(accumulated.mul_(self.zeta), indices, in_use(indices.numel(), length, flat.device))
         self.store.put(RESIDUAL, key, residual)
         self.store.put(VARIANCE, key, accumulated)
-        return VGCPayload(numel=flat.numel(), dtype=flat.dtype, codes=codes, scales=scales)
+        return VGCPayload(
+            numel=flat.numel(),
+            dtype=flat.dtype,
+            codes=codes,
+            scales=scales,
+            length=length,
+            demand=None if capacity is None else chosen.selected,
+            nonfinite=~torch.isfinite(scale),
+        )
 
     def _step_variance(
         self, flat: torch.Tensor, parameters: Sequence[nn.Parameter] | None, variance: torch.Tensor | None
@@ -180,13 +238,27 @@ class VGC(Compressor):
         return self.tracker.take_variance(parameters, flat)
 
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        """The mean of exact messages (:func:`vgc_codec.decode`: strict, raises on a malformed one)."""
         decoded = []
         for payload in payloads:
-            if payload.codes is None or payload.scales is None:
-                raise InvalidOptionError("a vgc payload carries codes and scales")
-            indices, values = vgc_codec.decode(payload.codes, payload.scales, numel)
-            decoded.append(Payload(numel=payload.numel, dtype=payload.dtype, values=values, indices=indices))
-        return scatter_mean(decoded, numel)
+            codes, scales = _codes_and_scales(payload)
+            indices, values = vgc_codec.decode(codes, scales, numel)
+            decoded.append(Payload(numel=payload.numel, dtype=torch.float32, values=values, indices=indices))
+        return scatter_mean(decoded, numel).to(payloads[0].dtype)
+
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor | None:
+        """The mean of (fixed-capacity) messages into ``out`` without a host read; returns the
+        malformed flag (:func:`vgc_codec.decode_words`' problems, OR-ed over the messages)."""
+        decoded, problems = [], []
+        for payload in payloads:
+            codes, scales = _codes_and_scales(payload)
+            indices, values, found = vgc_codec.decode_words(codes, scales, out.numel(), payload.length)
+            decoded.append(
+                Payload(numel=payload.numel, dtype=out.dtype, values=values.to(out.dtype), indices=indices)
+            )
+            problems.append(found)
+        scatter_mean(decoded, out.numel(), out=out)
+        return torch.stack(problems).amax() > 0
 
     @property
     def residuals(self) -> dict[Hashable, torch.Tensor]:
@@ -232,3 +304,9 @@ class VGC(Compressor):
         for table, name in ((RESIDUAL, "residuals"), (VARIANCE, "variances")):
             for key, tensor in state[name].items():
                 self.store.put(table, key, tensor.clone())
+
+
+def _codes_and_scales(payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+    if payload.codes is None or payload.scales is None:
+        raise InvalidOptionError("a vgc payload carries codes and scales")
+    return payload.codes, payload.scales

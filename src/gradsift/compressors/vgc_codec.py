@@ -17,15 +17,21 @@ implied by its position. A message is::
     scales (float32): [M]
 
 so a message with ``k`` elements takes ``4 * (K + k) + 4`` data bytes (``K = 1`` below
-``2^28`` elements), plus the wire's 4-byte length per field (see ``Payload.nbytes``).
-:func:`decode` validates everything a peer could get wrong and raises
-:class:`~gradsift.errors.WireFormatError`.
+``2^28`` elements), plus the wire's 4-byte length (see ``Payload.nbytes``). Under the
+DDP hook a message has room for a fixed number of words (``capacity``), of which the
+first ``length`` are in use; the rest are 0 and decode to nothing.
+
+:func:`decode_words` decodes without any host read and reports what a peer got wrong
+as a device bitmask (:data:`PROBLEMS`), decoding a malformed message into harmless
+entries (index 0, value 0) instead; :func:`decode` is the strict host-side check of an
+exact message, raising :class:`~gradsift.errors.WireFormatError`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gradsift.compressors.base import Count
 from gradsift.errors import WireFormatError
 
 INDEX_BITS = 28
@@ -35,6 +41,15 @@ MAX_LEVEL = (1 << LEVEL_BITS) - 1
 _CODE_BITS = 1 + LEVEL_BITS
 _CODE_MASK = (1 << _CODE_BITS) - 1
 _SIGN_BIT = 1 << LEVEL_BITS
+
+
+#: Bits of :func:`decode_words`' problem mask, and what each means.
+PROBLEMS = {
+    1: "chunk counts do not add up to the words sent",
+    2: "scale must be finite and > 0 when elements are sent",
+    4: "indices must be < numel",
+    8: "indices must be strictly increasing",
+}
 
 
 def representable(magnitudes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -48,36 +63,83 @@ def chunk_count(numel: int) -> int:
 
 
 def encode(
-    indices: torch.Tensor, values: torch.Tensor, numel: int
+    indices: torch.Tensor, values: torch.Tensor, numel: int, length: Count | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode sent elements ``values`` at sorted, unique ``indices`` of a ``numel`` tensor.
 
     Returns ``(codes, scales, quantized)``: the int32 message, the float32 ``[M]`` and
-    ``Q(values)`` in ``values``' dtype, exactly what :func:`decode` will return.
-    Every ``values`` element must be finite and non-zero (the caller's selection
-    guarantees it; a non-finite one makes ``M`` non-finite, which the caller checks).
+    ``Q(values)`` in ``values``' dtype, exactly what :func:`decode` will return. With
+    ``length``, only the first ``length`` entries are in use: the others encode as the
+    word 0, quantize to 0 and are not counted. Every ``values`` element in use must be
+    finite and non-zero (the caller's selection guarantees it; a non-finite one makes
+    ``M`` non-finite, which the caller checks). No host read.
     """
+    used = None if length is None else torch.arange(values.numel(), device=values.device) < length
     magnitudes = values.abs().float()
+    if used is not None:
+        magnitudes = torch.where(used, magnitudes, 0.0)
     scale = magnitudes.max() if magnitudes.numel() else magnitudes.new_zeros(())
     levels = torch.log2(scale / magnitudes).round_().clamp_(0, MAX_LEVEL).to(torch.int64)
     codes = levels | (values < 0).to(torch.int64) << LEVEL_BITS
     chunk_ids = indices >> INDEX_BITS
-    counts = torch.bincount(chunk_ids, minlength=chunk_count(numel))
+    weights = torch.ones_like(chunk_ids) if used is None else used.to(torch.int64)
+    counts = torch.zeros(chunk_count(numel), dtype=torch.int64, device=indices.device)
+    counts.index_add_(0, chunk_ids, weights)
     local = indices & (CHUNK_SIZE - 1)
     words = (local << _CODE_BITS) | codes
     words = words - ((words >> 31) << 32)  # unsigned 32 bits -> two's-complement int32
-    message = torch.cat([counts, words]).to(torch.int32)
     quantized = _dequantize(codes, scale).to(values.dtype)
+    if used is not None:
+        words = torch.where(used, words, 0)
+        quantized = torch.where(used, quantized, 0)
+    message = torch.cat([counts, words]).to(torch.int32)
     return message, scale.reshape(1), quantized
 
 
+def decode_words(
+    codes: torch.Tensor, scales: torch.Tensor, numel: int, length: Count | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode a message into ``(indices int64, values float32, problems)`` without a host read.
+
+    ``codes`` holds the chunk counts and then the words, of which the first ``length``
+    (all without it) are in use. ``problems`` is a 0-d int bitmask of :data:`PROBLEMS`;
+    entries that are not in use, or that lie outside ``[0, numel)``, decode to index 0
+    and value 0, so a malformed message adds nothing anywhere it could harm.
+    """
+    chunks = chunk_count(numel)
+    counts = codes[:chunks].to(torch.int64)
+    words = codes[chunks:].to(torch.int64) & 0xFFFFFFFF
+    device = codes.device
+    positions = torch.arange(words.numel(), device=device)
+    used = positions < (words.numel() if length is None else length)
+    in_use = used.sum()
+    problems = torch.where(((counts < 0).any()) | (counts.sum() != in_use), 1, 0)
+    scale = scales[0]
+    bad_scale = ~torch.isfinite(scale) | (scale < 0) | ((in_use > 0) & (scale == 0))
+    problems = problems | torch.where(bad_scale, 2, 0)
+    if chunks == 1:
+        bases = torch.zeros_like(words)
+    else:
+        ends = torch.cumsum(counts.clamp_min(0), 0)
+        bases = torch.searchsorted(ends, positions, right=True).clamp_max(chunks - 1) << INDEX_BITS
+    indices = bases + (words >> _CODE_BITS)
+    outside = used & (indices >= numel)
+    problems = problems | torch.where(outside.any(), 4, 0)
+    if words.numel() > 1:
+        repeated = used[1:] & (indices[1:] <= indices[:-1])
+        problems = problems | torch.where(repeated.any(), 8, 0)
+    keep = used & ~outside
+    values = torch.where(keep, _dequantize(words & _CODE_MASK, scale), 0.0)
+    return torch.where(keep, indices, 0), values, problems
+
+
 def decode(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a message into ``(indices int64, values float32)``; validate it strictly.
+    """Decode an exact message into ``(indices int64, values float32)``; validate it strictly.
 
     Raises :class:`WireFormatError` for a wrong dtype or shape, chunk counts that do
     not add up to the number of words, a scale that is negative, non-finite or zero
     while elements were sent, an index ``>= numel``, or indices not strictly
-    increasing (a repeated index would be added twice).
+    increasing (a repeated index would be added twice). One host read.
     """
     chunks = chunk_count(numel)
     if codes.dtype != torch.int32 or codes.dim() != 1:
@@ -90,22 +152,13 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, numel: int) -> tuple[torch
         )
     if codes.numel() < chunks:
         raise WireFormatError(f"vgc message has {codes.numel()} words, fewer than its {chunks} chunk counts")
-    counts = codes[:chunks].to(torch.int64)
-    words = codes[chunks:].to(torch.int64) & 0xFFFFFFFF
-    if bool((counts < 0).any()) or int(counts.sum()) != words.numel():
+    indices, values, problems = decode_words(codes, scales, numel)
+    found = int(problems)
+    if found:
         raise WireFormatError(
-            f"vgc chunk counts {counts.tolist()} do not add up to the {words.numel()} words sent"
+            "vgc message: " + "; ".join(text for bit, text in PROBLEMS.items() if found & bit)
         )
-    scale = scales[0]
-    if not bool(torch.isfinite(scale)) or float(scale) < 0 or (words.numel() and float(scale) == 0):
-        raise WireFormatError(f"vgc scale must be finite and > 0 when elements are sent, got {float(scale)}")
-    bases = torch.repeat_interleave(
-        torch.arange(chunks, device=codes.device, dtype=torch.int64) << INDEX_BITS, counts
-    )
-    indices = bases + (words >> _CODE_BITS)
-    if words.numel() and (int(indices[-1]) >= numel or bool((indices[1:] <= indices[:-1]).any())):
-        raise WireFormatError(f"vgc indices must be strictly increasing and < numel={numel}")
-    return indices, _dequantize(words & _CODE_MASK, scale)
+    return indices, values
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,28 @@
 """Balanced sparse reduce-scatter + allgather (after Ok-Topk, Li and Hoefler 2022).
 
 Sparse payloads (``indices``, ``values``) of all of a bucket's parts, in bucket
-coordinates. Every worker owns one slice ``[b_r, b_{r+1})`` of the bucket's index space:
+coordinates. Every worker owns one slice ``[b_r, b_{r+1})`` of the bucket's index space.
+Let ``K`` be the sum of the parts' capacities and ``c = ceil(SLACK K / W)`` the room of
+one slice in one message:
 
-1. each worker splits its ``k`` entries by slice; one ``all_to_all`` of the ``W`` counts
-   (``-1`` in every slot flags a non-finite input), one ``all_to_all`` of the entries:
-   worker ``r`` receives every worker's entries of its slice;
-2. worker ``r`` sums them (the slice's reduced gradient, at most ``sum_w k_{w,r}``
-   positions) and re-sparsifies it to ``k_r = round(mean_w k_{w,r})`` entries, the
-   largest in magnitude (exact selection: the ``~k`` received entries are few, where the
-   exact top-k is the cheapest and best estimate), so the result stays ``k``-sparse;
+1. each worker sorts its entries by position and sends, to every worker ``r``, one
+   fixed-size block: a flag word (non-finite input), the number of its entries in
+   slice ``r`` it sends (at most ``c``: a slice's further entries wait in error
+   feedback), and their positions and values at capacity ``c`` -- one
+   ``all_to_all_single`` of equal blocks, with no size exchange before it;
+2. worker ``r`` checks the blocks it received (counts within ``c``, positions inside
+   its slice and increasing), sums the entries per position (the slice's reduced
+   gradient, at most ``W c`` positions) and re-sparsifies it to
+   ``k_r = round(mean_w count_w)`` entries (at most ``c``), the largest in magnitude
+   (exact selection: the received entries are few, where the exact top-k is the
+   cheapest and best estimate), so the result stays ``K``-sparse;
 3. the reduced slices are allgathered (:func:`allgather.gather_payloads`); every worker
    writes the mean ``(1/W) sum`` of the surviving entries into its result.
 
-What this worker sent at a position that did not survive stays in its error-feedback
-residual (its contribution stands for the surviving positions only), so every rank's
-``sum of contributions - what error feedback keeps`` is exactly what was delivered.
+What this worker sent at a position that did not survive, and what it could not send,
+stays in its error-feedback residual (its contribution stands for its delivered
+entries only), so every rank's ``sum of contributions - what error feedback keeps`` is
+exactly what was delivered.
 
 Load balance: the slice bounds are the ``W``-quantiles of the previous step's surviving
 positions (the same on every rank: everyone received them), kept per bucket in the
@@ -24,16 +31,16 @@ are *canonical* (the bucket's parameters in number order, :class:`Canonical`), s
 slices do not move when DDP rebuilds its buckets or a resumed run starts from DDP's
 initial layout.
 
-Traffic per worker, ``k`` entries of ``e`` bytes: about ``k (W-1)/W`` entries received in
-step 1 and ``k (W-1)/W`` in step 3 when the slices are balanced -- ``2k(W-1)/W``, flat in
-``W`` -- against ``(W-1) k`` for the allgather exchange. Steps 1 and 2 run on the
-autograd thread (the second collective's sizes come from the first, and collectives must
-be issued in the same order on every rank); step 3's data transfer overlaps backward.
+Traffic per worker, ``K`` entries of ``e`` bytes: ``(W-1) c`` entries received in step 1
+and ``(W-1) c`` in step 3 -- ``2 SLACK K (W-1)/W``, flat in ``W`` -- against ``(W-1) K``
+for the allgather exchange. Step 1 waits for its collective (step 2 needs the data; on
+NCCL a stream dependency, not a host wait); step 3's transfer overlaps backward. No
+host read.
 """
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -42,11 +49,16 @@ import torch.distributed as dist
 from gradsift.compressors.base import Payload, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
-from gradsift.exchanges.allgather import Gathered, gather_payloads
-from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import Pending, blocking, ready
+from gradsift.exchanges.allgather import gather_payloads
+from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
+from gradsift.exchanges.collectives import Pending, blocking
 
 BOUNDS = "balanced.bounds"
+
+#: Room of one slice in one block, as a multiple of an even share ``K / W`` of the entries.
+SLACK = 1.5
+
+_LAST = torch.iinfo(torch.int64).max
 
 
 class Balanced(Exchange):
@@ -54,51 +66,66 @@ class Balanced(Exchange):
 
     name = "balanced"
 
-    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
-        if codec is None:
-            raise InvalidOptionError("the balanced exchange carries sparse payloads only")
-        encoded = [codec.encode(part, context.record) for part in parts]
-        world, numel = context.world, context.result.numel()
-        canonical = Canonical(context.order, context.numels, context.result.device)
-        positions, values = _bucket_entries(parts, encoded, canonical)
-        bounds = _bounds(context, numel, positions.device)
-        counts = torch.bincount(torch.bucketize(positions, bounds[1:-1], right=True), minlength=world)
-        nonfinite = any(e.nonfinite for e in encoded)
-        received_counts = _exchange_counts(counts, nonfinite, context)
-        if bool((received_counts < 0).any()):
-            return ready(Delivery(sent=[None] * len(parts), nonfinite=True))
-        wire_index = index_dtype(numel)
-        got_positions = _all_to_all(
-            positions.to(wire_index), counts, received_counts, context, "indices all_to_all"
-        )
-        got_values = _all_to_all(values, counts, received_counts, context, "values all_to_all")
-        entry = values.element_size() + wire_index.itemsize
-        others = int(received_counts.sum() - received_counts[dist.get_rank(context.group)])
-        sent = int(counts.sum()) * entry + world * received_counts.element_size()
-        received = others * entry + (world - 1) * received_counts.element_size()
-        context.record.add_bytes(sent=sent, padded=sent, received=received)
-        keep = int(torch.round(received_counts.double().mean()).item())
-        survivors = _reduce_slice(got_positions.long(), got_values, keep, numel, context.result.dtype)
-        template = wire.to_wire(survivors)
+    def __init__(self) -> None:
+        self._canonical: dict[tuple[tuple[int, ...], str], Canonical] = {}
 
-        def finish(gathered: Gathered) -> Delivery:
-            if gathered.decoded is None:
-                return Delivery(sent=[None] * len(parts), nonfinite=gathered.nonfinite, error=gathered.error)
-            started = time.perf_counter()
-            entries = [sparse_entries(d[0], self.name) for d in gathered.decoded]
-            kept = torch.cat([indices.long() for indices, _ in entries])
-            summed = torch.cat([values for _, values in entries])
-            context.store.put(BOUNDS, context.key, _balanced_bounds(kept, numel, world))
-            dense = torch.zeros(numel, dtype=context.result.dtype, device=context.result.device)
-            dense.index_put_((canonical.to_flat(kept),), summed.to(dense.dtype) / world)
-            for part in parts:
-                part.view(context.result).copy_(part.view(dense))
-            context.record.decompress_ms += (time.perf_counter() - started) * 1e3
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+        encoded = [codec.encode(part, context) for part in parts]
+        world, numel, device = context.world, context.result.numel(), context.result.device
+        room = math.ceil(SLACK * sum(_sparse(e.wire)[0].numel() for e in encoded) / world)
+        canonical = self._canonical_of(context)
+        positions, values, delivered_at = _bucket_entries(parts, encoded, canonical, numel)
+        bounds = _bounds(context, numel, device)
+        flags = [e.wire.nonfinite for e in encoded if e.wire.nonfinite is not None]
+        nonfinite = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
+        blocks, sent_counts, shipped = _blocks(positions, values, bounds, room, world, nonfinite, numel)
+        received = torch.empty_like(blocks)
+        blocking(
+            "entries all_to_all",
+            context.group,
+            lambda: dist.all_to_all_single(received, blocks, group=context.group, async_op=True),
+        )
+        got = _unpack_blocks(received, world, room, values.dtype, numel)
+        mine = bounds[context.rank], bounds[context.rank + 1]
+        malformed_blocks = _check_blocks(got, mine, room)
+        entry = values.element_size() + index_dtype(numel).itemsize
+        block_nbytes = received.numel() // world
+        context.record.add_bytes(
+            sent=sent_counts.sum() * entry + 2 * world * wire.HEADER_DTYPE.itemsize,
+            padded=blocks.numel(),
+            received=(world - 1) * block_nbytes,
+        )
+        survivors = _reduce_slice(got, room, numel, context.result.dtype)
+        survivors.nonfinite = got.flags.any() | nonfinite
+
+        def finish(gathered: wire.Received) -> Delivery:
+            with context.record.timed("decompress_ms", device):
+                kept, summed = _all_survivors(gathered)
+                result = context.result
+                for part in parts:
+                    part.view(result).zero_()
+                valid = kept < numel
+                flat = canonical.to_flat(torch.where(valid, kept, 0))
+                result.index_add_(0, flat, torch.where(valid, summed, 0).to(result.dtype) / world)
+                survived = torch.sort(kept).values
+                context.store.put(BOUNDS, context.key, _balanced_bounds(survived, numel, world))
+                sent = [
+                    _delivered(e, positions.index_select(0, at), shipped.index_select(0, at), survived)
+                    for e, at in zip(encoded, delivered_at, strict=True)
+                ]
             return Delivery(
-                sent=[_delivered(part, e, kept, canonical) for part, e in zip(parts, encoded, strict=True)]
+                sent=list(sent),
+                nonfinite=gathered.nonfinite,
+                malformed=gathered.malformed | malformed_blocks,
             )
 
-        return gather_payloads([template], False, context).then(finish)
+        return gather_payloads([survivors], context).then(finish)
+
+    def _canonical_of(self, context: Context) -> Canonical:
+        key = (tuple(context.order), str(context.result.device))
+        if key not in self._canonical:
+            self._canonical[key] = Canonical(context.order, context.numels, context.result.device)
+        return self._canonical[key]
 
 
 class Canonical:
@@ -106,19 +133,23 @@ class Canonical:
 
     Slices, their bounds and every position on the wire are canonical, so they do not
     depend on the order DDP lays parameters out in its bucket (which changes when DDP
-    rebuilds its buckets, and between a run and its resumed continuation).
+    rebuilds its buckets, and between a run and its resumed continuation). Built once
+    per bucket layout (its tables are copied to the device once).
     """
 
     def __init__(self, order: Sequence[int], numels: Mapping[int, int], device: torch.device) -> None:
-        sizes = torch.tensor([numels[i] for i in order], dtype=torch.long, device=device)
+        sizes = torch.tensor([numels[i] for i in order], dtype=torch.long)
         by_number = sorted(range(len(order)), key=lambda j: order[j])
         self.identity = by_number == list(range(len(order)))
-        self.flat_starts = torch.cumsum(sizes, 0) - sizes
+        flat_starts = torch.cumsum(sizes, 0) - sizes
         sorted_sizes = sizes[by_number]
-        self.sorted_starts = torch.cumsum(sorted_sizes, 0) - sorted_sizes
-        self.canonical_starts = torch.empty_like(self.flat_starts)
-        self.canonical_starts[by_number] = self.sorted_starts
-        self.sorted_flat_starts = self.flat_starts[by_number]
+        sorted_starts = torch.cumsum(sorted_sizes, 0) - sorted_sizes
+        canonical_starts = torch.empty_like(flat_starts)
+        canonical_starts[by_number] = sorted_starts
+        self.flat_starts = flat_starts.to(device)
+        self.sorted_starts = sorted_starts.to(device)
+        self.canonical_starts = canonical_starts.to(device)
+        self.sorted_flat_starts = flat_starts[by_number].to(device)
 
     def to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
         if self.identity:
@@ -133,19 +164,40 @@ class Canonical:
         return self.sorted_flat_starts[chunk] + canonical - self.sorted_starts[chunk]
 
 
+class _Blocks:
+    """The blocks one worker received: per sender the flag, the count, positions and values."""
+
+    def __init__(
+        self, flags: torch.Tensor, counts: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+    ):
+        self.flags, self.counts, self.positions, self.values = flags, counts, positions, values
+
+
+def _sparse(payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+    if payload.indices is None or payload.values is None:
+        raise InvalidOptionError("the balanced exchange carries (indices, values) payloads only")
+    return payload.indices, payload.values
+
+
 def _bucket_entries(
-    parts: list[Part], encoded: list[Encoded], canonical: Canonical
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All parts' sent entries at canonical positions, sorted by position."""
-    entries = [sparse_entries(e.wire, Balanced.name) for e in encoded]
-    flat = torch.cat(
-        [indices.long() + part.offset for part, (indices, _) in zip(parts, entries, strict=True)]
-    )
-    values = torch.cat([values for _, values in entries])
-    if canonical.identity:
-        return flat, values
-    positions, order = torch.sort(canonical.to_canonical(flat))
-    return positions, values[order]
+    parts: list[Part], encoded: list[Encoded], canonical: Canonical, numel: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """All parts' entries in use at canonical positions, sorted by position (entries not in
+    use last, at position ``numel``), their values, and per part where its entries went
+    in the sorted order."""
+    positions, values = [], []
+    for part, e in zip(parts, encoded, strict=True):
+        indices, sent = _sparse(e.wire)
+        used = torch.arange(indices.numel(), device=indices.device) < e.wire.entries()
+        at = canonical.to_canonical(indices.long() + part.offset)
+        positions.append(torch.where(used, at, numel))
+        values.append(torch.where(used, sent, 0))
+    joined = torch.cat(positions)
+    ordered, order = torch.sort(joined, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    sizes = [p.numel() for p in positions]
+    return ordered, torch.cat(values).index_select(0, order), list(rank.split(sizes))
 
 
 def _even_bounds(numel: int, world: int, device: torch.device) -> torch.Tensor:
@@ -155,75 +207,154 @@ def _even_bounds(numel: int, world: int, device: torch.device) -> torch.Tensor:
 def _bounds(context: Context, numel: int, device: torch.device) -> torch.Tensor:
     """This bucket's slice bounds: last step's balanced ones, or an even cut."""
     stored = context.store.get(BOUNDS, context.key)
-    if stored is not None and stored.numel() == context.world + 1 and int(stored[-1]) == numel:
+    if stored is not None and stored.numel() == context.world + 1:
         return stored.to(device)
     return _even_bounds(numel, context.world, device)
 
 
-def _balanced_bounds(kept: torch.Tensor, numel: int, world: int) -> torch.Tensor:
-    """Bounds putting an equal share of ``kept`` (sorted positions) in every slice."""
-    if kept.numel() < world:
-        return _even_bounds(numel, world, kept.device)
-    cuts = kept[
-        torch.div(torch.arange(1, world, device=kept.device) * kept.numel(), world, rounding_mode="floor")
-    ]
-    ends = kept.new_tensor([0]), kept.new_tensor([numel])
-    return torch.cat([ends[0], cuts, ends[1]])
-
-
-def _exchange_counts(counts: torch.Tensor, nonfinite: bool, context: Context) -> torch.Tensor:
-    """Blocking all_to_all of the per-slice counts; every slot ``-1`` flags a non-finite sender."""
-    local = torch.full_like(counts, -1) if nonfinite else counts.clone()
-    received = torch.empty_like(local)
-    blocking(
-        "counts all_to_all",
-        context.group,
-        lambda: dist.all_to_all_single(received, local, group=context.group, async_op=True),
+def _blocks(
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    bounds: torch.Tensor,
+    room: int,
+    world: int,
+    nonfinite: torch.Tensor,
+    numel: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``W`` send blocks (uint8 ``[W, block]``), how many entries go to each slice, and
+    which sorted entries were shipped (the first ``room`` of each slice)."""
+    device = positions.device
+    valid = positions < numel
+    slices = torch.bucketize(positions, bounds[1:-1], right=True).clamp_max(world - 1)
+    starts = torch.searchsorted(positions, bounds[:-1])
+    rank_in_slice = torch.arange(positions.numel(), device=device) - starts.index_select(0, slices)
+    shipped = valid & (rank_in_slice < room)
+    slots = torch.where(shipped, slices * room + rank_in_slice, world * room)  # the last slot is a bin
+    wire_index = index_dtype(numel)
+    sent_positions = torch.zeros(world * room + 1, dtype=wire_index, device=device)
+    sent_positions.index_copy_(0, slots, positions.to(wire_index))
+    sent_values = torch.zeros(world * room + 1, dtype=values.dtype, device=device)
+    sent_values.index_copy_(0, slots, values)
+    counts = torch.zeros(world, dtype=torch.int64, device=device)
+    counts.index_add_(0, slices, shipped.long())
+    header = torch.stack([nonfinite.long().expand(world), counts], dim=1).to(wire.HEADER_DTYPE)
+    block = torch.cat(
+        [
+            header.view(torch.uint8).view(world, -1),
+            _aligned_bytes(sent_positions[:-1].view(world, room)),
+            _aligned_bytes(sent_values[:-1].view(world, room)),
+        ],
+        dim=1,
     )
-    return received
+    return block.contiguous(), counts, shipped
 
 
-def _all_to_all(
-    tensor: torch.Tensor, counts: torch.Tensor, received: torch.Tensor, context: Context, what: str
-) -> torch.Tensor:
-    out = torch.empty(int(received.sum()), dtype=tensor.dtype, device=tensor.device)
-    blocking(
-        what,
-        context.group,
-        lambda: dist.all_to_all_single(
-            out,
-            tensor,
-            output_split_sizes=received.tolist(),
-            input_split_sizes=counts.tolist(),
-            group=context.group,
-            async_op=True,
-        ),
-    )
-    return out
+def _aligned_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``[W, m]`` rows as ``[W, bytes]`` uint8, padded to 8 bytes per row."""
+    raw = rows.contiguous().view(torch.uint8).view(rows.shape[0], -1)
+    pad = -raw.shape[1] % 8
+    return raw if pad == 0 else torch.cat([raw, raw.new_zeros(raw.shape[0], pad)], dim=1)
 
 
-def _reduce_slice(
-    positions: torch.Tensor, values: torch.Tensor, keep: int, numel: int, dtype: torch.dtype
-) -> Payload:
-    """Sum the received entries per position and keep the ``keep`` largest magnitudes.
+def _unpack_blocks(received: torch.Tensor, world: int, room: int, dtype: torch.dtype, numel: int) -> _Blocks:
+    rows = received.view(world, -1)
+    header = rows[:, :8].view(wire.HEADER_DTYPE).long()
+    offset = 8
+    wire_index = index_dtype(numel)
+    index_nbytes = room * wire_index.itemsize
+    positions = rows[:, offset : offset + index_nbytes].view(wire_index).long()
+    offset += index_nbytes + (-index_nbytes % 8)
+    values = rows[:, offset : offset + room * dtype.itemsize].view(dtype)
+    return _Blocks(header[:, 0] != 0, header[:, 1], positions, values)
+
+
+def _check_blocks(got: _Blocks, mine: tuple[torch.Tensor, torch.Tensor], room: int) -> torch.Tensor:
+    """``[W]`` malformed flags of the received blocks; entries not in use or outside this
+    worker's slice are zeroed in place (position at the slice start, value 0)."""
+    used = torch.arange(room, device=got.positions.device).unsqueeze(0) < got.counts.unsqueeze(1)
+    inside = (got.positions >= mine[0]) & (got.positions < mine[1])
+    bad = (got.counts < 0) | (got.counts > room) | (used & ~inside).any(dim=1)
+    if room > 1:
+        bad |= (used[:, 1:] & (got.positions[:, 1:] <= got.positions[:, :-1])).any(dim=1)
+    keep = used & inside
+    got.positions = torch.where(keep, got.positions, _LAST)
+    got.values = torch.where(keep, got.values, 0)
+    return bad
+
+
+def _reduce_slice(got: _Blocks, room: int, numel: int, dtype: torch.dtype) -> Payload:
+    """Sum the received entries per position and keep the ``k_r`` largest magnitudes.
 
     The sums travel on in the gradient's ``dtype``, whatever ``value_dtype`` the entries
     came in: rounding a sum would be an error no worker's feedback keeps.
     """
-    unique, inverse = torch.unique(positions, sorted=True, return_inverse=True)
-    summed = torch.zeros(unique.numel(), dtype=dtype, device=values.device)
-    summed.index_add_(0, inverse, values.to(dtype))
-    if keep < unique.numel():
-        top = torch.topk(summed.abs(), keep, sorted=False).indices.sort().values
-        unique, summed = unique[top], summed[top]
-    return Payload(numel=numel, dtype=dtype, values=summed, indices=unique)
-
-
-def _delivered(part: Part, encoded: Encoded, kept: torch.Tensor, canonical: Canonical) -> Payload:
-    """The part's sent entries whose (canonical) positions survived; the rest stays in the residual."""
-    indices, values = sparse_entries(encoded.wire, Balanced.name)
-    local = indices.long()
-    survived = torch.isin(canonical.to_canonical(local + part.offset), kept)
+    positions = got.positions.reshape(-1)
+    values = got.values.reshape(-1).to(dtype)
+    ordered, order = torch.sort(positions)
+    values = values.index_select(0, order)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    group = torch.cumsum(first.long(), 0) - 1
+    summed = torch.zeros_like(values).index_add_(0, group, values)
+    unique = torch.full_like(ordered, _LAST).index_copy_(0, group, ordered)  # equal within a group
+    real = unique < _LAST
+    keep = torch.round(got.counts.clamp(0, room).double().mean()).long()
+    magnitudes = torch.where(real, summed.abs(), -1)
+    top = torch.topk(magnitudes, min(room, magnitudes.numel()), sorted=True)
+    chosen = torch.arange(top.indices.numel(), device=ordered.device) < torch.minimum(keep, real.sum())
+    kept_positions = torch.where(chosen, unique.index_select(0, top.indices), _LAST)
+    kept_positions, by_position = torch.sort(kept_positions)
+    kept_values = torch.where(chosen, summed.index_select(0, top.indices), 0).index_select(0, by_position)
+    length = chosen.sum()
+    in_use = torch.arange(kept_positions.numel(), device=ordered.device) < length
     return Payload(
-        numel=part.numel, dtype=encoded.payload.dtype, values=values[survived], indices=local[survived]
+        numel=numel,
+        dtype=dtype,
+        values=kept_values,
+        indices=torch.where(in_use, kept_positions, 0).to(index_dtype(numel)),
+        length=length,
+    )
+
+
+def _all_survivors(gathered: wire.Received) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every worker's surviving (canonical) positions -- entries not in use at ``_LAST``,
+    sorted last -- and their summed values."""
+    positions, values = [], []
+    for (payload,) in gathered.payloads:
+        assert payload.indices is not None and payload.values is not None
+        used = torch.arange(payload.indices.numel(), device=payload.indices.device) < payload.entries()
+        positions.append(torch.where(used, payload.indices.long(), _LAST))
+        values.append(payload.values)
+    return torch.cat(positions), torch.cat(values)
+
+
+def _balanced_bounds(survived: torch.Tensor, numel: int, world: int) -> torch.Tensor:
+    """Bounds putting an equal share of the surviving positions (``survived``: sorted, the
+    entries not in use last) in every slice; an even cut when fewer survived than there
+    are workers."""
+    even = _even_bounds(numel, world, survived.device)
+    if world == 1 or survived.numel() == 0:
+        return even
+    total = (survived < numel).sum()
+    cuts = torch.div(torch.arange(1, world, device=survived.device) * total, world, rounding_mode="floor")
+    inner = survived.index_select(0, cuts.clamp_max(survived.numel() - 1))
+    balanced = torch.cat([even[:1], inner, even[-1:]])
+    return torch.where(total >= world, balanced, even)
+
+
+def _delivered(
+    encoded: Encoded, positions: torch.Tensor, shipped: torch.Tensor, survived: torch.Tensor
+) -> Payload:
+    """The part's sent entries (at canonical ``positions``) that were shipped in step 1 and
+    survived; the rest stays in the residual (its value here is 0, so error feedback
+    subtracts nothing for it)."""
+    indices, values = _sparse(encoded.wire)
+    found = torch.searchsorted(survived, positions).clamp_max(survived.numel() - 1)
+    delivered = shipped & (survived.index_select(0, found) == positions)
+    return Payload(
+        numel=encoded.wire.numel,
+        dtype=encoded.payload.dtype,
+        values=torch.where(delivered, values, 0),
+        indices=indices,
+        length=encoded.wire.length,
     )

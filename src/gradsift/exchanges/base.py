@@ -1,14 +1,20 @@
-"""The exchange protocol: how the parts of one DDP bucket travel between the workers.
+"""The exchange protocol: the one-way trip of a DDP bucket's parts between the workers.
 
-An exchange receives the bucket's *parts* (the whole bucket, or one part per layer),
-each already compensated by error feedback, and a :class:`Codec` (the compressor as an
-exchange sees it: encode a part into its wire payload, decode payloads into a dense
-mean). It owns everything between the two: the collectives, the framing, validation
-of what arrives, the byte counts (sent, padded, received) and the transport of the
-non-finite flag, so that every rank learns together whether any rank's input held
-NaN/Inf. It writes each part's mean over the workers into the bucket's result tensor
-and reports, per part, what this worker's contribution stood for (error feedback
-keeps the rest). An exchange never knows which compressor it carries.
+The hook's layout builds one complete, frozen :class:`Context` per bucket and step (who
+the workers are, where the means go, the state store, the step's readout, each part's
+payload capacity); an exchange receives the bucket's *parts* (the whole bucket, or one
+part per layer), each already compensated by error feedback, and a :class:`Codec` (the
+compressor as an exchange sees it: encode a part into its wire payload, decode payloads
+into a dense mean). It owns everything between the two: the collectives, the framing,
+validation of what arrives, the byte counts (sent, padded, received) and the transport
+of the non-finite flag, so that every rank learns together whether any rank's input
+held NaN/Inf. It writes each part's mean over the workers into the bucket's result and
+returns a :class:`Delivery` -- the only outcome of the trip: per part what this
+worker's contribution stood for (error feedback keeps the rest), and as device flags
+whether some input was non-finite and whether some sender's message was malformed, read
+by the hook once, when the step closes. An exchange never reads a tensor on the host
+and never knows which compressor it carries; dense parts travel through the same
+protocol with the identity codec (:data:`IDENTITY`).
 
 A new exchange is one module with one :class:`Exchange` subclass plus one line in
 :data:`gradsift.exchanges.EXCHANGES`.
@@ -17,20 +23,19 @@ A new exchange is one module with one :class:`Exchange` subclass plus one line i
 from __future__ import annotations
 
 import abc
-import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from gradsift.compressors.base import Compressor, Payload
-from gradsift.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.compressors.dense import NoCompression
 from gradsift.exchanges import wire
 from gradsift.exchanges.collectives import Pending
+from gradsift.readout import Readout
 from gradsift.state import TensorStore
 from gradsift.telemetry import BucketRecord
-from gradsift.validation import all_finite
 
 T = TypeVar("T")
 
@@ -67,9 +72,9 @@ class Part:
         return result[self.offset : self.offset + self.numel]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Encoded:
-    """A part as compressed: the local payload, the payload as sent, and the local flag.
+    """A part as compressed: the local payload and the payload as sent.
 
     ``wire`` is also what error feedback subtracts: the values as they travelled (maybe
     rounded to ``value_dtype``) at their positions.
@@ -77,17 +82,9 @@ class Encoded:
 
     payload: Payload
     wire: Payload
-    nonfinite: bool
 
 
-def sparse_entries(payload: Payload, exchange: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A payload's ``(indices, values)``; :class:`InvalidOptionError` names the exchange otherwise."""
-    if payload.indices is None or payload.values is None:
-        raise InvalidOptionError(f"the {exchange} exchange carries (indices, values) payloads only")
-    return payload.indices, payload.values
-
-
-@dataclass
+@dataclass(frozen=True)
 class Delivery:
     """What an exchange reports for its parts once the data arrived.
 
@@ -95,44 +92,56 @@ class Delivery:
         sent: per part, what this worker's contribution stands for -- a payload whose
             ``indices`` name the delivered positions, a dense tensor, or None when the
             part travelled uncompressed (all of it was sent: nothing is left over).
-        nonfinite: some worker's input held NaN/Inf (the same on every rank); the
-            result tensor is then not written and the step is dropped.
-        error: a local failure found while decoding (a malformed message), raised by
-            the hook when the step closes.
+        nonfinite: 0-d bool device flag: some worker's input held NaN/Inf (the same on
+            every rank); None when no worker's can have. The result is then garbage and
+            the step is dropped.
+        malformed: ``[W]`` bool device flags: worker ``w``'s message broke the format
+            (the result is then garbage, but nothing was written out of range); None
+            when the exchange receives nothing a peer could get wrong.
+        demand: ``[P]`` device counts, per part the most entries any worker wanted to
+            send (an adaptive-capacity compressor sizes its next payloads from them);
+            None when the exchange does not report it.
+        error: a failure the host already knows (a collective failed), raised when the
+            step closes.
     """
 
     sent: list[Payload | torch.Tensor | None]
-    nonfinite: bool = False
+    nonfinite: torch.Tensor | None = None
+    malformed: torch.Tensor | None = None
+    demand: torch.Tensor | None = None
     error: BaseException | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Context:
-    """What an exchange needs besides the parts.
+    """Everything an exchange needs besides the parts (built once per bucket and step).
 
     Attributes:
-        group / world: the process group and its size.
+        group / world / rank: the process group, its size and this worker's rank in it.
         result: the bucket-sized tensor the parts' means are written into.
-        record: the bucket's telemetry (bytes, phase times, the non-finite flag).
-        bucket: the DDP ``GradBucket`` (the delegated exchange hands it to the compressor).
+        record: the bucket's telemetry (bytes, phase times).
+        readout: the step's readout (device facts read once at step close).
+        store: the hook's state store (exchanges that keep state put it there, under ``key``).
         key: the bucket's state key (the sorted tuple of its parameter numbers).
         order / numels: the bucket's parameter numbers in flat order, and each one's size.
-        store: the hook's state store (exchanges that keep state put it there, under ``key``).
+        capacities: per part key, the entries its payload has room for this step.
         step: the hook's step counter (the same on every rank).
-        errors: failures found while the step's results are read, raised when it closes.
+        bucket: the DDP ``GradBucket`` (the delegated exchange hands it to the compressor).
     """
 
     group: Any
     world: int
+    rank: int
     result: torch.Tensor
     record: BucketRecord
-    bucket: Any = None
+    readout: Readout = field(default_factory=Readout)
+    store: TensorStore = field(default_factory=TensorStore)
     key: Hashable = None
     order: tuple[int, ...] = ()
     numels: Mapping[int, int] = field(default_factory=dict)
-    store: TensorStore = field(default_factory=TensorStore)
+    capacities: Mapping[Hashable, int] = field(default_factory=dict)
     step: int = 0
-    errors: list[BaseException] = field(default_factory=list)
+    bucket: Any = None
 
 
 class Codec:
@@ -141,65 +150,63 @@ class Codec:
     Args:
         compressor: the compressor.
         value_dtype: dtype of sent values (None = the compressor's own).
+        checks_values: whether a NaN/Inf carried by dense values must be detected on
+            arrival (False for stock DDP's own exchange, where nothing could absorb it).
     """
 
-    def __init__(self, compressor: Compressor, value_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, compressor: Compressor, value_dtype: torch.dtype | None = None, checks_values: bool = True
+    ) -> None:
         self.compressor = compressor
         self.value_dtype = value_dtype
+        self.checks_values = checks_values
 
-    def encode(self, part: Part, record: BucketRecord) -> Encoded:
-        """Compress ``part.compensated`` into its wire payload; flag a non-finite input.
+    def encode(self, part: Part, context: Context) -> Encoded:
+        """Compress ``part.input`` into its wire payload (no host read).
 
-        A non-finite part is compressed again with NaN/Inf replaced by 0, so that the
-        message keeps its layout (the hook drops the step on every rank and rolls its
-        state back). With a narrower ``value_dtype`` the sent values are checked for
-        overflow (``k`` values, not the ``n`` gradient elements).
+        With a narrower ``value_dtype`` the sent values are checked for overflow on the
+        device (``k`` values, not the ``n`` gradient elements): an Inf there flags the
+        payload non-finite like a NaN in the input.
         """
-        started = time.perf_counter()
         tensor = part.input
         extra = {"parameters": part.params} if self.compressor.needs_parameters else {}
-        nonfinite = False
-        try:
-            payload = self.compressor.compress(tensor, key=part.key, **extra)
-        except NonFiniteGradientError:
-            nonfinite = True
-            cleaned = torch.nan_to_num(tensor, nan=0.0, posinf=0.0, neginf=0.0)
-            payload = self.compressor.compress(cleaned, key=part.key, **extra)
-        sent = wire.to_wire(payload, self.value_dtype)
-        narrowed = (
-            sent.values is not None
-            and payload.values is not None
-            and sent.values.dtype != payload.values.dtype
-        )
-        if not nonfinite and narrowed and sent.values is not None:
-            nonfinite = not all_finite(sent.values)  # a down-cast may overflow
-        record.compressed_tensors += 1
-        record.elements_sent += sent.count
-        record.compress_ms += (time.perf_counter() - started) * 1e3
-        return Encoded(payload, sent, nonfinite)
+        with context.record.timed("compress_ms", tensor.device):
+            payload = self.compressor.encode(
+                tensor,
+                key=part.key,
+                capacity=context.capacities.get(part.key),
+                readout=context.readout,
+                **extra,
+            )
+            sent = wire.to_wire(payload, self.value_dtype)
+            if (
+                sent.values is not payload.values
+                and sent.values is not None
+                and payload.nonfinite is not None
+            ):
+                sent = wire.flagged(sent, payload.nonfinite | ~torch.isfinite(sent.values.float().sum()))
+        context.record.add("dense_tensors" if self.compressor.identity else "compressed_tensors", 1)
+        context.record.add("elements_sent", payload.entries())
+        return Encoded(payload, sent)
 
-    def decompress(self, payloads: Sequence[Payload], numel: int, record: BucketRecord) -> torch.Tensor:
-        """The mean over the workers' payloads of one part."""
-        started = time.perf_counter()
-        mean = self.compressor.decompress(payloads, numel)
-        record.decompress_ms += (time.perf_counter() - started) * 1e3
-        return mean
-
-    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor, record: BucketRecord) -> None:
-        """The mean over the workers' payloads of one part, written into ``out`` in place."""
-        started = time.perf_counter()
-        self.compressor.decompress_into(payloads, out)
-        record.decompress_ms += (time.perf_counter() - started) * 1e3
+    def decompress_into(
+        self, payloads: list[Payload], out: torch.Tensor, record: BucketRecord
+    ) -> torch.Tensor | None:
+        """The mean over the workers' payloads of one part, written into ``out``; the
+        compressor's malformed flag (None: nothing it checks)."""
+        with record.timed("decompress_ms", out.device):
+            return self.compressor.decompress_into(payloads, out)
 
 
-def waited(record: BucketRecord, pending: Pending[T]) -> T:
-    """``pending.wait()``; the time spent waiting, less decoding, adds to ``record.communicate_ms``
-    (the communication that the rest of backward did not hide)."""
-    started, decoding = time.perf_counter(), record.decompress_ms
-    try:
+#: The codec of parts that travel as they are (dense): no copy, no flag of its own.
+IDENTITY = Codec(NoCompression())
+
+
+def waited(record: BucketRecord, pending: Pending[T], device: torch.device) -> T:
+    """``pending.wait()``; the time spent waiting adds to ``record.communicate_ms`` (the
+    communication that the rest of backward did not hide; decoding is timed apart)."""
+    with record.timed("communicate_ms", device):
         return pending.wait()
-    finally:
-        record.communicate_ms += (time.perf_counter() - started) * 1e3 - (record.decompress_ms - decoding)
 
 
 class Exchange(abc.ABC):
@@ -208,12 +215,9 @@ class Exchange(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
         """Start the exchange of ``parts``; waiting for the result writes every part's mean
-        into ``context.result`` (or reports a non-finite input).
-
-        ``codec`` is None for parts that travel uncompressed (dense).
-        """
+        into ``context.result`` and gives the :class:`Delivery`."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

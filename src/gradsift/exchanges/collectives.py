@@ -1,9 +1,10 @@
 """torch.distributed calls shared by the exchanges: failure wrapping, pending results, volumes.
 
-Every collective an exchange starts goes through :func:`guarded` (a backend error
-becomes :class:`~gradsift.errors.PeerFailureError` naming the rank and the backend's
-message) and runs in the background, so that the DDP hook overlaps communication with
-the rest of backward. What reads its result is a :class:`Pending`, never a
+Every collective an exchange starts goes through :func:`guarded` (a backend error that
+says a peer is gone or stalled becomes :class:`~gradsift.errors.PeerFailureError`
+naming the rank and the backend's message; any other error -- CUDA out of memory, a
+CPU tensor handed to NCCL -- passes through as it is) and runs in the background, so
+that the DDP hook overlaps communication with the rest of backward. What reads its result is a :class:`Pending`, never a
 ``Future.then`` callback: no Python runs on the backend's threads (the class says why).
 Nothing here knows a compressor.
 
@@ -41,12 +42,41 @@ def peer_failure(error: BaseException, group: Any, what: str) -> PeerFailureErro
     )
 
 
+#: What gloo's and NCCL's errors say when a peer is gone or stalled (gloo raises plain
+#: ``RuntimeError`` with its transport's message; NCCL raises ``DistBackendError``).
+_PEER_MESSAGES = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "timed out",
+    "socket closed",
+    "broken pipe",
+    "communicator was aborted",
+    "watchdog",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (raised by a collective) says a peer is gone, stalled or disagrees.
+
+    ``torch.distributed``'s own error classes (``DistError``: backend, network, store,
+    timeout) and gloo's transport errors are; an out-of-memory error, a device mismatch
+    or a wrong argument is not, whatever the backend."""
+    if isinstance(error, torch.OutOfMemoryError) or not isinstance(error, RuntimeError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return "gloo/transport" in text or any(message in text for message in _PEER_MESSAGES)
+
+
 def guarded(what: str, group: Any, call: Callable[[], T]) -> T:
-    """Run ``call()``; turn a backend error into a :class:`PeerFailureError`."""
+    """Run ``call()``; turn a peer failure (:func:`is_peer_failure`) into a :class:`PeerFailureError`."""
     try:
         return call()
-    except RuntimeError as error:  # gloo/NCCL raise RuntimeError subclasses (DistBackendError, ...)
-        raise peer_failure(error, group, what) from error
+    except RuntimeError as error:
+        if is_peer_failure(error):
+            raise peer_failure(error, group, what) from error
+        raise
 
 
 class Pending(Generic[T]):

@@ -12,7 +12,7 @@ replaces the compressor's own) and takes care of the rest:
   (error feedback keeps ``c - mean``, PowerSGD's own rule); in its dense warm-up steps
   all of ``c`` was sent (nothing is left over);
 * non-finite flag: a NaN/Inf input spreads through the allreduces of ``P`` and ``Q``
-  into every rank's result, whose sum every rank reads;
+  into every rank's result, whose sum every rank computes on the device;
 * bytes: what the compressor reports (``hook_nbytes(bucket)``), received as a ring
   allreduce of that many bytes.
 
@@ -31,7 +31,6 @@ import torch
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
 from gradsift.exchanges.collectives import Pending, guarded, ring_allreduce_received
-from gradsift.validation import all_finite
 
 
 @runtime_checkable
@@ -50,8 +49,8 @@ class Delegated(Exchange):
 
     name = "delegated"
 
-    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
-        if codec is None or len(parts) != 1 or parts[0].numel != context.result.numel():
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+        if len(parts) != 1 or parts[0].numel != context.result.numel():
             raise InvalidOptionError(
                 "the delegated exchange takes the whole bucket as one part (granularity='bucket')"
             )
@@ -72,11 +71,11 @@ class Delegated(Exchange):
         )
 
         def finish(mean: torch.Tensor) -> Delivery:
-            if not all_finite(mean):
-                return Delivery(sent=[None], nonfinite=True)
             view = part.view(context.result)
-            view.copy_(mean)
-            return Delivery(sent=[view if compressing else None])
+            if mean.data_ptr() != view.data_ptr():
+                view.copy_(mean)
+            nonfinite = ~torch.isfinite(view.sum(dtype=torch.promote_types(view.dtype, torch.float32)))
+            return Delivery(sent=[view if compressing else None], nonfinite=nonfinite)
 
         result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait))
         return result.then(finish)

@@ -5,33 +5,36 @@ worker sends indices but one. Per bucket and step:
 
 1. the *leader* -- worker ``step mod W``, cycling so that every worker's error-feedback
    memory leads in turn (ScaleCom's cyclic local top-k) -- compresses its compensated
-   parts with the compressor (SIDCo's threshold, top-k, ...) and broadcasts the ``P``
-   part counts (every slot ``-1`` flags a non-finite leader), then the indices;
-2. every worker gathers its own compensated values at those positions, and one
-   allreduce of ``m / W`` gives the mean there. A non-leader whose input held NaN/Inf
-   (checked with one read of its parts, which it does not compress) sends NaN, so every
-   rank sees the flag in the reduced values.
+   parts with the compressor (SIDCo's threshold, top-k, ...) into fixed-capacity
+   payloads and broadcasts one int32 message: its header (the non-finite flag, per part
+   the entries in use and the entries wanted) and the parts' positions at capacity;
+2. every worker gathers its own compensated values at those positions (0 at padding),
+   and one allreduce of ``m / W`` gives the mean there. A non-leader whose input held
+   NaN/Inf (checked on the device with one sum of its parts, which it does not
+   compress) adds NaN to its message, so every rank sees the flag in the reduced values.
 
 Every worker's contribution stands for the leader's positions: error feedback keeps the
-rest. With a narrow ``value_dtype`` the allreduce sums in that dtype (as the dense
-``bf16`` compressor does), so the sum carries that dtype's rounding. Traffic per worker for ``k`` positions: ``k`` indices broadcast (received once by
-every non-leader) plus a ring allreduce of ``k`` values, ``2k (W-1)/W`` -- flat in ``W``.
-Step 1 blocks (the values depend on it); the allreduce overlaps backward.
+rest. Non-leaders check the leader's positions on the device (entries in use within
+the part, strictly increasing); a malformed message is decoded into nothing and flagged.
+With a narrow ``value_dtype`` the allreduce sums in that dtype (as the dense ``bf16``
+compressor does), so the sum carries that dtype's rounding. Traffic per worker for
+capacity ``k``: ``k`` indices broadcast (received once by every non-leader) plus a ring
+allreduce of ``k`` values, ``2k (W-1)/W`` -- flat in ``W``. Step 1 waits for the
+broadcast (the values depend on it; on NCCL that is a stream dependency, not a host
+wait); the allreduce overlaps backward. No host read.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
-from gradsift.compressors.base import Payload, index_dtype
+from gradsift.compressors.base import Payload, in_use, index_dtype
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges import wire
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part, sparse_entries
-from gradsift.exchanges.collectives import Pending, allreduce_sum, blocking, ready, ring_allreduce_received
-from gradsift.validation import all_finite
+from gradsift.exchanges.allgather import sum_counts
+from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
+from gradsift.exchanges.collectives import Pending, allreduce_sum, blocking, ring_allreduce_received
 
 
 class SharedMask(Exchange):
@@ -39,77 +42,132 @@ class SharedMask(Exchange):
 
     name = "shared-mask"
 
-    def start(self, parts: list[Part], codec: Codec | None, context: Context) -> Pending[Delivery]:
-        if codec is None:
-            raise InvalidOptionError("the shared-mask exchange carries sparse payloads only")
-        rank, world = dist.get_rank(context.group), context.world
-        leader = context.step % world
-        device = context.result.device
-        if rank == leader:
-            encoded = [codec.encode(part, context.record) for part in parts]
-            indices = [sparse_entries(e.wire, self.name)[0] for e in encoded]
-            nonfinite = any(e.nonfinite for e in encoded)
-            header = [-1] * len(parts) if nonfinite else [i.numel() for i in indices]
-        else:
-            started = time.perf_counter()
-            nonfinite = not all(all_finite(part.input) for part in parts)
-            context.record.compress_ms += (time.perf_counter() - started) * 1e3
-            header, indices = [0] * len(parts), []
-        counts = _broadcast(
-            torch.tensor(header, dtype=wire.HEADER_DTYPE, device=device), leader, context, "counts broadcast"
-        )
-        if bool((counts < 0).any()):
-            return ready(Delivery(sent=[None] * len(parts), nonfinite=True))
-        sizes = counts.tolist()
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+        world, leader = context.world, context.step % context.world
+        leading = context.rank == leader
+        capacities = [_capacity(part, context) for part in parts]
+        header_words = 1 + 2 * len(parts)
         wire_index = index_dtype(max(part.numel for part in parts))
-        flat = (
-            torch.cat(indices).to(wire_index)
-            if rank == leader
-            else torch.empty(sum(sizes), dtype=wire_index, device=device)
+        device = context.result.device
+        message = torch.zeros(header_words + sum(capacities), dtype=torch.int64, device=device)
+        if leading:
+            encoded = [codec.encode(part, context) for part in parts]
+            flags = [e.wire.nonfinite for e in encoded if e.wire.nonfinite is not None]
+            if flags:
+                message[0:1].copy_(torch.stack(flags).any().reshape(1))
+            for i, e in enumerate(encoded):
+                wire.put_count(message, 1 + 2 * i, e.wire.entries())
+                wire.put_count(
+                    message, 2 + 2 * i, e.wire.entries() if e.wire.demand is None else e.wire.demand
+                )
+            indices = torch.cat([_sparse(e.wire)[0] for e in encoded])
+            message[header_words:].copy_(indices)
+            local_nonfinite = None
+        else:
+            with context.record.timed("compress_ms", device):
+                local_nonfinite = torch.stack([~torch.isfinite(part.input.sum()) for part in parts]).any()
+        flat = message.to(wire_index) if wire_index == torch.int32 else message
+        blocking(
+            "positions broadcast",
+            context.group,
+            lambda: dist.broadcast(flat, _global_rank(context, leader), group=context.group, async_op=True),
         )
-        flat = _broadcast(flat, leader, context, "indices broadcast")
-        positions = [chunk.long() for chunk in flat.split(sizes)]
-        if rank != leader:
-            _validate(positions, parts)
-            context.record.compressed_tensors += len(parts)
-            context.record.elements_sent += sum(sizes)
-        values = torch.cat([part.input[p] for part, p in zip(parts, positions, strict=True)])
+        header = flat[:header_words].long()
+        lengths, demands = header[1::2], header[2::2]
+        positions, used, malformed = _checked_positions(
+            flat[header_words:].long(), lengths, capacities, parts
+        )
+        if not leading:
+            context.record.add("compressed_tensors", len(parts))
+            context.record.add("elements_sent", lengths.clamp_min(0).sum())
+        gathered = [
+            torch.where(valid, part.input.index_select(0, where), 0)
+            for part, where, valid in zip(parts, positions, used, strict=True)
+        ]
+        values = torch.cat(gathered)
         if codec.value_dtype is not None:
             values = values.to(codec.value_dtype)
-        message = torch.full_like(values, float("nan")) if nonfinite else torch.div(values, world)
-        index_bytes = flat.numel() * flat.element_size() + counts.numel() * counts.element_size()
-        value_bytes = message.numel() * message.element_size()
-        sent = value_bytes + (index_bytes if rank == leader else 0)
-        received = ring_allreduce_received(value_bytes, world) + (0 if rank == leader else index_bytes)
-        context.record.add_bytes(sent=sent, padded=sent, received=received)
+        message_values = torch.div(values, world)
+        if local_nonfinite is not None:
+            message_values = message_values + torch.where(local_nonfinite, float("nan"), 0.0)
+        leader_flag = (header[0] & wire.NONFINITE) != 0
+        _count_bytes(context, leading, flat, lengths, capacities, message_values, wire_index, world)
 
-        def finish(message: torch.Tensor) -> Delivery:
-            if not all_finite(message):
-                return Delivery(sent=[None] * len(parts), nonfinite=True)
-            started = time.perf_counter()
-            for part, mean, where in zip(parts, message.split(sizes), positions, strict=True):
-                view = part.view(context.result)
-                view.zero_()
-                view.index_put_((where,), mean.to(view.dtype))
-            context.record.decompress_ms += (time.perf_counter() - started) * 1e3
-            return Delivery(
-                sent=[
-                    Payload(numel=part.numel, dtype=part.input.dtype, values=sent, indices=where)
-                    for part, sent, where in zip(parts, values.split(sizes), positions, strict=True)
-                ]
-            )
+        def finish(mean: torch.Tensor) -> Delivery:
+            with context.record.timed("decompress_ms", device):
+                for part, share, where in zip(parts, mean.split(capacities), positions, strict=True):
+                    view = part.view(context.result)
+                    view.zero_()
+                    view.index_add_(0, where, share.to(view.dtype))
+            nonfinite = leader_flag | ~torch.isfinite(mean.float().sum())
+            sent = [
+                Payload(numel=part.numel, dtype=part.input.dtype, values=own, indices=where, length=length)
+                for part, own, where, length in zip(
+                    parts, values.split(capacities), positions, lengths, strict=True
+                )
+            ]
+            flags = torch.zeros(world, dtype=torch.bool, device=device)
+            flags[leader : leader + 1] = malformed
+            return Delivery(sent=list(sent), nonfinite=nonfinite, malformed=flags, demand=demands)
 
-        return allreduce_sum(message, context.group, "values allreduce").then(finish)
-
-
-def _broadcast(tensor: torch.Tensor, source: int, context: Context, what: str) -> torch.Tensor:
-    """Blocking broadcast from ``source`` (a rank of the group)."""
-    root = dist.get_global_rank(context.group, source) if context.group is not None else source
-    blocking(what, context.group, lambda: dist.broadcast(tensor, root, group=context.group, async_op=True))
-    return tensor
+        return allreduce_sum(message_values, context.group, "values allreduce").then(finish)
 
 
-def _validate(positions: list[torch.Tensor], parts: list[Part]) -> None:
-    """The leader's positions must lie in each part (a receiver never scatters out of range)."""
-    for i, (where, part) in enumerate(zip(positions, parts, strict=True)):
-        wire.check_positions(where, part.numel, i)
+def _capacity(part: Part, context: Context) -> int:
+    capacity = context.capacities.get(part.key)
+    if capacity is None:
+        raise InvalidOptionError("the shared-mask exchange carries sparse payloads only")
+    return capacity
+
+
+def _sparse(payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+    if payload.indices is None or payload.values is None:
+        raise InvalidOptionError("the shared-mask exchange carries (indices, values) payloads only")
+    return payload.indices, payload.values
+
+
+def _checked_positions(
+    flat: torch.Tensor, lengths: torch.Tensor, capacities: list[int], parts: list[Part]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per part the leader's positions (entries not in use, or out of range: 0), which are in
+    use, and whether the leader's message was malformed (0-d bool)."""
+    positions, used, bad = [], [], []
+    for chunk, length, capacity, part in zip(flat.split(capacities), lengths, capacities, parts, strict=True):
+        valid = in_use(capacity, length, chunk.device)
+        valid = torch.ones_like(chunk, dtype=torch.bool) if valid is None else valid
+        inside = (chunk >= 0) & (chunk < part.numel)
+        increasing = (valid[1:] & (chunk[1:] <= chunk[:-1])).any() if capacity > 1 else inside.new_zeros(())
+        bad.append((length < 0) | (length > capacity) | (valid & ~inside).any() | increasing)
+        keep = valid & inside
+        positions.append(torch.where(keep, chunk, 0))
+        used.append(keep)
+    return positions, used, torch.stack(bad).any().reshape(1)
+
+
+def _count_bytes(
+    context: Context,
+    leading: bool,
+    flat: torch.Tensor,
+    lengths: torch.Tensor,
+    capacities: list[int],
+    values: torch.Tensor,
+    wire_index: torch.dtype,
+    world: int,
+) -> None:
+    """Bytes of the broadcast (sent by the leader, received by the others) and of the values
+    allreduce; entries in use for ``sent``, the capacity for ``padded``."""
+    header_nbytes = (flat.numel() - sum(capacities)) * flat.element_size()
+    used_entries = lengths.clamp(0).sum()
+    index_used = used_entries * wire_index.itemsize + header_nbytes
+    index_padded = flat.numel() * flat.element_size()
+    value_padded = values.numel() * values.element_size()
+    value_used = used_entries * values.element_size()
+    context.record.add_bytes(
+        sent=sum_counts([value_used, index_used]) if leading else value_used,
+        padded=value_padded + (index_padded if leading else 0),
+        received=ring_allreduce_received(value_padded, world) + (0 if leading else index_padded),
+    )
+
+
+def _global_rank(context: Context, rank: int) -> int:
+    return dist.get_global_rank(context.group, rank) if context.group is not None else rank

@@ -1,40 +1,48 @@
-"""Wire format: a payload as the flat tensors that cross the network, and back.
+"""Wire format: a bucket's payloads as one fixed-size message, and back.
 
-A *message* is one worker's contribution for one DDP bucket: one or more payloads
-(one per compressed tensor, ``P`` parts), each with the same fields ``F`` in the fixed
-order of :meth:`Payload.fields`. It travels as
+A *message* is one worker's contribution for one DDP bucket: one payload per part
+(``P`` parts), each with the fields of :meth:`Payload.fields` in their fixed order. Its
+size is the same on every worker and known before any data exists -- a sparse
+payload has a fixed capacity (:mod:`gradsift.compressors.base`) -- so it travels in a
+single collective with no size exchange first. It is one byte buffer:
 
-* a **header**: one int32 per (part, field), the field's length in elements --
-  ``4 * F`` bytes per payload, exactly :attr:`Payload.header_nbytes`. A length of
-  :data:`NONFINITE` (-1) in every slot says "my gradient was not finite, no data
-  follows", so the non-finite flag rides in the size exchange at no extra byte;
-* per field, the parts' tensors concatenated: ``values`` in the chosen value dtype,
-  ``indices`` as int32 (int64 only when ``numel > 2**31 - 1``) and strictly increasing
-  within a part (so a receiver checks uniqueness in one pass), ``codes`` and
-  ``scales`` as the compressor made them.
+* a **header** of ``1 + 2P`` int32 words: the flags (bit 0 :data:`NONFINITE`: "my input
+  held NaN or Inf", so the non-finite flag rides in the message at no extra round
+  trip), then per part the entries in use (``length``) and the entries the compressor
+  wanted to send (``demand``; an adaptive-capacity compressor sizes its next payloads
+  from the largest). Both are the field's capacity for a payload without a length;
+* per part, per field, the tensor at its full capacity, each starting on an 8-byte
+  boundary: ``values`` in the chosen value dtype, ``indices`` as int32 (int64 only when
+  ``numel > 2**31 - 1``) and strictly increasing over the entries in use (so a receiver
+  checks uniqueness in one pass), ``codes`` and ``scales`` as the compressor made them.
 
-:func:`to_wire` applies the dtype rules; ``p.nbytes`` already counts indices at their
-wire width, so ``p.nbytes == to_wire(p).nbytes`` is exactly the number
-of bytes the message puts on the wire (padding added by an allgather is the
-collective's cost, reported separately by the hook). :func:`decode` checks every
-length, dtype and index range of a received message and raises
-:class:`~gradsift.errors.WireFormatError` instead of scattering garbage into a gradient.
+:func:`to_wire` applies the dtype rules. ``p.nbytes`` counts every field at its
+capacity plus the payload's 4-byte length word; the header's flag word is the
+message's own 4 bytes (:attr:`MessageLayout.nbytes` adds the alignment padding).
+:meth:`MessageLayout.unpack` checks what a peer could get wrong -- flags, lengths
+beyond the capacity, indices out of range or not increasing -- on the device, reports
+it as a per-sender flag, and turns every entry not in use or out of range into index 0
+with value 0, so that decoding a malformed message writes nothing out of range (the
+hook then drops the step and raises :class:`~gradsift.errors.WireFormatError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Payload, index_dtype
-from gradsift.errors import InvalidOptionError, WireFormatError
+from gradsift.compressors.base import Count, Payload, index_dtype
+from gradsift.errors import InvalidOptionError
 
-#: Header length that flags a sender whose gradient held NaN or Inf.
-NONFINITE = -1
+#: Header flag of a sender whose input held NaN or Inf.
+NONFINITE = 1
 
 HEADER_DTYPE = torch.int32
+_ALIGN = 8
 
 _VALUE_DTYPES = {
     "fp32": torch.float32,
@@ -58,16 +66,12 @@ def parse_value_dtype(value: object) -> torch.dtype | None:
 
 
 def to_wire(payload: Payload, value_dtype: torch.dtype | None = None) -> Payload:
-    """The payload as it is sent: indices sorted and narrowed, values cast to ``value_dtype``.
+    """The payload as it is sent: indices narrowed to their wire dtype, values cast to ``value_dtype``.
 
-    Unsorted indices (``torch.topk``'s) are sorted with their values (one check, and a
-    sort of the ``k`` sent elements only when needed); fields that already have the
-    wire dtype and order are not copied.
+    Fields that already have the wire dtype are not copied (random-k's indices, which
+    stay local, are left as they are).
     """
-    values, indices = payload.values, payload.fields().get("indices")  # random-k keeps its indices local
-    if indices is not None and indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        indices, order = torch.sort(indices)
-        values = None if values is None else values[order]
+    values, indices = payload.values, payload.fields().get("indices")
     if indices is not None and indices.dtype != index_dtype(payload.numel):
         indices = indices.to(index_dtype(payload.numel))
     if value_dtype is not None and values is not None and values.dtype != value_dtype:
@@ -79,115 +83,148 @@ def to_wire(payload: Payload, value_dtype: torch.dtype | None = None) -> Payload
     return dataclasses.replace(payload, values=values, indices=indices)
 
 
-def header(payloads: Sequence[Payload], nonfinite: bool = False) -> list[int]:
-    """Field lengths of each payload, flattened part-major (``P * F`` ints).
+def flagged(payload: Payload, nonfinite: torch.Tensor) -> Payload:
+    """``payload`` with its non-finite flag replaced."""
+    return dataclasses.replace(payload, nonfinite=nonfinite)
 
-    With ``nonfinite`` every slot is :data:`NONFINITE`.
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class FieldSlot:
+    """Where one field of one part lies in a message."""
+
+    part: int
+    name: str
+    dtype: torch.dtype
+    count: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Received:
+    """What :meth:`MessageLayout.unpack` found in the gathered messages.
+
+    Attributes:
+        payloads: ``payloads[w][p]``, worker ``w``'s payload for part ``p`` (views of the
+            received buffer; entries not in use or out of range zeroed).
+        malformed: ``[W]`` bool, worker ``w``'s message broke the format.
+        nonfinite: 0-d bool, some worker flagged a non-finite input.
+        demand: ``[P]`` int, per part the largest demand of any worker.
     """
-    lengths = [t.numel() for p in payloads for t in p.fields().values()]
-    return [NONFINITE] * len(lengths) if nonfinite else lengths
+
+    payloads: list[list[Payload]]
+    malformed: torch.Tensor
+    nonfinite: torch.Tensor
+    demand: torch.Tensor
 
 
-def concat_fields(payloads: Sequence[Payload]) -> dict[str, torch.Tensor]:
-    """Per field name, the parts' tensors concatenated (the data half of a message)."""
-    names = list(payloads[0].fields())
-    return {
-        name: torch.cat([p.fields()[name].reshape(-1) for p in payloads])
-        if len(payloads) > 1
-        else payloads[0].fields()[name].reshape(-1)
-        for name in names
-    }
+class MessageLayout:
+    """The byte layout of a message of ``templates`` (wire-form payloads, one per part).
 
-
-def check_headers(headers: torch.Tensor, parts: int, fields: int) -> bool:
-    """Validate gathered headers (``[W, parts * fields]``); return True if any sender was non-finite.
-
-    Raises :class:`WireFormatError` on a wrong shape, a negative length other than a
-    whole-message :data:`NONFINITE` flag, or a flag mixed with lengths.
+    Every worker builds the same layout from its own payloads: capacities and dtypes
+    follow from the options and the bucket, never from the data.
     """
-    if headers.dim() != 2 or headers.shape[1] != parts * fields:
-        raise WireFormatError(
-            f"header must have {parts * fields} lengths per worker ({parts} parts x {fields} fields), "
-            f"got shape {tuple(headers.shape)}"
-        )
-    flagged = headers == NONFINITE
-    whole = flagged.all(dim=1)
-    if bool((flagged.any(dim=1) & ~whole).any()) or bool((headers < NONFINITE).any()):
-        raise WireFormatError(f"header holds negative lengths: {headers.tolist()}")
-    return bool(whole.any())
+
+    def __init__(self, templates: Sequence[Payload]) -> None:
+        self.templates = list(templates)
+        self.header_words = 1 + 2 * len(self.templates)
+        offset = _aligned(self.header_words * HEADER_DTYPE.itemsize)
+        slots = []
+        for part, payload in enumerate(self.templates):
+            for name, tensor in payload.fields().items():
+                slots.append(FieldSlot(part, name, tensor.dtype, tensor.numel(), offset))
+                offset += _aligned(tensor.numel() * tensor.element_size())
+        self.slots = tuple(slots)
+        self.nbytes = offset
+
+    def pack(self, payloads: Sequence[Payload], nonfinite: torch.Tensor | None) -> torch.Tensor:
+        """One worker's message (uint8, :attr:`nbytes`) for ``payloads`` (laid out like the templates)."""
+        device = _device_of(payloads)
+        message = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        header = message[: self.header_words * HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
+        if nonfinite is not None:
+            header[0:1].copy_(nonfinite.reshape(1))
+        for part, payload in enumerate(payloads):
+            length = payload.entries()
+            put_count(header, 1 + 2 * part, length)
+            put_count(header, 2 + 2 * part, length if payload.demand is None else payload.demand)
+        for slot in self.slots:
+            field = payloads[slot.part].fields()[slot.name].reshape(-1)
+            message[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).copy_(field)
+        return message
+
+    def unpack(self, gathered: torch.Tensor, world: int) -> Received:
+        """Split ``world`` gathered messages (``world * nbytes`` uint8) and check them on the device."""
+        rows = gathered.view(world, self.nbytes)
+        header = rows[:, : self.header_words * HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
+        flags = header[:, 0]
+        malformed = (flags & ~NONFINITE) != 0
+        fields: dict[tuple[int, str], torch.Tensor] = {
+            (slot.part, slot.name): rows[:, slot.offset : slot.offset + slot.nbytes].view(slot.dtype)
+            for slot in self.slots
+        }
+        payloads: list[list[Payload]] = [[] for _ in range(world)]
+        demands = []
+        for part, template in enumerate(self.templates):
+            length, demand = header[:, 1 + 2 * part], header[:, 2 + 2 * part]
+            capacity = template.capacity
+            malformed |= (length < 0) | (length > capacity) | (demand < 0)
+            demands.append(demand.amax())
+            columns: dict[str, Any] = {name: fields[(part, name)] for name in template.fields()}
+            if template.variable_size:
+                columns, bad = _checked_entries(columns, length, capacity, template.numel)
+                malformed |= bad
+            for w in range(world):
+                payloads[w].append(
+                    dataclasses.replace(
+                        template,
+                        info={},
+                        length=length[w].clamp(0, capacity) if template.variable_size else None,
+                        demand=None,
+                        nonfinite=None,
+                        **{name: column[w] for name, column in columns.items()},
+                    )
+                )
+        return Received(payloads, malformed, (flags & NONFINITE).any(), torch.stack(demands))
 
 
-def decode(
-    lengths: Sequence[int],
-    data: Mapping[str, torch.Tensor],
-    templates: Sequence[Payload],
-) -> list[Payload]:
-    """Split one worker's received message into validated payloads.
-
-    Args:
-        lengths: that worker's header row (``P * F`` ints, part-major).
-        data: per field name, that worker's concatenated field data (already trimmed).
-        templates: the local payloads for the same parts: they give the field names,
-            dtypes, ``numel`` and dense dtype each received part must have.
-
-    Raises :class:`WireFormatError` when a length does not add up, a dtype differs,
-    values and indices disagree in count, or an index lies outside ``[0, numel)``.
-    """
-    names = list(templates[0].fields())
-    if len(lengths) != len(templates) * len(names):
-        raise WireFormatError(f"header has {len(lengths)} lengths, expected {len(templates) * len(names)}")
-    if sorted(data) != sorted(names):
-        raise WireFormatError(f"message carries fields {sorted(data)}, expected {sorted(names)}")
-    for name in names:
-        expected = templates[0].fields()[name].dtype
-        if data[name].dtype != expected or data[name].dim() != 1:
-            raise WireFormatError(
-                f"field {name!r} must be a 1-D {expected} tensor, got {data[name].dim()}-D {data[name].dtype}"
-            )
-        total = sum(lengths[i] for i in range(names.index(name), len(lengths), len(names)))
-        if total != data[name].numel():
-            raise WireFormatError(f"field {name!r} holds {data[name].numel()} elements, header says {total}")
-    offsets = dict.fromkeys(names, 0)
-    decoded = []
-    for part, template in enumerate(templates):
-        fields = {}
-        for j, name in enumerate(names):
-            n = lengths[part * len(names) + j]
-            fields[name] = data[name][offsets[name] : offsets[name] + n]
-            offsets[name] += n
-        payload = dataclasses.replace(
-            template,
-            info={},
-            values=fields.get("values", template.values),
-            indices=fields.get("indices", template.indices),
-            codes=fields.get("codes", template.codes),
-            scales=fields.get("scales", template.scales),
-        )
-        _check_indices(payload, part)
-        decoded.append(payload)
-    return decoded
-
-
-def _check_indices(payload: Payload, part: int) -> None:
-    """Indices must pair one-to-one with values, increase strictly and lie in ``[0, numel)``."""
-    indices = payload.indices
+def _checked_entries(
+    columns: dict[str, Any], length: torch.Tensor, capacity: int, numel: int
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Entries in use of a sparse field pair, checked (``[W]`` malformed) and made harmless."""
+    indices = columns.get("indices")
     if indices is None:
-        return
-    if payload.values is not None and payload.values.numel() != indices.numel():
-        raise WireFormatError(f"part {part}: {payload.values.numel()} values for {indices.numel()} indices")
-    check_positions(indices, payload.numel, part)
+        return columns, torch.zeros_like(length, dtype=torch.bool)
+    used = torch.arange(capacity, device=indices.device).unsqueeze(0) < length.unsqueeze(1)
+    inside = (indices >= 0) & (indices < numel)
+    bad = (used & ~inside).any(dim=1)
+    if capacity > 1:
+        bad |= (used[:, 1:] & (indices[:, 1:] <= indices[:, :-1])).any(dim=1)
+    keep = used & inside
+    cleaned = dict(columns)
+    cleaned["indices"] = torch.where(keep, indices, 0)
+    if "values" in columns:
+        cleaned["values"] = torch.where(keep, columns["values"], 0)
+    return cleaned, bad
 
 
-def check_positions(indices: torch.Tensor, numel: int, part: int = 0) -> None:
-    """Raise :class:`WireFormatError` unless ``indices`` increase strictly within ``[0, numel)``.
+def put_count(header: torch.Tensor, index: int, value: Count) -> None:
+    """``header[index] = value`` without a host read or a host-to-device copy."""
+    if isinstance(value, torch.Tensor):
+        header[index : index + 1].copy_(value.reshape(1))
+    else:
+        header[index] = value
 
-    Strictly increasing means no index repeats (a repeated index would add one
-    worker's value twice); with sorted indices the range check reads the two ends.
-    """
-    if indices.numel() == 0:
-        return
-    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise WireFormatError(f"part {part}: indices must increase strictly (a repeated or unsorted index)")
-    low, high = int(indices[0]), int(indices[-1])
-    if low < 0 or high >= numel:
-        raise WireFormatError(f"part {part}: indices must lie in [0, {numel}), got range [{low}, {high}]")
+
+def _device_of(payloads: Sequence[Payload]) -> torch.device:
+    for payload in payloads:
+        for tensor in payload.fields().values():
+            return tensor.device
+    return torch.device("cpu")
