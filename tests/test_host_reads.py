@@ -28,17 +28,24 @@ STEPS, COUNTED = 4, 2  # the last COUNTED steps are counted (DDP rebuilds its bu
 WIDTH, BATCH = 160, 16  # three 160x160 layers of 103 kB each
 
 
+#: SIDCo's statistical path (its buckets here are below the exact top-k's crossover).
+FITTED = ("sidco-exp/fit", "sidco-gpareto/fit", "sidco-gamma/fit")
+
+
 def combinations() -> list[tuple[str, str]]:
-    """Every (compressor, exchange) the registry allows."""
+    """Every (compressor, exchange) the registry allows, SIDCo on both of its paths."""
     pairs = []
-    for name in gradsift.available_compressors():
-        for exchange in gradsift.get_compressor(name, **_options(name)).exchanges:
+    for name in [*gradsift.available_compressors(), *FITTED]:
+        for exchange in _build(name).exchanges:
             pairs.append((name, exchange))
     return pairs
 
 
-def _options(name: str) -> dict:
-    return {"threshold": {"threshold": 0.01}, "powersgd": {"start_iter": 2}}.get(name, {})
+def _build(name: str) -> gradsift.Compressor:
+    options = {"threshold": {"threshold": 0.01}, "powersgd": {"start_iter": 2}}.get(name, {})
+    if name in FITTED:
+        return gradsift.get_compressor(name.split("/")[0], exact_below=0)
+    return gradsift.get_compressor(name, **options)
 
 
 def _model() -> torch.nn.Module:
@@ -57,7 +64,7 @@ def _bucket_cap_mb(buckets: int) -> float:
 def reads_per_step(rank: int, world: int, compressor: str, exchange: str, buckets: int) -> dict:
     model = DDP(_model(), bucket_cap_mb=_bucket_cap_mb(buckets))
     if compressor != "stock":
-        gradsift.register_comm_hook(model, compressor, exchange=exchange, **_options(compressor))
+        gradsift.register_comm_hook(model, _build(compressor), exchange=exchange)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     inputs, targets = (torch.randn(BATCH, WIDTH, generator=generator) for _ in range(2))
