@@ -198,3 +198,24 @@ def test_rounds_rotate_the_order_of_the_methods():
     medians = interleaved_medians_ms(methods, 3, warmup=0)
     assert set(medians) == {"a", "b", "c"}
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gpu_check_dry_run_runs_every_check_on_cpu(tmp_path):
+    """benchmarks/gpu/check.sh --dry-run: the GPU check's own code, on CPU with gloo at toy
+    sizes; its numbers must say what the CPU suite says (one host read per step, ratio 1
+    equal to stock DDP, the GradScaler run within 1e-4 of stock)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "check.sh"
+    done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "check.json").read_text())
+    checks = result["checks"]
+    assert set(checks) == {"exchanges", "static_graph", "evaluate", "amp", "compress", "step_time"}
+    assert all(entry["ok"] for entry in checks.values()), {k: v.get("error") for k, v in checks.items()}
+    exchanges = checks["exchanges"]["result"]
+    assert exchanges.pop("topk ratio 1 equals stock DDP") is True
+    assert len(exchanges) == 13 and all(entry["syncs_per_step"] <= 2 for entry in exchanges.values())
+    assert checks["amp"]["result"]["relative_difference"] <= 1e-4
+    assert result["machine"]["commit"] and "load_before" in result["machine"]

@@ -172,14 +172,26 @@ def ready(value: T) -> Pending[T]:
 def started(work: Any, result: T, group: Any, what: str) -> Pending[T]:
     """``result`` once ``work`` (collective ``what``) is done; its failure as :class:`PeerFailureError`.
 
-    ``work`` is kept by :data:`KEPT_WORKS` until the next step opens."""
-    KEPT_WORKS.keep(work)
+    On gloo, ``work`` is kept by :data:`KEPT_WORKS` until the next step opens (the clean
+    exit needs it there: gloo's threads release works with the GIL); other backends' works
+    are not kept, so their buffers go as soon as the step is done with them."""
+    if _needs_keeping(group):
+        KEPT_WORKS.keep(work)
 
     def read() -> T:
         guarded(what, group, work.wait)
         return result
 
     return Pending(read)
+
+
+def _needs_keeping(group: Any) -> bool:
+    """Whether a collective of ``group`` runs on gloo (whose threads must not drop the last
+    reference to a work); a group without a known backend is kept, to be safe."""
+    try:
+        return str(dist.get_backend(group)) == "gloo"
+    except (RuntimeError, ValueError):
+        return True
 
 
 def blocking(what: str, group: Any, start: Callable[[], Any]) -> None:
