@@ -87,7 +87,7 @@ def _processes_are_marked(request: pytest.FixtureRequest):
         pytest.fail(f"starts processes ({', '.join(sorted(set(STARTED)))}) but is not marked {missing}")
 
 
-# -- parallel runs: `./dev test` runs pytest-xdist's `-n 2 --dist loadgroup` --------------
+# -- parallel runs (opt-in): pytest -n 2 --dist loadgroup --no-loadscope-reorder -----------
 # A test without an xdist group is grouped with its module, so module-scoped fixtures (one
 # run_workers launch shared by a module's tests) run once, not once per worker. On a
 # worker, the two groups of documented runs (tests/doc_commands.py, run_group) come first,
