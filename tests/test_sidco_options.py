@@ -162,7 +162,7 @@ def test_sample_size_caps_the_fit_and_changes_the_threshold():
 def test_stage_count_is_re_chosen_every_stage_period_calls_by_one_step(period):
     """From one stage on t3 data (which wants three), the count moves only on calls ``c`` with
     ``c % stage_period == 0``, by at most one stage each time, and does move on the first two."""
-    compressor = gradsift.get_compressor("sidco-exp", ratio=0.001, stage_period=period)
+    compressor = gradsift.get_compressor("sidco-exp", ratio=0.001, stage_period=period, exact_below=0)
     compressor.load_state_dict(
         {"keys": {0: {"stages": 1, "calls": 1, "log_correction": 0.0, "threshold": 0.0}}}
     )
@@ -183,10 +183,10 @@ def test_first_call_considers_every_stage_count_later_calls_only_neighbours():
     which tries all of 1..ceil(log2(1/delta)), leaves the initial two stages for more than
     three; a later re-evaluation from two sees only 1-3, which miss alike, and keeps two."""
     x = torch.rand(1 << 17, generator=torch.Generator().manual_seed(8))
-    first = gradsift.get_compressor("sidco-exp", ratio=0.001)
+    first = gradsift.get_compressor("sidco-exp", ratio=0.001, exact_below=0)
     first.compress(x)
     assert first.state_dict()["keys"][0]["stages"] > 3
-    later = gradsift.get_compressor("sidco-exp", ratio=0.001, stage_period=1)
+    later = gradsift.get_compressor("sidco-exp", ratio=0.001, stage_period=1, exact_below=0)
     later.load_state_dict({"keys": {0: {"stages": 2, "calls": 1, "log_correction": 0.0, "threshold": 0.0}}})
     later.compress(x)
     assert later.state_dict()["keys"][0]["stages"] == 2

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from gradsift.kernels import moment_sums
 from gradsift.validation import check_ratio
 
 #: Bound on ``m^2/v`` and ``1/r``: keeps the fits finite on (nearly) constant data,
@@ -222,20 +223,12 @@ class Moments:
 
 
 def moments(values: torch.Tensor, above: Number | None = None) -> Moments:
-    """:class:`Moments` of the 1-D ``values`` (all of them, or those ``> above``): one masked
-    pass, float64 accumulation, no host read. An empty set has count 0 and mean 0."""
-    x = values.reshape(-1)
-    if above is None:
-        kept = x.double()
-        count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-        minimum = kept.min() if x.numel() else torch.full((), math.inf, dtype=torch.float64, device=x.device)
-    else:
-        mask = x > above
-        kept = torch.where(mask, x, 0).double()
-        count = mask.sum(dtype=torch.float64)
-        minimum = torch.where(mask, x, math.inf).min().double() if x.numel() else count + math.inf
+    """:class:`Moments` of the 1-D ``values`` (all of them, or those ``> above``), float64
+    accumulation, no host read of a device tensor (:func:`gradsift.kernels.moment_sums`).
+    An empty set has count 0 and mean 0."""
+    count, total, squares, minimum = moment_sums(values.reshape(-1), above)
     denominator = count.clamp_min(1.0)
-    return Moments(count, kept.sum() / denominator, torch.dot(kept, kept) / denominator, minimum)
+    return Moments(count, total / denominator, squares / denominator, minimum)
 
 
 def exponential_of(m: Moments) -> ExponentialFit:

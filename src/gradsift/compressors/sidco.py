@@ -65,7 +65,7 @@ from gradsift.compressors.base import Count, Selection, Sparsifier, target_count
 from gradsift.compressors.threshold import threshold_selection
 from gradsift.compressors.topk import top_k_selection
 from gradsift.errors import InvalidOptionError
-from gradsift.kernels import CallingThreadOnly
+from gradsift.kernels import CallingThreadOnly, counts_above, narrowed, nonzero_first, value_with_above
 from gradsift.readout import Readout
 from gradsift.stats import (
     MagnitudeFit,
@@ -112,15 +112,14 @@ def max_stage_count(ratio: float) -> int:
 
 
 def sample_counts(sample: torch.Tensor, thresholds: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[#{s > t} for t in thresholds]`` as a float64 tensor: one broadcast comparison."""
-    bounds = torch.stack([t.to(torch.float64) for t in thresholds])
-    return torch.gt(sample.unsqueeze(1), bounds.to(sample.dtype)).sum(0, dtype=torch.float64)
+    """``[#{s > t} for t in thresholds]`` as a float64 tensor (:func:`gradsift.kernels.counts_above`)."""
+    return counts_above(sample, list(thresholds))
 
 
 def sample_quantile(sample: torch.Tensor, keep: int) -> torch.Tensor:
     """The sample value with exactly ``keep`` elements above it (the ``(keep+1)``-th largest;
-    ties may leave fewer above it)."""
-    return torch.topk(sample, keep + 1, sorted=False).values.min()
+    ties may leave fewer above it): :func:`gradsift.kernels.value_with_above`."""
+    return value_with_above(sample, keep)
 
 
 def log_miss(count: torch.Tensor | Count, expected: float) -> torch.Tensor | float:
@@ -239,10 +238,13 @@ class _SIDCo(Sparsifier):
 
     def _tail_threshold(self, sample: torch.Tensor, eta: torch.Tensor, stages: int) -> torch.Tensor:
         """Stages 2..M from ``eta_1 = eta``: each fits the excess of the exceedances of the
-        previous threshold; a stage with fewer than 2 exceedances keeps the previous one."""
+        previous threshold; a stage with fewer than 2 exceedances keeps the previous one.
+        Each stage looks only at the previous stage's tail (:func:`gradsift.kernels.narrowed`)."""
         stage_ratio = (self.ratio / self.first_ratio) ** (1.0 / (stages - 1))
+        tail = sample
         for _ in range(stages - 1):
-            above = moments(sample, above=eta)
+            tail = narrowed(tail, eta)
+            above = moments(tail, above=eta)
             base, fit = type(self).tail_fit(above)
             eta = torch.where(above.count >= 2, base + device_threshold(fit, stage_ratio), eta)
         return eta
@@ -352,13 +354,8 @@ class _SIDCo(Sparsifier):
         """Step 0: the exact top-k, exact zeros left out (like ``|g| > eta >= 0``)."""
         indices, magnitudes, state["threshold"], nonfinite = top_k_selection(flat, k)
         state["calls"] += 1
-        nonzero = magnitudes > 0
-        last = torch.iinfo(torch.int64).max
-        ordered = torch.sort(torch.where(nonzero, indices, last)).values
-        length = nonzero.sum()
-        return Selection(
-            torch.where(torch.arange(k, device=flat.device) < length, ordered, 0), length, nonfinite
-        )
+        positions, length = nonzero_first(indices, magnitudes, state["threshold"])
+        return Selection(positions, None if isinstance(length, int) else length, nonfinite)
 
     def _statistical_selection(
         self, flat: torch.Tensor, k: int, state: dict[str, Any], capacity: int | None, readout: Readout
@@ -418,7 +415,7 @@ class SIDCoExponential(_SIDCo):
     name = "sidco-exp"
     first_fit = staticmethod(_exponential_first)
     tail_fit = staticmethod(exponential_excess)
-    crossover = 1 << 16
+    crossover = 1 << 19
 
 
 class SIDCoGeneralizedPareto(_SIDCo):
@@ -427,7 +424,7 @@ class SIDCoGeneralizedPareto(_SIDCo):
     name = "sidco-gpareto"
     first_fit = staticmethod(_pareto_first)
     tail_fit = staticmethod(generalized_pareto_excess)
-    crossover = 1 << 16
+    crossover = 1 << 19
 
 
 class SIDCoGamma(_SIDCo):
@@ -436,4 +433,4 @@ class SIDCoGamma(_SIDCo):
     name = "sidco-gamma"
     first_fit = staticmethod(gamma_of)
     tail_fit = staticmethod(generalized_pareto_excess)
-    crossover = 1 << 17  # the gamma's first stage takes a logarithm of every sampled element
+    crossover = 1 << 20  # the gamma's first stage takes a logarithm of every sampled element
