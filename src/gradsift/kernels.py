@@ -160,20 +160,24 @@ def moment_sums(
         array = _numpy(values)
         tail = array if above is None else np.compress(array > _host_float(above), array)
         wide = tail.astype(np.float64)
-        minimum = float(wide.min()) if wide.size else math.inf
-        sums = [float(wide.size), float(wide.sum()), float(np.dot(wide, wide)), minimum]
-        return tuple(torch.tensor(sums, dtype=torch.float64, device="cpu").unbind())  # type: ignore[return-value]
+        smallest = float(wide.min()) if wide.size else math.inf
+        count, total, squares, least = torch.tensor(
+            [float(wide.size), float(wide.sum()), float(np.dot(wide, wide)), smallest],
+            dtype=torch.float64,
+            device="cpu",
+        ).unbind()
+        return count, total, squares, least
     x = values.reshape(-1)
     if above is None:
         kept = x.double()
         count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-        minimum = kept.min() if x.numel() else count + math.inf
+        least = kept.min() if x.numel() else count + math.inf
     else:
         mask = x > above
         kept = torch.where(mask, x, 0).double()
         count = mask.sum(dtype=torch.float64)
-        minimum = torch.where(mask, x, math.inf).min().double() if x.numel() else count + math.inf
-    return count, kept.sum(), torch.dot(kept, kept), minimum
+        least = torch.where(mask, x, math.inf).min().double() if x.numel() else count + math.inf
+    return count, kept.sum(), torch.dot(kept, kept), least
 
 
 def narrowed(values: torch.Tensor, bound: Threshold) -> torch.Tensor:
