@@ -283,7 +283,9 @@ def zero_at(tensor: torch.Tensor, indices: torch.Tensor, used: torch.Tensor | No
 
 def _host_float(value: Threshold) -> float:
     """A CPU threshold as a Python float (CPU memory: no device to wait for)."""
-    return float(value.to(torch.float64).numpy()) if isinstance(value, torch.Tensor) else float(value)
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    return float((value if _numpy_floats(value) else value.to(torch.float64)).numpy())
 
 
 def _numpy_floats(values: torch.Tensor) -> bool:

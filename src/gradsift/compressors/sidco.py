@@ -344,9 +344,9 @@ class _SIDCo(Sparsifier):
         state = self._state(key)
         n = flat.numel()
         k = target_count(n, self.ratio)
+        if self.adapt and n < self.exact_below:
+            return self._exact_selection(flat, k, state)  # one torch.topk: nothing to keep off the pool
         with CallingThreadOnly(flat.device, largest=n):
-            if self.adapt and n < self.exact_below:
-                return self._exact_selection(flat, k, state)
             return self._statistical_selection(flat, k, state, capacity, readout)
 
     @staticmethod
