@@ -11,9 +11,9 @@ Public API (stable)::
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, cast
 
-from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
 from gradsift.errors import (
     GradsiftError,
     InvalidOptionError,
@@ -27,10 +27,33 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
     from gradsift.ddp import GradsiftHookState
 
 #: The release, written only here (pyproject.toml reads it; CHANGELOG.md has its entry).
 __version__ = "0.1.0"
+
+#: Public names defined in :mod:`gradsift.compressors`, which needs torch: imported on first
+#: access (PEP 562), so that ``import gradsift`` -- and the ``gradsift`` command before it
+#: has read its arguments -- does not load torch (docs/decisions.md, "The command line
+#: imports a subcommand's back-end only when it runs").
+_FROM_COMPRESSORS = ("Compressor", "Payload", "available_compressors", "get_compressor")
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_FROM_COMPRESSORS`, or the ``compressors`` subpackage itself (which
+    ``import gradsift`` used to load), imported now and kept in the module."""
+    if name != "compressors" and name not in _FROM_COMPRESSORS:
+        raise AttributeError(f"module 'gradsift' has no attribute {name!r}")
+    module = importlib.import_module("gradsift.compressors")
+    value = module if name == "compressors" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazy ones included (so completion and ``dir()`` show them)."""
+    return sorted({*globals(), "compressors", *_FROM_COMPRESSORS})
 
 
 def register_comm_hook(

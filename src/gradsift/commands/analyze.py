@@ -7,15 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from gradsift.analysis import (
-    DEFAULT_COMPRESSORS,
-    analyze_tensor,
-    format_table,
-    load_gradients,
-    plot_fits,
-    usable_compressors,
-)
-from gradsift.validation import check_int, check_ratio
+#: :data:`gradsift.analysis.DEFAULT_COMPRESSORS`, written here for the help text: the
+#: parser imports no back-end, which loads torch and SciPy (tests/test_cli.py checks
+#: that the two agree).
+DEFAULT_COMPRESSORS = ("sidco-exp", "sidco-gpareto", "sidco-gamma", "topk", "dgc", "redsync", "gaussiank")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Analyze every tensor of ``args.file``; print the table, write JSON and plots on request."""
+    from gradsift.analysis import analyze_tensor, format_table, load_gradients, plot_fits, usable_compressors
+    from gradsift.validation import check_int, check_ratio
+
     ratios = [check_ratio(r, "--ratios") for r in args.ratios]
     calls = check_int(args.calls, "--calls", low=1)
     compressors, skipped = usable_compressors(args.compressors)

@@ -7,14 +7,21 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsift.errors import InvalidOptionError
-from gradsift.exchanges import available_exchanges
-from gradsift.train.config import LR_SCHEDULES, TrainConfig
-from gradsift.train.datasets import examples_for_model
-from gradsift.train.devices import DEVICES
-from gradsift.train.models import MODELS
+
+if TYPE_CHECKING:
+    from gradsift.train.config import TrainConfig
+
+# The choices the parser offers, written here because their back-ends load torch
+# (tests/test_cli.py checks each equals its source): sorted(gradsift.train.models.MODELS),
+# gradsift.exchanges.available_exchanges(), gradsift.train.config.LR_SCHEDULES and
+# gradsift.train.devices.DEVICES. TrainConfig checks the values again.
+MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
+EXCHANGE_NAMES = ("allreduce", "allgather", "delegated", "balanced", "shared-mask")
+LR_SCHEDULES = ("step", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
 
 EPILOG = """\
 examples:
@@ -51,14 +58,14 @@ def _int_list(text: str) -> list[int]:
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The run and network-emulation flags of ``gradsift train``."""
     run = parser.add_argument_group("run")
-    run.add_argument("--model", choices=sorted(MODELS), default="vgg", help="network to train (default: vgg)")
+    run.add_argument("--model", choices=MODEL_NAMES, default="vgg", help="network to train (default: vgg)")
     run.add_argument(
         "--compressor", default="none", help="registry name, e.g. none, bf16, topk, sidco-exp, vgc"
     )
     run.add_argument(
         "--ratio", type=float, help="target density delta, passed as the compressor's ratio option"
     )
-    run.add_argument("--exchange", choices=("auto", *available_exchanges()),
+    run.add_argument("--exchange", choices=("auto", *EXCHANGE_NAMES),
                      help="how buckets travel: auto (the compressor's default) or an exchange it supports")  # fmt: skip
     run.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
                      help="another compressor/hook option (repeatable; value parsed as JSON when possible)")  # fmt: skip
@@ -147,6 +154,8 @@ def check_devices(workers: int, device: str) -> None:
 def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
     """Validate the parsed flags into a :class:`TrainConfig` (which also builds the
     compressor and the hook state once: :func:`gradsift.train.config.check_exchange_options`)."""
+    from gradsift.train.config import TrainConfig
+    from gradsift.train.datasets import examples_for_model
     from gradsift.train.netem import parse_delay, parse_rate
 
     options = exchange_options(args)
