@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift import recipe
+from gradsift.adam import FrozenVarianceStep
 from gradsift.capacity import CapacityPlan
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import get_compressor
@@ -60,7 +61,7 @@ from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.exchanges.collectives import Pending
 from gradsift.exchanges.wire import parse_value_dtype
-from gradsift.feedback import ErrorFeedback
+from gradsift.feedback import VELOCITY, ErrorFeedback
 from gradsift.layout import GRANULARITIES, ParameterLayout
 from gradsift.state import TensorStore
 from gradsift.step import NONFINITE_POLICIES, BucketInFlight, BucketOutcome, StepLedger
@@ -176,6 +177,7 @@ class GradsiftHookState:
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
     capacities: CapacityPlan = dataclasses.field(default_factory=CapacityPlan)
+    adam: FrozenVarianceStep | None = None
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
@@ -231,7 +233,7 @@ class GradsiftHookState:
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         if optimizer is not None and self.feedback is not None:
-            taken = recipe.take_over_optimizer(optimizer, self.layout.numbers)
+            taken = recipe.take_over_optimizer(optimizer, self.layout.numbers, self.options.warmup_steps)
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
                     f"momentum={self.options.momentum} disagrees with the optimizer's momentum {taken.momentum}; "
@@ -239,6 +241,7 @@ class GradsiftHookState:
                 )
             self.feedback.momentum = taken.momentum
             self.weight_decay = taken.weight_decay
+            self.adam = taken.adam
         self.compressor.attach(ddp_model.module)
 
     # -- public read-outs -------------------------------------------------------------------
@@ -300,6 +303,7 @@ class GradsiftHookState:
         state = dict(self.__dict__)
         state["process_group"] = None
         state["ledger"] = dataclasses.replace(self.ledger, current=None)
+        state["adam"] = None  # holds the optimizer: register again with optimizer=
         return state
 
     # -- per-step ---------------------------------------------------------------------------
@@ -308,7 +312,8 @@ class GradsiftHookState:
         if self.compressor.identity:
             return True
         warming = self.ledger.step < self.options.warmup_steps
-        return warming and (self.feedback is None or self.feedback.momentum == 0)
+        # Adam's warm-up is the optimizer as built: its moments come from dense gradients
+        return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
 
     def exchange_for(self, context: Context) -> Exchange:
         """The exchange of one bucket: the chosen one, or ``"auto"``'s pick."""
@@ -327,8 +332,12 @@ class GradsiftHookState:
         return getattr(scaler, "_scale", None)  # None until the scaler scaled a loss
 
     def close_step(self) -> None:
-        """Commit or roll back the step on every rank (:mod:`gradsift.step`)."""
+        """Commit or roll back the step on every rank (:mod:`gradsift.step`); a kept compressed
+        step of Adam hands the optimizer's next step to :mod:`gradsift.adam`."""
+        closing, was_open = self.ledger.step, self.ledger.current is not None
         self.ledger.close(self.compressor, self.store, self.telemetry, self.capacities)
+        if self.adam is not None and was_open and not self.ledger.last_step_skipped:
+            self.adam.pending = self.adam.compressing(closing)
 
     def open_step(self) -> Any:
         warming = self.ledger.current is None and self.options.density_warmup_steps
@@ -402,9 +411,13 @@ def _exchange_bucket(state: GradsiftHookState, parts: list[Part], context: Conte
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
     dense = state.ledger.step < state.options.warmup_steps  # warm-up with momentum correction
-    scale = state.loss_scale()
+    loss_scale = state.loss_scale()
     for part in large:
-        part.compensated = _compensate(state, part, context.world, scale)
+        part.compensated = _compensate(state, part, context.world, loss_scale)
+    scale: torch.Tensor | float | None = loss_scale
+    if state.adam is not None:  # the mean is the velocity's: Adam's first moment is (1 - beta1) of it
+        moment = state.adam.moment_scale()
+        scale = moment if scale is None else scale * moment
     batches: list[tuple[list[Part], Exchange, Codec]] = []
     if large:
         batches.append(
@@ -417,7 +430,7 @@ def _exchange_bucket(state: GradsiftHookState, parts: list[Part], context: Conte
 
 
 def _outcome(
-    state: GradsiftHookState, context: Context, large: list[Part], scale: torch.Tensor | None
+    state: GradsiftHookState, context: Context, large: list[Part], scale: torch.Tensor | float | None
 ) -> Any:
     """What finishes a bucket once its exchanges delivered: the loss scale put back into the
     compensated parts' means, error feedback's update, and the flags for the step's close."""
@@ -458,7 +471,13 @@ def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.T
     if state.options.clip_norm is not None:
         total = sum(state.layout.numels.values())
         flat = recipe.clip_local(flat, state.options.clip_norm, part.numel, total, world)
-    return flat if state.feedback is None else state.feedback.compensate(part.key, flat)
+    if state.feedback is None:
+        return flat
+    if state.adam is not None and state.store.get(VELOCITY, part.key) is None:
+        start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
+        if start is not None:
+            state.store.put(VELOCITY, part.key, start)
+    return state.feedback.compensate(part.key, flat)
 
 
 #: Why compiled autograd's Python reducer is refused.

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from gradsift.adam import FrozenVarianceStep, is_adam, l2_decay
 from gradsift.errors import InvalidOptionError
 
 MOMENTUM_KEY = "gradsift_momentum"
@@ -42,21 +43,37 @@ WEIGHT_DECAY_KEY = "gradsift_weight_decay"
 
 @dataclass
 class OptimizerTakeover:
-    """What the hook took from the optimizer: one momentum, weight decay per parameter number."""
+    """What the hook took from the optimizer: one momentum, weight decay per parameter number,
+    and for Adam/AdamW the optimizer step of the compressed phase (:mod:`gradsift.adam`)."""
 
     momentum: float = 0.0
     weight_decay: dict[int, float] = field(default_factory=dict)
+    adam: FrozenVarianceStep | None = None
 
 
-def take_over_optimizer(optimizer: Any, numbers: dict[int, int]) -> OptimizerTakeover:
-    """Move SGD-style ``momentum`` and ``weight_decay`` of the model's parameters into the hook.
+SUPPORTED_OPTIMIZERS = "torch.optim.SGD (with momentum or without), torch.optim.Adam, torch.optim.AdamW"
 
+
+def take_over_optimizer(optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0) -> OptimizerTakeover:
+    """Move the optimizer's first moment (and the weight decay that enters it) into the hook.
+
+    SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: ``beta1`` becomes
+    the velocity's momentum and the optimizer's step in the compressed phase, after
+    ``warmup_steps`` dense steps, is :class:`gradsift.adam.FrozenVarianceStep`'s.
     ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
-    :class:`InvalidOptionError` for an optimizer without ``momentum`` in its groups,
-    for Nesterov momentum or dampening, and for groups that disagree on momentum.
+    :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
+    and for groups that disagree on momentum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if is_adam(optimizer):
+        adam = FrozenVarianceStep(optimizer, numbers, warmup_steps)
+        return OptimizerTakeover(momentum=adam.beta1, weight_decay=l2_decay(optimizer, numbers), adam=adam)
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise InvalidOptionError(
+            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "
+            "and the like are not supported: pass optimizer=None for error feedback without momentum correction)"
+        )
     taken = OptimizerTakeover()
     momenta = set()
     for index, group in enumerate(optimizer.param_groups):
