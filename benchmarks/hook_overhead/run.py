@@ -24,9 +24,9 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -40,6 +40,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import gradsift
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 CONFIGS: list[tuple[str, str | None, dict[str, Any]]] = [
     ("stock", None, {}),
@@ -152,8 +155,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="operators and functions kept per profile")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
-    load_before = os.getloadavg()
-    started = time.perf_counter()
+    stamp = provenance.start(seeds=[0, 1])  # the model's seed (bench_hook.make_model) and each rank's batches
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,15 +188,9 @@ def main() -> None:
         "args": {**vars(args), "json": str(args.json)},
         "model": "MLP 3 x Linear(1024, 1024) + Linear(1024, 10), 3 159 050 parameters, batch 32 per rank",
         "world_size": 2,
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "threads_per_rank": 1,
-            "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-            "wall_s": time.perf_counter() - started,
-        },
+        "threads_per_rank": 1,
         "results": results,
+        "provenance": stamp.finish(),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
