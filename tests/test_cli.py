@@ -21,7 +21,7 @@ from gradsift.cli import build_parser
 from gradsift.commands import analyze as analyze_command
 from gradsift.commands import bench as bench_command
 from gradsift.exchanges import available_exchanges
-from gradsift.train.config import LR_SCHEDULES
+from gradsift.train.config import LR_SCHEDULES, OPTIMIZERS
 from gradsift.train.devices import DEVICES
 from gradsift.train.models import MODELS
 
@@ -72,6 +72,7 @@ def test_train_choices_are_the_back_ends():
     assert choices(("train",), "model") == tuple(sorted(MODELS))
     assert choices(("train",), "exchange") == ("auto", *available_exchanges())
     assert choices(("train",), "lr_schedule") == LR_SCHEDULES
+    assert choices(("train",), "optimizer") == OPTIMIZERS
     assert choices(("train",), "device") == DEVICES
 
 

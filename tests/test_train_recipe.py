@@ -10,11 +10,16 @@ import pytest
 from gradsift.cli import main as cli_main
 from gradsift.errors import InvalidOptionError
 from gradsift.train.config import TrainConfig
-from gradsift.train.exchange import DENSITY_WARMUP_FRACTION, recipe_options, warms_up_density
+from gradsift.train.exchange import (
+    ADAM_WARMUP_FRACTION,
+    DENSITY_WARMUP_FRACTION,
+    recipe_options,
+    warms_up_density,
+)
 from train_utils import TINY
 
 WITHOUT_FEEDBACK = {"hook_momentum": None, "momentum_masking": None, "density_warmup_steps": 0,
-                    "density_warmup_start": None}  # fmt: skip
+                    "density_warmup_start": None, "optimizer": "SGD", "adam_warmup_steps": None}  # fmt: skip
 
 
 def test_density_warmup_applies_to_error_feedback_sparsifiers_with_a_ratio() -> None:
@@ -64,7 +69,8 @@ def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> 
     summary, steps = _train(tmp_path, "off", "--compressor", "topk", "--ratio", "0.01", "--no-recipe")
     assert summary["recipe"] == {"enabled": False, "hook_momentum": 0.0, "optimizer_momentum": 0.9,
                                  "momentum_masking": None, "density_warmup_steps": 0,
-                                 "density_warmup_start": None}  # fmt: skip
+                                 "density_warmup_start": None, "optimizer": "SGD",
+                                 "adam_warmup_steps": None}  # fmt: skip
     assert json.loads((tmp_path / "off" / "config.json").read_text())["recipe"] is False
     assert all(0.009 <= r["density"] <= 0.011 for r in steps)
 
@@ -74,3 +80,26 @@ def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> 
 def test_recipe_leaves_compressors_without_error_feedback_their_sgd_momentum(tmp_path: Path) -> None:
     summary, _ = _train(tmp_path, "fp16", "--compressor", "fp16")
     assert summary["recipe"] == {"enabled": True, "optimizer_momentum": 0.9, **WITHOUT_FEEDBACK}
+
+
+def test_recipe_options_give_adam_a_dense_warm_up_of_a_tenth_of_the_run() -> None:
+    assert ADAM_WARMUP_FRACTION == 0.1
+    assert recipe_options("topk", {"ratio": 0.01}, 300, adam=True) == {
+        "ratio": 0.01, "density_warmup_steps": 8, "warmup_steps": 30,
+    }  # fmt: skip
+    assert recipe_options("topk", {"ratio": 0.01, "warmup_steps": 5}, 300, adam=True)["warmup_steps"] == 5
+    assert recipe_options("topk", {}, 4, adam=True)["warmup_steps"] == 1  # at least one dense step
+    assert "warmup_steps" not in recipe_options("bf16", {}, 300, adam=True)  # no error feedback
+    assert "warmup_steps" not in recipe_options("topk", {}, 300)  # SGD needs none
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_adamw_moves_its_first_moment_into_the_hook(tmp_path: Path) -> None:
+    summary, steps = _train(tmp_path, "adamw", "--compressor", "topk", "--ratio", "0.01", "--optimizer", "adamw",
+                            "--steps", "10")  # fmt: skip
+    assert summary["recipe"]["optimizer"] == "AdamW" and summary["recipe"]["hook_momentum"] == 0.9
+    assert summary["recipe"]["adam_warmup_steps"] == 1 and summary["recipe"]["optimizer_momentum"] is None
+    config = json.loads((tmp_path / "adamw" / "config.json").read_text())
+    assert (config["optimizer"], config["lr"], config["weight_decay"], config["betas"]) == ("adamw", 3e-3, 0.1, [0.9, 0.99])
+    assert [r["density"] for r in steps][:1] == [1.0] and all(r["density"] <= 0.011 for r in steps[1:])

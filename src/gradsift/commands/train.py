@@ -16,11 +16,12 @@ if TYPE_CHECKING:
 
 # The choices the parser offers, written here because their back-ends load torch
 # (tests/test_cli.py checks each equals its source): sorted(gradsift.train.models.MODELS),
-# gradsift.exchanges.available_exchanges(), gradsift.train.config.LR_SCHEDULES and
-# gradsift.train.devices.DEVICES. TrainConfig checks the values again.
+# gradsift.exchanges.available_exchanges(), gradsift.train.config.LR_SCHEDULES and OPTIMIZERS,
+# and gradsift.train.devices.DEVICES. TrainConfig checks the values again.
 MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
 EXCHANGE_NAMES = ("allreduce", "allgather", "delegated", "balanced", "shared-mask")
 LR_SCHEDULES = ("step", "cosine")
+OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 
 EPILOG = """\
@@ -71,12 +72,20 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      help="another compressor/hook option (repeatable; value parsed as JSON when possible)")  # fmt: skip
     run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine (default: 2)")
     run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
-    run.add_argument("--lr", type=float, default=0.05, help="peak learning rate of SGD (default: 0.05)")
+    run.add_argument("--optimizer", choices=OPTIMIZERS,
+                     help="sgd (with --momentum) or adamw (with --betas); default: adamw for --model gpt, "
+                     "sgd for the image models")  # fmt: skip
+    run.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw)")
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    run.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], metavar=("BETA1", "BETA2"),
+                     help="AdamW's betas (default: 0.9 0.99)")  # fmt: skip
+    run.add_argument("--weight-decay", type=float,
+                     help="weight decay (default: 0 for sgd; 0.1 for adamw, decoupled)")  # fmt: skip
     run.add_argument("--no-recipe", dest="recipe", action="store_false",
-                     help="without DGC's recipe: SGD keeps its momentum on top of error feedback, no density "
-                     "warm-up (default: momentum correction + masking and a density warm-up over the first "
-                     "2.5%% of the steps for error-feedback sparsifiers)")  # fmt: skip
+                     help="without the recipe: the optimizer keeps its momentum on top of error feedback, no "
+                     "density warm-up (default for error-feedback compressors: SGD's momentum corrected in the "
+                     "hook with masking, AdamW's first moment in the hook with its second frozen after a dense "
+                     "warm-up of 10%% of the steps, and a density warm-up over the first 2.5%% of the steps)")  # fmt: skip
     run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
     run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="step",
                      help="after the warm-up: step (multiply by --decay-factor at --decay-steps; default) "
@@ -173,7 +182,8 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
         steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
     return TrainConfig(
         out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
-        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, recipe=args.recipe, warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
+        betas=list(args.betas), weight_decay=args.weight_decay, recipe=args.recipe, warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule, decay_steps=args.decay_steps, decay_factor=args.decay_factor,
         steps=steps, eval_every=args.eval_every, seed=args.seed, target_accuracy=args.target_accuracy,
         target_loss=args.target_loss, bandwidth=args.bandwidth,

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.ddp import HOOK_OPTIONS, GradsiftHookState
 from gradsift.errors import InvalidOptionError, UnknownCompressorError
@@ -22,6 +24,17 @@ from gradsift.validation import check_choice, check_int, check_real
 
 #: Learning-rate schedules after the warm-up (see :func:`learning_rate`).
 LR_SCHEDULES = ("step", "cosine")
+
+#: Optimizers of the trainer: SGD with momentum, or AdamW (decoupled weight decay).
+OPTIMIZERS = ("sgd", "adamw")
+#: Per optimizer, the defaults of the settings left unset: (lr, weight decay).
+OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1)}
+
+
+def default_optimizer(model: str) -> str:
+    """The optimizer a model trains with when none is named: AdamW for the language model
+    (as every transformer recipe), SGD for the image models."""
+    return "adamw" if model == "gpt" else "sgd"
 
 
 @dataclass
@@ -36,10 +49,15 @@ class TrainConfig:
         model: a key of :data:`gradsift.train.models.MODELS`.
         compressor: a registry name; ``options`` are its keyword options (and the
             DDP hook's, e.g. ``warmup_steps``), passed to ``register_comm_hook``.
-        recipe: DGC's recipe (default True, see :mod:`gradsift.train.exchange`): the
-            optimizer's momentum moves into the hook for error-feedback compressors
-            (momentum correction + factor masking), and error-feedback sparsifiers warm
-            their density up; False: SGD momentum on top of plain error feedback.
+        optimizer: ``sgd`` (momentum ``momentum``) or ``adamw`` (``betas``); None picks
+            :func:`default_optimizer`. ``lr`` and ``weight_decay`` left None take the
+            optimizer's defaults (:data:`OPTIMIZER_DEFAULTS`).
+        recipe: the recipe (default True, see :mod:`gradsift.train.exchange`): for
+            error-feedback compressors the optimizer's first moment moves into the hook
+            (SGD: DGC's momentum correction + factor masking; AdamW: the frozen-variance
+            method of :mod:`gradsift.adam` after a dense warm-up), and error-feedback
+            sparsifiers warm their density up; False: the optimizer as built on top of
+            plain error feedback.
         workers: number of ranks the launcher starts (torchrun: its WORLD_SIZE).
         batch_size: samples per worker per step.
         steps: optimizer steps in total.
@@ -62,8 +80,11 @@ class TrainConfig:
     options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float | None = None
+    optimizer: str | None = None
     momentum: float = 0.9
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float | None = None
     recipe: bool = True
     lr_schedule: str = "step"
     warmup_steps: int = 0
@@ -98,8 +119,18 @@ class TrainConfig:
         check_int(self.warmup_steps, "warmup_steps", low=0)
         check_choice(self.lr_schedule, "lr_schedule", LR_SCHEDULES)
         check_int(self.seed, "seed", low=0)
-        check_real(self.lr, "lr", low=0.0, low_open=True)
+        self.optimizer = check_choice(
+            self.optimizer or default_optimizer(self.model), "optimizer", OPTIMIZERS
+        )
+        lr, decay = OPTIMIZER_DEFAULTS[self.optimizer]
+        self.lr = check_real(lr if self.lr is None else self.lr, "lr", low=0.0, low_open=True)
+        self.weight_decay = check_real(
+            decay if self.weight_decay is None else self.weight_decay, "weight_decay", low=0.0
+        )
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        if len(self.betas) != 2:
+            raise InvalidOptionError(f"betas must be two numbers, got {self.betas!r}")
+        self.betas = [check_real(beta, "betas", low=0.0, high=1.0, high_open=True) for beta in self.betas]
         check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
         check_real(self.timeout_s, "timeout_s", low=1.0)
         check_choice(self.device, "device", DEVICES)
@@ -163,12 +194,27 @@ def check_exchange_options(compressor: str, options: dict[str, Any]) -> None:
     GradsiftHookState.build(built, **hook_options)
 
 
+def build_optimizer(config: TrainConfig, parameters: Any) -> torch.optim.Optimizer:
+    """The run's optimizer over ``parameters`` (its lr is set every step by :func:`learning_rate`)."""
+    assert config.lr is not None and config.weight_decay is not None  # resolved in __post_init__
+    if config.optimizer == "adamw":
+        beta1, beta2 = config.betas
+        return torch.optim.AdamW(
+            parameters, lr=config.lr, betas=(beta1, beta2), weight_decay=config.weight_decay
+        )
+    return torch.optim.SGD(
+        parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
 def learning_rate(config: TrainConfig, step: int) -> float:
     """The learning rate of 0-based ``step``: linear warm-up, then step or cosine decay."""
+    peak = config.lr
+    assert peak is not None  # resolved in __post_init__
     if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
+        return peak * (step + 1) / config.warmup_steps
     if config.lr_schedule == "cosine":
         progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     decays = sum(1 for milestone in config.decay_steps if milestone <= step)
-    return config.lr * config.decay_factor**decays
+    return peak * config.decay_factor**decays

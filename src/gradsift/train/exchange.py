@@ -25,6 +25,9 @@ from gradsift.compressors.registry import compressor_class
 
 #: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
 DENSITY_WARMUP_FRACTION = 0.025
+#: Share of the run's steps that AdamW runs dense before its second moment is frozen
+#: (gradsift.adam; docs/choosing.md has the measurement behind it).
+ADAM_WARMUP_FRACTION = 0.1
 
 #: Keys of the per-step dict :func:`install_exchange`'s callable returns.
 EXCHANGE_FIELDS = (
@@ -44,23 +47,30 @@ def warms_up_density(compressor: str, options: dict[str, Any]) -> bool:
     and runs with error feedback (its own, unless ``error_feedback=`` says otherwise)."""
     cls = compressor_class(compressor)
     takes_ratio = "ratio" in inspect.signature(cls.__init__).parameters
-    feedback = options.get("error_feedback")
-    return (
-        issubclass(cls, Sparsifier)
-        and takes_ratio
-        and bool(cls.error_feedback if feedback is None else feedback)
-    )
+    return issubclass(cls, Sparsifier) and takes_ratio and uses_feedback(compressor, options)
 
 
-def recipe_options(compressor: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
+def recipe_options(
+    compressor: str, options: dict[str, Any], steps: int, adam: bool = False
+) -> dict[str, Any]:
     """The hook options with the recipe's density warm-up added where it applies, over
     ``round(DENSITY_WARMUP_FRACTION * steps)`` steps (none for runs of 20 steps or fewer,
-    where that rounds to 0); explicit options win."""
+    where that rounds to 0), and with ``adam`` (an Adam-family optimizer) and an
+    error-feedback compressor the dense warm-up of ``ADAM_WARMUP_FRACTION`` of the steps
+    (at least 1); explicit options win."""
     hook_options = dict(options)
     warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
     if warmup_steps and warms_up_density(compressor, options):
         hook_options.setdefault("density_warmup_steps", warmup_steps)
+    if adam and uses_feedback(compressor, options):
+        hook_options.setdefault("warmup_steps", max(1, round(ADAM_WARMUP_FRACTION * steps)))
     return hook_options
+
+
+def uses_feedback(compressor: str, options: dict[str, Any]) -> bool:
+    """Whether the compressor runs with error feedback (its own default, or ``error_feedback=``)."""
+    feedback = options.get("error_feedback")
+    return bool(compressor_class(compressor).error_feedback if feedback is None else feedback)
 
 
 def install_exchange(
@@ -75,7 +85,8 @@ def install_exchange(
     for a run of ``steps``, or with ``options`` only (``recipe=False``: the optimizer
     keeps its momentum). Returns a function giving the last step's exchange numbers
     (:func:`step_exchange_stats`) and the recipe in use (:func:`recipe_in_use`)."""
-    hook_options = recipe_options(compressor, options, steps) if recipe else dict(options)
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    hook_options = recipe_options(compressor, options, steps, adam) if recipe else dict(options)
     state = gradsift.register_comm_hook(
         ddp_model, compressor, optimizer=optimizer if recipe else None, **hook_options
     )
@@ -93,7 +104,9 @@ def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -
     return {
         "enabled": enabled,
         "hook_momentum": None if feedback is None else feedback.momentum,
-        "optimizer_momentum": optimizer.param_groups[0]["momentum"],
+        "optimizer": type(optimizer).__name__,
+        "optimizer_momentum": optimizer.param_groups[0].get("momentum"),
+        "adam_warmup_steps": state.options.warmup_steps if state.adam is not None else None,
         "momentum_masking": feedback.momentum_masking if correcting else None,
         "density_warmup_steps": warmup,
         "density_warmup_start": state.options.density_warmup_start if warmup else None,

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from gradsift.exchanges.collectives import blocking
-from gradsift.train.config import TrainConfig, learning_rate
+from gradsift.train.config import TrainConfig, build_optimizer, learning_rate
 from gradsift.train.data import batches, shard_indices
 from gradsift.train.datasets import is_language_model, load_for_model
 from gradsift.train.devices import backend_for, resolve_device
@@ -161,7 +161,7 @@ def train_rank(
     )
     model = build_model(config.model, config.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=config.lr, momentum=config.momentum)
+    optimizer = build_optimizer(config, ddp_model.parameters())
     exchange_stats, recipe = install_exchange(
         ddp_model, config.compressor, config.options, optimizer, config.steps, recipe=config.recipe
     )
