@@ -39,6 +39,8 @@ GROUP_TIMEOUT_S = 20
 LAUNCHERS = ("forkserver", "subprocess")
 #: The audit event of each call (tests/conftest.py checks that such a test is marked).
 RUN_WORKERS_EVENT = "gradsift.tests.run_workers"
+#: Set to "1" in a rank's environment when it must end through the interpreter's finalization.
+FINALIZE_ENV = "GRADSIFT_TEST_FINALIZE"
 #: Beyond a call's own timeout, how long the client waits for the server (its first start
 #: imports torch) before it gives up on it.
 SERVER_GRACE_S = 120.0
@@ -67,12 +69,16 @@ def run_workers(
     timeout: float = 90.0,
     expect_exit: dict[int, int] | None = None,
     group_timeout: float = GROUP_TIMEOUT_S,
+    finalize: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``function`` from ``path`` on ``world_size`` ranks; return the per-rank results.
 
     ``expect_exit`` maps ranks to the exit code they are expected to end with (a
-    rank that dies on purpose); its result is then None.
+    rank that dies on purpose); its result is then None. With ``finalize`` a rank whose
+    function returned ends as a user script does, through the interpreter's
+    finalization (atexit handlers, module teardown), not ``os._exit(0)``: what a test of
+    the exit itself needs (tests/test_clean_exit.py).
     """
     expect_exit = expect_exit or {}
     sys.audit(RUN_WORKERS_EVENT, os.fspath(path), function)
@@ -84,6 +90,7 @@ def run_workers(
             "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": "1",
             "GRADSIFT_TEST_GROUP_TIMEOUT": str(group_timeout),
+            FINALIZE_ENV: "1" if finalize else "0",
         }
         launch = launcher()(os.fspath(path), function, world_size, tmp, env, timeout)
         report = "\n".join(
@@ -246,12 +253,14 @@ def _worker_main(path: str, function: str, rank: int, world_size: int, tmp: str)
     kwargs = torch.load(Path(tmp, "kwargs.pt"), weights_only=False)
     result = getattr(module, function)(rank, world_size, **kwargs)
     torch.save(result, Path(tmp, f"{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get(FINALIZE_ENV) == "1":
+        return  # the caller lets the interpreter finalize, as at the end of a script
     # Exit without running gloo's C++ teardown: a rank whose peer has already torn its
     # pairs down can otherwise abort in a destructor ("terminate called without an
     # active exception") after its work is done. Tests whose group broke on purpose
     # cannot agree on a barrier first, so no rank waits for the others here.
-    sys.stdout.flush()
-    sys.stderr.flush()
     os._exit(0)
 
 

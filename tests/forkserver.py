@@ -5,7 +5,8 @@ worker runs a single step, and ``run_workers`` starts two or three such interpre
 call. This server is started once per pytest process (``distributed_utils``), imports
 :data:`PRELOAD`, and then forks the ranks of each call from that state: a rank starts in
 milliseconds, runs :func:`distributed_utils._worker_main` exactly as a fresh process
-would, and ends with ``os._exit``.
+would, and ends with ``os._exit`` (or, when the call asks for it, through the
+interpreter's finalization).
 
 Protocol: one connection on the listening Unix socket per call, JSON lines.
 
@@ -40,11 +41,15 @@ from pathlib import Path
 from typing import Any
 
 #: Imported once by the server, before any fork: what almost every worker needs.
+#: ``torch._dynamo`` is what ``DistributedDataParallel``'s first construction imports
+#: (about 800 modules, sympy among them: 2.4 s per rank; docs/decisions.md, "The test
+#: suite's gloo workers are forks of one server per pytest process").
 PRELOAD = (
     "numpy",
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    "torch._dynamo",
     "pytest",
     "gradsift",
     "gradsift.compressors.sidco",
@@ -102,11 +107,16 @@ def send(stream: Any, message: dict[str, Any]) -> None:
 
 
 def fork_rank(request: dict[str, Any], rank: int, inherited: tuple[socket.socket, ...]) -> int:
-    """Fork one rank; in the child run it and never return."""
+    """Fork one rank; in the child run it and never return.
+
+    A rank ends with ``os._exit``, unless ``_worker_main`` returned (``run_workers(...,
+    finalize=True)``): then ``SystemExit`` unwinds the server's frames and the child's
+    interpreter finalizes as a script's does when it ends.
+    """
     pid = os.fork()
     if pid:
         return pid
-    code = 1
+    code, finalize = 1, False
     try:
         for sock in inherited:
             os.close(sock.detach())  # the ranks must not hold the client's connection open
@@ -114,6 +124,7 @@ def fork_rank(request: dict[str, Any], rank: int, inherited: tuple[socket.socket
         from distributed_utils import _worker_main
 
         _worker_main(request["path"], request["function"], rank, request["world_size"], request["directory"])
+        finalize = True
     except SystemExit as exit_:
         code = exit_code(exit_)
     except BaseException:
@@ -121,7 +132,9 @@ def fork_rank(request: dict[str, Any], rank: int, inherited: tuple[socket.socket
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        if not finalize:
+            os._exit(code)
+    raise SystemExit(0)
 
 
 def become_fresh_process(request: dict[str, Any], rank: int) -> None:

@@ -7,6 +7,7 @@ The workers are the functions at the top; ``run_workers`` loads this file in eac
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import signal
@@ -48,6 +49,12 @@ def crash_worker(rank: int, world: int, how: str) -> None:
         if how == "abort":
             os.kill(os.getpid(), signal.SIGABRT)
         raise RuntimeError("a worker's exception")
+
+
+def exit_handler_worker(rank: int, world: int) -> None:
+    """Register an exit handler that ends the process with status 7 (as an abort at exit would
+    end it abnormally): it runs only when the interpreter finalizes."""
+    atexit.register(os._exit, 7)
 
 
 def hang_worker(rank: int, world: int) -> None:
@@ -98,6 +105,18 @@ def test_a_hang_is_killed_at_the_timeout() -> None:
     assert report.startswith("workers did not finish within 3 s (killed)\n")
     for rank in range(2):
         assert f"--- rank {rank} (exit {-signal.SIGKILL}) ---\nrank {rank} hangs" in report
+
+
+@pytest.mark.parametrize("launcher", ["forkserver", "subprocess"])
+def test_finalize_ends_the_ranks_through_the_interpreters_exit(launcher: str, monkeypatch) -> None:
+    """With ``finalize=True`` exit handlers run (so what goes wrong at exit is seen: status 7
+    here); without it the ranks leave by ``os._exit(0)`` and never run them."""
+    monkeypatch.setenv("GRADSIFT_TEST_WORKERS", launcher)
+    assert run_workers(__file__, "exit_handler_worker", 2, finalize=True, expect_exit={0: 7, 1: 7}) == [
+        None,
+        None,
+    ]
+    assert run_workers(__file__, "exit_handler_worker", 2) == [None, None]
 
 
 def test_the_subprocess_fallback_gives_the_same_results(tmp_path, monkeypatch) -> None:
