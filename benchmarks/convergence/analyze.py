@@ -1,7 +1,7 @@
 """Results of the convergence protocol: results.json, plots, and the tables in the docs.
 
     python benchmarks/convergence/analyze.py              # results.json + plots/
-    python benchmarks/convergence/analyze.py --update-docs   # also the generated tables
+    python benchmarks/convergence/analyze.py --update-docs   # also the tables (benchmarks/claims.py --write)
 
 Accuracy comes from the localhost runs (``runs/``); the time axis from step times
 measured over emulated links (``timing/``): a run's training time to step ``s`` on a
@@ -25,6 +25,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,6 @@ PLOTS = HERE / "plots"
 LINKS = ("100mbit", "1gbit")
 ACCURACY_MARGIN = 0.005
 LOSS_MARGIN = 0.01
-REPO = HERE.parent.parent
-GENERATED = {  # file -> the marker name of the block analyze.py rewrites there
-    HERE / "README.md": "results",
-    REPO / "README.md": "convergence",
-    REPO / "docs" / "choosing.md": "convergence",
-}
 
 
 @dataclass
@@ -345,18 +340,13 @@ def markdown(analysis: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(text: str) -> list[Path]:
-    changed = []
-    for path, marker in GENERATED.items():
-        begin, end = f"<!-- {marker}:begin (analyze.py) -->", f"<!-- {marker}:end -->"
-        content = path.read_text()
-        if begin not in content or end not in content:
-            continue
-        head, rest = content.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
-        changed.append(path)
-    return changed
+def update_docs() -> list[Path]:
+    """Regenerate the docs' tables from results.json: they are blocks of the claims registry
+    (``benchmarks/claims.py``), which writes every generated number in one pass."""
+    sys.path.insert(0, str(HERE.parent))
+    import claims
+
+    return claims.write()
 
 
 def main() -> None:
@@ -375,7 +365,7 @@ def main() -> None:
         for path in plot(results, analysis):
             print(f"wrote {path}")
     if args.update_docs:
-        for path in update_docs(text):
+        for path in update_docs():
             print(f"updated {path}")
 
 

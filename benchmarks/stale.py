@@ -1,0 +1,281 @@
+"""Committed results that cannot back a number as they stand: why, and what regenerates them.
+
+``STALE`` is the list ``tests/test_claims.py`` reads. A ``"provenance"`` entry covers
+results that name no commit of this history (none at all, or one lost to a rebase), or are
+stamped dirty: the test accepts such a result -- one that names a commit, or one a
+published claim reads -- only while an entry covers it, and fails an entry whose results
+all carry a valid stamp (re-run: remove the entry). A ``"code"`` entry covers results
+with a valid stamp whose code has moved since; it documents, nothing enforces it. Both
+kinds say why, the command that regenerates the result and its estimated time on this
+project's 2-core machine. ``benchmarks/STALE.md`` shows the list (generated from here by
+``python benchmarks/claims.py --write``).
+
+``python benchmarks/stale.py`` prints the live audit: for every committed result, the
+commit that last wrote it and the commits since then to the code that moves it
+(``MOVED_BY``), from ``git log``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = "flock /tmp/gradsift-cpu.lock"
+STAMP = ".venv/bin/python benchmarks/provenance.py"
+SRC = "src/gradsift"
+HOOK = "the DDP hook was redesigned since (d5d10de: fixed-capacity payloads, one host read per step)"
+SIDCO_CPU = "SIDCo's CPU path was rewritten since (ffe0ddf, fe9f2de: NumPy sample statistics, the exact path)"
+
+# Result files (globs, first match wins) -> the source paths whose changes move their numbers.
+MOVED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("benchmarks/compress/randomk_sampling.json", (f"{SRC}/compressors/randomk.py",)),
+    (
+        "benchmarks/compress/*",
+        (f"{SRC}/compressors", f"{SRC}/kernels.py", f"{SRC}/stats.py", f"{SRC}/benchmarking.py"),
+    ),
+    (
+        "benchmarks/estimation/*",
+        (f"{SRC}/compressors/sidco.py", f"{SRC}/stats.py", f"{SRC}/kernels.py", f"{SRC}/feedback.py"),
+    ),
+    ("benchmarks/quantizers/results/bitpack_speed.json", (f"{SRC}/bitpack.py",)),
+    (
+        "benchmarks/quantizers/results/terngrad_variance.json",
+        (f"{SRC}/compressors/terngrad.py", f"{SRC}/compressors/quantization.py"),
+    ),
+    ("benchmarks/vgc/hook_overhead.json", (f"{SRC}/variance.py",)),
+    ("benchmarks/scaling/predictions.json", (f"{SRC}/costmodel.py",)),
+    ("benchmarks/*", (SRC,)),  # the hook, the exchanges, the trainer: everything
+)
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Results (repository-relative globs) that cannot back a number as they stand."""
+
+    files: tuple[str, ...]
+    kind: str  # "provenance": no valid commit stamp (enforced); "code": stamped, but the code moved
+    why: str
+    regenerate: str
+    cpu_time: str
+
+    def covers(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.files)
+
+
+STALE: tuple[Stale, ...] = (
+    Stale(
+        ("benchmarks/compress/results.json",),
+        "provenance",
+        f"No commit recorded; measured on 29 November, before issue 13. {SIDCO_CPU}, and payloads "
+        "have a fixed capacity (d5d10de). The README's cost-of-selection paragraph quotes it.",
+        f"{LOCK} {STAMP} --json benchmarks/compress/results.json --seed 0 -- .venv/bin/gradsift bench "
+        "compress --sizes 25000000 --ratios 0.1 0.01 0.001 --threads 2 --repeats 5 --warmup 3 --no-progress "
+        "--json benchmarks/compress/results.json",
+        "~2 min",
+    ),
+    Stale(
+        ("benchmarks/compress/sizes-small.json",),
+        "provenance",
+        f"No commit recorded (ran on 76dc635, says compress/README.md). {SIDCO_CPU}.",
+        f"{LOCK} {STAMP} --json benchmarks/compress/sizes-small.json --seed 0 -- .venv/bin/gradsift bench "
+        "compress --sizes 4096 8192 16384 32768 65536 131072 262144 524288 1048576 --ratios 0.01 --compressors "
+        "topk dgc threshold sidco-exp sidco-gpareto sidco-gamma --threads 2 --repeats 41 --warmup 3 "
+        "--no-progress --json benchmarks/compress/sizes-small.json",
+        "< 1 min",
+    ),
+    Stale(
+        ("benchmarks/compress/*-load2?.json",),
+        "provenance",
+        "No commit recorded; measured at load 18-29 on code of 06ed5f6/3c9656f (compress/README.md), "
+        f"kept as a record of the busy-CPU problem. {SIDCO_CPU}. Superseded by the queued runs of "
+        "compress/README.md (sizes-large, alone-25M, contended-25M, crossover-cpu), each under the wrapper.",
+        f"{LOCK} {STAMP} --json OUT --seed 0 -- COMMAND, for each command of compress/README.md's list",
+        "~25 min (sweep to 2^27 ~10 min, contended ~7 min, crossover ~5 min, alone ~2 min)",
+    ),
+    Stale(
+        ("benchmarks/compress/profile_ops*.json", "benchmarks/compress/randomk_sampling.json"),
+        "provenance",
+        f"No commit recorded; operator counts and Random-k sampling medians from 29 November-1 December. "
+        f"{SIDCO_CPU}; Random-k's payload changed with the fixed capacity (d5d10de).",
+        f"{LOCK} {STAMP} --json benchmarks/compress/profile_ops.json -- .venv/bin/python "
+        "benchmarks/compress/profile_ops.py --json benchmarks/compress/profile_ops.json (likewise "
+        "--torch-kernels, and randomk_sampling.py; profile_ops_before.json is the old code's record)",
+        "~3 min",
+    ),
+    Stale(
+        ("benchmarks/estimation/results*.json",),
+        "provenance",
+        f"No commit recorded; 1 December 09:37 (3c9656f). {SIDCO_CPU}. The README's estimation paragraph "
+        "quotes them. The gradients they read are not committed (~160 MB cache).",
+        ".venv/bin/python benchmarks/gradients/collect.py --warmup 400 --steps 16, then "
+        f"{LOCK} .venv/bin/python benchmarks/estimation/run.py [--exact-below 0 | --sample-size 16384 | "
+        "--no-adapt, with --out/--plot as in estimation/README.md]",
+        "~25 min (collection ~8 min, four runs ~4 min each)",
+    ),
+    Stale(
+        ("benchmarks/estimation/speed.json",),
+        "provenance",
+        f"No commit recorded; 29 November. {SIDCO_CPU}.",
+        f"{LOCK} .venv/bin/python benchmarks/estimation/speed.py --repeat 15 --json benchmarks/estimation/speed.json",
+        "~1 min",
+    ),
+    Stale(
+        ("benchmarks/ddp/results.json",),
+        "provenance",
+        f"No commit recorded; 29 November, before the exchange layer (2425aa6); {HOOK}.",
+        f"{LOCK} .venv/bin/python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
+        "--out benchmarks/ddp/results.json",
+        "~4 min",
+    ),
+    Stale(
+        ("benchmarks/hook_overhead/demo.json",),
+        "provenance",
+        f"No commit recorded; 1 December 12:44, load 8; {HOOK}.",
+        f"{LOCK} {STAMP} --json benchmarks/hook_overhead/demo.json -- .venv/bin/gradsift demo --no-progress "
+        "--out /tmp/sel-demo --json benchmarks/hook_overhead/demo.json (as root, for the emulated links)",
+        "~4 min",
+    ),
+    Stale(
+        ("benchmarks/exit/results.json",),
+        "provenance",
+        f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
+        "nice -n 19 .venv/bin/python scripts/exit_stress.py --runs 200 --steps 20 --compressors sidco-exp fp16 "
+        "vgc powersgd --jobs 2 --json benchmarks/exit/results.json",
+        "~65 min (not a timing: no lock needed)",
+    ),
+    Stale(
+        ("benchmarks/quantizers/results/*.json",),
+        "provenance",
+        f"No commit recorded; the training comparison (29 November, one seed, load not recorded) predates "
+        f"the trainer's DGC recipe (db4a645) and {HOOK}; TernGrad's error predates the quantizers' "
+        "fixed-capacity change (d5d10de); bitpack.py is unchanged since bitpack_speed.json (stamp missing only).",
+        f"{LOCK} benchmarks/quantizers/run.sh (root); {LOCK} .venv/bin/python "
+        "benchmarks/quantizers/bitpack_speed.py; nice -n 19 .venv/bin/python benchmarks/quantizers/"
+        "terngrad_variance.py --out benchmarks/quantizers/results/terngrad_variance.json",
+        "~12 min for run.sh; ~1 min bit packing; ~90 min TernGrad at nice 19",
+    ),
+    Stale(
+        ("benchmarks/scaling/unlocked/*.json",),
+        "provenance",
+        "Name commits lost to a rebase (d935071, 90e61a9, 5f1c0f1); unlocked, load 16-49; the 8-worker "
+        f"points are missing; {HOOK}.",
+        f'{LOCK} env LOCK= WORKERS="2 4 16" benchmarks/scaling/run_exchanges.sh; WORKERS=8 '
+        "benchmarks/scaling/run_exchanges.sh; .venv/bin/python benchmarks/scaling/analyze.py (root)",
+        "~35 min",
+    ),
+    Stale(
+        ("benchmarks/scaling/accuracy/*/*.json",),
+        "provenance",
+        f"No commit recorded; 300-step accuracy runs of 1 December (two seeds, one for shared-mask); {HOOK}.",
+        'SEEDS="0 1 2" WORKERS=16 benchmarks/scaling/run_accuracy.sh',
+        "~35 min (six runs of 4-7 min)",
+    ),
+    Stale(
+        ("benchmarks/scaling/predictions.json",),
+        "provenance",
+        "No commit recorded. The cost model changed since only in argument checks and typing (bd8fd28, "
+        "43621df), so the numbers should stand; the stamp is what is missing.",
+        ".venv/bin/python benchmarks/scaling/predict.py --analysis benchmarks/scaling/unlocked/analysis.json",
+        "< 1 min",
+    ),
+    Stale(
+        ("benchmarks/training/results.json", "benchmarks/training/runs/*/*.json"),
+        "provenance",
+        f"No commit recorded; 29 November, one seed. Since then the trainer's defaults changed (DGC's recipe "
+        f"db4a645, density warm-up c095d7c) and {HOOK}. The README's training table quotes it.",
+        f"{LOCK} .venv/bin/python benchmarks/training/run_benchmark.py (root)",
+        "~25 min",
+    ),
+    Stale(
+        ("benchmarks/vgc/accuracy.json",),
+        "provenance",
+        f"No commit recorded; 29 November, one seed; the trainer's defaults changed since (db4a645) and {HOOK}.",
+        f"{LOCK} .venv/bin/python benchmarks/vgc/accuracy.py --out benchmarks/vgc/accuracy.json",
+        "~15 min",
+    ),
+    Stale(
+        ("benchmarks/vgc/hook_overhead.json",),
+        "provenance",
+        "No commit recorded. variance.py changed since only by a dtype cast that is a no-op for fp32 "
+        "(38f927f) and typing (0895cc5), so the numbers should stand; the stamp is what is missing.",
+        f"{LOCK} .venv/bin/python benchmarks/vgc/hook_overhead.py --batch 32 --repeats 30 --threads 1 "
+        "--out benchmarks/vgc/hook_overhead.json",
+        "~1 min",
+    ),
+    Stale(
+        (
+            "benchmarks/convergence/runs/*/*/*.json",
+            "benchmarks/convergence/partial/*/*/*.json",
+            "benchmarks/convergence/results.json",
+        ),
+        "provenance",
+        "The runs name commits lost to rebases (4c2b7a4, 3fedd65, 10f145f, 897b5c1, bcbf5e2); one seed; "
+        f"results.json is analyze.py's summary of them. {HOOK}.",
+        "nice -n 10 .venv/bin/python benchmarks/convergence/run.py study|accuracy|defaults, then "
+        ".venv/bin/python benchmarks/convergence/analyze.py --update-docs (convergence/README.md lists them)",
+        "~30 h for the whole plan (VGG ~60 min per 4-epoch run, LSTM ~21 min per 8-epoch run)",
+    ),
+    Stale(
+        ("benchmarks/convergence/lr_probes/*/*.json", "benchmarks/convergence/warmup_probe/*/*.json"),
+        "provenance",
+        "No commit recorded: short probes that chose the learning rates and the trainer's density warm-up; "
+        "they decided defaults and are not quoted as results.",
+        "the gradsift train commands of convergence/README.md (Density warm-up probes)",
+        "~40 min",
+    ),
+)
+
+
+def covering(path: str) -> Stale | None:
+    """The entry that covers ``path`` (repository-relative), if any."""
+    return next((entry for entry in STALE if entry.covers(path)), None)
+
+
+def moved_by(path: str) -> tuple[str, ...]:
+    return next(paths for pattern, paths in MOVED_BY if fnmatch.fnmatchcase(path, pattern))
+
+
+class StaleList:
+    """The generated part of ``benchmarks/STALE.md``: every entry of ``STALE``."""
+
+    name = "stale"
+    claims = ()
+
+    def render(self, root: Path = ROOT) -> str:
+        lines = []
+        for entry in STALE:
+            lines += [
+                f"### {', '.join(f'`{f}`' for f in entry.files)}",
+                "",
+                f"- **Why** ({entry.kind}): {entry.why}",
+                f"- **Regenerate**: `{entry.regenerate}`",
+                f"- **Estimated time here**: {entry.cpu_time}",
+                "",
+            ]
+        return "\n".join(lines).rstrip()
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+
+def report() -> None:
+    """Print, per committed result, its last commit and the code commits since (``MOVED_BY``)."""
+    results = [p for p in _git("ls-files", "benchmarks/*.json").split() if "/convergence/runs/" not in p]
+    for path in results:
+        written = _git("log", "-1", "--format=%h %cs", "--", path).split()
+        since = _git("log", "--format=%h %s", f"{written[0]}..HEAD", "--", *moved_by(path)).splitlines()
+        entry = covering(path)
+        print(f"{path}  written {' '.join(written)}  code commits since: {len(since)}"
+              f"  [{entry.kind if entry else 'not listed'}]")  # fmt: skip
+        for line in since[:3]:
+            print(f"    {line[:100]}")
+
+
+if __name__ == "__main__":
+    report()
+    sys.exit(0)
