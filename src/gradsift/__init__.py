@@ -7,6 +7,7 @@ Public API (stable)::
     payload = c.compress(flat_gradient)
     dense = c.decompress([payload, ...], numel)
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
+    state = gradsift.diloco(model, optimizer, sync_every=50, compressor="sidco-exp", ratio=0.01)
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from gradsift.errors import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
     from gradsift.ddp import GradsiftHookState
+    from gradsift.lowcomm import DiLoCoState
 
 #: The release, written only here (pyproject.toml reads it; CHANGELOG.md has its entry).
 __version__ = "0.1.0"
@@ -77,6 +80,20 @@ def register_comm_hook(
     return _register(cast("DistributedDataParallel", ddp_model), compressor, **options)  # it checks the type
 
 
+def diloco(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sync_every: int = 50,
+    compressor: str = "sidco-exp",
+    **options: Any,
+) -> DiLoCoState:
+    """Low-communication training: DiLoCo's outer steps every ``sync_every`` inner steps on
+    compressed pseudo-gradients. See :func:`gradsift.lowcomm.diloco` (imported lazily)."""
+    from gradsift.lowcomm import diloco as _diloco
+
+    return _diloco(model, optimizer, sync_every, compressor, **options)
+
+
 __all__ = [
     "Compressor",
     "GradsiftError",
@@ -88,6 +105,7 @@ __all__ = [
     "WireFormatError",
     "__version__",
     "available_compressors",
+    "diloco",
     "get_compressor",
     "register_comm_hook",
 ]

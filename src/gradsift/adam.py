@@ -89,30 +89,26 @@ def l2_decay(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> dict[
     return decay
 
 
-class FrozenVarianceStep:
-    """The optimizer's step for the compressed steps (see the module docstring), as a step
-    pre-hook of the optimizer.
+class AdamTakeover:
+    """What both methods share: the optimizer's step of a compressed step, as a step pre-hook.
+
+    The hook sets :attr:`pending` when it committed a compressed step; the optimizer's next
+    step then applies ``theta <- theta (1 - lr wd) - lr direction`` (AdamW's decoupled decay;
+    Adam's L2 decay went into the gradient) to the model's parameters and clears their
+    ``.grad``, so the optimizer's own step skips them. Subclasses give the direction.
 
     Args:
         optimizer: the Adam or AdamW the user built.
         numbers: ``id(parameter) -> number`` of the model's parameters.
-        warmup_steps: dense steps before the variance is frozen.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int) -> None:
-        if warmup_steps < 1:
-            raise InvalidOptionError(
-                "compressed Adam needs a dense warm-up that gives the second moment its values: pass "
-                "warmup_steps >= 1 (1-bit Adam uses 15-25% of the run; docs/choosing.md has what was measured here)"
-            )
+    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> None:
         self.optimizer = optimizer
         self.numbers = numbers
-        self.warmup_steps = warmup_steps
         self.beta1 = check_adam(optimizer, numbers)
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         #: Set by the hook when a compressed step was committed: the next optimizer step is ours.
         self.pending = False
-        self._preconditioners: dict[int, torch.Tensor] = {}
         self._handle = optimizer.register_step_pre_hook(self)
 
     def detach(self) -> None:
@@ -120,12 +116,26 @@ class FrozenVarianceStep:
         self._handle.remove()
 
     def compressing(self, step: int) -> bool:
-        """Whether hook step ``step`` (0-based) is a compressed one (after the warm-up)."""
-        return step >= self.warmup_steps
+        """Whether hook step ``step`` (0-based) is a compressed one."""
+        del step
+        return True
+
+    def moment_scale(self) -> float:
+        """What the exchange's mean is multiplied by before it becomes ``.grad``."""
+        return 1.0
+
+    def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The velocity a part starts with (None: the error feedback's own start)."""
+        del params
+        return None
+
+    def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """What the step subtracts, times lr, from ``param`` (its ``.grad`` transformed)."""
+        assert param.grad is not None
+        return param.grad
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: apply the compressed update to the model's parameters and clear
-        their ``.grad`` (so the optimizer's own step skips them)."""
+        """Step pre-hook (see the class docstring)."""
         if not self.pending:
             return
         self.pending = False
@@ -137,8 +147,38 @@ class FrozenVarianceStep:
                         continue
                     if self.decoupled and decay:
                         param.mul_(1.0 - lr * decay)
-                    param.addcdiv_(param.grad.to(param.dtype), self._preconditioner(param, group), value=-lr)
+                    param.sub_(self.direction(param, group).to(param.dtype), alpha=lr)
                     param.grad = None
+
+
+class FrozenVarianceStep(AdamTakeover):
+    """1-bit Adam's method (module docstring): a dense warm-up, then ``v`` frozen, the first
+    moment as a momentum-corrected velocity with error feedback; direction ``m / D``.
+
+    Args:
+        warmup_steps: dense steps before the variance is frozen (>= 1).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int) -> None:
+        if warmup_steps < 1:
+            raise InvalidOptionError(
+                "compressed Adam with adam='frozen-variance' needs a dense warm-up that gives the second "
+                "moment its values: pass warmup_steps >= 1 (docs/choosing.md has what was measured here)"
+            )
+        super().__init__(optimizer, numbers)
+        self.warmup_steps = warmup_steps
+        self._preconditioners: dict[int, torch.Tensor] = {}
+
+    def compressing(self, step: int) -> bool:
+        return step >= self.warmup_steps
+
+    def moment_scale(self) -> float:
+        """The exchange's mean is in velocity units: Adam's first moment is ``1 - beta1`` of it."""
+        return 1.0 - self.beta1
+
+    def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        assert param.grad is not None
+        return param.grad / self._preconditioner(param, group)
 
     def _preconditioner(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """``sqrt(v / (1 - beta2^t)) + eps`` of the warm-up's last step (cached: it is frozen)."""
@@ -157,9 +197,9 @@ class FrozenVarianceStep:
         return cached
 
     def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The velocity a part starts its compressed steps with: the warm-up's bias-corrected
-        first moment ``m / (1 - beta1^t)`` in velocity units (``/ (1 - beta1)``), flattened in
-        ``params``' order (zeros for a parameter Adam never stepped); None without any."""
+        """The warm-up's bias-corrected first moment ``m / (1 - beta1^t)`` in velocity units
+        (``/ (1 - beta1)``), flattened in ``params``' order (zeros for a parameter Adam never
+        stepped); None without any."""
         pieces, found = [], False
         for param in params:
             state = self.optimizer.state.get(param, {})
@@ -171,9 +211,65 @@ class FrozenVarianceStep:
                 pieces.append(torch.zeros(param.numel(), dtype=torch.float32, device=param.device))
         return torch.cat(pieces) if found else None
 
-    def moment_scale(self) -> float:
-        """What the exchange's mean (velocity units) is multiplied by to give Adam's first moment."""
-        return 1.0 - self.beta1
+
+#: State-store tables of :class:`LocalUpdateStep`: each worker's own Adam moments.
+FIRST, SECOND = "adam.exp_avg", "adam.exp_avg_sq"
+
+
+#: The methods ``optimizer=`` offers for the Adam family (the hook option ``adam``).
+METHODS = ("frozen-variance", "update")
+
+
+def take_over(
+    optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int, method: str
+) -> AdamTakeover:
+    """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``."""
+    if method == "update":
+        return LocalUpdateStep(optimizer, numbers, warmup_steps)
+    return FrozenVarianceStep(optimizer, numbers, warmup_steps)
+
+
+class LocalUpdateStep(AdamTakeover):
+    """The update travels: each worker runs Adam on its own gradient (its own ``m``, ``v``, in
+    the hook's state store) and sends the update ``m_hat / (sqrt(v_hat) + eps)`` with error
+    feedback; the mean of what was sent is the step's direction. A coordinate that waited
+    carries the sum of its skipped updates -- already normalised -- so it moves as far as
+    it would have. No warm-up, nothing frozen; each worker's preconditioner sees only its
+    own batch (its ``v`` is the mean square of a ``W`` times smaller batch's gradients).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int = 0
+    ) -> None:
+        super().__init__(optimizer, numbers)
+        self.warmup_steps = warmup_steps
+        settings = {
+            (tuple(float(b) for b in group["betas"]), float(group["eps"]))
+            for group in optimizer.param_groups
+            if any(id(p) in numbers for p in group["params"])
+        }
+        if len(settings) != 1:
+            raise InvalidOptionError(
+                f"the model's parameter groups use different betas/eps {sorted(settings)}: use one"
+            )
+        ((_, self.beta2), self.eps) = settings.pop()
+
+    def compressing(self, step: int) -> bool:
+        """After the optional dense warm-up (the optimizer as built)."""
+        return step >= self.warmup_steps
+
+    def update(self, store: Any, key: Any, gradient: torch.Tensor, step: int) -> torch.Tensor:
+        """This worker's Adam update of part ``key`` for its ``gradient`` at 0-based ``step``
+        (the moments put into ``store``, which rolls them back with a dropped step)."""
+        g = gradient.reshape(-1).float()
+        first, second = store.get(FIRST, key), store.get(SECOND, key)
+        first = (1.0 - self.beta1) * g if first is None else torch.lerp(first, g, 1.0 - self.beta1)
+        second = (1.0 - self.beta2) * g * g if second is None else torch.lerp(second, g * g, 1.0 - self.beta2)
+        store.put(FIRST, key, first)
+        store.put(SECOND, key, second)
+        t = step - self.warmup_steps + 1  # the moments start after the dense warm-up
+        denominator = (second / (1.0 - self.beta2**t)).sqrt_().add_(self.eps)
+        return first / (1.0 - self.beta1**t) / denominator
 
 
 def _host_step(step: Any) -> float:

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from gradsift import recipe
-from gradsift.adam import FrozenVarianceStep
+from gradsift.adam import METHODS as ADAM_METHODS
+from gradsift.adam import AdamTakeover, LocalUpdateStep
 from gradsift.capacity import CapacityPlan
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import get_compressor
@@ -101,6 +102,9 @@ class HookOptions:
             that the compressor supports.
         scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
             the hook then works on unscaled gradients (see the module docstring).
+        adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.adam`:
+            ``"frozen-variance"`` (default; needs ``warmup_steps``) or ``"update"``.
+        residual_decay: error feedback's ``beta`` in ``c = g + beta r`` (default 1).
         log_every: log every this many steps (``gradsift.ddp`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
     """
@@ -118,6 +122,8 @@ class HookOptions:
     density_warmup_start: float = 0.25
     exchange: str = AUTO
     scaler: Any = None
+    adam: str = "frozen-variance"
+    residual_decay: float = 1.0
     log_every: int = 0
     jsonl_path: str | os.PathLike[str] | None = None
 
@@ -139,6 +145,8 @@ class HookOptions:
         check_int(self.density_warmup_steps, "density_warmup_steps", low=0)
         check_ratio(self.density_warmup_start, "density_warmup_start")
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
+        check_choice(self.adam, "adam", ADAM_METHODS)
+        check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
         if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
             raise InvalidOptionError(
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
@@ -177,7 +185,7 @@ class GradsiftHookState:
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
     capacities: CapacityPlan = dataclasses.field(default_factory=CapacityPlan)
-    adam: FrozenVarianceStep | None = None
+    adam: AdamTakeover | None = None
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
@@ -203,7 +211,9 @@ class GradsiftHookState:
         if uses_feedback is None:
             uses_feedback = bool(self.compressor.error_feedback)
         if uses_feedback and self.feedback is None:
-            self.feedback = ErrorFeedback(self.options.momentum, self.options.momentum_masking, self.store)
+            self.feedback = ErrorFeedback(
+                self.options.momentum, self.options.momentum_masking, self.store, self.options.residual_decay
+            )
         self.compressor.bind_store(self.store)
         self.ledger.nonfinite = self.options.nonfinite
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
@@ -233,7 +243,9 @@ class GradsiftHookState:
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         if optimizer is not None and self.feedback is not None:
-            taken = recipe.take_over_optimizer(optimizer, self.layout.numbers, self.options.warmup_steps)
+            taken = recipe.take_over_optimizer(
+                optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam
+            )
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
                     f"momentum={self.options.momentum} disagrees with the optimizer's momentum {taken.momentum}; "
@@ -473,6 +485,8 @@ def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.T
         flat = recipe.clip_local(flat, state.options.clip_norm, part.numel, total, world)
     if state.feedback is None:
         return flat
+    if isinstance(state.adam, LocalUpdateStep):  # the worker's own Adam update travels
+        return state.feedback.compensate(part.key, state.adam.update(state.store, part.key, flat, state.step))
     if state.adam is not None and state.store.get(VELOCITY, part.key) is None:
         start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
         if start is not None:

@@ -2,7 +2,7 @@
 
 Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step:
 
-1. ``compensate``: ``c = g + r``. With DGC's *momentum correction* (``momentum = m > 0``)
+1. ``compensate``: ``c = g + r`` (``c = g + beta r`` with a residual ``decay`` ``beta < 1``). With DGC's *momentum correction* (``momentum = m > 0``)
    the worker instead keeps a velocity ``u`` and accumulates it:
    ``u <- m*u + g``, ``c = r + u`` -- the optimizer then must run *without* momentum
    (the DDP hook's ``optimizer=`` option arranges that).
@@ -51,14 +51,21 @@ class ErrorFeedback:
         momentum: DGC momentum-correction factor ``m`` in [0, 1); 0 disables it.
         momentum_masking: zero the velocity where elements were sent (DGC).
         store: where the state lives; None = a store of this instance's own.
+        decay: the residual's factor ``beta`` in ``c = g + beta r`` (default 1, plain error
+            feedback; SparseLoCo's outer steps use ``beta < 1``).
     """
 
     def __init__(
-        self, momentum: float = 0.0, momentum_masking: bool = True, store: TensorStore | None = None
+        self,
+        momentum: float = 0.0,
+        momentum_masking: bool = True,
+        store: TensorStore | None = None,
+        decay: float = 1.0,
     ) -> None:
         self.momentum = check_real(momentum, "momentum", low=0.0, high=1.0, high_open=True)
         self.momentum_masking = bool(momentum_masking)
         self.store = TensorStore() if store is None else store
+        self.decay = check_real(decay, "residual_decay", low=0.0, high=1.0)
 
     @property
     def residuals(self) -> dict[Hashable, torch.Tensor]:
@@ -84,7 +91,9 @@ class ErrorFeedback:
             flat = velocity
         residual = self.store.get(RESIDUAL, key)
         self._check_like(key, residual, flat)
-        return flat.clone() if residual is None else residual + flat
+        if residual is None:
+            return flat.clone()
+        return residual + flat if self.decay == 1.0 else torch.add(flat, residual, alpha=self.decay)
 
     def update(
         self,

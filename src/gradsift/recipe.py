@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gradsift.adam import FrozenVarianceStep, is_adam, l2_decay
+from gradsift.adam import AdamTakeover, LocalUpdateStep, is_adam, l2_decay, take_over
 from gradsift.errors import InvalidOptionError
 
 MOMENTUM_KEY = "gradsift_momentum"
@@ -48,18 +48,21 @@ class OptimizerTakeover:
 
     momentum: float = 0.0
     weight_decay: dict[int, float] = field(default_factory=dict)
-    adam: FrozenVarianceStep | None = None
+    adam: AdamTakeover | None = None
 
 
 SUPPORTED_OPTIMIZERS = "torch.optim.SGD (with momentum or without), torch.optim.Adam, torch.optim.AdamW"
 
 
-def take_over_optimizer(optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0) -> OptimizerTakeover:
+def take_over_optimizer(
+    optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0, adam: str = "frozen-variance"
+) -> OptimizerTakeover:
     """Move the optimizer's first moment (and the weight decay that enters it) into the hook.
 
-    SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: ``beta1`` becomes
-    the velocity's momentum and the optimizer's step in the compressed phase, after
-    ``warmup_steps`` dense steps, is :class:`gradsift.adam.FrozenVarianceStep`'s.
+    SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: the method
+    ``adam`` of :mod:`gradsift.adam` takes the optimizer's steps after ``warmup_steps`` dense
+    ones (``"frozen-variance"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
+    each worker's own Adam update travels, with no momentum in the exchange).
     ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
     :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
     and for groups that disagree on momentum.
@@ -67,8 +70,9 @@ def take_over_optimizer(optimizer: Any, numbers: dict[int, int], warmup_steps: i
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if is_adam(optimizer):
-        adam = FrozenVarianceStep(optimizer, numbers, warmup_steps)
-        return OptimizerTakeover(momentum=adam.beta1, weight_decay=l2_decay(optimizer, numbers), adam=adam)
+        step = take_over(optimizer, numbers, warmup_steps, adam)
+        momentum = 0.0 if isinstance(step, LocalUpdateStep) else step.beta1
+        return OptimizerTakeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
     if not isinstance(optimizer, torch.optim.SGD):
         raise InvalidOptionError(
             f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "

@@ -128,7 +128,8 @@ class StepLedger:
             KEPT_WORKS.next_step()
             self.current = OpenStep(compressor_state=compressor.snapshot())
             store.begin()
-            torch.autograd.Variable._execution_engine.queue_callback(on_close)
+            if torch._C._current_graph_task_id() != -1:  # inside backward (outside it: the caller closes)
+                torch.autograd.Variable._execution_engine.queue_callback(on_close)
         return self.current
 
     def abort(self, compressor: Compressor, store: TensorStore) -> None:
