@@ -35,24 +35,33 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    _trained = train(args.compressor, args.steps)  # held until main returns, like any script's objects
+    dist.destroy_process_group()
+
+
+def train(compressor: str, steps: int) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+    """The script's training, in a process group already joined: a small MLP in DDP with
+    ``compressor``'s hook (or :data:`STOCK`, :data:`TORCH_HOOK`), ``steps`` SGD steps.
+    Returns the model and the optimizer, which the caller holds past
+    ``destroy_process_group()`` as a script's locals live until it returns."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     ddp_model = DistributedDataParallel(model)
-    if args.compressor == TORCH_HOOK:
+    if compressor == TORCH_HOOK:
         ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif args.compressor != STOCK:
-        gradsift.register_comm_hook(ddp_model, args.compressor)
+    elif compressor != STOCK:
+        gradsift.register_comm_hook(ddp_model, compressor)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(args.steps):
+    for _ in range(steps):
         inputs = torch.randn(32, 32, generator=generator)
         labels = torch.randint(0, 10, (32,), generator=generator)
         loss = torch.nn.functional.cross_entropy(ddp_model(inputs), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    dist.destroy_process_group()
+    return ddp_model, optimizer
 
 
 if __name__ == "__main__":

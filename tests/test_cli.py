@@ -73,6 +73,7 @@ def test_train_choices_are_the_back_ends():
     assert choices(("train",), "exchange") == ("auto", *available_exchanges())
     assert choices(("train",), "lr_schedule") == LR_SCHEDULES
     assert choices(("train",), "optimizer") == OPTIMIZERS
+    assert choices(("train",), "optimizer") == OPTIMIZERS
     assert choices(("train",), "device") == DEVICES
 
 
