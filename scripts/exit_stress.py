@@ -20,10 +20,8 @@ Exit status: 0 when no run was abnormal, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -34,8 +32,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
+
+# benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import provenance
 
 USER_SCRIPT = Path(__file__).with_name("exit_user_script.py")
 DEFAULT_COMPRESSORS = ("stock", "sidco-exp", "fp16", "vgc", "powersgd")
@@ -222,22 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--resume: {args.json} was made with --steps {report['steps']} --launcher {report['launcher']}"
         )
-    session = {
-        "command": " ".join(["python", *sys.argv]) if argv is None else None,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "loadavg_before": os.getloadavg(),
-        "jobs": args.jobs,
-    }
+    stamp = provenance.start()  # the training seeds are exit_user_script.py's own
+    session = {"jobs": args.jobs, "provenance": stamp.record}
     report["sessions"].append(session)
-    report |= {"python": platform.python_version(), "torch": torch.__version__}
     report |= {"launcher": args.launcher, "steps": args.steps}
-    started = time.time()
 
     def write(tallies: dict[str, Tally]) -> None:
         if args.json is None:
             return
-        session["duration_s"] = round(time.time() - started, 1)
-        session["loadavg_after"] = os.getloadavg()
+        session["provenance"] = stamp.finish()  # the load and the code as of this run's end
         report["results"] = {name: asdict(tally) for name, tally in tallies.items()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +23,9 @@ import torch
 
 import gradsift
 from gradsift.benchmarking import INPUT_DESCRIPTION, interleaved_medians_ms, synthetic_gradient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 
@@ -39,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    load_before = os.getloadavg()
+    stamp = provenance.start(seeds=[0])  # synthetic_gradient's seed
     rows = []
     for exponent in args.exponents:
         numel = round(2**exponent)
@@ -62,9 +65,7 @@ def main() -> None:
         print(f"{name}: statistical path cheaper than topk from n = {crossover[name]} on")
     if args.json:
         report = {"args": {**vars(args), "json": str(args.json)}, "input": INPUT_DESCRIPTION,
-                  "torch": torch.__version__, "cpu_count": os.cpu_count(),
-                  "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-                  "crossover": crossover, "rows": rows}  # fmt: skip
+                  "crossover": crossover, "rows": rows, "provenance": stamp.finish()}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 

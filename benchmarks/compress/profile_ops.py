@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsift
 from gradsift.benchmarking import synthetic_gradient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 #: Operators after which the host waits for the device (value or output size read back).
 SYNCING = {"_local_scalar_dense", "tolist", "nonzero", "masked_select"}
@@ -89,6 +93,7 @@ def main() -> None:
         import gradsift.kernels
 
         gradsift.kernels.uses_numpy = lambda tensor: False
+    stamp = provenance.start(seeds=[0])  # synthetic_gradient's seed
     rows = []
     for numel in args.sizes:
         x = synthetic_gradient(numel)
@@ -98,7 +103,11 @@ def main() -> None:
             print(f"{name:14s} n={numel:>10,}  ops {row['operators']:5d}  host syncs {row['host_syncs']:4d}")
     if args.json:
         args.json.write_text(
-            json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2) + "\n"
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "rows": rows, "provenance": stamp.finish()},
+                indent=2,
+            )
+            + "\n"
         )
 
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from gradsift.compressors.randomk import sample_without_replacement
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 
 def main() -> None:
@@ -32,6 +37,7 @@ def main() -> None:
         "randperm[:k]": lambda k, g: torch.randperm(n, generator=g)[:k],
         "first k distinct of a uniform stream": lambda k, g: sample_without_replacement(n, k, g),
     }
+    stamp = provenance.start(seeds=list(range(args.repeats + 1)))  # one generator seed per round
     rows = []
     for ratio in args.ratios:
         k = int(n * ratio)
@@ -48,7 +54,7 @@ def main() -> None:
             print(f"n={n:,} ratio={ratio:g} {name:40s} {rows[-1]['median_ms']:9.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "torch": torch.__version__, "rows": rows}, f, indent=2)
+            json.dump({"threads": args.threads, "rows": rows, "provenance": stamp.finish()}, f, indent=2)
             f.write("\n")
 
 

@@ -32,6 +32,9 @@ from typing import Any
 
 from protocol import HEADLINE, HERE, METHODS, RUNS, WORKLOADS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
+
 TIMING = HERE / "timing"
 VALIDATION = HERE / "validation"
 PLOTS = HERE / "plots"
@@ -343,7 +346,6 @@ def markdown(analysis: dict[str, Any]) -> str:
 def update_docs() -> list[Path]:
     """Regenerate the docs' tables from results.json: they are blocks of the claims registry
     (``benchmarks/claims.py``), which writes every generated number in one pass."""
-    sys.path.insert(0, str(HERE.parent))
     import claims
 
     return claims.write()
@@ -356,8 +358,9 @@ def main() -> None:
     parser.add_argument("--update-docs", action="store_true", help="rewrite the generated tables in the docs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
+    stamp = provenance.start()
     results = load_results()
-    analysis = analyze(results)
+    analysis = analyze(results) | {"provenance": stamp.finish()}  # of the analysis: each run has its own
     (HERE / "results.json").write_text(json.dumps(analysis, indent=2) + "\n")
     text = markdown(analysis)
     print(text)

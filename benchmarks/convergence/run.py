@@ -9,9 +9,9 @@
     python benchmarks/convergence/run.py status                    # what is done, what is left
 
 ``timing`` and ``validation`` measure time: each run holds ``/tmp/gradsift-cpu.lock``
-(taken here, one run at a time, so others can interleave) and records the 1-minute load
-average before and after it in ``load.json`` (``environment.load_average = [before, after]``,
-plus the three /proc/loadavg figures of each).
+(taken here, one run at a time, so others can interleave). Every finished run's
+summary.json carries a ``provenance`` stamp (``benchmarks/provenance.py``: the commit, the
+command, the seed, the load averages before and after, whether the lock was held).
 
 Each run is ``python -m gradsift train ... --out runs/<workload>/<method>-e<E>-s<seed>``
 in its own process (4 workers on localhost gloo). A finished run keeps config.json,
@@ -26,13 +26,14 @@ import argparse
 import contextlib
 import fcntl
 import gzip
-import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 from protocol import (
     DEFAULTS_RUNS,
     METHODS,
@@ -46,63 +47,40 @@ from protocol import (
 CPU_LOCK = Path("/tmp/gradsift-cpu.lock")
 
 
-def provenance() -> dict[str, str]:
-    """Which gradsift code runs: the commit of the checkout the package is imported from
-    (a ``COMMIT`` file for an exported snapshot), plus the Python and torch versions."""
-    import platform
-
-    import torch
-
-    import gradsift
-
-    root = Path(gradsift.__file__).resolve().parents[2]
-    if (root / "COMMIT").is_file():
-        commit = (root / "COMMIT").read_text().strip()
-    else:
-        result = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
-                                capture_output=True, text=True)  # fmt: skip
-        commit = result.stdout.strip() or "unknown"
-    return {"gradsift_commit": commit, "gradsift_path": str(root), "python": platform.python_version(),
-            "torch": torch.__version__}  # fmt: skip
-
-
 def finished(run) -> bool:
     return (run.directory / "summary.json").is_file() and (run.directory / "steps.jsonl.gz").is_file()
 
 
 @contextlib.contextmanager
-def cpu_lock(directory: Path):
-    """Hold the shared CPU lock; write the load average before and after into load.json."""
+def cpu_lock():
+    """Hold the shared CPU lock for one timed run (other jobs interleave between runs)."""
     with open(CPU_LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        before = Path("/proc/loadavg").read_text().split()[:3]
         try:
             yield
         finally:
-            after = Path("/proc/loadavg").read_text().split()[:3]
-            if directory.is_dir():
-                load = {"environment": {"load_average": [float(before[0]), float(after[0])],
-                                        "loadavg_before": before, "loadavg_after": after}}  # fmt: skip
-                (directory / "load.json").write_text(json.dumps(load) + "\n")
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def execute(run, timed: bool = False) -> bool:
     """Run one training; on success gzip its steps and drop the per-rank logs."""
     run.directory.mkdir(parents=True, exist_ok=True)
-    (run.directory / "provenance.json").write_text(json.dumps(provenance()) + "\n")
-    command = [sys.executable, "-m", "gradsift", "train", *run.arguments(), "--out", str(run.directory),
+    arguments = run.arguments()
+    command = [sys.executable, "-m", "gradsift", "train", *arguments, "--out", str(run.directory),
                "--no-progress", "--timeout", "1800"]  # fmt: skip
     started = time.monotonic()
     print(
         f"[{time.strftime('%H:%M:%S')}] start {run.workload}/{run.name}: {' '.join(command[3:])}", flush=True
     )
-    with cpu_lock(run.directory) if timed else contextlib.nullcontext():
+    with cpu_lock() if timed else contextlib.nullcontext():
+        stamp = provenance.start(seeds=[int(arguments[arguments.index("--seed") + 1])])
         result = subprocess.run(command, capture_output=True, text=True)
+        record = stamp.finish()
     took = time.monotonic() - started
     if result.returncode != 0:
         print(f"  FAILED after {took:.0f} s:\n{result.stderr[-3000:]}", flush=True)
         return False
+    provenance.stamp_file(run.directory / "summary.json", record)
     steps = run.directory / "steps.jsonl"
     with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
         shutil.copyfileobj(source, target)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 CONFIGS = [
     ("stock", None, {}),
@@ -109,19 +113,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/ddp/results.json")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
+    stamp = provenance.start(
+        seeds=sorted({0, *range(max(args.world_sizes))})
+    )  # the model's, each rank's batches
     report = {
-        "command": "python benchmarks/ddp/bench_hook.py "
-        + " ".join(
-            [
-                "--world-sizes",
-                *map(str, args.world_sizes),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-            ]
-        ),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "model": f"MLP {DEPTH}x Linear({WIDTH},{WIDTH}) + Linear({WIDTH},10), batch {BATCH} per rank",
         "results": {},
     }
@@ -145,6 +140,7 @@ def main() -> None:
                 }
             ),
         )
+    report["provenance"] = stamp.finish()
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +28,9 @@ import torch
 from gradsift.analysis import estimation_series, load_gradients, percentile_summary
 from gradsift.compressors import get_compressor
 from gradsift.feedback import ErrorFeedback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 SETTINGS = {"raw": "raw", "ef-saved": "ef", "ef-replay": "raw"}  # setting -> file kind
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "summary.png")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    stamp = provenance.start()  # no random draws: the gradients are collect.py's (seed 0)
     rows = []
     models = sorted({p.name.rsplit("-", 1)[0] for p in args.gradients.glob("*-raw.pt")})
     for model in models:
@@ -106,7 +111,13 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     args.out.write_text(
         json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "rows": rows}, indent=1
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "summary": summary,
+                "rows": rows,
+                "provenance": stamp.finish(),
+            },
+            indent=1,
         )
     )
     plot(rows, args.plot)

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
+from pathlib import Path
 
 import torch
 
 import gradsift
 from gradsift.benchmarking import interleaved_medians_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 
 def main() -> None:
@@ -36,14 +39,12 @@ def main() -> None:
     for name in ("sidco-exp", "sidco-gpareto", "sidco-gamma"):
         compressor = gradsift.get_compressor(name, ratio=args.ratio)
         methods[name] = lambda c=compressor: c.compress(x)
-    load_before = os.getloadavg()
+    stamp = provenance.start(seeds=[0])
     results = interleaved_medians_ms(methods, args.repeat)
     read = results["read_pass_l1"]
     report = {
         "command_args": vars(args),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        "provenance": stamp.finish(),
         "median_ms": results,
         "x_read_pass": {name: t / read for name, t in results.items()},
         "topk_speedup": {

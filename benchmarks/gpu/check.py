@@ -28,12 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +45,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.readout import Readout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = [
@@ -119,7 +118,9 @@ class SyncCounter:
                 self.sites[site] = self.sites.get(site, 0) + 1
 
 
-def train_steps(model: DDP, steps: int, device: torch.device, width: int, counter: SyncCounter | None = None) -> None:
+def train_steps(
+    model: DDP, steps: int, device: torch.device, width: int, counter: SyncCounter | None = None
+) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator(device="cpu").manual_seed(1)
     for _ in range(steps):
@@ -235,7 +236,8 @@ def check_compress(device: torch.device, small: bool) -> dict[str, Any]:
         ):
             capacity = compressor.capacity(numel)
             readout = Readout()
-            ms = timed(lambda c=compressor, k=capacity: c.encode(x, key=0, capacity=k, readout=readout), device, repeats)
+            ms = timed(lambda c=compressor, k=capacity, x=x, r=readout: c.encode(x, key=0, capacity=k, readout=r),
+                       device, repeats)  # fmt: skip
             rows.append({"numel": numel, "compressor": label, "encode_ms": ms})
     return {"rows": rows}
 
@@ -247,7 +249,12 @@ def check_step_time(device: torch.device, small: bool) -> dict[str, Any]:
     generator = torch.Generator(device="cpu").manual_seed(4)
     x = torch.randn(64, width, generator=generator).to(device)
     y = torch.randn(64, 8, generator=generator).to(device)
-    for label, name in (("stock", None), ("none", "none"), ("topk@0.01", "topk"), ("sidco-exp@0.01", "sidco-exp")):
+    for label, name in (
+        ("stock", None),
+        ("none", "none"),
+        ("topk@0.01", "topk"),
+        ("sidco-exp@0.01", "sidco-exp"),
+    ):
         model = DDP(mlp(width, depth, device))
         if name is not None:
             gradsift.register_comm_hook(model, name, **({} if name == "none" else {"ratio": 0.01}))
@@ -275,22 +282,6 @@ CHECKS = {
 }
 
 
-def machine() -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout)
-    return {
-        "commit": commit,
-        "dirty_tree": dirty,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "load_before": os.getloadavg(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: toy sizes, gloo")
@@ -312,7 +303,8 @@ def main() -> int:
             world_size=1,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
-        results: dict[str, Any] = {"machine": machine(), "checks": {}}
+        stamp = provenance.start()
+        results: dict[str, Any] = {"machine": {**stamp.record, "cuda": torch.version.cuda}, "checks": {}}
         for name in args.only or list(CHECKS):
             started = time.perf_counter()
             try:
@@ -323,7 +315,7 @@ def main() -> int:
             results["checks"][name] = entry
             print(f"{name:<14} {'ok' if entry['ok'] else 'FAILED'} {entry['seconds']:7.1f} s", flush=True)
         dist.destroy_process_group()
-    results["machine"]["load_after"] = os.getloadavg()
+    results["machine"] = {**stamp.finish(), "cuda": torch.version.cuda}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary(results)

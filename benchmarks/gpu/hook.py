@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 CONFIGURATIONS = {
     "stock": None,
@@ -122,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu to check the script)")
+    stamp = provenance.start(seeds=[0, 1])  # the model's seed and each rank's batches
     results = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as folder:  # the ranks meet through a file store: no port to pick
         processes = mp.start_processes(
@@ -134,10 +139,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
         "backend": backend_for(args.device),
-        "torch": torch.__version__,
         "model": f"MLP {args.depth}x Linear({args.width},{args.width}) + Linear({args.width},10), "
         f"{parameters} parameters, batch {args.batch} per rank",
         "args": {**vars(args), "json": str(args.json)},
+        "provenance": stamp.finish(),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({**facts, "results": report}, indent=2) + "\n")

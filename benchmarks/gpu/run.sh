@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU measurements in one go (see README.md): compress cost against torch.topk at 1M-100M
 # elements in fp32 and bf16, then a 2-process DDP hook run on CUDA tensors. Writes JSON into
-# OUT (default benchmarks/gpu/results). Budget: under 8 minutes on one recent GPU.
+# OUT (default benchmarks/gpu/results), each stamped by benchmarks/provenance.py. Budget: under
+# 8 minutes on one recent GPU.
 #   benchmarks/gpu/run.sh [OUT]             on a machine with a CUDA GPU
 #   benchmarks/gpu/run.sh --dry-run [OUT]   the same steps on CPU at toy sizes (the tests run this)
 set -euo pipefail
@@ -25,7 +26,8 @@ fi
 started=$(date +%s)
 for dtype in fp32 bf16; do
   echo "== compress cost, $dtype, $device"
-  timeout 180 "$py" -m gradsift bench compress --device "$device" --dtype "$dtype" --sizes $sizes \
+  "$py" benchmarks/provenance.py --json "$out/compress-$dtype.json" --seed 0 -- \
+    timeout 180 "$py" -m gradsift bench compress --device "$device" --dtype "$dtype" --sizes $sizes \
     --ratios 0.01 0.001 --compressors topk sidco-exp sidco-gpareto sidco-gamma dgc randomk \
     --repeats "$repeats" --warmup "$warmup" --no-progress --json "$out/compress-$dtype.json"
 done

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,9 @@ from torch import nn
 
 import gradsift
 from gradsift.feedback import ErrorFeedback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 TEXT_DIR = Path("/usr/share/common-licenses")
@@ -152,6 +157,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
+    stamp = provenance.start(seeds=[0])
     generator = torch.Generator().manual_seed(0)
     builders = {
         "cnn": lambda: (ConvNet(), fashion_batches(64, generator)),
@@ -161,6 +167,7 @@ def main() -> None:
     for name in args.models:
         model, batches = builders[name]()
         train_and_save(name, model, batches, args)
+    (args.out / "provenance.json").write_text(json.dumps(stamp.finish(), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Pack + unpack time of gradsift.bitpack beside the bit-expansion packer it replaced.
 
-Usage (repository root): flock /tmp/gradsift-bench.lock python benchmarks/quantizers/bitpack_speed.py
+Usage (repository root): flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py
 Writes benchmarks/quantizers/results/bitpack_speed.json. The old packer (commit 720bd68)
 expanded every code into b uint8 bits; the current one packs groups of 8 codes into
 one int64 word and cuts it into b bytes. Both are timed in interleaved rounds on the same codes; medians of 15 rounds.
@@ -10,12 +10,16 @@ import importlib.util
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from gradsift import bitpack, get_compressor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 HERE = Path(__file__).parent
 
@@ -40,6 +44,7 @@ def round_trip_ms(module, codes, bits):
 
 def main() -> None:
     torch.set_num_threads(1)
+    stamp = provenance.start()  # codes and QSGD's input are drawn unseeded: timings do not depend on them
     old = old_module()
     rows = []
     for numel in (235_000, 4_000_000):
@@ -70,13 +75,13 @@ def main() -> None:
         qsgd.decompress([payload] * 4, x.numel())
         compress[1].append((time.perf_counter() - started) * 1e3)
     result = {
-        "command": "flock /tmp/gradsift-bench.lock python benchmarks/quantizers/bitpack_speed.py",
         "threads": 1,
         "round_trip": rows,
         "qsgd_235k": {
             "compress_ms": statistics.median(compress[0]),
             "decompress_4_workers_ms": statistics.median(compress[1]),
         },
+        "provenance": stamp.finish(),
     }
     print(result["qsgd_235k"])
     (HERE / "results").mkdir(exist_ok=True)

@@ -2,8 +2,8 @@
 # Fashion-MNIST training comparison of the quantizers and PowerSGD against the dense
 # baselines, sidco-exp and vgc: 4 workers on one machine, links shaped to 100 Mbit/s,
 # MLP, 300 steps.
-# Usage (from the repository root): flock /tmp/gradsift-bench.lock benchmarks/quantizers/run.sh [NAME...]
-# With no NAME, every method below runs.
+# Usage (from the repository root): flock /tmp/gradsift-cpu.lock benchmarks/quantizers/run.sh [NAME...]
+# With no NAME, every method below runs. Each result is stamped by benchmarks/provenance.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/quantizers/results
@@ -13,7 +13,8 @@ names=("$@")
 for name in "${names[@]}"; do
   extra=()
   [ "$name" = sidco-exp ] && extra=(--ratio 0.01)
-  python -m gradsift train --model mlp --compressor "$name" "${extra[@]}" --workers 4 --steps 300 \
+  python benchmarks/provenance.py --json "$out/$name.json" --seed 0 -- \
+    python -m gradsift train --model mlp --compressor "$name" "${extra[@]}" --workers 4 --steps 300 \
     --bandwidth 100mbit --target-accuracy 0.8 --out "/tmp/gradsift-quantizers/$name" \
     --json "$out/$name.json" --no-progress
 done

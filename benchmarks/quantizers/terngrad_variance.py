@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +35,9 @@ from gradsift.train.data import batches, shard_indices
 from gradsift.train.datasets import load_for_model
 from gradsift.train.loop import cross_entropy
 from gradsift.train.models import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 CLIP = 2.5
 BATCH = {"vgg": 32, "lstm": 32, "gpt": 16}
@@ -101,8 +104,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
+    stamp = provenance.start(seeds=[0])
     results = {"command": vars(args) | {"out": str(args.out)}, "clip": CLIP, "models": {}}
-    started = time.monotonic()
     for name in args.models:
         taken, names = snapshots(name, args)
         rows = []
@@ -121,7 +124,7 @@ def main() -> None:
             "ratio_to_reference": {label: {"min": min(v), "max": max(v), "mean": sum(v) / len(v)}
                                    for label, v in ratios.items()},
         }  # fmt: skip
-    results["seconds"] = time.monotonic() - started
+    results["provenance"] = stamp.finish()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     for name, model in results["models"].items():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,9 @@ from gradsift.costmodel import (
     sparse_reduce_scatter_traffic,
 )
 from gradsift.train.netem import parse_rate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 HERE = Path(__file__).resolve().parent
 BUCKETS = (
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=HERE / "analysis.json")
     parser.add_argument("--plot", type=Path, default=HERE / "plots" / "measured_vs_model.png")
     args = parser.parse_args(argv)
+    stamp = provenance.start()
     shaped, floor = load(args.results)
     measured = []
     for point in shaped:
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         "latency_per_message_s": latency_eff, "fitted_on": "link times of the dense allreduce runs"}  # fmt: skip
     analysis = {"results": str(args.results.resolve().relative_to(HERE)), "targets": targets(rows),
                 "accuracy_at_equal_steps": accuracy_runs(HERE / "accuracy"),
-                "calibration": calibration, "buckets": list(BUCKETS), "points": rows}  # fmt: skip
+                "calibration": calibration, "buckets": list(BUCKETS), "points": rows,
+                "provenance": stamp.finish()}  # fmt: skip
     args.json.write_text(json.dumps(analysis, indent=2) + "\n")
     print(table(analysis))
     print()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from gradsift.costmodel import (
     shared_mask_traffic,
     sparse_reduce_scatter_traffic,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 HERE = Path(__file__).resolve().parent
 BANDWIDTHS_GBIT = (1, 10, 100)
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "--analysis", type=Path, default=HERE / "analysis.json", help="measured runs (analyze.py)"
     )
     args = parser.parse_args(argv)
+    stamp = provenance.start()
     balanced_units = measured_balanced_units(args.analysis)
     models = exchanges(args.numel, args.density, args.side, args.rank, balanced_units)
     workers = np.array(WORKERS)
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, traffic in models.items()
             if traffic is not dense
         }
+    result["provenance"] = stamp.finish()
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(times_table(result))
     print()

@@ -8,7 +8,8 @@ communicate, compute, compress and decompress time; bytes sent, padded and (when
 hook reports it) received per worker and step; what every host's NIC received and sent
 per step (the kernel's veth counters, read between the end of the warm-up step and the
 last step); the final test accuracy; the load average and the machine's CPU busy share
-during the run. Every run takes the CPU lock for itself (so other jobs interleave between
+during the run; the ``provenance`` stamp (benchmarks/provenance.py: commit, command, machine).
+Every run takes the CPU lock for itself (so other jobs interleave between
 runs, never inside one).
 
     python benchmarks/scaling/run.py --label allgather --compressor sidco-exp --ratio 0.01
@@ -37,6 +38,9 @@ from pathlib import Path
 
 from gradsift.train.netem import PREFIX, NetemUnavailableError, link_counters
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
+
 HERE = Path(__file__).resolve().parent
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 MODEL = ["--model", "mlp-wide", "--lr", "0.05", "--seed", "0", "--data-dir", DATA_DIR, "--no-progress",
@@ -59,27 +63,11 @@ def cpu_lock(path: str | None):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_average() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
 def cpu_times() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs since boot."""
     fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     return sum(fields) - idle, sum(fields)
-
-
-def code_version() -> dict[str, object]:
-    """The commit the run's code comes from, and whether ``src/`` differed from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "src_modified": bool(git("status", "--porcelain", "--", "../../src")),
-    }
 
 
 def _lines(path: Path) -> int:
@@ -110,9 +98,8 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         command += ["--bandwidth", args.bandwidth]
     steps_file = out / "steps.jsonl"
     snapshots: dict[int, list[dict[str, int]]] = {}
-    code = code_version()  # before the run: the code it starts with
     with cpu_lock(args.lock):
-        load_before, cpu_before, started = load_average(), cpu_times(), time.time()
+        stamp, cpu_before = provenance.start(seeds=[0]), cpu_times()  # MODEL's seed
         steps_file.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         log = open(out / "launcher.log", "w")  # noqa: SIM115 - closed below
@@ -125,7 +112,7 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
                         snapshots[mark] = _counters(launcher.pid, workers)
             time.sleep(0.02)
         log.close()
-        load_after, cpu_after, wall = load_average(), cpu_times(), time.time() - started
+        record, cpu_after = stamp.finish(), cpu_times()
     if launcher.returncode != 0:
         raise SystemExit(
             f"{name} failed ({launcher.returncode}):\n{(out / 'launcher.log').read_text()[-3000:]}"
@@ -140,9 +127,9 @@ def run_point(args: argparse.Namespace, workers: int) -> dict:
         "command": command, "final_test_accuracy": summary["final_test_accuracy"],
         "medians": {key: statistics.median(r[key] for r in records) for key in TIMED},
         "means": {key: statistics.fmean(r[key] for r in records) for key in COUNTED if key in records[0]},
-        "load_average_before": load_before, "load_average_after": load_after,
+        "load_average_before": record["load_before"], "load_average_after": record["load_after"],
         "cpu_busy_share": (cpu_after[0] - cpu_before[0]) / max(cpu_after[1] - cpu_before[1], 1.0),
-        "wall_s": wall, "code": code, "cpu_lock": args.lock, "nice": os.nice(0),
+        "wall_s": record["wall_s"], "cpu_lock": args.lock, "nice": os.nice(0), "provenance": record,
     }  # fmt: skip
     if args.warmup in snapshots and args.steps in snapshots:
         span = args.steps - args.warmup

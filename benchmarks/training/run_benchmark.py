@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from gradsift.commands import train as train_command
@@ -25,6 +24,9 @@ from gradsift.errors import GradsiftError
 from gradsift.report import comparison_rows, find_runs, plot_runs
 from gradsift.train.netem import parse_rate
 from gradsift.train.summary import time_to_accuracy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"
@@ -76,21 +78,23 @@ def run_all(rerun: bool) -> None:
         compressor = next(c for c in COMPRESSORS if name.startswith(c + "-"))
         command = ["train", "--compressor", compressor, *COMMON, *arguments, "--out", str(out)]
         print("[run] gradsift", " ".join(command), flush=True)
-        started = time.perf_counter()
+        stamp = provenance.start(seeds=[0])  # COMMON's --seed
         args = train_parser().parse_args(command)
         try:
             args.func(args)
         except GradsiftError as error:  # record it and go on with the other runs
             print(f"[failed] {name}: {error}", flush=True)
             continue
-        print(f"[done] {name} in {time.perf_counter() - started:.0f} s", flush=True)
+        record = stamp.finish()
+        provenance.stamp_file(out / "summary.json", record)
+        print(f"[done] {name} in {record['wall_s']:.0f} s", flush=True)
 
 
 def analyze() -> dict:
     """Targets, ratios, scaling vs the cost model -> results.json; plots."""
     by_name = {path.name: run for path in sorted(RUNS.iterdir()) for run in find_runs([path])}
-    results: dict = {"command": "flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py",
-                     "setup": {"common_args": COMMON, "main": MAIN, "scaling": SCALING}, "bandwidths": {}}  # fmt: skip
+    stamp = provenance.start(seeds=[0])
+    results: dict = {"setup": {"common_args": COMMON, "main": MAIN, "scaling": SCALING}, "bandwidths": {}}
     for bandwidth in MAIN["bandwidths"]:
         names = [f"{c}-w{MAIN['workers']}-{bandwidth}" for c in COMPRESSORS]
         runs = [by_name[n] for n in names if n in by_name]
@@ -111,6 +115,7 @@ def analyze() -> dict:
         plot_runs(runs, HERE / "plots" / bandwidth)
     results["scaling"] = _scaling(by_name)
     _plot_scaling(results["scaling"])
+    results["provenance"] = stamp.finish()  # of the analysis; each run's summary.json has its own
     (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
 

@@ -16,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
+
 FIELDS = ("bytes_sent_per_step", "dense_bytes_per_step", "achieved_density", "step_time_median_s",
           "final_test_accuracy", "train_time_s", "parameters", "steps")  # fmt: skip
 
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=Path("/tmp/gradsift-vgc-accuracy"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/vgc/accuracy.json"))
     args = parser.parse_args()
+    stamp = provenance.start(seeds=[0])  # every run's --seed
 
     rows = {"none": train("none", args.runs, args, "--compressor", "none")}
     for alpha in args.alphas:
@@ -64,8 +68,8 @@ def main() -> None:
         }
         for name, s in rows.items()
     }
-    result = {"command": " ".join(sys.argv), "model": args.model, "workers": args.workers, "epochs": args.epochs,
-              "matched_ratio": ratio, "runs": table}  # fmt: skip
+    result = {"model": args.model, "workers": args.workers, "epochs": args.epochs, "matched_ratio": ratio,
+              "runs": table, "provenance": stamp.finish()}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, row in table.items():
         print(f"{name:24s} {row['fewer_bytes_than_fp32']:8.1f}x fewer bytes  "

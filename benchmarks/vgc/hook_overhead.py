@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from torch.nn import functional as F
 
 from gradsift.train.models import build_model
 from gradsift.variance import VarianceTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+import provenance
 
 
 def models(batch: int) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
@@ -59,6 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    stamp = provenance.start(seeds=[0])
 
     results = {}
     for name, (model, x, y) in models(args.batch).items():
@@ -90,14 +95,11 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
 
     report = {
-        "command": "flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py "
-        f"--batch {args.batch} --repeats {args.repeats} --threads {args.threads} --out {args.out}",
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "threads": args.threads,
         "batch": args.batch,
         "repeats": args.repeats,
         "results": results,
+        "provenance": stamp.finish(),
     }
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=2)
