@@ -175,14 +175,6 @@ STALE: tuple[Stale, ...] = (
         "~35 min (six runs of 4-7 min)",
     ),
     Stale(
-        ("benchmarks/scaling/predictions.json",),
-        "provenance",
-        "No commit recorded. The cost model changed since only in argument checks and typing (bd8fd28, "
-        "43621df), so the numbers should stand; the stamp is what is missing.",
-        ".venv/bin/python benchmarks/scaling/predict.py --analysis benchmarks/scaling/unlocked/analysis.json",
-        "< 1 min",
-    ),
-    Stale(
         ("benchmarks/training/results.json", "benchmarks/training/runs/*/*.json"),
         "provenance",
         f"No commit recorded; 29 November, one seed. Since then the trainer's defaults changed (DGC's recipe "
