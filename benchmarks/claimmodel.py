@@ -144,7 +144,7 @@ Cell = str | Claim
 
 @dataclass(frozen=True)
 class Table:
-    """A Markdown table generated whole between ``<!-- claims-table:NAME -->`` markers."""
+    """A Markdown table generated whole between ``<!-- claims-table:<name> -->`` markers."""
 
     name: str
     header: tuple[Cell, ...]

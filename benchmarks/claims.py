@@ -5,8 +5,8 @@
     python benchmarks/claims.py --list     # every claim: id, text, file, fields, command
 
 In README.md, docs/*.md and benchmarks/**/*.md a number quoted from a result sits between
-``<!-- claim:ID -->`` and ``<!-- /claim -->``, a generated block between
-``<!-- claims-table:NAME -->`` and ``<!-- /claims-table -->`` (the claims and tables are in
+``<!-- claim:<id> -->`` and ``<!-- /claim -->``, a generated block between
+``<!-- claims-table:<name> -->`` and ``<!-- /claims-table -->`` (the claims and tables are in
 ``registry.py``; the stale list, ``stale.py``; the convergence tables, its ``analyze.py``).
 
 Provenance: every JSON file under ``benchmarks/`` that names a commit (a ``commit`` or
@@ -31,7 +31,7 @@ import registry
 import stale
 from claimmodel import ROOT, Claim, Result
 
-INLINE = re.compile(r"<!-- claim:(?P<id>[\w.@\-]+) -->(?P<text>.*?)<!-- /claim -->", re.S)
+INLINE = re.compile(r"<!-- claim:(?P<id>[\w.@\-]+) -->(?P<text>(?:(?!<!--).)*?)<!-- /claim -->")  # one line
 BLOCK = re.compile(  # the lines between the markers (none of them a marker: blocks never nest or overlap)
     r"(?P<open><!-- claims-table:(?P<name>[\w.\-]+) -->)\n(?P<text>(?:(?!<!-- /?claims-table).*\n)*?)"
     r"(?P<close><!-- /claims-table -->)"
