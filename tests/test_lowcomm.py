@@ -120,7 +120,9 @@ def test_compressed_rounds_agree_on_every_rank_and_resume_bit_for_bit(world):
     for name in ("whole", "sparseloco"):
         for other in results[1:]:
             assert all(torch.equal(a, b) for a, b in zip(other[name], results[0][name], strict=True)), name
-    moved = [float((b - a).norm()) for a, b in zip(results[0]["whole"][:-1], results[0]["whole"][1:], strict=True)]
+    moved = [
+        float((b - a).norm()) for a, b in zip(results[0]["whole"][:-1], results[0]["whole"][1:], strict=True)
+    ]
     assert all(m > 0 for m in moved)  # every round changed the shared parameters
 
 
@@ -197,3 +199,35 @@ def test_bad_options_are_clear_errors():
     assert "not a DistributedDataParallel" in errors["ddp"]
     assert "sync_every" in errors["sync_every"] and "outer_lr" in errors["outer_lr"]
     assert "buffers" in errors["buffers"] and "warmup_steps" in errors["warmup"]
+
+
+def test_the_trainer_runs_diloco_with_sync_every(tmp_path, capsys):
+    """``gradsift train --sync-every H``: no DDP; bytes only on the steps that end a round
+    (the last, unfinished round is ended by the run's last step); DDP's bytes every step."""
+    import json
+
+    from gradsift.cli import main as cli_main
+    from train_utils import TINY
+
+    out = tmp_path / "diloco"
+    flags = [
+        "--compressor",
+        "topk",
+        "--ratio",
+        "0.1",
+        "--sync-every",
+        "3",
+        "--steps",
+        "7",
+        "--option",
+        "outer_lr=0.5",
+    ]
+    assert cli_main(["train", *TINY, "--out", str(out), *flags]) == 0
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    sending = [r["step"] for r in steps if r["bytes_sent"] > 0]
+    assert sending == [2, 5, 6]
+    assert len({r["dense_bytes"] for r in steps}) == 1 and steps[0]["dense_bytes"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "diloco" in json.dumps(summary) and '"outer_lr": 0.5' in json.dumps(summary)
+    assert cli_main(["train", *TINY, "--out", str(tmp_path / "x"), "--option", "outer_lr=0.5"]) != 0
+    assert "need --sync-every" in capsys.readouterr().err

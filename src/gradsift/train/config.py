@@ -52,6 +52,9 @@ class TrainConfig:
         optimizer: ``sgd`` (momentum ``momentum``) or ``adamw`` (``betas``); None picks
             :func:`default_optimizer`. ``lr`` and ``weight_decay`` left None take the
             optimizer's defaults (:data:`OPTIMIZER_DEFAULTS`).
+        sync_every: 0 (default): DDP with gradsift's hook; ``H > 0``: no DDP, DiLoCo's outer
+            step on the compressed pseudo-gradient every ``H`` steps (``gradsift.diloco``;
+            its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers`` go in ``options``).
         recipe: the recipe (default True, see :mod:`gradsift.train.exchange`): for
             error-feedback compressors the optimizer's first moment moves into the hook
             (SGD: DGC's momentum correction + factor masking; AdamW: the frozen-variance
@@ -85,6 +88,7 @@ class TrainConfig:
     momentum: float = 0.9
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     weight_decay: float | None = None
+    sync_every: int = 0
     recipe: bool = True
     lr_schedule: str = "step"
     warmup_steps: int = 0
@@ -119,6 +123,7 @@ class TrainConfig:
         check_int(self.warmup_steps, "warmup_steps", low=0)
         check_choice(self.lr_schedule, "lr_schedule", LR_SCHEDULES)
         check_int(self.seed, "seed", low=0)
+        check_int(self.sync_every, "sync_every", low=0)
         self.optimizer = check_choice(
             self.optimizer or default_optimizer(self.model), "optimizer", OPTIMIZERS
         )
@@ -142,7 +147,7 @@ class TrainConfig:
             check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
         if self.target_loss is not None:
             check_real(self.target_loss, "target_loss", low=0.0, low_open=True)
-        check_exchange_options(self.compressor, self.options)
+        check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0)
 
     def save(self, path: Path) -> None:
         """Write the config as JSON."""
@@ -158,7 +163,7 @@ class TrainConfig:
         return asdict(self)
 
 
-def check_exchange_options(compressor: str, options: dict[str, Any]) -> None:
+def check_exchange_options(compressor: str, options: dict[str, Any], diloco: bool = False) -> None:
     """Build ``compressor`` and the DDP hook's state with ``options`` once, as every rank
     will, so that an unknown or inapplicable option fails here, before any worker starts.
 
@@ -169,6 +174,14 @@ def check_exchange_options(compressor: str, options: dict[str, Any]) -> None:
         raise InvalidOptionError(
             "option process_group cannot be set for a training run (it uses its own group)"
         )
+    outer = ("outer_lr", "outer_momentum", "nesterov", "buffers")
+    if not diloco and any(name in options for name in outer):
+        raise InvalidOptionError(f"options {', '.join(outer)} are DiLoCo's: they need --sync-every")
+    if diloco:
+        for name in ("optimizer", "granularity", "warmup_steps", "scaler"):
+            if name in options:
+                raise InvalidOptionError(f"option {name} does not apply with --sync-every (DiLoCo)")
+        options = {name: value for name, value in options.items() if name not in outer}
     hook_options = {name: value for name, value in options.items() if name in HOOK_OPTIONS}
     compressor_options = {name: value for name, value in options.items() if name not in HOOK_OPTIONS}
     parameters = inspect.signature(compressor_class(compressor)).parameters

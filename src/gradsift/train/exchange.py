@@ -93,6 +93,42 @@ def install_exchange(
     return lambda: step_exchange_stats(state.stats()["step"]), recipe_in_use(state, optimizer, recipe)
 
 
+#: Options of ``gradsift.diloco`` itself (the rest are the compressor's and the hook's).
+DILOCO_OPTIONS = ("outer_lr", "outer_momentum", "nesterov", "buffers")
+
+
+def install_diloco(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any
+) -> tuple[Callable[[], dict[str, float]], dict[str, Any], Callable[[], None]]:
+    """Train with ``gradsift.diloco`` every ``config.sync_every`` inner steps (no DDP). Returns
+    the per-step exchange numbers (a round's on the step that ended it, nothing on the
+    others; ``dense_bytes`` is what DDP would have sent that step), what runs (for
+    ``summary.json``), and a function that ends an unfinished round (the run's last step)."""
+    state = gradsift.diloco(
+        model, optimizer, sync_every=config.sync_every, compressor=config.compressor, **config.options
+    )
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    seen = {"rounds": 0}
+
+    def stats() -> dict[str, float]:
+        if state.rounds == seen["rounds"]:
+            return {**dict.fromkeys(EXCHANGE_FIELDS, 0.0), "dense_bytes": float(dense), "density": 0.0}
+        seen["rounds"] = state.rounds
+        return {**step_exchange_stats(state.hook.stats()["step"]), "dense_bytes": float(dense)}
+
+    def finish_round() -> None:
+        if state.inner_steps % state.sync_every:
+            state.sync()
+
+    outer = {name: config.options[name] for name in DILOCO_OPTIONS if name in config.options}
+    recipe = {
+        "enabled": False,
+        "optimizer": type(optimizer).__name__,
+        "diloco": {"sync_every": config.sync_every, **outer},
+    }
+    return stats, recipe, finish_round
+
+
 def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -> dict[str, Any]:
     """What the run applies, for ``summary.json``: whether the recipe is on, the momentum
     inside the exchange (momentum correction; None without error feedback) and the one

@@ -27,7 +27,7 @@ from gradsift.train.config import TrainConfig, build_optimizer, learning_rate
 from gradsift.train.data import batches, shard_indices
 from gradsift.train.datasets import is_language_model, load_for_model
 from gradsift.train.devices import backend_for, resolve_device
-from gradsift.train.exchange import install_exchange
+from gradsift.train.exchange import install_diloco, install_exchange
 from gradsift.train.models import build_model, parameter_count
 from gradsift.train.summary import summarize
 
@@ -160,11 +160,17 @@ def train_rank(
         config.model, config.data_dir, synthetic=config.synthetic, seed=config.seed
     )
     model = build_model(config.model, config.seed).to(device)
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = build_optimizer(config, ddp_model.parameters())
-    exchange_stats, recipe = install_exchange(
-        ddp_model, config.compressor, config.options, optimizer, config.steps, recipe=config.recipe
-    )
+    optimizer = build_optimizer(config, model.parameters())
+    forward: torch.nn.Module
+    if config.sync_every:  # DiLoCo: no DDP, an outer step every sync_every steps
+        forward = model
+        exchange_stats, recipe, finish_round = install_diloco(model, optimizer, config)
+    else:
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        exchange_stats, recipe = install_exchange(
+            forward, config.compressor, config.options, optimizer, config.steps, recipe=config.recipe
+        )
+        finish_round = None
     writer = RunWriter(Path(config.out), enabled=rank == 0)
     progress = tqdm(
         total=config.steps, disable=rank != 0 or not config.progress, desc=config.compressor, unit="step"
@@ -179,10 +185,12 @@ def train_rank(
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(config, step)
                 begin = time.perf_counter()
-                loss = cross_entropy(ddp_model(inputs.to(device)), targets.to(device))
+                loss = cross_entropy(forward(inputs.to(device)), targets.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                if finish_round is not None and step + 1 == config.steps:
+                    finish_round()  # the run ends on shared parameters
                 loss_value = float(loss.detach())  # syncs the device: the step is finished
                 step_s = time.perf_counter() - begin
                 train_time += step_s
@@ -197,7 +205,7 @@ def train_rank(
                 progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
                 last = step == config.steps
                 if last or (config.eval_every and step % config.eval_every == 0):
-                    accuracy, test_loss = evaluate(ddp_model.module, test, device)
+                    accuracy, test_loss = evaluate(model, test, device)
                     writer.eval(
                         {"step": step, "accuracy": accuracy, "loss": test_loss, "train_time_s": train_time,
                          "wall_time_s": time.perf_counter() - started}
