@@ -36,12 +36,25 @@ def laplace(n, seed):
 
 
 def assert_top_set(x, indices):
-    """The selection is an upper set of |x|: nothing left out is larger than anything sent."""
+    """The selection is an upper set of |x|: nothing left out is larger than anything sent;
+    and it is not empty unless x is all zero (an empty selection is an upper set too, of
+    nothing a sparsifier should send)."""
     a = x.abs()
     mask = torch.zeros_like(a, dtype=torch.bool)
     mask[indices] = True
+    assert mask.any() or not a.any(), "nothing selected from a non-zero gradient"
     if mask.any() and (~mask).any():
         assert a[mask].min() >= a[~mask].max()
+
+
+def test_the_upper_set_check_fails_where_it_should():
+    x = torch.tensor([0.5, -2.0, 1.0, 0.0])
+    assert_top_set(x, torch.tensor([1, 2]))
+    assert_top_set(x, torch.arange(4))
+    assert_top_set(torch.zeros(4), torch.tensor([], dtype=torch.long))
+    for wrong in ([], [0], [1, 0]):
+        with pytest.raises(AssertionError):
+            assert_top_set(x, torch.tensor(wrong, dtype=torch.long))
 
 
 # --- threshold -------------------------------------------------------------------------
