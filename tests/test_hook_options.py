@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -165,6 +167,23 @@ class Reordered(torch.nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
+def sent_by_definition(payload) -> torch.Tensor:
+    """What a payload sends, dense in float64, read from its documented format (not with the
+    compressor's decoder): sparse entries ``(indices, values)``; VGC's 32-bit words
+    (docs/vgc.md: per word a 28-bit index, a sign bit and a 3-bit level ``l``, the value
+    ``sign M 2^-l`` for the message's scale ``M``, after one chunk count per 2^28 elements)."""
+    dense = torch.zeros(payload.numel, dtype=torch.float64)
+    if payload.codes is None:
+        used = payload.indices.numel() if payload.length is None else int(payload.length)
+        return dense.index_put_((payload.indices[:used].long(),), payload.values[:used].double())
+    chunks = -(-payload.numel // 2**28)
+    words = payload.codes[chunks:].long() & 0xFFFFFFFF
+    words = words if payload.length is None else words[: int(payload.length)]
+    sign = 1.0 - 2.0 * ((words >> 3) & 1).double()
+    values = sign * float(payload.scales[0]) * torch.pow(2.0, -(words & 7).double())
+    return dense.index_put_((words >> 4,), values)
+
+
 def conservation_worker(rank: int, world: int, name: str, options: dict) -> dict:
     model = Reordered()
     ddp = DDP(model, bucket_cap_mb=0.0001)
@@ -181,7 +200,7 @@ def conservation_worker(rank: int, world: int, name: str, options: dict) -> dict
 
     def recording(tensor, *, key, **kw):
         payload = original(tensor, key=key, **kw)
-        own = state.compressor.sent_dense(payload.trimmed()).double()
+        own = sent_by_definition(payload)
         order = state.bucket_layouts[key] if isinstance(key, tuple) else (key,)
         start = 0
         for number in order:
@@ -246,8 +265,11 @@ def schedule_worker(rank: int, world: int) -> dict:
 
 
 def test_density_warmup_sends_the_scheduled_counts():
+    """DGC's exponential warm-up (docs/distributed.md; recipe's docstring): the ratio at step
+    ``t < T`` is ``d0 (d / d0)^(t / T)``, then ``d``; each step sends ``max(1, floor(n ratio))``."""
     total = sum(NUMELS)
-    expected = [max(1, int(total * recipe.density_at(s, 0.01, 4, 0.5))) for s in range(6)]
+    ratios = [0.5 * (0.01 / 0.5) ** (t / 4) if t < 4 else 0.01 for t in range(6)]
+    expected = [max(1, math.floor(total * ratio)) for ratio in ratios]
     for out in run_workers(__file__, "schedule_worker", 2):
         assert out["counts"] == expected
     assert expected[0] == total // 2 and expected[-1] == 2  # 50 % at first, 1 % of 259 after
