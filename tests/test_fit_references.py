@@ -54,41 +54,68 @@ def test_ks_distance_of_signed_data_matches_scipy():
     assert stats.ks_distance(torch.empty(0), fitted.cdf) == 0.0
 
 
-def test_goodness_of_fit_reports_each_family_against_scipy_on_the_seeded_subsample():
+def reference_fits(sample: np.ndarray) -> dict[str, tuple[dict, object, np.ndarray, float]]:
+    """Each family fitted by its closed form in NumPy float64 (the definitions in
+    gradsift.stats' docstrings, not its code): family -> (params, SciPy distribution, the
+    data it is tested on, the point mass at zero in front of it)."""
+    a = np.abs(sample)
+    m, v = a.mean(), a.var()
+    ratio = m * m / v
+    nonzero = a[a > 0]
+    r = math.log(nonzero.mean()) - np.log(nonzero).mean()
+    alpha = (3 - r + math.sqrt((r - 3) ** 2 + 24 * r)) / (12 * r)
+    beta, fraction = nonzero.mean() / alpha, len(nonzero) / len(a)
+    pareto = {"shape": 0.5 * (1 - ratio), "scale": 0.5 * m * (ratio + 1)}
+    return {
+        "exponential": ({"scale": m}, scipy_stats.expon(scale=m), a, 0.0),
+        "gpareto": (pareto, scipy_stats.genpareto(c=pareto["shape"], scale=pareto["scale"]), a, 0.0),
+        "gamma": (
+            {"shape": alpha, "scale": beta, "nonzero_fraction": fraction},
+            scipy_stats.gamma(a=alpha, scale=beta),
+            a,
+            1 - fraction,
+        ),
+        "normal": ({"mean": sample.mean(), "std": sample.std()}, scipy_stats.norm(sample.mean(), sample.std()), sample, 0.0),
+    }  # fmt: skip
+
+
+def ks_with_atom(data: np.ndarray, cdf, atom: float) -> float:
+    """KS distance to ``F(x) = atom + (1 - atom) cdf(x)`` for ``x >= 0`` (``F(0-) = 0``),
+    over the sorted data: ``max_i max(i/n - F(x_i), F(x_i-) - (i-1)/n)``; SciPy's kstest
+    when there is no atom."""
+    if atom == 0.0:
+        return float(scipy_stats.kstest(data, cdf).statistic)
+    x = np.sort(data)
+    full = atom + (1 - atom) * cdf(x)
+    left = np.where(x > 0, full, 0.0)
+    steps = np.arange(len(x) + 1) / len(x)
+    return float(max((steps[1:] - full).max(), (left - steps[:-1]).max()))
+
+
+def test_goodness_of_fit_reports_each_family_against_closed_forms_and_scipy():
     generator = torch.Generator().manual_seed(9)
-    values = torch.randn(5000, generator=generator, dtype=torch.float64) * torch.rand(
-        5000, generator=generator
+    values = torch.randn(2000, generator=generator, dtype=torch.float64) * torch.rand(
+        2000, generator=generator
     )
     values[::7] = 0.0
-    report = stats.goodness_of_fit(values, sample_size=2000, seed=4)
+    report = stats.goodness_of_fit(values, sample_size=5000)  # no subsampling: all 2000 values
     assert set(report) == {"zero_fraction", "exponential", "gpareto", "gamma", "normal"}
-    sample = stats.subsample(values, 2000, seed=4).double()
-    assert not torch.equal(sample, stats.subsample(values, 2000, seed=0).double())
-    magnitudes = sample.abs().numpy()
-    zeros = float((magnitudes == 0).mean())
-    assert report["zero_fraction"] == pytest.approx(zeros)
-    expected = {
-        "exponential": scipy_stats.kstest(magnitudes, stats.fit_exponential(sample.abs()).distribution().cdf),
-        "gpareto": scipy_stats.kstest(
-            magnitudes, stats.fit_generalized_pareto(sample.abs()).distribution().cdf
-        ),
-        "normal": scipy_stats.kstest(sample.numpy(), stats.fit_normal(sample).distribution().cdf),
-    }
-    for family, result in expected.items():
-        assert report[family]["ks"] == pytest.approx(result.statistic, abs=1e-12), family
-    # gamma: the point mass of zeros in front of the fitted non-zero part
-    gamma = stats.fit_gamma(sample.abs())
-    assert report["gamma"]["params"] == {
-        "shape": gamma.shape,
-        "scale": gamma.scale,
-        "nonzero_fraction": gamma.nonzero_fraction,
-    }
-    nonzero_cdf = gamma.distribution().cdf
-    sorted_magnitudes = np.sort(magnitudes)
-    cdf = zeros + (1 - zeros) * nonzero_cdf(sorted_magnitudes)
-    left = np.where(sorted_magnitudes > 0, cdf, 0.0)
-    steps = np.arange(len(magnitudes) + 1) / len(magnitudes)
-    assert report["gamma"]["ks"] == pytest.approx(max((steps[1:] - cdf).max(), (left - steps[:-1]).max()))
+    assert report["zero_fraction"] == pytest.approx(float((values == 0).double().mean()), abs=1e-15)
+    for family, (params, distribution, data, atom) in reference_fits(values.numpy()).items():
+        assert report[family]["params"] == pytest.approx(params, rel=1e-9), family
+        expected = ks_with_atom(data, distribution.cdf, atom)
+        assert report[family]["ks"] == pytest.approx(expected, abs=1e-9), family
+
+
+def test_goodness_of_fit_runs_on_the_seeded_subsample():
+    """With more values than ``sample_size``, the report is that of the seeded subsample;
+    another seed draws another one."""
+    values = torch.randn(5000, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    sample = stats.subsample(values, 2000, seed=4)
+    assert sample.numel() == 2000 and not torch.equal(sample, stats.subsample(values, 2000, seed=0))
+    assert stats.goodness_of_fit(values, sample_size=2000, seed=4) == stats.goodness_of_fit(
+        sample, sample_size=2000
+    )
 
 
 def test_goodness_of_fit_of_degenerate_data():
