@@ -19,10 +19,51 @@ from test_ddp import batch, flat_params, hooked, make_model, train
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, CHECKPOINT_AT = 6, 3
+
+
+class ReadyOrdered(torch.nn.Module):
+    """make_model's network with its parameters registered in the order backward readies
+    their gradients (the last layer first, each bias before its weight): DDP's initial
+    bucket then already has the layout it rebuilds to after the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, _, second = make_model()
+        for layer in (second, first):
+            layer._parameters["weight"] = layer._parameters.pop("weight")  # after the bias
+        self.second, self.first = second, first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+# name: (compressor, options, model). make_model's DDP bucket is laid out (0, 1, 2, 3) at
+# first and (3, 2, 1, 0) after DDP's rebuild, so a resumed run's first step flattens the
+# bucket in another order than the uninterrupted run's: top-k's selection does not depend
+# on it; ReadyOrdered keeps the order, so every other method's state is tested on its own.
 RESUME_CASES = {
-    "topk-momentum": ("topk", {"ratio": 0.05, "momentum": 0.9}),
-    "topk-layer": ("topk", {"ratio": 0.1, "granularity": "layer"}),
-}
+    "topk-momentum": ("topk", {"ratio": 0.05, "momentum": 0.9}, make_model),
+    "topk-layer": ("topk", {"ratio": 0.1, "granularity": "layer"}, make_model),
+    # state that must come back: SIDCo's adaptation and stage counts, VGC's accumulators
+    # and capacity, DGC's sampling generator and velocities, random-k's per-key steps, the
+    # quantizers' rounding generators, EF-signSGD's residual
+    "sidco-exp": ("sidco-exp", {"ratio": 0.05, "exact_below": 0}, ReadyOrdered),  # the fitted path
+    "vgc": ("vgc", {"alpha": 1.0}, ReadyOrdered),
+    "dgc-momentum": ("dgc", {"ratio": 0.05, "momentum": 0.9, "sample_ratio": 0.2, "min_sample": 16}, ReadyOrdered),
+    "randomk": ("randomk", {"ratio": 0.1}, ReadyOrdered),
+    "qsgd": ("qsgd", {}, ReadyOrdered),
+    "terngrad": ("terngrad", {}, ReadyOrdered),
+    "signsgd": ("signsgd", {}, ReadyOrdered),
+    "efsignsgd": ("efsignsgd", {}, ReadyOrdered),
+}  # fmt: skip
+#: Methods whose arithmetic depends on the flat order (sums, random positions, a shared
+#: rounding stream), resumed across make_model's rebuild: documented as bit for bit, they
+#: are not (tests/test_ddp_resilience.py::test_resume_across_a_bucket_rebuild_...).
+ACROSS_REBUILD = {
+    f"{name}-rebuilt": (name, options, make_model)
+    for name, options in [("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})]
+}  # fmt: skip
+CASES = {**RESUME_CASES, **ACROSS_REBUILD}
 
 
 def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Optimizer) -> None:
@@ -35,8 +76,9 @@ def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Opt
 
 def uninterrupted_worker(rank: int, world: int, directory: str) -> dict:
     out = {}
-    for case, (name, options) in RESUME_CASES.items():
-        model, state = hooked(name, **options)
+    for case, (name, options, factory) in CASES.items():
+        model = DDP(factory())
+        state = gradsift.register_comm_hook(model, name, **options)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         run_with_optimizer(model, rank, range(CHECKPOINT_AT), opt)
         torch.save(
@@ -48,17 +90,18 @@ def uninterrupted_worker(rank: int, world: int, directory: str) -> dict:
             },
             f"{directory}/{case}-{rank}.pt",
         )
+        layout = dict(state.bucket_layouts)
         run_with_optimizer(model, rank, range(CHECKPOINT_AT, STEPS), opt)
-        out[case] = flat_params(model)
+        out[case] = (flat_params(model), layout)
     return out
 
 
 def resumed_worker(rank: int, world: int, directory: str) -> dict:
     out = {}
-    for case, (name, options) in RESUME_CASES.items():
+    for case, (name, options, factory) in CASES.items():
         checkpoint = torch.load(f"{directory}/{case}-{rank}.pt", weights_only=False)
         for how in ("state_dict", "pickle"):
-            module = make_model()
+            module = factory()
             module.load_state_dict(checkpoint["model"])
             model = DDP(module)
             if how == "state_dict":
@@ -71,18 +114,55 @@ def resumed_worker(rank: int, world: int, directory: str) -> dict:
             assert state.step == CHECKPOINT_AT
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             opt.load_state_dict(checkpoint["opt"])
-            run_with_optimizer(model, rank, range(CHECKPOINT_AT, STEPS), opt)
-            out[f"{case}/{how}"] = flat_params(model)
+            run_with_optimizer(model, rank, range(CHECKPOINT_AT, CHECKPOINT_AT + 1), opt)
+            first_layout = dict(state.bucket_layouts)  # the layout of the resumed first step
+            run_with_optimizer(model, rank, range(CHECKPOINT_AT + 1, STEPS), opt)
+            out[f"{case}/{how}"] = (flat_params(model), first_layout)
     return out
 
 
-def test_checkpoint_resume_in_fresh_processes_matches_uninterrupted_run(tmp_path):
-    whole = run_workers(__file__, "uninterrupted_worker", 2, directory=str(tmp_path))
-    resumed = run_workers(__file__, "resumed_worker", 2, directory=str(tmp_path))
-    for rank in range(2):
-        for case in RESUME_CASES:
-            for how in ("state_dict", "pickle"):
-                assert torch.equal(resumed[rank][f"{case}/{how}"], whole[rank][case]), (case, how, rank)
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> tuple[list, list]:
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    return (
+        run_workers(__file__, "uninterrupted_worker", 2, directory=directory),
+        run_workers(__file__, "resumed_worker", 2, directory=directory),
+    )
+
+
+def differing(resume_runs: tuple[list, list], cases: dict) -> list[tuple[str, str, int]]:
+    """The (case, how, rank) whose resumed parameters differ from the uninterrupted run's."""
+    whole, resumed = resume_runs
+    return [
+        (case, how, rank)
+        for rank in range(2)
+        for case in cases
+        for how in ("state_dict", "pickle")
+        if not torch.equal(resumed[rank][f"{case}/{how}"][0], whole[rank][case][0])
+    ]
+
+
+def test_checkpoint_resume_in_fresh_processes_matches_uninterrupted_run(resume_runs):
+    """Every method's state resumes bit for bit, by state_dict and by pickle; ReadyOrdered's
+    resumed first step sees the layout the uninterrupted run had (make_model's does not)."""
+    whole, resumed = resume_runs
+    for case, (_, options, factory) in RESUME_CASES.items():
+        if options.get("granularity") != "layer":  # per-layer keys have no bucket layout
+            layouts = (resumed[0][f"{case}/state_dict"][1], whole[0][case][1])
+            assert (layouts[0] == layouts[1]) == (factory is ReadyOrdered), (case, layouts)
+    assert not differing(resume_runs, RESUME_CASES)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug in the hook (src/gradsift/ddp.py or layout.py, not fixed here): a resumed DDP "
+    "model's first step hands the hook its initial bucket layout, and methods whose "
+    "arithmetic depends on the flat order (random-k's positions, QSGD/TernGrad's shared "
+    "rounding stream and bucket norms, signSGD's mean) then differ from the uninterrupted "
+    "run; docs/distributed.md promises bit for bit except for DGC's sampling",
+)
+def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_methods(resume_runs):
+    assert not differing(resume_runs, ACROSS_REBUILD)
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------
