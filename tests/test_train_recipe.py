@@ -101,5 +101,10 @@ def test_adamw_moves_its_first_moment_into_the_hook(tmp_path: Path) -> None:
     assert summary["recipe"]["optimizer"] == "AdamW" and summary["recipe"]["hook_momentum"] == 0.9
     assert summary["recipe"]["adam_warmup_steps"] == 1 and summary["recipe"]["optimizer_momentum"] is None
     config = json.loads((tmp_path / "adamw" / "config.json").read_text())
-    assert (config["optimizer"], config["lr"], config["weight_decay"], config["betas"]) == ("adamw", 3e-3, 0.1, [0.9, 0.99])
+    assert (config["optimizer"], config["lr"], config["weight_decay"], config["betas"]) == (
+        "adamw",
+        3e-3,
+        0.1,
+        [0.9, 0.99],
+    )
     assert [r["density"] for r in steps][:1] == [1.0] and all(r["density"] <= 0.011 for r in steps[1:])
