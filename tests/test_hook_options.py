@@ -6,7 +6,9 @@
   part at the right offset;
 * error feedback conserves: per rank and parameter, the sum of the gradients equals
   the sum of what was sent plus the residual left (through a bucket rebuild);
-* ``warmup_steps`` is stock DDP; the density warm-up follows its schedule.
+* ``warmup_steps`` is stock DDP; the density warm-up follows its schedule;
+* ``clip_norm`` scales each part (bucket or layer) by DGC's local threshold, against the
+  rule written out in float64 from each rank's own gradient.
 """
 
 from __future__ import annotations
@@ -150,6 +152,62 @@ def test_every_part_lands_at_its_offset_as_the_mean_of_what_the_ranks_sent(label
         small = [n for n in NUMELS if n < options.get("min_numel", 0)]
         assert result["stats"]["dense_tensors"] == len(small)
     assert torch.equal(part_runs[0][label]["grad"], part_runs[1][label]["grad"])
+
+
+# --- DGC's local gradient clipping -------------------------------------------------------------
+#: clip_norm for the clipping test. At make_model's gradients on batch(rank, 0) a part is
+#: clipped below these values of clip_norm (measured): the bucket 1.64 (rank 0) and 1.34
+#: (rank 1), the layers 1.25/1.66/2.19/6.36 and 0.88/1.20/2.05/5.47: at 1.5 some parts
+#: are clipped and some not, in both granularities (the test checks both kinds occur).
+CLIP_NORM = 1.5
+
+
+def clip_worker(rank: int, world: int, granularity: str) -> dict:
+    """One step with ratio 1 (everything is sent: the result is the mean of what each rank
+    compensated); each rank's local gradient, computed apart, for the oracle."""
+    model = DDP(make_model())
+    gradsift.register_comm_hook(model, "topk", ratio=1.0, clip_norm=CLIP_NORM, granularity=granularity)
+    x, y = batch(rank, 0)
+    local = torch.autograd.grad(
+        torch.nn.functional.mse_loss(model.module(x), y), list(model.module.parameters())
+    )
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, [g.detach().clone() for g in local])
+    return {"grad": [p.grad.clone() for p in model.module.parameters()], "local": everyone}
+
+
+def clipped(gradients: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], list[bool]]:
+    """DGC's local clipping (Lin et al. 2018, as docs/distributed.md and recipe's docstring
+    state it) of one rank's parts, in float64: a part of ``n_i`` of the model's ``n``
+    elements is scaled by ``min(1, t_i / ||g_i||)``, ``t_i = clip_norm sqrt(n_i / n) /
+    sqrt(W)``. Also whether each part was clipped."""
+    total = sum(g.numel() for g in gradients)
+    out, clipped_parts = [], []
+    for g in gradients:
+        threshold = CLIP_NORM * math.sqrt(g.numel() / total) / math.sqrt(world)
+        norm = float(g.double().norm())
+        out.append(g.double() * min(1.0, threshold / norm))
+        clipped_parts.append(norm > threshold)
+    return out, clipped_parts
+
+
+@pytest.mark.parametrize("granularity", ["bucket", "layer"])
+def test_clip_norm_scales_each_part_by_dgcs_threshold(granularity):
+    ranks = run_workers(__file__, "clip_worker", 2, granularity=granularity)
+    world = len(ranks)
+    expected, kinds = [torch.zeros(n, dtype=torch.float64) for n in NUMELS], set()
+    for local in ranks[0]["local"]:
+        flat = [g.reshape(-1) for g in local]
+        parts = [torch.cat(flat)] if granularity == "bucket" else flat
+        scaled, was_clipped = clipped(parts, world)
+        kinds |= set(was_clipped)
+        scaled = scaled[0].split(NUMELS) if granularity == "bucket" else scaled
+        expected = [e + c / world for e, c in zip(expected, scaled, strict=True)]
+    assert kinds == {True, False}  # some parts clipped, some not
+    for out in ranks:
+        for got, want in zip(out["grad"], expected, strict=True):
+            torch.testing.assert_close(got.reshape(-1).double(), want, rtol=1e-5, atol=1e-8)
 
 
 # --- error feedback conserves, through DDP's bucket rebuild -----------------------------------
