@@ -31,10 +31,11 @@ def _seed() -> None:
 # fork server's launches (``distributed_utils`` raises RUN_WORKERS_EVENT), and
 # multiprocessing's spawn and forkserver, which raise no event (``spawnv_passfds``).
 # System tools that take milliseconds and run no other program (``platform.processor()``
-# runs ``uname -p``; ``ip`` builds network namespaces, and counts when it execs a command)
-# are not counted.
+# runs ``uname -p``; ``ip`` builds network namespaces, and counts when it execs a command;
+# matplotlib's first import on a fresh machine lists the fonts with ``fc-list`` to build its
+# cache) are not counted.
 PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system"}
-QUICK_TOOLS = {"uname", "git", "ip", "tc"}
+QUICK_TOOLS = {"uname", "git", "ip", "tc", "fc-list"}
 STARTED: list[str] = []  # what the running test started: the event, and the program when known
 
 

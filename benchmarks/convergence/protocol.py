@@ -1,7 +1,7 @@
 """The convergence protocol: workloads, methods at their papers' settings, and the run plan.
 
-Every run is one ``gradsift train`` command (4 workers, localhost gloo) whose directory
-name says what it is: ``runs/<workload>/<method>-e<epochs>-s<seed>/``. The plan is data
+Every run is one ``gradsift train`` command (4 workers -- 2 for ``gpt-adamw`` --, localhost
+gloo) whose directory name says what it is: ``runs/<workload>/<method>-e<epochs>-s<seed>/``. The plan is data
 only; ``run.py`` executes it and ``analyze.py`` reads the results. The README explains
 each choice; docs/decisions.md records how the epochs were decided.
 """
@@ -24,6 +24,7 @@ class Workload:
     from fp32's own curve, see README), ``study_epochs`` the fp32 lengths that decided it.
 
     Learning rate: linear warm-up over ``warmup_epochs``, then cosine to 0 at the end.
+    ``optimizer``: the trainer's ``--optimizer`` (None: its default for the model).
     """
 
     model: str
@@ -36,6 +37,8 @@ class Workload:
     warmup_epochs: float = 0.1
     data_dir: str | None = FASHION_MNIST
     seeds: tuple[int, ...] = (0, 1, 2)
+    workers: int = WORKERS
+    optimizer: str | None = None
 
     def steps(self, epochs: float) -> int:
         return round(epochs * self.steps_per_epoch)
@@ -46,22 +49,28 @@ class Workload:
         until the end)."""
         eval_every = max(1, self.steps_per_epoch // self.evals_per_epoch) if steps is None else 0
         arguments = [
-            "--model", self.model, "--workers", str(WORKERS), "--batch-size", str(self.batch_size),
+            "--model", self.model, "--workers", str(self.workers), "--batch-size", str(self.batch_size),
             "--lr", str(self.lr), "--lr-schedule", "cosine",
             "--warmup-steps", str(round(self.warmup_epochs * self.steps_per_epoch)),
             "--steps", str(self.steps(epochs) if steps is None else steps), "--eval-every", str(eval_every),
         ]  # fmt: skip
+        arguments += ["--optimizer", self.optimizer] if self.optimizer else []
         return arguments + (["--data-dir", self.data_dir] if self.data_dir else [])
 
 
-#: steps_per_epoch = ceil(ceil(examples / 4 workers) / batch): 60 000 images; 33 475 text windows.
+#: steps_per_epoch = ceil(ceil(examples / workers) / batch): 60 000 images; 33 475 text windows.
+#: ``gpt`` is the protocol's SGD language model; ``gpt-adamw`` the same model with AdamW (betas
+#: 0.9/0.99, decoupled decay 0.1: the trainer's defaults for it) on 2 workers for 0.3 epoch
+#: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign.
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
                          steps_per_epoch=469),
     "lstm": Workload("lstm", 32, 0.2, epochs=8, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "gpt": Workload("gpt", 16, 0.1, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
-                    data_dir=None),
+                    data_dir=None, optimizer="sgd"),
+    "gpt-adamw": Workload("gpt", 16, 3e-3, epochs=0.3, study_epochs=(), evals_per_epoch=10, steps_per_epoch=1047,
+                          warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw"),
 }  # fmt: skip
 
 
@@ -72,6 +81,7 @@ class Method:
     compressor: str
     options: dict[str, Any] = field(default_factory=dict)
     setting: str = ""
+    flags: tuple[str, ...] = ()  # other ``gradsift train`` flags (--no-recipe, --sync-every H)
 
     @property
     def error_feedback(self) -> bool:
@@ -86,7 +96,7 @@ class Method:
         arguments = ["--compressor", self.compressor]
         for key, value in self.options.items():
             arguments += ["--option", f"{key}={json.dumps(value)}"]
-        return arguments
+        return arguments + list(self.flags)
 
 
 METHODS = {
@@ -109,6 +119,16 @@ METHODS = {
     "sidco-gamma-0.001": Method("sidco-gamma", {"ratio": 0.001}, setting="ratio 0.001"),
     "dgc": Method("dgc", {"ratio": 0.001}, setting="ratio 0.001 (99.9% sparsity, the paper's setting)"),
     "efsignsgd": Method("efsignsgd", setting="scaled sign ||p||_1/d with error feedback"),
+    "topk-0.01-no-recipe": Method("topk", {"ratio": 0.01}, flags=("--no-recipe",),
+                                  setting="ratio 0.01, error feedback only: the optimizer keeps its moments"),
+    "diloco-h10": Method("none", flags=("--sync-every", "10"),
+                         setting="DiLoCo, H 10, fp32 pseudo-gradient, outer SGD lr 0.7 Nesterov 0.9"),
+    "diloco-sidco-exp-0.01-h10": Method("sidco-exp", {"ratio": 0.01}, flags=("--sync-every", "10"),
+                                        setting="DiLoCo, H 10, sidco-exp 0.01 + error feedback, outer as dense"),
+    "sparseloco-sidco-exp-0.01-h10": Method(
+        "sidco-exp", {"ratio": 0.01, "residual_decay": 0.95, "outer_momentum": 0.0, "outer_lr": 1.0},
+        flags=("--sync-every", "10"),
+        setting="SparseLoCo's form, H 10: error feedback with decay 0.95 instead of outer momentum, outer lr 1"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -156,6 +176,18 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
     if error_feedback is not None:
         plan = [r for r in plan if METHODS[r.method].error_feedback == error_feedback]
     return plan
+
+
+#: The AdamW campaign's methods (``gpt-adamw``): the dense baselines, the issue's failure
+#: (error feedback alone), the recipe's frozen-variance AdamW, and DiLoCo dense and compressed.
+ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
+         "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10")  # fmt: skip
+
+
+def adamw_runs() -> list[Run]:
+    """The AdamW campaign, seed by seed (every method's seed 0 first)."""
+    workload = WORKLOADS["gpt-adamw"]
+    return [Run("gpt-adamw", m, s, workload.epochs) for s in workload.seeds for m in ADAMW]
 
 
 #: Steps of a timing run (the median step time of all of them is its number).

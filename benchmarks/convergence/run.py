@@ -4,6 +4,7 @@
     nice -n 19 python benchmarks/convergence/run.py accuracy       # the campaign, in priority order
     nice -n 19 python benchmarks/convergence/run.py accuracy --no-ef   # methods without error feedback
     nice -n 19 python benchmarks/convergence/run.py defaults       # one epoch, trainer defaults (VGG)
+    nice -n 19 python benchmarks/convergence/run.py adamw          # GPT with AdamW (2 workers), DiLoCo
     python benchmarks/convergence/run.py timing                    # step times over emulated links (root)
     python benchmarks/convergence/run.py validation                # full emulated runs (root)
     python benchmarks/convergence/run.py status                    # what is done, what is left
@@ -14,7 +15,7 @@ summary.json carries a ``provenance`` stamp (``benchmarks/provenance.py``: the c
 command, the seed, the load averages before and after, whether the lock was held).
 
 Each run is ``python -m gradsift train ... --out runs/<workload>/<method>-e<E>-s<seed>``
-in its own process (4 workers on localhost gloo). A finished run keeps config.json,
+in its own process (4 workers, or the workload's own count, on localhost gloo). A finished run keeps config.json,
 summary.json, evals.jsonl and steps.jsonl.gz (gzipped: ``analyze.py`` reads it); a run
 that fails is reported and the next one starts, so re-running the same command
 completes the campaign.
@@ -40,6 +41,7 @@ from protocol import (
     VALIDATION_RUNS,
     WORKLOADS,
     accuracy_runs,
+    adamw_runs,
     study_runs,
     timing_runs,
 )
@@ -94,7 +96,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("group", choices=("study", "accuracy", "defaults", "timing", "validation", "status"))
+    parser.add_argument(
+        "group", choices=("study", "accuracy", "defaults", "adamw", "timing", "validation", "status")
+    )
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="only these workloads")
     parser.add_argument("--method", action="append", choices=sorted(METHODS), help="only these methods")
     feedback = parser.add_mutually_exclusive_group()
@@ -104,7 +108,7 @@ def main() -> int:
     ef = True if args.ef else False if args.no_ef else None
     groups = {
         "study": study_runs, "accuracy": lambda: accuracy_runs(ef), "validation": lambda: VALIDATION_RUNS,
-        "defaults": lambda: DEFAULTS_RUNS,
+        "defaults": lambda: DEFAULTS_RUNS, "adamw": adamw_runs,
         "timing": lambda: [t for t in timing_runs() if ef is None or METHODS[t.method].error_feedback == ef],
     }  # fmt: skip
     names = list(groups) if args.group == "status" else [args.group]
