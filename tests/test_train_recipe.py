@@ -108,3 +108,30 @@ def test_adamw_moves_its_first_moment_into_the_hook(tmp_path: Path) -> None:
         [0.9, 0.99],
     )
     assert [r["density"] for r in steps][:1] == [1.0] and all(r["density"] <= 0.011 for r in steps[1:])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_clip_grad_norm_bounds_each_step_and_leaves_small_gradients_alone(tmp_path: Path) -> None:
+    """Plain SGD (no momentum, constant lr 0.5) over the same batches: clipped to 1e-9 the
+    parameters move at most 5e-10 a step, so its losses are those of a run at lr 1e-12 (the
+    parameters as initialised); clipped to 1e9 nothing is clipped, and the run is the
+    unclipped one exactly."""
+    sgd = ("--compressor", "none", "--optimizer", "sgd", "--momentum", "0", "--steps", "3")
+    losses = {
+        name: [r["loss"] for r in _train(tmp_path, name, *sgd, *flags)[1]]
+        for name, flags in {
+            "free": ("--lr", "0.5"),
+            "tight": ("--lr", "0.5", "--clip-grad-norm", "1e-9"),
+            "loose": ("--lr", "0.5", "--clip-grad-norm", "1e9"),
+            "still": ("--lr", "1e-12"),
+        }.items()
+    }
+    assert losses["loose"] == losses["free"]
+    assert losses["tight"] == pytest.approx(losses["still"], abs=1e-6)
+    assert abs(losses["free"][2] - losses["still"][2]) > 1e-3  # lr 0.5 does move the model
+
+
+def test_config_refuses_a_negative_clip_grad_norm(tmp_path: Path) -> None:
+    with pytest.raises(InvalidOptionError, match="clip_grad_norm"):
+        TrainConfig(out=str(tmp_path), clip_grad_norm=-1.0)

@@ -24,7 +24,8 @@ class Workload:
     from fp32's own curve, see README), ``study_epochs`` the fp32 lengths that decided it.
 
     Learning rate: linear warm-up over ``warmup_epochs``, then cosine to 0 at the end.
-    ``optimizer``: the trainer's ``--optimizer`` (None: its default for the model).
+    ``optimizer``: the trainer's ``--optimizer`` (None: its default for the model);
+    ``clip_grad_norm``: its ``--clip-grad-norm`` (0: no clipping).
     """
 
     model: str
@@ -39,6 +40,7 @@ class Workload:
     seeds: tuple[int, ...] = (0, 1, 2)
     workers: int = WORKERS
     optimizer: str | None = None
+    clip_grad_norm: float = 0.0
 
     def steps(self, epochs: float) -> int:
         return round(epochs * self.steps_per_epoch)
@@ -55,12 +57,14 @@ class Workload:
             "--steps", str(self.steps(epochs) if steps is None else steps), "--eval-every", str(eval_every),
         ]  # fmt: skip
         arguments += ["--optimizer", self.optimizer] if self.optimizer else []
+        arguments += ["--clip-grad-norm", str(self.clip_grad_norm)] if self.clip_grad_norm else []
         return arguments + (["--data-dir", self.data_dir] if self.data_dir else [])
 
 
 #: steps_per_epoch = ceil(ceil(examples / workers) / batch): 60 000 images; 33 475 text windows.
 #: ``gpt`` is the protocol's SGD language model; ``gpt-adamw`` the same model with AdamW (betas
-#: 0.9/0.99, decoupled decay 0.1: the trainer's defaults for it) on 2 workers for 0.3 epoch
+#: 0.9/0.99, decoupled decay 0.1: the trainer's defaults for it; the gradients' norm clipped
+#: to 1, as GPT recipes do) on 2 workers for 0.3 epoch
 #: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign.
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
@@ -70,7 +74,8 @@ WORKLOADS = {
     "gpt": Workload("gpt", 16, 0.1, epochs=1, study_epochs=(0.5, 1, 2), evals_per_epoch=8, steps_per_epoch=524,
                     data_dir=None, optimizer="sgd"),
     "gpt-adamw": Workload("gpt", 16, 3e-3, epochs=0.3, study_epochs=(), evals_per_epoch=10, steps_per_epoch=1047,
-                          warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw"),
+                          warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
+                          clip_grad_norm=1.0),
 }  # fmt: skip
 
 

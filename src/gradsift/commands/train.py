@@ -81,6 +81,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      help="AdamW's betas (default: 0.9 0.99)")  # fmt: skip
     run.add_argument("--weight-decay", type=float,
                      help="weight decay (default: 0 for sgd; 0.1 for adamw, decoupled)")  # fmt: skip
+    run.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
+                     help="clip the gradients' total norm to C before each optimizer step, as GPT recipes do "
+                     "(torch.nn.utils.clip_grad_norm_; with the AdamW recipe it clips the first moment the hook "
+                     "hands the optimizer); default 0: no clipping")  # fmt: skip
     run.add_argument("--sync-every", type=int, default=0, metavar="H",
                      help="DiLoCo (no DDP): each worker takes H steps on its own, then one outer step on the "
                      "compressed pseudo-gradient (outer options: --option outer_lr=0.7, outer_momentum=0.9, "
@@ -187,7 +191,7 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     return TrainConfig(
         out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
         batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
-        betas=list(args.betas), weight_decay=args.weight_decay, sync_every=args.sync_every, recipe=args.recipe, warmup_steps=args.warmup_steps,
+        betas=list(args.betas), weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm, sync_every=args.sync_every, recipe=args.recipe, warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule, decay_steps=args.decay_steps, decay_factor=args.decay_factor,
         steps=steps, eval_every=args.eval_every, seed=args.seed, target_accuracy=args.target_accuracy,
         target_loss=args.target_loss, bandwidth=args.bandwidth,

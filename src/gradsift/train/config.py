@@ -52,6 +52,8 @@ class TrainConfig:
         optimizer: ``sgd`` (momentum ``momentum``) or ``adamw`` (``betas``); None picks
             :func:`default_optimizer`. ``lr`` and ``weight_decay`` left None take the
             optimizer's defaults (:data:`OPTIMIZER_DEFAULTS`).
+        clip_grad_norm: ``C > 0`` clips the gradients' total norm to ``C`` before every
+            optimizer step (``torch.nn.utils.clip_grad_norm_``); 0 (default): no clipping.
         sync_every: 0 (default): DDP with gradsift's hook; ``H > 0``: no DDP, DiLoCo's outer
             step on the compressed pseudo-gradient every ``H`` steps (``gradsift.diloco``;
             its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers`` go in ``options``).
@@ -88,6 +90,7 @@ class TrainConfig:
     momentum: float = 0.9
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     weight_decay: float | None = None
+    clip_grad_norm: float = 0.0
     sync_every: int = 0
     recipe: bool = True
     lr_schedule: str = "step"
@@ -133,6 +136,7 @@ class TrainConfig:
             decay if self.weight_decay is None else self.weight_decay, "weight_decay", low=0.0
         )
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        check_real(self.clip_grad_norm, "clip_grad_norm", low=0.0)
         if len(self.betas) != 2:
             raise InvalidOptionError(f"betas must be two numbers, got {self.betas!r}")
         self.betas = [check_real(beta, "betas", low=0.0, high=1.0, high_open=True) for beta in self.betas]

@@ -188,6 +188,8 @@ def train_rank(
                 loss = cross_entropy(forward(inputs.to(device)), targets.to(device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if config.clip_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
                 optimizer.step()
                 if finish_round is not None and step + 1 == config.steps:
                     finish_round()  # the run ends on shared parameters
