@@ -126,6 +126,12 @@ METHODS = {
     "efsignsgd": Method("efsignsgd", setting="scaled sign ||p||_1/d with error feedback"),
     "topk-0.01-no-recipe": Method("topk", {"ratio": 0.01}, flags=("--no-recipe",),
                                   setting="ratio 0.01, error feedback only: the optimizer keeps its moments"),
+    "topk-0.01-adam-update": Method("topk", {"ratio": 0.01, "adam": "update"},
+                                    setting="ratio 0.01, each worker's own Adam update sent (adam='update')"),
+    "sidco-exp-0.01-fit": Method("sidco-exp", {"ratio": 0.01, "exact_below": 0},
+                                 setting="ratio 0.01, the fitted threshold on every bucket (no exact path)"),
+    "diloco-avg-h10": Method("none", {"outer_lr": 1.0, "outer_momentum": 0.0}, flags=("--sync-every", "10"),
+                             setting="parameters averaged every 10 steps (outer lr 1, no momentum)"),
     "diloco-h10": Method("none", flags=("--sync-every", "10"),
                          setting="DiLoCo, H 10, fp32 pseudo-gradient, outer SGD lr 0.7 Nesterov 0.9"),
     "diloco-sidco-exp-0.01-h10": Method("sidco-exp", {"ratio": 0.01}, flags=("--sync-every", "10"),
@@ -186,7 +192,8 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 #: The AdamW campaign's methods (``gpt-adamw``): the dense baselines, the issue's failure
 #: (error feedback alone), the recipe's frozen-variance AdamW, and DiLoCo dense and compressed.
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
-         "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10")  # fmt: skip
+         "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
+         "sidco-exp-0.01-fit", "diloco-avg-h10")  # fmt: skip
 
 
 def adamw_runs() -> list[Run]:
