@@ -533,6 +533,12 @@ def register_comm_hook(
             applied exactly once.
 
     The compressor's ``attach(ddp_model.module)`` is called once here.
+
+    Example::
+
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        state = gradsift.register_comm_hook(model, "topk", ratio=0.01, optimizer=optimizer)
+        # train as usual; state.stats()["step"] has the last step's bytes and density
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(

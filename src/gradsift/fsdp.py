@@ -117,6 +117,17 @@ def register_fsdp_comm_hook(
     ``clip_norm`` and ``granularity="layer"`` (they need the model's parameters, which
     FSDP flattens or shards). ``process_group`` is, for FSDP2, the group gradsift
     all-reduces over (required: the replicate group); FSDP1 uses the model's own group.
+
+    Example::
+
+        model = FullyShardedDataParallel(module, sharding_strategy=ShardingStrategy.NO_SHARD)
+        state = gradsift.register_comm_hook(model, "topk", ratio=0.01)  # lands here
+
+        # or FSDP2: fully_shard within each node, gradsift across the nodes
+        mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+        fully_shard(module, mesh=mesh["shard"])
+        replicas = mesh.get_group("replicate")
+        state = gradsift.register_comm_hook(module, "topk", ratio=0.01, process_group=replicas)
     """
     if isinstance(compressor, GradsiftHookState):
         if options:

@@ -177,6 +177,12 @@ class Compressor(abc.ABC):
         adaptive_capacity: the number of entries the method sends follows the data,
             with no ratio to bound it (a fixed threshold, VGC): the DDP hook then sizes
             the payload from the counts of earlier steps (:mod:`gradsift.capacity`).
+
+    Example (docs/extending.md writes a new one, end to end)::
+
+        compressor = gradsift.get_compressor("topk", ratio=0.01)
+        payload = compressor.compress(gradient)  # the 1% largest |g|: payload.indices, payload.values
+        mean = compressor.decompress([payload, other_payload], gradient.numel())  # the dense mean
     """
 
     name: ClassVar[str]

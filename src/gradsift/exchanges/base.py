@@ -210,7 +210,17 @@ def waited(record: BucketRecord, pending: Pending[T], device: torch.device) -> T
 
 
 class Exchange(abc.ABC):
-    """One way of moving a bucket's parts between the workers (see the module docstring)."""
+    """One way of moving a bucket's parts between the workers (see the module docstring).
+
+    A subclass sets ``name`` and implements :meth:`start`; a line in
+    :data:`gradsift.exchanges.EXCHANGES` registers it, and a compressor travels by it
+    when the compressor's ``exchanges`` name it (docs/extending.md writes one, end to end).
+
+    Example::
+
+        state = gradsift.register_comm_hook(model, "topk", ratio=0.01, exchange="balanced")
+        state.exchange  # Balanced(): the sparse reduce-scatter, for every bucket
+    """
 
     name: ClassVar[str]
 
