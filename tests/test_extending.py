@@ -253,7 +253,9 @@ def test_my_exchange_of_everything_equals_stock_ddp(trained: list[dict]) -> None
 # -- the Example:: blocks of the API docstrings ----------------------------------------------
 def example_block(documented: object) -> str:
     """The code of the ``Example...::`` block of ``documented``'s docstring, dedented."""
-    lines = inspect.getdoc(documented).splitlines()  # type: ignore[union-attr]
+    doc = inspect.getdoc(documented)
+    assert doc is not None
+    lines = doc.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("Example") and line.endswith("::"))
     body = []
     for line in lines[start + 1 :]:
