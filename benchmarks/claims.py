@@ -48,22 +48,30 @@ class Block(Protocol):
 
 
 class ConvergenceTables:
-    """The convergence tables, rendered by ``convergence/analyze.py`` from its results.json."""
+    """The convergence tables, rendered by ``convergence/analyze.py`` from its results.json:
+    every workload's (``convergence``), or one workload's (``convergence.<workload>``)."""
 
-    name = "convergence"
     claims = ()
     result = Result(
         "benchmarks/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
     )
 
+    def __init__(self, workload: str | None = None) -> None:
+        self.workload = workload
+        self.name = "convergence" if workload is None else f"convergence.{workload}"
+
     def render(self, root: Path = ROOT) -> str:
         sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
         from analyze import markdown
 
-        return markdown(self.result.load(root)).rstrip()
+        only = None if self.workload is None else (self.workload,)
+        return markdown(self.result.load(root), only).rstrip()
 
 
-BLOCKS: dict[str, Block] = {b.name: b for b in (*registry.TABLES, stale.StaleList(), ConvergenceTables())}
+BLOCKS: dict[str, Block] = {
+    b.name: b
+    for b in (*registry.TABLES, stale.StaleList(), ConvergenceTables(), ConvergenceTables("gpt-adamw"))
+}
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
 
 

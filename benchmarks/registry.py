@@ -400,7 +400,28 @@ CROSSOVER_TABLE = Table(
     ),
 )  # fmt: skip
 
-TABLES = (TRAINING_TABLE, QUANTIZER_TABLE, CROSSOVER_TABLE, HOOK_TABLE)
+HF_TRAINER = Result("benchmarks/integrations/hf_trainer.json", "python benchmarks/integrations/hf_trainer.py")
+HF_TRAINER_ROWS = (
+    ("gradsift (`topk` 0.01, the Trainer's AdamW in the hook)", "gradsift"),
+    ("error feedback alone (`--plain-error-feedback`)", "plain"),
+    ("the Trainer alone (`--without-gradsift`)", "alone"),
+)
+HF_TRAINER_TABLE = Table(
+    "hf-trainer",
+    ("run (300 steps, 2 workers)", "loss (mean ± sd, 3 seeds)", "vs the Trainer alone (mean ± sd)", "fewer bytes"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (label,
+         Claim(f"hf.{key}.loss", HF_TRAINER, (f"summary/{key}/loss_mean", f"summary/{key}/loss_sd"), "{:.3f} ± {:.3f}",
+               compute=lambda m, s: (m, s)),
+         Claim(f"hf.{key}.ratio", HF_TRAINER, (f"summary/{key}/ratio_mean", f"summary/{key}/ratio_sd"),
+               "{:.2f}x ± {:.2f}", compute=lambda m, s: (m, s)),
+         Claim(f"hf.{key}.bytes", HF_TRAINER, (f"summary/{key}/fewer_bytes",), "{:.1f}x"))
+        for label, key in HF_TRAINER_ROWS
+    ),
+)  # fmt: skip
+
+TABLES = (TRAINING_TABLE, QUANTIZER_TABLE, CROSSOVER_TABLE, HOOK_TABLE, HF_TRAINER_TABLE)
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *(c for table in TABLES for c in table.claims),

@@ -14,6 +14,14 @@ Resume from one of the Trainer's checkpoints (model, optimizer, scheduler, RNG, 
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 \
         --resume checkpoints/checkpoint-20 --output-dir resumed
+
+The same run without gradsift (the Trainer's own DDP allreduce), to compare the loss::
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 --without-gradsift
+
+The callback hands the hook the Trainer's AdamW (its default optimizer): with a
+sparsifier, the frozen-variance method of ``gradsift.adam`` after a dense warm-up of a
+tenth of the steps (docs/adam.md).
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--resume", type=Path, help="a checkpoint-STEP folder to continue from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--without-gradsift", action="store_true", help="the Trainer alone, for comparison")
+    parser.add_argument("--plain-error-feedback", action="store_true",
+                        help="leave the Trainer's AdamW as built (error feedback only), for comparison")  # fmt: skip
     return parser.parse_args()
 
 
@@ -101,8 +112,12 @@ def main() -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
     # The gradsift part: the callback registers the hook when train() has wrapped the model in DDP,
     # saves each rank's hook state into every checkpoint and restores it on resume.
-    gradsift_callback = GradsiftTrainerCallback(trainer, args.compressor, ratio=args.ratio)
-    trainer.add_callback(gradsift_callback)
+    gradsift_callback = None
+    if not args.without_gradsift:
+        gradsift_callback = GradsiftTrainerCallback(
+            trainer, args.compressor, ratio=args.ratio, take_optimizer=not args.plain_error_feedback
+        )
+        trainer.add_callback(gradsift_callback)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     agree = parameters_agree(trainer.model)
@@ -113,9 +128,11 @@ def main() -> None:
         }
         loss = float(trainer.model(**batch).loss)
     if trainer.is_world_process_zero():
-        total = gradsift_callback.state.stats()["total"]
-        summary = {"step": trainer.state.global_step, "loss": loss, "bytes_sent": total["bytes_sent"],
-                   "dense_bytes": total["dense_bytes"], "density": total["density"], "replicas_agree": agree}  # fmt: skip
+        summary = {"step": trainer.state.global_step, "loss": loss, "replicas_agree": agree}
+        if gradsift_callback is not None:
+            total = gradsift_callback.state.stats()["total"]
+            summary |= {"bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"],
+                        "density": total["density"]}  # fmt: skip
         print("gradsift-example", json.dumps(summary), flush=True)
     dist.barrier()  # leave together, so no rank tears the group down under a peer
     dist.destroy_process_group()

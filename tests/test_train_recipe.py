@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from gradsift.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
 from gradsift.cli import main as cli_main
 from gradsift.errors import InvalidOptionError
 from gradsift.train.config import TrainConfig
 from gradsift.train.exchange import (
-    ADAM_WARMUP_FRACTION,
     DENSITY_WARMUP_FRACTION,
     recipe_options,
     warms_up_density,

@@ -298,9 +298,12 @@ def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown(analysis: dict[str, Any]) -> str:
+def markdown(analysis: dict[str, Any], workloads: tuple[str, ...] | None = None) -> str:
+    """The tables of ``workloads`` (default: every workload, then the trainer-defaults table)."""
     lines = []
     for name, section in analysis["workloads"].items():
+        if workloads is not None and name not in workloads:
+            continue
         loss = is_loss_metric(name)
         scale, unit = (1.0, "") if loss else (100.0, "%")
         lines += [
@@ -312,8 +315,17 @@ def markdown(analysis: dict[str, Any]) -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for method, row in section["methods"].items():
-            sd = f" ± {row['final_sd'] * scale:.2f}" if row["final_sd"] is not None else ""
+            sd = (
+                f" ± {row['final_sd'] * scale:{'.3f' if loss else '.2f'}}"
+                if row["final_sd"] is not None
+                else ""
+            )
             delta = (row["final_mean"] - section["fp32_final_mean"]) * scale
+            versus = (
+                f"{delta:+.3f} ({100 * delta / section['fp32_final_mean']:+.1f}%)"
+                if loss
+                else f"{delta:+.2f} pt"
+            )
             epochs = [e for e in row["epochs_to_target"] if e is not None]
             reached_all = len(epochs) == len(row["epochs_to_target"])
             epochs_text = (
@@ -324,14 +336,14 @@ def markdown(analysis: dict[str, Any]) -> str:
             ratios = " / ".join(fmt(row.get(f"sooner_than_{b}_100mbit"), ".2f") + "x" if row.get(f"sooner_than_{b}_100mbit") else "-"
                                 for b in ("none", "bf16"))  # fmt: skip
             lines.append(
-                f"| {method} | {row['setting']} | {row['final_mean'] * scale:.2f}{unit}{sd} ({len(row['seeds'])}) "
-                f"| {delta:+.2f}{'' if loss else ' pt'} | {row['fewer_bytes_than_fp32']:.1f}x | {epochs_text} "
+                f"| {method} | {row['setting']} | {row['final_mean'] * scale:{'.3f' if loss else '.2f'}}{unit}{sd} ({len(row['seeds'])}) "
+                f"| {versus} | {row['fewer_bytes_than_fp32']:.1f}x | {epochs_text} "
                 f"| {fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s "
                 f"| {fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s | {ratios} |"
             )  # fmt: skip
         lines.append("")
     defaults = analysis.get("trainer_defaults") or {}
-    if defaults:
+    if defaults and workloads is None:
         lines += ["**One epoch of VGG with `gradsift train`'s defaults** (constant lr 0.05, seed 3; "
                   "target: within 0.5 point of fp32)", "",
                   "| method | test accuracy | vs fp32 | fewer bytes than fp32 | within 0.5 point |",

@@ -48,6 +48,15 @@ import torch
 from gradsift.errors import InvalidOptionError
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
+#: Share of a run's steps that Adam runs dense before its second moment is frozen, where a
+#: caller knows the run's length and gives no ``warmup_steps`` (``gradsift train``, the
+#: Hugging Face callback; docs/adam.md has the measurement behind it).
+WARMUP_FRACTION = 0.1
+
+
+def default_warmup_steps(steps: int) -> int:
+    """The dense warm-up of a run of ``steps``: ``WARMUP_FRACTION`` of them, at least 1."""
+    return max(1, round(WARMUP_FRACTION * steps))
 
 
 def is_adam(optimizer: object) -> bool:

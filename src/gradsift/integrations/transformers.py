@@ -22,6 +22,13 @@ its source, transformers 5.24):
    ``OUTPUT_DIR/checkpoint-STEP`` (where ``train(resume_from_checkpoint=True)`` resumes).
    A resumed run without its hook state is an error: restarting error feedback from zero
    residuals would not continue the run that was saved.
+5. The Trainer's optimizer exists at ``on_train_begin`` (Accelerate's wrapper around it:
+   the callback hands the hook the ``torch.optim`` optimizer inside). With
+   ``take_optimizer=True`` (the default) it moves into the hook as ``optimizer=`` does for
+   a compressor with error feedback: the Trainer's default AdamW gets the frozen-variance
+   method of :mod:`gradsift.adam`, with a dense warm-up of a tenth of ``max_steps`` unless
+   ``warmup_steps`` is given; SGD gets DGC's momentum correction. The Trainer's own
+   gradient clipping (``max_grad_norm``, 1 by default) then clips Adam's first moment.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gradsift.adam import default_warmup_steps, is_adam
 from gradsift.compressors.base import Compressor
 from gradsift.ddp import GradsiftHookState, register_comm_hook
 from gradsift.errors import InvalidOptionError
@@ -70,6 +78,8 @@ class GradsiftTrainerCallback(TrainerCallback):
         resume_from: the checkpoint folder a resumed run continues from, when it is
             neither ``TrainingArguments.resume_from_checkpoint`` nor
             ``OUTPUT_DIR/checkpoint-STEP``.
+        take_optimizer: hand the hook the Trainer's optimizer (module docstring, 5.);
+            False: plain error feedback under the optimizer as built.
         options: hook options (``granularity``, ``warmup_steps``, ...) and compressor
             options (``ratio``, ...), as for :func:`gradsift.register_comm_hook`.
 
@@ -84,11 +94,16 @@ class GradsiftTrainerCallback(TrainerCallback):
         compressor: str | Compressor = "sidco-exp",
         *,
         resume_from: str | os.PathLike[str] | None = None,
+        take_optimizer: bool = True,
         **options: Any,
     ) -> None:
+        if not isinstance(take_optimizer, bool):
+            raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
         self.trainer = trainer
         self.state: GradsiftHookState = new_hook_state(compressor, **options)
         self.resume_from = resume_from
+        self.take_optimizer = take_optimizer
+        self.warmup_given = "warmup_steps" in options
         self._ddp_model: DistributedDataParallel | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -100,10 +115,21 @@ class GradsiftTrainerCallback(TrainerCallback):
                 f"{type(ddp_model).__name__}"
             )
         if ddp_model is not self._ddp_model:  # a second train() reuses the wrapper and its hook
-            register_comm_hook(ddp_model, self.state)
+            optimizer = self.trainers_optimizer(state.max_steps) if self.take_optimizer else None
+            register_comm_hook(ddp_model, self.state, optimizer=optimizer)
             self._ddp_model = ddp_model
         if state.global_step > 0:
             self.load(self.resume_folder(args, state.global_step), state.global_step)
+
+    def trainers_optimizer(self, max_steps: int) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer the Trainer steps (inside Accelerate's wrapper); an
+        Adam without an explicit ``warmup_steps`` gets a tenth of ``max_steps`` dense."""
+        optimizer: torch.optim.Optimizer = getattr(
+            self.trainer.optimizer, "optimizer", self.trainer.optimizer
+        )
+        if is_adam(optimizer) and not self.warmup_given:
+            self.state.options.warmup_steps = default_warmup_steps(max_steps)
+        return optimizer
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"

@@ -20,14 +20,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
+from gradsift.adam import default_warmup_steps
 from gradsift.compressors.base import Sparsifier
 from gradsift.compressors.registry import compressor_class
 
 #: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
 DENSITY_WARMUP_FRACTION = 0.025
-#: Share of the run's steps that AdamW runs dense before its second moment is frozen
-#: (gradsift.adam; docs/choosing.md has the measurement behind it).
-ADAM_WARMUP_FRACTION = 0.1
 
 #: Keys of the per-step dict :func:`install_exchange`'s callable returns.
 EXCHANGE_FIELDS = (
@@ -56,14 +54,14 @@ def recipe_options(
     """The hook options with the recipe's density warm-up added where it applies, over
     ``round(DENSITY_WARMUP_FRACTION * steps)`` steps (none for runs of 20 steps or fewer,
     where that rounds to 0), and with ``adam`` (an Adam-family optimizer) and an
-    error-feedback compressor the dense warm-up of ``ADAM_WARMUP_FRACTION`` of the steps
-    (at least 1); explicit options win."""
+    error-feedback compressor the dense warm-up of :func:`gradsift.adam.default_warmup_steps`
+    (a tenth of the steps, at least 1); explicit options win."""
     hook_options = dict(options)
     warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
     if warmup_steps and warms_up_density(compressor, options):
         hook_options.setdefault("density_warmup_steps", warmup_steps)
     if adam and uses_feedback(compressor, options):
-        hook_options.setdefault("warmup_steps", max(1, round(ADAM_WARMUP_FRACTION * steps)))
+        hook_options.setdefault("warmup_steps", default_warmup_steps(steps))
     return hook_options
 
 
