@@ -96,10 +96,11 @@ class HookOptions:
         density_warmup_steps: steps over which a sparsifier's ratio goes exponentially
             from ``density_warmup_start`` to its target (default 0 = off).
         density_warmup_start: the density the warm-up starts from (default 0.25, DGC's).
-        exchange: ``"auto"`` (default: per bucket, the supported exchange the cost model
-            predicts fastest -- the allgather on 2 workers, the balanced reduce-scatter
-            from 3 or 4 on) or one of :func:`gradsift.exchanges.available_exchanges`
-            that the compressor supports.
+        exchange: ``"auto"`` (default: per bucket, among the supported exchanges that
+            deliver exactly the mean of every worker's selection, the one the cost model
+            predicts fastest -- the allgather for the sparsifiers; never ``"balanced"`` or
+            ``"shared-mask"``, which approximate the mean and cost accuracy) or one of
+            :func:`gradsift.exchanges.available_exchanges` that the compressor supports.
         scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
             the hook then works on unscaled gradients (see the module docstring).
         adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.adam`:

@@ -65,6 +65,7 @@ class Balanced(Exchange):
     """Sparse reduce-scatter by owned slices, re-sparsified, then allgathered (module docstring)."""
 
     name = "balanced"
+    exact = False  # the summed slices are re-sparsified to k entries (step 2)
 
     def __init__(self) -> None:
         self._canonical: dict[tuple[tuple[int, ...], str], Canonical] = {}

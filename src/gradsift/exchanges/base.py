@@ -224,6 +224,17 @@ class Exchange(abc.ABC):
 
     name: ClassVar[str]
 
+    #: Whether every rank's result is the mean over the workers of what each worker's
+    #: own compressor selected (``(1/W) sum_w decode(payload_w)``, up to the rounding of
+    #: the sum): True for the allgather, the allreduce and the delegated exchange. False
+    #: for an exchange that delivers an approximation of that mean and leaves the rest in
+    #: error feedback, delaying it: the balanced reduce-scatter keeps only ``k`` of the up
+    #: to ``W k`` summed positions, the shared mask sends every worker's values at one
+    #: leader's positions only. Those cost accuracy at equal steps (measured at 8 and 16
+    #: workers, issue 23), so ``exchange="auto"`` never picks them
+    #: (:func:`gradsift.exchanges.choose_exchange`); they stay available by name.
+    exact: ClassVar[bool] = True
+
     @abc.abstractmethod
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
         """Start the exchange of ``parts``; waiting for the result writes every part's mean

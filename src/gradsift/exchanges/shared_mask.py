@@ -41,6 +41,7 @@ class SharedMask(Exchange):
     """The cyclic leader's positions, broadcast, then one allreduce of values (module docstring)."""
 
     name = "shared-mask"
+    exact = False  # every worker's values at the leader's positions only
 
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
         world, leader = context.world, context.step % context.world
