@@ -140,6 +140,11 @@ METHODS = {
         "sidco-exp", {"ratio": 0.01, "residual_decay": 0.95, "outer_momentum": 0.0, "outer_lr": 1.0},
         flags=("--sync-every", "10"),
         setting="SparseLoCo's form, H 10: error feedback with decay 0.95 instead of outer momentum, outer lr 1"),
+    "diloco-h20": Method("none", flags=("--sync-every", "20"),
+                         setting="DiLoCo, H 20, fp32 pseudo-gradient, outer SGD lr 0.7 Nesterov 0.9"),
+    "sparseloco-sidco-exp-0.01-h20": Method(
+        "sidco-exp", {"ratio": 0.01, "residual_decay": 0.95, "outer_momentum": 0.0, "outer_lr": 1.0},
+        flags=("--sync-every", "20"), setting="SparseLoCo's form as at H 10, H 20"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -193,7 +198,7 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 #: (error feedback alone), the recipe's frozen-variance AdamW, and DiLoCo dense and compressed.
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
-         "sidco-exp-0.01-fit", "diloco-avg-h10")  # fmt: skip
+         "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20")  # fmt: skip
 
 
 def adamw_runs() -> list[Run]:
