@@ -70,7 +70,13 @@ class ConvergenceTables:
 
 BLOCKS: dict[str, Block] = {
     b.name: b
-    for b in (*registry.TABLES, stale.StaleList(), ConvergenceTables(), ConvergenceTables("gpt-adamw"))
+    for b in (
+        *registry.TABLES,
+        stale.StaleList(),
+        ConvergenceTables(),
+        ConvergenceTables("gpt-adamw"),
+        ConvergenceTables("gpt-adamw-w4"),
+    )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
 

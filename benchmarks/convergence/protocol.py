@@ -65,7 +65,8 @@ class Workload:
 #: ``gpt`` is the protocol's SGD language model; ``gpt-adamw`` the same model with AdamW (betas
 #: 0.9/0.99, decoupled decay 0.1: the trainer's defaults for it; the gradients' norm clipped
 #: to 1, as GPT recipes do) on 2 workers for 0.3 epoch
-#: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign.
+#: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign;
+#: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch).
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -76,6 +77,8 @@ WORKLOADS = {
     "gpt-adamw": Workload("gpt", 16, 3e-3, epochs=0.3, study_epochs=(), evals_per_epoch=10, steps_per_epoch=1047,
                           warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                           clip_grad_norm=1.0),
+    "gpt-adamw-w4": Workload("gpt", 16, 3e-3, epochs=0.6, study_epochs=(), evals_per_epoch=5, steps_per_epoch=524,
+                             warmup_epochs=0.04, data_dir=None, workers=4, optimizer="adamw", clip_grad_norm=1.0),
 }  # fmt: skip
 
 
@@ -201,10 +204,17 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
          "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20")  # fmt: skip
 
 
+#: The methods also run on 4 workers.
+ADAMW_W4 = ("none", "bf16", "topk-0.01", "sparseloco-sidco-exp-0.01-h10")
+
+
 def adamw_runs() -> list[Run]:
-    """The AdamW campaign, seed by seed (every method's seed 0 first)."""
-    workload = WORKLOADS["gpt-adamw"]
-    return [Run("gpt-adamw", m, s, workload.epochs) for s in workload.seeds for m in ADAMW]
+    """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers then 4."""
+    plan = []
+    for name, methods in (("gpt-adamw", ADAMW), ("gpt-adamw-w4", ADAMW_W4)):
+        workload = WORKLOADS[name]
+        plan += [Run(name, m, s, workload.epochs) for s in workload.seeds for m in methods]
+    return plan
 
 
 #: Steps of a timing run (the median step time of all of them is its number).
