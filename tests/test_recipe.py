@@ -41,7 +41,9 @@ def test_takeover_moves_momentum_and_weight_decay_and_survives_a_resume_in_eithe
 
 def test_takeover_refuses_what_it_cannot_apply_exactly():
     model, numbers = _model_and_numbers()
-    with pytest.raises(InvalidOptionError, match="Adam has no 'momentum' setting"):
+    with pytest.raises(InvalidOptionError, match="Adagrad .*LAMB, Adafactor, Lion"):
+        recipe.take_over_optimizer(torch.optim.Adagrad(model.parameters()), numbers)
+    with pytest.raises(InvalidOptionError, match="needs a dense warm-up"):  # Adam: see tests/test_adam.py
         recipe.take_over_optimizer(torch.optim.Adam(model.parameters()), numbers)
     with pytest.raises(InvalidOptionError, match="nesterov=True and dampening"):
         recipe.take_over_optimizer(

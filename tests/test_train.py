@@ -99,7 +99,8 @@ def test_train_end_to_end_two_gloo_workers(tmp_path: Path, capsys: pytest.Captur
     # a density warm-up (round(0.025 * 6) = 0 steps)
     assert summary["recipe"] == {"enabled": True, "hook_momentum": 0.9, "optimizer_momentum": 0.0,
                                  "momentum_masking": True, "density_warmup_steps": 0,
-                                 "density_warmup_start": None}  # fmt: skip
+                                 "density_warmup_start": None, "optimizer": "SGD",
+                                 "adam_warmup_steps": None}  # fmt: skip
     assert 0.009 <= summary["achieved_density"] <= 0.011
     assert summary["bytes_sent_per_step"] < summary["dense_bytes_per_step"] / 20
     assert [e["step"] for e in evals] == [3, 6] and summary["final_test_accuracy"] == evals[-1]["accuracy"]

@@ -115,20 +115,20 @@ class GradsiftTrainerCallback(TrainerCallback):
                 f"{type(ddp_model).__name__}"
             )
         if ddp_model is not self._ddp_model:  # a second train() reuses the wrapper and its hook
-            optimizer = self.trainers_optimizer(state.max_steps) if self.take_optimizer else None
+            optimizer = self.trainers_optimizer(state) if self.take_optimizer else None
             register_comm_hook(ddp_model, self.state, optimizer=optimizer)
             self._ddp_model = ddp_model
         if state.global_step > 0:
             self.load(self.resume_folder(args, state.global_step), state.global_step)
 
-    def trainers_optimizer(self, max_steps: int) -> torch.optim.Optimizer:
-        """The ``torch.optim`` optimizer the Trainer steps (inside Accelerate's wrapper); an
-        Adam without an explicit ``warmup_steps`` gets a tenth of ``max_steps`` dense."""
-        optimizer: torch.optim.Optimizer = getattr(
-            self.trainer.optimizer, "optimizer", self.trainer.optimizer
-        )
+    def trainers_optimizer(self, state: Any) -> torch.optim.Optimizer | None:
+        """The ``torch.optim`` optimizer the Trainer steps (inside Accelerate's wrapper; None
+        before the Trainer made one); an Adam without an explicit ``warmup_steps`` gets a
+        tenth of the TrainerState's ``max_steps`` dense."""
+        wrapped = getattr(self.trainer, "optimizer", None)
+        optimizer: torch.optim.Optimizer | None = getattr(wrapped, "optimizer", wrapped)
         if is_adam(optimizer) and not self.warmup_given:
-            self.state.options.warmup_steps = default_warmup_steps(max_steps)
+            self.state.options.warmup_steps = default_warmup_steps(state.max_steps)
         return optimizer
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
