@@ -148,6 +148,13 @@ METHODS = {
     "sparseloco-sidco-exp-0.01-h20": Method(
         "sidco-exp", {"ratio": 0.01, "residual_decay": 0.95, "outer_momentum": 0.0, "outer_lr": 1.0},
         flags=("--sync-every", "20"), setting="SparseLoCo's form as at H 10, H 20"),
+    "sparseloco-sidco-exp-0.01-h20-bf16": Method(
+        "sidco-exp", {"ratio": 0.01, "residual_decay": 0.95, "outer_momentum": 0.0, "outer_lr": 1.0,
+                      "value_dtype": "bf16"},
+        flags=("--sync-every", "20"), setting="SparseLoCo's form at H 20, the selected values sent in bf16"),
+    "sparse-avg-sidco-exp-0.01-h10": Method(
+        "sidco-exp", {"ratio": 0.01, "outer_momentum": 0.0, "outer_lr": 1.0}, flags=("--sync-every", "10"),
+        setting="H 10, sidco-exp 0.01 + plain error feedback, averaged (outer lr 1, no momentum)"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -201,7 +208,8 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 #: (error feedback alone), the recipe's frozen-variance AdamW, and DiLoCo dense and compressed.
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
-         "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20")  # fmt: skip
+         "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20",
+         "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10")  # fmt: skip
 
 
 #: The methods also run on 4 workers.
