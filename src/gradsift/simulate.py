@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradsift.errors import PeerFailureError
 from gradsift.validation import check_int
 
 #: torch's C++ bindings of torch.distributed (its thread isolation mode has no stub).
@@ -261,7 +262,7 @@ def simulate(
         torch.set_num_threads(threads_before)
     if errors:  # the first real failure, not a rank ended because another failed
         rank, error = min(errors, key=lambda e: isinstance(e[1], SystemExit))
-        raise RuntimeError(f"simulated rank {rank} of {workers} failed: {error!r}") from error
+        raise PeerFailureError(f"simulated rank {rank} of {workers} failed: {error!r}") from error
     if not torch.equal(torch.random.get_rng_state(), before):
         warnings.warn(
             "the ranks drew from torch's global generator during training (dropout, torch.randn, ...): "

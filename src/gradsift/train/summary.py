@@ -20,6 +20,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from gradsift.errors import InvalidOptionError
+
 PHASES = ("compute_s", "compress_s", "communicate_s", "decompress_s")
 
 
@@ -54,7 +56,7 @@ def summarize(
     medians of the step and phase times, mean bytes and density per step, the final
     accuracy and loss, and the times to ``target_accuracy`` and ``target_loss``."""
     if not steps:
-        raise ValueError("summarize needs at least one step record")
+        raise InvalidOptionError("summarize needs at least one step record")
     summary = dict(run)
     summary["steps"] = len(steps)
     summary["step_time_median_s"] = statistics.median(r["step_s"] for r in steps)
