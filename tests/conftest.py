@@ -1,9 +1,11 @@
 """Shared test settings: fixed seeds, a hypothesis profile without deadlines, the session's
-package fixtures, and the rule that a test that starts a process is marked ``slow``."""
+package fixtures, the rule that a test that starts a process is marked ``slow``, and the
+real dataset's presence said at the start and the end of a run."""
 
 import multiprocessing.util
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -157,3 +159,27 @@ def documented_runs(built_package, user_environment, tmp_path_factory: pytest.Te
 
     env = command_env(command_path(user_environment), pip_offline_env(built_package))
     return DocumentedRuns(documented_blocks(), tmp_path_factory.mktemp("documented"), env)
+
+
+# -- the real dataset: its absence is said, not only skipped --------------------------------
+def pytest_report_header(config: pytest.Config) -> str:
+    """The first lines of every run say whether the real Fashion-MNIST is installed: without
+    it the tests marked ``needs_real`` skip (``./dev setup`` installs Debian's package as root)."""
+    from gradsift.train import data
+
+    if data.has_dataset(data.SYSTEM_DIR):
+        return f"real Fashion-MNIST: {data.SYSTEM_DIR}"
+    return (
+        f"real Fashion-MNIST: ABSENT from {data.SYSTEM_DIR} -- the tests that read it skip "
+        "(apt-get install dataset-fashion-mnist)"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Repeat the dataset's absence at the end of the run, where a reader looks."""
+    from gradsift.train import data
+
+    if not data.has_dataset(data.SYSTEM_DIR):
+        terminalreporter.write_line(
+            f"WARNING: real Fashion-MNIST absent from {data.SYSTEM_DIR}: its tests were skipped", red=True
+        )
