@@ -12,6 +12,7 @@ the registry with the current values.
 from __future__ import annotations
 
 import re
+import statistics
 
 from claimmodel import Cell, Claim, Result, Table, ratio, spanned
 
@@ -421,7 +422,40 @@ HF_TRAINER_TABLE = Table(
     ),
 )  # fmt: skip
 
-TABLES = (TRAINING_TABLE, QUANTIZER_TABLE, CROSSOVER_TABLE, HOOK_TABLE, HF_TRAINER_TABLE)
+SIMULATED_40 = Result(
+    "benchmarks/scaling/simulated/steps40.json",
+    "python benchmarks/scaling/simulate_accuracy.py --workers 4 16 --seeds 0 1 2 --steps 40 --eval-every 0 "
+    "--out benchmarks/scaling/simulated/steps40.json",
+)
+
+
+def _mean_sd_points(values: list[float]) -> tuple[float, float]:
+    return 100 * statistics.fmean(values), 100 * statistics.stdev(values)
+
+
+def _points_behind(values: list[float], reference: list[float]) -> float:
+    return 100 * (statistics.fmean(values) - statistics.fmean(reference))
+
+
+SIMULATED_TABLE = Table(
+    "simulated-exchanges",
+    ("workers", "exchange", "test accuracy after 40 steps (mean ± sd, 3 seeds)", "vs allgather", "received per step"),
+    ("---:", "---", "---:", "---:", "---:"),
+    tuple(
+        (str(workers), f"`{exchange}`",
+         Claim(f"sim40.{workers}.{exchange}.acc", SIMULATED_40, (f"runs/{{exchange={exchange},workers={workers}}}/final_accuracy",),
+               "{:.1f}% ± {:.1f}", compute=_mean_sd_points),
+         Claim(f"sim40.{workers}.{exchange}.vs", SIMULATED_40,
+               (f"runs/{{exchange={exchange},workers={workers}}}/final_accuracy",
+                f"runs/{{exchange=allgather,workers={workers}}}/final_accuracy"), "{:+.1f} pt", compute=_points_behind),
+         Claim(f"sim40.{workers}.{exchange}.bytes", SIMULATED_40,
+               (f"runs/{{exchange={exchange},workers={workers},seed=0}}/bytes_received_per_step",),
+               "{:,.0f} B", compute=lambda values: values[0]))
+        for workers in (4, 16) for exchange in ("allgather", "balanced", "shared-mask")
+    ),
+)  # fmt: skip
+
+TABLES = (TRAINING_TABLE, QUANTIZER_TABLE, CROSSOVER_TABLE, HOOK_TABLE, HF_TRAINER_TABLE, SIMULATED_TABLE)
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *(c for table in TABLES for c in table.claims),
