@@ -214,3 +214,15 @@ def test_a_claim_formats_its_value_and_refuses_a_silent_null(tmp_path: Path) -> 
     assert Claim("y", result, ("none",), "{}", missing="never").text(tmp_path) == "never"
     with pytest.raises(ValueError, match="is null"):
         Claim("z", result, ("none",)).text(tmp_path)
+
+
+def test_a_file_of_runs_is_backed_when_every_run_is_stamped_validly() -> None:
+    good = {"commit": "a" * 40, "dirty": False}
+    commits = {"a" * 40}
+    assert claims.stamp_problem({"runs": [{"provenance": good}, {"provenance": good}]}, commits) is None
+    dirty = {"commit": "a" * 40, "dirty": True, "dirty_paths": ["src/x.py"]}
+    assert claims.stamp_problem({"runs": [{"provenance": good}, {"provenance": dirty}]}, commits) == (
+        "run 1: stamped dirty: ['src/x.py']"
+    )
+    assert claims.stamp_problem({"runs": [{"provenance": good}, {}]}, commits) == "run 1: no provenance stamp"
+    assert claims.stamp_problem({"runs": []}, commits) == "no provenance stamp"
