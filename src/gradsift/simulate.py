@@ -181,7 +181,8 @@ def simulate(
     Args:
         model_fn: builds the model (called once per rank, under ``torch.manual_seed(seed)``).
         data_fn: ``(rank, step) -> (inputs, targets)``, rank ``rank``'s batch of step ``step``.
-        workers / steps: ``W`` and the number of optimizer steps.
+        workers: ``W``, the simulated ranks.
+        steps: the number of optimizer steps.
         compressor: a registry name (each rank builds its own compressor).
         optimizer_fn: ``parameters -> optimizer`` (default: SGD, lr 0.1); it is passed to the
             hook as ``optimizer=`` (DGC's momentum correction).
