@@ -78,16 +78,6 @@ STALE: tuple[Stale, ...] = (
         "~2 min",
     ),
     Stale(
-        ("benchmarks/compress/sizes-small.json",),
-        "provenance",
-        f"No commit recorded (ran on 76dc635, says compress/README.md). {SIDCO_CPU}.",
-        f"{LOCK} {STAMP} --json benchmarks/compress/sizes-small.json --seed 0 -- .venv/bin/gradsift bench "
-        "compress --sizes 4096 8192 16384 32768 65536 131072 262144 524288 1048576 --ratios 0.01 --compressors "
-        "topk dgc threshold sidco-exp sidco-gpareto sidco-gamma --threads 2 --repeats 41 --warmup 3 "
-        "--no-progress --json benchmarks/compress/sizes-small.json",
-        "< 1 min",
-    ),
-    Stale(
         ("benchmarks/compress/*-load2?.json",),
         "provenance",
         "No commit recorded; measured at load 18-29 on code of 06ed5f6/3c9656f (compress/README.md), "
