@@ -107,13 +107,6 @@ STALE: tuple[Stale, ...] = (
         "~25 min (collection ~8 min, four runs ~4 min each)",
     ),
     Stale(
-        ("benchmarks/estimation/speed.json",),
-        "provenance",
-        f"No commit recorded; 29 November. {SIDCO_CPU}.",
-        f"{LOCK} .venv/bin/python benchmarks/estimation/speed.py --repeat 15 --json benchmarks/estimation/speed.json",
-        "~1 min",
-    ),
-    Stale(
         ("benchmarks/ddp/results.json",),
         "provenance",
         f"No commit recorded; 29 November, before the exchange layer (2425aa6); {HOOK}.",
@@ -178,15 +171,6 @@ STALE: tuple[Stale, ...] = (
         f"No commit recorded; 29 November, one seed; the trainer's defaults changed since (db4a645) and {HOOK}.",
         f"{LOCK} .venv/bin/python benchmarks/vgc/accuracy.py --out benchmarks/vgc/accuracy.json",
         "~15 min",
-    ),
-    Stale(
-        ("benchmarks/vgc/hook_overhead.json",),
-        "provenance",
-        "No commit recorded. variance.py changed since only by a dtype cast that is a no-op for fp32 "
-        "(38f927f) and typing (0895cc5), so the numbers should stand; the stamp is what is missing.",
-        f"{LOCK} .venv/bin/python benchmarks/vgc/hook_overhead.py --batch 32 --repeats 30 --threads 1 "
-        "--out benchmarks/vgc/hook_overhead.json",
-        "~1 min",
     ),
     Stale(
         (
