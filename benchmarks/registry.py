@@ -127,7 +127,11 @@ COMPRESS_CLAIMS = (
         compute=spanned(".1f"),
     ),
     Claim(
-        "compress.load", COMPRESS, ("environment/load_average",), "{:.1f} before, {:.1f} after", compute=tuple
+        "compress.load",
+        COMPRESS,
+        ("provenance/load_before/0", "provenance/load_after/0"),
+        "{:.1f} before, {:.1f} after",
+        compute=lambda before, after: (before, after),
     ),
 )
 

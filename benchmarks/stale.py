@@ -68,16 +68,6 @@ class Stale:
 
 STALE: tuple[Stale, ...] = (
     Stale(
-        ("benchmarks/compress/results.json",),
-        "provenance",
-        f"No commit recorded; measured on 29 November, before issue 13. {SIDCO_CPU}, and payloads "
-        "have a fixed capacity (d5d10de). The README's cost-of-selection paragraph quotes it.",
-        f"{LOCK} {STAMP} --json benchmarks/compress/results.json --seed 0 -- .venv/bin/gradsift bench "
-        "compress --sizes 25000000 --ratios 0.1 0.01 0.001 --threads 2 --repeats 5 --warmup 3 --no-progress "
-        "--json benchmarks/compress/results.json",
-        "~2 min",
-    ),
-    Stale(
         ("benchmarks/compress/*-load2?.json",),
         "provenance",
         "No commit recorded; measured at load 18-29 on code of 06ed5f6/3c9656f (compress/README.md), "
