@@ -148,8 +148,9 @@ def nonfinite_worker(rank: int, world: int) -> dict:
     }
 
 
-def test_a_non_finite_round_is_skipped_on_every_rank():
-    for result in run_workers(__file__, "nonfinite_worker", 2, timeout=60):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_non_finite_round_is_skipped_on_every_rank(world):
+    for result in run_workers(__file__, "nonfinite_worker", world, timeout=60):
         assert result == {"skipped": True, "unchanged": True, "finite": True}
 
 
@@ -170,9 +171,12 @@ def dying_worker(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def test_a_dead_peer_raises_instead_of_hanging():
-    results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3})
-    assert results[0]["error"] is not None and results[0]["seconds"] < 20
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_dead_peer_raises_instead_of_hanging(world):
+    results = run_workers(__file__, "dying_worker", world, group_timeout=5.0, timeout=60, expect_exit={1: 3})
+    survivors = [r for rank, r in enumerate(results) if rank != 1]
+    assert len(survivors) == world - 1
+    assert all(r["error"] is not None and r["seconds"] < 20 for r in survivors)
 
 
 def options_worker(rank: int, world: int) -> dict:
