@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings
 
 from distributed_utils import RUN_WORKERS_EVENT
@@ -183,3 +184,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(
             f"WARNING: real Fashion-MNIST absent from {data.SYSTEM_DIR}: its tests were skipped", red=True
         )
+
+
+# -- a one-process gloo group, for tests of code that needs torch.distributed initialised -----
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory: pytest.TempPathFactory):
+    """World size 1 on gloo in this process, for one test module (file rendezvous)."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

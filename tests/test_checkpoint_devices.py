@@ -141,14 +141,6 @@ def test_digest_is_the_definition_chunk_by_chunk(chunk: int) -> None:
     assert torch.all((digest - reference).abs() <= 1e-13 * scale)
 
 
-@pytest.fixture(scope="module")
-def one_process_group(tmp_path_factory: pytest.TempPathFactory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.distributed
 def test_parameters_agree_keeps_its_float64_temporaries_one_chunk_long(one_process_group: None) -> None:
     from gradsift.integrations.checkpoint import DIGEST_CHUNK, parameters_agree

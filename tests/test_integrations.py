@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsift.errors import InvalidOptionError, MissingExtraError
@@ -94,14 +93,6 @@ def test_tensorboard_event_file_holds_the_stats(tmp_path: Path) -> None:
 
 
 # -- Lightning callback, in a one-process gloo group --------------------------------------
-@pytest.fixture(scope="module")
-def one_process_group(tmp_path_factory: pytest.TempPathFactory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _ddp_model() -> DistributedDataParallel:
     torch.manual_seed(0)
     return DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)))

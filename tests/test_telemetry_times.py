@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
@@ -33,14 +32,6 @@ class SlowDecode(TopK):
     def decompress_into(self, *args, **kwargs):
         time.sleep(SLEEP_S)
         return super().decompress_into(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def one_process_group(tmp_path_factory: pytest.TempPathFactory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def phase_totals(compressor: TopK) -> dict[str, float]:
