@@ -160,8 +160,7 @@ class StepLedger:
             raise
         checks = _register(step, outcomes)
         step.readout.read()  # the step's one host read
-        for bucket in step.buckets:
-            bucket.record.settle()
+        running = [phase for bucket in step.buckets for phase in bucket.record.settle()]
         records = [bucket.record for bucket in step.buckets]
         nonfinite = any(slot[0] for slot in checks.nonfinite)
         if not nonfinite:  # a non-finite input may break a payload's own rules (VGC's scale): not malformed
@@ -199,7 +198,7 @@ class StepLedger:
         for bucket in step.buckets:
             bucket.future.set_result(bucket.result)
         self.last_step_skipped = nonfinite
-        telemetry.end_step(self.step, records, skipped=nonfinite)
+        telemetry.end_step(self.step, records, skipped=nonfinite, running=running)
         self.step += int(not nonfinite)
 
 

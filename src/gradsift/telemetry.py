@@ -8,10 +8,16 @@ Counts the host does not know without reading the device (the entries a threshol
 sparsifier really sent, the bytes they take) are added as device scalars and read with
 the step's other checks, once, when the step closes (:meth:`BucketRecord.register`).
 Times are milliseconds summed over buckets: on CPU host wall-clock around each phase;
-on CUDA the time between two ``torch.cuda.Event`` records on the current stream, read
-at step close (host wall-clock there would time the launch of kernels, and absorb
-whatever backward kernels were still queued). ``communicate_ms`` is the time spent
-waiting for collectives, the part of the communication backward did not hide.
+on CUDA the time between two ``torch.cuda.Event`` records on the current stream of the
+bucket's device (host wall-clock there would time the launch of kernels, and absorb
+whatever backward kernels were still queued). An event's time exists only once the
+device has passed it, and asking earlier raises; the hook never waits for that: a
+phase whose events completed by its step's close (the step's one host read waits for
+the stream, so every phase of a step that reads is complete) is counted in that step,
+one still running (a step with nothing to read on the host, e.g. ``none``'s) in the
+first later step that finds it complete (``Event.query()``, no wait), and
+:meth:`Telemetry.summary` waits for any still pending. ``communicate_ms`` is the time
+spent waiting for collectives, the part of the communication backward did not hide.
 """
 
 from __future__ import annotations
@@ -78,12 +84,13 @@ class BucketRecord:
         """Add the time the ``with`` block takes to the field ``name`` (milliseconds; see the
         module docstring for CPU and CUDA)."""
         if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             try:
                 yield
             finally:
-                end.record()
+                end.record(stream)
                 self._events.append((name, start, end))
             return
         started = time.perf_counter()
@@ -97,17 +104,32 @@ class BucketRecord:
         if self._device:
             self._slot = readout.slot(torch.stack([value.double().reshape(()) for _, value in self._device]))
 
-    def settle(self) -> None:
-        """After the readout was read: fold its values and the CUDA event times into the fields."""
+    def settle(self) -> list[tuple[str, Any, Any]]:
+        """After the readout was read: fold its values and the completed CUDA event times
+        into the fields; return the phases whose events are still running (no wait)."""
         if self._slot is not None:
             for (name, _), value in zip(self._device, self._slot.values, strict=True):
                 setattr(self, name, getattr(self, name) + int(value))  # device-valued fields are counts
-        for name, start, end in self._events:
-            setattr(self, name, getattr(self, name) + start.elapsed_time(end))
+        running = fold_completed(self, self._events)
         self._device, self._events, self._slot = [], [], None
+        return running
 
 
 _SUMMED = [f.name for f in fields(BucketRecord) if not f.name.startswith("_")]
+
+
+def fold_completed(target: Any, events: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """Add the time of every ``(name, start, end)`` whose ``end`` completed to ``target.name``
+    (an attribute, or a key of a dict); return the others. ``end.query()`` does not wait."""
+    running = []
+    for name, start, end in events:
+        if not end.query():
+            running.append((name, start, end))
+        elif isinstance(target, dict):
+            target[name] += start.elapsed_time(end)
+        else:
+            setattr(target, name, getattr(target, name) + start.elapsed_time(end))
+    return running
 
 
 def combine(records: Iterable[BucketRecord]) -> dict[str, Any]:
@@ -134,10 +156,19 @@ class Telemetry:
         self.jsonl_path = None if jsonl_path is None else os.fspath(jsonl_path)
         self.last: dict[str, Any] = {}
         self.total: dict[str, Any] = {**dict.fromkeys(_SUMMED, 0), "steps": 0, "skipped_steps": 0}
+        self.running: list[tuple[str, Any, Any]] = []  # CUDA phases not complete at their step's close
 
-    def end_step(self, step: int, records: Iterable[BucketRecord], skipped: bool) -> None:
-        """Record one finished step (``step`` counts from 0)."""
+    def end_step(
+        self,
+        step: int,
+        records: Iterable[BucketRecord],
+        skipped: bool,
+        running: Iterable[tuple[str, Any, Any]] = (),
+    ) -> None:
+        """Record one finished step (``step`` counts from 0); ``running``: its CUDA phases
+        still in progress, counted by the first later step that finds them complete."""
         self.last = {"step": step, **combine(records), "skipped": skipped}
+        self.running = fold_completed(self.last, self.running) + list(running)
         for name in _SUMMED:
             self.total[name] += self.last[name]
         self.total["steps"] += 1
@@ -146,7 +177,15 @@ class Telemetry:
             self._log(self.last)
 
     def summary(self) -> dict[str, Any]:
-        """``{"step": last step dict, "total": totals with cumulative density}``."""
+        """``{"step": last step dict, "total": totals with cumulative density}``; waits for the
+        CUDA phases still running and counts them in both."""
+        for name, start, end in self.running:
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+            self.total[name] += elapsed
+            if self.last:
+                self.last[name] += elapsed
+        self.running = []
         total = dict(self.total)
         total["density"] = total["elements_sent"] / total["elements"] if total["elements"] else 0.0
         return {"step": dict(self.last), "total": total}
