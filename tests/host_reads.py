@@ -4,8 +4,12 @@ On a GPU, reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bo
 ``int()``, ``float()``, ``.cpu()``) stalls the host until the device has caught up, and
 so does every operation whose *output size* depends on the data (``nonzero``,
 ``masked_select``, boolean-mask indexing, ``unique``, ``bincount``,
-``repeat_interleave`` without ``output_size``) and a ``torch.tensor(list, device=...)``
-copy to the device. Stock DDP makes none of them during a training step.
+``repeat_interleave`` without ``output_size``). So does every copy of host data onto
+the device, which PyTorch makes through a pinned staging buffer the host waits on: a
+``torch.tensor(data, device=...)`` / ``torch.as_tensor(data, device=...)`` /
+``t.new_tensor(data)``, and a host number or list written into a tensor
+(``t[i] = 3``; ``t[i:i+1].fill_(3)`` passes the number as a kernel argument instead).
+Stock DDP makes none of them during a training step.
 
 :class:`HostReads` counts those calls process-wide while it is active, on any device,
 so that the CPU test suite can hold the DDP hook to a budget of host reads per step
@@ -59,6 +63,11 @@ def _copied_to_a_device(data: Any, *args: Any, device: Any = None, **kwargs: Any
     return isinstance(device, torch.device) or device != "cpu"
 
 
+def _writes_host_data(tensor: Any, index: Any, value: Any) -> bool:
+    """``tensor[index] = value`` with a host number or sequence: a host-to-device copy on a GPU."""
+    return not isinstance(value, torch.Tensor)
+
+
 class HostReads:
     """``with HostReads() as reads: ...`` counts host reads in the block (``reads.count``).
 
@@ -110,6 +119,9 @@ class HostReads:
         )
         self._wrap(torch, "repeat_interleave", lambda *args, **kwargs: kwargs.get("output_size") is None)
         self._wrap(torch, "tensor", _copied_to_a_device)
+        self._wrap(torch, "as_tensor", _copied_to_a_device)
+        self._wrap(torch.Tensor, "new_tensor", lambda tensor, data, *args, **kwargs: True)
+        self._wrap(torch.Tensor, "__setitem__", _writes_host_data)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

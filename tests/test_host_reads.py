@@ -108,3 +108,25 @@ def test_host_reads_per_step_within_budget(pair, measured):
     worst = max(result["counts"])
     top = sorted(result["sites"].items(), key=lambda item: -item[1])[:12]
     assert worst <= budget, f"{pair}: {result['counts']} host reads per step (budget {budget}); sites: {top}"
+
+
+def test_the_counter_counts_host_data_written_onto_the_device():
+    """What a GPU would copy from the host, counted on CPU; what it would not, not counted."""
+    target, source = torch.zeros(4), torch.ones(1)
+    copies = {
+        "a host int written": lambda: target.__setitem__(1, 3),
+        "a host float written": lambda: target.__setitem__(slice(0, 2), 2.5),
+        "new_tensor": lambda: target.new_tensor([1.0]),
+        "as_tensor onto a device": lambda: torch.as_tensor([1.0], device=target.device),
+        "tensor onto a device": lambda: torch.tensor([1.0], device=target.device),
+    }
+    kernels = {
+        "a number as a kernel argument": lambda: target[1:2].fill_(3),
+        "a device tensor written": lambda: target.__setitem__(slice(0, 1), source),
+        "as_tensor of a tensor": lambda: torch.as_tensor(source, device=target.device),
+        "a host tensor made on the host": lambda: torch.tensor([1.0], device="cpu"),
+    }
+    for name, action in {**copies, **kernels}.items():
+        with HostReads() as reads:
+            action()
+        assert reads.count == (1 if name in copies else 0), name

@@ -216,11 +216,13 @@ def _checked_entries(
 
 
 def put_count(header: torch.Tensor, index: int, value: Count) -> None:
-    """``header[index] = value`` without a host read or a host-to-device copy."""
+    """``header[index] = value`` without a host read or a host-to-device copy: a device count
+    is copied on the device, a host int passed to ``fill_`` as a kernel argument
+    (``header[index] = 3`` would stage the int on the host and copy it over)."""
     if isinstance(value, torch.Tensor):
         header[index : index + 1].copy_(value.reshape(1))
     else:
-        header[index] = value
+        header[index : index + 1].fill_(value)
 
 
 def _device_of(payloads: Sequence[Payload]) -> torch.device:
