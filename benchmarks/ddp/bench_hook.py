@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
+from workers import run_ranks
 
 CONFIGS = [
     ("stock", None, {}),
@@ -112,7 +112,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/ddp/results.json")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
     stamp = provenance.start(
         seeds=sorted({0, *range(max(args.world_sizes))})
     )  # the model's, each rank's batches
@@ -121,16 +120,9 @@ def main() -> None:
         "results": {},
     }
     for world in args.world_sizes:
-        queue = ctx.Queue()
-        procs = mp.start_processes(
-            worker,
-            args=(world, free_port(), args.steps, args.warmup, queue),
-            nprocs=world,
-            start_method="spawn",
-            join=False,
+        report["results"][str(world)] = run_ranks(
+            worker, (world, free_port(), args.steps, args.warmup), world, timeout_s=3000
         )
-        report["results"][str(world)] = queue.get(timeout=3000)
-        procs.join()
         print(
             world,
             json.dumps(

@@ -22,16 +22,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
+from workers import run_ranks
 
 CONFIGURATIONS = {
     "stock": None,
@@ -60,7 +61,7 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
-def run_rank(rank: int, world: int, store: str, args: argparse.Namespace, results: mp.Queue) -> None:
+def run_rank(rank: int, world: int, store: str, args: argparse.Namespace, results: Any) -> None:
     device = rank_device(rank, args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -124,16 +125,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1 (the medians need a timed step)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU (use --device cpu to check the script)")
     stamp = provenance.start(seeds=[0, 1])  # the model's seed and each rank's batches
-    results = mp.get_context("spawn").Queue()
     with tempfile.TemporaryDirectory() as folder:  # the ranks meet through a file store: no port to pick
-        processes = mp.start_processes(
-            run_rank, args=(2, f"{folder}/store", args, results), nprocs=2, start_method="spawn", join=False
-        )
-        report = results.get(timeout=1800)
-        processes.join()
+        report = run_ranks(run_rank, (2, f"{folder}/store", args), 2, timeout_s=1800)
     parameters = sum(p.numel() for p in mlp(args.width, args.depth).parameters())
     facts = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

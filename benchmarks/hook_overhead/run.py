@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -43,6 +42,7 @@ import gradsift
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
+from workers import run_ranks
 
 CONFIGS: list[tuple[str, str | None, dict[str, Any]]] = [
     ("stock", None, {}),
@@ -134,7 +134,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, que
                 if state is not None:
                     telemetry[label].append(state.stats()["step"])
     profiles = {}
-    for label, model, optimizer, _state in runs:
+    for label, model, optimizer, _state in runs if args.profile_steps else ():
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
             for _ in range(args.profile_steps):
@@ -151,23 +151,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=10, help="profiled steps (0: none)")
     parser.add_argument("--top", type=int, default=25, help="operators and functions kept per profile")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
+    if args.steps < 1 or args.profile_steps < 0:
+        parser.error("--steps must be at least 1 and --profile-steps at least 0 (0: no profile)")
     stamp = provenance.start(seeds=[0, 1])  # the model's seed (bench_hook.make_model) and each rank's batches
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = mp.start_processes(
-            worker,
-            args=(2, os.path.join(tmp, "store"), args, queue),
-            nprocs=2,
-            start_method="spawn",
-            join=False,
-        )
-        measured = queue.get(timeout=3000)
-        procs.join()
+        measured = run_ranks(worker, (2, os.path.join(tmp, "store"), args), 2, timeout_s=3000)
     stock = statistics.median(measured["times"]["stock"])
     results = {}
     for label, samples in measured["times"].items():
@@ -181,7 +173,8 @@ def main() -> None:
         for key in ("bytes_sent", "density", "compress_ms", "communicate_ms", "decompress_ms"):
             if steps and key in steps[0]:
                 entry[f"median_{key}"] = statistics.median(s[key] for s in steps)
-        entry["profile"] = measured["profiles"][label]
+        if args.profile_steps:
+            entry["profile"] = measured["profiles"][label]
         results[label] = entry
         print(f"{label:>16}: {median:7.2f} ms  {median / stock:5.3f}x stock", flush=True)
     report = {
