@@ -1,4 +1,5 @@
-"""Mixed precision as most GPU users run it: autocast(fp16) + GradScaler, with the one line.
+"""Mixed precision as most GPU users run it: autocast(fp16) + GradScaler, with the one line
+(``scaler=`` passed; without it the first optimizer step refuses: tests/test_first_step.py).
 
 ``GradScaler(init_scale=2**60)`` makes the first ~40 steps overflow in fp16. Stock DDP
 hands the overflow to the scaler, which skips those steps and halves its scale each
@@ -51,10 +52,12 @@ def amp_run(name: str | None, rank: int, init_scale: float) -> dict:
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = None
-    if name is not None:
-        state = gradsift.register_comm_hook(model, name, optimizer=optimizer, **OPTIONS.get(name, {}))
-        fresh = trace(state)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    if name is not None:
+        state = gradsift.register_comm_hook(
+            model, name, optimizer=optimizer, scaler=scaler, **OPTIONS.get(name, {})
+        )
+        fresh = trace(state)
     scales, losses, applied, overflowed = [], [], 0, 0
     while applied < APPLIED:
         x, y = batch(rank, applied)

@@ -63,6 +63,7 @@ from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.exchanges.collectives import Pending
 from gradsift.exchanges.wire import parse_value_dtype
 from gradsift.feedback import VELOCITY, ErrorFeedback
+from gradsift.first_step import FirstOptimizerStep
 from gradsift.layout import GRANULARITIES, ParameterLayout
 from gradsift.state import TensorStore
 from gradsift.step import NONFINITE_POLICIES, BucketInFlight, BucketOutcome, StepLedger
@@ -193,6 +194,7 @@ class GradsiftHookState:
     dense_codec: Codec = dataclasses.field(init=False)
     exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
+    first_step: FirstOptimizerStep | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.compressor, Compressor):
@@ -255,6 +257,14 @@ class GradsiftHookState:
             self.feedback.momentum = taken.momentum
             self.weight_decay = taken.weight_decay
             self.adam = taken.adam
+        if self.first_step is not None:
+            self.first_step.close()
+        self.first_step = FirstOptimizerStep(
+            list(ddp_model.module.parameters()),
+            optimizer,
+            check_momentum=self.feedback is not None,
+            check_scaler=self.options.scaler is None and not self.compressor.identity,
+        )
         self.compressor.attach(ddp_model.module)
 
     # -- public read-outs -------------------------------------------------------------------
@@ -317,6 +327,7 @@ class GradsiftHookState:
         state["process_group"] = None
         state["ledger"] = dataclasses.replace(self.ledger, current=None)
         state["adam"] = None  # holds the optimizer: register again with optimizer=
+        state["first_step"] = None  # a global optimizer hook: attach makes a new one
         return state
 
     # -- per-step ---------------------------------------------------------------------------
@@ -349,6 +360,8 @@ class GradsiftHookState:
         step of Adam hands the optimizer's next step to :mod:`gradsift.adam`."""
         closing, was_open = self.ledger.step, self.ledger.current is not None
         self.ledger.close(self.compressor, self.store, self.telemetry, self.capacities)
+        if self.first_step is not None:
+            self.first_step.keep()
         if self.adam is not None and was_open and not self.ledger.last_step_skipped:
             self.adam.pending = self.adam.compressing(closing)
 
@@ -382,6 +395,8 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
             capacity=lambda key, numel: state.capacities.capacity(state.compressor, key, numel),
         )
         step.keys.update([context.key, *(part.key for part in parts)])
+        if state.first_step is not None:
+            state.first_step.offer(bucket.parameters()[0], context.result)
         pending = _exchange_bucket(state, parts, context)
     except BaseException:
         state.ledger.abort(state.compressor, state.store)
@@ -450,14 +465,14 @@ def _outcome(
 
     def finish(deliveries: Delivery | list[Delivery]) -> BucketOutcome:
         deliveries = deliveries if isinstance(deliveries, list) else [deliveries]
-        if large and scale is not None:
-            for part in large:
-                part.view(context.result).mul_(scale)
-        if large and state.feedback is not None:
+        if large and state.feedback is not None:  # before the scale: ``sent`` may be the result itself
             for part, sent in zip(large, deliveries[0].sent, strict=True):
                 state.feedback.update(
                     part.key, part.input, part.input if sent is None else sent, state.compressor
                 )
+        if large and scale is not None:
+            for part in large:
+                part.view(context.result).mul_(scale)
         outcome = BucketOutcome(
             nonfinite=[d.nonfinite for d in deliveries if d.nonfinite is not None],
             malformed=[d.malformed for d in deliveries if d.malformed is not None],

@@ -1,0 +1,103 @@
+"""The hook's checks at the first optimizer step (gradsift.first_step), on a 1-rank gloo
+group in this process: a GradScaler used without ``scaler=`` is refused at its first
+step, a momentum optimizer not passed as ``optimizer=`` is named in a warning, and
+neither fires for the right setup or for a user's own gradient clipping."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from gradsift.errors import InvalidOptionError
+
+pytestmark = pytest.mark.distributed
+
+
+def model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+
+
+def train(ddp: DDP, optimizer, scaler=None, steps: int = 3, clip: float | None = None) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = ddp(torch.randn(8, 32, generator=generator)).square().mean()
+        if scaler is None:
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+            optimizer.step()
+            continue
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_a_grad_scaler_without_scaler_is_refused_at_the_first_step(one_process_group):
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
+    gradsift.register_comm_hook(ddp, "topk", ratio=0.5, optimizer=optimizer)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    with pytest.raises(InvalidOptionError, match=r"2\^12.*scaler="):
+        train(ddp, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))  # not stepped
+
+
+@pytest.mark.parametrize("compressor", ["topk", "sidco-exp", "qsgd"])
+def test_the_scaler_passed_or_plain_gradients_or_user_clipping_train_silently(one_process_group, compressor):
+    for setup in ("scaler", "plain", "clipped"):
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if setup == "scaler" else None
+        state = gradsift.register_comm_hook(ddp, compressor, optimizer=optimizer, scaler=scaler)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(ddp, optimizer, scaler, clip=1e-3 if setup == "clipped" else None)
+        assert not state.first_step.watching, setup  # decided, and the global hook removed
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
+    ],
+    ids=["sgd-momentum", "adamw"],
+)
+def test_a_momentum_optimizer_not_passed_is_named_once(one_process_group, make_optimizer):
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    gradsift.register_comm_hook(ddp, "randomk", ratio=0.1)
+    with pytest.warns(UserWarning, match=f"{type(optimizer).__name__}.*optimizer=") as caught:
+        train(ddp, optimizer, steps=3)
+    assert len([w for w in caught if "optimizer=" in str(w.message)]) == 1
+
+
+def test_no_warning_without_momentum_or_without_error_feedback(one_process_group):
+    for compressor, momentum in (("randomk", 0.0), ("none", 0.9)):
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
+        gradsift.register_comm_hook(ddp, compressor) if compressor == "none" else gradsift.register_comm_hook(
+            ddp, compressor, ratio=0.1
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(ddp, optimizer)
+
+
+def test_an_optimizer_of_other_parameters_is_not_checked(one_process_group):
+    ddp = model()
+    gradsift.register_comm_hook(ddp, "randomk", ratio=0.1)
+    other = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD([*ddp.parameters()], lr=0.05)
+    unrelated = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
+    other(torch.randn(2, 3)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unrelated.step()
+        train(ddp, optimizer)
