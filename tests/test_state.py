@@ -94,3 +94,18 @@ def test_state_dict_round_trip_clones():
     assert other.layouts == {"k": (1, 0)}
     with pytest.raises(InvalidOptionError, match="missing \\['layouts'\\]"):
         other.load_state_dict({"tables": {}})
+
+
+def test_canonical_lays_a_key_out_in_parameter_number_order():
+    store = TensorStore()
+    assert store.canonical("unknown") is None
+    store.follow((0, 1, 2), (2, 0, 1), NUMELS)
+    canonical = store.canonical((0, 1, 2))
+    # flat: parameter 2 (one element), then 0 (two), then 1 (three); written out by hand
+    flat = torch.tensor([20.0, 0.0, 1.0, 10.0, 11.0, 12.0])
+    assert canonical.to_canonical(flat).tolist() == [0.0, 1.0, 10.0, 11.0, 12.0, 20.0]
+    assert torch.equal(canonical.to_flat(canonical.to_canonical(flat)), flat)
+    # canonical position -> flat position: 0->1, 1->2, 2->3, 4->5, 5->0
+    assert canonical.flat_positions(torch.tensor([5, 0, 4, 1, 2])).tolist() == [0, 1, 5, 2, 3]
+    store.follow((0, 1, 2), (0, 1, 2), NUMELS)
+    assert store.canonical((0, 1, 2)).identity

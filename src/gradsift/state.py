@@ -19,6 +19,8 @@ of the parameter numbers of a DDP bucket. Three things make the store more than 
   chunks and reassembled in the new order and grouping, so state follows parameters,
   not bucket positions. A parameter nobody held before starts from zeros. Tensors of
   any other length (per-key scalars) stay with their key; a new key starts without them.
+  :meth:`canonical` gives a key's layout against parameter-number order, for methods
+  whose arithmetic depends on where an element lies (:class:`Canonical`).
 * **Checkpoints.** :meth:`state_dict` / :meth:`load_state_dict` round-trip tables and
   layouts exactly (tensors cloned).
 """
@@ -41,6 +43,8 @@ class TensorStore:
     def __init__(self) -> None:
         self.tables: dict[str, dict[Key, torch.Tensor]] = {}
         self.layouts: dict[Key, tuple[int, ...]] = {}
+        self.numels: dict[int, int] = {}
+        self._canonical: dict[tuple[int, ...], Canonical] = {}
         self._overlay: dict[str, dict[Key, torch.Tensor | None]] | None = None
 
     # -- reading and writing --------------------------------------------------------------
@@ -128,6 +132,7 @@ class TensorStore:
         no value, so it applies to committed and pending state alike.
         """
         order = tuple(order)
+        self.numels.update((i, numels[i]) for i in order)
         previous = self.layouts.get(key)
         if previous == order:
             return
@@ -151,6 +156,17 @@ class TensorStore:
                 table[key] = torch.cat(
                     [chunks[i] if i in chunks else like.new_zeros(numels[i]) for i in order]
                 )
+
+    def canonical(self, key: Key) -> Canonical | None:
+        """``key``'s flat layout against parameter-number order; None for a key with no
+        declared layout (a single parameter, a tensor outside the DDP hook)."""
+        order = self.layouts.get(key)
+        if order is None:
+            return None
+        canonical = self._canonical.get(order)
+        if canonical is None:
+            canonical = self._canonical[order] = Canonical(order, self.numels)
+        return canonical
 
     def _chunk_sources(
         self, numels: Mapping[int, int], exclude: Key
@@ -192,3 +208,56 @@ class TensorStore:
         }
         self.layouts = {k: tuple(v) for k, v in state["layouts"].items()}
         self._overlay = None if self._overlay is None else {}
+
+
+class Canonical:
+    """A flat tensor laid out in one parameter order <-> the same elements in number order.
+
+    DDP lays a bucket's parameters out in registration order at first, in the order
+    backward readies their gradients after its rebuild, and in registration order again
+    when a resumed run starts. A method whose arithmetic depends on where an element lies
+    (random positions, a stream of rounding draws, the rounding of a sum) runs on the
+    *canonical* layout -- parameters in number order -- and so computes the same bits
+    whichever layout DDP hands it. Built once per layout (the device tables once per device).
+    """
+
+    def __init__(self, order: Sequence[int], numels: Mapping[int, int]) -> None:
+        self.sizes = [numels[i] for i in order]
+        #: ``chunks[c]``: the flat chunk at canonical place ``c``; ``places[j]``: the inverse.
+        self.chunks = sorted(range(len(order)), key=lambda j: order[j])
+        self.places = sorted(range(len(order)), key=lambda c: self.chunks[c])
+        self.identity = self.chunks == list(range(len(order)))
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat``'s elements in canonical order (``flat`` itself when the layouts agree)."""
+        if self.identity:
+            return flat
+        pieces = flat.split(self.sizes)
+        return torch.cat([pieces[j] for j in self.chunks])
+
+    def to_flat(self, canonical: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_canonical`."""
+        if self.identity:
+            return canonical
+        pieces = canonical.split([self.sizes[j] for j in self.chunks])
+        return torch.cat([pieces[c] for c in self.places])
+
+    def flat_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The flat positions of canonical ``positions`` (an integer tensor, on its device)."""
+        if self.identity:
+            return positions
+        starts, shifts = self._device_tables(positions.device)
+        return positions + shifts[torch.searchsorted(starts, positions, right=True) - 1]
+
+    def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per canonical chunk: its canonical start and (flat start - canonical start)."""
+        tables = self._tables.get(str(device))
+        if tables is None:
+            sizes = torch.tensor(self.sizes, dtype=torch.long)
+            flat_starts = torch.cumsum(sizes, 0) - sizes
+            chunks = torch.tensor(self.chunks, dtype=torch.long)
+            canonical_starts = torch.cumsum(sizes[chunks], 0) - sizes[chunks]
+            shifts = flat_starts[chunks] - canonical_starts
+            tables = self._tables[str(device)] = (canonical_starts.to(device), shifts.to(device))
+        return tables

@@ -48,6 +48,14 @@ class Quantizer(Compressor):
     error_feedback = False
     code_bits: int
 
+    #: Whether every element decodes from its own code and scales shared by the whole
+    #: tensor. :meth:`encode` then quantizes a DDP bucket in canonical order (parameters in
+    #: number order, :meth:`gradsift.state.TensorStore.canonical`) and lays the codes back
+    #: in the bucket's order, so the scales' sums and the rounding draws do not depend on
+    #: the layout DDP hands in (it changes when DDP rebuilds its buckets and when a run
+    #: resumes). False: the method quantizes in the bucket's order.
+    decodes_elementwise: bool = False
+
     @abc.abstractmethod
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``;
@@ -64,6 +72,13 @@ class Quantizer(Compressor):
         if numel == 0:
             codes = torch.empty(0, dtype=torch.int64, device=flat.device)
             scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
+        elif self.decodes_elementwise:
+            canonical = self.store.canonical(key)
+            if canonical is None:
+                codes, scales = self.quantize(flat)
+            else:
+                codes, scales = self.quantize(canonical.to_canonical(flat))
+                codes = canonical.to_flat(codes)
         else:
             codes, scales = self.quantize(flat)
         payload = Payload(

@@ -1,7 +1,10 @@
 """Random-k with a shared seed: every worker picks the same k positions, so it fits allreduce.
 
 Indices are a pure function of ``(seed, key, step)``, where ``step`` counts the
-calls made with that ``key``. Workers that compress the same tensors in the same
+calls made with that ``key``; they are drawn over the key's parameters in number order
+(:meth:`gradsift.state.TensorStore.canonical`), so DDP's bucket layout, which changes when
+it rebuilds its buckets and again when a run resumes, does not change which elements
+are picked. Workers that compress the same tensors in the same
 order therefore select the same positions without sending them: only the ``k``
 values cross the wire, and summing them with an allreduce is the aggregation.
 
@@ -126,6 +129,11 @@ class RandomK(Sparsifier):
         self.steps[key] = step + 1
         generator = torch.Generator(device=flat.device).manual_seed(stream_seed(self.seed, key, step))
         drawn = sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
+        canonical = self.store.canonical(key)
+        if (
+            canonical is not None
+        ):  # positions drawn in parameter order: a rebuilt bucket picks the same elements
+            drawn = canonical.flat_positions(drawn)
         return Selection(drawn, None, ~torch.isfinite(smallest + largest))
 
     def encode(
