@@ -2,12 +2,15 @@
 
 import json
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import gradsift
 from gradsift import cli
 from gradsift.benchmarking import (
     CompressBenchConfig,
@@ -37,6 +40,7 @@ ROW_FIELDS = {
     "nbytes",
     "dense_nbytes",
 }
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(argv):
@@ -204,18 +208,66 @@ def test_rounds_rotate_the_order_of_the_methods():
 @pytest.mark.distributed
 def test_gpu_check_dry_run_runs_every_check_on_cpu(tmp_path):
     """benchmarks/gpu/check.sh --dry-run: the GPU check's own code, on CPU with gloo at toy
-    sizes; its numbers must say what the CPU suite says (one host read per step, ratio 1
-    equal to stock DDP, the GradScaler run within 1e-4 of stock)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "check.sh"
-    done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    sizes; its numbers must say what the CPU suite says (at most one host read per step for
+    every compressor x exchange at 1 and 2 ranks, ratio 1 equal to stock DDP, the two ranks
+    in agreement, the GradScaler run within 1e-4 of stock), and the device command's shape
+    holds (under 2,000 characters, $OUT as the default folder, at most 6 files)."""
+    script = ROOT / "benchmarks" / "gpu" / "check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=600,
+                          env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    assert len(script.read_text()) < 2000 and 1 <= len(list(tmp_path.iterdir())) <= 6
+    assert f"torch {torch.__version__}" in done.stdout
     result = json.loads((tmp_path / "check.json").read_text())
     checks = result["checks"]
-    assert set(checks) == {"exchanges", "static_graph", "evaluate", "amp", "compress", "step_time"}
+    assert set(checks) == {"sync_counter", "exchanges", "two_ranks", "static_graph", "evaluate", "amp",
+                           "encode", "step_time"}  # fmt: skip
     assert all(entry["ok"] for entry in checks.values()), {k: v.get("error") for k, v in checks.items()}
-    exchanges = checks["exchanges"]["result"]
-    assert exchanges.pop("topk ratio 1 equals stock DDP") is True
-    assert len(exchanges) == 13 and all(entry["syncs_per_step"] <= 2 for entry in exchanges.values())
+    assert checks["sync_counter"]["result"]["syncs_of_one_item"] == 1
+    for name in ("exchanges", "two_ranks"):
+        check = checks[name]["result"]
+        assert check["topk ratio 1 equals stock DDP"] is True and check["failures"] == []
+        assert check["pairs"].pop("stock")["syncs_per_step"] == 0
+        assert set(check["pairs"]) == {f"{name} {exchange}" for name, exchange in registry_pairs()}
+        assert all(entry["syncs_per_step"] <= 1 for entry in check["pairs"].values()), check["pairs"]
     assert checks["amp"]["result"]["relative_difference"] <= 1e-4
+    rows = checks["encode"]["result"]["rows"]
+    sizes = {(n, r) for n in (4096, 10_000) for r in (0.01, 0.001)}
+    assert {(row["numel"], row["ratio"]) for row in rows} == sizes
+    assert {row["method"] for row in rows} == {"torch.topk", "topk", "sidco-exp", "sidco-exp fit"}
     assert result["machine"]["commit"] and "load_before" in result["machine"]
+    train = json.loads((tmp_path / "train-summary.json").read_text())
+    assert (train["steps"], train["workers"], train["device"]) == (3, 1, "cpu")
+
+
+def registry_pairs() -> list[tuple[str, str]]:
+    """Every compressor x exchange the registry allows, SIDCo also forced onto its fitted path."""
+    fitted = ["sidco-exp/fit", "sidco-gpareto/fit", "sidco-gamma/fit"]
+    options = {"threshold": {"threshold": 0.01}}
+    return [
+        (name, exchange)
+        for name in [*gradsift.available_compressors(), *fitted]
+        for exchange in gradsift.get_compressor(name.split("/")[0], **options.get(name, {})).exchanges
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gpu_check_fails_when_a_check_fails(tmp_path):
+    """check.py's exit status follows its checks: the same run under a sync budget of 0 (every
+    hooked pair makes its step close's read) and an AMP target below any difference exits 1
+    and names what failed."""
+    program = (
+        "import sys; sys.path.insert(0, 'benchmarks/gpu'); import check; "
+        "check.BUDGET = check.BALANCED_BUDGET = 0; check.AMP_TARGET = -1.0; "
+        f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--json', '{tmp_path}/c.json']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    checks = json.loads((tmp_path / "c.json").read_text())["checks"]
+    assert not checks["exchanges"]["ok"] and not checks["amp"]["ok"]
+    assert "FAILED exchanges: topk allgather: 1 syncs per step (budget 0)" in done.stdout
+    assert "FAILED amp: relative difference" in done.stdout

@@ -1,27 +1,36 @@
 """One GPU, a few minutes: does gradsift's hook path run on CUDA + NCCL without waiting on the host?
 
-Run by ``benchmarks/gpu/check.sh`` (which also runs the CUDA tests and the demo's quick
-mode). Each check is independent, has its own result entry and never stops the others:
+Run by ``benchmarks/gpu/check.sh`` (which then trains with ``gradsift train`` and runs the
+CUDA tests). It prints the environment (torch, CUDA, NCCL), then runs each check on its own;
+one that raises never stops the others. A check **fails** when it raises or when one of its
+conditions does not hold, and any failure makes the exit status 1:
 
-* ``exchanges``: a world-size-1 NCCL process group; for every exchange (allgather,
-  balanced, shared-mask, allreduce, delegated) and the compressors that travel by it
-  (``sidco-exp`` on both of its paths, ``topk``, ``dgc``, ``qsgd``, ``vgc``, ``fp16``,
-  ``powersgd``), a DDP model trains a few steps under
-  ``torch.cuda.set_sync_debug_mode("warn")``; the synchronising calls of each step are
-  counted (the warnings, and where they came from); ``topk`` at ratio 1 must give stock
-  DDP's gradients exactly.
+* ``sync_counter``: the counter itself, on a known host read (``.item()``): it must count it.
+* ``exchanges``: a world-size-1 NCCL process group; for every compressor x exchange the
+  registry allows (SIDCo also on its statistical path), a DDP model trains a few steps under
+  ``torch.cuda.set_sync_debug_mode("warn")``, counting the synchronising calls per step
+  (budget: :data:`BUDGET`, :data:`BALANCED_BUDGET` for the balanced exchange; stock DDP's count
+  is reported beside them); ``topk`` at ratio 1 must give stock DDP's parameters exactly.
+* ``two_ranks``: two gloo ranks sharing the device (NCCL refuses two ranks on one GPU): every
+  pair trains a few steps and both ranks must hold the same parameters after it; ``topk`` at
+  ratio 1 must equal stock DDP. Syncs are reported, not budgeted (gloo stages CUDA tensors
+  through the host, and its copies synchronise).
 * ``static_graph``: DDP(static_graph=True) with the hook completes its steps.
 * ``evaluate``: the trainer's evaluation on a CUDA model under NCCL.
-* ``amp``: autocast fp16 + ``GradScaler`` + SGD with weight decay, ``topk`` at ratio 1
-  with ``optimizer=`` and ``scaler=``, against stock DDP (relative parameter difference).
-* ``compress``: ``sidco-exp``, ``topk``, ``dgc`` at three sizes (2^16, 2^20, 2^24),
-  median time (CUDA events), and the exact/fit crossover of SIDCo measured there.
-* ``step_time``: stock DDP against the hook (``none``, ``topk``, ``sidco-exp`` at 0.01) on an
-  MLP of 4 x Linear(2048, 2048), median of 20 steps.
+* ``amp``: autocast fp16 + ``GradScaler`` + SGD with weight decay, ``topk`` at ratio 1 with
+  ``optimizer=`` and ``scaler=``, against stock DDP: relative parameter difference at most
+  :data:`AMP_TARGET`.
+* ``encode`` (a measurement): the hook's sync-free encode (``Compressor.encode`` with the
+  hook's capacity and a step readout, what the DDP hook calls; not the public ``compress()``,
+  which reads counts on the host) of ``sidco-exp`` (as the hook runs it, and forced onto its
+  statistical path) and ``topk`` against a bare ``torch.topk(|x|, k)`` at 2^20, 10^7 and 10^8
+  elements and ratios 0.01 and 0.001, median time by CUDA events.
+* ``step_time`` (a measurement): stock DDP against the hook (``none``, ``topk``,
+  ``sidco-exp`` at 0.01) on an MLP of 4 x Linear(2048, 2048), median of 20 steps.
 
 ``--device cpu`` runs every check on CPU with gloo at toy sizes (how the test suite checks
-this script; host reads are then counted with the test suite's counter instead of CUDA's
-sync debug mode). Writes one JSON (``--json``) and prints a short table.
+this script; host reads are then counted with the test suite's counter, tests/host_reads.py,
+instead of CUDA's sync debug mode). Writes one JSON (``--json``) and prints a short table.
 """
 
 from __future__ import annotations
@@ -46,31 +55,33 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.readout import Readout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+# benchmarks/: the shared provenance stamp and worker launcher
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import provenance
+from workers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = [
-    ("sidco-exp", "allgather"),
-    ("sidco-exp/fit", "allgather"),
-    ("topk", "allgather"),
-    ("dgc", "allgather"),
-    ("qsgd", "allgather"),
-    ("vgc", "allgather"),
-    ("sidco-exp/fit", "balanced"),
-    ("topk", "balanced"),
-    ("sidco-exp/fit", "shared-mask"),
-    ("topk", "shared-mask"),
-    ("fp16", "allreduce"),
-    ("randomk", "allreduce"),
-    ("powersgd", "delegated"),
-]
+#: Host synchronisations per step the hook may make: the step close's one read, and a spare
+#: (the balanced exchange: 4); the budgets of tests/test_host_reads.py, which counts on CPU.
+BUDGET = 2
+BALANCED_BUDGET = 4
+#: The GradScaler run's largest relative parameter difference from stock DDP.
+AMP_TARGET = 1e-4
+#: SIDCo's statistical path beside its default one (exact top-k below its crossover).
+FITTED = ("sidco-exp/fit", "sidco-gpareto/fit", "sidco-gamma/fit")
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every (compressor, exchange) the registry allows, SIDCo also on its statistical path."""
+    names = [*gradsift.available_compressors(), *FITTED]
+    return [(name, exchange) for name in names for exchange in build(name).exchanges]
 
 
 def build(name: str) -> gradsift.Compressor:
-    if name == "sidco-exp/fit":
-        return gradsift.get_compressor("sidco-exp", exact_below=0)
-    return gradsift.get_compressor(name, **({"start_iter": 2} if name == "powersgd" else {}))
+    if name in FITTED:
+        return gradsift.get_compressor(name.split("/")[0], exact_below=0)
+    options = {"threshold": {"threshold": 0.01}, "powersgd": {"start_iter": 2}}.get(name, {})
+    return gradsift.get_compressor(name, **options)
 
 
 def mlp(width: int, depth: int, device: torch.device) -> torch.nn.Module:
@@ -119,10 +130,15 @@ class SyncCounter:
 
 
 def train_steps(
-    model: DDP, steps: int, device: torch.device, width: int, counter: SyncCounter | None = None
+    model: DDP,
+    steps: int,
+    device: torch.device,
+    width: int,
+    counter: SyncCounter | None = None,
+    seed: int = 1,
 ) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator(device="cpu").manual_seed(1)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(steps):
         x = torch.randn(16, width, generator=generator).to(device)
         y = torch.randn(16, 8, generator=generator).to(device)
@@ -134,24 +150,90 @@ def train_steps(
             optimizer.step()
 
 
-def check_exchanges(device: torch.device, small: bool) -> dict[str, Any]:
-    width = 64 if small else 512
-    out: dict[str, Any] = {}
-    for name, exchange in PAIRS:
-        model = DDP(mlp(width, 2, device), bucket_cap_mb=0.05 if small else 1)
+def syncs_per_step(
+    name: str, exchange: str, device: torch.device, width: int, seed: int = 1
+) -> dict[str, Any]:
+    """Train a few steps (DDP rebuilds its buckets, PowerSGD starts), then count two."""
+    model = DDP(mlp(width, 2, device), bucket_cap_mb=0.05 if device.type == "cpu" else 1)
+    if name != "stock":
         gradsift.register_comm_hook(model, build(name), exchange=exchange)
-        train_steps(model, 3, device, width)  # warm: DDP rebuilds its buckets, PowerSGD starts
-        counter = SyncCounter(device)
-        train_steps(model, 2, device, width, counter)
-        out[f"{name} {exchange}"] = {"syncs_per_step": counter.count / 2, "sites": counter.sites}
+    train_steps(model, 3, device, width, seed=seed)
+    counter = SyncCounter(device)
+    train_steps(model, 2, device, width, counter, seed=seed)
+    return {"syncs_per_step": counter.count / 2, "sites": counter.sites, "model": model}
+
+
+def equals_stock(device: torch.device, width: int, seed: int = 1) -> bool:
+    """``topk`` at ratio 1 through the hook gives stock DDP's parameters, bit for bit."""
     stock = DDP(mlp(width, 2, device))
     hooked = DDP(mlp(width, 2, device))
     gradsift.register_comm_hook(hooked, "topk", ratio=1.0)
-    train_steps(stock, 3, device, width)
-    train_steps(hooked, 3, device, width)
-    same = all(torch.equal(a, b) for a, b in zip(stock.parameters(), hooked.parameters(), strict=True))
-    out["topk ratio 1 equals stock DDP"] = same
-    return out
+    train_steps(stock, 3, device, width, seed=seed)
+    train_steps(hooked, 3, device, width, seed=seed)
+    return all(torch.equal(a, b) for a, b in zip(stock.parameters(), hooked.parameters(), strict=True))
+
+
+def check_sync_counter(device: torch.device, small: bool) -> dict[str, Any]:
+    counter = SyncCounter(device)
+    with counter.counting():
+        torch.ones(3, device=device).sum().item()
+    failures = (
+        [] if counter.count >= 1 else ["the counter missed a .item(): the sync counts below mean nothing"]
+    )
+    return {"syncs_of_one_item": counter.count, "failures": failures}
+
+
+def check_exchanges(device: torch.device, small: bool) -> dict[str, Any]:
+    width = 64 if small else 512
+    out: dict[str, Any] = {"stock": syncs_per_step("stock", "", device, width)}
+    failures = []
+    for name, exchange in pairs():
+        entry = syncs_per_step(name, exchange, device, width)
+        budget = BALANCED_BUDGET if exchange == "balanced" else BUDGET
+        if entry["syncs_per_step"] > budget:
+            failures.append(
+                f"{name} {exchange}: {entry['syncs_per_step']:g} syncs per step (budget {budget})"
+            )
+        out[f"{name} {exchange}"] = entry
+    for entry in out.values():
+        del entry["model"]
+    same = equals_stock(device, width)
+    if not same:
+        failures.append("topk at ratio 1 differs from stock DDP")
+    return {"pairs": out, "topk ratio 1 equals stock DDP": same, "failures": failures}
+
+
+def two_ranks(rank: int, store: str, device_type: str, results: Any) -> None:
+    """One of two gloo ranks on the same device: every pair, then ``topk`` at ratio 1."""
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    width = 64 if device.type == "cpu" else 512
+    out: dict[str, Any] = {}
+    failures = []
+    for name, exchange in [("stock", ""), *pairs()]:
+        entry = syncs_per_step(name, exchange, device, width, seed=1 + rank)
+        flat = torch.cat([p.detach().reshape(-1) for p in entry.pop("model").parameters()])
+        copies = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(copies, flat)
+        if not torch.equal(copies[0], copies[1]):
+            failures.append(f"{name} {exchange}: the two ranks' parameters differ")
+        out[f"{name} {exchange}".strip()] = entry
+    same = equals_stock(device, width, seed=1 + rank)
+    if not same:
+        failures.append("topk at ratio 1 differs from stock DDP on 2 ranks")
+    if rank == 0:
+        results.put({"pairs": out, "topk ratio 1 equals stock DDP": same, "failures": failures})
+    dist.barrier()  # leave together: a rank that tears gloo down early aborts its peer
+    dist.destroy_process_group()
+
+
+def check_two_ranks(device: torch.device, small: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(two_ranks, (f"{tmp}/store", device.type), 2, timeout_s=240)
 
 
 def check_static_graph(device: torch.device, small: bool) -> dict[str, Any]:
@@ -201,11 +283,12 @@ def check_amp(device: torch.device, small: bool) -> dict[str, Any]:
             scaler.update()
         results[label] = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     difference = float((results["hook"] - results["stock"]).norm() / results["stock"].norm())
-    return {"relative_difference": difference, "target": 1e-4}
+    failures = [] if difference <= AMP_TARGET else [f"relative difference {difference:.3g} > {AMP_TARGET:g}"]
+    return {"relative_difference": difference, "target": AMP_TARGET, "failures": failures}
 
 
 def timed(function: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of ``function`` (CUDA events on a GPU)."""
+    """Median milliseconds of ``function`` (CUDA events on a GPU), after two warm-up calls."""
     times = []
     for _ in range(repeats + 2):
         if device.type == "cuda":
@@ -222,23 +305,30 @@ def timed(function: Callable[[], Any], device: torch.device, repeats: int) -> fl
     return statistics.median(times[2:])
 
 
-def check_compress(device: torch.device, small: bool) -> dict[str, Any]:
-    sizes = [1 << 12, 1 << 14] if small else [1 << 16, 1 << 20, 1 << 24]
-    repeats = 3 if small else 15
+def check_encode(device: torch.device, small: bool) -> dict[str, Any]:
+    sizes = [1 << 12, 10_000] if small else [1 << 20, 10**7, 10**8]
+    repeats = 2 if small else 10
     rows = []
     for numel in sizes:
         x = torch.randn(numel, device=device)
-        for label, compressor in (
-            ("topk", gradsift.get_compressor("topk", ratio=0.01)),
-            ("sidco-exp exact", gradsift.get_compressor("sidco-exp", ratio=0.01, exact_below=numel + 1)),
-            ("sidco-exp fit", gradsift.get_compressor("sidco-exp", ratio=0.01, exact_below=0)),
-            ("dgc", gradsift.get_compressor("dgc", ratio=0.01)),
-        ):
-            capacity = compressor.capacity(numel)
-            readout = Readout()
-            ms = timed(lambda c=compressor, k=capacity, x=x, r=readout: c.encode(x, key=0, capacity=k, readout=r),
-                       device, repeats)  # fmt: skip
-            rows.append({"numel": numel, "compressor": label, "encode_ms": ms})
+        for ratio in (0.01, 0.001):
+            k = max(1, int(numel * ratio))
+            times = {
+                "torch.topk": timed(lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False), device, repeats)
+            }
+            for label, compressor in (
+                ("topk", gradsift.get_compressor("topk", ratio=ratio)),
+                ("sidco-exp", gradsift.get_compressor("sidco-exp", ratio=ratio)),
+                ("sidco-exp fit", gradsift.get_compressor("sidco-exp", ratio=ratio, exact_below=0)),
+            ):
+                capacity = compressor.capacity(numel)
+                # what the DDP hook calls: no host read; the readout is read at the step's close
+                times[label] = timed(lambda c=compressor, x=x, n=capacity: c.encode(x, key=0, capacity=n,
+                                     readout=Readout()), device, repeats)  # fmt: skip
+            for label, ms in times.items():
+                rows.append({"numel": numel, "ratio": ratio, "method": label, "encode_ms": ms,
+                             "speedup_vs_torch_topk": times["torch.topk"] / ms})  # fmt: skip
+        del x
     return {"rows": rows}
 
 
@@ -273,28 +363,42 @@ def check_step_time(device: torch.device, small: bool) -> dict[str, Any]:
 
 
 CHECKS = {
+    "sync_counter": check_sync_counter,
     "exchanges": check_exchanges,
+    "two_ranks": check_two_ranks,
     "static_graph": check_static_graph,
     "evaluate": check_evaluate,
     "amp": check_amp,
-    "compress": check_compress,
+    "encode": check_encode,
     "step_time": check_step_time,
 }
 
 
-def main() -> int:
+def environment(device: torch.device) -> dict[str, Any]:
+    """torch, CUDA and NCCL versions and the device (printed first: a failed run still says where it ran)."""
+    cuda = device.type == "cuda"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": nccl, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "gpus": torch.cuda.device_count() if cuda else 0}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: toy sizes, gloo")
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="run these checks only")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("check.py: no CUDA GPU visible", file=sys.stderr)
+        print(f"check.py: no CUDA GPU visible to torch {torch.__version__}", file=sys.stderr)
         return 2
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     small = device.type == "cpu"
+    stamp = provenance.start()
+    results: dict[str, Any] = {"environment": environment(device), "checks": {}}
+    print(" ".join(f"{key} {value}" for key, value in results["environment"].items()), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
@@ -303,19 +407,18 @@ def main() -> int:
             world_size=1,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
-        stamp = provenance.start()
-        results: dict[str, Any] = {"machine": {**stamp.record, "cuda": torch.version.cuda}, "checks": {}}
         for name in args.only or list(CHECKS):
             started = time.perf_counter()
             try:
-                entry = {"ok": True, "result": CHECKS[name](device, small)}
+                result = CHECKS[name](device, small)
+                entry = {"ok": not result.get("failures"), "result": result}
             except Exception:  # one check's failure must not hide the others' results
                 entry = {"ok": False, "error": traceback.format_exc(limit=8)}
             entry["seconds"] = round(time.perf_counter() - started, 2)
             results["checks"][name] = entry
             print(f"{name:<14} {'ok' if entry['ok'] else 'FAILED'} {entry['seconds']:7.1f} s", flush=True)
         dist.destroy_process_group()
-    results["machine"] = {**stamp.finish(), "cuda": torch.version.cuda}
+    results["machine"] = stamp.finish()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     summary(results)
@@ -324,17 +427,25 @@ def main() -> int:
 
 def summary(results: dict[str, Any]) -> None:
     checks = results["checks"]
-    exchanges = checks.get("exchanges", {})
-    if exchanges.get("ok"):
-        print("\nhost synchronisations per step:")
-        for pair, value in exchanges["result"].items():
-            if isinstance(value, dict):
-                print(f"  {pair:<28} {value['syncs_per_step']:5.1f}")
-            else:
-                print(f"  {pair:<28} {value}")
-    for name in ("amp", "step_time"):
-        if checks.get(name, {}).get("ok"):
-            print(f"{name}: {json.dumps(checks[name]['result'], default=str)[:300]}")
+    for name in ("exchanges", "two_ranks"):
+        if "result" in checks.get(name, {}):
+            worst = sorted(
+                checks[name]["result"]["pairs"].items(), key=lambda item: -item[1]["syncs_per_step"]
+            )
+            print(f"\n{name}: most host synchronisations per step: "
+                  + ", ".join(f"{pair} {entry['syncs_per_step']:g}" for pair, entry in worst[:6]))  # fmt: skip
+    if "result" in checks.get("encode", {}):
+        print("\nencode ms (x torch.topk):")
+        for row in checks["encode"]["result"]["rows"]:
+            print(f"  n={row['numel']:>11,} ratio={row['ratio']:<6} {row['method']:<14} {row['encode_ms']:9.3f}"
+                  f"  x{row['speedup_vs_torch_topk']:.2f}")  # fmt: skip
+    if "result" in checks.get("step_time", {}):
+        print(f"\nstep_time: {json.dumps(checks['step_time']['result'], default=str)[:300]}")
+    for name, entry in checks.items():
+        for failure in entry.get("result", {}).get("failures", []):
+            print(f"FAILED {name}: {failure}")
+        if "error" in entry:
+            print(f"FAILED {name}: {entry['error'].strip().splitlines()[-1]}")
 
 
 if __name__ == "__main__":
