@@ -1,4 +1,4 @@
-"""`gradsift demo --quick`: all five methods run; table, JSON and plots appear."""
+"""`gradsift demo --quick`: all five methods run; table, JSON (also at --json PATH) and plots appear."""
 
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ def test_quick_demo_on_localhost_writes_table_json_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "demo"
-    assert cli_main(["demo", "--quick", "--localhost", "--no-progress", "--out", str(out)]) == 0
+    copy = tmp_path / "copy.json"
+    assert (
+        cli_main(["demo", "--quick", "--localhost", "--no-progress", "--out", str(out), "--json", str(copy)])
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads((out / "demo.json").read_text())
+    assert json.loads(copy.read_text()) == result and f"wrote {copy}" in printed
     names = [name for name, _ in DEMO_RUNS]
     assert names == ["none", "bf16", "sidco-exp", "topk", "vgc"]
     assert result["missing_compressors"] == [] and [r["compressor"] for r in result["rows"]] == names

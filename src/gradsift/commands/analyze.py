@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from gradsift.commands import HelpFormatter
+
 #: :data:`gradsift.analysis.DEFAULT_COMPRESSORS`, written here for the help text: the
 #: parser imports no back-end, which loads torch and SciPy (tests/test_cli.py checks
 #: that the two agree).
@@ -25,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "FILE is a torch file with a tensor or a dict name -> tensor, loaded with "
             "weights_only=True (a file that would run code is refused)."
         ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("file", metavar="FILE", help="torch file: a tensor or a dict name -> tensor")
     parser.add_argument(
@@ -34,18 +37,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"registry names (default: {' '.join(DEFAULT_COMPRESSORS)}, those that are installed)",
     )
     parser.add_argument(
-        "--ratios", nargs="+", type=float, default=[0.01], metavar="R", help="target densities (default 0.01)"
+        "--ratios", nargs="+", type=float, default=[0.01], metavar="R", help="target densities"
     )
     parser.add_argument(
         "--calls",
         type=int,
         default=10,
-        help="calls per compressor and ratio, so adaptation shows (default 10)",
+        help="calls per compressor and ratio, so adaptation shows",
     )
-    parser.add_argument("--json", metavar="OUT", help="write every number as JSON to OUT")
     parser.add_argument(
-        "--plot", metavar="DIR", help="write histogram and Q-Q plots per tensor to DIR (needs matplotlib)"
+        "--json", type=Path, metavar="PATH", help="write every number as JSON to PATH (default: none)"
     )
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write histogram and Q-Q plots per tensor to DIR (needs matplotlib; default: none)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar over the tensors")
     parser.set_defaults(func=run)
 
 
@@ -62,14 +70,19 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"skipping compressors not available in this installation: {', '.join(skipped)}", file=sys.stderr
         )
-    results = [analyze_tensor(name, tensor, compressors, ratios, calls) for name, tensor in tensors.items()]
+    from tqdm import tqdm
+
+    results = [
+        analyze_tensor(name, tensor, compressors, ratios, calls)
+        for name, tensor in tqdm(tensors.items(), desc="tensors", unit="tensor", disable=args.no_progress)
+    ]
     print(format_table(results))
     if args.plot:
         for result in results:
             for path in plot_fits(result, tensors[result["name"]], args.plot):
                 print(f"wrote {path}")
     if args.json:
-        Path(args.json).write_text(
+        args.json.write_text(
             json.dumps({"file": str(args.file), "calls": calls, "tensors": results}, indent=2)
         )
         print(f"wrote {args.json}")

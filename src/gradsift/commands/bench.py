@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from gradsift.commands import DEVICES, HelpFormatter
+
 #: What the parser shows of :mod:`gradsift.benchmarking` (which needs torch), written
 #: here so that building it imports no back-end; tests/test_cli.py checks each against
 #: the back-end: :class:`~gradsift.benchmarking.CompressBenchConfig`'s defaults, the
@@ -41,6 +43,7 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
             "time, the topk compressor's time / compress time, payload MB. Load averages before and after the "
             "run go into the JSON."
         ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=list(defaults.sizes), metavar="N",
                         help="gradient lengths (default: %(default)s)")  # fmt: skip
@@ -53,8 +56,9 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=defaults.warmup,
                         help="untimed calls per method first (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch threads for the run (default: torch's setting)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
-                        help="where the gradient lives (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--device", choices=DEVICES, default=defaults.device,
+                        help="where the gradient lives; auto: cuda on a machine with CUDA, else cpu "
+                        "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.dtype,
                         help="the gradient's dtype (default: %(default)s)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed,
@@ -62,13 +66,21 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--processes", type=int, default=defaults.processes, metavar="N",
                         help="contended mode: N processes (each with --threads threads) time the same thing "
                         "at the same time; rows report the median over all of them (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--json", type=Path, metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument(
+        "--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH (default: none)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run_compress)
 
 
 def _run_compress(args: argparse.Namespace) -> int:
+    import torch
+
     from gradsift.benchmarking import CompressBenchConfig, format_table, run_compress_benchmark
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
 
     config = CompressBenchConfig(
         sizes=args.sizes,
@@ -77,7 +89,7 @@ def _run_compress(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         threads=args.threads,
-        device=args.device,
+        device=device,
         dtype=args.dtype,
         seed=args.seed,
         processes=args.processes,
@@ -97,7 +109,10 @@ BENCHMARKS = {"compress": _add_compress_parser}
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="microbenchmarks (compressor overhead, ...)", description="Microbenchmarks."
+        "bench",
+        help="microbenchmarks (compressor overhead, ...)",
+        description="Microbenchmarks.",
+        formatter_class=HelpFormatter,
     )
     benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for add in BENCHMARKS.values():

@@ -6,9 +6,12 @@ import argparse
 import json
 import math
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradsift.commands import DEVICES, ExamplesHelpFormatter
 from gradsift.errors import InvalidOptionError
 
 if TYPE_CHECKING:
@@ -17,12 +20,12 @@ if TYPE_CHECKING:
 # The choices the parser offers, written here because their back-ends load torch
 # (tests/test_cli.py checks each equals its source): sorted(gradsift.train.models.MODELS),
 # gradsift.exchanges.available_exchanges(), gradsift.train.config.LR_SCHEDULES and OPTIMIZERS,
-# and gradsift.train.devices.DEVICES. TrainConfig checks the values again.
+# and gradsift.train.devices.DEVICES (gradsift.commands.DEVICES, shared with bench). TrainConfig
+# checks the values again.
 MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
 EXCHANGE_NAMES = ("allreduce", "allgather", "delegated", "balanced", "shared-mask")
 LR_SCHEDULES = ("step", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
-DEVICES = ("auto", "cpu", "cuda")
 
 EPILOG = """\
 examples:
@@ -56,29 +59,50 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated step numbers, got {text!r}") from error
 
 
+class DeprecatedWarmupSteps(argparse.Action):
+    """``--warmup-steps``: the old name of ``--lr-warmup-steps``, kept working with a warning
+    on stderr (in the library ``warmup_steps`` is the DDP hook's dense steps)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"gradsift train: warning: {option_string} is deprecated and will be removed: it is "
+            "--lr-warmup-steps (learning-rate warm-up); the hook's dense steps are --dense-warmup-steps",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The run and network-emulation flags of ``gradsift train``."""
     run = parser.add_argument_group("run")
     run.add_argument("--model", choices=MODEL_NAMES, default="vgg", help="network to train (default: vgg)")
-    run.add_argument(
-        "--compressor", default="none", help="registry name, e.g. none, bf16, topk, sidco-exp, vgc"
-    )
-    run.add_argument(
-        "--ratio", type=float, help="target density delta, passed as the compressor's ratio option"
-    )
+    run.add_argument("--compressor", default="none",
+                     help="registry name, e.g. none, bf16, topk, sidco-exp, vgc (default: none, fp32 DDP: "
+                     "the baseline; the library's register_comm_hook defaults to sidco-exp)")  # fmt: skip
+    run.add_argument("--ratio", type=float,
+                     help="target density delta, passed as the compressor's ratio option (default: the "
+                     "compressor's own, e.g. 0.01 for the sparsifiers)")  # fmt: skip
     run.add_argument("--exchange", choices=("auto", *EXCHANGE_NAMES),
-                     help="how buckets travel: auto (the compressor's default) or an exchange it supports")  # fmt: skip
+                     help="how buckets travel: auto (the compressor's default) or an exchange it supports "
+                     "(default: auto)")  # fmt: skip
     run.add_argument("--option", action="append", type=parse_option, default=[], metavar="KEY=VALUE",
-                     help="another compressor/hook option (repeatable; value parsed as JSON when possible)")  # fmt: skip
-    run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine (default: 2)")
-    run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step (default: 32)")
+                     help="another compressor/hook option (repeatable; value parsed as JSON when possible; "
+                     "default: none)")  # fmt: skip
+    run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine")
+    run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
     run.add_argument("--optimizer", choices=OPTIMIZERS,
                      help="sgd (with --momentum) or adamw (with --betas); default: adamw for --model gpt, "
                      "sgd for the image models")  # fmt: skip
     run.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw)")
-    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     run.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], metavar=("BETA1", "BETA2"),
-                     help="AdamW's betas (default: 0.9 0.99)")  # fmt: skip
+                     help="AdamW's betas")  # fmt: skip
     run.add_argument("--weight-decay", type=float,
                      help="weight decay (default: 0 for sgd; 0.1 for adamw, decoupled)")  # fmt: skip
     run.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
@@ -94,25 +118,32 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      "density warm-up (default for error-feedback compressors: SGD's momentum corrected in the "
                      "hook with masking, AdamW's first moment in the hook with its second frozen after a dense "
                      "warm-up of 10%% of the steps, and a density warm-up over the first 2.5%% of the steps)")  # fmt: skip
-    run.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up steps")
+    run.add_argument("--lr-warmup-steps", type=int, default=0, metavar="N",
+                     help="linear learning-rate warm-up over the first N steps")  # fmt: skip
+    run.add_argument("--warmup-steps", dest="lr_warmup_steps", type=int, default=argparse.SUPPRESS,
+                     action=DeprecatedWarmupSteps, help=argparse.SUPPRESS)  # fmt: skip
+    run.add_argument("--dense-warmup-steps", type=int, metavar="N",
+                     help="the DDP hook's first N steps dense (the hook option warmup_steps; default: the "
+                     "recipe's, 10%% of the steps for AdamW with an error-feedback compressor, else 0)")  # fmt: skip
     run.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="step",
                      help="after the warm-up: step (multiply by --decay-factor at --decay-steps; default) "
                      "or cosine (from --lr down to 0 at the last step)")  # fmt: skip
     run.add_argument("--decay-steps", type=_int_list, default=[], metavar="S1,S2",
                      help="steps where the learning rate is multiplied by --decay-factor")  # fmt: skip
-    run.add_argument("--decay-factor", type=float, default=0.1, help="step decay factor (default: 0.1)")
+    run.add_argument("--decay-factor", type=float, default=0.1, help="step decay factor")
     length = run.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps (default: 100)")
-    length.add_argument("--epochs", type=float, help="passes over the training set instead of --steps")
+    length.add_argument("--epochs", type=float,
+                        help="passes over the training set instead of --steps (default: none)")  # fmt: skip
     run.add_argument(
         "--eval-every", type=int, default=0, help="test accuracy every N steps (0: at the end only)"
     )
-    run.add_argument(
-        "--target-accuracy", type=float, help="report time_to_accuracy_s for this test accuracy (0-1)"
-    )
+    run.add_argument("--target-accuracy", type=float,
+                     help="report time_to_accuracy_s for this test accuracy (0-1; default: none)")  # fmt: skip
     run.add_argument("--target-loss", type=float,
-                     help="report time_to_loss_s for this evaluation loss (the language model's target)")  # fmt: skip
-    run.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
+                     help="report time_to_loss_s for this evaluation loss (the language model's target; "
+                     "default: none)")  # fmt: skip
+    run.add_argument("--seed", type=int, default=0, help="seed of weights and data order")
     run.add_argument("--data-dir", help="Fashion-MNIST IDX files (default: search path); for --model gpt, "
                      "a directory of *.py files (default: this Python's standard library)")  # fmt: skip
     run.add_argument("--synthetic", action="store_true", help="tiny generated data instead of Fashion-MNIST")
@@ -123,10 +154,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--timeout", type=float, default=300.0,
                      help="process-group timeout in seconds: a vanished peer ends the run after it")  # fmt: skip
     net = parser.add_argument_group("network emulation (root + iproute2)")
-    net.add_argument("--bandwidth", help="emulate links of this rate per worker, e.g. 100mbit, 1gbit")
-    net.add_argument(
-        "--latency", help="one-way delay added per message with --bandwidth, e.g. 1ms (needs sch_netem)"
-    )
+    net.add_argument("--bandwidth",
+                     help="emulate links of this rate per worker, e.g. 100mbit, 1gbit (default: none, the "
+                     "host's own network)")  # fmt: skip
+    net.add_argument("--latency",
+                     help="one-way delay added per message with --bandwidth, e.g. 1ms (needs sch_netem; "
+                     "default: none)")  # fmt: skip
     net.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                      help="local: one process per rank (default); torchrun: one torchrun agent per emulated "
                      "host, c10d rendezvous on host 0 (needs --bandwidth)")  # fmt: skip
@@ -135,18 +168,20 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def exchange_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The compressor/hook options: every ``--option``, ``--ratio`` as ``ratio`` and
-    ``--exchange`` as ``exchange``; each key once."""
+    """The compressor/hook options: every ``--option``, ``--ratio`` as ``ratio``,
+    ``--exchange`` as ``exchange`` and ``--dense-warmup-steps`` as ``warmup_steps``; each key once."""
     options: dict[str, Any] = {}
     given = [
         *args.option,
         *([("ratio", args.ratio)] if args.ratio is not None else []),
         *([("exchange", args.exchange)] if args.exchange is not None else []),
+        *([("warmup_steps", args.dense_warmup_steps)] if args.dense_warmup_steps is not None else []),
     ]
     for key, value in given:
         if key in options:
             raise InvalidOptionError(
-                f"option {key} is given twice (--ratio sets ratio, --exchange exchange; --option {key}=...)"
+                f"option {key} is given twice (--ratio sets ratio, --exchange exchange, --dense-warmup-steps "
+                f"warmup_steps; --option {key}=...)"
             )
         options[key] = value
     return options
@@ -191,7 +226,8 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     return TrainConfig(
         out=out, model=args.model, compressor=args.compressor, options=options, workers=workers,
         batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, momentum=args.momentum,
-        betas=list(args.betas), weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm, sync_every=args.sync_every, recipe=args.recipe, warmup_steps=args.warmup_steps,
+        betas=list(args.betas), weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad_norm, sync_every=args.sync_every, recipe=args.recipe,
+        warmup_steps=args.lr_warmup_steps,
         lr_schedule=args.lr_schedule, decay_steps=args.decay_steps, decay_factor=args.decay_factor,
         steps=steps, eval_every=args.eval_every, seed=args.seed, target_accuracy=args.target_accuracy,
         target_loss=args.target_loss, bandwidth=args.bandwidth,
@@ -208,11 +244,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Starts --workers processes on this machine (NCCL, one GPU each, with CUDA; gloo on the CPU "
         "without it or with --device cpu), or runs as one rank "
         "when started by torchrun. Writes config.json, steps.jsonl, evals.jsonl and summary.json to --out.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG, formatter_class=ExamplesHelpFormatter,
     )  # fmt: skip
     add_training_arguments(parser)
     parser.add_argument("--out", help="run directory (default: runs/<compressor>-w<workers>[-<bandwidth>])")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write summary.json's content to PATH")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write summary.json's content to PATH (default: none)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--cleanup-netem", action="store_true",
                         help="only delete network namespaces left by killed gradsift runs, then exit")  # fmt: skip
