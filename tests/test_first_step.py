@@ -101,3 +101,19 @@ def test_an_optimizer_of_other_parameters_is_not_checked(one_process_group):
         warnings.simplefilter("error")
         unrelated.step()
         train(ddp, optimizer)
+
+
+def test_several_hooked_models_step_side_by_side(one_process_group):
+    """Each decided check leaves the optimizers' global hook table alone while a step iterates
+    over it (removing itself there raised 'OrderedDict mutated during iteration')."""
+    runs = []
+    for _ in range(3):
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        runs.append(
+            (gradsift.register_comm_hook(ddp, "topk", ratio=0.5, optimizer=optimizer), ddp, optimizer)
+        )
+    for _ in range(3):
+        for _, ddp, optimizer in runs:
+            train(ddp, optimizer, steps=1)
+    assert all(state.first_step.handle is None for state, _, _ in runs)

@@ -23,7 +23,8 @@ gradient is what the hook delivered; ``g = d / 2^k`` exactly for every element, 
 exact in floating point) no clipping or other rule produces except by coincidence;
 anything else -- the user changed the gradient some other way, not our business. A
 reference of zeros says nothing and waits for the next step. Once decided, the global
-hook removes itself.
+hook is removed (at the hook's next bucket: a hook cannot remove itself
+while the optimizer iterates over the global hooks).
 """
 
 from __future__ import annotations
@@ -67,11 +68,15 @@ class FirstOptimizerStep:
 
     @property
     def watching(self) -> bool:
-        return self.handle is not None
+        return self.handle is not None and (self.check_momentum or self.check_scaler)
 
     def offer(self, param: torch.Tensor, result: torch.Tensor) -> None:
-        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient."""
-        if self.watching and self.candidate is None:
+        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient.
+        Once decided, the global hook is removed here: an optimizer's step iterates over
+        the global hooks, so a hook cannot remove itself while it runs."""
+        if not self.watching:
+            self.close()
+        elif self.candidate is None:
             self.candidate = (param, result)
 
     def keep(self) -> None:
@@ -89,6 +94,8 @@ class FirstOptimizerStep:
         self.handle, self.candidate, self.reference = None, None, None
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.watching:
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(id(p) in self.hooked for p in params):
             return
@@ -110,15 +117,12 @@ class FirstOptimizerStep:
                 if decided is not None:
                     self.check_scaler = False
                     if decided != 0:
-                        self.close()
                         raise InvalidOptionError(
                             f"the gradients {type(optimizer).__name__} steps are the hook's divided by "
                             f"2^{decided}: a torch.amp.GradScaler unscaled them, but the hook was registered "
                             "without scaler=, so its weight decay, clipping, thresholds and residuals worked "
                             "on scaled gradients; pass register_comm_hook(..., scaler=scaler)"
                         )
-        if not (self.check_momentum or self.check_scaler):
-            self.close()
 
 
 def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:
