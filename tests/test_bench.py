@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,66 @@ def test_gpu_check_fails_when_a_check_fails(tmp_path):
     assert not checks["exchanges"]["ok"] and not checks["amp"]["ok"]
     assert "FAILED exchanges: topk allgather: 1 syncs per step (budget 0)" in done.stdout
     assert "FAILED amp: relative difference" in done.stdout
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """Pids of the multiprocessing workers (``spawn_main``) that process ``parent`` started."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # it exited meanwhile
+            continue
+        if ppid == parent and b"spawn_main" in command:
+            workers.append(int(entry.name))
+    return sorted(workers)
+
+
+@pytest.mark.slow
+def test_contended_mode_fails_within_seconds_when_a_worker_dies(tmp_path):
+    """A contended worker killed as the OOM killer would (SIGKILL) while the run has hours
+    left: the command exits with an error naming it within 10 s, and no process of the run
+    outlives it (the other worker, waiting at the barrier for the dead one, is stopped).
+    Before, the parent waited 3600 s on its result queue."""
+    out = tmp_path / "contended.json"
+    command = [sys.executable, "-m", "gradsift", "bench", "compress", "--sizes", "100000", "--ratios", "0.01",
+               "--repeats", "10000000", "--warmup", "0", "--threads", "1", "--processes", "2",
+               "--compressors", "topk", "--json", str(out), "--no-progress"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _spawned_workers(process.pid)) < 2:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the two contended workers did not start within 120 s"
+            time.sleep(0.2)
+        time.sleep(1.0)  # past their start-up: measuring, or waiting at the barrier
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            _, stderr = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("bench compress still waits 10 s after a contended worker died")
+        assert time.monotonic() - killed < 10
+        assert process.returncode == 2, stderr
+        assert f"(pid {workers[1]}): signal SIGKILL" in stderr, stderr[-3000:]
+        assert not out.exists()
+        deadline = time.monotonic() + 5  # the run's last processes (the resource tracker) leave
+        while _session_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _session_alive(process.pid), "a worker of the run outlived it"
+    finally:
+        if _session_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _session_alive(session: int) -> bool:
+    try:
+        os.killpg(session, 0)
+    except ProcessLookupError:
+        return False
+    return True

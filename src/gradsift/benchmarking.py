@@ -25,7 +25,8 @@ Contended mode (``processes = N > 1``): ``N`` processes (each with ``threads``
 threads) run the same measurement at the same time, meeting at a barrier before
 every group, so each one's timings are taken while the other ``N - 1`` compete for
 the cores -- what ``N`` workers on one machine look like. Rows then hold the median
-over all processes' samples, and each process's own median.
+over all processes' samples, and each process's own median. A process that dies (an
+error, the OOM killer) fails the run within about a second; the others are stopped.
 
 Input (:func:`synthetic_gradient`): a heavy-tailed synthetic gradient, fixed seed.
 """
@@ -38,6 +39,7 @@ import multiprocessing
 import os
 import platform
 import queue
+import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -57,8 +59,11 @@ T = TypeVar("T")
 
 #: Elements per block of :func:`synthetic_gradient` sharing one scale (a small layer's worth).
 SCALE_BLOCK = 4096
-#: Longest wait for a contended worker's results (a crashed worker must not hang the run).
+#: Longest wait for the next contended worker's result while every worker is alive (a hung
+#: worker must not hang the run; one that dies fails it within :data:`_POLL_S`).
 _CONTENDED_TIMEOUT_S = 3600
+#: Seconds between two looks at the contended workers' exit codes while waiting for results.
+_POLL_S = 0.5
 #: Labels of the two reference measurements (parenthesised: never a registry name).
 FLOOR, TOPK = "(floor)", "(torch.topk)"
 INPUT_DESCRIPTION = (
@@ -337,20 +342,62 @@ def _measure_in_processes(config: CompressBenchConfig, names: Sequence[str]) -> 
     ]
     for worker in workers:
         worker.start()
+    collected: dict[int, list[dict[str, Any]]] = {}
     try:
-        # get() before join(): a worker cannot exit while its result is still in the pipe
-        collected = dict(results.get(timeout=_CONTENDED_TIMEOUT_S) for _ in workers)
-    except queue.Empty as error:
-        raise GradsiftError(
-            f"bench compress: a contended worker sent no result within {_CONTENDED_TIMEOUT_S} s "
-            f"(exit codes {[w.exitcode for w in workers]})"
-        ) from error
-    finally:
+        _collect(workers, results, collected)
+    finally:  # the others wait at the barrier for the dead one: stop them
         for worker in workers:
-            worker.join(timeout=10)
+            worker.join(timeout=10 if len(collected) == len(workers) else 0)
             if worker.is_alive():
-                worker.terminate()
+                worker.kill()
+                worker.join()
     return [collected[pid] for pid in sorted(collected)]
+
+
+def _collect(workers: Sequence[Any], results: Any, collected: dict[int, Any]) -> None:
+    """Fill ``collected`` with each worker's ``(pid, groups)`` from ``results``.
+
+    Never one long blocking ``get``: every :data:`_POLL_S` seconds without a result, the
+    workers' exit codes are read, and a worker that ended without sending its result
+    (an error, a signal such as the OOM killer's) raises :class:`GradsiftError` at once.
+    """
+    waiting_since = time.monotonic()
+    while len(collected) < len(workers):
+        # read before the get: what a worker that has exited sent is already in the pipe
+        ended = [worker for worker in workers if worker.exitcode is not None]
+        try:
+            pid, groups = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            lost = [worker for worker in ended if worker.pid not in collected]
+            if lost:
+                raise GradsiftError(
+                    "bench compress: contended worker(s) ended without sending their results: "
+                    f"{_exits(workers, lost)} (a worker's traceback, if it raised, is on stderr above)"
+                ) from None
+            if time.monotonic() - waiting_since > _CONTENDED_TIMEOUT_S:
+                raise GradsiftError(
+                    f"bench compress: no further contended result came in {_CONTENDED_TIMEOUT_S} s "
+                    f"({_exits(workers, workers)})"
+                ) from None
+            continue
+        collected[pid] = groups
+        waiting_since = time.monotonic()
+
+
+def _exits(workers: Sequence[Any], which: Sequence[Any]) -> str:
+    """``worker 1 of 2 (pid 123): signal SIGKILL`` for each of ``which`` (``running`` while alive)."""
+    described = []
+    for worker in which:
+        code = worker.exitcode
+        how = (
+            "running"
+            if code is None
+            else f"signal {signal.Signals(-code).name}"
+            if code < 0
+            else f"exit code {code}"
+        )
+        described.append(f"worker {workers.index(worker)} of {len(workers)} (pid {worker.pid}): {how}")
+    return ", ".join(described)
 
 
 def _pooled(per_process: Sequence[dict[str, Any]]) -> dict[str, Any]:
