@@ -159,3 +159,18 @@ def test_the_cpu_selection_never_enters_blas(monkeypatch, compressor):
     assert total.item() == pytest.approx(wide.sum().item(), rel=1e-12)
     assert squares.item() == pytest.approx((wide * wide).sum().item(), rel=1e-12)
     assert least.item() == wide.min().item()
+
+
+def test_kept_or_value_with_above_is_the_where_of_both_on_either_branch(monkeypatch):
+    """The CPU branch skips the quantile when the flag keeps ``eta``; the device branch (forced
+    here on CPU tensors) always computes both: the two must agree with the plain where."""
+    values = torch.rand(5000, generator=torch.Generator().manual_seed(3))
+    eta = torch.tensor(0.5, dtype=torch.float64)
+    oracle_quantile = values.sort(descending=True).values[40].double()  # 40 elements above it
+    for keep_eta in (True, False):
+        flag = torch.tensor(keep_eta)
+        expected = eta if keep_eta else oracle_quantile
+        assert kernels.kept_or_value_with_above(flag, eta, values, 40).item() == expected.item()
+        with monkeypatch.context() as patched:
+            patched.setattr(kernels, "_numpy_floats", lambda tensor: False)
+            assert kernels.kept_or_value_with_above(flag, eta, values, 40).item() == expected.item()

@@ -222,6 +222,24 @@ def value_with_above(values: torch.Tensor, keep: int) -> torch.Tensor:
     return torch.topk(values, keep + 1, sorted=False).values.min()
 
 
+def kept_or_value_with_above(
+    keep_eta: torch.Tensor, eta: torch.Tensor, values: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """``eta`` where the 0-d bool ``keep_eta`` holds, else :func:`value_with_above` of
+    ``(values, keep)`` (in ``eta``'s dtype).
+
+    CPU: the flag is host memory (read through NumPy), so the selection of the quantile
+    runs only when it is needed -- SIDCo's sample check keeps ``eta`` on most calls, and
+    the partition is a copy and a pass over the sample. Elsewhere: both, chosen on the
+    device by ``torch.where``, no host read.
+    """
+    if _numpy_floats(values) and keep_eta.device.type == "cpu":
+        if bool(_numpy(keep_eta.reshape(1))[0]):
+            return eta
+        return value_with_above(values, keep).to(eta.dtype)
+    return torch.where(keep_eta, eta, value_with_above(values, keep).to(eta.dtype))
+
+
 def nonzero_first(
     indices: torch.Tensor, magnitudes: torch.Tensor, smallest: torch.Tensor
 ) -> tuple[torch.Tensor, int | torch.Tensor]:

@@ -65,7 +65,13 @@ from gradsift.compressors.base import Count, Selection, Sparsifier, target_count
 from gradsift.compressors.threshold import threshold_selection
 from gradsift.compressors.topk import top_k_selection
 from gradsift.errors import InvalidOptionError
-from gradsift.kernels import CallingThreadOnly, counts_above, narrowed, nonzero_first, value_with_above
+from gradsift.kernels import (
+    CallingThreadOnly,
+    counts_above,
+    kept_or_value_with_above,
+    narrowed,
+    nonzero_first,
+)
 from gradsift.readout import Readout
 from gradsift.stats import (
     MagnitudeFit,
@@ -114,12 +120,6 @@ def max_stage_count(ratio: float) -> int:
 def sample_counts(sample: torch.Tensor, thresholds: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[#{s > t} for t in thresholds]`` as a float64 tensor (:func:`gradsift.kernels.counts_above`)."""
     return counts_above(sample, list(thresholds))
-
-
-def sample_quantile(sample: torch.Tensor, keep: int) -> torch.Tensor:
-    """The sample value with exactly ``keep`` elements above it (the ``(keep+1)``-th largest;
-    ties may leave fewer above it): :func:`gradsift.kernels.value_with_above`."""
-    return value_with_above(sample, keep)
 
 
 def log_miss(count: torch.Tensor | Count, expected: float) -> torch.Tensor | float:
@@ -310,10 +310,10 @@ class _SIDCo(Sparsifier):
             _SAMPLE_TOLERANCE if exact else max(_SAMPLE_TOLERANCE, _STANDARD_ERRORS / math.sqrt(expected))
         )
         (count,) = sample_counts(sample, [eta])
-        quantile = sample_quantile(sample, min(round(expected), sample.numel() - 1))
         miss = log_miss(count, expected)
         assert isinstance(miss, torch.Tensor)  # a count of the sample is a tensor
-        return torch.where(miss.abs() <= tolerance, eta, quantile.double())
+        keep = min(round(expected), sample.numel() - 1)
+        return kept_or_value_with_above(miss.abs() <= tolerance, eta.double(), sample, keep)
 
     @staticmethod
     def _sample_slope(sample: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
