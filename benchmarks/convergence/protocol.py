@@ -53,7 +53,7 @@ class Workload:
         arguments = [
             "--model", self.model, "--workers", str(self.workers), "--batch-size", str(self.batch_size),
             "--lr", str(self.lr), "--lr-schedule", "cosine",
-            "--warmup-steps", str(round(self.warmup_epochs * self.steps_per_epoch)),
+            "--lr-warmup-steps", str(round(self.warmup_epochs * self.steps_per_epoch)),
             "--steps", str(self.steps(epochs) if steps is None else steps), "--eval-every", str(eval_every),
         ]  # fmt: skip
         arguments += ["--optimizer", self.optimizer] if self.optimizer else []
@@ -155,6 +155,14 @@ METHODS = {
     "sparse-avg-sidco-exp-0.01-h10": Method(
         "sidco-exp", {"ratio": 0.01, "outer_momentum": 0.0, "outer_lr": 1.0}, flags=("--sync-every", "10"),
         setting="H 10, sidco-exp 0.01 + plain error feedback, averaged (outer lr 1, no momentum)"),
+    "alone": Method("none", flags=("--workers", "1"),
+                    setting="one worker alone at the per-worker batch, no communication (the zero-byte control)"),
+    "topk-0.01-dw16": Method("topk", {"ratio": 0.01}, flags=("--dense-warmup-steps", "16"),
+                             setting="ratio 0.01, the recipe with 16 dense warm-up steps (5 % of 314)"),
+    "topk-0.01-dw64": Method("topk", {"ratio": 0.01}, flags=("--dense-warmup-steps", "64"),
+                             setting="ratio 0.01, the recipe with 64 dense warm-up steps (20 % of 314)"),
+    "topk-0.01-dw128": Method("topk", {"ratio": 0.01}, flags=("--dense-warmup-steps", "128"),
+                              setting="ratio 0.01, the recipe with 128 dense warm-up steps (41 % of 314)"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -209,7 +217,8 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
          "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20",
-         "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10")  # fmt: skip
+         "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
+         "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128")  # fmt: skip
 
 
 #: The methods also run on 4 workers.
