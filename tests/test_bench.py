@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,13 +17,16 @@ import gradsift
 from gradsift import cli
 from gradsift.benchmarking import (
     CompressBenchConfig,
+    HookEncoder,
     benchmarkable,
     in_rotation,
     interleaved_medians_ms,
     run_compress_benchmark,
     synthetic_gradient,
 )
-from gradsift.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.compressors.topk import TopK
+from gradsift.errors import GradsiftError, InvalidOptionError, UnknownCompressorError
+from gradsift.readout import Readout
 
 ROW_FIELDS = {
     "compressor",
@@ -336,3 +340,78 @@ def _session_alive(session: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+#: What :class:`HookOnlyTopK`'s encode sleeps: a timed region that holds it shows at least this.
+ENCODE_DELAY_S = 0.05
+
+
+class HookOnlyTopK(TopK):
+    """``topk`` whose public ``compress()`` raises: only the DDP hook's ``encode`` works. Each
+    encode is recorded (numel, capacity, readout) and sleeps :data:`ENCODE_DELAY_S`."""
+
+    encodes: ClassVar[list[tuple[int, int | None, Readout]]] = []
+
+    def compress(self, tensor, *, key=0, **extra):
+        raise GradsiftError("compress() is not what the DDP hook calls")
+
+    def encode(self, flat, *, key, capacity, readout, **extra):
+        self.encodes.append((flat.numel(), capacity, readout))
+        time.sleep(ENCODE_DELAY_S)
+        return super().encode(flat, key=key, capacity=capacity, readout=readout, **extra)
+
+
+@pytest.fixture
+def hook_only(monkeypatch):
+    """``hook-only`` registered as :class:`HookOnlyTopK` (undone afterwards); its encode calls."""
+    from gradsift.compressors import registry
+
+    monkeypatch.setitem(registry._TABLE, "hook-only", f"{__name__}:HookOnlyTopK")
+    monkeypatch.setattr(HookOnlyTopK, "encodes", [])
+    return HookOnlyTopK.encodes
+
+
+def test_bench_times_the_hooks_encode_not_the_public_compress(hook_only):
+    """A compressor whose compress() raises is still measured: the bench calls encode with the
+    hook's capacity (k) and a fresh step readout, once per warm-up and timed call, and the
+    timed region holds it (its sleep shows in compress_ms, not in the baselines')."""
+    config = CompressBenchConfig(sizes=[3000], ratios=[0.01], compressors=["hook-only", "topk"], repeats=3,
+                                 warmup=2)  # fmt: skip
+    result = run_compress_benchmark(config, progress=False)
+    assert result["skipped"] == {}
+    rows = {row["compressor"]: row for row in result["rows"]}
+    assert set(rows) == {"hook-only", "topk"}
+    # the probe step (64 elements at ratio 0.5: k = 32), then 2 warm-up and 3 timed steps at k = 30
+    assert [(numel, capacity) for numel, capacity, _ in hook_only] == [(64, 32)] + [(3000, 30)] * 5
+    readouts = [readout for _, _, readout in hook_only]
+    assert all(isinstance(r, Readout) for r in readouts) and len({id(r) for r in readouts}) == 6
+    assert rows["hook-only"]["count"] == rows["topk"]["count"] == 30
+    assert rows["hook-only"]["nbytes"] == 30 * (4 + 4) + 4  # fp32 values, int32 indices, one length
+    delay_ms = ENCODE_DELAY_S * 1e3
+    assert rows["hook-only"]["compress_ms"] >= delay_ms
+    assert rows["hook-only"]["floor_ms"] < delay_ms and rows["topk"]["compress_ms"] < delay_ms
+
+
+def test_hook_encoder_sizes_each_step_as_the_hook_does():
+    """An adaptive-capacity compressor (a fixed threshold): the first step's payload has room for
+    ``first_ratio`` of the elements and keeps the largest that pass; once that step closes, the
+    next one has room for the demand (every element above the threshold, counted here by brute
+    force) rounded up to 16, and sends them all."""
+    x = synthetic_gradient(5000, seed=2)
+    eta = float(x.abs().kthvalue(5000 - 300).values)
+    passing = sorted(torch.nonzero(x.abs() > eta).flatten().tolist())
+    assert len(passing) == 300
+    encoder = HookEncoder(gradsift.get_compressor("threshold", threshold=eta, first_ratio=0.01))
+    first = encoder.encode(x)
+    with pytest.raises(GradsiftError, match="still open"):
+        encoder.encode(x)
+    encoder.close()
+    largest = sorted(torch.topk(x.abs(), 50).indices.tolist())
+    assert (first.capacity, first.count) == (50, 50)
+    assert sorted(first.indices.tolist()) == largest
+    second = encoder.encode(x)
+    encoder.close()
+    assert (second.capacity, second.count) == (304, 300)
+    assert sorted(second.indices[:300].tolist()) == passing
+    with pytest.raises(GradsiftError, match="no step is open"):
+        encoder.close()

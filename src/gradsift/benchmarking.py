@@ -6,11 +6,21 @@ is timed side by side on the same tensor ``x``:
 * ``floor``: ``torch.linalg.vector_norm(x, 1)`` -- one read pass over ``x``, the
   least any method that looks at every element can cost;
 * ``topk``: ``torch.topk(x.abs(), k, sorted=False)`` -- what a sparsifier must beat;
-* each compressor: ``compress(x)`` and ``decompress([payload], n)``.
+* each compressor: the DDP hook's own calls (:class:`HookEncoder`), not the public
+  ``compress()``/``decompress()``: ``compress`` times ``Compressor.encode`` with the part's
+  capacity and the step's readout (what :meth:`gradsift.exchanges.base.Codec.encode`
+  calls during backward; no host read), ``decompress`` times ``decompress_into([payload],
+  out)``. After each call, untimed, the step closes as in the hook (the readout's one host
+  read, the commit of the compressor's state and adaptation, the capacity following the
+  demand): the hook pays that once per step, not per bucket. The public ``compress()``
+  reads the count and the non-finite flag on the host and trims the payload, so on a GPU
+  it waits for the device every call, which the hook never does.
 
 Compressors without a ``ratio`` option (dense casts, quantizers) form one extra group
 per size (``ratio=None``). ``threshold`` gets the oracle ``eta`` = the ``k``-th largest
-``|x|``, so it selects about ``k``: its time is that of one comparison pass.
+``|x|``, so it selects about ``k``: its time is that of one comparison pass (its
+capacity, adaptive as in the hook, has room for them from its second step on, so
+after one warm-up call).
 
 Protocol: every method is first called ``warmup`` times on ``x`` (adaptive methods
 settle their per-tensor state; allocator and caches warm up), then the group's
@@ -20,6 +30,12 @@ method always follows the same one (a microsecond call measured right after the 
 ``torch.topk`` ran ~1.4x faster than the same call after a NumPy-kernel method).
 Reported: the median over rounds, per phase. The same ``x`` is
 compressed every time (no error feedback), with the same ``key``.
+
+What a time means: the wall clock (``time.perf_counter``) around one call. On CPU the
+work runs in the calling process (on ``threads`` threads), so that is its cost. On CUDA
+the device is synchronised before and after the call (``torch.cuda.synchronize``), so the
+time covers the call's kernels as well as their launches: the device time one bucket's
+encode adds to backward's stream (the hook itself never waits for it).
 
 Contended mode (``processes = N > 1``): ``N`` processes (each with ``threads``
 threads) run the same measurement at the same time, meeting at a barrier before
@@ -42,7 +58,7 @@ import queue
 import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -50,9 +66,11 @@ import torch
 from tqdm import tqdm
 
 from gradsift import __version__
+from gradsift.capacity import CapacityPlan
 from gradsift.compressors import available_compressors, compressor_class, get_compressor
-from gradsift.compressors.base import Compressor, Payload, target_count
+from gradsift.compressors.base import Compressor, Count, Payload, target_count
 from gradsift.errors import GradsiftError
+from gradsift.readout import Readout
 from gradsift.validation import check_choice, check_int, check_ratio
 
 T = TypeVar("T")
@@ -137,6 +155,59 @@ def synthetic_gradient(
     return x.to(device, dtype)
 
 
+class HookEncoder:
+    """One flat tensor encoded step after step as the DDP hook encodes a bucket's part.
+
+    :meth:`encode` is the hook's call during backward (the one
+    :meth:`gradsift.exchanges.base.Codec.encode` makes): ``Compressor.encode`` with the
+    part's capacity from a :class:`~gradsift.capacity.CapacityPlan` (``compressor.capacity(n)``;
+    for an adaptive-capacity compressor, the demand of the last kept step) and the step's
+    :class:`~gradsift.readout.Readout`, inside the state store's transaction; no host read.
+    :meth:`close` is the step's close: the readout's one host read, the commit of the
+    store and of the compressor's deferred updates (SIDCo's stage choice), the capacity
+    following the demand. Time :meth:`encode` alone and :meth:`close` between timings:
+    the hook closes once per step, not once per bucket.
+    """
+
+    def __init__(self, compressor: Compressor, key: Hashable = 0) -> None:
+        self.compressor = compressor
+        self.key = key
+        self.capacities = CapacityPlan()
+        self._open: tuple[Readout, Count, int] | None = None  # the open step: readout, demand, numel
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        """Open a step and encode ``flat`` (1-D) in it, as the hook does; the payload keeps its padding."""
+        if self._open is not None:
+            raise GradsiftError("HookEncoder.encode: the previous step is still open; close() it first")
+        numel = flat.numel()
+        readout = Readout()
+        store = self.compressor.store
+        store.begin()
+        try:
+            payload = self.compressor.encode(
+                flat,
+                key=self.key,
+                capacity=self.capacities.capacity(self.compressor, self.key, numel),
+                readout=readout,
+            )
+        except BaseException:
+            store.rollback()
+            raise
+        self._open = (readout, payload.entries() if payload.demand is None else payload.demand, numel)
+        return payload
+
+    def close(self) -> None:
+        """Close the step :meth:`encode` opened, as the hook's step close keeps a step."""
+        if self._open is None:
+            raise GradsiftError("HookEncoder.close: no step is open; encode() opens one")
+        (readout, demand, numel), self._open = self._open, None
+        read = readout.slot(torch.as_tensor(demand))  # a host count stays on the host
+        readout.read()  # the step's one host read
+        self.compressor.store.commit()
+        readout.commit()
+        self.capacities.follow(self.key, read[0], numel)
+
+
 def density_option(name: str) -> str | None:
     """The option that sets a compressor's density: ``"ratio"``, ``"threshold"`` or None."""
     accepted = inspect.signature(compressor_class(name).__init__).parameters
@@ -147,8 +218,9 @@ def benchmarkable(names: Sequence[str] | None, device: str) -> tuple[list[str], 
     """Split ``names`` (default: the registry) into those that compress a flat tensor and the rest.
 
     A compressor is skipped, with the reason, when its module does not import, when
-    it needs the model's parameters (``needs_parameters``), or when a probe
-    ``compress`` of a small tensor raises a gradsift error (e.g. hook-only methods).
+    it needs the model's parameters (``needs_parameters``), or when a probe step of the
+    hook's encode (:class:`HookEncoder`) of a small tensor raises a gradsift error
+    (e.g. PowerSGD, which runs its own collectives).
     """
     usable, skipped = [], {}
     for name in available_compressors() if names is None else names:
@@ -162,9 +234,9 @@ def benchmarkable(names: Sequence[str] | None, device: str) -> tuple[list[str], 
             continue
         option = density_option(name)
         try:
-            get_compressor(name, **({} if option is None else {option: 0.5})).compress(
-                torch.randn(64, device=device)
-            )
+            probe = HookEncoder(get_compressor(name, **({} if option is None else {option: 0.5})))
+            probe.encode(torch.randn(64, device=device))
+            probe.close()
         except GradsiftError as error:
             skipped[name] = str(error)
             continue
@@ -211,17 +283,20 @@ def _synchronizer(device: str) -> Callable[[], None]:
 
 @dataclass
 class _Method:
-    """One timed method of a group: ``run()`` returns a payload (or a tensor for baselines)."""
+    """One timed method of a group: ``run()`` returns a payload (or a tensor for baselines);
+    ``close()`` runs untimed after each call (a compressor's step close)."""
 
     label: str
     run: Callable[[], Any]
     decompress: Callable[[Any], torch.Tensor] | None = None
     options: dict[str, Any] | None = None  # a compressor's options; None for the baselines
+    close: Callable[[], None] = lambda: None
 
 
 def _group_methods(x: torch.Tensor, ratio: float | None, names: Sequence[str]) -> list[_Method]:
     """The floor, (for a ratio) bare top-k, and a fresh instance of each compressor."""
     numel = x.numel()
+    out = torch.empty_like(x)  # the bucket's result the hook decodes into, one for the group
     methods = [_Method(FLOOR, lambda: torch.linalg.vector_norm(x, 1))]
     if ratio is not None:
         k = target_count(numel, ratio)
@@ -232,20 +307,22 @@ def _group_methods(x: torch.Tensor, ratio: float | None, names: Sequence[str]) -
         if (option is None) != (ratio is None):
             continue
         options = {} if option is None else {option: oracle_eta if option == "threshold" else ratio}
-        methods.append(_compressor_method(name, get_compressor(name, **options), x, numel))
+        methods.append(_compressor_method(name, get_compressor(name, **options), x, out))
     return methods
 
 
-def _compressor_method(name: str, compressor: Compressor, x: torch.Tensor, numel: int) -> _Method:
-    """``compressor``'s compress of ``x`` and decompress of its payload, as a timed method."""
+def _compressor_method(name: str, compressor: Compressor, x: torch.Tensor, out: torch.Tensor) -> _Method:
+    """The hook's encode of ``x`` and decode of its payload into ``out``, as a timed method."""
+    encoder = HookEncoder(compressor)
 
     def run() -> Payload:
-        return compressor.compress(x, key=0)
+        return encoder.encode(x)
 
     def decompress(payload: Payload) -> torch.Tensor:
-        return compressor.decompress([payload], numel)
+        compressor.decompress_into([payload], out)
+        return out
 
-    return _Method(name, run, decompress, compressor.options())
+    return _Method(name, run, decompress, compressor.options(), encoder.close)
 
 
 def _measure_group(
@@ -269,6 +346,7 @@ def _measure_group(
             out = method.run()
             if method.decompress is not None:
                 method.decompress(out)
+            method.close()
             progress.update(1)
     for round_index in range(config.repeats):
         for method in in_rotation(methods, round_index):
@@ -277,8 +355,9 @@ def _measure_group(
             record["compress"].append(ms)
             if method.decompress is not None:
                 record["decompress"].append(timed(functools.partial(method.decompress, out))[1])
-                record["count"].append(out.count)
-                record["nbytes"].append(out.nbytes)
+                record["count"].append(out.count)  # entries in use (a host read, untimed)
+                record["nbytes"].append(out.nbytes)  # on the wire: padding to capacity included
+            method.close()
             del out
             progress.update(1)
     return samples
@@ -456,12 +535,13 @@ def run_compress_benchmark(config: CompressBenchConfig, *, progress: bool = True
 
     Each row: ``compressor``, ``options``, ``numel``, ``ratio`` (None for ratio-less
     compressors), ``target_count`` (``k``; ``numel`` without a ratio), ``count`` (mean
-    achieved), ``count_vs_target``, medians ``compress_ms``, ``decompress_ms``,
-    ``floor_ms``, ``topk_ms`` (bare ``torch.topk``; None without a ratio),
-    ``compress_vs_floor``, ``speedup_vs_topk`` (``topk_ms / compress_ms``),
-    ``speedup_vs_topk_compressor`` (the ``topk`` compressor's ``compress_ms`` over this
-    one's; None when ``topk`` is not in the run or there is no ratio), ``nbytes`` (mean
-    payload bytes) and ``dense_nbytes`` (``n`` times the element size). In the
+    entries in use of the hook's payload), ``count_vs_target``, medians ``compress_ms``
+    (the hook's encode) and ``decompress_ms`` (its ``decompress_into``), ``floor_ms``,
+    ``topk_ms`` (bare ``torch.topk``; None without a ratio), ``compress_vs_floor``,
+    ``speedup_vs_topk`` (``topk_ms / compress_ms``), ``speedup_vs_topk_compressor`` (the
+    ``topk`` compressor's ``compress_ms`` over this one's; None when ``topk`` is not in
+    the run or there is no ratio), ``nbytes`` (mean bytes of the payload the hook sends,
+    its padding to capacity included) and ``dense_nbytes`` (``n`` times the element size). In the
     contended mode rows add ``compress_ms_by_process`` (each process's median) and the
     medians are over every process's samples.
     """
