@@ -459,8 +459,59 @@ SIMULATED_TABLE = Table(
     ),
 )  # fmt: skip
 
-TABLES = (TRAINING_TABLE, QUANTIZER_TABLE, CROSSOVER_TABLE, HOOK_TABLE, HF_TRAINER_TABLE, SIMULATED_TABLE)
+# -- step times over emulated 100 Mbit/s: VGG, 4 workers, 40 steps (issue 27's targets) ----------
+STEPS40 = {
+    name: Result(
+        f"benchmarks/training/steps40/{name}.json",
+        f"flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json benchmarks/training/steps40/{name}.json "
+        f"--seed 0 -- python -m gradsift train --model vgg --workers 4 --steps 40 --eval-every 0 --bandwidth 100mbit "
+        f"--compressor {name}{' --ratio 0.01' if name in ('topk', 'sidco-exp') else ''} --seed 0 "
+        f"--data-dir /usr/share/datasets/fashion-mnist --no-progress --json benchmarks/training/steps40/{name}.json",
+    )
+    for name in ("none", "bf16", "topk", "sidco-exp")
+}
+
+
+def _step_ms(name: str) -> Claim:
+    return Claim(
+        f"steps40.{name}.step", STEPS40[name], ("step_time_median_s",), "{:.0f} ms", compute=lambda s: 1e3 * s
+    )
+
+
+def _faster(name: str, than: str) -> Claim:
+    return Claim(f"steps40.{name}.vs.{than}", STEPS40[name], ((STEPS40[than], "step_time_median_s"),
+                 "step_time_median_s"), "{:.2f}x", compute=lambda other, own: other / own)  # fmt: skip
+
+
+STEPS40_TABLE = Table(
+    "steps40",
+    ("method", "step (median)", "fp32 step / this step", "top-k step / this step", "compress ms (median)",
+     "MB sent per step per worker"),
+    ("---", "---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (label, _step_ms(name), _faster(name, "none"), _faster(name, "topk"),
+         Claim(f"steps40.{name}.compress", STEPS40[name], ("compress_median_s",), "{:.1f}", compute=lambda s: 1e3 * s),
+         Claim(f"steps40.{name}.mb", STEPS40[name], ("bytes_sent_per_step",), "{:.3f}", compute=lambda b: b / 1e6))
+        for label, name in (("`none` (fp32)", "none"), ("`bf16`", "bf16"), ("`topk` 0.01", "topk"),
+                            ("`sidco-exp` 0.01", "sidco-exp"))
+    ),
+)  # fmt: skip
+STEPS40_CLAIMS = (
+    Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
+    Claim("steps40.load", STEPS40["none"], ("provenance/load_before/0", (STEPS40["sidco-exp"], "provenance/load_after/0")),
+          "{:.1f} before the first run / {:.1f} after the last", compute=lambda *v: v),
+)  # fmt: skip
+
+TABLES = (
+    TRAINING_TABLE,
+    QUANTIZER_TABLE,
+    CROSSOVER_TABLE,
+    HOOK_TABLE,
+    HF_TRAINER_TABLE,
+    SIMULATED_TABLE,
+    STEPS40_TABLE,
+)
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
