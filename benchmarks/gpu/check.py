@@ -21,8 +21,9 @@ conditions does not hold, and any failure makes the exit status 1:
   ``optimizer=`` and ``scaler=``, against stock DDP: relative parameter difference at most
   :data:`AMP_TARGET`.
 * ``encode`` (a measurement): the hook's sync-free encode (``Compressor.encode`` with the
-  hook's capacity and a step readout, what the DDP hook calls; not the public ``compress()``,
-  which reads counts on the host) of ``sidco-exp`` (as the hook runs it, and forced onto its
+  hook's capacity and a step readout, each step closed untimed:
+  ``gradsift.benchmarking.HookEncoder``; not the public ``compress()``, which reads
+  counts on the host) of ``sidco-exp`` (as the hook runs it, and forced onto its
   statistical path) and ``topk`` against a bare ``torch.topk(|x|, k)`` at 2^20, 10^7 and 10^8
   elements and ratios 0.01 and 0.001, median time by CUDA events.
 * ``step_time`` (a measurement): stock DDP against the hook (``none``, ``topk``,
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from gradsift.readout import Readout
+from gradsift.benchmarking import HookEncoder
 
 # benchmarks/: the shared provenance stamp and worker launcher
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -287,8 +288,11 @@ def check_amp(device: torch.device, small: bool) -> dict[str, Any]:
     return {"relative_difference": difference, "target": AMP_TARGET, "failures": failures}
 
 
-def timed(function: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of ``function`` (CUDA events on a GPU), after two warm-up calls."""
+def timed(
+    function: Callable[[], Any], device: torch.device, repeats: int, after: Callable[[], Any] = lambda: None
+) -> float:
+    """Median milliseconds of ``function`` (CUDA events on a GPU), after two warm-up calls;
+    ``after`` runs untimed after each call (the step's close of a hook encode)."""
     times = []
     for _ in range(repeats + 2):
         if device.type == "cuda":
@@ -302,6 +306,7 @@ def timed(function: Callable[[], Any], device: torch.device, repeats: int) -> fl
             started = time.perf_counter()
             function()
             times.append((time.perf_counter() - started) * 1e3)
+        after()
     return statistics.median(times[2:])
 
 
@@ -321,10 +326,9 @@ def check_encode(device: torch.device, small: bool) -> dict[str, Any]:
                 ("sidco-exp", gradsift.get_compressor("sidco-exp", ratio=ratio)),
                 ("sidco-exp fit", gradsift.get_compressor("sidco-exp", ratio=ratio, exact_below=0)),
             ):
-                capacity = compressor.capacity(numel)
-                # what the DDP hook calls: no host read; the readout is read at the step's close
-                times[label] = timed(lambda c=compressor, x=x, n=capacity: c.encode(x, key=0, capacity=n,
-                                     readout=Readout()), device, repeats)  # fmt: skip
+                # what the DDP hook calls (no host read), each step closed untimed as the hook's close
+                encoder = HookEncoder(compressor)
+                times[label] = timed(lambda e=encoder, x=x: e.encode(x), device, repeats, after=encoder.close)
             for label, ms in times.items():
                 rows.append({"numel": numel, "ratio": ratio, "method": label, "encode_ms": ms,
                              "speedup_vs_torch_topk": times["torch.topk"] / ms})  # fmt: skip
