@@ -68,7 +68,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(dataset(0), batch_size=32, shuffle=False)  # prepare() shards it across ranks
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hook_state = gradsift.register_comm_hook(model, args.compressor, ratio=args.ratio)
+    hook_state = gradsift.register_comm_hook(model, args.compressor, ratio=args.ratio, optimizer=optimizer)
 
     def save(path: Path, step: int) -> None:
         hooks = gather_hook_states(hook_state)  # collective: every rank takes part

@@ -97,11 +97,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(args.seed).to(device)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The one gradsift line: compress every DDP bucket before it is exchanged.
-    hook_state = gradsift.register_comm_hook(
-        ddp_model, args.compressor, ratio=args.ratio, granularity=args.granularity
-    )
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=args.lr, momentum=0.9)
+    # The one gradsift line: compress every DDP bucket before it is exchanged; with
+    # optimizer= the hook takes SGD's momentum over (DGC's momentum correction).
+    hook_state = gradsift.register_comm_hook(
+        ddp_model, args.compressor, ratio=args.ratio, granularity=args.granularity, optimizer=optimizer
+    )
 
     step = 0
     if args.resume is not None:

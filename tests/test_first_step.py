@@ -117,3 +117,39 @@ def test_several_hooked_models_step_side_by_side(one_process_group):
         for _, ddp, optimizer in runs:
             train(ddp, optimizer, steps=1)
     assert all(state.first_step.handle is None for state, _, _ in runs)
+
+
+class Wrapped(torch.optim.Optimizer):
+    """A wrapper in the manner of Accelerate's ``AcceleratedOptimizer``: its step steps the
+    inner optimizer, whose param groups it shares."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:  # no super().__init__: as Accelerate
+        self.optimizer = inner
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapper_passed_as_optimizer_is_not_warned_about(one_process_group):
+    ddp = model()
+    optimizer = Wrapped(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    state = gradsift.register_comm_hook(ddp, "randomk", ratio=0.1, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(ddp, optimizer)
+    assert state.feedback.momentum == 0.9  # taken over through the wrapper

@@ -101,7 +101,7 @@ class FirstOptimizerStep:
             return
         if self.check_momentum:
             self.check_momentum = False
-            momentum = None if optimizer is self.given else _momentum_of(optimizer)
+            momentum = None if _same_optimizer(optimizer, self.given) else _momentum_of(optimizer)
             if momentum is not None:
                 warnings.warn(
                     f"gradsift: {type(optimizer).__name__} ({momentum}) steps the hooked model's parameters "
@@ -123,6 +123,15 @@ class FirstOptimizerStep:
                             "without scaler=, so its weight decay, clipping, thresholds and residuals worked "
                             "on scaled gradients; pass register_comm_hook(..., scaler=scaler)"
                         )
+
+
+def _same_optimizer(optimizer: torch.optim.Optimizer, given: Any) -> bool:
+    """``optimizer`` is the one passed, or the one a wrapper passed in its place wraps
+    (Accelerate's ``AcceleratedOptimizer`` steps the inner optimizer, whose param groups
+    are the wrapper's)."""
+    return given is not None and (
+        optimizer is given or optimizer.param_groups is getattr(given, "param_groups", None)
+    )
 
 
 def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gradsift.adam import AdamTakeover, LocalUpdateStep, is_adam, l2_decay, take_over
+from gradsift.adam import ADAM_FAMILY, AdamTakeover, LocalUpdateStep, is_adam, l2_decay, take_over
 from gradsift.errors import InvalidOptionError
 
 MOMENTUM_KEY = "gradsift_momentum"
@@ -54,6 +54,17 @@ class OptimizerTakeover:
 SUPPORTED_OPTIMIZERS = "torch.optim.SGD (with momentum or without), torch.optim.Adam, torch.optim.AdamW"
 
 
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a wrapper steps (Accelerate's ``AcceleratedOptimizer`` keeps it as
+    ``.optimizer``), or ``optimizer`` itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    while not isinstance(optimizer, (torch.optim.SGD, *ADAM_FAMILY)) and isinstance(
+        inner, torch.optim.Optimizer
+    ):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
 def take_over_optimizer(
     optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0, adam: str = "frozen-variance"
 ) -> OptimizerTakeover:
@@ -69,6 +80,7 @@ def take_over_optimizer(
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer = unwrapped(optimizer)
     if is_adam(optimizer):
         step = take_over(optimizer, numbers, warmup_steps, adam)
         momentum = 0.0 if isinstance(step, LocalUpdateStep) else step.beta1
