@@ -73,7 +73,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     gradsift_callback = GradsiftCallback(args.compressor, ratio=args.ratio)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator="auto",  # one GPU per process with CUDA (NCCL), else CPU processes (gloo)
         devices=args.devices,
         strategy=DDPStrategy(**gradsift_callback.strategy_kwargs()),
         max_epochs=args.epochs,

@@ -152,6 +152,27 @@ def test_lightning_callback_registers_where_lightning_did_not(one_process_group:
         GradsiftCallback(callback.state.compressor, ratio=0.1)
 
 
+@pytest.mark.distributed
+def test_lightning_callback_hands_the_hook_the_trainers_optimizer(one_process_group: None) -> None:
+    pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
+    from gradsift.integrations.lightning import GradsiftCallback
+
+    ddp_model = _ddp_model()
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp_model), optimizers=[optimizer])
+    callback = GradsiftCallback("topk", ratio=0.1)
+    callback.on_fit_start(trainer, None)
+    assert callback.state.feedback.momentum == 0.9  # taken over, as optimizer= does
+    assert optimizer.param_groups[0]["momentum"] == 0.0
+    kept = GradsiftCallback("topk", take_optimizer=False, ratio=0.1)
+    other = torch.optim.SGD(_ddp_model().parameters(), lr=0.1, momentum=0.9)
+    kept.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model()), optimizers=[other]), None)
+    assert kept.state.feedback.momentum == 0.0 and other.param_groups[0]["momentum"] == 0.9
+    two = SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model()), optimizers=[other, optimizer])
+    with pytest.raises(InvalidOptionError, match="take_optimizer=False"):
+        GradsiftCallback("topk", ratio=0.1).on_fit_start(two, None)
+
+
 # -- Hugging Face Trainer callback, in a one-process gloo group ----------------------------
 def test_trainer_callback_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib

@@ -40,6 +40,10 @@ class GradsiftCallback(Callback):
     Args:
         compressor: a registry name (``"sidco-exp"``, ``"topk"``, ...) or a built
             :class:`~gradsift.compressors.base.Compressor`.
+        take_optimizer: hand the hook the trainer's optimizer as ``optimizer=`` (default
+            True): SGD's momentum and weight decay, Adam's first moment, move into the
+            exchange (DGC's momentum correction, :mod:`gradsift.recipe`); a module with
+            several optimizers needs ``take_optimizer=False``.
         options: hook options (:data:`gradsift.ddp.HOOK_OPTIONS`: ``granularity``,
             ``warmup_steps``, ...) and compressor options (``ratio``, ...), as for
             :func:`gradsift.register_comm_hook`.
@@ -51,7 +55,12 @@ class GradsiftCallback(Callback):
 
     hook = staticmethod(gradsift_hook)
 
-    def __init__(self, compressor: str | Compressor = "sidco-exp", **options: Any) -> None:
+    def __init__(
+        self, compressor: str | Compressor = "sidco-exp", take_optimizer: bool = True, **options: Any
+    ) -> None:
+        if not isinstance(take_optimizer, bool):
+            raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
+        self.take_optimizer = take_optimizer
         self.state = new_hook_state(compressor, **options)
         self._ddp_model: Any = None
         self._restored: dict[str, Any] | None = None  # a checkpoint's entry until the model is placed
@@ -67,13 +76,26 @@ class GradsiftCallback(Callback):
                 "GradsiftCallback needs a DDP strategy (strategy='ddp' or DDPStrategy(...)) with at least "
                 f"2 processes; the trainer's model is a {type(ddp_model).__name__}"
             )
+        optimizer = self._optimizer(trainer)
         if any(state is self.state for _, state in getattr(ddp_model, "_comm_hooks", ())):
-            self.state.attach(ddp_model)  # Lightning registered it (CUDA): bind it only
+            self.state.attach(ddp_model, optimizer)  # Lightning registered it (CUDA): bind it only
         else:
-            register_comm_hook(ddp_model, self.state)
+            register_comm_hook(ddp_model, self.state, optimizer=optimizer)
         self._ddp_model = ddp_model
         if self._restored is not None:
             self._load(self._restored)
+
+    def _optimizer(self, trainer: Any) -> Any:
+        """The trainer's one optimizer when the hook takes it (``strategy.setup`` made it before ``on_fit_start``)."""
+        if not self.take_optimizer:
+            return None
+        optimizers = list(getattr(trainer, "optimizers", []))
+        if len(optimizers) > 1:
+            raise InvalidOptionError(
+                f"GradsiftCallback hands the hook one optimizer, and the module has {len(optimizers)}: "
+                "pass take_optimizer=False (then run the optimizers without momentum)"
+            )
+        return optimizers[0] if optimizers else None
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
