@@ -217,3 +217,19 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "api" / "index.html").exists()
     assert "register_comm_hook" in (tmp_path / "api" / "index.html").read_text(encoding="utf-8")
+
+
+def test_the_decisions_index_lists_every_decision_and_what_is_superseded() -> None:
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "decisions_index.py"
+    spec = importlib.util.spec_from_file_location("decisions_index", script)
+    assert spec is not None and spec.loader is not None
+    decisions_index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decisions_index)
+    text = decisions_index.DECISIONS.read_text(encoding="utf-8")
+    assert decisions_index.rewritten(text) == text, "run python scripts/decisions_index.py"
+    text = "# D\n\nintro\n\n## First: one\n*Superseded by Second below.*\n\n## Second, two\nbody\n"
+    once = decisions_index.rewritten(text)
+    assert "- [First: one](#first-one) (superseded, see the entry)\n- [Second, two](#second-two)\n" in once
+    assert decisions_index.rewritten(once) == once  # the index does not index itself
