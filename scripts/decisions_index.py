@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import unicodedata
 from pathlib import Path
 
 DECISIONS = Path(__file__).resolve().parents[1] / "docs" / "decisions.md"
@@ -20,9 +21,11 @@ OPEN, CLOSE = "<!-- decisions-index -->", "<!-- /decisions-index -->"
 
 
 def anchor(title: str) -> str:
-    """The heading's anchor as MkDocs and GitHub make it: lower case, punctuation dropped, spaces to dashes."""
-    text = re.sub(r"[^\w\- ]", "", title.lower())
-    return text.replace(" ", "-")
+    """The heading's anchor as MkDocs makes it (Python-Markdown's ``toc.slugify``): ASCII
+    only, punctuation dropped, lower case, runs of spaces and dashes to one dash."""
+    text = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
 
 
 def index(text: str) -> str:
