@@ -294,6 +294,10 @@ def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
 
 
 # -- generated markdown -------------------------------------------------------------------------
+#: What a cell of a measurement no run of the table has reads like: such a column is left out.
+EMPTY_CELLS = ("-", "- s", "- / -")
+
+
 def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -310,10 +314,11 @@ def markdown(analysis: dict[str, Any], workloads: tuple[str, ...] | None = None)
             f"**{name}** ({section['epochs']:g} epochs, {section['metric']}; target "
             f"{fmt(section['target'] * scale, '.2f')}{unit} = fp32 {'x 1.01' if loss else '- 0.5 point'})",
             "",
-            "| method | setting | final (mean ± sd, seeds) | vs fp32 | fewer bytes than fp32 | epochs to target "
-            "| time to target 100 Mbit/s | 1 Gbit/s | sooner than fp32 / bf16 at 100 Mbit/s |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        header = ("method", "setting", "final (mean ± sd, seeds)", "vs fp32", "fewer bytes than fp32",
+                  "epochs to target", "time to target 100 Mbit/s", "1 Gbit/s",
+                  "sooner than fp32 / bf16 at 100 Mbit/s")  # fmt: skip
+        rows = []
         for method, row in section["methods"].items():
             sd = (
                 f" ± {row['final_sd'] * scale:{'.3f' if loss else '.2f'}}"
@@ -335,12 +340,15 @@ def markdown(analysis: dict[str, Any], workloads: tuple[str, ...] | None = None)
             )
             ratios = " / ".join(fmt(row.get(f"sooner_than_{b}_100mbit"), ".2f") + "x" if row.get(f"sooner_than_{b}_100mbit") else "-"
                                 for b in ("none", "bf16"))  # fmt: skip
-            lines.append(
-                f"| {method} | {row['setting']} | {row['final_mean'] * scale:{'.3f' if loss else '.2f'}}{unit}{sd} ({len(row['seeds'])}) "
-                f"| {versus} | {row['fewer_bytes_than_fp32']:.1f}x | {epochs_text} "
-                f"| {fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s "
-                f"| {fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s | {ratios} |"
-            )  # fmt: skip
+            rows.append((method, row["setting"],
+                         f"{row['final_mean'] * scale:{'.3f' if loss else '.2f'}}{unit}{sd} ({len(row['seeds'])})",
+                         versus, f"{row['fewer_bytes_than_fp32']:.1f}x", epochs_text,
+                         f"{fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s",
+                         f"{fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s", ratios))  # fmt: skip
+        kept = [c for c in range(len(header)) if any(row[c] not in EMPTY_CELLS for row in rows)]
+        lines.append("| " + " | ".join(header[c] for c in kept) + " |")
+        lines.append("| " + " | ".join("---" if c < 2 else "---:" for c in kept) + " |")
+        lines += ["| " + " | ".join(row[c] for c in kept) + " |" for row in rows]
         lines.append("")
     defaults = analysis.get("trainer_defaults") or {}
     if defaults and workloads is None:
