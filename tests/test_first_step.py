@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.errors import InvalidOptionError
+from gradsift.first_step import WATCHERS
 
 pytestmark = pytest.mark.distributed
 
@@ -116,7 +117,9 @@ def test_several_hooked_models_step_side_by_side(one_process_group):
     for _ in range(3):
         for _, ddp, optimizer in runs:
             train(ddp, optimizer, steps=1)
-    assert all(state.first_step.handle is None for state, _, _ in runs)
+    assert not any(state.first_step.watching for state, _, _ in runs)
+    watched = [ref() for ref in WATCHERS.watchers]
+    assert not any(state.first_step is w for state, _, _ in runs for w in watched)
 
 
 class Wrapped(torch.optim.Optimizer):

@@ -22,15 +22,16 @@ gradient is what the hook delivered; ``g = d / 2^k`` exactly for every element, 
 0`` -- a loss scaler's ``unscale_`` ran between backward and the step, which (2^k scales,
 exact in floating point) no clipping or other rule produces except by coincidence;
 anything else -- the user changed the gradient some other way, not our business. A
-reference of zeros says nothing and waits for the next step. Once decided, the global
-hook is removed (at the hook's next bucket: a hook cannot remove itself
-while the optimizer iterates over the global hooks).
+reference of zeros says nothing and waits for the next step. Once decided, the hook's
+watcher leaves the one process-wide optimizer hook (:class:`_Watchers`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -40,6 +41,43 @@ from gradsift.errors import InvalidOptionError
 
 #: Elements of the delivered gradient kept for the comparison.
 REFERENCE_ELEMENTS = 4096
+
+
+class _Watchers:
+    """The watchers of every hook in the process behind one global optimizer pre-hook.
+
+    The global hook is registered once and never removed: an optimizer's step iterates
+    over PyTorch's global hooks, and removing one while another thread's optimizer steps
+    (``gradsift.simulate`` runs its workers as threads) raised "OrderedDict mutated
+    during iteration". Watchers come and go in this list under a lock instead; each is
+    held weakly, so a dropped hook state leaves nothing behind. Without watchers the
+    hook returns at once.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watchers: list[weakref.ref[FirstOptimizerStep]] = []
+        self.registered = False
+
+    def add(self, watcher: FirstOptimizerStep) -> None:
+        with self.lock:
+            self.watchers.append(weakref.ref(watcher))
+            if not self.registered:
+                register_optimizer_step_pre_hook(self.before_step)
+                self.registered = True
+
+    def remove(self, watcher: FirstOptimizerStep) -> None:
+        with self.lock:
+            self.watchers = [ref for ref in self.watchers if ref() not in (None, watcher)]
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with self.lock:
+            alive = [watcher for ref in self.watchers if (watcher := ref()) is not None]
+        for watcher in alive:
+            watcher.before_step(optimizer)
+
+
+WATCHERS = _Watchers()
 
 
 class FirstOptimizerStep:
@@ -62,21 +100,16 @@ class FirstOptimizerStep:
         self.check_scaler = check_scaler
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.handle: Any = None
-        if check_momentum or check_scaler:
-            self.handle = register_optimizer_step_pre_hook(self._before_step)
+        if self.watching:
+            WATCHERS.add(self)
 
     @property
     def watching(self) -> bool:
-        return self.handle is not None and (self.check_momentum or self.check_scaler)
+        return self.check_momentum or self.check_scaler
 
     def offer(self, param: torch.Tensor, result: torch.Tensor) -> None:
-        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient.
-        Once decided, the global hook is removed here: an optimizer's step iterates over
-        the global hooks, so a hook cannot remove itself while it runs."""
-        if not self.watching:
-            self.close()
-        elif self.candidate is None:
+        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient."""
+        if self.watching and self.candidate is None:
             self.candidate = (param, result)
 
     def keep(self) -> None:
@@ -88,12 +121,13 @@ class FirstOptimizerStep:
             self.candidate = None
 
     def close(self) -> None:
-        """Stop watching (removes the global hook)."""
-        if self.handle is not None:
-            self.handle.remove()
-        self.handle, self.candidate, self.reference = None, None, None
+        """Stop watching."""
+        self.check_momentum = self.check_scaler = False
+        self.candidate = self.reference = None
+        WATCHERS.remove(self)
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The checks, when ``optimizer`` steps the hooked parameters (module docstring)."""
         if not self.watching:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -108,7 +142,7 @@ class FirstOptimizerStep:
                     "but was not passed to register_comm_hook(..., optimizer=...); on top of error feedback "
                     "its momentum re-applies updates the residuals already hold (DGC's momentum correction, "
                     "docs/decisions.md) and training can diverge: pass optimizer=",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         if self.check_scaler and self.reference is not None:
             param, delivered = self.reference
@@ -117,12 +151,15 @@ class FirstOptimizerStep:
                 if decided is not None:
                     self.check_scaler = False
                     if decided != 0:
+                        self.close()
                         raise InvalidOptionError(
                             f"the gradients {type(optimizer).__name__} steps are the hook's divided by "
                             f"2^{decided}: a torch.amp.GradScaler unscaled them, but the hook was registered "
                             "without scaler=, so its weight decay, clipping, thresholds and residuals worked "
                             "on scaled gradients; pass register_comm_hook(..., scaler=scaler)"
                         )
+        if not self.watching:
+            self.close()
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer, given: Any) -> bool:
