@@ -28,7 +28,7 @@ import gradsift
 from distributed_utils import run_workers
 from gradsift.adam import FrozenVarianceStep
 from gradsift.errors import InvalidOptionError
-from test_ddp import batch, flat_params, make_model
+from test_ddp import IN, batch, flat_params, make_model
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)
 
@@ -212,7 +212,6 @@ def refusals_worker(rank: int, world: int) -> dict:
         "adagrad": refusal(lambda m: torch.optim.Adagrad(params(m)), warmup_steps=3),
         "amsgrad": refusal(lambda m: torch.optim.AdamW(params(m), amsgrad=True), warmup_steps=3),
         "maximize": refusal(lambda m: torch.optim.Adam(params(m), maximize=True), warmup_steps=3),
-        "no_warmup": refusal(lambda m: torch.optim.AdamW(params(m))),
         "two_betas": refusal(
             lambda m: torch.optim.AdamW(
                 [
@@ -233,7 +232,6 @@ def test_unsupported_optimizers_and_settings_are_refused_by_name():
     assert "Adagrad" in result["adagrad"] and "Lion" in result["adagrad"]
     assert "amsgrad=True" in result["amsgrad"]
     assert "maximize=True" in result["maximize"]
-    assert "warmup_steps >= 1" in result["no_warmup"]
     assert "different beta1" in result["two_betas"]
 
 
@@ -252,3 +250,31 @@ def test_frozen_variance_step_leaves_a_non_compressed_step_to_the_optimizer():
     assert torch.equal(flat_params(model), flat_params(twin))
     assert not step.compressing(1) and step.compressing(2) and math.isclose(step.moment_scale(), 0.1)
     step.detach()
+
+
+@pytest.mark.distributed
+def test_the_one_line_with_adamw_takes_the_measured_dense_warm_up(one_process_group):
+    """``register_comm_hook(ddp, name, optimizer=adamw)`` and nothing else: it runs, with
+    ONE_LINE_WARMUP_STEPS dense steps, which are stock DDP + AdamW (same run, same data)."""
+    from gradsift.adam import ONE_LINE_WARMUP_STEPS
+
+    runs = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = DDP(make_model())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if hooked:
+            state = gradsift.register_comm_hook(model, "topk", ratio=0.1, optimizer=optimizer)
+            assert state.options.warmup_steps == ONE_LINE_WARMUP_STEPS
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, IN, generator=generator)).square().mean().backward()
+            optimizer.step()
+        runs[hooked] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(runs[False], runs[True])
+    explicit = DDP(make_model())
+    kept = gradsift.register_comm_hook(
+        explicit, "topk", ratio=0.1, optimizer=torch.optim.AdamW(explicit.parameters()), warmup_steps=7
+    )
+    assert kept.options.warmup_steps == 7

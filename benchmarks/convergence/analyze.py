@@ -182,7 +182,8 @@ def method_row(workload: str, runs: list[Result], target: float) -> dict[str, An
         "options": runs[0].summary["options"], "setting": METHODS[runs[0].method].setting,
         "diverged": any(not math.isfinite(r.summary["final_loss"]) for r in runs),
     }  # fmt: skip
-    row["fewer_bytes_than_fp32"] = row["dense_bytes_per_step"] / row["bytes_per_step"]
+    alone = all(r.summary["workers"] == 1 for r in runs)  # a one-worker control sends nothing
+    row["fewer_bytes_than_fp32"] = None if alone else row["dense_bytes_per_step"] / row["bytes_per_step"]
     hits = [next((i for i, e in enumerate(r.evals) if reached(workload, metric(workload, e), target)), None)
             for r in runs]  # fmt: skip
     row["epochs_to_target"] = [None if i is None else r.evals[i]["step"] / steps_per_epoch
@@ -298,6 +299,11 @@ def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
 EMPTY_CELLS = ("-", "- s", "- / -")
 
 
+def bytes_factor(factor: float | None) -> str:
+    """``8.6x``, or ``no bytes`` for a run that sends nothing (None: one worker alone)."""
+    return "no bytes" if factor is None else f"{factor:.1f}x"
+
+
 def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -342,7 +348,7 @@ def markdown(analysis: dict[str, Any], workloads: tuple[str, ...] | None = None)
                                 for b in ("none", "bf16"))  # fmt: skip
             rows.append((method, row["setting"],
                          f"{row['final_mean'] * scale:{'.3f' if loss else '.2f'}}{unit}{sd} ({len(row['seeds'])})",
-                         versus, f"{row['fewer_bytes_than_fp32']:.1f}x", epochs_text,
+                         versus, bytes_factor(row["fewer_bytes_than_fp32"]), epochs_text,
                          f"{fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s",
                          f"{fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s", ratios))  # fmt: skip
         kept = [c for c in range(len(header)) if any(row[c] not in EMPTY_CELLS for row in rows)]

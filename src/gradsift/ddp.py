@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from gradsift import recipe
 from gradsift.adam import METHODS as ADAM_METHODS
-from gradsift.adam import AdamTakeover, LocalUpdateStep
+from gradsift.adam import ONE_LINE_WARMUP_STEPS, AdamTakeover, LocalUpdateStep, is_adam
 from gradsift.capacity import CapacityPlan
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import get_compressor
@@ -80,7 +80,9 @@ class HookOptions:
             ``"layer"`` -- one per parameter, so every layer gets its own selection.
         min_numel: parts with fewer elements go dense (default 0).
         warmup_steps: the first this many steps are dense (default 0), like PowerSGD's
-            ``start_powerSGD_iter``.
+            ``start_powerSGD_iter``; with ``optimizer=`` Adam/AdamW (``adam="frozen-variance"``)
+            0 means :data:`gradsift.adam.ONE_LINE_WARMUP_STEPS` (64), the measured default
+            when the run's length is unknown -- pass 10-20 % of a long run's steps.
         value_dtype: dtype of sent values: None (default) keeps the compressor's, or
             ``"fp32"``/``"fp16"``/``"bf16"``. Dense parts travel in the gradient's dtype.
         nonfinite: what a step with NaN/Inf on any rank becomes, on every rank:
@@ -105,7 +107,7 @@ class HookOptions:
         scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
             the hook then works on unscaled gradients (see the module docstring).
         adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.adam`:
-            ``"frozen-variance"`` (default; needs ``warmup_steps``) or ``"update"``.
+            ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``) or ``"update"``.
         residual_decay: error feedback's ``beta`` in ``c = g + beta r`` (default 1).
         log_every: log every this many steps (``gradsift.ddp`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
@@ -246,6 +248,9 @@ class GradsiftHookState:
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         if optimizer is not None and self.feedback is not None:
+            one_line = self.options.warmup_steps == 0 and self.options.adam == "frozen-variance"
+            if one_line and is_adam(recipe.unwrapped(optimizer)):  # a measured default warm-up
+                self.options.warmup_steps = ONE_LINE_WARMUP_STEPS
             taken = recipe.take_over_optimizer(
                 optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam
             )
