@@ -66,7 +66,8 @@ class Workload:
 #: 0.9/0.99, decoupled decay 0.1: the trainer's defaults for it; the gradients' norm clipped
 #: to 1, as GPT recipes do) on 2 workers for 0.3 epoch
 #: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign;
-#: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch).
+#: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch); ``gpt-adamw-1k`` gpt-adamw
+#: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length.
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -79,6 +80,9 @@ WORKLOADS = {
                           clip_grad_norm=1.0),
     "gpt-adamw-w4": Workload("gpt", 16, 3e-3, epochs=0.6, study_epochs=(), evals_per_epoch=5, steps_per_epoch=524,
                              warmup_epochs=0.04, data_dir=None, workers=4, optimizer="adamw", clip_grad_norm=1.0),
+    "gpt-adamw-1k": Workload("gpt", 16, 3e-3, epochs=0.955, study_epochs=(), evals_per_epoch=10,
+                             steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
+                             clip_grad_norm=1.0),
 }  # fmt: skip
 
 
@@ -225,10 +229,14 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
 ADAMW_W4 = ("none", "bf16", "topk-0.01", "sparseloco-sidco-exp-0.01-h10")
 
 
+#: The methods also run at 1,000 steps: the controls, the recipe, averaging and SparseLoCo's form.
+ADAMW_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "sparseloco-sidco-exp-0.01-h10")
+
+
 def adamw_runs() -> list[Run]:
-    """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers then 4."""
+    """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers, 4, then 1,000 steps."""
     plan = []
-    for name, methods in (("gpt-adamw", ADAMW), ("gpt-adamw-w4", ADAMW_W4)):
+    for name, methods in (("gpt-adamw", ADAMW), ("gpt-adamw-w4", ADAMW_W4), ("gpt-adamw-1k", ADAMW_1K)):
         workload = WORKLOADS[name]
         plan += [Run(name, m, s, workload.epochs) for s in workload.seeds for m in methods]
     return plan
