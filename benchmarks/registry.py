@@ -496,6 +496,28 @@ STEPS40_TABLE = Table(
                             ("`sidco-exp` 0.01", "sidco-exp"))
     ),
 )  # fmt: skip
+CONVERGENCE = Result(
+    "benchmarks/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
+)
+
+
+def _adamw(method: str) -> Claim:
+    """gpt-adamw's final validation loss of ``method``: mean ± sd over its seeds."""
+    path = f"workloads/gpt-adamw/methods/{method}"
+    return Claim(f"verdict.adamw.{method}", CONVERGENCE, (f"{path}/final_mean", f"{path}/final_sd", f"{path}/seeds"),
+                 "{:.3f} ± {:.3f} ({} seeds)", compute=lambda mean, sd, seeds: (mean, sd, len(seeds)))  # fmt: skip
+
+
+VERDICT_CLAIMS = (
+    _adamw("none"),
+    _adamw("alone"),
+    _adamw("topk-0.01"),
+    _adamw("diloco-avg-h10"),
+    Claim("verdict.adamw.topk.fewer", CONVERGENCE, ("workloads/gpt-adamw/methods/topk-0.01/fewer_bytes_than_fp32",),
+          "{:.1f}x"),
+    Claim("verdict.adamw.avg.fewer", CONVERGENCE,
+          ("workloads/gpt-adamw/methods/diloco-avg-h10/fewer_bytes_than_fp32",), "{:.1f}x"),
+)  # fmt: skip
 STEPS40_CLAIMS = (
     Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
     Claim("steps40.load", STEPS40["none"], ("provenance/load_before/0", (STEPS40["sidco-exp"], "provenance/load_after/0")),
@@ -513,5 +535,5 @@ TABLES = (
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
