@@ -49,7 +49,8 @@ class Block(Protocol):
 
 class ConvergenceTables:
     """The convergence tables, rendered by ``convergence/analyze.py`` from its results.json:
-    every workload's (``convergence``), or one workload's (``convergence.<workload>``)."""
+    every workload's but the AdamW ones (``convergence``; those are printed once, in
+    docs/adam.md), or one workload's (``convergence.<workload>``)."""
 
     claims = ()
     result = Result(
@@ -65,7 +66,8 @@ class ConvergenceTables:
         from analyze import markdown
 
         only = None if self.workload is None else (self.workload,)
-        return markdown(self.result.load(root), only).rstrip()
+        skip = () if self.workload is not None else ("gpt-adamw",)
+        return markdown(self.result.load(root), only, skip=skip).rstrip()
 
 
 BLOCKS: dict[str, Block] = {

@@ -308,11 +308,14 @@ def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown(analysis: dict[str, Any], workloads: tuple[str, ...] | None = None) -> str:
-    """The tables of ``workloads`` (default: every workload, then the trainer-defaults table)."""
+def markdown(
+    analysis: dict[str, Any], workloads: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()
+) -> str:
+    """The tables of ``workloads`` (default: every workload but those whose name starts
+    with one of ``skip``, then the trainer-defaults table)."""
     lines = []
     for name, section in analysis["workloads"].items():
-        if workloads is not None and name not in workloads:
+        if (workloads is not None and name not in workloads) or any(name.startswith(p) for p in skip):
             continue
         loss = is_loss_metric(name)
         scale, unit = (1.0, "") if loss else (100.0, "%")
