@@ -339,3 +339,24 @@ def test_checkpoint_resumes_bit_for_bit_with_every_exchange():
 
 def test_every_exchange_is_tested_here():
     assert set(available_exchanges()) == {*SPARSE, "allreduce", "delegated"}
+
+
+# --- canonical positions (the balanced exchange's slices) --------------------------------------
+def test_canonical_positions_invert_flat_positions_and_to_flat_writes_in_place():
+    """The balanced exchange maps a part's flat positions to canonical ones and back with
+    gradsift.state.Canonical (a zero-size parameter included); to_flat with ``out`` lays
+    the elements back straight into a bucket view."""
+    from gradsift.state import Canonical
+
+    numels = {0: 2, 1: 3, 2: 1, 3: 0}
+    canonical = Canonical((2, 3, 0, 1), numels)
+    flat = torch.tensor([20.0, 0.0, 1.0, 10.0, 11.0, 12.0])  # parameter 2, (3 empty), 0, 1
+    laid = canonical.to_canonical(flat)
+    positions = torch.arange(6)
+    assert torch.equal(laid[canonical.canonical_positions(positions)], flat)
+    assert torch.equal(canonical.flat_positions(canonical.canonical_positions(positions)), positions)
+    out = torch.full((8,), -1.0)
+    assert canonical.to_flat(laid, out=out[1:7]).data_ptr() == out[1:].data_ptr()
+    assert out.tolist() == [-1.0, *flat.tolist(), -1.0]
+    same = Canonical((0, 1, 2, 3), numels)
+    assert same.identity and same.canonical_positions(positions) is positions

@@ -28,7 +28,7 @@ of the parameter numbers of a DDP bucket. Three things make the store more than 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -227,7 +227,7 @@ class Canonical:
         self.chunks = sorted(range(len(order)), key=lambda j: order[j])
         self.places = sorted(range(len(order)), key=lambda c: self.chunks[c])
         self.identity = self.chunks == list(range(len(order)))
-        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[str, _PositionTables] = {}
 
     def to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat``'s elements in canonical order (``flat`` itself when the layouts agree)."""
@@ -236,28 +236,53 @@ class Canonical:
         pieces = flat.split(self.sizes)
         return torch.cat([pieces[j] for j in self.chunks])
 
-    def to_flat(self, canonical: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`to_canonical`."""
+    def to_flat(self, canonical: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of :meth:`to_canonical` (``canonical`` itself when the layouts agree);
+        with ``out`` (same size and dtype) written there, in one pass, and returned."""
         if self.identity:
-            return canonical
+            return canonical if out is None else out.copy_(canonical)
         pieces = canonical.split([self.sizes[j] for j in self.chunks])
-        return torch.cat([pieces[c] for c in self.places])
+        ordered = [pieces[c] for c in self.places]
+        return torch.cat(ordered) if out is None else torch.cat(ordered, out=out)
 
     def flat_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The flat positions of canonical ``positions`` (an integer tensor, on its device)."""
         if self.identity:
             return positions
-        starts, shifts = self._device_tables(positions.device)
-        return positions + shifts[torch.searchsorted(starts, positions, right=True) - 1]
+        tables = self._device_tables(positions.device)
+        chunk = torch.searchsorted(tables.canonical_starts, positions, right=True) - 1
+        return positions + tables.to_flat[chunk]
 
-    def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per canonical chunk: its canonical start and (flat start - canonical start)."""
+    def canonical_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`flat_positions`: the canonical positions of flat ``positions``."""
+        if self.identity:
+            return positions
+        tables = self._device_tables(positions.device)
+        chunk = torch.searchsorted(tables.flat_starts, positions, right=True) - 1
+        return positions + tables.to_canonical[chunk]
+
+    def _device_tables(self, device: torch.device) -> _PositionTables:
         tables = self._tables.get(str(device))
         if tables is None:
             sizes = torch.tensor(self.sizes, dtype=torch.long)
             flat_starts = torch.cumsum(sizes, 0) - sizes
             chunks = torch.tensor(self.chunks, dtype=torch.long)
             canonical_starts = torch.cumsum(sizes[chunks], 0) - sizes[chunks]
-            shifts = flat_starts[chunks] - canonical_starts
-            tables = self._tables[str(device)] = (canonical_starts.to(device), shifts.to(device))
+            shifts = flat_starts[chunks] - canonical_starts  # per canonical chunk: flat - canonical
+            places = torch.tensor(self.places, dtype=torch.long)
+            tables = self._tables[str(device)] = _PositionTables(
+                canonical_starts.to(device),
+                shifts.to(device),
+                flat_starts.to(device),
+                (-shifts[places]).to(device),
+            )
         return tables
+
+
+class _PositionTables(NamedTuple):
+    """A :class:`Canonical`'s position tables on one device."""
+
+    canonical_starts: torch.Tensor  #: per canonical chunk, its canonical start
+    to_flat: torch.Tensor  #: per canonical chunk, its flat start - its canonical start
+    flat_starts: torch.Tensor  #: per flat chunk, its flat start
+    to_canonical: torch.Tensor  #: per flat chunk, its canonical start - its flat start

@@ -27,9 +27,9 @@ exactly what was delivered.
 Load balance: the slice bounds are the ``W``-quantiles of the previous step's surviving
 positions (the same on every rank: everyone received them), kept per bucket in the
 state store (``balanced.bounds``); the first step cuts the index space evenly. Positions
-are *canonical* (the bucket's parameters in number order, :class:`Canonical`), so the
-slices do not move when DDP rebuilds its buckets or a resumed run starts from DDP's
-initial layout.
+are *canonical* (the bucket's parameters in number order,
+:class:`~gradsift.state.Canonical`), so the slices do not move when DDP rebuilds its
+buckets or a resumed run starts from DDP's initial layout.
 
 Traffic per worker, ``K`` entries of ``e`` bytes: ``(W-1) c`` entries received in step 1
 and ``(W-1) c`` in step 3 -- ``2 SLACK K (W-1)/W``, flat in ``W`` -- against ``(W-1) K``
@@ -41,7 +41,6 @@ host read.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,7 @@ from gradsift.exchanges import wire
 from gradsift.exchanges.allgather import gather_payloads
 from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
 from gradsift.exchanges.collectives import Pending, blocking
+from gradsift.state import Canonical
 
 BOUNDS = "balanced.bounds"
 
@@ -68,7 +68,7 @@ class Balanced(Exchange):
     exact = False  # the summed slices are re-sparsified to k entries (step 2)
 
     def __init__(self) -> None:
-        self._canonical: dict[tuple[tuple[int, ...], str], Canonical] = {}
+        self._canonical: dict[tuple[int, ...], Canonical] = {}
 
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
         encoded = [codec.encode(part, context) for part in parts]
@@ -106,7 +106,7 @@ class Balanced(Exchange):
                 for part in parts:
                     part.view(result).zero_()
                 valid = kept < numel
-                flat = canonical.to_flat(torch.where(valid, kept, 0))
+                flat = canonical.flat_positions(torch.where(valid, kept, 0))
                 result.index_add_(0, flat, torch.where(valid, summed, 0).to(result.dtype) / world)
                 survived = torch.sort(kept).values
                 context.store.put(BOUNDS, context.key, _balanced_bounds(survived, numel, world))
@@ -123,46 +123,10 @@ class Balanced(Exchange):
         return gather_payloads([survivors], context).then(finish)
 
     def _canonical_of(self, context: Context) -> Canonical:
-        key = (tuple(context.order), str(context.result.device))
-        if key not in self._canonical:
-            self._canonical[key] = Canonical(context.order, context.numels, context.result.device)
-        return self._canonical[key]
-
-
-class Canonical:
-    """Bucket positions <-> canonical positions (the bucket's parameters in number order).
-
-    Slices, their bounds and every position on the wire are canonical, so they do not
-    depend on the order DDP lays parameters out in its bucket (which changes when DDP
-    rebuilds its buckets, and between a run and its resumed continuation). Built once
-    per bucket layout (its tables are copied to the device once).
-    """
-
-    def __init__(self, order: Sequence[int], numels: Mapping[int, int], device: torch.device) -> None:
-        sizes = torch.tensor([numels[i] for i in order], dtype=torch.long)
-        by_number = sorted(range(len(order)), key=lambda j: order[j])
-        self.identity = by_number == list(range(len(order)))
-        flat_starts = torch.cumsum(sizes, 0) - sizes
-        sorted_sizes = sizes[by_number]
-        sorted_starts = torch.cumsum(sorted_sizes, 0) - sorted_sizes
-        canonical_starts = torch.empty_like(flat_starts)
-        canonical_starts[by_number] = sorted_starts
-        self.flat_starts = flat_starts.to(device)
-        self.sorted_starts = sorted_starts.to(device)
-        self.canonical_starts = canonical_starts.to(device)
-        self.sorted_flat_starts = flat_starts[by_number].to(device)
-
-    def to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
-        if self.identity:
-            return flat
-        chunk = torch.searchsorted(self.flat_starts, flat, right=True) - 1
-        return self.canonical_starts[chunk] + flat - self.flat_starts[chunk]
-
-    def to_flat(self, canonical: torch.Tensor) -> torch.Tensor:
-        if self.identity:
-            return canonical
-        chunk = torch.searchsorted(self.sorted_starts, canonical, right=True) - 1
-        return self.sorted_flat_starts[chunk] + canonical - self.sorted_starts[chunk]
+        order = tuple(context.order)
+        if order not in self._canonical:
+            self._canonical[order] = Canonical(order, context.numels)
+        return self._canonical[order]
 
 
 class _Blocks:
@@ -190,7 +154,7 @@ def _bucket_entries(
     for part, e in zip(parts, encoded, strict=True):
         indices, sent = _sparse(e.wire)
         used = torch.arange(indices.numel(), device=indices.device) < e.wire.entries()
-        at = canonical.to_canonical(indices.long() + part.offset)
+        at = canonical.canonical_positions(indices.long() + part.offset)
         positions.append(torch.where(used, at, numel))
         values.append(torch.where(used, sent, 0))
     joined = torch.cat(positions)
