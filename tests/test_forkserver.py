@@ -41,7 +41,11 @@ def report_worker(rank: int, world: int, tensor: torch.Tensor) -> dict:
 
 
 def crash_worker(rank: int, world: int, how: str) -> None:
-    """Rank 1 leaves the way ``how`` says, after printing a line; rank 0 returns."""
+    """Rank 1 leaves the way ``how`` says, after printing a line; rank 0 returns. Both first
+    meet at a barrier: a rank leaving while its peer is still inside
+    ``init_process_group`` (gloo connecting its pairs) fails the peer's initialisation,
+    which a loaded machine made visible (rank 0 exited 1, "connectFullMesh failed")."""
+    dist.barrier()
     if rank == 1:
         print(f"rank 1 about to {how}", flush=True)
         if how == "exit":
