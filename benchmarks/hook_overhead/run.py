@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -44,8 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 import provenance
 from workers import run_ranks
 
+#: (label, gradsift compressor, options); ``torch-allreduce-hook`` is PyTorch's own
+#: ``default_hooks.allreduce_hook``: the control for what any comm hook costs over stock DDP
+#: (without a hook, DDP divides by the world size while copying gradients into the bucket;
+#: a hook receives the bucket undivided and divides it in one more pass).
+TORCH_HOOK = "torch-allreduce-hook"
 CONFIGS: list[tuple[str, str | None, dict[str, Any]]] = [
     ("stock", None, {}),
+    (TORCH_HOOK, None, {}),
     ("none", "none", {}),
     ("sidco-exp@0.01", "sidco-exp", {"ratio": 0.01}),
     ("topk@0.01", "topk", {"ratio": 0.01}),
@@ -114,6 +121,8 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, que
     for label, name, options in CONFIGS:
         model = DDP(make_model())
         state = None if name is None else gradsift.register_comm_hook(model, name, **options)
+        if label == TORCH_HOOK:
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
         runs.append((label, model, torch.optim.SGD(model.parameters(), lr=0.01), state))
     times: dict[str, list[float]] = {label: [] for label, *_ in runs}
     telemetry: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in runs}
