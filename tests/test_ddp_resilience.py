@@ -57,17 +57,17 @@ RESUME_CASES = {
     "efsignsgd": ("efsignsgd", {}, ReadyOrdered),
 }  # fmt: skip
 #: Methods whose arithmetic depends on where an element lies (random positions, a
-#: rounding stream, a sum's rounding), resumed across make_model's rebuild: they run on the
-#: bucket's parameters in number order (gradsift.state.Canonical), so the layout DDP hands
-#: the resumed first step does not change a bit.
+#: rounding stream, a sum's rounding, QSGD's norms per 512 elements), resumed across
+#: make_model's rebuild: they run on the bucket's parameters in number order
+#: (gradsift.state.Canonical), so the layout DDP hands the resumed first step does not
+#: change a bit.
 ACROSS_REBUILD = {
     f"{name}-rebuilt": (name, options, make_model)
-    for name, options in [("randomk", {"ratio": 0.1}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})]
+    for name, options in [
+        ("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})
+    ]
 }  # fmt: skip
-#: QSGD's norms per 512 elements group elements by position: decoding would need the
-#: bucket's layout, which Compressor.decompress_into is not handed (see the xfail below).
-QSGD_ACROSS_REBUILD = {"qsgd-rebuilt": ("qsgd", {}, make_model)}
-CASES = {**RESUME_CASES, **ACROSS_REBUILD, **QSGD_ACROSS_REBUILD}
+CASES = {**RESUME_CASES, **ACROSS_REBUILD}
 
 
 def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Optimizer) -> None:
@@ -159,21 +159,12 @@ def test_checkpoint_resume_in_fresh_processes_matches_uninterrupted_run(resume_r
 
 def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_methods(resume_runs):
     """The resumed first step gets make_model's initial layout, the uninterrupted run the
-    rebuilt one: random-k picks the same elements, TernGrad/signSGD sum and draw alike."""
+    rebuilt one: random-k picks the same elements, the quantizers sum, draw and (QSGD)
+    group their norms alike, and decode back into the bucket's layout."""
     whole, resumed = resume_runs
     for case in ACROSS_REBUILD:
         assert resumed[0][f"{case}/state_dict"][1] != whole[0][case][1], case  # the layouts differ
     assert not differing(resume_runs, ACROSS_REBUILD)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="QSGD's per-512-element norms group the bucket by position, so its payload decodes "
-    "only in the layout it was encoded in; quantizing in canonical order needs the part's key in "
-    "Compressor.decompress_into (the exchanges' Codec does not pass it)",
-)
-def test_qsgd_resume_across_a_bucket_rebuild_is_bit_for_bit(resume_runs):
-    assert not differing(resume_runs, QSGD_ACROSS_REBUILD)
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------

@@ -277,3 +277,69 @@ def test_truncated_codes_are_a_wire_error(name):
     payload.codes = payload.codes[:-1]
     with pytest.raises(gradsift.WireFormatError, match="code bytes"):
         compressor.decompress([payload], 100)
+
+
+# --- a DDP bucket's layout: quantized in parameter-number order ---------------------------
+#: Parameter sizes of a bucket whose layouts straddle QSGD's 512-element norm buckets.
+BUCKET_NUMELS = {0: 700, 1: 37, 2: 300, 3: 1}
+
+
+def laid_out(x_by_param: dict[int, torch.Tensor], order: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat([x_by_param[i] for i in order])
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_a_bucket_quantizes_alike_in_any_layout(name):
+    """The same parameters flattened in two layouts (DDP's before and after its bucket
+    rebuild) decode, worker means included, to the same bits at every parameter: the
+    payloads are encoded in canonical order and laid back on decoding (QSGD's per-512
+    norms would otherwise group other elements)."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [
+        {i: torch.randn(n, generator=gen, dtype=torch.float64) for i, n in BUCKET_NUMELS.items()}
+        for _ in range(2)
+    ]
+    key = tuple(sorted(BUCKET_NUMELS))
+    decoded = {}
+    for order in [(0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2)]:
+        seeds = [{"seed": rank} if name in ("qsgd", "terngrad") else {} for rank in range(2)]
+        workers = [gradsift.get_compressor(name, **seed) for seed in seeds]
+        payloads = []
+        for compressor, grad in zip(workers, grads, strict=True):
+            compressor.store.follow(key, order, BUCKET_NUMELS)
+            payloads.append(compressor.compress(laid_out(grad, order), key=key))
+            assert (payloads[-1].canonical is None) == (order == key)  # in number order: as it is
+        numel = sum(BUCKET_NUMELS.values())
+        mean = workers[0].decompress(payloads, numel)
+        into = torch.full((numel,), float("nan"), dtype=torch.float64)
+        assert workers[0].decompress_into(payloads, into) is None
+        assert torch.equal(into, mean)
+        sizes = [BUCKET_NUMELS[i] for i in order]
+        decoded[order] = dict(zip(order, mean.split(sizes), strict=True))
+    first = decoded[(0, 1, 2, 3)]
+    for other in decoded.values():
+        for i in BUCKET_NUMELS:
+            assert torch.equal(other[i], first[i]), (name, i)
+
+
+def test_qsgd_bucket_norms_follow_the_canonical_order():
+    """A rebuilt layout does not regroup QSGD's norms: the payload's scales are those of
+    the parameters in number order."""
+    x = {i: torch.full((n,), float(i + 1), dtype=torch.float64) for i, n in BUCKET_NUMELS.items()}
+    compressor = gradsift.get_compressor("qsgd")
+    key = tuple(sorted(BUCKET_NUMELS))
+    compressor.store.follow(key, (3, 2, 1, 0), BUCKET_NUMELS)
+    payload = compressor.compress(laid_out(x, (3, 2, 1, 0)), key=key)
+    canonical = laid_out(x, key)
+    padded = torch.cat([canonical, canonical.new_zeros(-canonical.numel() % 512)]).view(-1, 512)
+    assert torch.equal(payload.scales, padded.norm(dim=1))
+
+
+def test_payloads_in_different_orders_are_refused():
+    key = tuple(sorted(BUCKET_NUMELS))
+    x = mixed_scale_gradient(sum(BUCKET_NUMELS.values()))
+    rebuilt, plain = gradsift.get_compressor("qsgd"), gradsift.get_compressor("qsgd")
+    rebuilt.store.follow(key, (3, 2, 1, 0), BUCKET_NUMELS)
+    payloads = [rebuilt.compress(x, key=key), plain.compress(x, key=key)]
+    with pytest.raises(gradsift.errors.InvalidOptionError, match="canonical order"):
+        rebuilt.decompress(payloads, x.numel())

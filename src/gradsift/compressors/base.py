@@ -35,7 +35,7 @@ import torch
 
 from gradsift.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.readout import Readout
-from gradsift.state import TensorStore
+from gradsift.state import Canonical, TensorStore
 from gradsift.validation import as_flat_gradient, check_ratio
 
 #: Bytes of the length word the wire format sends for every variable-size payload.
@@ -75,6 +75,12 @@ class Payload:
             payloads whose values carry every element (dense casts), so that a NaN
             reaches the receivers by itself.
         info: local facts about the compression (not sent), e.g. the threshold used.
+        canonical: set when the encoded elements lie in canonical order (a DDP bucket's
+            parameters in number order, :class:`gradsift.state.Canonical`) instead of the
+            tensor's: decoding lays them back with it. Not sent: the canonical order
+            does not depend on a worker's bucket layout, and a received payload keeps
+            the one of this worker's own (its template), so the mean lands in this
+            worker's layout. None: the elements lie as in the tensor.
     """
 
     numel: int
@@ -88,6 +94,7 @@ class Payload:
     demand: Count | None = None
     nonfinite: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    canonical: Canonical | None = field(default=None, repr=False, compare=False)
 
     def fields(self) -> dict[str, torch.Tensor]:
         """The tensors that cross the wire, by field name, in a fixed order."""

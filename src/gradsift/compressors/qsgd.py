@@ -42,7 +42,6 @@ class QSGD(StochasticQuantizer):
         self.levels = check_int(levels, "levels", low=1, high=MAX_LEVELS)
         self.bucket_size = None if bucket_size is None else check_int(bucket_size, "bucket_size", low=1)
         self.code_bits = bits_for(2 * self.levels)
-        self.decodes_elementwise = self.bucket_size is None  # a norm per 512 elements is positional
 
     def options(self) -> dict[str, Any]:
         return {"levels": self.levels, "bucket_size": self.bucket_size, **super().options()}

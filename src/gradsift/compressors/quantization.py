@@ -28,6 +28,7 @@ from gradsift.bitpack import pack, packed_nbytes, unpack
 from gradsift.compressors.base import Compressor, Payload
 from gradsift.errors import InvalidOptionError, WireFormatError
 from gradsift.readout import Readout
+from gradsift.state import Canonical
 from gradsift.validation import check_int
 
 #: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
@@ -48,14 +49,6 @@ class Quantizer(Compressor):
     error_feedback = False
     code_bits: int
 
-    #: Whether every element decodes from its own code and scales shared by the whole
-    #: tensor. :meth:`encode` then quantizes a DDP bucket in canonical order (parameters in
-    #: number order, :meth:`gradsift.state.TensorStore.canonical`) and lays the codes back
-    #: in the bucket's order, so the scales' sums and the rounding draws do not depend on
-    #: the layout DDP hands in (it changes when DDP rebuilds its buckets and when a run
-    #: resumes). False: the method quantizes in the bucket's order.
-    decodes_elementwise: bool = False
-
     @abc.abstractmethod
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``;
@@ -68,19 +61,22 @@ class Quantizer(Compressor):
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
     ) -> Payload:
+        """Quantize ``flat``; a DDP bucket in canonical order (its parameters in number
+        order, :meth:`gradsift.state.TensorStore.canonical`), so the scales' sums, the
+        rounding draws and which elements share a scale (QSGD's per-512 norms) do not
+        depend on the layout DDP hands in (it changes when DDP rebuilds its buckets and
+        when a run resumes). The codes then stay in canonical order and the payload says
+        so (``Payload.canonical``); decoding lays the mean back. A bucket already laid out
+        in number order is quantized as it is."""
         numel = flat.numel()
+        canonical = self.store.canonical(key) if numel else None
+        if canonical is not None and canonical.identity:
+            canonical = None
         if numel == 0:
             codes = torch.empty(0, dtype=torch.int64, device=flat.device)
             scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
-        elif self.decodes_elementwise:
-            canonical = self.store.canonical(key)
-            if canonical is None:
-                codes, scales = self.quantize(flat)
-            else:
-                codes, scales = self.quantize(canonical.to_canonical(flat))
-                codes = canonical.to_flat(codes)
         else:
-            codes, scales = self.quantize(flat)
+            codes, scales = self.quantize(flat if canonical is None else canonical.to_canonical(flat))
         payload = Payload(
             numel=numel,
             dtype=flat.dtype,
@@ -88,20 +84,44 @@ class Quantizer(Compressor):
             scales=scales,
             variable_size=False,
             nonfinite=~torch.isfinite(scales.sum()),
+            canonical=canonical,
         )
         payload.info["bits_per_element"] = 8 * payload.nbytes / numel if numel else 0.0
         return payload
 
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
+        total, canonical = self._mean(payloads, numel)
+        total = total.to(payloads[0].dtype)
+        return total if canonical is None else canonical.to_flat(total)
+
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor | None:
+        if type(self).decompress is not Quantizer.decompress:  # a subclass decodes its own way
+            return super().decompress_into(payloads, out)
+        total, canonical = self._mean(payloads, out.numel())
+        total = total.to(payloads[0].dtype)
+        if canonical is None or out.dtype != total.dtype:
+            out.copy_(total if canonical is None else canonical.to_flat(total))
+        else:
+            canonical.to_flat(total, out=out)  # laid back straight into the bucket
+        return None
+
+    def _mean(self, payloads: Sequence[Payload], numel: int) -> tuple[torch.Tensor, Canonical | None]:
+        """The mean of the decoded ``payloads`` in their order (compute dtype), and the
+        canonical mapping that lays it out as the tensor (None: it already is)."""
         if not payloads:
             raise InvalidOptionError("payloads must hold at least one payload")
         dtype = payloads[0].dtype
+        canonical = payloads[0].canonical
         total: torch.Tensor | None = None
         for payload in payloads:
             if payload.numel != numel:
                 raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
             if payload.codes is None or payload.scales is None:
                 raise InvalidOptionError(f"a {self.name} payload carries codes and scales")
+            if payload.canonical is not canonical and not _same_order(payload.canonical, canonical):
+                raise InvalidOptionError(
+                    f"{self.name} payloads of one tensor must all be in canonical order or all in its own"
+                )
             if payload.codes.numel() != packed_nbytes(numel, self.code_bits):
                 raise WireFormatError(
                     f"{self.name} payload holds {payload.codes.numel()} code bytes, "
@@ -113,7 +133,14 @@ class Quantizer(Compressor):
         assert total is not None  # payloads is not empty
         if len(payloads) > 1:
             total /= len(payloads)
-        return total.to(dtype)
+        return total, canonical
+
+
+def _same_order(a: Canonical | None, b: Canonical | None) -> bool:
+    """Whether two mappings lay the same chunks out alike (payloads of different workers' stores)."""
+    if a is None or b is None:
+        return a is b
+    return a.sizes == b.sizes and a.chunks == b.chunks
 
 
 class StochasticQuantizer(Quantizer):
