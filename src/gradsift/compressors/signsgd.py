@@ -18,7 +18,6 @@ class SignSGD(Quantizer):
 
     name = "signsgd"
     code_bits = 1
-    decodes_elementwise = True
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=compute_dtype(flat.dtype)).reshape(1)

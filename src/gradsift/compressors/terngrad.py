@@ -38,7 +38,6 @@ class TernGrad(StochasticQuantizer):
 
     name = "terngrad"
     code_bits = 2
-    decodes_elementwise = True
 
     def __init__(self, clip: float | None = PAPER_CLIP, seed: int = 0) -> None:
         super().__init__(seed)
