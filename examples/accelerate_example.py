@@ -6,14 +6,14 @@ saves one checkpoint holding the model, the optimizer and every rank's hook stat
 
 Two CPU processes, with Accelerate's multi-process launcher (which is torchrun: it needs
 no GPU; ``--cpu`` instead selects a one-process launcher that expects ``mpirun`` to start
-the others) or with torchrun itself::
+the others)::
 
     accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 examples/accelerate_example.py --steps 40 \
         --checkpoint-every 20
 
-Resume::
+Resume, with the same launcher::
 
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_example.py --steps 40 \
+    accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 examples/accelerate_example.py --steps 40 \
         --resume checkpoints/step20.pt --checkpoint-dir resumed
 """
 

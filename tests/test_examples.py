@@ -116,7 +116,7 @@ def test_torchrun_example_compresses_and_resumes_exactly(documented_runs: Docume
     assert not all(torch.equal(full_model[k], control_model[k]) for k in full_model)
 
 
-def test_accelerate_example_launched_by_accelerate_resumes_exactly_under_torchrun(
+def test_accelerate_example_launched_by_accelerate_resumes_exactly(
     documented_runs: DocumentedRuns,
 ) -> None:
     result, full, resumed = documented_pair(documented_runs, "accelerate_example.py")
