@@ -86,7 +86,9 @@ def hooked(rank: int, compressor: str, resume_at: int | None = None, **options) 
 
 def dense_worker(rank: int, world: int) -> dict:
     expected = reference(rank, world)
-    got, state = hooked(rank, "none")
+    got, state = hooked(
+        rank, "none", outer_lr=0.7, outer_momentum=0.9
+    )  # DiLoCo's outer step, as the reference
     return {"expected": expected, "got": got, "stats": state.stats()}
 
 

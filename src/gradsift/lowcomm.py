@@ -13,9 +13,9 @@ the round ends:
    compressor, the exchange (any one the compressor supports), the step's checks read once,
    the ``nonfinite`` policy -- so every compressor of the registry works here, with the
    hook's telemetry, transactions and checkpoints;
-2. the outer optimizer -- SGD with Nesterov momentum, ``outer_lr`` (``eta``, default 0.7)
-   and ``outer_momentum`` (``mu``, default 0.9), DiLoCo's settings -- steps the shared
-   parameters with the mean ``Delta`` as their gradient:
+2. the outer optimizer -- SGD with Nesterov momentum, ``outer_lr`` (``eta``) and
+   ``outer_momentum`` (``mu``; DiLoCo's settings are 0.7 and 0.9, the defaults here 1 and
+   0, SparseLoCo's) -- steps the shared parameters with the mean ``Delta`` as their gradient:
    ``u <- mu u + Delta``, ``theta <- theta - eta (Delta + mu u)``;
 3. the model is set to the shared parameters, and its buffers (BatchNorm's running
    statistics) to their mean over the workers (``buffers="mean"``; ``"local"`` keeps each
@@ -46,10 +46,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsift.compressors.registry import compressor_class
 from gradsift.ddp import GradsiftHookState, gradsift_hook
 from gradsift.errors import InvalidOptionError
 from gradsift.exchanges.collectives import blocking
 from gradsift.validation import check_choice, check_int, check_real
+
+#: Error feedback's decay by default: SparseLoCo's ``beta`` in ``c = Delta + beta r``.
+SPARSELOCO_DECAY = 0.95
 
 BUFFER_POLICIES = ("mean", "local")
 
@@ -205,11 +209,11 @@ def _collective(function: Any, *args: Any, **kwargs: Any) -> Any:
 def diloco(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    sync_every: int = 50,
+    sync_every: int = 10,
     compressor: str = "sidco-exp",
     *,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float = 1.0,
+    outer_momentum: float = 0.0,
     nesterov: bool = True,
     buffers: str = "mean",
     **options: Any,
@@ -221,6 +225,12 @@ def diloco(
     ``value_dtype``, ``nonfinite``, ``residual_decay``, ``process_group``, ``log_every``, ...;
     not ``optimizer``, ``granularity`` or ``warmup_steps``, which have no meaning for
     pseudo-gradients).
+
+    The defaults are SparseLoCo's form, the best of the AdamW campaign at this scale
+    (docs/adam.md, docs/decisions.md): every 10 inner steps, ``sidco-exp`` at its default
+    ratio 0.01, error feedback with ``residual_decay=0.95`` in place of outer momentum,
+    ``outer_lr=1`` (the mean pseudo-gradient applied as it is). DiLoCo's own outer step is
+    ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(
@@ -241,6 +251,9 @@ def diloco(
     if not dist.is_initialized():
         raise InvalidOptionError("diloco needs an initialised torch.distributed process group")
     options.setdefault("nonfinite", "skip")
+    feedback = options.get("error_feedback")
+    if compressor_class(compressor).error_feedback if feedback is None else feedback:
+        options.setdefault("residual_decay", SPARSELOCO_DECAY)
     hook = GradsiftHookState.build(compressor, **options)
     hook.layout.bind(model)
     hook.compressor.attach(model)
