@@ -496,6 +496,37 @@ STEPS40_TABLE = Table(
                             ("`sidco-exp` 0.01", "sidco-exp"))
     ),
 )  # fmt: skip
+DEMO = Result(
+    "benchmarks/hook_overhead/demo.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json benchmarks/hook_overhead/demo.json -- "
+    "gradsift demo --no-progress --out /tmp/sel-demo --json benchmarks/hook_overhead/demo.json (as root)",
+)
+
+
+def _demo(compressor: str, key: str, fmt: str) -> Claim:
+    return Claim(f"demo.{compressor}.{key}", DEMO, (f"rows/[compressor={compressor}]/{key}",), fmt)
+
+
+DEMO_TABLE = Table(
+    "demo",
+    ("run", "MB per step", "fewer bytes than fp32", "compression overhead", "step", "test accuracy",
+     "time to 0.80"),
+    ("---", "---:", "---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (f"`{name}`", Claim(f"demo.{name}.mb", DEMO, (f"rows/[compressor={name}]/bytes_per_step",), "{:.3f}",
+                            compute=lambda b: b / 1e6),
+         _demo(name, "compression_factor", "{:.1f}x"), _demo(name, "overhead_ms", "{:.1f} ms"),
+         _demo(name, "step_ms", "{:.1f} ms"), _demo(name, "accuracy", "{:.3f}"),
+         Claim(f"demo.{name}.tta", DEMO, (f"rows/[compressor={name}]/time_to_accuracy_s",), "{:.1f} s",
+               missing="not reached"))
+        for name in ("none", "bf16", "sidco-exp", "topk", "vgc")
+    ),
+)  # fmt: skip
+DEMO_CLAIMS = (
+    Claim("demo.commit", DEMO, ("provenance/commit",), "{:.7}"),
+    Claim("demo.load", DEMO, ("provenance/load_before/0", "provenance/load_after/0"), "{:.1f} before / {:.1f} after",
+          compute=lambda *v: v),
+)  # fmt: skip
 CONVERGENCE = Result(
     "benchmarks/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
 )
@@ -532,8 +563,9 @@ TABLES = (
     HF_TRAINER_TABLE,
     SIMULATED_TABLE,
     STEPS40_TABLE,
+    DEMO_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

@@ -105,14 +105,6 @@ STALE: tuple[Stale, ...] = (
         "~4 min",
     ),
     Stale(
-        ("benchmarks/hook_overhead/demo.json",),
-        "provenance",
-        f"No commit recorded; 1 December 12:44, load 8; {HOOK}.",
-        f"{LOCK} {STAMP} --json benchmarks/hook_overhead/demo.json -- .venv/bin/gradsift demo --no-progress "
-        "--out /tmp/sel-demo --json benchmarks/hook_overhead/demo.json (as root, for the emulated links)",
-        "~4 min",
-    ),
-    Stale(
         ("benchmarks/exit/results.json",),
         "provenance",
         f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
