@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from typing import Any
 
 from claimmodel import Cell, Claim, Result, Table, ratio, spanned
 
@@ -496,6 +497,59 @@ STEPS40_TABLE = Table(
                             ("`sidco-exp` 0.01", "sidco-exp"))
     ),
 )  # fmt: skip
+DDP_CONFIGS = ("stock", "none", "bf16", "topk@0.01", "topk@0.001", "dgc@0.01", "dgc@0.001", "sidco-exp@0.01",
+               "sidco-exp@0.001")  # fmt: skip
+
+
+def _ddp_table(world: str) -> Table:
+    def cell(config: str, key: str, fmt: str) -> Cell:
+        if config == "stock" and key != "median_step_ms":
+            return "-"
+        return Claim(f"ddptab.{world}.{config}.{key}", DDP, (f"results/{world}/{config}/{key}",), fmt)
+
+    return Table(
+        f"ddp-{world}-ranks",
+        ("configuration", "median step", "vs stock DDP", "bytes sent / step", "density",
+         "compress / communicate / decompress ms"),
+        ("---", "---:", "---:", "---:", "---:", "---"),
+        tuple(
+            (config, cell(config, "median_step_ms", "{:.1f} ms"),
+             Claim(f"ddptab.{world}.{config}.ratio", DDP, (f"results/{world}/{config}/ratio_to_stock",), "{:.2f}x"),
+             cell(config, "bytes_sent", "{:.0f}"), cell(config, "density", "{:.4f}"),
+             "-" if config == "stock" else Claim(
+                 f"ddptab.{world}.{config}.phases", DDP,
+                 tuple(f"results/{world}/{config}/{k}_ms" for k in ("compress", "communicate", "decompress")),
+                 "{:.1f} / {:.1f} / {:.1f}", compute=lambda *v: v))
+            for config in DDP_CONFIGS
+        ),
+    )  # fmt: skip
+
+
+QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", "powersgd", "sidco-exp", "vgc")
+
+
+def _quantizer_cell(name: str, key: str, fmt: str, scale: float = 1.0, **options: Any) -> Claim:
+    run = quantizer_run(name)
+    return Claim(f"quantrun.{name}.{key}", run, (key,), fmt, compute=lambda v: v * scale, **options)
+
+
+QUANTIZER_RUNS_TABLE = Table(
+    "quantizer-runs",
+    ("compressor", "bytes/step/worker", "vs fp32", "step median", "compress / comm / decompress (ms)",
+     "test acc. @300", "time to 0.8"),
+    ("---", "---:", "---:", "---:", "---", "---:", "---:"),
+    tuple(
+        (name, _quantizer_cell(name, "bytes_sent_per_step", "{:.0f}"),
+         _quantizer_cell(name, "compression_factor", "{:.1f}x"),
+         _quantizer_cell(name, "step_time_median_s", "{:.1f} ms", 1e3),
+         Claim(f"quantrun.{name}.phases", quantizer_run(name),
+               ("compress_median_s", "communicate_median_s", "decompress_median_s"), "{:.1f} / {:.1f} / {:.1f}",
+               compute=lambda *v: tuple(1e3 * x for x in v)),
+         _quantizer_cell(name, "final_test_accuracy", "{:.4f}"),
+         Claim(f"quantrun.{name}.tta", quantizer_run(name), ("time_to_accuracy_s",), "{:.1f} s", missing="not reached"))
+        for name in QUANTIZER_RUNS
+    ),
+)  # fmt: skip
 DEMO = Result(
     "benchmarks/hook_overhead/demo.json",
     "flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json benchmarks/hook_overhead/demo.json -- "
@@ -564,6 +618,9 @@ TABLES = (
     SIMULATED_TABLE,
     STEPS40_TABLE,
     DEMO_TABLE,
+    QUANTIZER_RUNS_TABLE,
+    _ddp_table("2"),
+    _ddp_table("4"),
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,

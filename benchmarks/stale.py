@@ -97,14 +97,6 @@ STALE: tuple[Stale, ...] = (
         "~25 min (collection ~8 min, four runs ~4 min each)",
     ),
     Stale(
-        ("benchmarks/ddp/results.json",),
-        "provenance",
-        f"No commit recorded; 29 November, before the exchange layer (2425aa6); {HOOK}.",
-        f"{LOCK} .venv/bin/python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
-        "--out benchmarks/ddp/results.json",
-        "~4 min",
-    ),
-    Stale(
         ("benchmarks/exit/results.json",),
         "provenance",
         f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
@@ -113,15 +105,17 @@ STALE: tuple[Stale, ...] = (
         "~65 min (not a timing: no lock needed)",
     ),
     Stale(
-        ("benchmarks/quantizers/results/*.json",),
+        (
+            "benchmarks/quantizers/results/bitpack_speed.json",
+            "benchmarks/quantizers/results/terngrad_variance.json",
+        ),
         "provenance",
-        f"No commit recorded; the training comparison (29 November, one seed, load not recorded) predates "
-        f"the trainer's DGC recipe (db4a645) and {HOOK}; TernGrad's error predates the quantizers' "
-        "fixed-capacity change (d5d10de); bitpack.py is unchanged since bitpack_speed.json (stamp missing only).",
-        f"{LOCK} benchmarks/quantizers/run.sh (root); {LOCK} .venv/bin/python "
-        "benchmarks/quantizers/bitpack_speed.py; nice -n 19 .venv/bin/python benchmarks/quantizers/"
-        "terngrad_variance.py --out benchmarks/quantizers/results/terngrad_variance.json",
-        "~12 min for run.sh; ~1 min bit packing; ~90 min TernGrad at nice 19",
+        "No commit recorded; TernGrad's error predates the quantizers' fixed-capacity change (d5d10de); "
+        "bitpack.py is unchanged since bitpack_speed.json (stamp missing only). (The training comparison, "
+        "run.sh's files, was re-run stamped on 08b2593.)",
+        f"{LOCK} .venv/bin/python benchmarks/quantizers/bitpack_speed.py; nice -n 19 .venv/bin/python "
+        "benchmarks/quantizers/terngrad_variance.py --out benchmarks/quantizers/results/terngrad_variance.json",
+        "~1 min bit packing; ~90 min TernGrad at nice 19",
     ),
     Stale(
         ("benchmarks/scaling/unlocked/*.json",),
