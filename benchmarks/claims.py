@@ -78,6 +78,7 @@ BLOCKS: dict[str, Block] = {
         ConvergenceTables(),
         ConvergenceTables("gpt-adamw"),
         ConvergenceTables("gpt-adamw-w4"),
+        ConvergenceTables("gpt-adamw-1k"),
     )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
