@@ -27,6 +27,7 @@ from gradsift.benchmarking import (
 from gradsift.compressors.topk import TopK
 from gradsift.errors import GradsiftError, InvalidOptionError, UnknownCompressorError
 from gradsift.readout import Readout
+from train_utils import session_alive
 
 ROW_FIELDS = {
     "compressor",
@@ -325,21 +326,13 @@ def test_contended_mode_fails_within_seconds_when_a_worker_dies(tmp_path):
         assert f"(pid {workers[1]}): signal SIGKILL" in stderr, stderr[-3000:]
         assert not out.exists()
         deadline = time.monotonic() + 5  # the run's last processes (the resource tracker) leave
-        while _session_alive(process.pid) and time.monotonic() < deadline:
+        while session_alive(process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _session_alive(process.pid), "a worker of the run outlived it"
+        assert not session_alive(process.pid), "a worker of the run outlived it"
     finally:
-        if _session_alive(process.pid):
+        if session_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-
-
-def _session_alive(session: int) -> bool:
-    try:
-        os.killpg(session, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 #: What :class:`HookOnlyTopK`'s encode sleeps: a timed region that holds it shows at least this.

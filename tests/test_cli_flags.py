@@ -17,17 +17,10 @@ from gradsift.errors import InvalidOptionError
 from gradsift.train.config import TrainConfig
 from gradsift.train.demo import LENGTHS
 from gradsift.train.devices import DEVICES
+from test_cli import subparser
 
 #: Every command with options (``bench`` has only its sub-commands); each writes results.
 COMMANDS = [("train",), ("demo",), ("report",), ("analyze",), ("bench", "compress")]
-
-
-def subparser(*path: str) -> argparse.ArgumentParser:
-    parser = build_parser()
-    for name in path:
-        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = action.choices[name]
-    return parser
 
 
 def help_blocks(path: tuple[str, ...]) -> dict[str, str]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from train_utils import session_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 STEPS = "100000"  # hours of steps: the harness only ends early because a rank died
@@ -64,14 +66,6 @@ def _workers_in_group(harness: subprocess.Popen, timeout_s: float) -> list[int]:
     raise AssertionError(f"the harness's two ranks did not join a process group within {timeout_s} s")
 
 
-def _session_alive(session: int) -> bool:
-    try:
-        os.killpg(session, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 HARNESSES = {
     "gpu-hook": ["gpu/hook.py", "--device", "cpu", "--width", "16", "--depth", "1", "--batch", "4",
                  "--warmup", "0", "--steps", STEPS, "--json", "{tmp}/hook.json"],
@@ -104,12 +98,12 @@ def test_a_dead_rank_fails_the_harness_within_seconds(harness, killed_rank, tmp_
         assert process.returncode != 0
         assert f"rank {killed_rank}: signal SIGKILL" in stderr, stderr[-3000:]
         deadline = time.monotonic() + 5  # the session's last processes (resource tracker) leave
-        while _session_alive(process.pid) and time.monotonic() < deadline:
+        while session_alive(process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _session_alive(process.pid), "a worker or helper of the harness outlived it"
+        assert not session_alive(process.pid), "a worker or helper of the harness outlived it"
         assert waited < 10
     finally:
-        if _session_alive(process.pid):
+        if session_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
@@ -124,7 +118,7 @@ def test_hook_overhead_without_profile_steps_finishes(tmp_path):
     try:
         output, _ = process.communicate(timeout=180)
     finally:
-        if _session_alive(process.pid):
+        if session_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == 0, output

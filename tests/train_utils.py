@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -47,3 +48,12 @@ def wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | N
             )
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def session_alive(session: int) -> bool:
+    """Whether any process of the session (process group) ``session`` is alive."""
+    try:
+        os.killpg(session, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -247,19 +247,24 @@ class Canonical:
 
     def flat_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The flat positions of canonical ``positions`` (an integer tensor, on its device)."""
-        if self.identity:
-            return positions
-        tables = self._device_tables(positions.device)
-        chunk = torch.searchsorted(tables.canonical_starts, positions, right=True) - 1
-        return positions + tables.to_flat[chunk]
+        return self._moved(positions, to_flat=True)
 
     def canonical_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`flat_positions`: the canonical positions of flat ``positions``."""
+        return self._moved(positions, to_flat=False)
+
+    def _moved(self, positions: torch.Tensor, to_flat: bool) -> torch.Tensor:
+        """``positions`` plus the offset of the parameter chunk each lies in, one way or the other."""
         if self.identity:
             return positions
         tables = self._device_tables(positions.device)
-        chunk = torch.searchsorted(tables.flat_starts, positions, right=True) - 1
-        return positions + tables.to_canonical[chunk]
+        starts, offsets = (
+            (tables.canonical_starts, tables.to_flat)
+            if to_flat
+            else (tables.flat_starts, tables.to_canonical)
+        )
+        chunk = torch.searchsorted(starts, positions, right=True) - 1
+        return positions + offsets[chunk]
 
     def _device_tables(self, device: torch.device) -> _PositionTables:
         tables = self._tables.get(str(device))
