@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from gradsift.benchmarking import exit_status
 
 #: Seconds between two looks at the result queue and at the workers' exit codes.
 POLL_S = 0.25
@@ -71,13 +72,6 @@ def run_ranks(function: Callable[..., None], args: tuple[Any, ...], nprocs: int,
 
 def _exits(processes: list[Any]) -> str:
     """``rank 0: signal SIGKILL, rank 1: exit code 1`` (a rank still running: ``running``)."""
-    described = []
-    for rank, process in enumerate(processes):
-        code = process.exitcode
-        if code is None:
-            described.append(f"rank {rank}: running")
-        elif code < 0:
-            described.append(f"rank {rank}: signal {signal.Signals(-code).name}")
-        else:
-            described.append(f"rank {rank}: exit code {code}")
-    return ", ".join(described)
+    return ", ".join(
+        f"rank {rank}: {exit_status(process.exitcode)}" for rank, process in enumerate(processes)
+    )

@@ -207,6 +207,44 @@ def test_bad_options_are_clear_errors():
     assert "buffers" in errors["buffers"] and "warmup_steps" in errors["warmup"]
 
 
+def defaults_worker(rank: int, world: int) -> dict:
+    """What ``gradsift.diloco`` sets up with each way of naming the compressor."""
+    from gradsift.compressors.topk import TopK
+
+    seen = {}
+    for label, compressor, options in (
+        ("default", None, {}),
+        ("instance", TopK(ratio=0.1), {}),
+        ("dense", "none", {}),
+        ("explicit", "topk", {"ratio": 0.1, "residual_decay": 0.5}),
+    ):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        args = () if compressor is None else (10, compressor)
+        state = gradsift.diloco(model, optimizer, *args, **options)
+        group = state.outer_optimizer.param_groups[0]
+        seen[label] = {
+            "sync_every": state.sync_every,
+            "compressor": state.hook.compressor.name,
+            "ratio": getattr(state.hook.compressor, "ratio", None),
+            "decay": state.hook.options.residual_decay,
+            "outer": (group["lr"], group["momentum"]),
+        }
+        state.detach()
+    return seen
+
+
+def test_the_defaults_are_sparselocos_form():
+    """H 10, sidco-exp at 0.01, outer lr 1 without momentum, and error feedback decayed by
+    0.95 wherever the compressor runs it (by name or as an instance), unless given."""
+    (seen,) = run_workers(__file__, "defaults_worker", 1)
+    assert seen["default"] == {"sync_every": 10, "compressor": "sidco-exp", "ratio": 0.01, "decay": 0.95,
+                               "outer": (1.0, 0.0)}  # fmt: skip
+    assert seen["instance"]["decay"] == 0.95
+    assert seen["dense"]["decay"] == 1.0  # no error feedback, nothing to decay
+    assert seen["explicit"]["decay"] == 0.5
+
+
 def test_the_trainer_runs_diloco_with_sync_every(tmp_path, capsys):
     """``gradsift train --sync-every H``: no DDP; bytes only on the steps that end a round
     (the last, unfinished round is ended by the run's last step); DDP's bytes every step."""

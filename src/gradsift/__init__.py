@@ -7,7 +7,7 @@ Public API (stable)::
     payload = c.compress(flat_gradient)
     dense = c.decompress([payload, ...], numel)
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
-    state = gradsift.diloco(model, optimizer, sync_every=50, compressor="sidco-exp", ratio=0.01)
+    state = gradsift.diloco(model, optimizer)   # SparseLoCo's form: every 10 steps, sidco-exp 0.01
 """
 
 from __future__ import annotations
@@ -81,17 +81,14 @@ def register_comm_hook(
 
 
 def diloco(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sync_every: int = 50,
-    compressor: str = "sidco-exp",
-    **options: Any,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **options: Any
 ) -> DiLoCoState:
-    """Low-communication training: DiLoCo's outer steps every ``sync_every`` inner steps on
-    compressed pseudo-gradients. See :func:`gradsift.lowcomm.diloco` (imported lazily)."""
+    """Low-communication training: outer steps every ``sync_every`` inner steps on compressed
+    pseudo-gradients. See :func:`gradsift.lowcomm.diloco` (imported lazily), which holds the
+    defaults (SparseLoCo's form every 10 steps): this wrapper restates none of them."""
     from gradsift.lowcomm import diloco as _diloco
 
-    return _diloco(model, optimizer, sync_every, compressor, **options)
+    return _diloco(model, optimizer, *args, **options)
 
 
 __all__ = [

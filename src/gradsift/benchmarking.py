@@ -463,18 +463,18 @@ def _collect(workers: Sequence[Any], results: Any, collected: dict[int, Any]) ->
         waiting_since = time.monotonic()
 
 
+def exit_status(code: int | None) -> str:
+    """A process's ``exitcode`` in words: ``running``, ``signal SIGKILL`` or ``exit code 1``."""
+    if code is None:
+        return "running"
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def _exits(workers: Sequence[Any], which: Sequence[Any]) -> str:
     """``worker 1 of 2 (pid 123): signal SIGKILL`` for each of ``which`` (``running`` while alive)."""
     described = []
     for worker in which:
-        code = worker.exitcode
-        how = (
-            "running"
-            if code is None
-            else f"signal {signal.Signals(-code).name}"
-            if code < 0
-            else f"exit code {code}"
-        )
+        how = exit_status(worker.exitcode)
         described.append(f"worker {workers.index(worker)} of {len(workers)} (pid {worker.pid}): {how}")
     return ", ".join(described)
 

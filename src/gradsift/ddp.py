@@ -400,7 +400,7 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
             capacity=lambda key, numel: state.capacities.capacity(state.compressor, key, numel),
         )
         step.keys.update([context.key, *(part.key for part in parts)])
-        if state.first_step is not None:
+        if state.first_step is not None and state.first_step.watching:  # until its checks decided
             state.first_step.offer(bucket.parameters()[0], context.result)
         pending = _exchange_bucket(state, parts, context)
     except BaseException:

@@ -108,8 +108,9 @@ class FirstOptimizerStep:
         return self.check_momentum or self.check_scaler
 
     def offer(self, param: torch.Tensor, result: torch.Tensor) -> None:
-        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient."""
-        if self.watching and self.candidate is None:
+        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient
+        (called only while :attr:`watching`)."""
+        if self.candidate is None:
             self.candidate = (param, result)
 
     def keep(self) -> None:

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsift.compressors.base import Compressor
 from gradsift.compressors.registry import compressor_class
 from gradsift.ddp import GradsiftHookState, gradsift_hook
 from gradsift.errors import InvalidOptionError
@@ -210,7 +211,7 @@ def diloco(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sync_every: int = 10,
-    compressor: str = "sidco-exp",
+    compressor: str | Compressor = "sidco-exp",
     *,
     outer_lr: float = 1.0,
     outer_momentum: float = 0.0,
@@ -252,7 +253,11 @@ def diloco(
         raise InvalidOptionError("diloco needs an initialised torch.distributed process group")
     options.setdefault("nonfinite", "skip")
     feedback = options.get("error_feedback")
-    if compressor_class(compressor).error_feedback if feedback is None else feedback:
+    if feedback is None:
+        feedback = (
+            compressor if isinstance(compressor, Compressor) else compressor_class(compressor)
+        ).error_feedback
+    if feedback:
         options.setdefault("residual_decay", SPARSELOCO_DECAY)
     hook = GradsiftHookState.build(compressor, **options)
     hook.layout.bind(model)

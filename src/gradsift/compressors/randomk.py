@@ -130,9 +130,7 @@ class RandomK(Sparsifier):
         generator = torch.Generator(device=flat.device).manual_seed(stream_seed(self.seed, key, step))
         drawn = sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
         canonical = self.store.canonical(key)
-        if (
-            canonical is not None
-        ):  # positions drawn in parameter order: a rebuilt bucket picks the same elements
+        if canonical is not None:  # drawn in parameter order: a rebuilt bucket picks the same elements
             drawn = canonical.flat_positions(drawn)
         return Selection(drawn, None, ~torch.isfinite(smallest + largest))
 
