@@ -56,10 +56,11 @@ WARMUP_FRACTION = 0.1
 
 #: Dense steps before the second moment is frozen when nothing says how long the run is
 #: (``register_comm_hook(..., optimizer=adam)`` without ``warmup_steps``). Measured on the
-#: convergence protocol's gpt-adamw (2 workers, 314 steps, 3 seeds; docs/adam.md): 16
-#: dense steps end far behind (2.82 against fp32's 2.14 and one worker alone's 2.40),
-#: 31 at 2.29, 64 at 2.27, 128 at 2.22 but with only 2.4x fewer bytes: the frozen
-#: variance needs some tens of dense steps, and 64 keeps most of the saving.
+#: convergence protocol's gpt-adamw (2 workers, 314 steps, 3 seeds, mean validation loss;
+#: docs/adam.md): 16 dense steps end far behind (2.82 against fp32's 2.14 and one worker
+#: alone's 2.40), 31 at 2.29, 64 at 2.29 (4.6x fewer bytes), 128 at 2.25 but with only
+#: 2.4x fewer bytes: the frozen variance needs some tens of dense steps; 64 is past the
+#: failure at 16 with margin on short runs and a small share of a long one.
 ONE_LINE_WARMUP_STEPS = 64
 
 
