@@ -67,7 +67,8 @@ class Workload:
 #: to 1, as GPT recipes do) on 2 workers for 0.3 epoch
 #: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign;
 #: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch); ``gpt-adamw-1k`` gpt-adamw
-#: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length.
+#: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length;
+#: ``gpt-adamw-3k`` the same at 3,000 steps (2.865 epochs, 4 evaluations per epoch).
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -81,6 +82,9 @@ WORKLOADS = {
     "gpt-adamw-w4": Workload("gpt", 16, 3e-3, epochs=0.6, study_epochs=(), evals_per_epoch=5, steps_per_epoch=524,
                              warmup_epochs=0.04, data_dir=None, workers=4, optimizer="adamw", clip_grad_norm=1.0),
     "gpt-adamw-1k": Workload("gpt", 16, 3e-3, epochs=0.955, study_epochs=(), evals_per_epoch=10,
+                             steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
+                             clip_grad_norm=1.0),
+    "gpt-adamw-3k": Workload("gpt", 16, 3e-3, epochs=2.865, study_epochs=(), evals_per_epoch=4,
                              steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                              clip_grad_norm=1.0),
 }  # fmt: skip
@@ -234,11 +238,19 @@ ADAMW_W4 = ("none", "bf16", "topk-0.01", "sparseloco-sidco-exp-0.01-h10")
 #: The methods also run at 1,000 steps: the controls, the recipe, averaging and SparseLoCo's form.
 ADAMW_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "sparseloco-sidco-exp-0.01-h10")
 
+#: The same methods at 3,000 steps: the slope of each gap with run length.
+ADAMW_3K = ADAMW_1K
+
 
 def adamw_runs() -> list[Run]:
-    """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers, 4, then 1,000 steps."""
+    """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers, 4, then 1,000 and 3,000 steps."""
     plan = []
-    for name, methods in (("gpt-adamw", ADAMW), ("gpt-adamw-w4", ADAMW_W4), ("gpt-adamw-1k", ADAMW_1K)):
+    for name, methods in (
+        ("gpt-adamw", ADAMW),
+        ("gpt-adamw-w4", ADAMW_W4),
+        ("gpt-adamw-1k", ADAMW_1K),
+        ("gpt-adamw-3k", ADAMW_3K),
+    ):
         workload = WORKLOADS[name]
         plan += [Run(name, m, s, workload.epochs) for s in workload.seeds for m in methods]
     return plan
