@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from gradsift.benchmarking import exit_status
+from gradsift.tools.benchmarking import exit_status
 
 #: Seconds between two looks at the result queue and at the workers' exit codes.
 POLL_S = 0.25

@@ -20,7 +20,7 @@ The same run without gradsift (the Trainer's own DDP allreduce), to compare the 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 --without-gradsift --output-dir alone
 
 The callback hands the hook the Trainer's AdamW (its default optimizer): with a
-sparsifier, the frozen-variance method of ``gradsift.adam`` after a dense warm-up of a
+sparsifier, the frozen-variance method of ``gradsift.hook.adam`` after a dense warm-up of a
 tenth of the steps (docs/adam.md).
 """
 

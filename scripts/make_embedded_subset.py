@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gradsift.train.data import NUM_CLASSES, SYSTEM_DIR, _split_paths, read_idx
+from gradsift.tools.train.data import NUM_CLASSES, SYSTEM_DIR, _split_paths, read_idx
 
 _NAMES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),

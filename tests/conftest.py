@@ -166,7 +166,7 @@ def documented_runs(built_package, user_environment, tmp_path_factory: pytest.Te
 def pytest_report_header(config: pytest.Config) -> str:
     """The first lines of every run say whether the real Fashion-MNIST is installed: without
     it the tests marked ``needs_real`` skip (``./dev setup`` installs Debian's package as root)."""
-    from gradsift.train import data
+    from gradsift.tools.train import data
 
     if data.has_dataset(data.SYSTEM_DIR):
         return f"real Fashion-MNIST: {data.SYSTEM_DIR}"
@@ -178,7 +178,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """Repeat the dataset's absence at the end of the run, where a reader looks."""
-    from gradsift.train import data
+    from gradsift.tools.train import data
 
     if not data.has_dataset(data.SYSTEM_DIR):
         terminalreporter.write_line(

@@ -1,4 +1,4 @@
-"""``optimizer=`` with Adam and AdamW (gradsift.adam): error feedback on the first moment, the
+"""``optimizer=`` with Adam and AdamW (gradsift.hook.adam): error feedback on the first moment, the
 second frozen after a dense warm-up.
 
 The oracle is the method written out in this file from its definition (1-bit Adam's frozen
@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from distributed_utils import run_workers
-from gradsift.adam import FrozenVarianceStep
-from gradsift.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.adam import FrozenVarianceStep
 from test_ddp import IN, batch, flat_params, make_model
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)
@@ -256,7 +256,7 @@ def test_frozen_variance_step_leaves_a_non_compressed_step_to_the_optimizer():
 def test_the_one_line_with_adamw_takes_the_measured_dense_warm_up(one_process_group):
     """``register_comm_hook(ddp, name, optimizer=adamw)`` and nothing else: it runs, with
     ONE_LINE_WARMUP_STEPS dense steps, which are stock DDP + AdamW (same run, same data)."""
-    from gradsift.adam import ONE_LINE_WARMUP_STEPS
+    from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
 
     runs = {}
     for hooked in (False, True):

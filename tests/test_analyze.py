@@ -6,11 +6,11 @@ import pickle
 import pytest
 import torch
 
-from gradsift.analysis import estimation_series, load_gradients, percentile_summary
-from gradsift.cli import main
 from gradsift.compressors import get_compressor
-from gradsift.errors import InvalidOptionError
-from gradsift.feedback import ErrorFeedback
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.feedback import ErrorFeedback
+from gradsift.tools.analysis import estimation_series, load_gradients, percentile_summary
+from gradsift.tools.cli import main
 
 
 @pytest.fixture

@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import gradsift
-from gradsift import cli
-from gradsift.benchmarking import (
+from gradsift.compressors.topk import TopK
+from gradsift.core.errors import GradsiftError, InvalidOptionError, UnknownCompressorError
+from gradsift.core.readout import Readout
+from gradsift.tools import cli
+from gradsift.tools.benchmarking import (
     CompressBenchConfig,
     HookEncoder,
     benchmarkable,
@@ -24,9 +27,6 @@ from gradsift.benchmarking import (
     run_compress_benchmark,
     synthetic_gradient,
 )
-from gradsift.compressors.topk import TopK
-from gradsift.errors import GradsiftError, InvalidOptionError, UnknownCompressorError
-from gradsift.readout import Readout
 from train_utils import session_alive
 
 ROW_FIELDS = {

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradsift.bitpack import bits_for, pack, packed_nbytes, unpack
+from gradsift.compressors.bitpack import bits_for, pack, packed_nbytes, unpack
 
 
 @given(

@@ -1,4 +1,4 @@
-"""Adaptive capacities follow the measured demand (gradsift.capacity), on 2 real gloo ranks.
+"""Adaptive capacities follow the measured demand (gradsift.hook.capacity), on 2 real gloo ranks.
 
 VGC (alpha 4) sends as many entries as its rule passes, a count the host knows only at
 the step's close. The oracle, written from the rule: a part's capacity at step t + 1 is

@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gradsift
-import gradsift.ddp
+import gradsift.frontends.ddp
 from distributed_utils import run_workers
-from gradsift.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError
 from gradsift.integrations.checkpoint import hook_state_on, parameter_digest, to_cpu
 from lazy_device import lazy_device, needs_lazy, tensors
 
@@ -49,9 +49,9 @@ def gather_worker(rank: int, world: int, checkpoint: str) -> dict:
         torch.save({"gradsift": gathered}, checkpoint)
     dist.barrier()
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    on_device = gradsift.ddp.GradsiftHookState.build("dgc", ratio=0.2)
+    on_device = gradsift.hook.state.GradsiftHookState.build("dgc", ratio=0.2)
     load_hook_state(on_device, saved["gradsift"], device=device)
-    default = gradsift.ddp.GradsiftHookState.build("dgc", ratio=0.2)
+    default = gradsift.hook.state.GradsiftHookState.build("dgc", ratio=0.2)
     load_hook_state(default, saved["gradsift"])  # gloo: the CPU
     return {
         "own": own,

@@ -194,7 +194,7 @@ def test_hook_runs_no_python_on_backend_threads():
 # --- every collective's Work outlives the script ------------------------------------------
 def keeper_worker(rank: int, world: int) -> dict:
     """Train 3 steps recording the Work of every collective started; what the keeper holds."""
-    from gradsift.exchanges import collectives
+    from gradsift.core import collectives
 
     started_by_step: list[list] = []
     gather = collectives.all_gather_into

@@ -16,21 +16,21 @@ import sys
 
 import pytest
 
-from gradsift import analysis, benchmarking
-from gradsift.cli import build_parser
-from gradsift.commands import analyze as analyze_command
-from gradsift.commands import bench as bench_command
 from gradsift.exchanges import available_exchanges
-from gradsift.train.config import LR_SCHEDULES, OPTIMIZERS
-from gradsift.train.devices import DEVICES
-from gradsift.train.models import MODELS
+from gradsift.tools import analysis, benchmarking
+from gradsift.tools.cli import build_parser
+from gradsift.tools.commands import analyze as analyze_command
+from gradsift.tools.commands import bench as bench_command
+from gradsift.tools.train.config import LR_SCHEDULES, OPTIMIZERS
+from gradsift.tools.train.devices import DEVICES
+from gradsift.tools.train.models import MODELS
 
 HEAVY = ("torch", "scipy", "matplotlib", "numpy")
 
 ARGVS = ["--version", "--help", "analyze --help", "bench --help", "bench compress --help", "train --help",
          "demo --help", "report --help"]  # fmt: skip
 
-# Runs each of sys.argv[2]'s command lines through gradsift.cli.main in one fresh
+# Runs each of sys.argv[2]'s command lines through gradsift.tools.cli.main in one fresh
 # interpreter and prints, as JSON, which of sys.argv[1]'s packages are loaded after
 # each. The last entry is the check's positive control: a public name that needs torch.
 PROBE = """
@@ -40,7 +40,7 @@ def loaded():
     return sorted({name.split(".")[0] for name in sys.modules} & heavy)
 import gradsift
 report = {"import gradsift": loaded()}
-from gradsift.cli import main
+from gradsift.tools.cli import main
 for argv in argvs:
     try:
         main(argv.split())

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsift.cli import build_parser
-from gradsift.cli import main as cli_main
-from gradsift.commands.train import config_from_args, exchange_options
-from gradsift.errors import InvalidOptionError
-from gradsift.train.config import TrainConfig
-from gradsift.train.demo import LENGTHS
-from gradsift.train.devices import DEVICES
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.cli import build_parser
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.commands.train import config_from_args, exchange_options
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.demo import LENGTHS
+from gradsift.tools.train.devices import DEVICES
 from test_cli import subparser
 
 #: Every command with options (``bench`` has only its sub-commands); each writes results.

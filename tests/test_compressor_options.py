@@ -18,7 +18,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import gradsift
-from gradsift.bitpack import bits_for, unpack
+from gradsift.compressors.bitpack import bits_for, unpack
 
 
 def laplace(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:

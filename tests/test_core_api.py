@@ -5,8 +5,8 @@ import torch
 
 import gradsift
 from gradsift.compressors import Payload, scatter_mean, target_count
-from gradsift.compressors.base import FIELD_HEADER_NBYTES, index_dtype
-from gradsift.feedback import ErrorFeedback
+from gradsift.core.payload import FIELD_HEADER_NBYTES, index_dtype
+from gradsift.hook.feedback import ErrorFeedback
 
 
 def test_available_compressors_lists_every_design_name():

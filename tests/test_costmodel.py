@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from gradsift.costmodel import (
+from gradsift.core.errors import InvalidOptionError
+from gradsift.exchanges.costmodel import (
     Traffic,
     all_to_all,
     allgather_crossover_workers,
@@ -23,7 +24,6 @@ from gradsift.costmodel import (
     shared_mask_traffic,
     sparse_reduce_scatter_traffic,
 )
-from gradsift.errors import InvalidOptionError
 
 
 def _fields(traffic: Traffic) -> tuple[float, float, float]:

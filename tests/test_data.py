@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from gradsift.errors import InvalidOptionError
-from gradsift.train import data, datasets, text
-from gradsift.train.data import DatasetError, find_dataset_dir, load_split, read_idx, shard_indices
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.train import data, datasets, text
+from gradsift.tools.train.data import DatasetError, find_dataset_dir, load_split, read_idx, shard_indices
 
 REPO = Path(__file__).resolve().parent.parent
 needs_real = pytest.mark.skipif(

@@ -49,7 +49,7 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def hooked(compressor, **options) -> tuple[DDP, gradsift.ddp.GradsiftHookState]:
+def hooked(compressor, **options) -> tuple[DDP, gradsift.hook.state.GradsiftHookState]:
     model = DDP(make_model())
     return model, gradsift.register_comm_hook(model, compressor, **options)
 

@@ -59,7 +59,7 @@ RESUME_CASES = {
 #: Methods whose arithmetic depends on where an element lies (random positions, a
 #: rounding stream, a sum's rounding, QSGD's norms per 512 elements), resumed across
 #: make_model's rebuild: they run on the bucket's parameters in number order
-#: (gradsift.state.Canonical), so the layout DDP hands the resumed first step does not
+#: (gradsift.core.store.Canonical), so the layout DDP hands the resumed first step does not
 #: change a bit.
 ACROSS_REBUILD = {
     f"{name}-rebuilt": (name, options, make_model)
@@ -192,7 +192,7 @@ def failing_worker(rank: int, world: int, how: str) -> dict:
     try:
         train(model, rank, range(2, 4))
         return {"error": None}
-    except gradsift.errors.PeerFailureError as error:
+    except gradsift.core.errors.PeerFailureError as error:
         return {"error": str(error), "seconds": time.monotonic() - started}
 
 

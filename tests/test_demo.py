@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.cli import main as cli_main
-from gradsift.report import PLOTS
-from gradsift.train.demo import DEMO_RUNS, LENGTHS
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.report import PLOTS
+from gradsift.tools.train.demo import DEMO_RUNS, LENGTHS
 
 
 @pytest.mark.distributed

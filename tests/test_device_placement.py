@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import gradsift.train.demo
+import gradsift.tools.train.demo
 from distributed_utils import run_workers
-from gradsift.errors import InvalidOptionError
-from gradsift.train.config import TrainConfig
-from gradsift.train.devices import fallback_device, resolve_device
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.devices import fallback_device, resolve_device
 from lazy_device import lazy_device, needs_lazy
 
 
@@ -39,9 +39,9 @@ def reduce_via_host(devices: list[str]):
 
 # -- evaluate: the totals stay on the model's device ----------------------------------------
 def evaluate_worker(rank: int, world: int) -> dict:
-    from gradsift.train.data import load_dataset
-    from gradsift.train.loop import evaluate
-    from gradsift.train.models import build_model
+    from gradsift.tools.train.data import load_dataset
+    from gradsift.tools.train.loop import evaluate
+    from gradsift.tools.train.models import build_model
 
     device = lazy_device()
     _, test, _ = load_dataset(synthetic=True, seed=0)
@@ -115,7 +115,7 @@ def test_fallback_device_trains_on_the_cpu_with_too_few_gpus(gpus) -> None:
 
 
 def test_rank_device_takes_its_local_gpu_or_the_cpu(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradsift.train.loop import rank_device
+    from gradsift.tools.train.loop import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -145,15 +145,15 @@ def test_demo_with_fewer_gpus_than_workers_trains_on_the_cpu_and_says_so(
         if len(configs) == 2:
             raise _Stop
 
-    monkeypatch.setattr(gradsift.train.demo, "run_training", run_training)
+    monkeypatch.setattr(gradsift.tools.train.demo, "run_training", run_training)
     gpus(1)
     with pytest.raises(_Stop):
-        gradsift.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
+        gradsift.tools.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
     printed = capsys.readouterr().out
     assert [c.device for c in configs] == ["cpu", "cpu"]
     assert printed.count("1 GPU(s) for 2 workers") == 1 and "on the CPU (gloo)" in printed
     configs.clear()
     gpus(2)
     with pytest.raises(_Stop):
-        gradsift.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
+        gradsift.tools.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
     assert [c.device for c in configs] == ["cuda", "cuda"] and "on CUDA (NCCL)" in capsys.readouterr().out

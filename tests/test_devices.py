@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.benchmarking import density_option
 from gradsift.compressors import Payload, Sparsifier
-from gradsift.kernels import SELECTION_CHUNK
+from gradsift.compressors.kernels import SELECTION_CHUNK
+from gradsift.tools.benchmarking import density_option
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: powersgd has no flat-tensor compress (it wraps PyTorch's DDP hook; see docs/quantizers.md).

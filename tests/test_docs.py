@@ -28,7 +28,7 @@ from doc_commands import (
     run_group,
     shorten,
 )
-from gradsift.cli import main
+from gradsift.tools.cli import main
 
 DOCS = ROOT / "docs"
 DATA = f"--data-dir {EMBEDDED_DATA}"

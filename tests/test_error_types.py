@@ -1,4 +1,4 @@
-"""Every error gradsift raises on purpose is a :class:`gradsift.errors.GradsiftError`.
+"""Every error gradsift raises on purpose is a :class:`gradsift.core.errors.GradsiftError`.
 
 Two checks against the source itself, not a list kept by hand: every exception class
 defined anywhere in the package derives from ``GradsiftError``, and every ``raise
@@ -16,16 +16,16 @@ import pkgutil
 from pathlib import Path
 
 import gradsift
-from gradsift.errors import GradsiftError, MissingExtraError
+from gradsift.core.errors import GradsiftError, MissingExtraError
 
 SOURCE = Path(gradsift.__file__).resolve().parent
 
 #: ``(file relative to src/gradsift, exception)``: raises of built-in types that report a bug
 #: in gradsift, not a user's mistake (nothing a caller could fix, or catch on purpose).
 INTERNAL = {
-    ("readout.py", "RuntimeError"),  # a readout slot read before the step's one host read: a code bug
+    ("core/readout.py", "RuntimeError"),  # a readout slot read before the step's one host read: a code bug
     ("__init__.py", "AttributeError"),  # the module __getattr__ protocol (PEP 562) for unknown names
-    ("train/launcher.py", "SystemExit"),  # the launcher's exit status on a signal, not an error
+    ("tools/train/launcher.py", "SystemExit"),  # the launcher's exit status on a signal, not an error
 }
 
 

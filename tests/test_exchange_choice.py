@@ -3,8 +3,9 @@
 import pytest
 
 import gradsift
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges import AUTO_LINK, choose_exchange, exchange_class, exchange_for
+from gradsift.core.errors import InvalidOptionError
+from gradsift.exchanges import AUTO_LINK
+from gradsift.exchanges.choice import choose_exchange, exchange_class, resolve_exchange
 
 #: ``AUTO_LINK`` as documented: 10 Gbit/s in bytes per second, 50 us per message.
 BANDWIDTH, LATENCY = 10e9 / 8, 50e-6
@@ -37,7 +38,7 @@ def predicted_seconds(k: int, w: int) -> dict[str, float]:
 )
 def test_auto_takes_the_exact_exchange_predicted_fastest(numel, world, expected):
     """The pick is the fastest of :func:`predicted_seconds` (written from the collectives'
-    costs, not with gradsift.costmodel) for ``k = floor(ratio n)``."""
+    costs, not with gradsift.exchanges.costmodel) for ``k = floor(ratio n)``."""
     sidco = gradsift.get_compressor("sidco-exp", ratio=0.01)
     predicted = predicted_seconds(numel // 100, world)
     assert min(predicted, key=predicted.get) == expected
@@ -57,12 +58,12 @@ def test_auto_never_picks_an_approximate_exchange(name):
     for world in [2, 3, 4, 8, 16, 64, 256, 1024]:
         for numel in [10, 1_000, 100_000, 10_000_000, 100_000_000]:
             assert choose_exchange(compressor, numel, world) not in APPROXIMATE, (world, numel)
-    assert exchange_for(compressor).name not in APPROXIMATE
+    assert resolve_exchange(compressor).name not in APPROXIMATE
 
 
 def test_the_approximate_exchanges_stay_available_by_name():
     sidco = gradsift.get_compressor("sidco-exp", ratio=0.01)
-    assert [exchange_for(sidco, name).name for name in ["balanced", "shared-mask"]] == [
+    assert [resolve_exchange(sidco, name).name for name in ["balanced", "shared-mask"]] == [
         "balanced",
         "shared-mask",
     ]
@@ -83,11 +84,11 @@ def test_the_approximate_exchanges_stay_available_by_name():
 def test_auto_keeps_the_only_exchange_of_a_method(name, exchange):
     compressor = gradsift.get_compressor(name)
     assert choose_exchange(compressor, 10_000_000, 64) == exchange
-    assert exchange_for(compressor).name == exchange
+    assert resolve_exchange(compressor).name == exchange
 
 
 def test_an_unsupported_exchange_is_refused_with_what_is_supported():
     with pytest.raises(
         InvalidOptionError, match="'qsgd' cannot travel by exchange 'balanced'; it supports: allgather"
     ):
-        exchange_for(gradsift.get_compressor("qsgd"), "balanced")
+        resolve_exchange(gradsift.get_compressor("qsgd"), "balanced")

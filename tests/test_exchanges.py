@@ -70,14 +70,14 @@ class Tally:
         wrap("all_reduce", lambda t, **_: 2 * (world - 1) * size(t) // world)
         gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         wrap(gather, lambda out, inp, **_: (world - 1) * size(inp))
-        import gradsift.exchanges.collectives as collectives
+        import gradsift.core.collectives as collectives
 
         self._gather = collectives.all_gather_into
         collectives.all_gather_into = getattr(dist, gather)
         return self
 
     def __exit__(self, *exc) -> None:
-        import gradsift.exchanges.collectives as collectives
+        import gradsift.core.collectives as collectives
 
         for name, original in self._saved.items():
             setattr(dist, name, original)
@@ -277,7 +277,7 @@ def dying_worker(rank: int, world: int, exchange: str) -> dict:
             model.zero_grad()
             torch.nn.functional.mse_loss(model(batch(rank, step)[0]), batch(rank, step)[1]).backward()
         return {"error": None}
-    except gradsift.errors.PeerFailureError as error:
+    except gradsift.core.errors.PeerFailureError as error:
         return {"error": str(error), "seconds": time.monotonic() - started}
 
 
@@ -344,9 +344,9 @@ def test_every_exchange_is_tested_here():
 # --- canonical positions (the balanced exchange's slices) --------------------------------------
 def test_canonical_positions_invert_flat_positions_and_to_flat_writes_in_place():
     """The balanced exchange maps a part's flat positions to canonical ones and back with
-    gradsift.state.Canonical (a zero-size parameter included); to_flat with ``out`` lays
+    gradsift.core.store.Canonical (a zero-size parameter included); to_flat with ``out`` lays
     the elements back straight into a bucket view."""
-    from gradsift.state import Canonical
+    from gradsift.core.store import Canonical
 
     numels = {0: 2, 1: 3, 2: 1, 3: 0}
     canonical = Canonical((2, 3, 0, 1), numels)

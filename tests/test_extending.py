@@ -108,7 +108,7 @@ def test_fraction_of_max_selects_its_definition(my_compressor: ModuleType, fract
 
 
 def test_fraction_of_max_keeps_the_largest_within_its_room(my_compressor: ModuleType) -> None:
-    from gradsift.readout import Readout
+    from gradsift.core.readout import Readout
 
     x = torch.randn(500, generator=torch.Generator().manual_seed(4))
     compressor = my_compressor.FractionOfMax(fraction=0.2, ratio=0.05)
@@ -125,7 +125,7 @@ def test_fraction_of_max_keeps_the_largest_within_its_room(my_compressor: Module
 
 def test_fraction_of_max_checks_its_options_and_flags_nonfinite(my_compressor: ModuleType) -> None:
     import gradsift
-    from gradsift.errors import InvalidOptionError, NonFiniteGradientError
+    from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
 
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(InvalidOptionError, match="fraction"):
@@ -298,9 +298,9 @@ def examples_worker(rank: int, world: int) -> dict[str, object]:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
 
     import gradsift
-    from gradsift.ddp import register_comm_hook
     from gradsift.exchanges.base import Exchange
-    from gradsift.fsdp import register_fsdp_comm_hook
+    from gradsift.frontends.ddp import register_comm_hook
+    from gradsift.frontends.fsdp import register_fsdp_comm_hook
 
     fsdp1, fsdp2 = example_block(register_fsdp_comm_hook).split("\n\n")
     blocks = {

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.compressors.base import Payload
-from gradsift.errors import InvalidOptionError
-from gradsift.feedback import ErrorFeedback
-from gradsift.state import TensorStore
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload
+from gradsift.core.store import TensorStore
+from gradsift.hook.feedback import ErrorFeedback
 
 
 def sparse(values: list[float], indices: list[int], numel: int, dtype=torch.float32) -> Payload:

@@ -1,4 +1,4 @@
-"""The hook's checks at the first optimizer step (gradsift.first_step), on a 1-rank gloo
+"""The hook's checks at the first optimizer step (gradsift.hook.first_step), on a 1-rank gloo
 group in this process: a GradScaler used without ``scaler=`` is refused at its first
 step, a momentum optimizer not passed as ``optimizer=`` is named in a warning, and
 neither fires for the right setup or for a user's own gradient clipping."""
@@ -12,8 +12,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from gradsift.errors import InvalidOptionError
-from gradsift.first_step import WATCHERS
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.first_step import WATCHERS
 
 pytestmark = pytest.mark.distributed
 

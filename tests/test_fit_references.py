@@ -1,4 +1,4 @@
-"""gradsift.stats against independent references: SciPy's distributions and KS test, closed
+"""gradsift.compressors.stats against independent references: SciPy's distributions and KS test, closed
 forms, and the degenerate inputs (empty, one element, zero spread) each fit documents.
 
 Written to kill the mutants of stats.py that the other tests let live
@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from gradsift import stats
+from gradsift.compressors import stats
 
 
 def test_fitted_distributions_carry_every_parameter():
@@ -56,7 +56,7 @@ def test_ks_distance_of_signed_data_matches_scipy():
 
 def reference_fits(sample: np.ndarray) -> dict[str, tuple[dict, object, np.ndarray, float]]:
     """Each family fitted by its closed form in NumPy float64 (the definitions in
-    gradsift.stats' docstrings, not its code): family -> (params, SciPy distribution, the
+    gradsift.compressors.stats' docstrings, not its code): family -> (params, SciPy distribution, the
     data it is tested on, the point mass at zero in front of it)."""
     a = np.abs(sample)
     m, v = a.mean(), a.var()

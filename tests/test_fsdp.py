@@ -1,4 +1,4 @@
-"""gradsift on FSDP models (src/gradsift/fsdp.py), on 2 real gloo ranks.
+"""gradsift on FSDP models (src/gradsift/frontends/fsdp.py), on 2 real gloo ranks.
 
 * FSDP1 ``NO_SHARD`` and FSDP2 hybrid sharding (``fully_shard`` on the intra-node mesh,
   gradsift on the replicate group) with ``sidco-exp``: ranks identical, bytes below
@@ -220,7 +220,7 @@ def checkpoint_worker(rank: int, world: int, flavour: str) -> dict:
     teacher, _, _ = teacher_task(0)
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
 
-    def build() -> tuple[nn.Module, gradsift.ddp.GradsiftHookState, torch.optim.Optimizer]:
+    def build() -> tuple[nn.Module, gradsift.hook.state.GradsiftHookState, torch.optim.Optimizer]:
         if flavour == "no_shard":
             model = no_shard()
             hook = gradsift.register_comm_hook(model, "sidco-exp", ratio=0.05)

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-import gradsift.ddp
+import gradsift.frontends.ddp
 from distributed_utils import run_workers
 from test_ddp import batch, flat_params, make_model
 
@@ -72,7 +72,7 @@ def python_reducer_worker(rank: int, world: int) -> dict:
     try:
         model = DDP(make_model())
         gradsift.register_comm_hook(model, "sidco-exp")
-    except gradsift.errors.InvalidOptionError as error:
+    except gradsift.core.errors.InvalidOptionError as error:
         return {"error": str(error)}
     finally:
         torch._dynamo.config.optimize_ddp = True
@@ -86,9 +86,9 @@ def test_compiled_autograds_python_reducer_is_refused_at_registration():
 
 def test_a_per_parameter_call_is_refused_by_the_hook_itself():
     """If the reducer is switched after registration, the hook sees (grad, param) tuples."""
-    state = gradsift.ddp.GradsiftHookState.build("topk")
-    with pytest.raises(gradsift.errors.InvalidOptionError, match="per parameter"):
-        gradsift.ddp.gradsift_hook(state, (torch.zeros(3), torch.nn.Parameter(torch.zeros(3))))
+    state = gradsift.hook.state.GradsiftHookState.build("topk")
+    with pytest.raises(gradsift.core.errors.InvalidOptionError, match="per parameter"):
+        gradsift.hook.route.gradsift_hook(state, (torch.zeros(3), torch.nn.Parameter(torch.zeros(3))))
 
 
 # --- loss scaling ----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from distributed_utils import record_sparse_payloads, run_workers
-from gradsift import recipe
+from gradsift.hook import recipe
 from test_ddp import NUMELS, batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsift.errors import InvalidOptionError, MissingExtraError
-from gradsift.extras import EXTRAS, install_hint, require
+from gradsift.core.errors import InvalidOptionError, MissingExtraError
+from gradsift.core.extras import EXTRAS, install_hint, require
 from gradsift.integrations.telemetry import scalar_metrics
 from package_utils import read_pyproject
 
@@ -43,7 +43,7 @@ def test_every_extra_is_a_pyproject_extra_and_the_tests_install_them() -> None:
     "saved", [None, {"ranks": [{}]}, {"world_size": 1}, [{"world_size": 1, "ranks": [{}]}]], ids=repr
 )
 def test_load_hook_state_refuses_what_gather_hook_states_did_not_return(saved) -> None:
-    from gradsift.ddp import GradsiftHookState
+    from gradsift.hook.state import GradsiftHookState
     from gradsift.integrations.checkpoint import load_hook_state
 
     with pytest.raises(

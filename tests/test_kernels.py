@@ -1,4 +1,4 @@
-"""gradsift.kernels: the selection kernels (NumPy on CPU, PyTorch without host reads elsewhere),
+"""gradsift.compressors.kernels: the selection kernels (NumPy on CPU, PyTorch without host reads elsewhere),
 keeping the largest, zeroing in place, and the one-thread section."""
 
 import math
@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from gradsift import kernels
-from gradsift.errors import InvalidOptionError
-from gradsift.kernels import (
+from gradsift.compressors import kernels
+from gradsift.compressors.kernels import (
     PARALLEL_GRAIN,
     SELECTION_CHUNK,
     CallingThreadOnly,
@@ -18,6 +17,7 @@ from gradsift.kernels import (
     select_mask,
     zero_at,
 )
+from gradsift.core.errors import InvalidOptionError
 
 
 def nan_inclusive(x: torch.Tensor, eta: float) -> torch.Tensor:
@@ -139,7 +139,7 @@ def test_the_cpu_selection_never_enters_blas(monkeypatch, compressor):
     import numpy as np
 
     from gradsift.compressors.registry import get_compressor
-    from gradsift.readout import Readout
+    from gradsift.core.readout import Readout
 
     def refused(*args, **kwargs):
         raise AssertionError("BLAS call on the CPU selection path")

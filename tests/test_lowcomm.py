@@ -1,4 +1,4 @@
-"""gradsift.diloco (gradsift/lowcomm.py): DiLoCo's outer steps on compressed pseudo-gradients,
+"""gradsift.diloco (gradsift/frontends/diloco.py): DiLoCo's outer steps on compressed pseudo-gradients,
 in real gloo processes at 2 and 4 ranks.
 
 The oracle is DiLoCo written out here from its definition (Douillard et al. 2023): every
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import gradsift
 from distributed_utils import run_workers
-from gradsift.errors import InvalidOptionError, PeerFailureError
+from gradsift.core.errors import InvalidOptionError, PeerFailureError
 from test_ddp import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -250,7 +250,7 @@ def test_the_trainer_runs_diloco_with_sync_every(tmp_path, capsys):
     (the last, unfinished round is ended by the run's last step); DDP's bytes every step."""
     import json
 
-    from gradsift.cli import main as cli_main
+    from gradsift.tools.cli import main as cli_main
     from train_utils import TINY
 
     out = tmp_path / "diloco"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from gradsift.errors import InvalidOptionError
-from gradsift.train.models import DATA_OF_MODEL, MODELS, RowLSTM, build_model, parameter_count
-from gradsift.train.text import CONTEXT, VOCAB_SIZE
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.train.models import DATA_OF_MODEL, MODELS, RowLSTM, build_model, parameter_count
+from gradsift.tools.train.text import CONTEXT, VOCAB_SIZE
 
 EXPECTED_PARAMETERS = {
     "resnet20": 272_186,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.errors import InvalidOptionError
-from gradsift.train import netem
-from gradsift.train.config import TrainConfig
-from gradsift.train.launcher import emulated_hosts
-from gradsift.train.netem import our_namespaces
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.train import netem
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.launcher import emulated_hosts
+from gradsift.tools.train.netem import our_namespaces
 from train_utils import TINY, wait_for
 
 MISSING = netem.missing_prerequisites()

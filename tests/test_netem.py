@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.errors import InvalidOptionError
-from gradsift.train import netem
-from gradsift.train.netem import (
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.train import netem
+from gradsift.tools.train.netem import (
     EmulatedNetwork,
     NetemUnavailableError,
     our_namespaces,

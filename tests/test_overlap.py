@@ -95,7 +95,7 @@ def blocking_allreduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Fut
 
 def recorded_worker(rank: int, world: int, name: str) -> dict[str, Any]:
     """The events of the last of ``STEPS`` steps, and the buckets DDP made."""
-    from gradsift.exchanges import collectives
+    from gradsift.core import collectives
 
     events: list[tuple[str, Any]] = []
     all_reduce, all_gather = dist.all_reduce, collectives.all_gather_into

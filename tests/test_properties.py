@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradsift.benchmarking import density_option
 from gradsift.compressors import Sparsifier, available_compressors, compressor_class, get_compressor
-from gradsift.compressors.base import FIELD_HEADER_NBYTES, index_dtype
+from gradsift.core.payload import FIELD_HEADER_NBYTES, index_dtype
+from gradsift.tools.benchmarking import density_option
 
 
 def _sparsifier_names():

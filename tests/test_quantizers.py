@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.feedback import ErrorFeedback
+from gradsift.hook.feedback import ErrorFeedback
 
 QUANTIZERS = ["qsgd", "terngrad", "signsgd", "efsignsgd"]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -341,5 +341,5 @@ def test_payloads_in_different_orders_are_refused():
     rebuilt, plain = gradsift.get_compressor("qsgd"), gradsift.get_compressor("qsgd")
     rebuilt.store.follow(key, (3, 2, 1, 0), BUCKET_NUMELS)
     payloads = [rebuilt.compress(x, key=key), plain.compress(x, key=key)]
-    with pytest.raises(gradsift.errors.InvalidOptionError, match="canonical order"):
+    with pytest.raises(gradsift.core.errors.InvalidOptionError, match="canonical order"):
         rebuilt.decompress(payloads, x.numel())

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from gradsift import recipe
-from gradsift.compressors.base import Payload
-from gradsift.ddp import GradsiftHookState
-from gradsift.errors import InvalidOptionError
-from gradsift.feedback import ErrorFeedback
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload
+from gradsift.hook import recipe
+from gradsift.hook.feedback import ErrorFeedback
+from gradsift.hook.state import GradsiftHookState
 
 
 def _model_and_numbers():
@@ -20,7 +20,7 @@ def _model_and_numbers():
 def test_takeover_moves_momentum_and_weight_decay_and_survives_a_resume_in_either_order():
     model, numbers = _model_and_numbers()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    taken = recipe.take_over_optimizer(optimizer, numbers)
+    taken = recipe.take_over(optimizer, numbers)
     assert taken.momentum == 0.9 and taken.weight_decay == {0: 1e-4, 1: 1e-4}
     group = optimizer.param_groups[0]
     assert (group["momentum"], group["weight_decay"]) == (0.0, 0.0)
@@ -30,11 +30,11 @@ def test_takeover_moves_momentum_and_weight_decay_and_survives_a_resume_in_eithe
     for hook_first in (True, False):
         fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         if hook_first:
-            again = recipe.take_over_optimizer(fresh, numbers)
+            again = recipe.take_over(fresh, numbers)
             fresh.load_state_dict(saved)
         else:
             fresh.load_state_dict(saved)
-            again = recipe.take_over_optimizer(fresh, numbers)
+            again = recipe.take_over(fresh, numbers)
         assert again == taken
         assert (fresh.param_groups[0]["momentum"], fresh.param_groups[0]["weight_decay"]) == (0.0, 0.0)
 
@@ -42,22 +42,18 @@ def test_takeover_moves_momentum_and_weight_decay_and_survives_a_resume_in_eithe
 def test_takeover_refuses_what_it_cannot_apply_exactly():
     model, numbers = _model_and_numbers()
     with pytest.raises(InvalidOptionError, match="Adagrad .*LAMB, Adafactor, Lion"):
-        recipe.take_over_optimizer(torch.optim.Adagrad(model.parameters()), numbers)
+        recipe.take_over(torch.optim.Adagrad(model.parameters()), numbers)
     with pytest.raises(InvalidOptionError, match="needs a dense warm-up"):  # Adam: see tests/test_adam.py
-        recipe.take_over_optimizer(torch.optim.Adam(model.parameters()), numbers)
+        recipe.take_over(torch.optim.Adam(model.parameters()), numbers)
     with pytest.raises(InvalidOptionError, match="nesterov=True and dampening"):
-        recipe.take_over_optimizer(
-            torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, nesterov=True), numbers
-        )
+        recipe.take_over(torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, nesterov=True), numbers)
     with pytest.raises(InvalidOptionError, match="nesterov=True and dampening"):
-        recipe.take_over_optimizer(
-            torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, dampening=0.1), numbers
-        )
+        recipe.take_over(torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, dampening=0.1), numbers)
     groups = [{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias], "momentum": 0.5}]
     with pytest.raises(InvalidOptionError, match="different momenta"):
-        recipe.take_over_optimizer(torch.optim.SGD(groups, lr=1), numbers)
+        recipe.take_over(torch.optim.SGD(groups, lr=1), numbers)
     with pytest.raises(InvalidOptionError, match="torch.optim.Optimizer"):
-        recipe.take_over_optimizer("sgd", numbers)
+        recipe.take_over("sgd", numbers)
 
 
 def test_momentum_correction_and_masking_two_steps_by_hand():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.commands import report as report_command
-from gradsift.errors import InvalidOptionError, MissingExtraError
-from gradsift.report import (
+from gradsift.core.errors import InvalidOptionError, MissingExtraError
+from gradsift.tools.commands import report as report_command
+from gradsift.tools.report import (
     PLOTS,
     comparison_rows,
     default_target,
@@ -19,7 +19,7 @@ from gradsift.report import (
     plot_runs,
     predicted_step_seconds,
 )
-from gradsift.train.summary import summarize
+from gradsift.tools.train.summary import summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,9 +8,9 @@ import torch
 from scipy import stats as scipy_stats
 
 import gradsift
-from gradsift.errors import InvalidOptionError, NonFiniteGradientError
-from gradsift.feedback import ErrorFeedback
-from gradsift.kernels import value_with_above
+from gradsift.compressors.kernels import value_with_above
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.hook.feedback import ErrorFeedback
 
 VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 N = 10**6

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.compressors.sidco import SIDCoExponential, magnitude_sample, sample_counts
-from gradsift.errors import InvalidOptionError, NonFiniteGradientError
-from gradsift.readout import Readout
+from gradsift.compressors.sidco import SIDCoExponential
+from gradsift.compressors.sidco_sample import magnitude_sample, sample_counts, sample_slope
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.core.readout import Readout
 
 RAMP = torch.arange(1, 1001, dtype=torch.float64)
 
@@ -227,7 +228,7 @@ STEP_SLOPE = math.log(500.5 / 100.5) / 0.2
 
 def test_sample_slope_is_the_finite_difference_of_ln_count():
     def slope(eta: float) -> float:
-        return float(SIDCoExponential._sample_slope(STEP_SAMPLE, torch.tensor(eta, dtype=torch.float64)))
+        return float(sample_slope(STEP_SAMPLE, torch.tensor(eta, dtype=torch.float64)))
 
     assert slope(1.0) == pytest.approx(STEP_SLOPE, rel=1e-12)
     # a flat count (nothing near eta) is floored at 0.5

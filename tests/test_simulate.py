@@ -1,4 +1,4 @@
-"""gradsift.simulate against real gloo processes: the same run, bit for bit.
+"""gradsift.tools.simulate against real gloo processes: the same run, bit for bit.
 
 Oracle: the multi-process hook. The same model, data, seeds and options trained by real
 gloo ranks (``run_workers``, a plain DDP loop written here) must end with parameters,
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from distributed_utils import run_workers
-from gradsift.simulate import ring_allreduce_sum, simulate
+from gradsift.tools.simulate import ring_allreduce_sum, simulate
 
 SEED, STEPS, BATCH = 3, 6, 8
 IN, HIDDEN, OUT = 32, 96, 10

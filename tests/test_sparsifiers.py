@@ -16,7 +16,7 @@ from scipy import stats
 import gradsift
 from gradsift.compressors import scatter_mean
 from gradsift.compressors.randomk import SharedIndexPayload, first_distinct, stream_seed
-from gradsift.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError
 
 BASELINES = ["randomk", "dgc", "redsync", "gaussiank", "threshold"]
 
@@ -381,7 +381,7 @@ def test_empty_and_shaped_input(name):
 
 
 def test_threshold_selection_spans_chunks_and_checks_every_chunk():
-    from gradsift.kernels import SELECTION_CHUNK
+    from gradsift.compressors.kernels import SELECTION_CHUNK
 
     x = torch.randn(2 * SELECTION_CHUNK + 7, generator=torch.Generator().manual_seed(4))
     compressor = gradsift.get_compressor("threshold", threshold=2.0)

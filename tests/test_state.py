@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gradsift.errors import InvalidOptionError
-from gradsift.state import TensorStore
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.store import TensorStore
 
 NUMELS = {0: 2, 1: 3, 2: 1}  # parameter number -> element count
 

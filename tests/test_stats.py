@@ -1,4 +1,4 @@
-"""Distribution fits, exceedance thresholds and goodness of fit (gradsift.stats)."""
+"""Distribution fits, exceedance thresholds and goodness of fit (gradsift.compressors.stats)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from gradsift import stats
+from gradsift.compressors import stats
 
 N = 10**6
 

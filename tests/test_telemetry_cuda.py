@@ -1,6 +1,6 @@
 """Phase times on CUDA without a GPU: fake ``torch.cuda.Event`` and streams that behave as
 PyTorch's do -- ``elapsed_time`` raises unless both events completed -- so the CPU suite
-holds the CUDA branch of :mod:`gradsift.telemetry` to never asking too early, never
+holds the CUDA branch of :mod:`gradsift.core.telemetry` to never asking too early, never
 waiting in a step's close, and recording on the stream of the bucket's device."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from gradsift.readout import Readout
-from gradsift.telemetry import BucketRecord, Telemetry
+from gradsift.core.readout import Readout
+from gradsift.core.telemetry import BucketRecord, Telemetry
 
 
 class FakeStream:

@@ -1,7 +1,7 @@
 """The hook's phase times measure their phases: a compressor that sleeps in ``encode``
 shows it in ``compress_ms`` only, one that sleeps in ``decompress_into`` in
 ``decompress_ms`` only (a 1-rank gloo group in this process; CPU times are host
-wall-clock around each phase, ``gradsift.telemetry``).
+wall-clock around each phase, ``gradsift.core.telemetry``).
 
 The sleeps (0.2 s per step) dwarf the phases' own cost on this tiny model (< 1 ms), so
 the lower bounds hold by construction and the other phase stays far below them.

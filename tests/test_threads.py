@@ -1,4 +1,4 @@
-"""gradsift.threads: waiting at exit until the process's other threads are idle (Linux /proc)."""
+"""gradsift.core.threads: waiting at exit until the process's other threads are idle (Linux /proc)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gradsift.threads import TASKS, running_threads, wait_until_idle
+from gradsift.core.threads import TASKS, running_threads, wait_until_idle
 
 pytestmark = pytest.mark.skipif(not TASKS.exists(), reason="needs Linux /proc/self/task")
 
@@ -67,7 +67,7 @@ def test_a_thread_that_never_sleeps_ends_the_wait_at_its_timeout():
 
 SCRIPT = """
 import hashlib, sys, threading, time
-import gradsift.exchanges.collectives  # imported by every hook: registers the exit wait
+import gradsift.core.collectives  # imported by every hook: registers the exit wait
 def work():
     end, block = time.monotonic() + 0.2, bytes(1 << 20)
     while time.monotonic() < end:

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.cli import main as cli_main
-from gradsift.commands.train import parse_option
-from gradsift.errors import InvalidOptionError, UnknownCompressorError
-from gradsift.train.config import TrainConfig, learning_rate
-from gradsift.train.data import EMBEDDED_DIR
-from gradsift.train.summary import summarize, time_to_accuracy
+from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.commands.train import parse_option
+from gradsift.tools.train.config import TrainConfig, learning_rate
+from gradsift.tools.train.data import EMBEDDED_DIR
+from gradsift.tools.train.summary import summarize, time_to_accuracy
 from train_utils import TINY, rank_pid, wait_for
 
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from distributed_utils import run_workers
-from gradsift.train.config import TrainConfig
-from gradsift.train.data import EMBEDDED_DIR
-from gradsift.train.loop import train_rank
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.data import EMBEDDED_DIR
+from gradsift.tools.train.loop import train_rank
 
 #: model -> (steps, per-worker batch, lr, chance-level loss ln(classes))
 WORKLOADS = {

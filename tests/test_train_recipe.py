@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gradsift.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
-from gradsift.cli import main as cli_main
-from gradsift.errors import InvalidOptionError
-from gradsift.train.config import TrainConfig
-from gradsift.train.exchange import (
-    DENSITY_WARMUP_FRACTION,
-    recipe_options,
-    warms_up_density,
-)
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.exchange import DENSITY_WARMUP_FRACTION, recipe_options, warms_up_density
 from train_utils import TINY
 
 WITHOUT_FEEDBACK = {"hook_momentum": None, "momentum_masking": None, "density_warmup_steps": 0,

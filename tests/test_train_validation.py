@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import gradsift.train.launcher
-from gradsift.cli import main as cli_main
+import gradsift.tools.train.launcher
 from gradsift.compressors.registry import available_compressors
-from gradsift.ddp import HOOK_OPTIONS
-from gradsift.train.config import TrainConfig
+from gradsift.hook.options import HOOK_OPTIONS
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.train.config import TrainConfig
 from train_utils import TINY
 
 
@@ -23,7 +23,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     def supervise(*args, **kwargs):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(gradsift.train.launcher, "supervise", supervise)
+    monkeypatch.setattr(gradsift.tools.train.launcher, "supervise", supervise)
 
 
 def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str) -> str:
@@ -118,12 +118,12 @@ def test_more_workers_than_gpus_is_rejected(tmp_path, capsys, no_workers, monkey
 
 
 def test_bandwidth_under_torchrun_is_rejected_before_the_rank_starts(tmp_path, capsys, monkeypatch):
-    import gradsift.commands.train
+    import gradsift.tools.commands.train
 
     def rank(config):
         raise AssertionError("a torchrun rank was started")
 
-    monkeypatch.setattr(gradsift.commands.train, "_run_as_torchrun_rank", rank)
+    monkeypatch.setattr(gradsift.tools.commands.train, "_run_as_torchrun_rank", rank)
     for name, value in {
         "RANK": "0",
         "WORLD_SIZE": "2",

@@ -6,8 +6,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
-from gradsift.errors import InvalidOptionError, InvalidTensorError
-from gradsift.variance import VarianceTracker
+from gradsift.compressors.variance import VarianceTracker
+from gradsift.core.errors import InvalidOptionError, InvalidTensorError
 
 
 class LinearRNN(nn.Module):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gradsift.compressors.vgc_codec import CHUNK_SIZE, chunk_count, decode, encode
-from gradsift.errors import WireFormatError
+from gradsift.core.errors import WireFormatError
 
 
 def _random_message(numel, k, seed=0):

@@ -96,7 +96,7 @@ def test_ranks_agree_and_variance_is_ready_when_the_hook_runs(world_size):
 
 
 def fashion_worker(rank, world_size, steps, alpha):
-    from gradsift.train.data import load_dataset
+    from gradsift.tools.train.data import load_dataset
 
     train, test, _ = load_dataset()
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import gradsift
-from gradsift.compressors.base import FIELD_HEADER_NBYTES, INT32_LIMIT, Payload
-from gradsift.exchanges import wire
+from gradsift.core import wire
+from gradsift.core.payload import FIELD_HEADER_NBYTES, INT32_LIMIT, Payload
 
 
 def payload(indices, values=None, numel=10, length=None, demand=None) -> Payload:

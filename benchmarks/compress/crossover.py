@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import gradsift
-from gradsift.benchmarking import INPUT_DESCRIPTION, interleaved_medians_ms, synthetic_gradient
+from gradsift.tools.benchmarking import INPUT_DESCRIPTION, interleaved_medians_ms, synthetic_gradient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from gradsift.extras import require
+from gradsift.core.extras import require
 
 
 def main() -> None:

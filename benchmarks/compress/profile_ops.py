@@ -7,7 +7,7 @@ output size depends on the data (``nonzero``, ``masked_select``, boolean indexin
 which must read a count back. Deterministic: the numbers describe the code path, not
 this machine. Each compressor is called ``--warmup`` times first (adaptive state
 settles), then the next call is counted. On CPU the comparison kernels run through
-NumPy (:mod:`gradsift.kernels`) and dispatch no operator; ``--torch-kernels`` routes
+NumPy (:mod:`gradsift.compressors.kernels`) and dispatch no operator; ``--torch-kernels`` routes
 them through their PyTorch branch instead -- the path a GPU runs -- so its counts
 (syncs included) are what a CUDA call does.
 """
@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsift
-from gradsift.benchmarking import synthetic_gradient
+from gradsift.tools.benchmarking import synthetic_gradient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
@@ -90,9 +90,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.torch_kernels:
-        import gradsift.kernels
+        import gradsift.compressors.kernels
 
-        gradsift.kernels.uses_numpy = lambda tensor: False
+        gradsift.compressors.kernels.uses_numpy = lambda tensor: False
     stamp = provenance.start(seeds=[0])  # synthetic_gradient's seed
     rows = []
     for numel in args.sizes:

@@ -259,7 +259,7 @@ def adamw_runs() -> list[Run]:
 #: Steps of a timing run (the median step time of all of them is its number).
 TIMING_STEPS = 40
 LINKS = ("100mbit", "1gbit")
-#: The hook's density warm-up knobs (see gradsift.recipe) and its first density.
+#: The hook's density warm-up knobs (see gradsift.hook.recipe) and its first density.
 WARMUP_STEPS_OPTION, WARMUP_START_OPTION, WARMUP_START = "density_warmup_steps", "density_warmup_start", 0.25
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from gradsift.analysis import estimation_series, load_gradients, percentile_summary
 from gradsift.compressors import get_compressor
-from gradsift.feedback import ErrorFeedback
+from gradsift.hook.feedback import ErrorFeedback
+from gradsift.tools.analysis import estimation_series, load_gradients, percentile_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import gradsift
-from gradsift.benchmarking import interleaved_medians_ms
+from gradsift.tools.benchmarking import interleaved_medians_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

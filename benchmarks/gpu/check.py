@@ -22,7 +22,7 @@ conditions does not hold, and any failure makes the exit status 1:
   :data:`AMP_TARGET`.
 * ``encode`` (a measurement): the hook's sync-free encode (``Compressor.encode`` with the
   hook's capacity and a step readout, each step closed untimed:
-  ``gradsift.benchmarking.HookEncoder``; not the public ``compress()``, which reads
+  ``gradsift.tools.benchmarking.HookEncoder``; not the public ``compress()``, which reads
   counts on the host) of ``sidco-exp`` (as the hook runs it, and forced onto its
   statistical path) and ``topk`` against a bare ``torch.topk(|x|, k)`` at 2^20, 10^7 and 10^8
   elements and ratios 0.01 and 0.001, median time by CUDA events.
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from gradsift.benchmarking import HookEncoder
+from gradsift.tools.benchmarking import HookEncoder
 
 # benchmarks/: the shared provenance stamp and worker launcher
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -250,9 +250,9 @@ def check_static_graph(device: torch.device, small: bool) -> dict[str, Any]:
 
 
 def check_evaluate(device: torch.device, small: bool) -> dict[str, Any]:
-    from gradsift.train.data import synthetic_split
-    from gradsift.train.loop import evaluate
-    from gradsift.train.models import build_model
+    from gradsift.tools.train.data import synthetic_split
+    from gradsift.tools.train.loop import evaluate
+    from gradsift.tools.train.models import build_model
 
     test = synthetic_split(200 if small else 2000, seed=1)
     model = build_model("mlp", 0).to(device)

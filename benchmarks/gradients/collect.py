@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import gradsift
-from gradsift.feedback import ErrorFeedback
+from gradsift.hook.feedback import ErrorFeedback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -1,4 +1,4 @@
-"""Pack + unpack time of gradsift.bitpack beside the bit-expansion packer it replaced.
+"""Pack + unpack time of gradsift.compressors.bitpack beside the bit-expansion packer it replaced.
 
 Usage (repository root): flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py
 Writes benchmarks/quantizers/results/bitpack_speed.json. The old packer (commit 720bd68)
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from gradsift import bitpack, get_compressor
+from gradsift import get_compressor
+from gradsift.compressors import bitpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
@@ -26,7 +27,10 @@ HERE = Path(__file__).parent
 
 def old_module():
     source = subprocess.run(
-        ["git", "show", "720bd68:src/gradsift/bitpack.py"], capture_output=True, text=True, check=True
+        ["git", "show", "720bd68:src/gradsift/compressors/bitpack.py"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     path = Path("/tmp/gradsift_bitpack_expand.py")
     path.write_text(source)

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 import gradsift
-from gradsift.train.data import batches, shard_indices
-from gradsift.train.datasets import load_for_model
-from gradsift.train.loop import cross_entropy
-from gradsift.train.models import build_model
+from gradsift.tools.train.data import batches, shard_indices
+from gradsift.tools.train.datasets import load_for_model
+from gradsift.tools.train.loop import cross_entropy
+from gradsift.tools.train.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

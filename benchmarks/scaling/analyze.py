@@ -1,7 +1,7 @@
-"""Measured scaling runs beside gradsift.costmodel: calibration, error per point, plot.
+"""Measured scaling runs beside gradsift.exchanges.costmodel: calibration, error per point, plot.
 
 Reads ``results/*.json`` (written by run.py). For every shaped run it builds the cost
-model's :class:`~gradsift.costmodel.Traffic` of the run's exchange, summed over DDP's
+model's :class:`~gradsift.exchanges.costmodel.Traffic` of the run's exchange, summed over DDP's
 buckets of ``mlp-wide`` (1 059 850 and 803 840 elements: DDP's 1 MB first bucket and
 25 MB cap), at the run's achieved density (an allgather padded to its measured
 padded/sent ratio). Then:
@@ -41,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-from gradsift.costmodel import (
+from gradsift.exchanges.costmodel import (
     Traffic,
     allgather_traffic,
     dense_allreduce_traffic,
     shared_mask_traffic,
     sparse_reduce_scatter_traffic,
 )
-from gradsift.train.netem import parse_rate
+from gradsift.tools.train.netem import parse_rate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -5,7 +5,7 @@ Scenario (change with the flags): a 25.6M-parameter model (ResNet-50's size) in 
 density 0.01 (k = 256 000 entries of fp32 value + int32 index), 10 us per message,
 compression time left out (the tables compare the wire only). PowerSGD: the same
 elements as 2048 x 2048 matrices at rank 10 (0.98 % of the elements on the wire).
-Everything comes from gradsift.costmodel; see its docstring for the formulas. When
+Everything comes from gradsift.exchanges.costmodel; see its docstring for the formulas. When
 ``analysis.json`` (analyze.py, the measured runs) holds the balanced exchange's traffic
 at 16 workers in units of ``k (P-1)/P`` entries, one more line predicts the balanced
 exchange at that measured traffic (its measured slice imbalance and headers included).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradsift.costmodel import (
+from gradsift.exchanges.costmodel import (
     Traffic,
     allgather_traffic,
     crossover_workers,
@@ -169,7 +169,7 @@ def plot(models: dict[str, Callable[[object], Traffic]], latency: float, path: P
         axis.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("predicted communication per step (ms)")
     axes[-1].legend(fontsize=8, loc="upper left")
-    figure.suptitle("gradsift.costmodel: 25.6M fp32 parameters, density 1 %", fontsize=11)
+    figure.suptitle("gradsift.exchanges.costmodel: 25.6M fp32 parameters, density 1 %", fontsize=11)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from gradsift.train.netem import PREFIX, NetemUnavailableError, link_counters
+from gradsift.tools.train.netem import PREFIX, NetemUnavailableError, link_counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -1,10 +1,10 @@
-"""Accuracy against the number of workers, on one machine: exchanges through gradsift.simulate.
+"""Accuracy against the number of workers, on one machine: exchanges through gradsift.tools.simulate.
 
 Each point is the run ``gradsift train`` would make -- the same model (``mlp-wide``, drawn
 from the seed), the same per-rank shards of Fashion-MNIST (``shard_indices`` per epoch,
 mini-batches in shard order), the same SGD (lr 0.05, momentum 0.9) and the same hook
 options (the recipe's density warm-up, DGC's momentum correction) -- but with its W ranks
-simulated as threads of this process (:func:`gradsift.simulate.simulate`, bit-identical to
+simulated as threads of this process (:func:`gradsift.tools.simulate.simulate`, bit-identical to
 W gloo processes), so 64 or 256 workers fit on a few cores. Per exchange, worker count and
 seed it records the test accuracy and loss every ``--eval-every`` steps and after the
 last, rank 0's training loss per step, the hook's bytes sent and received per worker and step (means), and the wall time.
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from gradsift.simulate import simulate
-from gradsift.train.config import TrainConfig, build_optimizer
-from gradsift.train.data import batches, shard_indices
-from gradsift.train.datasets import load_for_model
-from gradsift.train.exchange import recipe_options
-from gradsift.train.loop import cross_entropy
-from gradsift.train.models import build_model
+from gradsift.tools.simulate import simulate
+from gradsift.tools.train.config import TrainConfig, build_optimizer
+from gradsift.tools.train.data import batches, shard_indices
+from gradsift.tools.train.datasets import load_for_model
+from gradsift.tools.train.exchange import recipe_options
+from gradsift.tools.train.loop import cross_entropy
+from gradsift.tools.train.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance

@@ -24,15 +24,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradsift.train.models import build_model
-from gradsift.variance import VarianceTracker
+from gradsift.compressors.variance import VarianceTracker
+from gradsift.tools.train.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
 
 def models(batch: int) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
-    """The trainer's reference models (gradsift.train.models) on Fashion-MNIST-shaped input."""
+    """The trainer's reference models (gradsift.tools.train.models) on Fashion-MNIST-shaped input."""
     gen = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 1, 28, 28, generator=gen)
     labels = torch.randint(0, 10, (batch,), generator=gen)

@@ -30,9 +30,9 @@ import gradsift
 from gradsift.compressors import registry
 from gradsift.compressors.base import Selection, Sparsifier
 from gradsift.compressors.threshold import mask_selection
-from gradsift.ddp import GradsiftHookState
-from gradsift.readout import Readout
-from gradsift.validation import check_real
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_real
+from gradsift.hook.state import GradsiftHookState
 
 NAME = "fraction-of-max"
 

@@ -25,11 +25,13 @@ import toy
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
-from gradsift.compressors.topk import TopK
-from gradsift.ddp import GradsiftHookState
+from gradsift.compressors.base import Compressor
+from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
+from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges import EXCHANGES
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import Pending, allreduce_sum, ring_allreduce_received
+from gradsift.exchanges.base import Codec, Exchange
+from gradsift.exchanges.delegated import DelegatingCompressor
+from gradsift.hook.state import GradsiftHookState
 
 NAME = "dense-sum"
 
@@ -39,7 +41,13 @@ class DenseSum(Exchange):
 
     name = NAME
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    @classmethod
+    def carries(cls, compressor: Compressor) -> bool:
+        """Every compressor that encodes payloads (each sender decodes its own): all but the
+        ones that run their own collectives (PowerSGD)."""
+        return not isinstance(compressor, DelegatingCompressor)
+
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         sent = [codec.encode(part, context).wire for part in parts]
         dense = [codec.compressor.sent_dense(payload).to(context.result.dtype) for payload in sent]
         message = torch.cat(dense).div_(context.world)
@@ -51,10 +59,10 @@ class DenseSum(Exchange):
             sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
         )
 
-        def finish(mean: torch.Tensor) -> Delivery:
+        def finish(mean: torch.Tensor) -> Outcome:
             for part, piece in zip(parts, mean.split([part.numel for part in parts]), strict=True):
                 part.view(context.result).copy_(piece)
-            return Delivery(sent=list(sent), nonfinite=~torch.isfinite(mean.sum()))
+            return Outcome.of(parts, list(sent), nonfinite=~torch.isfinite(mean.sum()))
 
         return allreduce_sum(message, context.group, f"{NAME} allreduce").then(finish)
 
@@ -63,19 +71,13 @@ class DenseSum(Exchange):
 EXCHANGES[NAME] = f"{DenseSum.__module__}:{DenseSum.__name__}"
 
 
-class TopKDenseSum(TopK):
-    """Top-k that may also travel by ``dense-sum``: a compressor names the exchanges it supports."""
-
-    exchanges = (*TopK.exchanges, NAME)
-
-
 def train(
     rank: int, steps: int = toy.STEPS, ratio: float = 0.1
 ) -> tuple[torch.nn.Module, GradsiftHookState, list[float]]:
     """``steps`` steps of SGD through top-k and ``dense-sum`` in the process group already set
     up: the trained model, the hook's state and this rank's losses."""
     ddp_model = DistributedDataParallel(toy.make_model())
-    state = gradsift.register_comm_hook(ddp_model, TopKDenseSum(ratio=ratio), exchange=NAME)
+    state = gradsift.register_comm_hook(ddp_model, "topk", ratio=ratio, exchange=NAME)
     losses = toy.sgd(ddp_model, rank, steps)
     return ddp_model.module, state, losses
 

@@ -25,11 +25,11 @@ mutmut=$root/.venv/bin/mutmut
 
 # Each module's file (the first that exists: wire.py moves into the exchange layer).
 declare -A SOURCE=(
-  [stats]=src/gradsift/stats.py
+  [stats]=src/gradsift/compressors/stats.py
   [base]=src/gradsift/compressors/base.py
   [sidco]=src/gradsift/compressors/sidco.py
-  [feedback]=src/gradsift/feedback.py
-  [wire]="src/gradsift/exchanges/wire.py src/gradsift/wire.py"
+  [feedback]=src/gradsift/hook/feedback.py
+  [wire]="src/gradsift/core/wire.py src/gradsift/wire.py"
 )
 # The fast tests that exercise each module (multi-process and slow tests are deselected:
 # test_exchanges, test_hook_options and test_nonfinite run the hook on gloo, minutes per mutant).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, cast
 
-from gradsift.errors import (
+from gradsift.core.errors import (
     GradsiftError,
     InvalidOptionError,
     InvalidTensorError,
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
-    from gradsift.ddp import GradsiftHookState
-    from gradsift.lowcomm import DiLoCoState
+    from gradsift.frontends.diloco import DiLoCoState
+    from gradsift.hook.state import GradsiftHookState
 
 #: The release, written only here (pyproject.toml reads it; CHANGELOG.md has its entry).
 __version__ = "0.1.0"
@@ -66,16 +66,16 @@ def register_comm_hook(
 ) -> GradsiftHookState:
     """Install gradsift's communication hook on a ``DistributedDataParallel`` (or FSDP) model.
 
-    See :func:`gradsift.ddp.register_comm_hook` for the options; imported lazily so
+    See :func:`gradsift.frontends.ddp.register_comm_hook` for the options; imported lazily so
     that ``import gradsift`` does not initialise ``torch.distributed``. An FSDP model
     (``FullyShardedDataParallel`` or ``fully_shard``) goes to
-    :func:`gradsift.fsdp.register_fsdp_comm_hook`.
+    :func:`gradsift.frontends.fsdp.register_fsdp_comm_hook`.
     """
-    from gradsift.fsdp import is_fsdp_model, register_fsdp_comm_hook
+    from gradsift.frontends.fsdp import is_fsdp_model, register_fsdp_comm_hook
 
     if is_fsdp_model(ddp_model):
         return register_fsdp_comm_hook(ddp_model, compressor, **options)
-    from gradsift.ddp import register_comm_hook as _register
+    from gradsift.frontends.ddp import register_comm_hook as _register
 
     return _register(cast("DistributedDataParallel", ddp_model), compressor, **options)  # it checks the type
 
@@ -84,9 +84,9 @@ def diloco(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **options: Any
 ) -> DiLoCoState:
     """Low-communication training: outer steps every ``sync_every`` inner steps on compressed
-    pseudo-gradients. See :func:`gradsift.lowcomm.diloco` (imported lazily), which holds the
+    pseudo-gradients. See :func:`gradsift.frontends.diloco.diloco` (imported lazily), which holds the
     defaults (SparseLoCo's form every 10 steps): this wrapper restates none of them."""
-    from gradsift.lowcomm import diloco as _diloco
+    from gradsift.frontends.diloco import diloco as _diloco
 
     return _diloco(model, optimizer, *args, **options)
 

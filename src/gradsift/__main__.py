@@ -2,6 +2,6 @@
 
 import sys
 
-from gradsift.cli import main
+from gradsift.tools.cli import main
 
 sys.exit(main())

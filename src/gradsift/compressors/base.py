@@ -1,8 +1,8 @@
-"""The compressor protocol and the payload it produces.
+"""The compressor protocol (the payload it produces is :mod:`gradsift.core.payload`'s).
 
 A compressor turns one flat gradient into a :class:`Payload` and a list of payloads, one
 per worker, back into the dense mean (``decompress``). It never talks to the network and
-never keeps error-feedback residuals: those are :mod:`gradsift.feedback`'s job.
+never keeps error-feedback residuals: those are :mod:`gradsift.hook.feedback`'s job.
 Per-tensor state (stage counts, thresholds, RNG streams) is kept per ``key`` inside the
 compressor *instance* and exported with ``state_dict()`` -- never in class attributes or
 module globals.
@@ -16,149 +16,27 @@ Two ways in, one implementation:
   them), the number of entries in use is a device scalar (:attr:`Payload.length`), and
   whether the input held NaN/Inf is a device flag (:attr:`Payload.nonfinite`). Facts the
   compressor needs on the host later (SIDCo's stage choice) go through the step's
-  :class:`~gradsift.readout.Readout`, read once when the step closes.
+  :class:`~gradsift.core.readout.Readout`, read once when the step closes.
 * :meth:`Compressor.compress` is the public call: the same ``encode`` with no capacity
   (every selected element, exactly), then one host read that raises
-  :class:`~gradsift.errors.NonFiniteGradientError` for a non-finite input and applies
+  :class:`~gradsift.core.errors.NonFiniteGradientError` for a non-finite input and applies
   the compressor's adaptation.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from gradsift.errors import InvalidOptionError, NonFiniteGradientError
-from gradsift.readout import Readout
-from gradsift.state import Canonical, TensorStore
-from gradsift.validation import as_flat_gradient, check_ratio
-
-#: Bytes of the length word the wire format sends for every variable-size payload.
-FIELD_HEADER_NBYTES = 4
-
-#: Largest position an int32 index can hold; longer tensors send int64 indices.
-INT32_LIMIT = 2**31 - 1
-
-_WIRE_FIELDS = ("values", "indices", "codes", "scales")
-
-#: A count: a host int when the compressor knows it without looking at the data, else a
-#: 0-d integer tensor on the data's device.
-Count = int | torch.Tensor
-
-
-@dataclass
-class Payload:
-    """What one worker contributes for one flat gradient.
-
-    Attributes:
-        numel: length of the dense gradient this payload encodes.
-        dtype: dtype of that dense gradient (``decompress`` returns it).
-        values: sent values (sparsifiers: ``values[j]`` belongs at ``indices[j]``).
-        indices: 1-D integer positions in ``[0, numel)``, strictly increasing over the
-            entries in use.
-        codes: packed integer codes (quantizers, VGC's 32-bit words).
-        scales: a small 1-D float tensor of per-message scalars (norms, scales).
-        variable_size: True when the payload's entries in use vary (sparsifiers, VGC):
-            the wire then sends one 4-byte length with it; False for payloads whose size
-            depends on ``numel`` only (dense casts, seeded random-k, the quantizers).
-        length: entries in use of a fixed-capacity payload (the first ``length`` of
-            ``values``/``indices``/``codes``; the rest is padding: index 0, value 0);
-            None when every entry is in use.
-        demand: entries the compressor would have sent without the capacity (>= length;
-            the rest stayed in the residual); None when it equals ``length``.
-        nonfinite: 0-d bool tensor, True when the input held NaN or Inf; None for
-            payloads whose values carry every element (dense casts), so that a NaN
-            reaches the receivers by itself.
-        info: local facts about the compression (not sent), e.g. the threshold used.
-        canonical: set when the encoded elements lie in canonical order (a DDP bucket's
-            parameters in number order, :class:`gradsift.state.Canonical`) instead of the
-            tensor's: decoding lays them back with it. Not sent: the canonical order
-            does not depend on a worker's bucket layout, and a received payload keeps
-            the one of this worker's own (its template), so the mean lands in this
-            worker's layout. None: the elements lie as in the tensor.
-    """
-
-    numel: int
-    dtype: torch.dtype
-    values: torch.Tensor | None = None
-    indices: torch.Tensor | None = None
-    codes: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
-    variable_size: bool = True
-    length: Count | None = None
-    demand: Count | None = None
-    nonfinite: torch.Tensor | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    canonical: Canonical | None = field(default=None, repr=False, compare=False)
-
-    def fields(self) -> dict[str, torch.Tensor]:
-        """The tensors that cross the wire, by field name, in a fixed order."""
-        return {name: t for name in _WIRE_FIELDS if (t := getattr(self, name)) is not None}
-
-    @property
-    def header_nbytes(self) -> int:
-        """Bytes of framing the wire format adds: one length word for a variable-size payload."""
-        return FIELD_HEADER_NBYTES if self.variable_size else 0
-
-    @property
-    def capacity(self) -> int:
-        """Entries the payload has room for (all of them are sent, padding included)."""
-        if self.indices is not None:
-            return self.indices.numel()
-        return self.numel if self.values is None else self.values.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this payload puts on the wire: every field at its size (a fixed-capacity
-        payload's padding included) plus its header.
-
-        Indices are counted at their wire width, :func:`index_dtype` of ``numel``
-        (int32 below 2^31 elements), whatever dtype the compressor produced them in.
-        """
-        fields = self.fields()
-        data = sum(t.numel() * t.element_size() for name, t in fields.items() if name != "indices")
-        if "indices" in fields:
-            data += fields["indices"].numel() * index_dtype(self.numel).itemsize
-        return data + self.header_nbytes
-
-    def entry_nbytes(self) -> int:
-        """Bytes of one entry in use (a value and its index): what ``length`` counts."""
-        size = 0 if self.values is None else self.values.element_size()
-        return size + (index_dtype(self.numel).itemsize if self.indices is not None else 0)
-
-    def entries(self) -> Count:
-        """Entries in use: ``length``, or every entry (a dense payload's: every element)."""
-        return self.capacity if self.length is None else self.length
-
-    def used_nbytes(self) -> Count:
-        """Bytes of the entries in use plus the header: :attr:`nbytes` without the padding
-        (a device scalar for a payload whose ``length`` is one)."""
-        if self.length is None:
-            return self.nbytes
-        padding_entries = self.capacity - self.length
-        return self.nbytes - padding_entries * self.entry_nbytes()
-
-    @property
-    def count(self) -> int:
-        """Number of selected (or encoded) elements; reads ``length`` on the host if it is a tensor."""
-        if self.length is not None:
-            return int(self.length)
-        if self.indices is not None:
-            return int(self.indices.numel())
-        return self.numel
-
-    def trimmed(self) -> Payload:
-        """The payload without padding (one host read of ``length``); itself when unpadded."""
-        if self.length is None:
-            return self
-        used = int(self.length)
-        cut = {name: t[:used] for name in ("values", "indices") if (t := getattr(self, name)) is not None}
-        return dataclasses.replace(self, **cut, length=None)
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.core.payload import Count, Payload
+from gradsift.core.readout import Readout
+from gradsift.core.store import TensorStore
+from gradsift.core.transaction import Transaction
+from gradsift.core.validation import as_flat_gradient, check_ratio
 
 
 class Compressor(abc.ABC):
@@ -174,7 +52,7 @@ class Compressor(abc.ABC):
             for a method that runs its own collectives (PowerSGD).
         error_feedback: whether the method is meant to run with error feedback
             (biased compressors); the DDP hook wraps it with
-            :class:`gradsift.feedback.ErrorFeedback` when True.
+            :class:`gradsift.hook.feedback.ErrorFeedback` when True.
         identity: the payload is the gradient itself (``none``), so the DDP hook
             runs stock DDP's in-place allreduce on the bucket.
         needs_parameters: the method needs to know which parameters a flat tensor
@@ -183,7 +61,7 @@ class Compressor(abc.ABC):
             flattening order.
         adaptive_capacity: the number of entries the method sends follows the data,
             with no ratio to bound it (a fixed threshold, VGC): the DDP hook then sizes
-            the payload from the counts of earlier steps (:mod:`gradsift.capacity`).
+            the payload from the counts of earlier steps (:mod:`gradsift.hook.capacity`).
 
     Example (docs/extending.md writes a new one, end to end)::
 
@@ -193,6 +71,12 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: The fraction of elements the method sends (a sparsifier's wire budget, which
+    #: ``exchange="auto"`` and the density warm-up read); None: no such budget.
+    ratio: float | None = None
+    #: The ``__init__`` option that sets how much the method sends (``"ratio"``,
+    #: ``"threshold"``), for tools that sweep it; None: nothing sets it.
+    density_option: ClassVar[str | None] = None
     exchanges: ClassVar[tuple[str, ...]] = ("allgather",)
     error_feedback: bool = True  # a class default an instance may override (PowerSGD)
     needs_parameters: ClassVar[bool] = False
@@ -237,12 +121,8 @@ class Compressor(abc.ABC):
         compressor's state then stays as it was).
         """
         flat = as_flat_gradient(tensor)
-        readout = Readout()
-        store = self.store
-        owned = not store.in_transaction
-        if owned:
-            store.begin()
-        before = self.snapshot()
+        transaction = Transaction(self.store, self)
+        readout = transaction.readout
         payload = self.encode(flat, key=key, capacity=None, readout=readout, **extra)
         flag = payload.nonfinite
         if flag is None and payload.values is not None:
@@ -250,13 +130,9 @@ class Compressor(abc.ABC):
         checked = None if flag is None else readout.slot(flag)
         readout.read()
         if checked is not None and checked[0]:
-            if owned:
-                store.rollback()
-            self.restore(before)
+            transaction.roll_back()
             raise NonFiniteGradientError("gradient contains NaN or Inf values")
-        if owned:
-            store.commit()
-        readout.commit()
+        transaction.commit()
         return payload.trimmed()
 
     @abc.abstractmethod
@@ -298,7 +174,7 @@ class Compressor(abc.ABC):
         The DDP hook takes one at the start of every step and :meth:`restore`\ s it when
         the step is dropped (a non-finite gradient on some rank), so it must be cheap:
         per-tensor state of the size of a gradient belongs in the shared
-        :class:`~gradsift.state.TensorStore` (:attr:`store`), which rolls back for free.
+        :class:`~gradsift.core.store.TensorStore` (:attr:`store`), which rolls back for free.
         """
         return self.state_dict()
 
@@ -328,11 +204,6 @@ class Compressor(abc.ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """Wire dtype of positions into a ``numel``-element tensor: int32 when they all fit, else int64."""
-    return torch.int32 if numel <= INT32_LIMIT else torch.int64
 
 
 def target_count(numel: int, ratio: float) -> int:
@@ -376,11 +247,13 @@ class Sparsifier(Compressor):
 
     The capacity of a sparsifier with a ``ratio`` is ``k = max(1, floor(n ratio))``:
     the ratio is the wire budget, and a threshold method that selects more sends the
-    ``k`` largest of them (:func:`gradsift.kernels.keep_largest`), the rest waiting in
+    ``k`` largest of them (:func:`gradsift.compressors.kernels.keep_largest`), the rest waiting in
     error feedback.
     """
 
     exchanges: ClassVar[tuple[str, ...]] = ("allgather", "balanced", "shared-mask")
+    density_option: ClassVar[str | None] = "ratio"
+    ratio: float
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = check_ratio(ratio)

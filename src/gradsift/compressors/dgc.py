@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.kernels import Candidates, keep_largest
 from gradsift.compressors.threshold import threshold_selection
-from gradsift.kernels import Candidates, keep_largest
-from gradsift.readout import Readout
-from gradsift.validation import check_int, check_real
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_int, check_real
 
 #: Over-selection bound of the paper: above ``OVER * k`` selected elements, DGC runs top-k on them.
 OVER = 4 / 3
@@ -35,7 +35,7 @@ class DGC(Sparsifier):
        in that case would need the count on the host, which a GPU only has after a stall.
 
     DGC's momentum correction and momentum factor masking are error-feedback
-    concerns: use :class:`gradsift.feedback.ErrorFeedback` with ``momentum=m``
+    concerns: use :class:`gradsift.hook.feedback.ErrorFeedback` with ``momentum=m``
     (and an optimizer without momentum). Local gradient clipping and density
     warm-up belong to the training loop.
 
@@ -47,7 +47,7 @@ class DGC(Sparsifier):
 
     State (``state_dict``): the generator state per device.
 
-    Cost: one comparison pass over ``n`` (:func:`gradsift.kernels.select_above`), a
+    Cost: one comparison pass over ``n`` (:func:`gradsift.compressors.kernels.select_above`), a
     top-k over the sample (and over ``c`` elements when trimming); the non-finite check
     reads only the selected values (the comparison selects NaN).
     """

@@ -7,9 +7,9 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.stats import normal_two_sided_threshold
 from gradsift.compressors.threshold import mask_selection
-from gradsift.readout import Readout
-from gradsift.stats import normal_two_sided_threshold
+from gradsift.core.readout import Readout
 
 #: Number of threshold corrections after the first estimate.
 CORRECTIONS = 3
@@ -24,7 +24,7 @@ class GaussianK(Sparsifier):
 
     1. Fit a normal to the signed values: ``mu = mean(g)``, ``sigma = std(g)``
        (population, one ``std_mean`` pass).
-    2. ``eta = |mu| + sigma * Phi^-1(1 - ratio/2)`` (:func:`gradsift.stats.normal_two_sided_threshold`).
+    2. ``eta = |mu| + sigma * Phi^-1(1 - ratio/2)`` (:func:`gradsift.compressors.stats.normal_two_sided_threshold`).
        The paper writes ``mu``; ``|mu|`` is the same for ``mu >= 0`` and keeps
        ``eta`` positive -- so the corrections below move it the right way -- when
        the gradient's bulk is negative.

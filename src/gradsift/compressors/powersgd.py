@@ -41,11 +41,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
-from gradsift.compressors.base import Compressor, Payload
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges.collectives import started
-from gradsift.readout import Readout
-from gradsift.validation import check_bool, check_int, check_real
+from gradsift.compressors.base import Compressor
+from gradsift.core.collectives import started
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_bool, check_int, check_real
 
 #: The ``PowerSGDState`` fields a checkpoint needs (the hyperparameters come from the options).
 _STATE_TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
@@ -268,7 +269,7 @@ def collectives_done_on_return() -> Iterator[None]:
     Inside this context the hook modules' ``dist.all_reduce`` waits for the collective
     before it returns, so every ``then`` finds its future complete and runs the callback
     at once, on the calling (training) thread; the work handles are kept past exit by
-    :data:`~gradsift.exchanges.collectives.KEPT_WORKS`. The price: PowerSGD's first
+    :data:`~gradsift.core.collectives.KEPT_WORKS`. The price: PowerSGD's first
     allreduce no longer overlaps the rest of backward (its later ones never did).
     """
     modules = (powersgd_module, default_hooks)

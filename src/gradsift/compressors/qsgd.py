@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from gradsift.bitpack import bits_for
+from gradsift.compressors.bitpack import bits_for
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
-from gradsift.validation import check_int
+from gradsift.core.validation import check_int
 
 #: Largest ``levels``: signed levels ``[-s, s]`` then fit 8-bit codes (the widest bitpack packs).
 MAX_LEVELS = 127

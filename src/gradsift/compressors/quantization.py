@@ -2,7 +2,7 @@
 
 A quantizer encodes *every* element as a fixed-width unsigned code and adds a few
 float scales (a norm, a maximum). The payload is ``codes`` (bit-packed with
-:mod:`gradsift.bitpack`, ``ceil(n*b/8)`` bytes) plus ``scales``; its size depends only
+:mod:`gradsift.compressors.bitpack`, ``ceil(n*b/8)`` bytes) plus ``scales``; its size depends only
 on ``numel`` (``variable_size=False``: no length travels with it). Whether the input
 held NaN/Inf is a device flag computed from the scales (a norm or maximum propagates
 NaN and is Inf when any element is).
@@ -24,12 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.bitpack import pack, packed_nbytes, unpack
-from gradsift.compressors.base import Compressor, Payload
-from gradsift.errors import InvalidOptionError, WireFormatError
-from gradsift.readout import Readout
-from gradsift.state import Canonical
-from gradsift.validation import check_int
+from gradsift.compressors.base import Compressor
+from gradsift.compressors.bitpack import pack, packed_nbytes, unpack
+from gradsift.core.errors import InvalidOptionError, WireFormatError
+from gradsift.core.payload import Payload
+from gradsift.core.readout import Readout
+from gradsift.core.store import Canonical
+from gradsift.core.validation import check_int
 
 #: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
 RANK_SEED_STRIDE = 1_000_003
@@ -62,7 +63,7 @@ class Quantizer(Compressor):
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
     ) -> Payload:
         """Quantize ``flat``; a DDP bucket in canonical order (its parameters in number
-        order, :meth:`gradsift.state.TensorStore.canonical`), so the scales' sums, the
+        order, :meth:`gradsift.core.store.TensorStore.canonical`), so the scales' sums, the
         rounding draws and which elements share a scale (QSGD's per-512 norms) do not
         depend on the layout DDP hands in (it changes when DDP rebuilds its buckets and
         when a run resumes). The codes then stay in canonical order and the payload says

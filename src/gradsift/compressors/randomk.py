@@ -2,7 +2,7 @@
 
 Indices are a pure function of ``(seed, key, step)``, where ``step`` counts the
 calls made with that ``key``; they are drawn over the key's parameters in number order
-(:meth:`gradsift.state.TensorStore.canonical`), so DDP's bucket layout, which changes when
+(:meth:`gradsift.core.store.TensorStore.canonical`), so DDP's bucket layout, which changes when
 it rebuilds its buckets and again when a run resumes, does not change which elements
 are picked. Workers that compress the same tensors in the same
 order therefore select the same positions without sending them: only the ``k``
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.base import Payload, Selection, Sparsifier, index_dtype, target_count
-from gradsift.readout import Readout
-from gradsift.validation import check_int
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.core.payload import Payload, index_dtype
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_int
 
 
 @dataclass

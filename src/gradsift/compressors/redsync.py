@@ -9,8 +9,8 @@ import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.threshold import mask_selection
-from gradsift.readout import Readout
-from gradsift.validation import check_int
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_int
 
 
 class RedSync(Sparsifier):

@@ -12,12 +12,12 @@ import inspect
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 
 _TABLE: dict[str, str] = {
-    "none": "gradsift.compressors.dense:NoCompression",
-    "fp16": "gradsift.compressors.dense:Float16",
-    "bf16": "gradsift.compressors.dense:BFloat16",
+    "none": "gradsift.compressors.casts:NoCompression",
+    "fp16": "gradsift.compressors.casts:Float16",
+    "bf16": "gradsift.compressors.casts:BFloat16",
     "topk": "gradsift.compressors.topk:TopK",
     "randomk": "gradsift.compressors.randomk:RandomK",
     "dgc": "gradsift.compressors.dgc:DGC",

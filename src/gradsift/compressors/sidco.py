@@ -56,24 +56,28 @@ threshold) lives in the instance per ``key`` and round-trips through ``state_dic
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from gradsift.compressors.base import Count, Selection, Sparsifier, target_count
-from gradsift.compressors.threshold import threshold_selection
-from gradsift.compressors.topk import top_k_selection
-from gradsift.errors import InvalidOptionError
-from gradsift.kernels import (
+from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.kernels import (
     CallingThreadOnly,
-    counts_above,
     kept_or_value_with_above,
     narrowed,
     nonzero_first,
 )
-from gradsift.readout import Readout
-from gradsift.stats import (
+from gradsift.compressors.sidco_sample import (
+    correction_of,
+    device_threshold,
+    log_miss,
+    magnitude_sample,
+    max_stage_count,
+    sample_counts,
+    sample_slope,
+)
+from gradsift.compressors.stats import (
     MagnitudeFit,
     Moments,
     exponential_excess,
@@ -82,71 +86,22 @@ from gradsift.stats import (
     generalized_pareto_excess,
     generalized_pareto_of,
     moments,
-    statistics_dtype,
 )
-from gradsift.validation import check_int, check_real
+from gradsift.compressors.threshold import threshold_selection
+from gradsift.compressors.topk import top_k_selection
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Count
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_int, check_real
 
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
 _STANDARD_ERRORS = 3.0  # ... widened to this many Poisson standard errors on a subsample
 _MIN_EXPECTED = 4.0  # below this many expected sample exceedances a subsample says nothing
-_SLOPE_STEP = 0.1  # ln-eta offset at which the sample count is read for the slope
-_SLOPE_RANGE = (0.5, 200.0)  # bounds on |d ln(count)/d ln(eta)|
 _DAMPING = 0.5
 _MAX_STEP = 1.0
 _MAX_LOG_CORRECTION = math.log(100.0)
 _STAGE_MARGIN = 0.05  # a stage count must predict better by this much (in |ln|) to replace the current
 _STATE_KEYS = {"stages", "log_correction", "calls", "threshold"}
-
-
-def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
-    """``|flat|`` at positions ``offset + j * stride``, ``stride = ceil(n / size)``.
-
-    The sample spans the whole tensor (at most ``size`` elements; all of them when
-    ``n <= size``). The offset is ``call mod stride``, so successive calls see
-    different elements and a periodic layout cannot hide from the sample for long.
-    Returned in :func:`gradsift.stats.statistics_dtype` (float32, or float64 for float64).
-    """
-    n = flat.numel()
-    stride = -(-n // size)
-    strided = flat if stride == 1 else flat[call % stride :: stride]
-    return strided.abs().to(statistics_dtype(flat.dtype))
-
-
-def max_stage_count(ratio: float) -> int:
-    """Largest stage count SIDCo uses for density ``ratio``: ``max(1, ceil(log2(1/ratio)))``."""
-    return max(1, math.ceil(math.log2(1.0 / ratio) - 1e-12))
-
-
-def sample_counts(sample: torch.Tensor, thresholds: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[#{s > t} for t in thresholds]`` as a float64 tensor (:func:`gradsift.kernels.counts_above`)."""
-    return counts_above(sample, list(thresholds))
-
-
-def log_miss(count: torch.Tensor | Count, expected: float) -> torch.Tensor | float:
-    """``ln((count + 1/2) / (expected + 1/2))``: how far a count is from its target, in log space."""
-    if isinstance(count, torch.Tensor):
-        return torch.log((count.double() + 0.5) / (expected + 0.5))
-    return math.log((count + 0.5) / (expected + 0.5))
-
-
-def device_threshold(fit: MagnitudeFit, ratio: float) -> torch.Tensor:
-    """``fit``'s exceedance threshold for ``ratio``: a tensor, since the fit's fields are."""
-    threshold = fit.exceedance_threshold(ratio)
-    assert isinstance(threshold, torch.Tensor)  # fits of device moments have tensor fields
-    return threshold
-
-
-def correction_of(state: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The state's log correction as a float64 0-d tensor on ``device`` (a float before the first fit)."""
-    correction = state["log_correction"]
-    if isinstance(correction, torch.Tensor):
-        return correction.to(device, torch.float64)
-    return torch.full((), float(correction), dtype=torch.float64, device=device)
-
-
-def slope_points(eta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The thresholds ``eta e^(-+0.1)`` at which the sample's log-log slope is read."""
-    return eta * math.exp(-_SLOPE_STEP), eta * math.exp(_SLOPE_STEP)
 
 
 class _SIDCo(Sparsifier):
@@ -239,7 +194,7 @@ class _SIDCo(Sparsifier):
     def _tail_threshold(self, sample: torch.Tensor, eta: torch.Tensor, stages: int) -> torch.Tensor:
         """Stages 2..M from ``eta_1 = eta``: each fits the excess of the exceedances of the
         previous threshold; a stage with fewer than 2 exceedances keeps the previous one.
-        Each stage looks only at the previous stage's tail (:func:`gradsift.kernels.narrowed`)."""
+        Each stage looks only at the previous stage's tail (:func:`gradsift.compressors.kernels.narrowed`)."""
         stage_ratio = (self.ratio / self.first_ratio) ** (1.0 / (stages - 1))
         tail = sample
         for _ in range(stages - 1):
@@ -315,20 +270,11 @@ class _SIDCo(Sparsifier):
         keep = min(round(expected), sample.numel() - 1)
         return kept_or_value_with_above(miss.abs() <= tolerance, eta.double(), sample, keep)
 
-    @staticmethod
-    def _sample_slope(sample: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-        """``|d ln(count)/d ln(eta)|`` of the sample at ``eta`` (finite difference, bounded)."""
-        below, above = sample_counts(sample, slope_points(eta))
-        slope = torch.log((below + 0.5) / (above + 0.5)) / (2 * _SLOPE_STEP)
-        return slope.clamp(*_SLOPE_RANGE)
-
     def _next_correction(
         self, sample: torch.Tensor, eta: torch.Tensor, eta_fit: torch.Tensor, achieved: Count, k: int
     ) -> torch.Tensor:
         """Damped Newton step in log space driving ``achieved/k`` to 1."""
-        step = (_DAMPING * log_miss(achieved, k) / self._sample_slope(sample, eta)).clamp(
-            -_MAX_STEP, _MAX_STEP
-        )
+        step = (_DAMPING * log_miss(achieved, k) / sample_slope(sample, eta)).clamp(-_MAX_STEP, _MAX_STEP)
         corrected = torch.log(eta.clamp_min(1e-300) / eta_fit.clamp_min(1e-300)) + step
         return corrected.clamp(-_MAX_LOG_CORRECTION, _MAX_LOG_CORRECTION)
 

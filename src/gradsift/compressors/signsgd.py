@@ -31,7 +31,7 @@ class SignSGD(Quantizer):
 class EFSignSGD(SignSGD):
     """``efsignsgd`` (Karimireddy et al. 2019): signSGD with error feedback.
 
-    Same payload; the DDP hook wraps it with :class:`gradsift.feedback.ErrorFeedback`,
+    Same payload; the DDP hook wraps it with :class:`gradsift.hook.feedback.ErrorFeedback`,
     so each worker sends ``(||p||_1 / n) sign(p)`` of ``p = g + e`` and keeps
     ``e <- p - (||p||_1 / n) sign(p)``.
     """

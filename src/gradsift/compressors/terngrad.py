@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
-from gradsift.validation import check_real
+from gradsift.core.validation import check_real
 
 #: The paper's clipping factor ``c``: elements beyond ``c`` standard deviations are clipped.
 PAPER_CLIP = 2.5

@@ -2,8 +2,8 @@
 
 Also home of :func:`threshold_selection`, the selection every threshold sparsifier (SIDCo,
 DGC, RedSync, GaussianK, this class) ends with: the elements that pass their test
-(:mod:`gradsift.kernels`), and when there are more than the payload's capacity, the
-largest of them (:func:`gradsift.kernels.keep_largest`).
+(:mod:`gradsift.compressors.kernels`), and when there are more than the payload's capacity, the
+largest of them (:func:`gradsift.compressors.kernels.keep_largest`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.kernels import Candidates, Threshold, keep_largest, select_above, select_mask
-from gradsift.readout import Readout
-from gradsift.validation import check_ratio, check_real
+from gradsift.compressors.kernels import Candidates, Threshold, keep_largest, select_above, select_mask
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_ratio, check_real
 
 #: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity
 #: (on CPU every selected element is a candidate).
@@ -65,9 +65,11 @@ class HardThreshold(Sparsifier):
         first_ratio: the first step's capacity as a fraction of the elements, in (0, 1]
             (default 0.01).
 
-    Cost: one read of the gradient (:func:`gradsift.kernels.select_above`); the
+    Cost: one read of the gradient (:func:`gradsift.compressors.kernels.select_above`); the
     non-finite check reads only the selected values.
     """
+
+    density_option = "threshold"
 
     name = "threshold"
     adaptive_capacity = True

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.readout import Readout
+from gradsift.core.readout import Readout
 
 
 def top_k_selection(

@@ -15,7 +15,7 @@ variance ``v`` (zeros at first). Each call, with gradient ``g`` and its variance
    is sent eventually.
 
 Scale convention of ``alpha``: ``s`` is the variance of the gradient tensor as autograd
-produced it (:mod:`gradsift.variance`; for a mean loss, the variance of the minibatch
+produced it (:mod:`gradsift.compressors.variance`; for a mean loss, the variance of the minibatch
 mean, ``(1/B) * ((1/B) sum_z g_z^2 - g^2)``), so ``alpha`` is a squared signal-to-noise
 ratio in standard errors: ``alpha = 1`` sends an element once its accumulated value
 exceeds one standard deviation of its accumulated noise.
@@ -43,12 +43,13 @@ import torch
 from torch import nn
 
 from gradsift.compressors import vgc_codec
-from gradsift.compressors.base import Compressor, Payload, in_use, scatter_mean, target_count
-from gradsift.errors import InvalidOptionError
-from gradsift.kernels import Candidates, keep_largest, select_mask, zero_at
-from gradsift.readout import Readout
-from gradsift.validation import check_choice, check_ratio, check_real
-from gradsift.variance import CONV_RULES, METHODS, VarianceTracker
+from gradsift.compressors.base import Compressor, in_use, scatter_mean, target_count
+from gradsift.compressors.kernels import Candidates, keep_largest, select_mask, zero_at
+from gradsift.compressors.variance import CONV_RULES, METHODS, VarianceTracker
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload
+from gradsift.core.readout import Readout
+from gradsift.core.validation import check_choice, check_ratio, check_real
 
 #: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity.
 ROOM = 2
@@ -92,7 +93,7 @@ class VGC(Compressor):
         variance_method: ``"hooks"`` (cheap per-layer rules) or ``"exact"``
             (``torch.func``; call ``compressor.tracker.record_exact(...)`` each step).
         conv_rule: ``"approx"`` (cross-position terms dropped) or ``"exact"`` (per-sample
-            convolution weight gradients, one layer at a time); see :mod:`gradsift.variance`.
+            convolution weight gradients, one layer at a time); see :mod:`gradsift.compressors.variance`.
         first_ratio: under the DDP hook, the first step's room for words as a fraction of
             the elements, in (0, 1] (default 0.01; later steps follow the counts).
 

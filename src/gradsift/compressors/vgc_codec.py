@@ -24,15 +24,15 @@ first ``length`` are in use; the rest are 0 and decode to nothing.
 :func:`decode_words` decodes without any host read and reports what a peer got wrong
 as a device bitmask (:data:`PROBLEMS`), decoding a malformed message into harmless
 entries (index 0, value 0) instead; :func:`decode` is the strict host-side check of an
-exact message, raising :class:`~gradsift.errors.WireFormatError`.
+exact message, raising :class:`~gradsift.core.errors.WireFormatError`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gradsift.compressors.base import Count
-from gradsift.errors import WireFormatError
+from gradsift.core.errors import WireFormatError
+from gradsift.core.payload import Count
 
 INDEX_BITS = 28
 CHUNK_SIZE = 1 << INDEX_BITS

@@ -6,7 +6,7 @@ the same size on every worker, so it travels in one ``all_gather_into_tensor`` t
 overlaps the rest of backward, with no size exchange before it. When it arrives, each
 worker's message is checked on the device (:meth:`wire.MessageLayout.unpack`) and
 ``decompress([p_1, ..., p_W])`` of each part is written into the result; the non-finite
-flags in the headers and the malformed-sender flags go to the :class:`Delivery`.
+flags in the headers and the malformed-sender flags go to the :class:`~gradsift.core.trip.Outcome`.
 
 Bytes: ``bytes_sent`` is what the entries in use and the headers take (the payloads'
 ``used_nbytes`` and the flag word), ``bytes_padded`` the whole fixed message (capacity,
@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from gradsift.compressors.base import Payload
-from gradsift.exchanges import wire
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import Pending, allgather
+from gradsift.core import wire
+from gradsift.core.collectives import Pending, allgather
+from gradsift.core.payload import Payload
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.base import Codec, Exchange
+from gradsift.exchanges.costmodel import Traffic, allgather_traffic
 
 #: Bytes of the header's flag word, which every message sends.
 FLAG_NBYTES = wire.HEADER_DTYPE.itemsize
@@ -33,11 +35,16 @@ class Allgather(Exchange):
 
     name = "allgather"
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    @classmethod
+    def traffic(cls, k: int, world: int) -> Traffic:
+        """A header allgather, then ``k`` entries from every worker (:func:`allgather_traffic`)."""
+        return allgather_traffic(k, world)
+
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         encoded = [codec.encode(part, context) for part in parts]
         sent = [e.wire for e in encoded]
 
-        def finish(received: wire.Received) -> Delivery:
+        def finish(received: wire.Received) -> Outcome:
             flags = []
             for i, part in enumerate(parts):
                 flag = codec.decompress_into(
@@ -48,8 +55,8 @@ class Allgather(Exchange):
             malformed = received.malformed
             if flags:
                 malformed = malformed | torch.stack(flags).any()
-            return Delivery(
-                sent=list(sent), nonfinite=received.nonfinite, malformed=malformed, demand=received.demand
+            return Outcome.of(
+                parts, list(sent), nonfinite=received.nonfinite, malformed=malformed, demand=received.demand
             )
 
         return gather_payloads(sent, context).then(finish)

@@ -11,7 +11,7 @@ part that is the bucket itself is reduced in place, as stock DDP does.
 Non-finite flag: a NaN/Inf in dense values travels in the values and makes the mean
 non-finite on every rank; a payload that carries only some elements (random-k) and
 flags its input non-finite adds NaN to its message (``k`` elements). Every rank then
-sums the mean on the device and reports the flag in its :class:`Delivery` (no host
+sums the mean on the device and reports the flag in its :class:`~gradsift.core.trip.Outcome` (no host
 read); the identity codec of stock DDP's own exchange skips that sum
 (``checks_values=False``), exactly like stock DDP. Bytes: ``bytes_sent = |m|``, no
 padding, received ``2 (W-1)/W |m|`` (ring).
@@ -23,18 +23,20 @@ import dataclasses
 
 import torch
 
-from gradsift.compressors.base import Payload
-from gradsift.errors import GradsiftError
-from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
-from gradsift.exchanges.collectives import Pending, allreduce_sum, ring_allreduce_received
+from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
+from gradsift.core.errors import GradsiftError
+from gradsift.core.payload import Payload
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.base import Codec, Encoded, Exchange
 
 
 class Allreduce(Exchange):
     """One ``allreduce`` of the mean per dtype of the sent values (see the module docstring)."""
 
     name = "allreduce"
+    reduces = True
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         encoded = [codec.encode(part, context) for part in parts]
         values = [_values(e) for e in encoded]
         in_place = (
@@ -61,7 +63,7 @@ class Allreduce(Exchange):
             )
             reductions.append(allreduce_sum(message, context.group))
 
-        def finish(means: list[torch.Tensor]) -> Delivery:
+        def finish(means: list[torch.Tensor]) -> Outcome:
             if not in_place:
                 for members, mean in zip(groups.values(), means, strict=True):
                     _split(mean, [parts[i] for i in members], [encoded[i] for i in members], codec, context)
@@ -76,7 +78,7 @@ class Allreduce(Exchange):
             sent: list[Payload | torch.Tensor | None] = [
                 None if codec.compressor.identity else e.wire for e in encoded
             ]
-            return Delivery(sent=sent, nonfinite=nonfinite)
+            return Outcome.of(parts, sent, nonfinite=nonfinite)
 
         return Pending.gather(reductions).then(finish)
 

@@ -28,7 +28,7 @@ Load balance: the slice bounds are the ``W``-quantiles of the previous step's su
 positions (the same on every rank: everyone received them), kept per bucket in the
 state store (``balanced.bounds``); the first step cuts the index space evenly. Positions
 are *canonical* (the bucket's parameters in number order,
-:class:`~gradsift.state.Canonical`), so the slices do not move when DDP rebuilds its
+:class:`~gradsift.core.store.Canonical`), so the slices do not move when DDP rebuilds its
 buckets or a resumed run starts from DDP's initial layout.
 
 Traffic per worker, ``K`` entries of ``e`` bytes: ``(W-1) c`` entries received in step 1
@@ -45,13 +45,14 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradsift.compressors.base import Payload, index_dtype
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges import wire
+from gradsift.core import wire
+from gradsift.core.collectives import Pending, blocking
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload, index_dtype
+from gradsift.core.store import Canonical
+from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import gather_payloads
-from gradsift.exchanges.base import Codec, Context, Delivery, Encoded, Exchange, Part
-from gradsift.exchanges.collectives import Pending, blocking
-from gradsift.state import Canonical
+from gradsift.exchanges.base import Codec, Encoded, Exchange
 
 BOUNDS = "balanced.bounds"
 
@@ -70,7 +71,7 @@ class Balanced(Exchange):
     def __init__(self) -> None:
         self._canonical: dict[tuple[int, ...], Canonical] = {}
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         encoded = [codec.encode(part, context) for part in parts]
         world, numel, device = context.world, context.result.numel(), context.result.device
         room = math.ceil(SLACK * sum(_sparse(e.wire)[0].numel() for e in encoded) / world)
@@ -99,7 +100,7 @@ class Balanced(Exchange):
         survivors = _reduce_slice(got, room, numel, context.result.dtype)
         survivors.nonfinite = got.flags.any() | nonfinite
 
-        def finish(gathered: wire.Received) -> Delivery:
+        def finish(gathered: wire.Received) -> Outcome:
             with context.record.timed("decompress_ms", device):
                 kept, summed = _all_survivors(gathered)
                 result = context.result
@@ -114,8 +115,9 @@ class Balanced(Exchange):
                     _delivered(e, positions.index_select(0, at), shipped.index_select(0, at), survived)
                     for e, at in zip(encoded, delivered_at, strict=True)
                 ]
-            return Delivery(
-                sent=list(sent),
+            return Outcome.of(
+                parts,
+                list(sent),
                 nonfinite=gathered.nonfinite,
                 malformed=gathered.malformed | malformed_blocks,
             )

@@ -1,6 +1,6 @@
 """The exchange protocol: the one-way trip of a DDP bucket's parts between the workers.
 
-The hook's layout builds one complete, frozen :class:`Context` per bucket and step (who
+The hook builds one complete, frozen :class:`~gradsift.core.trip.Context` per bucket and step (who
 the workers are, where the means go, the state store, the step's readout, each part's
 payload capacity); an exchange receives the bucket's *parts* (the whole bucket, or one
 part per layer), each already compensated by error feedback, and a :class:`Codec` (the
@@ -9,7 +9,7 @@ into a dense mean). It owns everything between the two: the collectives, the fra
 validation of what arrives, the byte counts (sent, padded, received) and the transport
 of the non-finite flag, so that every rank learns together whether any rank's input
 held NaN/Inf. It writes each part's mean over the workers into the bucket's result and
-returns a :class:`Delivery` -- the only outcome of the trip: per part what this
+returns an :class:`~gradsift.core.trip.Outcome` -- the only outcome of the trip: per part what this
 worker's contribution stood for (error feedback keeps the rest), and as device flags
 whether some input was non-finite and whether some sender's message was malformed, read
 by the hook once, when the step closes. An exchange never reads a tensor on the host
@@ -17,59 +17,28 @@ and never knows which compressor it carries; dense parts travel through the same
 protocol with the identity codec (:data:`IDENTITY`).
 
 A new exchange is one module with one :class:`Exchange` subclass plus one line in
-:data:`gradsift.exchanges.EXCHANGES`.
+:data:`gradsift.exchanges.EXCHANGES`: what the hook needs to know of it, the exchange
+declares (:attr:`Exchange.exact`, :attr:`Exchange.whole_bucket`, :meth:`Exchange.traffic`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 import torch
 
-from gradsift.compressors.base import Compressor, Payload
-from gradsift.compressors.dense import NoCompression
-from gradsift.exchanges import wire
-from gradsift.exchanges.collectives import Pending
-from gradsift.readout import Readout
-from gradsift.state import TensorStore
-from gradsift.telemetry import BucketRecord
+from gradsift.compressors.base import Compressor
+from gradsift.compressors.casts import NoCompression
+from gradsift.core import wire
+from gradsift.core.collectives import Pending
+from gradsift.core.payload import Payload
+from gradsift.core.telemetry import BucketRecord
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.costmodel import Traffic
 
 T = TypeVar("T")
-
-
-@dataclass
-class Part:
-    """One exchanged piece of a bucket.
-
-    Attributes:
-        key: the state key (a parameter number, or the sorted tuple of a bucket's).
-        offset: where the part starts in the bucket's flat gradient.
-        flat: the local gradient of the part (a view into the bucket).
-        params: the parameters it holds, in flattening order.
-        compensated: the gradient with error feedback applied (``flat`` without it).
-    """
-
-    key: Hashable
-    offset: int
-    flat: torch.Tensor
-    params: list[torch.nn.Parameter]
-    compensated: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
-
-    @property
-    def input(self) -> torch.Tensor:
-        """What travels: the compensated gradient, or the plain one without error feedback."""
-        return self.flat if self.compensated is None else self.compensated
-
-    def view(self, result: torch.Tensor) -> torch.Tensor:
-        """The part's slice of a bucket-sized tensor."""
-        return result[self.offset : self.offset + self.numel]
 
 
 @dataclass(frozen=True)
@@ -82,66 +51,6 @@ class Encoded:
 
     payload: Payload
     wire: Payload
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What an exchange reports for its parts once the data arrived.
-
-    Attributes:
-        sent: per part, what this worker's contribution stands for -- a payload whose
-            ``indices`` name the delivered positions, a dense tensor, or None when the
-            part travelled uncompressed (all of it was sent: nothing is left over).
-        nonfinite: 0-d bool device flag: some worker's input held NaN/Inf (the same on
-            every rank); None when no worker's can have. The result is then garbage and
-            the step is dropped.
-        malformed: ``[W]`` bool device flags: worker ``w``'s message broke the format
-            (the result is then garbage, but nothing was written out of range); None
-            when the exchange receives nothing a peer could get wrong.
-        demand: ``[P]`` device counts, per part the most entries any worker wanted to
-            send (an adaptive-capacity compressor sizes its next payloads from them);
-            None when the exchange does not report it.
-        error: a failure the host already knows (a collective failed), raised when the
-            step closes.
-    """
-
-    sent: list[Payload | torch.Tensor | None]
-    nonfinite: torch.Tensor | None = None
-    malformed: torch.Tensor | None = None
-    demand: torch.Tensor | None = None
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Context:
-    """Everything an exchange needs besides the parts (built once per bucket and step).
-
-    Attributes:
-        group / world / rank: the process group, its size and this worker's rank in it.
-        result: the bucket-sized tensor the parts' means are written into.
-        record: the bucket's telemetry (bytes, phase times).
-        readout: the step's readout (device facts read once at step close).
-        store: the hook's state store (exchanges that keep state put it there, under ``key``).
-        key: the bucket's state key (the sorted tuple of its parameter numbers).
-        order / numels: the bucket's parameter numbers in flat order, and each one's size.
-        capacities: per part key, the entries its payload has room for this step.
-        step: the hook's step counter (the same on every rank).
-        bucket: the DDP ``GradBucket`` (the delegated exchange hands it to the compressor).
-    """
-
-    group: Any
-    world: int
-    rank: int
-    result: torch.Tensor
-    record: BucketRecord
-    readout: Readout = field(default_factory=Readout)
-    store: TensorStore = field(default_factory=TensorStore)
-    key: Hashable = None
-    order: tuple[int, ...] = ()
-    numels: Mapping[int, int] = field(default_factory=dict)
-    capacities: Mapping[Hashable, int] = field(default_factory=dict)
-    step: int = 0
-    bucket: Any = None
 
 
 class Codec:
@@ -235,10 +144,35 @@ class Exchange(abc.ABC):
     #: (:func:`gradsift.exchanges.choose_exchange`); they stay available by name.
     exact: ClassVar[bool] = True
 
+    #: Whether the exchange takes the whole bucket as one part and hands it to the
+    #: compressor (which runs its own collectives: the delegated exchange), so the hook
+    #: refuses ``granularity="layer"`` and frontends without DDP buckets refuse it.
+    whole_bucket: ClassVar[bool] = False
+
+    #: Whether the workers' messages add up on the way (each worker moves about one
+    #: message's bytes, as in a ring allreduce) rather than each reaching every other
+    #: worker (``W - 1`` messages, as in an allgather): the report's cost model uses it.
+    reduces: ClassVar[bool] = False
+
+    @classmethod
+    def carries(cls, compressor: Compressor) -> bool:
+        """Whether ``compressor``'s payloads can travel by this exchange; by default, when the
+        compressor lists it in its ``exchanges`` (an exchange that can carry any payload,
+        or one the compressors do not know of, says so here)."""
+        return cls.name in compressor.exchanges
+
+    @classmethod
+    def traffic(cls, k: int, world: int) -> Traffic | None:
+        """What one part of ``k`` selected entries costs on the wire among ``world``
+        workers, for ``exchange="auto"``'s choice (:mod:`gradsift.exchanges.costmodel`);
+        None (the default): no formula, the compressor's order decides."""
+        del k, world
+        return None
+
     @abc.abstractmethod
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         """Start the exchange of ``parts``; waiting for the result writes every part's mean
-        into ``context.result`` and gives the :class:`Delivery`."""
+        into ``context.result`` and gives the :class:`~gradsift.core.trip.Outcome`."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -28,9 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import Pending, guarded, ring_allreduce_received
+from gradsift.core.collectives import Pending, guarded, ring_allreduce_received
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.base import Codec, Exchange
 
 
 @runtime_checkable
@@ -48,8 +49,10 @@ class Delegated(Exchange):
     """Hand the whole bucket to the compressor's own ``ddp_hook`` (see the module docstring)."""
 
     name = "delegated"
+    reduces = True
+    whole_bucket = True
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         if len(parts) != 1 or parts[0].numel != context.result.numel():
             raise InvalidOptionError(
                 "the delegated exchange takes the whole bucket as one part (granularity='bucket')"
@@ -70,12 +73,12 @@ class Delegated(Exchange):
             sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
         )
 
-        def finish(mean: torch.Tensor) -> Delivery:
+        def finish(mean: torch.Tensor) -> Outcome:
             view = part.view(context.result)
             if mean.data_ptr() != view.data_ptr():
                 view.copy_(mean)
             nonfinite = ~torch.isfinite(view.sum(dtype=torch.promote_types(view.dtype, torch.float32)))
-            return Delivery(sent=[view if compressing else None], nonfinite=nonfinite)
+            return Outcome.of(parts, [view if compressing else None], nonfinite=nonfinite)
 
         result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait))
         return result.then(finish)

@@ -7,7 +7,7 @@ exchange carries the dense casts (``none``, ``fp16``, ``bf16``): the message is
 allreduce exchange does), one ``reduce_scatter`` writes this worker's shard of the sum
 into ``context.result`` (the shard), back in the gradient's dtype. A NaN/Inf in any
 worker's gradient reaches every shard (it travels in the values); every worker sums its
-shard on the device for the flag of its :class:`Delivery`. Bytes: sent ``|m|`` (the
+shard on the device for the flag of its :class:`~gradsift.core.trip.Outcome`. Bytes: sent ``|m|`` (the
 message, as the allreduce exchange counts it), received ``(W-1)/W |m|`` (ring).
 
 Not in the registry: DDP has no shards, so no DDP compressor travels by it.
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradsift.errors import GradsiftError
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import Pending, guarded, started
+from gradsift.core.collectives import Pending, guarded, started
+from gradsift.core.errors import GradsiftError
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.base import Codec, Exchange
 
 # torch >= 2.13 renames reduce_scatter_tensor (same signature) and deprecates the old name.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -30,8 +31,9 @@ class ReduceScatter(Exchange):
     """``result <- reduce_scatter(cast(g) / W)`` of one padded flat gradient (module docstring)."""
 
     name = "reduce-scatter"
+    reduces = True
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         if len(parts) != 1:
             raise GradsiftError("the reduce-scatter exchange takes one flat gradient")
         encoded = codec.encode(parts[0], context)
@@ -49,13 +51,13 @@ class ReduceScatter(Exchange):
             "reduce-scatter", group, lambda: _reduce_scatter(shard, message, group=group, async_op=True)
         )
 
-        def finish(reduced: torch.Tensor) -> Delivery:
+        def finish(reduced: torch.Tensor) -> Outcome:
             context.result.copy_(reduced)
             nonfinite = None
             if codec.checks_values:
                 nonfinite = ~torch.isfinite(
                     context.result.sum(dtype=torch.promote_types(reduced.dtype, torch.float32))
                 )
-            return Delivery(sent=[None], nonfinite=nonfinite)
+            return Outcome.of(parts, [None], nonfinite=nonfinite)
 
         return started(work, shard, group, "reduce-scatter").then(finish)

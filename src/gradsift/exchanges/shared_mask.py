@@ -29,12 +29,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradsift.compressors.base import Payload, in_use, index_dtype
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges import wire
+from gradsift.compressors.base import in_use
+from gradsift.core import wire
+from gradsift.core.collectives import Pending, allreduce_sum, blocking, ring_allreduce_received
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload, index_dtype
+from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import sum_counts
-from gradsift.exchanges.base import Codec, Context, Delivery, Exchange, Part
-from gradsift.exchanges.collectives import Pending, allreduce_sum, blocking, ring_allreduce_received
+from gradsift.exchanges.base import Codec, Exchange
 
 
 class SharedMask(Exchange):
@@ -43,7 +45,7 @@ class SharedMask(Exchange):
     name = "shared-mask"
     exact = False  # every worker's values at the leader's positions only
 
-    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Delivery]:
+    def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         world, leader = context.world, context.step % context.world
         leading = context.rank == leader
         capacities = [_capacity(part, context) for part in parts]
@@ -94,7 +96,7 @@ class SharedMask(Exchange):
         leader_flag = (header[0] & wire.NONFINITE) != 0
         _count_bytes(context, leading, flat, lengths, capacities, message_values, wire_index, world)
 
-        def finish(mean: torch.Tensor) -> Delivery:
+        def finish(mean: torch.Tensor) -> Outcome:
             with context.record.timed("decompress_ms", device):
                 for part, share, where in zip(parts, mean.split(capacities), positions, strict=True):
                     view = part.view(context.result)
@@ -109,7 +111,7 @@ class SharedMask(Exchange):
             ]
             flags = torch.zeros(world, dtype=torch.bool, device=device)
             flags[leader : leader + 1] = malformed
-            return Delivery(sent=list(sent), nonfinite=nonfinite, malformed=flags, demand=demands)
+            return Outcome.of(parts, list(sent), nonfinite=nonfinite, malformed=flags, demand=demands)
 
         return allreduce_sum(message_values, context.group, "values allreduce").then(finish)
 

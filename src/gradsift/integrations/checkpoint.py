@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.errors import InvalidOptionError
-from gradsift.exchanges.collectives import blocking
-from gradsift.validation import check_int
+from gradsift.core.collectives import blocking
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_int
 
 #: Elements per step of :func:`parameter_digest`: its float64 temporaries are this long.
 DIGEST_CHUNK = 1 << 20

@@ -2,9 +2,9 @@
 
 Lightning and Hugging Face's ``Trainer`` create the ``DistributedDataParallel`` wrapper
 themselves, after the user has configured the callbacks. Their gradsift callbacks build
-the :class:`~gradsift.ddp.GradsiftHookState` up front -- so a wrong option fails when the
+the :class:`~gradsift.hook.state.GradsiftHookState` up front -- so a wrong option fails when the
 callback is made, not minutes later at the first step -- and bind it to the DDP model
-with :func:`gradsift.ddp.register_comm_hook` once the trainer has wrapped it.
+with :func:`gradsift.frontends.ddp.register_comm_hook` once the trainer has wrapped it.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.ddp import GradsiftHookState
+from gradsift.hook.state import GradsiftHookState
 
 
 def new_hook_state(compressor: str | Compressor, **options: Any) -> GradsiftHookState:
     """An unattached hook state, from the arguments :func:`gradsift.register_comm_hook` takes.
 
-    ``options`` holds hook options (:data:`gradsift.ddp.HOOK_OPTIONS`: ``granularity``,
+    ``options`` holds hook options (:data:`gradsift.hook.options.HOOK_OPTIONS`: ``granularity``,
     ``warmup_steps``, ...) and, when ``compressor`` is a registry name, the compressor's
     options (``ratio``, ...).
     """

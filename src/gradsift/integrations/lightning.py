@@ -1,6 +1,6 @@
 """PyTorch Lightning: gradsift's hook, its telemetry and its checkpoint state (extra ``lightning``).
 
-:class:`GradsiftCallback` holds one :class:`~gradsift.ddp.GradsiftHookState` and
+:class:`GradsiftCallback` holds one :class:`~gradsift.hook.state.GradsiftHookState` and
 
 1. offers it to Lightning's own mechanism, ``DDPStrategy(ddp_comm_state=cb.state,
    ddp_comm_hook=cb.hook)`` (Lightning then calls ``model.register_comm_hook(state, hook)``);
@@ -9,7 +9,7 @@
    (Lightning registers comm hooks only on CUDA; on CPU/gloo it skips them, and a plain
    ``strategy="ddp"`` never passes one), registers it itself;
 3. logs ``state.stats()`` to every logger of the trainer each ``log_every_n_steps``
-   (``gradsift/step/bytes_sent``, ``gradsift/total/density``, ...);
+   (``gradsift/hook/ledger/bytes_sent``, ``gradsift/total/density``, ...);
 4. checkpoints the hook state of *every rank* (``state_dict`` gathers them to rank 0, which
    writes the file, on the CPU) and gives each rank its own entry back on resume. Lightning
    restores callbacks before it moves the model to its device and wraps it in DDP, so the
@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.ddp import gradsift_hook, register_comm_hook
-from gradsift.errors import InvalidOptionError
-from gradsift.extras import require
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.extras import require
+from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook.route import gradsift_hook
 from gradsift.integrations.checkpoint import gather_hook_states, hook_state_on, rank_entry
 from gradsift.integrations.hook_state import new_hook_state
 from gradsift.integrations.telemetry import scalar_metrics
@@ -42,9 +43,9 @@ class GradsiftCallback(Callback):
             :class:`~gradsift.compressors.base.Compressor`.
         take_optimizer: hand the hook the trainer's optimizer as ``optimizer=`` (default
             True): SGD's momentum and weight decay, Adam's first moment, move into the
-            exchange (DGC's momentum correction, :mod:`gradsift.recipe`); a module with
+            exchange (DGC's momentum correction, :mod:`gradsift.hook.recipe`); a module with
             several optimizers needs ``take_optimizer=False``.
-        options: hook options (:data:`gradsift.ddp.HOOK_OPTIONS`: ``granularity``,
+        options: hook options (:data:`gradsift.hook.options.HOOK_OPTIONS`: ``granularity``,
             ``warmup_steps``, ...) and compressor options (``ratio``, ...), as for
             :func:`gradsift.register_comm_hook`.
 

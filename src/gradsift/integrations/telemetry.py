@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradsift.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError
 
 
 def scalar_metrics(stats: Mapping[str, Any], prefix: str = "gradsift") -> dict[str, float]:

@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from os import PathLike
 from typing import Any
 
-from gradsift.extras import require
+from gradsift.core.extras import require
+from gradsift.core.validation import check_int
 from gradsift.integrations.telemetry import scalar_metrics
-from gradsift.validation import check_int
 
 
 def open_writer(log_dir: str | PathLike[str]) -> Any:
     """A ``torch.utils.tensorboard.SummaryWriter`` writing event files under ``log_dir``.
 
-    Raises :class:`~gradsift.errors.MissingExtraError` naming ``gradsift[tensorboard]``
+    Raises :class:`~gradsift.core.errors.MissingExtraError` naming ``gradsift[tensorboard]``
     when TensorBoard is not installed.
     """
     module = require("torch.utils.tensorboard", "tensorboard", purpose="TensorBoard telemetry")

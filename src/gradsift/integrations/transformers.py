@@ -26,13 +26,14 @@ its source, transformers 5.24):
    the callback hands the hook the ``torch.optim`` optimizer inside). With
    ``take_optimizer=True`` (the default) it moves into the hook as ``optimizer=`` does for
    a compressor with error feedback: the Trainer's default AdamW gets the frozen-variance
-   method of :mod:`gradsift.adam`, with a dense warm-up of a tenth of ``max_steps`` unless
+   method of :mod:`gradsift.hook.adam`, with a dense warm-up of a tenth of ``max_steps`` unless
    ``warmup_steps`` is given; SGD gets DGC's momentum correction. The Trainer's own
    gradient clipping (``max_grad_norm``, 1 by default) then clips Adam's first moment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,11 +42,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsift.adam import default_warmup_steps, is_adam
 from gradsift.compressors.base import Compressor
-from gradsift.ddp import GradsiftHookState, register_comm_hook
-from gradsift.errors import InvalidOptionError
-from gradsift.extras import require
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.extras import require
+from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook.adam import default_warmup_steps, is_adam
+from gradsift.hook.state import GradsiftHookState
 from gradsift.integrations.checkpoint import check_same_world_size, hook_state_on, to_cpu
 from gradsift.integrations.hook_state import new_hook_state
 
@@ -84,7 +86,7 @@ class GradsiftTrainerCallback(TrainerCallback):
             options (``ratio``, ...), as for :func:`gradsift.register_comm_hook`.
 
     Attributes:
-        state: the :class:`~gradsift.ddp.GradsiftHookState` (``state.stats()`` for bytes,
+        state: the :class:`~gradsift.hook.state.GradsiftHookState` (``state.stats()`` for bytes,
             density and timings).
     """
 
@@ -128,7 +130,8 @@ class GradsiftTrainerCallback(TrainerCallback):
         wrapped = getattr(self.trainer, "optimizer", None)
         optimizer: torch.optim.Optimizer | None = getattr(wrapped, "optimizer", wrapped)
         if is_adam(optimizer) and not self.warmup_given:
-            self.state.options.warmup_steps = default_warmup_steps(state.max_steps)
+            warmup = default_warmup_steps(state.max_steps)
+            self.state.options = dataclasses.replace(self.state.options, warmup_steps=warmup)
         return optimizer
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

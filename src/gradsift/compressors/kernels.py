@@ -1,0 +1,348 @@
+"""Selection kernels of the sparsifiers: NumPy on CPU, PyTorch (without host reads) elsewhere.
+
+Two jobs:
+
+* **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
+  mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
+  and ``nonzero`` are 4-50x slower than NumPy's on the same memory (measured on the
+  project's 2-core machine, one thread, 2^20 fp32 elements: ``abs(x) > eta`` 630 us vs
+  NumPy 170 us, ``nonzero`` of the mask 1010 us vs ``flatnonzero`` 220 us), and above
+  32768 elements each PyTorch kernel opens an OpenMP parallel region, which on an
+  oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
+  calling thread, on a zero-copy view of the tensor, and the number of selected
+  elements is known on the host at no cost: CPU memory *is* host memory. On other
+  devices the number of selected elements is data the host does not have, and asking
+  for it (``nonzero``) stalls the device; with a ``room`` the selection is
+  ``nonzero_static`` into ``room`` slots, its count a device scalar.
+* **Keeping the largest** of the selected elements when there are more than a payload's
+  capacity (:func:`keep_largest`): the ``capacity`` largest magnitudes, in position order.
+
+:class:`CallingThreadOnly` runs a block with the intra-op pool at one thread (the
+remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
+``index_select``: advanced indexing ``x[indices]`` of 1% of a 2^19-element tensor took
+16 ms with two threads on the loaded machine (load ~20), ``index_select`` 7 us.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gradsift.core.errors import InvalidOptionError
+
+#: Elements per chunk of the CPU selection: its two temporaries (the masked words and
+#: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache
+#: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
+SELECTION_CHUNK = 1 << 18
+
+#: PyTorch's CPU kernels split their work over the intra-op pool only above this many
+#: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
+#: read pass took 0.036 ms at 32768 elements and 16 ms at 65536, waiting for a thread.
+PARALLEL_GRAIN = 32768
+
+#: Integer dtype of the same width and the mask that clears the sign bit, per float dtype.
+_MAGNITUDE_BITS = {
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFF_FFFF),
+    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
+}
+
+Threshold = float | torch.Tensor
+
+
+class Candidates(NamedTuple):
+    """Selected positions.
+
+    Attributes:
+        indices: int64 positions, ascending over the first ``length`` (padding: 0).
+        length: positions in use (None: all of ``indices``).
+        selected: how many elements passed the test (``>= length``; a host int on CPU).
+        nonfinite: 0-d bool, some element of the tested tensor is NaN or Inf (only for
+            :func:`select_above`, whose test selects every NaN and Inf; else None).
+    """
+
+    indices: torch.Tensor
+    length: int | torch.Tensor | None
+    selected: int | torch.Tensor
+    nonfinite: torch.Tensor | None = None
+
+
+def uses_numpy(tensor: torch.Tensor) -> bool:
+    """Whether these kernels run through NumPy for ``tensor``: on CPU, yes."""
+    return tensor.device.type == "cpu"
+
+
+def select_above(flat: torch.Tensor, eta: Threshold, room: int | None = None) -> Candidates:
+    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN (``eta >= 0``), ascending.
+
+    The comparison runs in ``flat``'s dtype (``eta`` is rounded to it). NaN and Inf always
+    pass the test, so ``nonfinite`` -- read from the selected elements only -- checks all
+    of them. ``room`` (ignored on CPU, where the count is free) bounds the positions
+    returned on other devices; ``selected`` is exact either way.
+
+    * CPU: the IEEE bit patterns of non-negative floats are ordered like the floats,
+      so ``|x| > eta`` is ``(bits(x) & ~sign) > bits(eta)`` on the integer view --
+      and NaN (exponent all ones, mantissa non-zero) lies above every finite
+      ``eta``. NumPy evaluates that and ``flatnonzero`` over
+      :data:`SELECTION_CHUNK`-element chunks on the calling thread.
+    * other devices: the mask ``not (|x| <= eta)`` (true for NaN), its ``nonzero_static``
+      into ``room`` slots, its sum (the number selected) and the sum of the selected values (finite
+      exactly when every selected element is).
+    """
+    if uses_numpy(flat):
+        return _select_above_numpy(flat, eta)
+    if isinstance(eta, float) and eta < 0:
+        raise InvalidOptionError(f"eta must be >= 0, got {eta}")
+    mask = ~(flat.abs() <= eta)
+    total = torch.where(mask, flat, 0).sum(dtype=torch.promote_types(flat.dtype, torch.float32))
+    candidates = select_mask(mask, room)
+    return candidates._replace(nonfinite=~torch.isfinite(total))
+
+
+def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
+    integer, magnitude = _MAGNITUDE_BITS[flat.dtype]
+    threshold = _host_float(eta)
+    if threshold < 0:
+        raise InvalidOptionError(f"eta must be >= 0, got {threshold}")
+    bound = int(
+        torch.tensor(threshold, dtype=flat.dtype, device="cpu").view(integer).numpy()
+    )  # eta in the dtype
+    words = _numpy(flat.view(integer))
+    if words.size <= SELECTION_CHUNK:
+        positions = np.flatnonzero((words & magnitude) > bound)
+    else:
+        pieces = []
+        for start in range(0, words.size, SELECTION_CHUNK):
+            piece = np.flatnonzero((words[start : start + SELECTION_CHUNK] & magnitude) > bound)
+            piece += start
+            pieces.append(piece)
+        positions = np.concatenate(pieces)
+    infinity = _infinity_bits(flat.dtype)
+    nonfinite = bool(((words[positions] & magnitude) >= infinity).any())
+    indices = torch.from_numpy(positions.astype(np.int64, copy=False))
+    return Candidates(indices, None, int(positions.size), torch.tensor(nonfinite, device="cpu"))
+
+
+def select_mask(mask: torch.Tensor, room: int | None = None) -> Candidates:
+    """Positions of the True elements of the 1-D boolean ``mask``, ascending.
+
+    CPU: every position (NumPy), count on the host. Other devices: without ``room`` every
+    position (``nonzero``: a host read, for callers off the hot path); with ``room``,
+    ``nonzero_static`` into ``room`` slots (padding 0) and the count as a device scalar.
+    """
+    if uses_numpy(mask):
+        positions = np.flatnonzero(_numpy(mask))
+        return Candidates(torch.from_numpy(positions.astype(np.int64, copy=False)), None, int(positions.size))
+    if room is None:
+        indices = torch.nonzero(mask).view(-1)
+        return Candidates(indices, None, indices.numel())
+    found = torch.nonzero_static(mask, size=room, fill_value=-1).view(-1)
+    count = mask.sum()
+    return Candidates(found.clamp_min(0), torch.clamp(count, max=room), count)
+
+
+def moment_sums(
+    values: torch.Tensor, above: Threshold | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(count, sum, sum of squares, minimum)`` of the elements of the 1-D ``values`` that are
+    ``> above`` (all of them without ``above``), as float64 0-d tensors on ``values``' device;
+    the minimum of none is +inf.
+
+    CPU: NumPy keeps the elements above the bound (``np.compress``, on the calling thread)
+    and sums that tail in float64 -- SIDCo's later stages see a few percent of the sample.
+    The sum of squares is ``np.einsum``, never ``np.dot``: NumPy hands a dot product to
+    BLAS, whose worker threads spin against the other ranks on a shared CPU (2 gloo ranks
+    on 2 cores: 6.6 ms per call on a 2^18-element sample, against 0.08 ms for einsum on
+    the calling thread; docs/decisions.md).
+    Other devices: masked sums over every element, no host read.
+    """
+    if _numpy_floats(values):
+        array = _numpy(values)
+        tail = array if above is None else np.compress(array > _host_float(above), array)
+        wide = tail.astype(np.float64)
+        smallest = float(tail.min()) if tail.size else math.inf
+        count, total, squares, least = torch.tensor(
+            [float(wide.size), float(wide.sum()), float(np.einsum("i,i->", wide, wide)), smallest],
+            dtype=torch.float64,
+            device="cpu",
+        ).unbind()
+        return count, total, squares, least
+    x = values.reshape(-1)
+    if above is None:
+        kept = x.double()
+        count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
+        least = kept.min() if x.numel() else count + math.inf
+    else:
+        mask = x > above
+        kept = torch.where(mask, x, 0).double()
+        count = mask.sum(dtype=torch.float64)
+        least = torch.where(mask, x, math.inf).min().double() if x.numel() else count + math.inf
+    return count, kept.sum(), torch.dot(kept, kept), least
+
+
+def narrowed(values: torch.Tensor, bound: Threshold) -> torch.Tensor:
+    """Elements of the 1-D ``values`` that the bound cannot rule out: on CPU those ``> bound``
+    (NumPy, host-sized for free), elsewhere all of them (masking them costs no host read)."""
+    if _numpy_floats(values):
+        array = _numpy(values)
+        return torch.from_numpy(np.compress(array > _host_float(bound), array))
+    return values
+
+
+def counts_above(values: torch.Tensor, thresholds: list[torch.Tensor]) -> torch.Tensor:
+    """``[#{v > t} for t in thresholds]`` as a float64 tensor (compared in ``values``' dtype).
+
+    CPU: one NumPy compare-and-count per threshold. Elsewhere: one broadcast comparison with
+    every threshold and one reduction, no host read.
+    """
+    if _numpy_floats(values):
+        array = _numpy(values)
+        kind = array.dtype.type
+        counts = [float(np.count_nonzero(array > kind(_host_float(t)))) for t in thresholds]
+        return torch.tensor(counts, dtype=torch.float64, device="cpu")
+    bounds = torch.stack([t.to(values.dtype) for t in thresholds])
+    return torch.gt(values.unsqueeze(1), bounds).sum(0, dtype=torch.float64)
+
+
+def value_with_above(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """The element of the 1-D ``values`` with exactly ``keep`` elements above it: the
+    ``(keep+1)``-th largest (ties may leave fewer above it), a 0-d tensor.
+
+    CPU: NumPy's introselect (``np.partition``, 6x faster than ``torch.topk`` on 2^18
+    elements). Elsewhere: ``torch.topk`` of ``keep + 1``, no host read.
+    """
+    if _numpy_floats(values):
+        array = _numpy(values)
+        position = array.size - 1 - keep
+        return torch.tensor(float(np.partition(array, position)[position]), dtype=values.dtype, device="cpu")
+    return torch.topk(values, keep + 1, sorted=False).values.min()
+
+
+def kept_or_value_with_above(
+    keep_eta: torch.Tensor, eta: torch.Tensor, values: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """``eta`` where the 0-d bool ``keep_eta`` holds, else :func:`value_with_above` of
+    ``(values, keep)`` (in ``eta``'s dtype).
+
+    CPU: the flag is host memory (read through NumPy), so the selection of the quantile
+    runs only when it is needed -- SIDCo's sample check keeps ``eta`` on most calls, and
+    the partition is a copy and a pass over the sample. Elsewhere: both, chosen on the
+    device by ``torch.where``, no host read.
+    """
+    if _numpy_floats(values) and keep_eta.device.type == "cpu":
+        if bool(_numpy(keep_eta.reshape(1))[0]):
+            return eta
+        return value_with_above(values, keep).to(eta.dtype)
+    return torch.where(keep_eta, eta, value_with_above(values, keep).to(eta.dtype))
+
+
+def nonzero_first(
+    indices: torch.Tensor, magnitudes: torch.Tensor, smallest: torch.Tensor
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """``indices`` (ascending) with those of zero magnitude moved out: ``(positions, length)``,
+    the first ``length`` the non-zero ones in order, the rest 0 (``smallest``: the least of
+    ``magnitudes``).
+
+    CPU: when ``smallest > 0`` (the usual case, one read of CPU memory) ``indices`` as they
+    are; otherwise, and on other devices, a sort with the zeros last.
+    """
+    if uses_numpy(smallest) and _host_float(smallest) > 0:
+        return indices, indices.numel()
+    nonzero = magnitudes > 0
+    ordered = torch.sort(torch.where(nonzero, indices, torch.iinfo(torch.int64).max)).values
+    length = nonzero.sum()
+    return torch.where(torch.arange(indices.numel(), device=indices.device) < length, ordered, 0), length
+
+
+def keep_largest(
+    magnitudes_of: torch.Tensor, candidates: Candidates, capacity: int
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """The at most ``capacity`` candidates of largest ``|magnitudes_of[i]|``, in position order.
+
+    Returns ``(indices, length)``: exactly ``capacity`` int64 positions, the first
+    ``length`` in use and ascending, the rest 0. NaN counts as the largest magnitude (as
+    in ``torch.topk``), so a non-finite element that was selected stays selected.
+    """
+    indices, length = candidates.indices, candidates.length
+    found = indices.numel()
+    device = indices.device
+    if length is None and found <= capacity:
+        if found == capacity:
+            return indices, found
+        return torch.cat([indices, indices.new_zeros(capacity - found)]), found
+    magnitudes = magnitudes_of.index_select(0, indices).abs()
+    if length is not None:
+        magnitudes = torch.where(torch.arange(found, device=device) < length, magnitudes, -1)
+    if found > capacity:
+        top = torch.topk(magnitudes, capacity, sorted=False)
+        chosen, kept = indices.index_select(0, top.indices), top.values
+    else:
+        chosen, kept = indices, magnitudes
+    if length is None:  # every candidate was in use, and there were more than capacity
+        return torch.sort(chosen).values, capacity
+    valid = (kept >= 0) | torch.isnan(kept)
+    chosen = torch.sort(torch.where(valid, chosen, torch.iinfo(torch.int64).max)).values
+    used = valid.sum()
+    chosen = torch.where(torch.arange(chosen.numel(), device=device) < used, chosen, 0)
+    if chosen.numel() < capacity:
+        chosen = torch.cat([chosen, chosen.new_zeros(capacity - chosen.numel())])
+    return chosen, used
+
+
+def zero_at(tensor: torch.Tensor, indices: torch.Tensor, used: torch.Tensor | None) -> None:
+    """``tensor[indices[used]] = 0`` in place, without a host read: ``index_add_`` of minus
+    the values there, so a padding entry (index 0, not in use) adds 0 even when index 0
+    is also a real entry, and a position given twice is zeroed once."""
+    found = tensor.index_select(0, indices)
+    if used is not None:
+        found = torch.where(used, found, 0)
+    tensor.index_add_(0, indices, found, alpha=-1)
+
+
+def _host_float(value: Threshold) -> float:
+    """A CPU threshold as a Python float (CPU memory: no device to wait for)."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    return float((value if _numpy_floats(value) else value.to(torch.float64)).numpy())
+
+
+def _numpy_floats(values: torch.Tensor) -> bool:
+    """NumPy has the dtype (it has no bfloat16; float16 arithmetic there is slow): float32/float64 on CPU."""
+    return uses_numpy(values) and values.dtype in (torch.float32, torch.float64)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy NumPy view (``detach`` only when needed: it is one more dispatched operator)."""
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+
+
+def _infinity_bits(dtype: torch.dtype) -> int:
+    """The bit pattern of +Inf in ``dtype``: every magnitude pattern at or above it is Inf or NaN."""
+    integer, _ = _MAGNITUDE_BITS[dtype]
+    return int(torch.tensor(float("inf"), dtype=dtype, device="cpu").view(integer).numpy())
+
+
+class CallingThreadOnly:
+    """Run a ``with`` block with PyTorch's intra-op thread pool at one thread when ``device`` is the CPU.
+
+    Restores the previous count afterwards (also on error). A no-op on other devices,
+    when the pool already has one thread, and when ``largest`` (the most elements any
+    kernel of the block reads) is at most :data:`PARALLEL_GRAIN`: such kernels never
+    use the pool. Entering and leaving costs about 1 us, a no-op nothing measurable.
+    """
+
+    def __init__(self, device: torch.device, largest: int | None = None) -> None:
+        small = largest is not None and largest <= PARALLEL_GRAIN
+        self.previous = torch.get_num_threads() if device.type == "cpu" and not small else 1
+
+    def __enter__(self) -> None:
+        if self.previous > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.previous > 1:
+            torch.set_num_threads(self.previous)

@@ -1,0 +1,1 @@
+"""Who hands buckets to the hook: DDP's communication hook, FSDP's hooks, DiLoCo's rounds."""

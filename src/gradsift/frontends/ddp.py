@@ -1,0 +1,52 @@
+"""The DDP frontend: ``register_comm_hook(ddp_model, compressor, **options)``.
+
+Builds the hook's state (:class:`~gradsift.hook.state.GradsiftHookState`), binds it to
+the model and its optimizer, and installs :func:`~gradsift.hook.route.gradsift_hook`,
+which takes every DDP bucket along the hook's route (:mod:`gradsift.hook.route`).
+"""
+
+from typing import Any
+
+import torch
+
+from gradsift.compressors.base import Compressor
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.route import gradsift_hook
+from gradsift.hook.state import GradsiftHookState
+
+
+def register_comm_hook(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    compressor: str | Compressor | GradsiftHookState = "sidco-exp",
+    **options: Any,
+) -> GradsiftHookState:
+    """Install gradsift's hook on ``ddp_model`` and return its state.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model (gloo or NCCL).
+        compressor: a registry name, a :class:`Compressor` instance, or a
+            :class:`GradsiftHookState` to re-attach (e.g. one restored by pickle).
+        options: the hook's knobs (:data:`~gradsift.hook.options.HOOK_OPTIONS`: ``process_group``, ``optimizer``
+            and the fields of :class:`~gradsift.hook.options.HookOptions`); every other keyword goes to the
+            compressor (``ratio``, ``stages``, ...). ``optimizer=`` applies DGC's momentum
+            correction (:mod:`gradsift.hook.recipe`): with an error-feedback compressor the
+            optimizer's momentum and weight decay move into the hook, so momentum is
+            applied exactly once.
+
+    The compressor's ``attach(ddp_model.module)`` is called once here.
+
+    Example::
+
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        state = gradsift.register_comm_hook(model, "topk", ratio=0.01, optimizer=optimizer)
+        # train as usual; state.stats()["step"] has the last step's bytes and density
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise InvalidOptionError(
+            f"ddp_model must be a DistributedDataParallel model, got {type(ddp_model).__name__}"
+        )
+    optimizer = options.pop("optimizer", None)
+    state = GradsiftHookState.resolve(compressor, options)
+    state.attach(ddp_model, optimizer)
+    ddp_model.register_comm_hook(state, gradsift_hook)
+    return state

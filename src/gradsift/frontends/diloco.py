@@ -1,0 +1,244 @@
+"""Low-communication training: DiLoCo's outer steps on compressed pseudo-gradients.
+
+``state = gradsift.diloco(model, optimizer, sync_every=H, compressor="sidco-exp", ratio=0.01)``
+for a model that is *not* wrapped in DDP (Douillard et al. 2023; SparseLoCo 2025). Each
+worker trains on its own data with its own (inner) optimizer and no communication; a
+step post-hook on that optimizer counts the inner steps, and after every ``H`` of them
+the round ends:
+
+1. the pseudo-gradient of every trainable parameter, ``Delta_k = theta - theta_k`` (the
+   shared parameters of the round's start minus this worker's), is flattened into one
+   buffer and goes through gradsift's DDP-hook pipeline as one bucket: error feedback
+   ``c = Delta_k + beta r`` (``residual_decay`` ``beta``; the residual stays local), the
+   compressor, the exchange (any one the compressor supports), the step's checks read once,
+   the ``nonfinite`` policy -- so every compressor of the registry works here, with the
+   hook's telemetry, transactions and checkpoints;
+2. the outer optimizer -- SGD with Nesterov momentum, ``outer_lr`` (``eta``) and
+   ``outer_momentum`` (``mu``; DiLoCo's settings are 0.7 and 0.9, the defaults here 1 and
+   0, SparseLoCo's) -- steps the shared parameters with the mean ``Delta`` as their gradient:
+   ``u <- mu u + Delta``, ``theta <- theta - eta (Delta + mu u)``;
+3. the model is set to the shared parameters, and its buffers (BatchNorm's running
+   statistics) to their mean over the workers (``buffers="mean"``; ``"local"`` keeps each
+   worker's).
+
+SparseLoCo's variant is ``outer_momentum=0`` with ``residual_decay < 1``: error feedback
+with decay takes the momentum's place. A round whose pseudo-gradient is non-finite on
+some worker follows ``nonfinite`` (default ``"skip"`` here: the outer step is not taken
+and every worker restarts from the round's shared parameters; ``"raise"``:
+:class:`NonFiniteGradientError`; ``"propagate"``: the NaN reaches the parameters, as
+stock training would). A worker that dies makes the others raise
+:class:`PeerFailureError` within the process group's timeout.
+
+``diloco`` starts every worker from rank 0's parameters and buffers (one broadcast).
+Parameters without ``requires_grad`` are neither exchanged nor changed. ``state.stats()``
+reports like the hook's, per round, with ``dense_bytes`` what DDP would have sent over
+the same inner steps (``H`` allreduces of the trainable parameters in their dtype);
+``state.state_dict()`` / ``load_state_dict()`` hold the hook's state, the outer optimizer's,
+the shared parameters and the inner-step count, so a run resumes bit for bit (with the
+inner optimizer's and the model's own state dicts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsift.compressors.base import Compressor
+from gradsift.compressors.registry import compressor_class
+from gradsift.core.collectives import blocking
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.hook.layout import FlatBucket
+from gradsift.hook.route import route_bucket
+from gradsift.hook.state import GradsiftHookState
+
+#: Error feedback's decay by default: SparseLoCo's ``beta`` in ``c = Delta + beta r``.
+SPARSELOCO_DECAY = 0.95
+
+BUFFER_POLICIES = ("mean", "local")
+#: Hook options with no meaning for pseudo-gradients (no optimizer, loss scale or warm-up; one part).
+_REFUSED = ("optimizer", "granularity", "warmup_steps", "scaler")
+
+
+class DiLoCoState:
+    """What :func:`diloco` keeps (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        hook: GradsiftHookState,
+        sync_every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        buffers: str,
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = optimizer
+        self.hook = hook
+        self.sync_every = sync_every
+        self.buffers = buffers
+        self.params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise InvalidOptionError("the model has no trainable parameter to train with DiLoCo")
+        self.shared = [p.detach().clone() for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.shared, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        )
+        self.inner_steps = 0
+        self.rounds = 0
+        self._handle = optimizer.register_step_post_hook(self._after_inner_step)
+
+    # -- the round --------------------------------------------------------------------------
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """End the round now: exchange the pseudo-gradients, take the outer step, reset the model."""
+        with torch.no_grad():
+            flat = torch.cat(
+                [
+                    (s - p.detach()).reshape(-1).to(s.dtype)
+                    for s, p in zip(self.shared, self.params, strict=True)
+                ]
+            )
+            future = route_bucket(self.hook, FlatBucket(flat, self.params, last=True))
+            mean = future.value()
+            if not self.hook.last_step_skipped:
+                for shared, piece in zip(
+                    self.shared, mean.split([p.numel() for p in self.params]), strict=True
+                ):
+                    shared.grad = piece.view_as(shared).clone()
+                self.outer_optimizer.step()
+                self.outer_optimizer.zero_grad(set_to_none=True)
+            for param, shared in zip(self.params, self.shared, strict=True):
+                param.copy_(shared)
+            if self.buffers == "mean":
+                _average_buffers(self.model, self.hook.process_group)
+        self.rounds += 1
+
+    def detach(self) -> None:
+        """Stop counting the inner optimizer's steps."""
+        self._handle.remove()
+
+    # -- read-outs and checkpoints ------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The hook's ``stats()`` per round, ``dense_bytes`` what DDP would have sent over the
+        round's ``sync_every`` inner steps."""
+        stats = self.hook.stats()
+        for part in ("step", "total"):
+            if "dense_bytes" in stats[part]:
+                stats[part]["dense_bytes"] *= self.sync_every
+        stats["total"]["inner_steps"] = self.inner_steps
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state, the outer optimizer's, the shared parameters and the step counts."""
+        return {
+            "hook": self.hook.state_dict(),
+            "outer": self.outer_optimizer.state_dict(),
+            "shared": [s.clone() for s in self.shared],
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the model and the inner optimizer restore their own)."""
+        missing = {"hook", "outer", "shared", "inner_steps", "rounds"} - set(state)
+        if missing:
+            raise InvalidOptionError(f"DiLoCo state needs keys {sorted(missing)}")
+        if len(state["shared"]) != len(self.shared):
+            raise InvalidOptionError(
+                f"DiLoCo state holds {len(state['shared'])} shared parameters, this model has {len(self.shared)}"
+            )
+        self.hook.load_state_dict(state["hook"])
+        with torch.no_grad():
+            for shared, saved in zip(self.shared, state["shared"], strict=True):
+                shared.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+
+
+def _average_buffers(model: torch.nn.Module, group: Any) -> None:
+    """Every floating-point buffer set to its mean over the group (one allreduce each)."""
+    world = dist.get_world_size(group)
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            blocking("buffer allreduce", group, _collective(dist.all_reduce, buffer, group=group))
+            buffer.div_(world)
+
+
+def _broadcast_start(model: torch.nn.Module, group: Any) -> None:
+    """Every worker starts from rank 0's parameters and buffers."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            blocking("start broadcast", group, _collective(dist.broadcast, tensor, source, group=group))
+
+
+def _collective(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """A started collective ``function(*args, **kwargs, async_op=True)``, for :func:`blocking`."""
+    return lambda: function(*args, **kwargs, async_op=True)
+
+
+def diloco(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sync_every: int = 10,
+    compressor: str | Compressor = "sidco-exp",
+    *,
+    outer_lr: float = 1.0,
+    outer_momentum: float = 0.0,
+    nesterov: bool = True,
+    buffers: str = "mean",
+    **options: Any,
+) -> DiLoCoState:
+    """Train ``model`` (not DDP-wrapped) with DiLoCo's outer steps every ``sync_every`` inner
+    steps of ``optimizer`` (see the module docstring); returns the state.
+
+    ``options`` are the compressor's (``ratio``, ...) and the DDP hook's (``exchange``,
+    ``value_dtype``, ``nonfinite``, ``residual_decay``, ``process_group``, ``log_every``, ...;
+    not ``optimizer``, ``granularity`` or ``warmup_steps``, which have no meaning for
+    pseudo-gradients).
+
+    The defaults are SparseLoCo's form, the best of the AdamW campaign at this scale
+    (docs/adam.md, docs/decisions.md): every 10 inner steps, ``sidco-exp`` at its default
+    ratio 0.01, error feedback with ``residual_decay=0.95`` in place of outer momentum,
+    ``outer_lr=1`` (the mean pseudo-gradient applied as it is). DiLoCo's own outer step is
+    ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise InvalidOptionError(
+            "diloco takes the model itself, not a DistributedDataParallel wrapper: DiLoCo's workers "
+            "do not synchronise their gradients"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_int(sync_every, "sync_every", low=1)
+    check_real(outer_lr, "outer_lr", low=0.0, low_open=True)
+    check_real(outer_momentum, "outer_momentum", low=0.0, high=1.0, high_open=True)
+    check_choice(buffers, "buffers", BUFFER_POLICIES)
+    if not isinstance(nesterov, bool):
+        raise InvalidOptionError(f"nesterov must be True or False, got {nesterov!r}")
+    if not dist.is_initialized():
+        raise InvalidOptionError("diloco needs an initialised torch.distributed process group")
+    options.setdefault("nonfinite", "skip")
+    feedback = options.get("error_feedback")
+    if feedback is None:
+        feedback = (
+            compressor if isinstance(compressor, Compressor) else compressor_class(compressor)
+        ).error_feedback
+    if feedback:
+        options.setdefault("residual_decay", SPARSELOCO_DECAY)
+    hook = GradsiftHookState.resolve(
+        compressor, options, _REFUSED, "by diloco (it applies to the DDP hook's gradients)"
+    )
+    hook.layout.bind(model)
+    hook.compressor.attach(model)
+    _broadcast_start(model, hook.process_group)
+    return DiLoCoState(model, optimizer, hook, sync_every, outer_lr, outer_momentum, nesterov, buffers)

@@ -1,0 +1,293 @@
+"""Compressed training with Adam and AdamW: error feedback on the first moment, the second frozen.
+
+Why plain error feedback breaks Adam: a sparsifier sends a coordinate about once every
+``1/density`` steps, carrying the sum of the skipped gradients; Adam divides that sum by
+``sqrt(v)`` like any single gradient, so the coordinate takes one ordinary step instead
+of ``1/density`` of them, and training slows by about the density.
+
+What ``register_comm_hook(ddp, compressor, optimizer=adam)`` does instead (after 1-bit
+Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
+
+1. **Warm-up** -- the first ``warmup_steps`` steps are stock DDP + the optimizer as built:
+   dense allreduce of the gradients, Adam's own ``exp_avg`` ``m`` and ``exp_avg_sq`` ``v``.
+2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
+   again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
+   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant, and the update
+   ``m / D`` is linear in ``m``.
+3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
+   the warm-up's ``m / ((1 - beta1)(1 - beta1^t))``, Adam's bias-corrected first moment
+   in velocity units), sends ``u + r`` through the compressor with error feedback
+   (residual ``r``; momentum factor masking as in DGC), and the exchange's mean ``s``
+   stands for ``sum_k u_k / W``. The hook hands DDP ``(1 - beta1) s`` -- Adam's first moment,
+   at a gradient's scale, so ``clip_grad_norm_`` and ``GradScaler`` see what they expect --
+   and the optimizer's step becomes ``theta <- theta (1 - lr wd) - lr m / D`` (AdamW's
+   decoupled decay; Adam's L2 decay ``wd theta`` is added to ``g`` before the velocity).
+   Because ``m / D`` is linear in what was sent, error feedback's delayed coordinates are
+   delayed, not shrunk: DGC's argument for SGD momentum carries over.
+
+The optimizer step is taken over by a step pre-hook (:class:`FrozenVarianceStep`) that
+applies the update above to the model's parameters and clears their ``.grad``, so the
+optimizer skips them; learning-rate schedulers, ``GradScaler.step`` (which calls the
+optimizer's step only when the gradients are finite) and parameters outside the model
+work as usual. Nothing is kept outside the optimizer's own state and the hook's state
+store, so ``optimizer.state_dict()`` plus the hook's ``state_dict()`` resume bit for bit.
+
+Supported: ``torch.optim.Adam`` and ``torch.optim.AdamW`` without ``amsgrad`` and
+``maximize``. Others (LAMB, Adafactor, Lion, ...) are refused with a clear error: their
+updates are not linear in a first moment once a statistic is frozen, or they keep no
+first moment at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.param_groups import model_groups
+
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
+#: Share of a run's steps that Adam runs dense before its second moment is frozen, where a
+#: caller knows the run's length and gives no ``warmup_steps`` (``gradsift train``, the
+#: Hugging Face callback; docs/adam.md has the measurement behind it).
+WARMUP_FRACTION = 0.1
+
+
+#: Dense steps before the second moment is frozen when nothing says how long the run is
+#: (``register_comm_hook(..., optimizer=adam)`` without ``warmup_steps``). Measured on the
+#: convergence protocol's gpt-adamw (2 workers, 314 steps, 3 seeds, mean validation loss;
+#: docs/adam.md): 16 dense steps end far behind (2.82 against fp32's 2.14 and one worker
+#: alone's 2.40), 31 at 2.29, 64 at 2.29 (4.6x fewer bytes), 128 at 2.25 but with only
+#: 2.4x fewer bytes: the frozen variance needs some tens of dense steps; 64 is past the
+#: failure at 16 with margin on short runs and a small share of a long one.
+ONE_LINE_WARMUP_STEPS = 64
+
+
+def default_warmup_steps(steps: int) -> int:
+    """The dense warm-up of a run of ``steps``: ``WARMUP_FRACTION`` of them, at least 1."""
+    return max(1, round(WARMUP_FRACTION * steps))
+
+
+def is_adam(optimizer: object) -> bool:
+    """Whether ``optimizer`` is one of the Adam family the hook can take over."""
+    return isinstance(optimizer, ADAM_FAMILY)
+
+
+def check_adam(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> float:
+    """The one ``beta1`` of the groups holding the model's parameters; refuses what the
+    frozen-variance step does not implement."""
+    betas = set()
+    for index, group, _ in model_groups(optimizer, numbers):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise InvalidOptionError(
+                    f"optimizer param group {index}: {flag}=True is not supported by gradsift's compressed Adam"
+                )
+        betas.add(float(group["betas"][0]))
+    if len(betas) > 1:
+        raise InvalidOptionError(f"the model's parameter groups use different beta1 {sorted(betas)}: use one")
+    if not betas:
+        raise InvalidOptionError("the optimizer holds none of the model's parameters")
+    return betas.pop()
+
+
+def l2_decay(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> dict[int, float]:
+    """Adam's (not AdamW's) L2 weight decay per parameter number: added to the gradient
+    before the velocity in compressed steps, as Adam adds it before its moments."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return {}
+    decay: dict[int, float] = {}
+    for _, group, mine in model_groups(optimizer, numbers):
+        if group.get("weight_decay", 0.0):
+            decay.update(dict.fromkeys(mine, float(group["weight_decay"])))
+    return decay
+
+
+class AdamStep:
+    """What both methods share: the optimizer's step of a compressed step, as a step pre-hook.
+
+    The hook sets :attr:`pending` when it committed a compressed step; the optimizer's next
+    step then applies ``theta <- theta (1 - lr wd) - lr direction`` (AdamW's decoupled decay;
+    Adam's L2 decay went into the gradient) to the model's parameters and clears their
+    ``.grad``, so the optimizer's own step skips them. Subclasses give the direction.
+
+    Args:
+        optimizer: the Adam or AdamW the user built.
+        numbers: ``id(parameter) -> number`` of the model's parameters.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> None:
+        self.optimizer = optimizer
+        self.numbers = numbers
+        self.beta1 = check_adam(optimizer, numbers)
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW)
+        #: Set by the hook when a compressed step was committed: the next optimizer step is ours.
+        self.pending = False
+        self._handle = optimizer.register_step_pre_hook(self)
+
+    def detach(self) -> None:
+        """Stop taking over the optimizer's steps."""
+        self._handle.remove()
+
+    def compressing(self, step: int) -> bool:
+        """Whether hook step ``step`` (0-based) is a compressed one."""
+        del step
+        return True
+
+    def moment_scale(self) -> float:
+        """What the exchange's mean is multiplied by before it becomes ``.grad``."""
+        return 1.0
+
+    def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The velocity a part starts with (None: the error feedback's own start)."""
+        del params
+        return None
+
+    def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """What the step subtracts, times lr, from ``param`` (its ``.grad`` transformed)."""
+        assert param.grad is not None
+        return param.grad
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook (see the class docstring)."""
+        if not self.pending:
+            return
+        self.pending = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                lr, decay = float(group["lr"]), float(group["weight_decay"])
+                for param in group["params"]:
+                    if id(param) not in self.numbers or param.grad is None:
+                        continue
+                    if self.decoupled and decay:
+                        param.mul_(1.0 - lr * decay)
+                    param.sub_(self.direction(param, group).to(param.dtype), alpha=lr)
+                    param.grad = None
+
+
+class FrozenVarianceStep(AdamStep):
+    """1-bit Adam's method (module docstring): a dense warm-up, then ``v`` frozen, the first
+    moment as a momentum-corrected velocity with error feedback; direction ``m / D``.
+
+    Args:
+        warmup_steps: dense steps before the variance is frozen (>= 1).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int) -> None:
+        if warmup_steps < 1:
+            raise InvalidOptionError(
+                "compressed Adam with adam='frozen-variance' needs a dense warm-up that gives the second "
+                "moment its values: pass warmup_steps >= 1 (docs/choosing.md has what was measured here)"
+            )
+        super().__init__(optimizer, numbers)
+        self.warmup_steps = warmup_steps
+        self._preconditioners: dict[int, torch.Tensor] = {}
+
+    def compressing(self, step: int) -> bool:
+        return step >= self.warmup_steps
+
+    def moment_scale(self) -> float:
+        """The exchange's mean is in velocity units: Adam's first moment is ``1 - beta1`` of it."""
+        return 1.0 - self.beta1
+
+    def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        assert param.grad is not None
+        return param.grad / self._preconditioner(param, group)
+
+    def _preconditioner(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """``sqrt(v / (1 - beta2^t)) + eps`` of the warm-up's last step (cached: it is frozen)."""
+        cached = self._preconditioners.get(id(param))
+        if cached is None:
+            state = self.optimizer.state.get(param, {})
+            if "exp_avg_sq" not in state:
+                raise InvalidOptionError(
+                    "a parameter reached a compressed Adam step without a second moment (it had no gradient "
+                    "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
+                )
+            beta2, eps = float(group["betas"][1]), float(group["eps"])
+            correction = 1.0 - beta2 ** _host_step(state["step"])
+            cached = (state["exp_avg_sq"] / correction).sqrt_().add_(eps)
+            self._preconditioners[id(param)] = cached
+        return cached
+
+    def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The warm-up's bias-corrected first moment ``m / (1 - beta1^t)`` in velocity units
+        (``/ (1 - beta1)``), flattened in ``params``' order (zeros for a parameter Adam never
+        stepped); None without any."""
+        pieces, found = [], False
+        for param in params:
+            state = self.optimizer.state.get(param, {})
+            if "exp_avg" in state:
+                found = True
+                correction = (1.0 - self.beta1) * (1.0 - self.beta1 ** _host_step(state["step"]))
+                pieces.append((state["exp_avg"].reshape(-1) / correction).float())
+            else:
+                pieces.append(torch.zeros(param.numel(), dtype=torch.float32, device=param.device))
+        return torch.cat(pieces) if found else None
+
+
+#: State-store tables of :class:`LocalUpdateStep`: each worker's own Adam moments.
+FIRST, SECOND = "adam.exp_avg", "adam.exp_avg_sq"
+
+
+#: The methods ``optimizer=`` offers for the Adam family (the hook option ``adam``).
+METHODS = ("frozen-variance", "update")
+
+
+def adam_step(
+    optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int, method: str
+) -> AdamStep:
+    """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``."""
+    if method == "update":
+        return LocalUpdateStep(optimizer, numbers, warmup_steps)
+    return FrozenVarianceStep(optimizer, numbers, warmup_steps)
+
+
+class LocalUpdateStep(AdamStep):
+    """The update travels: each worker runs Adam on its own gradient (its own ``m``, ``v``, in
+    the hook's state store) and sends the update ``m_hat / (sqrt(v_hat) + eps)`` with error
+    feedback; the mean of what was sent is the step's direction. A coordinate that waited
+    carries the sum of its skipped updates -- already normalised -- so it moves as far as
+    it would have. No warm-up, nothing frozen; each worker's preconditioner sees only its
+    own batch (its ``v`` is the mean square of a ``W`` times smaller batch's gradients).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int = 0
+    ) -> None:
+        super().__init__(optimizer, numbers)
+        self.warmup_steps = warmup_steps
+        settings = {
+            (tuple(float(b) for b in group["betas"]), float(group["eps"]))
+            for _, group, _ in model_groups(optimizer, numbers)
+        }
+        if len(settings) != 1:
+            raise InvalidOptionError(
+                f"the model's parameter groups use different betas/eps {sorted(settings)}: use one"
+            )
+        ((_, self.beta2), self.eps) = settings.pop()
+
+    def compressing(self, step: int) -> bool:
+        """After the optional dense warm-up (the optimizer as built)."""
+        return step >= self.warmup_steps
+
+    def update(self, store: Any, key: Any, gradient: torch.Tensor, step: int) -> torch.Tensor:
+        """This worker's Adam update of part ``key`` for its ``gradient`` at 0-based ``step``
+        (the moments put into ``store``, which rolls them back with a dropped step)."""
+        g = gradient.reshape(-1).float()
+        first, second = store.get(FIRST, key), store.get(SECOND, key)
+        first = (1.0 - self.beta1) * g if first is None else torch.lerp(first, g, 1.0 - self.beta1)
+        second = (1.0 - self.beta2) * g * g if second is None else torch.lerp(second, g * g, 1.0 - self.beta2)
+        store.put(FIRST, key, first)
+        store.put(SECOND, key, second)
+        t = step - self.warmup_steps + 1  # the moments start after the dense warm-up
+        denominator = (second / (1.0 - self.beta2**t)).sqrt_().add_(self.eps)
+        return first / (1.0 - self.beta1**t) / denominator
+
+
+def _host_step(step: Any) -> float:
+    """Adam's step count as a float (a CPU tensor unless ``capturable``): read once per
+    parameter, when the variance is frozen, in the optimizer's step -- not during backward."""
+    return float(step)

@@ -1,0 +1,165 @@
+"""Error feedback: what a worker did not send is added to its next gradient.
+
+Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step:
+
+1. ``compensate``: ``c = g + r`` (``c = g + beta r`` with a residual ``decay`` ``beta < 1``). With DGC's *momentum correction* (``momentum = m > 0``)
+   the worker instead keeps a velocity ``u`` and accumulates it:
+   ``u <- m*u + g``, ``c = r + u`` -- the optimizer then must run *without* momentum
+   (the DDP hook's ``optimizer=`` option arranges that).
+2. the compressor encodes ``c`` and the exchange delivers it; ``s`` is the dense tensor
+   that this worker's contribution stands for.
+3. ``update``: ``r <- c - s``. For a sparse contribution this is ``c`` with the sent
+   values subtracted at the sent positions (``index_add_`` of ``-v``): zero there when
+   they were sent at full precision, the rounding error when they travelled as
+   fp16/bf16 -- so ``c == s + r`` holds bit for bit. A fixed-capacity payload's padding
+   (index 0, value 0) subtracts nothing. With momentum correction the velocity is
+   masked too (``u[sent] = 0``, DGC's momentum factor masking), unless
+   ``momentum_masking=False``.
+
+Residuals and velocities are kept in float32 at least: a bf16/fp16 gradient is widened
+before it is accumulated (``value_dtype`` may still send bf16), so that small updates do
+not round away over the steps they wait. Under mixed precision they are kept *unscaled*
+(the hook hands ``compensate`` the gradient divided by the loss scale), so a change of
+the scale between steps leaves them right.
+
+State lives in a :class:`gradsift.core.store.TensorStore` (tables ``"residual"`` and
+``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
+step a transaction and follows DDP's bucket rebuilds. ``compensate`` and ``update`` put
+new tensors and never modify a stored one, so a rolled-back step costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from gradsift.compressors.base import Compressor, in_use
+from gradsift.compressors.kernels import zero_at
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.payload import Payload
+from gradsift.core.store import TensorStore
+from gradsift.core.validation import check_real
+
+RESIDUAL, VELOCITY = "residual", "velocity"
+
+
+class ErrorFeedback:
+    """Residual (and optional DGC velocity) per tensor key.
+
+    Args:
+        momentum: DGC momentum-correction factor ``m`` in [0, 1); 0 disables it.
+        momentum_masking: zero the velocity where elements were sent (DGC).
+        store: where the state lives; None = a store of this instance's own.
+        decay: the residual's factor ``beta`` in ``c = g + beta r`` (default 1, plain error
+            feedback; SparseLoCo's outer steps use ``beta < 1``).
+    """
+
+    def __init__(
+        self,
+        momentum: float = 0.0,
+        momentum_masking: bool = True,
+        store: TensorStore | None = None,
+        decay: float = 1.0,
+    ) -> None:
+        self.momentum = check_real(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        self.momentum_masking = bool(momentum_masking)
+        self.store = TensorStore() if store is None else store
+        self.decay = check_real(decay, "residual_decay", low=0.0, high=1.0)
+
+    @property
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        """The residual per key (a snapshot dict)."""
+        return self.store.table(RESIDUAL)
+
+    @property
+    def velocities(self) -> dict[Hashable, torch.Tensor]:
+        """The DGC velocity per key (a snapshot dict; empty without momentum correction)."""
+        return self.store.table(VELOCITY)
+
+    def compensate(self, key: Hashable, gradient: torch.Tensor) -> torch.Tensor:
+        """Return the compensated gradient ``c`` (a new tensor, float32 or wider; ``gradient``
+        is not modified)."""
+        flat = gradient.reshape(-1)
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            flat = flat.float()
+        if self.momentum > 0:
+            velocity = self.store.get(VELOCITY, key)
+            self._check_like(key, velocity, flat)
+            velocity = flat.clone() if velocity is None else torch.add(flat, velocity, alpha=self.momentum)
+            self.store.put(VELOCITY, key, velocity)
+            flat = velocity
+        residual = self.store.get(RESIDUAL, key)
+        self._check_like(key, residual, flat)
+        if residual is None:
+            return flat.clone()
+        return residual + flat if self.decay == 1.0 else torch.add(flat, residual, alpha=self.decay)
+
+    def update(
+        self,
+        key: Hashable,
+        compensated: torch.Tensor,
+        sent: Payload | torch.Tensor,
+        compressor: Compressor | None = None,
+    ) -> None:
+        """Keep what was not sent: ``r <- c - s``.
+
+        ``sent`` is what this worker's contribution stands for: a payload with
+        ``indices`` and ``values`` (``compensated``, which is consumed, keeps ``c - v``
+        at those positions), another payload (decoded with ``compressor.sent_dense``),
+        or a dense tensor.
+        """
+        if isinstance(sent, Payload) and sent.indices is not None:
+            residual = compensated  # compensate() returned a fresh tensor: reuse its memory
+            indices = sent.indices
+            used = in_use(indices.numel(), sent.length, indices.device)
+            if sent.values is None:  # positions only: everything there was sent
+                zero_at(residual, indices, used)
+            else:
+                residual.index_add_(0, indices, sent.values.to(residual.dtype), alpha=-1)
+            if self.momentum > 0 and self.momentum_masking:
+                velocity = self.store.get(VELOCITY, key)
+                if velocity is not None:  # the velocity compensate() put this step: ours to modify
+                    zero_at(velocity, indices, used)
+        elif isinstance(sent, torch.Tensor):
+            residual = compensated - sent.reshape(-1).to(compensated.dtype)
+        else:
+            if compressor is None:
+                raise InvalidOptionError("update() needs the compressor to decode a payload without indices")
+            residual = compensated - compressor.sent_dense(sent).to(compensated.dtype)
+        self.store.put(RESIDUAL, key, residual)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget the state of one key, or of every key."""
+        tables = (RESIDUAL, VELOCITY)
+        keys = {k for table in tables for k in self.store.table(table)} if key is None else {key}
+        for stale in keys:
+            self.store.discard(stale, tables)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals and velocities by key (tensors are cloned)."""
+        return {
+            "momentum": self.momentum,
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "velocities": {k: v.clone() for k, v in self.velocities.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if float(state.get("momentum", self.momentum)) != self.momentum:
+            raise InvalidOptionError(
+                f"checkpoint was made with momentum={state['momentum']}, this feedback has {self.momentum}"
+            )
+        self.reset()
+        for table, name in ((RESIDUAL, "residuals"), (VELOCITY, "velocities")):
+            for key, tensor in state[name].items():
+                self.store.put(table, key, tensor.clone())
+
+    @staticmethod
+    def _check_like(key: Hashable, stored: torch.Tensor | None, flat: torch.Tensor) -> None:
+        if stored is not None and (stored.shape != flat.shape or stored.dtype != flat.dtype):
+            raise InvalidOptionError(
+                f"tensor {key!r} changed from {tuple(stored.shape)}/{stored.dtype} to "
+                f"{tuple(flat.shape)}/{flat.dtype}; call reset({key!r}) when a bucket is rebuilt"
+            )

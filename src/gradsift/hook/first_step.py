@@ -1,0 +1,200 @@
+"""What the hook checks at the first optimizer step that updates its model's parameters.
+
+Two mistakes of a user moving from stock DDP leave training silently worse, and the
+hook cannot see either from inside backward:
+
+* **A momentum optimizer not passed as ``optimizer=``.** With error feedback, the hook
+  sends each residual once it is large; an optimizer's own momentum (SGD's ``momentum``,
+  Adam's ``beta1``) then re-applies every stale update it already holds (DGC's momentum
+  correction, :mod:`gradsift.hook.recipe`). Warned once, naming the optimizer.
+* **A ``torch.amp.GradScaler`` not passed as ``scaler=``.** The hook then works on
+  gradients scaled by ``s``: weight decay taken from the optimizer is added to
+  ``s g``, thresholds and residuals live at the scale of the moment. Refused at the
+  first step with :class:`InvalidOptionError`.
+
+PyTorch's global optimizer step pre-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) sees every optimizer's
+step. At the close of a hooked step the hook keeps a copy of the first
+:data:`REFERENCE_ELEMENTS` elements it delivered for the first parameter of its first
+bucket (a device copy, no host read). When an optimizer holding that parameter steps,
+its gradient is compared with the copy on the host (outside backward): equal -- the
+gradient is what the hook delivered; ``g = d / 2^k`` exactly for every element, ``k !=
+0`` -- a loss scaler's ``unscale_`` ran between backward and the step, which (2^k scales,
+exact in floating point) no clipping or other rule produces except by coincidence;
+anything else -- the user changed the gradient some other way, not our business. A
+reference of zeros says nothing and waits for the next step. Once decided, the hook's
+watcher leaves the one process-wide optimizer hook (:class:`_Watchers`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gradsift.core.errors import InvalidOptionError
+
+#: Elements of the delivered gradient kept for the comparison.
+REFERENCE_ELEMENTS = 4096
+
+
+class _Watchers:
+    """The watchers of every hook in the process behind one global optimizer pre-hook.
+
+    The global hook is registered once and never removed: an optimizer's step iterates
+    over PyTorch's global hooks, and removing one while another thread's optimizer steps
+    (``gradsift.tools.simulate`` runs its workers as threads) raised "OrderedDict mutated
+    during iteration". Watchers come and go in this list under a lock instead; each is
+    held weakly, so a dropped hook state leaves nothing behind. Without watchers the
+    hook returns at once.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watchers: list[weakref.ref[FirstOptimizerStep]] = []
+        self.registered = False
+
+    def add(self, watcher: FirstOptimizerStep) -> None:
+        with self.lock:
+            self.watchers.append(weakref.ref(watcher))
+            if not self.registered:
+                register_optimizer_step_pre_hook(self.before_step)
+                self.registered = True
+
+    def remove(self, watcher: FirstOptimizerStep) -> None:
+        with self.lock:
+            self.watchers = [ref for ref in self.watchers if ref() not in (None, watcher)]
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with self.lock:
+            alive = [watcher for ref in self.watchers if (watcher := ref()) is not None]
+        for watcher in alive:
+            watcher.before_step(optimizer)
+
+
+WATCHERS = _Watchers()
+
+
+class FirstOptimizerStep:
+    """The first-step checks of one hook (module docstring).
+
+    Args:
+        hooked: the hooked module's parameters.
+        given: the optimizer passed as ``optimizer=`` (None: none).
+        check_momentum: the hook runs error feedback (an unpassed momentum optimizer harms it).
+        check_scaler: the hook's result depends on the gradient's scale and no ``scaler=``
+            was given.
+    """
+
+    def __init__(
+        self, hooked: list[torch.nn.Parameter], given: Any, check_momentum: bool, check_scaler: bool
+    ) -> None:
+        self.hooked = {id(p) for p in hooked}
+        self.given = given
+        self.check_momentum = check_momentum
+        self.check_scaler = check_scaler
+        self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.watching:
+            WATCHERS.add(self)
+
+    @property
+    def watching(self) -> bool:
+        return self.check_momentum or self.check_scaler
+
+    def offer(self, param: torch.Tensor, result: torch.Tensor) -> None:
+        """The step's first bucket: ``result`` starts with ``param``'s delivered gradient
+        (called only while :attr:`watching`)."""
+        if self.candidate is None:
+            self.candidate = (param, result)
+
+    def keep(self) -> None:
+        """At the step's close, results final: copy the reference (on the device)."""
+        if self.candidate is not None:
+            param, result = self.candidate
+            size = min(REFERENCE_ELEMENTS, param.numel(), result.numel())
+            self.reference = (param, result[:size].detach().clone())
+            self.candidate = None
+
+    def close(self) -> None:
+        """Stop watching."""
+        self.check_momentum = self.check_scaler = False
+        self.candidate = self.reference = None
+        WATCHERS.remove(self)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The checks, when ``optimizer`` steps the hooked parameters (module docstring)."""
+        if not self.watching:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in self.hooked for p in params):
+            return
+        if self.check_momentum:
+            self.check_momentum = False
+            momentum = None if _same_optimizer(optimizer, self.given) else _momentum_of(optimizer)
+            if momentum is not None:
+                warnings.warn(
+                    f"gradsift: {type(optimizer).__name__} ({momentum}) steps the hooked model's parameters "
+                    "but was not passed to register_comm_hook(..., optimizer=...); on top of error feedback "
+                    "its momentum re-applies updates the residuals already hold (DGC's momentum correction, "
+                    "docs/decisions.md) and training can diverge: pass optimizer=",
+                    stacklevel=4,
+                )
+        if self.check_scaler and self.reference is not None:
+            param, delivered = self.reference
+            if any(p is param for p in params) and param.grad is not None:
+                decided = _scaled_by(param.grad.reshape(-1)[: delivered.numel()], delivered)
+                if decided is not None:
+                    self.check_scaler = False
+                    if decided != 0:
+                        self.close()
+                        raise InvalidOptionError(
+                            f"the gradients {type(optimizer).__name__} steps are the hook's divided by "
+                            f"2^{decided}: a torch.amp.GradScaler unscaled them, but the hook was registered "
+                            "without scaler=, so its weight decay, clipping, thresholds and residuals worked "
+                            "on scaled gradients; pass register_comm_hook(..., scaler=scaler)"
+                        )
+        if not self.watching:
+            self.close()
+
+
+def _same_optimizer(optimizer: torch.optim.Optimizer, given: Any) -> bool:
+    """``optimizer`` is the one passed, or the one a wrapper passed in its place wraps
+    (Accelerate's ``AcceleratedOptimizer`` steps the inner optimizer, whose param groups
+    are the wrapper's)."""
+    return given is not None and (
+        optimizer is given or optimizer.param_groups is getattr(given, "param_groups", None)
+    )
+
+
+def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """The optimizer's momentum setting, or None when it has none."""
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0):
+            return f"momentum={group['momentum']}"
+        if "betas" in group and group["betas"][0]:
+            return f"betas={tuple(group['betas'])}"
+    return None
+
+
+def _scaled_by(gradient: torch.Tensor, delivered: torch.Tensor) -> int | None:
+    """``k != 0`` when ``gradient == delivered / 2^k`` exactly; ``0`` when equal or related
+    otherwise (not a scaler's doing); None when the reference says nothing (no non-zero
+    finite element)."""
+    largest = int(delivered.abs().argmax())
+    top = float(delivered[largest])
+    if top == 0.0 or not math.isfinite(top):
+        return None
+    seen = float(gradient[largest])
+    if seen == 0.0 or not math.isfinite(seen):
+        return 0
+    exponent = math.log2(abs(top / seen))
+    if exponent != round(exponent) or top / seen < 0:
+        return 0
+    k = round(exponent)
+    return k if torch.equal(gradient * 2.0**k, delivered) else 0

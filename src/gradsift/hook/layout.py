@@ -1,0 +1,102 @@
+"""Which parameters a DDP bucket holds, as the parts the hook exchanges.
+
+Parameters are numbered once, in ``module.parameters()`` order; the numbers are the
+stable keys of all per-tensor state (they do not depend on the bucket a parameter
+lands in, nor on the process). A bucket is cut into parts: the whole bucket, keyed by
+the sorted tuple of its parameter numbers (``granularity="bucket"``), or one part per
+parameter, keyed by its number (``"layer"``). Each part's layout (the order of its
+parameters in the flat tensor) is declared to the state store, which re-lays stored
+state when DDP rebuilds its buckets.
+
+A bucket is anything with DDP's ``GradBucket`` reading interface (:class:`BucketLike`);
+the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
+:class:`FlatBucket`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.store import TensorStore
+from gradsift.core.trip import Part
+
+GRANULARITIES = ("bucket", "layer")
+
+
+class BucketLike(Protocol):
+    """What the hook reads of a bucket: DDP's ``GradBucket`` interface, as far as it goes."""
+
+    def buffer(self) -> torch.Tensor: ...  # the flat gradient; the mean is written over it
+
+    def parameters(self) -> list[torch.Tensor]: ...  # its parameters, in flattening order
+
+    def is_last(self) -> bool: ...  # the step's last bucket: the route closes the step
+
+
+@dataclass
+class FlatBucket:
+    """A flat gradient handed to the hook as a bucket by a frontend without DDP buckets:
+    an FSDP unit (one placeholder "parameter", not the step's last), a DiLoCo round (every
+    trainable parameter, always the last). :meth:`gradients` gives the per-parameter views
+    that a delegated compressor (PowerSGD) reads, as ``GradBucket.gradients()`` does."""
+
+    flat: torch.Tensor
+    params: list[torch.Tensor]
+    last: bool = False
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self.flat.split([p.numel() for p in self.params]))
+
+    def is_last(self) -> bool:
+        return self.last
+
+    def index(self) -> int:
+        return 0
+
+
+class ParameterLayout:
+    """Parameter numbers of one module and the parts of its DDP buckets."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[int, int] = {}
+        self.numels: dict[int, int] = {}
+
+    def bind(self, module: torch.nn.Module) -> None:
+        """Number ``module``'s parameters (in ``parameters()`` order)."""
+        params = list(module.parameters())
+        self.numbers = {id(p): i for i, p in enumerate(params)}
+        self.numels = {i: p.numel() for i, p in enumerate(params)}
+
+    def numbers_of(self, bucket: BucketLike) -> tuple[int, ...]:
+        """The numbers of ``bucket``'s parameters, in the bucket's order."""
+        try:
+            return tuple(self.numbers[id(p)] for p in bucket.parameters())
+        except KeyError:
+            raise InvalidOptionError(
+                "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
+            ) from None
+
+    def parts(self, bucket: BucketLike, granularity: str, store: TensorStore) -> list[Part]:
+        """The parts of ``bucket``, their layouts declared to ``store``."""
+        params = list(bucket.parameters())
+        ids = self.numbers_of(bucket)
+        buffer = bucket.buffer()
+        if granularity == "bucket":
+            key = tuple(sorted(ids))
+            store.follow(key, ids, self.numels)
+            return [Part(key, 0, buffer, params)]
+        parts, offset = [], 0
+        for number, param in zip(ids, params, strict=True):
+            parts.append(Part(number, offset, buffer[offset : offset + param.numel()], [param]))
+            offset += param.numel()
+        return parts

@@ -1,0 +1,127 @@
+"""The hook's options: one frozen, validated record, and the split of a frontend's keywords.
+
+``register_comm_hook(model, compressor, **options)`` takes the hook's knobs and the
+compressor's in one keyword list: :data:`HOOK_OPTIONS` names the hook's (the fields of
+:class:`HookOptions` plus ``process_group`` and ``optimizer``), every other keyword goes
+to the compressor (:func:`resolve_compressor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from gradsift.compressors.base import Compressor
+from gradsift.compressors.registry import get_compressor
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_choice, check_int, check_ratio, check_real
+from gradsift.core.wire import parse_value_dtype
+from gradsift.exchanges import AUTO, available_exchanges
+from gradsift.hook.adam import METHODS as ADAM_METHODS
+from gradsift.hook.layout import GRANULARITIES
+from gradsift.hook.ledger import NONFINITE_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class HookOptions:
+    """The hook's knobs, validated once, then frozen (a change is ``dataclasses.replace``).
+
+    Attributes:
+        granularity: ``"bucket"`` (default) -- one ``compress`` per DDP bucket;
+            ``"layer"`` -- one per parameter, so every layer gets its own selection.
+        min_numel: parts with fewer elements go dense (default 0).
+        warmup_steps: the first this many steps are dense (default 0), like PowerSGD's
+            ``start_powerSGD_iter``; with ``optimizer=`` Adam/AdamW (``adam="frozen-variance"``)
+            0 means :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS` (64), the measured default
+            when the run's length is unknown -- pass 10-20 % of a long run's steps.
+        value_dtype: dtype of sent values: None (default) keeps the compressor's, or
+            ``"fp32"``/``"fp16"``/``"bf16"``. Dense parts travel in the gradient's dtype.
+        nonfinite: what a step with NaN/Inf on any rank becomes, on every rank:
+            ``"propagate"`` (default) -- the gradients DDP writes are NaN, as with stock
+            DDP, so ``torch.amp.GradScaler`` skips the step and backs off its scale;
+            ``"skip"`` -- they are all zero; ``"raise"`` -- :class:`NonFiniteGradientError`
+            from ``backward()``. In every mode the step leaves no trace in any state
+            (see :mod:`gradsift.hook.ledger`).
+        error_feedback: None (default) = the compressor's ``error_feedback``; True/False forces it.
+        momentum: DGC momentum correction factor, set by hand (default 0; ``optimizer=``
+            sets it from the optimizer instead).
+        momentum_masking: DGC's momentum factor masking (default True).
+        clip_norm: DGC's local gradient clipping threshold (None = off); see :mod:`gradsift.hook.recipe`.
+        density_warmup_steps: steps over which a sparsifier's ratio goes exponentially
+            from ``density_warmup_start`` to its target (default 0 = off).
+        density_warmup_start: the density the warm-up starts from (default 0.25, DGC's).
+        exchange: ``"auto"`` (default: per bucket, among the supported exchanges that
+            deliver exactly the mean of every worker's selection, the one the cost model
+            predicts fastest -- the allgather for the sparsifiers; never ``"balanced"`` or
+            ``"shared-mask"``, which approximate the mean and cost accuracy) or one of
+            :func:`gradsift.exchanges.available_exchanges` that the compressor supports.
+        scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
+            the hook then works on unscaled gradients (see the module docstring).
+        adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.hook.adam`:
+            ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``) or ``"update"``.
+        residual_decay: error feedback's ``beta`` in ``c = g + beta r`` (default 1).
+        log_every: log every this many steps (``gradsift.hook`` logger, INFO); 0 = off.
+        jsonl_path: also append each logged step to this JSON-lines file.
+    """
+
+    granularity: str = "bucket"
+    min_numel: int = 0
+    warmup_steps: int = 0
+    value_dtype: Any = None
+    nonfinite: str = "propagate"
+    error_feedback: bool | None = None
+    momentum: float = 0.0
+    momentum_masking: bool = True
+    clip_norm: float | None = None
+    density_warmup_steps: int = 0
+    density_warmup_start: float = 0.25
+    exchange: str = AUTO
+    scaler: Any = None
+    adam: str = "frozen-variance"
+    residual_decay: float = 1.0
+    log_every: int = 0
+    jsonl_path: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        check_choice(self.granularity, "granularity", GRANULARITIES)
+        check_int(self.min_numel, "min_numel", low=0)
+        check_int(self.warmup_steps, "warmup_steps", low=0)
+        object.__setattr__(self, "value_dtype", parse_value_dtype(self.value_dtype))
+        check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES)
+        if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
+            raise InvalidOptionError(
+                f"error_feedback must be None, True or False, got {self.error_feedback!r}"
+            )
+        check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        if not isinstance(self.momentum_masking, bool):
+            raise InvalidOptionError(f"momentum_masking must be True or False, got {self.momentum_masking!r}")
+        if self.clip_norm is not None:
+            check_real(self.clip_norm, "clip_norm", low=0.0, low_open=True)
+        check_int(self.density_warmup_steps, "density_warmup_steps", low=0)
+        check_ratio(self.density_warmup_start, "density_warmup_start")
+        check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
+        check_choice(self.adam, "adam", ADAM_METHODS)
+        check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
+        if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
+            raise InvalidOptionError(
+                f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
+            )
+        check_int(self.log_every, "log_every", low=0)
+
+
+#: Keyword arguments of ``register_comm_hook`` that configure the hook (the rest go to the compressor).
+HOOK_OPTIONS = ("process_group", "optimizer", *(f.name for f in dataclasses.fields(HookOptions)))
+
+
+def resolve_compressor(compressor: str | Compressor, options: dict[str, Any]) -> Compressor:
+    """``compressor`` built from its registry name and ``options`` (the non-hook keywords), or
+    the instance as given (then ``options`` must be empty)."""
+    if isinstance(compressor, str):
+        return get_compressor(compressor, **options)
+    if options:
+        raise InvalidOptionError(
+            f"options {sorted(options)} are not hook options and compressor is already built; "
+            f"hook options are: {', '.join(HOOK_OPTIONS)}"
+        )
+    return compressor

@@ -1,0 +1,150 @@
+"""DGC's recipe for sparse training (Lin et al. 2018), as the hook applies it.
+
+Sparsification with error feedback delays each element's update until it is sent;
+plain SGD momentum on top of that multiplies stale updates. Deep Gradient Compression
+fixes it with four techniques, all available as hook options:
+
+* **Momentum correction** (``optimizer=``): the worker accumulates the velocity
+  ``u <- m u + g`` before error feedback (:mod:`gradsift.hook.feedback`), and the optimizer
+  runs without momentum. :func:`take_over` moves SGD's ``momentum`` (and its
+  ``weight_decay``, which SGD folds into the gradient *before* momentum) from the
+  optimizer's parameter groups into the hook, so momentum is applied exactly once.
+  The group keeps the values under ``gradsift_momentum`` / ``gradsift_weight_decay``
+  (and ``momentum = weight_decay = 0``), so an optimizer checkpoint carries the
+  arrangement and a resumed run gets the same result whichever of
+  ``optimizer.load_state_dict`` and ``register_comm_hook`` comes first. With nothing
+  dropped (ratio 1, no masking) the hook then equals stock DDP + SGD momentum:
+  ``mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x``.
+* **Momentum factor masking** (``momentum_masking``, on by default): ``u[sent] = 0``.
+* **Local gradient clipping** (``clip_norm=c``): before accumulation, each part's local
+  gradient is scaled by ``min(1, t / ||g||)`` with ``t = c * sqrt(n_part / n_model) / sqrt(W)``
+  (the hook sees one part at a time: the per-part thresholds' squares sum to
+  ``c^2 / W``, DGC's ``N^{-1/2}`` scaling of the threshold).
+* **Warm-up of the density** (``density_warmup_steps=T``, ``density_warmup_start=d0``):
+  the sparsifier's ratio goes exponentially from ``d0`` to the target ``d``,
+  ``d0 (d / d0)^(t / T)`` at step ``t < T`` (DGC: 25% to 0.1% in four epochs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.adam import ADAM_FAMILY, AdamStep, LocalUpdateStep, adam_step, is_adam, l2_decay
+from gradsift.hook.param_groups import model_groups
+
+MOMENTUM_KEY = "gradsift_momentum"
+WEIGHT_DECAY_KEY = "gradsift_weight_decay"
+
+
+@dataclass
+class Takeover:
+    """What the hook took from the optimizer: one momentum, weight decay per parameter number,
+    and for Adam/AdamW the optimizer step of the compressed phase (:mod:`gradsift.hook.adam`)."""
+
+    momentum: float = 0.0
+    weight_decay: dict[int, float] = field(default_factory=dict)
+    adam: AdamStep | None = None
+
+
+SUPPORTED_OPTIMIZERS = "torch.optim.SGD (with momentum or without), torch.optim.Adam, torch.optim.AdamW"
+
+
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a wrapper steps (Accelerate's ``AcceleratedOptimizer`` keeps it as
+    ``.optimizer``), or ``optimizer`` itself."""
+    inner = getattr(optimizer, "optimizer", None)
+    while not isinstance(optimizer, (torch.optim.SGD, *ADAM_FAMILY)) and isinstance(
+        inner, torch.optim.Optimizer
+    ):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
+def take_over(
+    optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0, adam: str = "frozen-variance"
+) -> Takeover:
+    """Move the optimizer's first moment (and the weight decay that enters it) into the hook.
+
+    SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: the method
+    ``adam`` of :mod:`gradsift.hook.adam` takes the optimizer's steps after ``warmup_steps`` dense
+    ones (``"frozen-variance"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
+    each worker's own Adam update travels, with no momentum in the exchange).
+    ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
+    :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
+    and for groups that disagree on momentum.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer = unwrapped(optimizer)
+    if is_adam(optimizer):
+        step = adam_step(optimizer, numbers, warmup_steps, adam)
+        momentum = 0.0 if isinstance(step, LocalUpdateStep) else step.beta1
+        return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise InvalidOptionError(
+            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "
+            "and the like are not supported: pass optimizer=None for error feedback without momentum correction)"
+        )
+    taken = Takeover()
+    momenta = set()
+    for index, group, mine in model_groups(optimizer, numbers):
+        if "momentum" not in group:
+            raise InvalidOptionError(
+                f"optimizer= moves SGD-style momentum into the exchange, but {type(optimizer).__name__} "
+                "has no 'momentum' setting; pass optimizer=None (error feedback without momentum correction)"
+            )
+        if group.get("nesterov") or group.get("dampening", 0):
+            raise InvalidOptionError(
+                f"optimizer param group {index}: momentum correction implements plain momentum; "
+                "nesterov=True and dampening != 0 are not supported"
+            )
+        momentum = float(group.get(MOMENTUM_KEY, group["momentum"]))
+        decay = float(group.get(WEIGHT_DECAY_KEY, group.get("weight_decay", 0.0)))
+        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
+        if "weight_decay" in group:
+            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+        momenta.add(momentum)
+        if decay:
+            taken.weight_decay.update(dict.fromkeys(mine, decay))
+    if len(momenta) > 1:
+        raise InvalidOptionError(
+            f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
+        )
+    taken.momentum = momenta.pop() if momenta else 0.0
+    return taken
+
+
+def add_weight_decay(
+    flat: torch.Tensor, params: Sequence[torch.Tensor], numbers: Sequence[int], decay: dict[int, float]
+) -> None:
+    """``g <- g + wd x`` in place, per parameter of a part (``params`` in flattening order)."""
+    offset = 0
+    for param, number in zip(params, numbers, strict=True):
+        size = param.numel()
+        if number in decay:
+            flat[offset : offset + size].add_(param.detach().reshape(-1), alpha=decay[number])
+        offset += size
+
+
+def clip_local(
+    flat: torch.Tensor, clip_norm: float, part_numel: int, model_numel: int, world: int
+) -> torch.Tensor:
+    """DGC's local clipping of one part (see the module docstring): ``flat * min(1, t / ||flat||)``,
+    a new tensor, on the device (no host read); a non-finite norm leaves ``flat`` as it is."""
+    threshold = clip_norm * math.sqrt(part_numel / model_numel) / math.sqrt(world)
+    norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    factor = torch.where(torch.isfinite(norm) & (norm > threshold), threshold / norm, 1.0)
+    return flat * factor.to(flat.dtype)
+
+
+def density_at(step: int, target: float, warmup_steps: int, start: float) -> float:
+    """The ratio at 0-based ``step``: ``start (target / start)^(step / warmup_steps)``, then ``target``."""
+    if step >= warmup_steps or start <= target:
+        return target
+    return start * (target / start) ** (step / warmup_steps)

@@ -1,0 +1,173 @@
+"""The route of one bucket, top to bottom: compensate, compress, exchange, decompress, update.
+
+Every frontend hands its buckets here (DDP's ``GradBucket``, an FSDP unit, a DiLoCo
+round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
+
+1. **open** -- the first bucket of a backward opens the step (:mod:`gradsift.hook.ledger`):
+   the state store's transaction, the compressor's snapshot, the step's readout.
+2. **cut** -- the bucket becomes parts (:mod:`gradsift.hook.layout`): the whole bucket or
+   one per layer, and one :class:`~gradsift.core.trip.Context` for their trip.
+3. **stock step?** -- the identity compressor ``none``, and the first ``warmup_steps``
+   steps without momentum correction, run stock DDP's in-place ``allreduce(g / W)``.
+   Otherwise parts below ``min_numel`` elements are *small* and travel by that allreduce.
+4. **compensate** -- with ``scaler=`` the gradient divided by the loss scale ``s``; the
+   recipe's weight decay and local clipping; then error feedback ``c = g + r`` (with
+   momentum correction ``u <- m u + g``, ``c = r + u``), so weight decay, clipping,
+   thresholds, residuals and velocities all see unscaled gradients.
+5. **exchange** -- the bucket's exchange (:mod:`gradsift.exchanges`) encodes each part
+   into its fixed-capacity payload, moves it, validates what arrives and writes each
+   part's mean over the workers into the bucket's result; the collectives overlap the
+   rest of backward.
+6. **update** -- error feedback keeps ``r <- c - sent``; the mean is multiplied back by
+   ``s`` (stock DDP's scaled mean) and, under Adam, by the first moment's scale.
+7. **close** -- on the last bucket (or when backward ends) the step closes on the thread
+   that ran backward: it waits for the exchanges, reads the step's checks in one host
+   transfer -- nothing before it reads a tensor on the host -- and every rank together
+   commits the step or rolls it back (a peer failure, a malformed message, a NaN/Inf on
+   any rank) and applies the ``nonfinite`` policy, then completes the futures.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime
+# (``bucket: dist.GradBucket``, a Future return) and rejects strings.
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from gradsift.core.collectives import Pending
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.base import IDENTITY, waited
+from gradsift.hook import recipe
+from gradsift.hook.adam import LocalUpdateStep
+from gradsift.hook.feedback import VELOCITY
+from gradsift.hook.layout import BucketLike
+from gradsift.hook.ledger import BucketInFlight
+from gradsift.hook.state import PYTHON_REDUCER, STOCK_ALLREDUCE, GradsiftHookState
+
+
+def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook (``ddp_model.register_comm_hook(state, gradsift_hook)``)."""
+    if not hasattr(bucket, "buffer"):  # compiled autograd's per-parameter (grad, param) calls
+        raise InvalidOptionError(PYTHON_REDUCER)
+    return route_bucket(state, bucket)
+
+
+def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    """Steps 1-7 of the module docstring for one bucket; the future completes at the step's close."""
+    step = state.open_step()  # 1
+    try:
+        parts = state.layout.parts(bucket, state.options.granularity, state.store)  # 2
+        order = state.layout.numbers_of(bucket)
+        context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
+        step.keys.update([context.key, *(part.key for part in parts)])
+        if state.first_step is not None and state.first_step.watching:  # until its checks decided
+            state.first_step.offer(bucket.parameters()[0], context.result)
+        pending = _exchange(state, parts, context)  # 3-6
+    except BaseException:
+        state.ledger.abort()
+        raise
+    result = context.result
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=None if result.device.type == "cpu" else [result.device]
+    )
+    step.buckets.append(BucketInFlight(future, pending, result, context.record))
+    if bucket.is_last():  # 7; DDP may wait for the futures before our end-of-backward callback runs
+        state.close_step()
+    return future
+
+
+def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Tensor, Outcome]:
+    """:func:`route_bucket` for callers that need the bucket's mean before backward ends
+    (FSDP's hooks consume it on return): the exchange is waited for at once.
+
+    The step still closes at the end of backward (the checks, the non-finite policy,
+    the commit or rollback); until then the mean of a step that turns out non-finite is
+    not filled (the caller can use the outcome's device flags).
+    """
+    route_bucket(state, bucket)
+    assert state.ledger.current is not None  # the route opened the step
+    in_flight = state.ledger.current.buckets[-1]
+    try:
+        outcome = waited(in_flight.record, in_flight.pending, in_flight.result.device)
+    except BaseException:
+        state.ledger.abort()
+        raise
+    return in_flight.result, outcome
+
+
+def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> Pending[Outcome]:
+    """Steps 3-6: the stock step, or compensate -> exchange (-> decode) -> update."""
+    if state.stock_step():  # 3
+        whole = [Part(context.key, 0, context.result, [p for part in parts for p in part.params])]
+        return STOCK_ALLREDUCE.start(whole, state.stock_codec, context)
+    small = [part for part in parts if part.numel < state.options.min_numel]
+    large = [part for part in parts if part.numel >= state.options.min_numel]
+    loss_scale = state.loss_scale()
+    for part in large:  # 4
+        part.compensated = _compensate(state, part, context.world, loss_scale)
+    trips = []  # 5
+    if large:
+        warming = state.ledger.step < state.options.warmup_steps  # the warm-up with momentum correction
+        exchange, codec = (
+            (STOCK_ALLREDUCE, IDENTITY) if warming else (state.bucket_exchange(context), state.codec)
+        )
+        trips.append(exchange.start(large, codec, context))
+    if small:
+        trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
+    return Pending.gather(trips).then(_update(state, context, large, _mean_scale(state, loss_scale)))  # 6
+
+
+def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """Unscaled (under a loss scaler), the recipe's weight decay and local clipping, then
+    error feedback: ``c = g / s + wd x + r``."""
+    flat = part.flat
+    if scale is not None:
+        flat = flat * scale.double().reciprocal().float()  # GradScaler's own inverse, fp32
+    if state.weight_decay:
+        numbers = [state.layout.numbers[id(p)] for p in part.params]
+        recipe.add_weight_decay(flat, part.params, numbers, state.weight_decay)
+    if state.options.clip_norm is not None:
+        total = sum(state.layout.numels.values())
+        flat = recipe.clip_local(flat, state.options.clip_norm, part.numel, total, world)
+    if state.feedback is None:
+        return flat
+    if isinstance(state.adam, LocalUpdateStep):  # the worker's own Adam update travels
+        return state.feedback.compensate(part.key, state.adam.update(state.store, part.key, flat, state.step))
+    if state.adam is not None and state.store.get(VELOCITY, part.key) is None:
+        start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
+        if start is not None:
+            state.store.put(VELOCITY, part.key, start)
+    return state.feedback.compensate(part.key, flat)
+
+
+def _mean_scale(state: GradsiftHookState, loss_scale: torch.Tensor | None) -> torch.Tensor | float | None:
+    """What the compensated parts' mean is multiplied by: the loss scale ``s`` (stock DDP's
+    scaled mean) and, under Adam, the first moment's ``1 - beta1`` (the mean is the velocity's)."""
+    if state.adam is None:
+        return loss_scale
+    moment = state.adam.moment_scale()
+    return moment if loss_scale is None else loss_scale * moment
+
+
+def _update(
+    state: GradsiftHookState, context: Context, large: list[Part], scale: torch.Tensor | float | None
+) -> Callable[[list[Outcome]], Outcome]:
+    """Step 6, once the bucket's trips delivered (the compressed parts' first): error
+    feedback's ``r <- c - sent``, the scale put back into the mean, one outcome for the close."""
+
+    def finish(outcomes: list[Outcome]) -> Outcome:
+        if large and state.feedback is not None:  # before the scale: ``sent`` may be the result itself
+            for part, sent in zip(large, outcomes[0].sent, strict=True):
+                state.feedback.update(
+                    part.key, part.input, part.input if sent is None else sent, state.compressor
+                )
+        if large and scale is not None:
+            for part in large:
+                part.view(context.result).mul_(scale)
+        outcome = Outcome.joined(outcomes)
+        if not state.compressor.adaptive_capacity:
+            outcome.demands.clear()
+        return outcome
+
+    return finish

@@ -1,0 +1,318 @@
+"""What the hook keeps between calls: :class:`GradsiftHookState`, its collaborators as plain data.
+
+One state per hooked model: the compressor and the exchange its buckets travel by, the
+validated :class:`~gradsift.hook.options.HookOptions`, the one keyed store of per-tensor
+state (:mod:`gradsift.core.store`), error feedback, the parameter layout, the step ledger
+(the per-step transaction), the capacities of adaptive payloads, the optimizer takeover
+(:mod:`gradsift.hook.recipe`, :mod:`gradsift.hook.adam`), and the telemetry. The route
+of a bucket through them is :mod:`gradsift.hook.route`; checkpoints are
+:meth:`GradsiftHookState.state_dict` / :meth:`~GradsiftHookState.load_state_dict`.
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsift.compressors.base import Compressor, Sparsifier
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.readout import Readout
+from gradsift.core.store import TensorStore
+from gradsift.core.telemetry import BucketRecord, Telemetry
+from gradsift.core.trip import Context, Part
+from gradsift.exchanges import AUTO
+from gradsift.exchanges.allreduce import Allreduce
+from gradsift.exchanges.base import IDENTITY, Codec, Exchange
+from gradsift.exchanges.choice import choose_exchange, get_exchange, resolve_exchange
+from gradsift.hook import recipe
+from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
+from gradsift.hook.capacity import CapacityPlan
+from gradsift.hook.feedback import ErrorFeedback
+from gradsift.hook.first_step import FirstOptimizerStep
+from gradsift.hook.layout import ParameterLayout
+from gradsift.hook.ledger import StepLedger
+from gradsift.hook.options import HookOptions, resolve_compressor
+
+#: Stock DDP's exchange: the in-place ``allreduce(g / W)`` of a stock step and of small parts.
+STOCK_ALLREDUCE = Allreduce()
+
+#: Why compiled autograd's Python reducer is refused.
+PYTHON_REDUCER = (
+    "gradsift's hook takes DDP's buckets, but torch._dynamo.config.optimize_ddp='python_reducer' "
+    "(which compiled autograd needs) calls communication hooks once per parameter with "
+    "(param.grad, param); compile the forward pass only (the default optimize_ddp=True keeps "
+    "DDP's buckets and gradsift's hook), or use granularity='layer' with the default reducer"
+)
+
+
+@dataclasses.dataclass
+class GradsiftHookState:
+    """Everything the hook keeps between calls, as plain data (see :class:`HookOptions`).
+
+    Attributes:
+        compressor: the compressor; ``exchange`` the exchange its buckets travel by.
+        options: the validated :class:`HookOptions`.
+        store: the one keyed store of per-tensor state (residuals, velocities, VGC's
+            accumulators), shared by error feedback and the compressor.
+        feedback: error feedback (None when the compressor runs without it).
+        layout: parameter numbers of the wrapped module and the parts of its buckets.
+        ledger: step counting and the per-step transaction.
+        weight_decay: per parameter number, weight decay taken over from the optimizer.
+        telemetry: per-step and total bytes and phase times (``stats()``).
+    """
+
+    compressor: Compressor
+    options: HookOptions = dataclasses.field(default_factory=HookOptions)
+    process_group: Any = None
+    store: TensorStore = dataclasses.field(default_factory=TensorStore)
+    feedback: ErrorFeedback | None = None
+    layout: ParameterLayout = dataclasses.field(default_factory=ParameterLayout)
+    ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
+    weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
+    capacities: CapacityPlan = dataclasses.field(default_factory=CapacityPlan)
+    adam: AdamStep | None = None
+    exchange: Exchange = dataclasses.field(init=False)
+    telemetry: Telemetry = dataclasses.field(init=False)
+    codec: Codec = dataclasses.field(init=False)
+    stock_codec: Codec = dataclasses.field(init=False)
+    exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
+    target_ratio: float | None = dataclasses.field(init=False)
+    first_step: FirstOptimizerStep | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compressor, Compressor):
+            raise InvalidOptionError(
+                f"compressor must be a registry name or a Compressor, got {self.compressor!r}"
+            )
+        self.exchange = resolve_exchange(self.compressor, self.options.exchange)
+        if self.exchange.whole_bucket and self.options.granularity != "bucket":
+            raise InvalidOptionError(
+                f"{self.compressor.name} runs on whole buckets: use granularity='bucket'"
+            )
+        if self.options.density_warmup_steps and not isinstance(self.compressor, Sparsifier):
+            raise InvalidOptionError(
+                f"density_warmup_steps needs a sparsifier with a ratio; {self.compressor.name} has none"
+            )
+        uses_feedback = self.options.error_feedback
+        if uses_feedback is None:
+            uses_feedback = bool(self.compressor.error_feedback)
+        if uses_feedback and self.feedback is None:
+            self.feedback = ErrorFeedback(
+                self.options.momentum, self.options.momentum_masking, self.store, self.options.residual_decay
+            )
+        self.compressor.bind_store(self.store)
+        self.ledger.nonfinite = self.options.nonfinite
+        self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
+        self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
+        self.codec = Codec(self.compressor, self.options.value_dtype)
+        self.stock_codec = (
+            Codec(self.compressor, checks_values=self.options.nonfinite != "propagate")
+            if self.compressor.identity
+            else IDENTITY
+        )
+
+    @classmethod
+    def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
+        """A state for ``compressor`` (a registry name takes the non-hook options) and hook options."""
+        group = options.pop("process_group", None)
+        fields = {f.name for f in dataclasses.fields(HookOptions)}
+        hook_options = HookOptions(**{k: options.pop(k) for k in list(options) if k in fields})
+        return cls(resolve_compressor(compressor, options), hook_options, group)
+
+    @classmethod
+    def resolve(
+        cls,
+        compressor: "str | Compressor | GradsiftHookState",
+        options: dict[str, Any],
+        refused: tuple[str, ...] = (),
+        where: str = "",
+    ) -> "GradsiftHookState":
+        """A frontend's state: a restored state as it is (it takes no options), or one built by
+        :meth:`build`; each option of ``refused`` (the frontend's one denylist: hook options
+        that have no meaning there) is refused with ``f"{name}= is not supported {where}"``."""
+        if isinstance(compressor, GradsiftHookState):
+            if options:
+                raise InvalidOptionError(f"a restored hook state takes no options, got {sorted(options)}")
+            return compressor
+        for name in refused:
+            if options.get(name) is not None:
+                raise InvalidOptionError(f"{name}= is not supported {where}")
+        return cls.build(compressor, **options)
+
+    def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any = None) -> None:
+        """Bind to ``ddp_model`` (parameter numbers, process group, the compressor's
+        instrumentation); with ``optimizer``, take over its momentum (:mod:`gradsift.hook.recipe`)."""
+        if getattr(ddp_model, "_use_python_reducer", False):
+            raise InvalidOptionError(PYTHON_REDUCER)
+        self.layout.bind(ddp_model.module)
+        self.process_group = self.process_group or ddp_model.process_group
+        if optimizer is not None and self.feedback is not None:
+            one_line = self.options.warmup_steps == 0 and self.options.adam == "frozen-variance"
+            if one_line and is_adam(recipe.unwrapped(optimizer)):  # a measured default warm-up
+                self.options = dataclasses.replace(self.options, warmup_steps=ONE_LINE_WARMUP_STEPS)
+            taken = recipe.take_over(
+                optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam
+            )
+            if self.options.momentum and self.options.momentum != taken.momentum:
+                raise InvalidOptionError(
+                    f"momentum={self.options.momentum} disagrees with the optimizer's momentum {taken.momentum}; "
+                    "pass one of them (optimizer= takes it from the optimizer)"
+                )
+            self.feedback.momentum = taken.momentum
+            self.weight_decay = taken.weight_decay
+            self.adam = taken.adam
+        if self.first_step is not None:
+            self.first_step.close()
+        self.first_step = FirstOptimizerStep(
+            list(ddp_model.module.parameters()),
+            optimizer,
+            check_momentum=self.feedback is not None,
+            check_scaler=self.options.scaler is None and not self.compressor.identity,
+        )
+        self.compressor.attach(ddp_model.module)
+
+    # -- public read-outs -------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Synchronised steps applied so far (``no_sync`` passes and dropped steps do not count)."""
+        return self.ledger.step
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last step was dropped for a NaN/Inf gradient on some rank."""
+        return self.ledger.last_step_skipped
+
+    @property
+    def bucket_layouts(self) -> dict[Any, tuple[int, ...]]:
+        """Per bucket key, the order of its parameters in the bucket's flat gradient."""
+        return self.store.layouts
+
+    def stats(self) -> dict[str, Any]:
+        """``{"step": {...}, "total": {...}}``: bytes_sent, bytes_padded, bytes_received,
+        dense_bytes, density, compress_ms, communicate_ms, decompress_ms, dense/compressed
+        tensor counts; the step dict also has ``step`` and ``skipped``, the totals ``steps``
+        and ``skipped_steps``."""
+        return self.telemetry.summary()
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step, the state store, compressor state and telemetry totals (tensors cloned)."""
+        return {
+            "step": self.ledger.step,
+            "feedback": None if self.feedback is None else {"momentum": self.feedback.momentum},
+            "store": self.store.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "weight_decay": dict(self.weight_decay),
+            "capacities": self.capacities.state_dict(),
+            "telemetry": self.telemetry.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if (state["feedback"] is None) != (self.feedback is None):
+            raise InvalidOptionError(
+                "checkpoint and hook disagree on error feedback (on in one, off in the other)"
+            )
+        if self.feedback is not None and float(state["feedback"]["momentum"]) != self.feedback.momentum:
+            raise InvalidOptionError(
+                f"checkpoint was made with momentum={state['feedback']['momentum']}, "
+                f"this hook has {self.feedback.momentum}"
+            )
+        self.ledger.step = int(state["step"])
+        self.store.load_state_dict(state["store"])
+        self.compressor.load_state_dict(state["compressor"])
+        self.weight_decay = dict(state["weight_decay"])
+        self.capacities.load_state_dict(state.get("capacities", {}))
+        self.telemetry.load_state_dict(state["telemetry"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the process group and the steps in flight (like ``PowerSGDState``)."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["ledger"] = dataclasses.replace(self.ledger, current=None)
+        state["adam"] = None  # holds the optimizer: register again with optimizer=
+        state["first_step"] = None  # a global optimizer hook: attach makes a new one
+        return state
+
+    # -- per-step ---------------------------------------------------------------------------
+    def stock_step(self) -> bool:
+        """Stock DDP's in-place allreduce this step: ``none``, or warm-up without momentum correction."""
+        if self.compressor.identity:
+            return True
+        warming = self.ledger.step < self.options.warmup_steps
+        # Adam's warm-up is the optimizer as built: its moments come from dense gradients
+        return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
+
+    def bucket_exchange(self, context: Context) -> Exchange:
+        """The exchange of one bucket: the chosen one, or ``"auto"``'s pick."""
+        if self.options.exchange != AUTO or len(self.compressor.exchanges) == 1:
+            return self.exchange
+        name = choose_exchange(self.compressor, context.result.numel(), context.world)
+        if name not in self.exchanges:
+            self.exchanges[name] = get_exchange(name)
+        return self.exchanges[name]
+
+    def context(
+        self,
+        result: torch.Tensor,
+        parts: list[Part],
+        readout: Readout,
+        *,
+        order: tuple[int, ...] = (),
+        bucket: Any = None,
+        source: torch.Tensor | None = None,
+    ) -> Context:
+        """The one :class:`Context` of a trip of ``parts`` into ``result`` this step (every
+        frontend's): the group, each part's payload capacity (:mod:`gradsift.hook.capacity`),
+        and a fresh telemetry record whose dense size is ``source``'s (default ``result``)."""
+        source = result if source is None else source
+        record = BucketRecord(dense_bytes=source.numel() * source.element_size(), elements=source.numel())
+        capacities = {}
+        for part in parts:
+            room = self.capacities.capacity(self.compressor, part.key, part.numel)
+            if room is not None:
+                capacities[part.key] = room
+        return Context(
+            group=self.process_group,
+            world=dist.get_world_size(self.process_group),
+            rank=dist.get_rank(self.process_group),
+            result=result,
+            record=record,
+            readout=readout,
+            store=self.store,
+            key=tuple(sorted(order)),
+            order=order,
+            numels=self.layout.numels,
+            capacities=capacities,
+            step=self.step,
+            bucket=bucket,
+        )
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """The scaler's current scale (a device tensor, not read), or None without loss scaling."""
+        scaler = self.options.scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # None until the scaler scaled a loss
+
+    def close_step(self) -> None:
+        """Commit or roll back the step on every rank (:mod:`gradsift.hook.ledger`); a kept compressed
+        step of Adam hands the optimizer's next step to :mod:`gradsift.hook.adam`."""
+        closing, was_open = self.ledger.step, self.ledger.current is not None
+        self.ledger.close(self.telemetry, self.capacities)
+        if self.first_step is not None:
+            self.first_step.keep()
+        if self.adam is not None and was_open and not self.ledger.last_step_skipped:
+            self.adam.pending = self.adam.compressing(closing)
+
+    def open_step(self) -> Any:
+        warming = self.ledger.current is None and self.options.density_warmup_steps
+        if warming and self.target_ratio is not None and isinstance(self.compressor, Sparsifier):
+            self.compressor.ratio = recipe.density_at(
+                self.ledger.step,
+                self.target_ratio,
+                self.options.density_warmup_steps,
+                self.options.density_warmup_start,
+            )
+        return self.ledger.open(self.compressor, self.store, self.close_step)

@@ -1,0 +1,47 @@
+"""The ``gradsift`` command: one subcommand module per job under ``gradsift.tools.commands``.
+
+Each module in :data:`SUBCOMMANDS` exposes ``add_parser(subparsers)``, which adds its
+parser and sets ``func`` (called with the parsed namespace, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gradsift import __version__
+from gradsift.core.errors import GradsiftError
+
+SUBCOMMANDS = ("analyze", "bench", "train", "demo", "report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand attached."""
+    parser = argparse.ArgumentParser(
+        prog="gradsift",
+        description=(
+            "Gradient compression for data-parallel PyTorch training: SIDCo, VGC and "
+            "the baselines, measured end to end."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"gradsift {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"gradsift.tools.commands.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except GradsiftError as error:
+        print(f"gradsift {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

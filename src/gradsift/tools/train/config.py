@@ -1,0 +1,238 @@
+"""Everything one training run needs, validated once and stored as ``config.json``.
+
+The launcher writes the config; every worker process reads the same file, so the
+ranks cannot disagree about a setting.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
+from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.hook.options import HOOK_OPTIONS
+from gradsift.hook.state import GradsiftHookState
+from gradsift.tools.train.devices import DEVICES
+from gradsift.tools.train.models import MODELS
+
+#: Learning-rate schedules after the warm-up (see :func:`learning_rate`).
+LR_SCHEDULES = ("step", "cosine")
+
+#: Optimizers of the trainer: SGD with momentum, or AdamW (decoupled weight decay).
+OPTIMIZERS = ("sgd", "adamw")
+#: Per optimizer, the defaults of the settings left unset: (lr, weight decay).
+OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1)}
+
+
+def default_optimizer(model: str) -> str:
+    """The optimizer a model trains with when none is named: AdamW for the language model
+    (as every transformer recipe), SGD for the image models."""
+    return "adamw" if model == "gpt" else "sgd"
+
+
+@dataclass
+class TrainConfig:
+    """One run. Learning rate at step ``s`` (0-based, see :func:`learning_rate`):
+    ``lr * (s + 1) / warmup_steps`` while ``s < warmup_steps``, then with
+    ``lr_schedule="step"`` ``lr * decay_factor ** (number of decay_steps <= s)``, with
+    ``lr_schedule="cosine"`` ``lr * (1 + cos(pi * (s - w) / (steps - w))) / 2``
+    (``w = warmup_steps``: from ``lr`` after the warm-up down to 0 after the last step).
+
+    Attributes:
+        model: a key of :data:`gradsift.tools.train.models.MODELS`.
+        compressor: a registry name; ``options`` are its keyword options (and the
+            DDP hook's, e.g. ``warmup_steps``), passed to ``register_comm_hook``.
+        optimizer: ``sgd`` (momentum ``momentum``) or ``adamw`` (``betas``); None picks
+            :func:`default_optimizer`. ``lr`` and ``weight_decay`` left None take the
+            optimizer's defaults (:data:`OPTIMIZER_DEFAULTS`).
+        clip_grad_norm: ``C > 0`` clips the gradients' total norm to ``C`` before every
+            optimizer step (``torch.nn.utils.clip_grad_norm_``); 0 (default): no clipping.
+        sync_every: 0 (default): DDP with gradsift's hook; ``H > 0``: no DDP, DiLoCo's outer
+            step on the compressed pseudo-gradient every ``H`` steps (``gradsift.diloco``;
+            its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers`` go in ``options``).
+        recipe: the recipe (default True, see :mod:`gradsift.tools.train.exchange`): for
+            error-feedback compressors the optimizer's first moment moves into the hook
+            (SGD: DGC's momentum correction + factor masking; AdamW: the frozen-variance
+            method of :mod:`gradsift.hook.adam` after a dense warm-up), and error-feedback
+            sparsifiers warm their density up; False: the optimizer as built on top of
+            plain error feedback.
+        workers: number of ranks the launcher starts (torchrun: its WORLD_SIZE).
+        batch_size: samples per worker per step.
+        steps: optimizer steps in total.
+        eval_every: evaluate test accuracy every this many steps (0: only at the end).
+        target_accuracy: test accuracy in [0, 1] whose first crossing is
+            ``time_to_accuracy_s``; None to skip.
+        target_loss: evaluation loss whose first crossing (loss <= target) is
+            ``time_to_loss_s``, the language model's target; None to skip.
+        bandwidth_bps / latency_s: emulated link (None: plain localhost).
+        data_dir: explicit dataset directory; synthetic: tiny generated data (tests).
+        timeout_s: process-group timeout; a vanished peer ends the run after it.
+        device: ``auto``, ``cpu`` or ``cuda`` (:mod:`gradsift.tools.train.devices`): ``cuda``
+            gives every local rank its own GPU and NCCL, ``cpu`` gloo on the CPU,
+            ``auto`` CUDA when the machine has it, else the CPU.
+    """
+
+    out: str
+    model: str = "vgg"
+    compressor: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+    workers: int = 2
+    batch_size: int = 32
+    lr: float | None = None
+    optimizer: str | None = None
+    momentum: float = 0.9
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float | None = None
+    clip_grad_norm: float = 0.0
+    sync_every: int = 0
+    recipe: bool = True
+    lr_schedule: str = "step"
+    warmup_steps: int = 0
+    decay_steps: list[int] = field(default_factory=list)
+    decay_factor: float = 0.1
+    steps: int = 100
+    eval_every: int = 0
+    seed: int = 0
+    target_accuracy: float | None = None
+    target_loss: float | None = None
+    bandwidth: str | None = None
+    bandwidth_bps: int | None = None
+    latency: str | None = None
+    latency_s: float = 0.0
+    data_dir: str | None = None
+    synthetic: bool = False
+    timeout_s: float = 300.0
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
+        if self.compressor not in available_compressors():
+            raise UnknownCompressorError(
+                f"compressor must be one of {', '.join(available_compressors())}; got {self.compressor!r}"
+            )
+        check_int(self.workers, "workers", low=1, high=256)
+        check_int(self.batch_size, "batch_size", low=1)
+        check_int(self.steps, "steps", low=1)
+        check_int(self.eval_every, "eval_every", low=0)
+        check_int(self.warmup_steps, "warmup_steps", low=0)
+        check_choice(self.lr_schedule, "lr_schedule", LR_SCHEDULES)
+        check_int(self.seed, "seed", low=0)
+        check_int(self.sync_every, "sync_every", low=0)
+        self.optimizer = check_choice(
+            self.optimizer or default_optimizer(self.model), "optimizer", OPTIMIZERS
+        )
+        lr, decay = OPTIMIZER_DEFAULTS[self.optimizer]
+        self.lr = check_real(lr if self.lr is None else self.lr, "lr", low=0.0, low_open=True)
+        self.weight_decay = check_real(
+            decay if self.weight_decay is None else self.weight_decay, "weight_decay", low=0.0
+        )
+        check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        check_real(self.clip_grad_norm, "clip_grad_norm", low=0.0)
+        if len(self.betas) != 2:
+            raise InvalidOptionError(f"betas must be two numbers, got {self.betas!r}")
+        self.betas = [check_real(beta, "betas", low=0.0, high=1.0, high_open=True) for beta in self.betas]
+        check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
+        check_real(self.timeout_s, "timeout_s", low=1.0)
+        check_choice(self.device, "device", DEVICES)
+        if not isinstance(self.recipe, bool):
+            raise InvalidOptionError(f"recipe must be True or False, got {self.recipe!r}")
+        for step in self.decay_steps:
+            check_int(step, "decay_steps", low=1)
+        if self.target_accuracy is not None:
+            check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
+        if self.target_loss is not None:
+            check_real(self.target_loss, "target_loss", low=0.0, low_open=True)
+        check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0)
+
+    def save(self, path: Path) -> None:
+        """Write the config as JSON."""
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> TrainConfig:
+        """Read a config written by :meth:`save`."""
+        return cls(**json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON types."""
+        return asdict(self)
+
+
+def check_exchange_options(compressor: str, options: dict[str, Any], diloco: bool = False) -> None:
+    """Build ``compressor`` and the DDP hook's state with ``options`` once, as every rank
+    will, so that an unknown or inapplicable option fails here, before any worker starts.
+
+    ``options`` holds the compressor's options and the hook's (:data:`gradsift.hook.options.HOOK_OPTIONS`,
+    except ``process_group``: the trainer passes its own group).
+    """
+    if "process_group" in options:
+        raise InvalidOptionError(
+            "option process_group cannot be set for a training run (it uses its own group)"
+        )
+    outer = ("outer_lr", "outer_momentum", "nesterov", "buffers")
+    if not diloco and any(name in options for name in outer):
+        raise InvalidOptionError(f"options {', '.join(outer)} are DiLoCo's: they need --sync-every")
+    if diloco:
+        for name in ("optimizer", "granularity", "warmup_steps", "scaler"):
+            if name in options:
+                raise InvalidOptionError(f"option {name} does not apply with --sync-every (DiLoCo)")
+        options = {name: value for name, value in options.items() if name not in outer}
+    hook_options = {name: value for name, value in options.items() if name in HOOK_OPTIONS}
+    compressor_options = {name: value for name, value in options.items() if name not in HOOK_OPTIONS}
+    parameters = inspect.signature(compressor_class(compressor)).parameters
+    missing = [
+        name
+        for name, p in parameters.items()
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in options
+    ]
+    if missing:
+        raise InvalidOptionError(
+            f"compressor {compressor!r} needs option(s) {', '.join(missing)} (--option {missing[0]}=VALUE)"
+        )
+    try:
+        built = get_compressor(compressor, **compressor_options)
+    except InvalidOptionError as error:
+        if set(compressor_options) <= set(parameters):
+            raise  # a value out of range: the compressor's message says which
+        hook = ", ".join(name for name in HOOK_OPTIONS if name != "process_group")
+        raise InvalidOptionError(f"{error}; the DDP hook's options are: {hook}") from error
+    hook_options.pop("optimizer", None)  # the trainer passes its own optimizer
+    GradsiftHookState.build(built, **hook_options)
+
+
+def build_optimizer(config: TrainConfig, parameters: Any) -> torch.optim.Optimizer:
+    """The run's optimizer over ``parameters`` (its lr is set every step by :func:`learning_rate`)."""
+    assert config.lr is not None and config.weight_decay is not None  # resolved in __post_init__
+    if config.optimizer == "adamw":
+        beta1, beta2 = config.betas
+        return torch.optim.AdamW(
+            parameters, lr=config.lr, betas=(beta1, beta2), weight_decay=config.weight_decay
+        )
+    return torch.optim.SGD(
+        parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """The learning rate of 0-based ``step``: linear warm-up, then step or cosine decay."""
+    peak = config.lr
+    assert peak is not None  # resolved in __post_init__
+    if step < config.warmup_steps:
+        return peak * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "cosine":
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    decays = sum(1 for milestone in config.decay_steps if milestone <= step)
+    return peak * config.decay_factor**decays

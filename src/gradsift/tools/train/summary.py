@@ -1,0 +1,81 @@
+"""Per-step records -> the run's ``summary.json`` (pure functions, no torch.distributed).
+
+A step record (one JSON line of ``steps.jsonl``, written by rank 0) holds ``step``,
+``loss``, ``lr``, ``step_s`` (wall time of forward + backward + exchange + optimizer
+step), ``compress_s``, ``communicate_s``, ``decompress_s`` (the DDP hook's phase
+timers for that step, summed over buckets), ``compute_s = step_s - compress_s -
+communicate_s - decompress_s`` (floored at 0; the hook's phases overlap backward, so
+this is a lower bound of the compute time), ``bytes_sent`` (bytes of this worker's
+message), ``bytes_padded`` (plus the padding an allgather adds to match the longest
+worker), ``bytes_received`` (what arrives at this worker), ``dense_bytes`` (the uncompressed gradient, what an fp32 allreduce carries)
+and ``density`` (achieved fraction of gradient elements sent). An eval record (``evals.jsonl``) holds ``step``,
+``accuracy``, ``loss`` (mean per prediction: per image, or per byte for the language
+model), ``train_time_s`` (sum of ``step_s`` so far: evaluation time
+excluded) and ``wall_time_s`` (since training started, evaluation included).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from gradsift.core.errors import InvalidOptionError
+
+PHASES = ("compute_s", "compress_s", "communicate_s", "decompress_s")
+
+
+def time_to_accuracy(evals: Sequence[dict[str, Any]], target: float | None) -> float | None:
+    """Training time (``train_time_s``) of the first evaluation with accuracy >= ``target``.
+
+    None when ``target`` is None or never reached.
+    """
+    if target is None:
+        return None
+    reached = (e["train_time_s"] for e in evals if e["accuracy"] >= target)
+    return next(reached, None)
+
+
+def time_to_loss(evals: Sequence[dict[str, Any]], target: float | None) -> float | None:
+    """Training time of the first evaluation with loss <= ``target`` (None: no target / never)."""
+    if target is None:
+        return None
+    return next((e["train_time_s"] for e in evals if e["loss"] <= target), None)
+
+
+def summarize(
+    steps: Sequence[dict[str, Any]],
+    evals: Sequence[dict[str, Any]],
+    *,
+    run: dict[str, Any],
+    target_accuracy: float | None,
+    wall_time_s: float,
+    target_loss: float | None = None,
+) -> dict[str, Any]:
+    """Build the summary: ``run`` (fixed facts: compressor, options, workers, ...) plus
+    medians of the step and phase times, mean bytes and density per step, the final
+    accuracy and loss, and the times to ``target_accuracy`` and ``target_loss``."""
+    if not steps:
+        raise InvalidOptionError("summarize needs at least one step record")
+    summary = dict(run)
+    summary["steps"] = len(steps)
+    summary["step_time_median_s"] = statistics.median(r["step_s"] for r in steps)
+    for phase in PHASES:
+        summary[f"{phase.removesuffix('_s')}_median_s"] = statistics.median(r[phase] for r in steps)
+    summary["bytes_sent_per_step"] = statistics.fmean(r["bytes_sent"] for r in steps)
+    summary["bytes_padded_per_step"] = statistics.fmean(r["bytes_padded"] for r in steps)
+    summary["bytes_received_per_step"] = statistics.fmean(r.get("bytes_received", 0.0) for r in steps)
+    summary["dense_bytes_per_step"] = statistics.fmean(r["dense_bytes"] for r in steps)
+    summary["compression_factor"] = summary["dense_bytes_per_step"] / max(summary["bytes_sent_per_step"], 1.0)
+    summary["achieved_density"] = statistics.fmean(r["density"] for r in steps)
+    summary["final_loss"] = steps[-1]["loss"]
+    summary["final_test_accuracy"] = evals[-1]["accuracy"] if evals else None
+    summary["final_test_loss"] = evals[-1].get("loss") if evals else None
+    summary["target_accuracy"] = target_accuracy
+    summary["time_to_accuracy_s"] = time_to_accuracy(evals, target_accuracy)
+    summary["target_loss"] = target_loss
+    summary["time_to_loss_s"] = time_to_loss(evals, target_loss)
+    summary["train_time_s"] = sum(r["step_s"] for r in steps)
+    summary["wall_time_s"] = wall_time_s
+    summary["evals"] = list(evals)
+    return summary

@@ -1,0 +1,45 @@
+"""Worker process entry point: ``python -m gradsift.tools.train.worker CONFIG_JSON``.
+
+Runs :func:`gradsift.tools.train.loop.run_worker` with rank and world size from the
+environment. On failure it writes the traceback to ``<out>/logs/rank<R>.err`` (the
+launcher reports the first failing rank's error from there) and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from gradsift.tools.train.config import TrainConfig
+
+
+def error_file(out: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` leaves its traceback."""
+    return Path(out) / "logs" / f"rank{rank}.err"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m gradsift.tools.train.worker CONFIG_JSON", file=sys.stderr)
+        return 2
+    config = TrainConfig.load(Path(argv[0]))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from gradsift.tools.train.loop import run_worker
+
+        run_worker(config)
+    except BaseException as error:
+        path = error_file(config.out, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(error)))
+        if isinstance(error, KeyboardInterrupt):
+            return 130
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
