@@ -23,7 +23,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 _SELECTOR = re.compile(r"^(?P<open>[\[{])(?P<conditions>.+)[\]}]$")
 
 

@@ -9,7 +9,7 @@ In README.md, docs/*.md and benchmarks/**/*.md a number quoted from a result sit
 ``<!-- claims-table:<name> -->`` and ``<!-- /claims-table -->`` (the claims and tables are in
 ``registry.py``; the stale list, ``stale.py``; the convergence tables, its ``analyze.py``).
 
-Provenance: every JSON file under ``benchmarks/`` that names a commit (a ``commit`` or
+Provenance: every JSON file under ``results/`` that names a commit (a ``commit`` or
 ``gradsift_commit`` key anywhere in it) must name one in this checkout's history, and every
 result a claim reads must carry a ``provenance`` stamp (``provenance.py``) with such a
 commit and ``dirty: false`` -- unless ``stale.STALE`` lists it, with the reason and the
@@ -54,7 +54,7 @@ class ConvergenceTables:
 
     claims = ()
     result = Result(
-        "benchmarks/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
+        "results/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
     )
 
     def __init__(self, workload: str | None = None) -> None:
@@ -200,13 +200,13 @@ def stamp_problem(data: Any, commits: set[str]) -> str | None:
 
 
 def result_files(root: Path = ROOT) -> list[str]:
-    """The committed JSON files under benchmarks/ (all of them outside a git checkout)."""
+    """The committed JSON files under results/ (all of them outside a git checkout)."""
     try:
-        done = subprocess.run(["git", "-C", str(root), "ls-files", "benchmarks/*.json"], capture_output=True,
+        done = subprocess.run(["git", "-C", str(root), "ls-files", "results/*.json"], capture_output=True,
                               text=True, check=True)  # fmt: skip
         return done.stdout.split()
     except (OSError, subprocess.CalledProcessError):
-        return sorted(str(p.relative_to(root)) for p in (root / "benchmarks").rglob("*.json"))
+        return sorted(str(p.relative_to(root)) for p in (root / "results").rglob("*.json"))
 
 
 def provenance_problems(root: Path, commits: set[str], files: Iterable[str] | None = None,

@@ -1,7 +1,7 @@
 """Provenance stamps for benchmark results: which code, which command, which machine, how loaded.
 
 A number is only as good as what is known about the run that produced it. Every script
-that writes a result under ``benchmarks/`` calls :func:`start` before it measures and
+that writes a result under ``results/`` calls :func:`start` before it measures and
 stores ``stamp.finish()`` in its result under the key ``"provenance"``::
 
     stamp = provenance.start(seeds=[args.seed])
@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 CPU_LOCK = Path("/tmp/gradsift-cpu.lock")
 CODE_DIRS = ("src", "benchmarks", "scripts")
-SCRIPT_SUFFIXES = (".py", ".sh")  # under benchmarks/ and scripts/: code; anything else there is data
+SCRIPT_SUFFIXES = (".py", ".sh")  # under benchmarks/ and scripts/: code; the rest (READMEs) is not
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -60,8 +61,9 @@ def code_state(root: Path = ROOT) -> tuple[str | None, list[str]]:
     """``(HEAD's commit, uncommitted code paths)`` of the checkout at ``root``.
 
     Code is everything under ``src/`` and the ``.py``/``.sh`` files under ``benchmarks/`` and
-    ``scripts/``; results and plots there are not (a run writes them). The commit is None
-    outside a git checkout, and the result then counts as dirty (``["<no git checkout>"]``).
+    ``scripts/``; their READMEs are not, nor the results a run writes (under ``results/``).
+    The commit is None outside a git checkout, and the result then counts as dirty
+    (``["<no git checkout>"]``).
     """
     head = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--", *CODE_DIRS)

@@ -19,63 +19,63 @@ from claimmodel import Cell, Claim, Result, Table, ratio, spanned
 
 # -- results ------------------------------------------------------------------------------
 ESTIMATION = "python benchmarks/estimation/run.py"
-EST = Result("benchmarks/estimation/results.json", ESTIMATION)
+EST = Result("results/estimation/results.json", ESTIMATION)
 EST_PLAIN = Result(
-    "benchmarks/estimation/results-plain.json",
-    f"{ESTIMATION} --no-adapt --out benchmarks/estimation/results-plain.json "
-    "--plot benchmarks/estimation/summary-plain.png",
+    "results/estimation/results-plain.json",
+    f"{ESTIMATION} --no-adapt --out results/estimation/results-plain.json "
+    "--plot results/estimation/summary-plain.png",
 )
 EST_16K = Result(
-    "benchmarks/estimation/results-sample16k.json",
-    f"{ESTIMATION} --sample-size 16384 --out benchmarks/estimation/results-sample16k.json "
-    "--plot benchmarks/estimation/summary-sample16k.png",
+    "results/estimation/results-sample16k.json",
+    f"{ESTIMATION} --sample-size 16384 --out results/estimation/results-sample16k.json "
+    "--plot results/estimation/summary-sample16k.png",
 )
 COMPRESS = Result(
-    "benchmarks/compress/results.json",
+    "results/compress/results.json",
     "flock /tmp/gradsift-bench.lock gradsift bench compress --sizes 25000000 --ratios 0.1 0.01 0.001 "
-    "--threads 2 --repeats 5 --warmup 3 --json benchmarks/compress/results.json",
+    "--threads 2 --repeats 5 --warmup 3 --json results/compress/results.json",
 )
 TRAINING_COMMAND = "flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py"
-TRAINING = Result("benchmarks/training/results.json", TRAINING_COMMAND)
+TRAINING = Result("results/training/results.json", TRAINING_COMMAND)
 VGC_ACCURACY = Result(
-    "benchmarks/vgc/accuracy.json",
-    "flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out benchmarks/vgc/accuracy.json",
+    "results/vgc/accuracy.json",
+    "flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json",
 )
 VGC_HOOKS = Result(
-    "benchmarks/vgc/hook_overhead.json",
+    "results/vgc/hook_overhead.json",
     "flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py --batch 32 --repeats 30 "
-    "--threads 1 --out benchmarks/vgc/hook_overhead.json",
+    "--threads 1 --out results/vgc/hook_overhead.json",
 )
 HOOK = Result(
-    "benchmarks/hook_overhead/results.json",
+    "results/hook_overhead/results.json",
     "flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 60 --warmup 5 "
-    "--profile-steps 10 --json benchmarks/hook_overhead/results.json",
+    "--profile-steps 10 --json results/hook_overhead/results.json",
 )
 DDP = Result(
-    "benchmarks/ddp/results.json",
+    "results/ddp/results.json",
     "flock /tmp/gradsift-bench.lock python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
-    "--out benchmarks/ddp/results.json",
+    "--out results/ddp/results.json",
 )
 SCALING = Result(
-    "benchmarks/scaling/unlocked/analysis.json",
-    ".venv/bin/python benchmarks/scaling/analyze.py --results benchmarks/scaling/unlocked "
-    "--json benchmarks/scaling/unlocked/analysis.json --plot benchmarks/scaling/plots/unlocked_vs_model.png",
+    "results/scaling/unlocked/analysis.json",
+    ".venv/bin/python benchmarks/scaling/analyze.py --results results/scaling/unlocked "
+    "--json results/scaling/unlocked/analysis.json --plot results/scaling/plots/unlocked_vs_model.png",
 )
 PREDICTIONS = Result(
-    "benchmarks/scaling/predictions.json",
-    ".venv/bin/python benchmarks/scaling/predict.py --analysis benchmarks/scaling/unlocked/analysis.json",
+    "results/scaling/predictions.json",
+    ".venv/bin/python benchmarks/scaling/predict.py --analysis results/scaling/unlocked/analysis.json",
 )
 
 
 def training_run(name: str) -> Result:
-    """One run's summary.json under benchmarks/training/runs/ (written by the same command)."""
-    return Result(f"benchmarks/training/runs/{name}/summary.json", TRAINING_COMMAND)
+    """One run's summary.json under results/training/runs/ (written by the same command)."""
+    return Result(f"results/training/runs/{name}/summary.json", TRAINING_COMMAND)
 
 
 def quantizer_run(name: str) -> Result:
     """One compressor's trainer summary of the quantizer comparison."""
     return Result(
-        f"benchmarks/quantizers/results/{name}.json",
+        f"results/quantizers/{name}.json",
         "flock /tmp/gradsift-bench.lock benchmarks/quantizers/run.sh",
     )
 
@@ -406,7 +406,7 @@ CROSSOVER_TABLE = Table(
     ),
 )  # fmt: skip
 
-HF_TRAINER = Result("benchmarks/integrations/hf_trainer.json", "python benchmarks/integrations/hf_trainer.py")
+HF_TRAINER = Result("results/integrations/hf_trainer.json", "python benchmarks/integrations/hf_trainer.py")
 HF_TRAINER_ROWS = (
     ("gradsift (`topk` 0.01, the Trainer's AdamW in the hook)", "gradsift"),
     ("error feedback alone (`--plain-error-feedback`)", "plain"),
@@ -428,9 +428,9 @@ HF_TRAINER_TABLE = Table(
 )  # fmt: skip
 
 SIMULATED_40 = Result(
-    "benchmarks/scaling/simulated/steps40.json",
+    "results/scaling/simulated/steps40.json",
     "python benchmarks/scaling/simulate_accuracy.py --workers 4 16 --seeds 0 1 2 --steps 40 --eval-every 0 "
-    "--out benchmarks/scaling/simulated/steps40.json",
+    "--out results/scaling/simulated/steps40.json",
 )
 
 
@@ -463,11 +463,11 @@ SIMULATED_TABLE = Table(
 # -- step times over emulated 100 Mbit/s: VGG, 4 workers, 40 steps (issue 27's targets) ----------
 STEPS40 = {
     name: Result(
-        f"benchmarks/training/steps40/{name}.json",
-        f"flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json benchmarks/training/steps40/{name}.json "
+        f"results/training/steps40/{name}.json",
+        f"flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json results/training/steps40/{name}.json "
         f"--seed 0 -- python -m gradsift train --model vgg --workers 4 --steps 40 --eval-every 0 --bandwidth 100mbit "
         f"--compressor {name}{' --ratio 0.01' if name in ('topk', 'sidco-exp') else ''} --seed 0 "
-        f"--data-dir /usr/share/datasets/fashion-mnist --no-progress --json benchmarks/training/steps40/{name}.json",
+        f"--data-dir /usr/share/datasets/fashion-mnist --no-progress --json results/training/steps40/{name}.json",
     )
     for name in ("none", "bf16", "topk", "sidco-exp")
 }
@@ -551,9 +551,9 @@ QUANTIZER_RUNS_TABLE = Table(
     ),
 )  # fmt: skip
 DEMO = Result(
-    "benchmarks/hook_overhead/demo.json",
-    "flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json benchmarks/hook_overhead/demo.json -- "
-    "gradsift demo --no-progress --out /tmp/sel-demo --json benchmarks/hook_overhead/demo.json (as root)",
+    "results/hook_overhead/demo.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json results/hook_overhead/demo.json -- "
+    "gradsift demo --no-progress --out /tmp/sel-demo --json results/hook_overhead/demo.json (as root)",
 )
 
 
@@ -582,7 +582,7 @@ DEMO_CLAIMS = (
           compute=lambda *v: v),
 )  # fmt: skip
 CONVERGENCE = Result(
-    "benchmarks/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
+    "results/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
 )
 
 

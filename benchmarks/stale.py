@@ -12,7 +12,7 @@ project's 2-core machine. ``benchmarks/STALE.md`` shows the list (generated from
 
 ``python benchmarks/stale.py`` prints the live audit: for every committed result, the
 commit that last wrote it and the commits since then to the code that moves it
-(``MOVED_BY``), from ``git log``.
+(``MOVED_BY``), from ``git log`` (across renames: a move writes nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
+
 LOCK = "flock /tmp/gradsift-cpu.lock"
 STAMP = ".venv/bin/python benchmarks/provenance.py"
 SRC = "src/gradsift"
@@ -32,23 +33,23 @@ SIDCO_CPU = "SIDCo's CPU path was rewritten since (ffe0ddf, fe9f2de: NumPy sampl
 
 # Result files (globs, first match wins) -> the source paths whose changes move their numbers.
 MOVED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("benchmarks/compress/randomk_sampling.json", (f"{SRC}/compressors/randomk.py",)),
+    ("results/compress/randomk_sampling.json", (f"{SRC}/compressors/randomk.py",)),
     (
-        "benchmarks/compress/*",
+        "results/compress/*",
         (f"{SRC}/compressors", f"{SRC}/kernels.py", f"{SRC}/stats.py", f"{SRC}/benchmarking.py"),
     ),
     (
-        "benchmarks/estimation/*",
+        "results/estimation/*",
         (f"{SRC}/compressors/sidco.py", f"{SRC}/stats.py", f"{SRC}/kernels.py", f"{SRC}/feedback.py"),
     ),
-    ("benchmarks/quantizers/results/bitpack_speed.json", (f"{SRC}/bitpack.py",)),
+    ("results/quantizers/bitpack_speed.json", (f"{SRC}/bitpack.py",)),
     (
-        "benchmarks/quantizers/results/terngrad_variance.json",
+        "results/quantizers/terngrad_variance.json",
         (f"{SRC}/compressors/terngrad.py", f"{SRC}/compressors/quantization.py"),
     ),
-    ("benchmarks/vgc/hook_overhead.json", (f"{SRC}/variance.py",)),
-    ("benchmarks/scaling/predictions.json", (f"{SRC}/costmodel.py",)),
-    ("benchmarks/*", (SRC,)),  # the hook, the exchanges, the trainer: everything
+    ("results/vgc/hook_overhead.json", (f"{SRC}/variance.py",)),
+    ("results/scaling/predictions.json", (f"{SRC}/costmodel.py",)),
+    ("results/*", (SRC,)),  # the hook, the exchanges, the trainer: everything
 )
 
 
@@ -68,7 +69,7 @@ class Stale:
 
 STALE: tuple[Stale, ...] = (
     Stale(
-        ("benchmarks/compress/*-load2?.json",),
+        ("results/compress/*-load2?.json",),
         "provenance",
         "No commit recorded; measured at load 18-29 on code of 06ed5f6/3c9656f (compress/README.md), "
         f"kept as a record of the busy-CPU problem. {SIDCO_CPU}. Superseded by the queued runs of "
@@ -77,17 +78,17 @@ STALE: tuple[Stale, ...] = (
         "~25 min (sweep to 2^27 ~10 min, contended ~7 min, crossover ~5 min, alone ~2 min)",
     ),
     Stale(
-        ("benchmarks/compress/profile_ops*.json", "benchmarks/compress/randomk_sampling.json"),
+        ("results/compress/profile_ops*.json", "results/compress/randomk_sampling.json"),
         "provenance",
         f"No commit recorded; operator counts and Random-k sampling medians from 29 November-1 December. "
         f"{SIDCO_CPU}; Random-k's payload changed with the fixed capacity (d5d10de).",
-        f"{LOCK} {STAMP} --json benchmarks/compress/profile_ops.json -- .venv/bin/python "
-        "benchmarks/compress/profile_ops.py --json benchmarks/compress/profile_ops.json (likewise "
+        f"{LOCK} {STAMP} --json results/compress/profile_ops.json -- .venv/bin/python "
+        "benchmarks/compress/profile_ops.py --json results/compress/profile_ops.json (likewise "
         "--torch-kernels, and randomk_sampling.py; profile_ops_before.json is the old code's record)",
         "~3 min",
     ),
     Stale(
-        ("benchmarks/estimation/results*.json",),
+        ("results/estimation/results*.json",),
         "provenance",
         f"No commit recorded; 1 December 09:37 (3c9656f). {SIDCO_CPU}. The README's estimation paragraph "
         "quotes them. The gradients they read are not committed (~160 MB cache).",
@@ -97,28 +98,28 @@ STALE: tuple[Stale, ...] = (
         "~25 min (collection ~8 min, four runs ~4 min each)",
     ),
     Stale(
-        ("benchmarks/exit/results.json",),
+        ("results/exit/results.json",),
         "provenance",
         f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
         "nice -n 19 .venv/bin/python scripts/exit_stress.py --runs 200 --steps 20 --compressors sidco-exp fp16 "
-        "vgc powersgd --jobs 2 --json benchmarks/exit/results.json",
+        "vgc powersgd --jobs 2 --json results/exit/results.json",
         "~65 min (not a timing: no lock needed)",
     ),
     Stale(
         (
-            "benchmarks/quantizers/results/bitpack_speed.json",
-            "benchmarks/quantizers/results/terngrad_variance.json",
+            "results/quantizers/bitpack_speed.json",
+            "results/quantizers/terngrad_variance.json",
         ),
         "provenance",
         "No commit recorded; TernGrad's error predates the quantizers' fixed-capacity change (d5d10de); "
         "bitpack.py is unchanged since bitpack_speed.json (stamp missing only). (The training comparison, "
         "run.sh's files, was re-run stamped on 08b2593.)",
         f"{LOCK} .venv/bin/python benchmarks/quantizers/bitpack_speed.py; nice -n 19 .venv/bin/python "
-        "benchmarks/quantizers/terngrad_variance.py --out benchmarks/quantizers/results/terngrad_variance.json",
+        "benchmarks/quantizers/terngrad_variance.py --out results/quantizers/terngrad_variance.json",
         "~1 min bit packing; ~90 min TernGrad at nice 19",
     ),
     Stale(
-        ("benchmarks/scaling/unlocked/*.json",),
+        ("results/scaling/unlocked/*.json",),
         "provenance",
         "Name commits lost to a rebase (d935071, 90e61a9, 5f1c0f1); unlocked, load 16-49; the 8-worker "
         f"points are missing; {HOOK}.",
@@ -127,14 +128,14 @@ STALE: tuple[Stale, ...] = (
         "~35 min",
     ),
     Stale(
-        ("benchmarks/scaling/accuracy/*/*.json",),
+        ("results/scaling/accuracy/*/*.json",),
         "provenance",
         f"No commit recorded; 300-step accuracy runs of 1 December (two seeds, one for shared-mask); {HOOK}.",
         'SEEDS="0 1 2" WORKERS=16 benchmarks/scaling/run_accuracy.sh',
         "~35 min (six runs of 4-7 min)",
     ),
     Stale(
-        ("benchmarks/training/results.json", "benchmarks/training/runs/*/*.json"),
+        ("results/training/results.json", "results/training/runs/*/*.json"),
         "provenance",
         f"No commit recorded; 29 November, one seed. Since then the trainer's defaults changed (DGC's recipe "
         f"db4a645, density warm-up c095d7c) and {HOOK}. The README's training table quotes it.",
@@ -142,17 +143,17 @@ STALE: tuple[Stale, ...] = (
         "~25 min",
     ),
     Stale(
-        ("benchmarks/vgc/accuracy.json",),
+        ("results/vgc/accuracy.json",),
         "provenance",
         f"No commit recorded; 29 November, one seed; the trainer's defaults changed since (db4a645) and {HOOK}.",
-        f"{LOCK} .venv/bin/python benchmarks/vgc/accuracy.py --out benchmarks/vgc/accuracy.json",
+        f"{LOCK} .venv/bin/python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json",
         "~15 min",
     ),
     Stale(
         (
-            "benchmarks/convergence/runs/*/*/*.json",
-            "benchmarks/convergence/partial/*/*/*.json",
-            "benchmarks/convergence/results.json",
+            "results/convergence/runs/*/*/*.json",
+            "results/convergence/partial/*/*/*.json",
+            "results/convergence/results.json",
         ),
         "provenance",
         "The runs name commits lost to rebases (4c2b7a4, 3fedd65, 10f145f, 897b5c1, bcbf5e2); one seed; "
@@ -162,7 +163,7 @@ STALE: tuple[Stale, ...] = (
         "~30 h for the whole plan (VGG ~60 min per 4-epoch run, LSTM ~21 min per 8-epoch run)",
     ),
     Stale(
-        ("benchmarks/convergence/lr_probes/*/*.json", "benchmarks/convergence/warmup_probe/*/*.json"),
+        ("results/convergence/lr_probes/*/*.json", "results/convergence/warmup_probe/*/*.json"),
         "provenance",
         "No commit recorded: short probes that chose the learning rates and the trainer's density warm-up; "
         "they decided defaults and are not quoted as results.",
@@ -206,10 +207,10 @@ def _git(*args: str) -> str:
 
 
 def report() -> None:
-    """Print, per committed result, its last commit and the code commits since (``MOVED_BY``)."""
-    results = [p for p in _git("ls-files", "benchmarks/*.json").split() if "/convergence/runs/" not in p]
+    """Print, per committed result, the commit that last wrote it and the code commits since (``MOVED_BY``)."""
+    results = [p for p in _git("ls-files", "results/*.json").split() if "/convergence/runs/" not in p]
     for path in results:
-        written = _git("log", "-1", "--format=%h %cs", "--", path).split()
+        written = _git("log", "-1", "--follow", "--diff-filter=AM", "--format=%h %cs", "--", path).split()
         since = _git("log", "--format=%h %s", f"{written[0]}..HEAD", "--", *moved_by(path)).splitlines()
         entry = covering(path)
         print(f"{path}  written {' '.join(written)}  code commits since: {len(since)}"

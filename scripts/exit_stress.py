@@ -9,7 +9,7 @@ it was still running after ``--timeout`` seconds (it is then aborted, so that it
 holds every thread's stack). A run is abnormal when any of its ranks is. Compressors are
 interleaved run by run, so a change in machine load hits them all alike.
 
-    python scripts/exit_stress.py --runs 200 --jobs 2 --json benchmarks/exit/results.json
+    python scripts/exit_stress.py --runs 200 --jobs 2 --json results/exit/results.json
 
 ``--jobs N`` runs N at a time (more load on the machine: a harsher test, not a gentler one).
 ``--json`` is rewritten after every run; ``--resume`` continues its tallies up to ``--runs``.

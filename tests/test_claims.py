@@ -21,7 +21,7 @@ import stale
 from claimmodel import Claim, Result, lookup, spanned
 
 ROOT = claimmodel.ROOT
-ESTIMATION, PREDICTIONS = "benchmarks/estimation/results.json", "benchmarks/scaling/predictions.json"
+ESTIMATION, PREDICTIONS = "results/estimation/results.json", "results/scaling/predictions.json"
 
 
 # -- the repository as committed --------------------------------------------------------------
@@ -129,10 +129,8 @@ def write_json(root: Path, path: str, data: dict) -> str:
 
 def test_a_doctored_commit_fails_unless_listed_stale(tmp_path: Path, commits: set[str]) -> None:
     head = next(iter(commits))
-    good = write_json(tmp_path, "benchmarks/a/results.json", {"run": {"commit": head[:9]}})
-    bad = write_json(
-        tmp_path, "benchmarks/b/results.json", {"runs": [{"gradsift_commit": "0123456789abcdef"}]}
-    )
+    good = write_json(tmp_path, "results/a/results.json", {"run": {"commit": head[:9]}})
+    bad = write_json(tmp_path, "results/b/results.json", {"runs": [{"gradsift_commit": "0123456789abcdef"}]})
     problems = [
         p for p in claims.provenance_problems(tmp_path, commits, [good, bad], ()) if p.startswith((good, bad))
     ]
@@ -162,17 +160,17 @@ def test_a_claimed_result_needs_a_clean_stamp_or_a_stale_entry(tmp_path: Path, c
 def test_stale_entries_that_match_nothing_or_are_no_longer_needed_fail(
     tmp_path: Path, commits: set[str]
 ) -> None:
-    path = write_json(tmp_path, "benchmarks/a/results.json", stamped(next(iter(commits))))
+    path = write_json(tmp_path, "results/a/results.json", stamped(next(iter(commits))))
     entries = (
         stale.Stale((path,), "provenance", "w", "c", "t"),
-        stale.Stale(("benchmarks/z/*",), "code", "w", "c", "t"),
+        stale.Stale(("results/z/*",), "code", "w", "c", "t"),
     )
     found = [
         p for p in claims.provenance_problems(tmp_path, commits, [path], entries) if p.startswith("stale")
     ]
     assert found == [
         f"stale entry ('{path}',): every result is validly stamped now; remove the entry",
-        "stale entry ('benchmarks/z/*',): matches no result",
+        "stale entry ('results/z/*',): matches no result",
     ]
 
 

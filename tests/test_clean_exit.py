@@ -2,7 +2,7 @@
 
 The exit race (docs/decisions.md, "Clean exit") needs a gloo thread that still has
 Python work when the interpreter finalizes, so one run rarely catches it; the
-committed 200-run stress result is in benchmarks/exit/. Here the user script's training
+committed 200-run stress result is in results/exit/. Here the user script's training
 runs :data:`EXIT_RUNS` times per compressor, interleaved, in forked ranks that end
 through the interpreter's finalization as the script does (``run_workers(...,
 finalize=True)``: about 5 CPU-s a run against 15 for two fresh interpreters). The worker

@@ -170,7 +170,7 @@ def test_hf_trainer_example_compresses_and_resumes_exactly_from_the_trainers_che
     assert all(load(middle / f"gradsift_hook_state_{r}.pt")["global_step"] == 20 for r in range(2))
 
 
-HF_MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "integrations" / "hf_trainer.json"
+HF_MEASURED = Path(__file__).resolve().parents[1] / "results" / "integrations" / "hf_trainer.json"
 
 
 def test_hf_trainer_example_stays_within_its_measured_gap_to_the_trainer_alone(

@@ -23,7 +23,7 @@ def git(root: Path, *args: str) -> str:
 @pytest.fixture
 def checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A committed checkout with code and a result; gradsift counts as imported from it."""
-    for path in ("src/gradsift/core.py", "benchmarks/x/run.py", "benchmarks/x/results.json", "scripts/a.sh"):
+    for path in ("src/gradsift/core.py", "benchmarks/x/run.py", "results/x/results.json", "scripts/a.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("1\n")
     git(tmp_path, "init", "-q")
@@ -37,9 +37,10 @@ def test_a_clean_checkout_gives_its_commit_and_no_dirty_paths(checkout: Path) ->
     assert provenance.code_state(checkout) == (git(checkout, "rev-parse", "HEAD"), [])
 
 
-def test_results_are_data_but_scripts_and_any_source_are_code(checkout: Path) -> None:
-    (checkout / "benchmarks/x/results.json").write_text("2\n")
-    (checkout / "benchmarks/x/plot.png").write_text("new\n")
+def test_results_and_docs_are_not_code_but_scripts_and_any_source_are(checkout: Path) -> None:
+    (checkout / "results/x/results.json").write_text("2\n")
+    (checkout / "results/x/plot.png").write_text("new\n")
+    (checkout / "benchmarks/x/README.md").write_text("new\n")
     assert provenance.code_state(checkout)[1] == []
     (checkout / "benchmarks/x/run.py").write_text("2\n")
     (checkout / "src/gradsift/new.txt").write_text("untracked\n")

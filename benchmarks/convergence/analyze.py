@@ -3,7 +3,8 @@
     python benchmarks/convergence/analyze.py              # results.json + plots/
     python benchmarks/convergence/analyze.py --update-docs   # also the tables (benchmarks/claims.py --write)
 
-Accuracy comes from the localhost runs (``runs/``); the time axis from step times
+Every folder named here is under ``results/convergence/``. Accuracy comes from the
+localhost runs (``runs/``); the time axis from step times
 measured over emulated links (``timing/``): a run's training time to step ``s`` on a
 link is ``sum_{i < s} t(bytes_i)``, where ``bytes_i`` is what step ``i`` of the
 localhost run sent and ``t`` interpolates linearly, in bytes, between the median step
@@ -30,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol import HEADLINE, HERE, METHODS, RUNS, WORKLOADS
+from protocol import HEADLINE, METHODS, RESULTS, RUNS, WORKLOADS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
-TIMING = HERE / "timing"
-VALIDATION = HERE / "validation"
-PLOTS = HERE / "plots"
+TIMING = RESULTS / "timing"
+VALIDATION = RESULTS / "validation"
+PLOTS = RESULTS / "plots"
 LINKS = ("100mbit", "1gbit")
 ACCURACY_MARGIN = 0.005
 LOSS_MARGIN = 0.01
@@ -390,7 +391,7 @@ def main() -> None:
     stamp = provenance.start()
     results = load_results()
     analysis = analyze(results) | {"provenance": stamp.finish()}  # of the analysis: each run has its own
-    (HERE / "results.json").write_text(json.dumps(analysis, indent=2) + "\n")
+    (RESULTS / "results.json").write_text(json.dumps(analysis, indent=2) + "\n")
     text = markdown(analysis)
     print(text)
     if not args.no_plots:

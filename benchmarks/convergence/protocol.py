@@ -1,19 +1,24 @@
 """The convergence protocol: workloads, methods at their papers' settings, and the run plan.
 
 Every run is one ``gradsift train`` command (4 workers -- 2 for ``gpt-adamw`` --, localhost
-gloo) whose directory name says what it is: ``runs/<workload>/<method>-e<epochs>-s<seed>/``. The plan is data
+gloo) whose directory name says what it is:
+``results/convergence/runs/<workload>/<method>-e<epochs>-s<seed>/``. The plan is data
 only; ``run.py`` executes it and ``analyze.py`` reads the results. The README explains
 each choice; docs/decisions.md records how the epochs were decided.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RUNS = HERE / "runs"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: where results go
+from paths import results_dir
+
+RESULTS = results_dir(__file__)
+RUNS = RESULTS / "runs"
 WORKERS = 4
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
@@ -279,7 +284,10 @@ class TimingRun:
     @property
     def directory(self) -> Path:
         return (
-            HERE / "timing" / self.workload / f"{self.method}-{self.link}{'-start' if self.at_start else ''}"
+            RESULTS
+            / "timing"
+            / self.workload
+            / f"{self.method}-{self.link}{'-start' if self.at_start else ''}"
         )
 
     def arguments(self) -> list[str]:
@@ -321,7 +329,7 @@ class ValidationRun:
 
     @property
     def directory(self) -> Path:
-        return HERE / "validation" / self.workload / f"{self.method}-{self.link}"
+        return RESULTS / "validation" / self.workload / f"{self.method}-{self.link}"
 
     def arguments(self) -> list[str]:
         return [*Run(self.workload, self.method, 0, WORKLOADS[self.workload].epochs).arguments(),

@@ -14,7 +14,7 @@
 summary.json carries a ``provenance`` stamp (``benchmarks/provenance.py``: the commit, the
 command, the seed, the load averages before and after, whether the lock was held).
 
-Each run is ``python -m gradsift train ... --out runs/<workload>/<method>-e<E>-s<seed>``
+Each run is ``python -m gradsift train ... --out results/convergence/runs/<workload>/<method>-e<E>-s<seed>``
 in its own process (4 workers, or the workload's own count, on localhost gloo). A finished run keeps config.json,
 summary.json, evals.jsonl and steps.jsonl.gz (gzipped: ``analyze.py`` reads it); a run
 that fails is reported and the next one starts, so re-running the same command
@@ -38,6 +38,7 @@ import provenance
 from protocol import (
     DEFAULTS_RUNS,
     METHODS,
+    RESULTS,
     VALIDATION_RUNS,
     WORKLOADS,
     accuracy_runs,
@@ -118,9 +119,7 @@ def main() -> int:
     plan = list(dict.fromkeys(plan))
     if args.group == "status":
         for run in plan:
-            print(
-                f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(Path(__file__).parent)}"
-            )
+            print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(RESULTS)}")
         return 0
     timed = args.group in ("timing", "validation")
     failures = [run for run in plan if not finished(run) and not execute(run, timed)]

@@ -5,7 +5,7 @@ are interleaved (step s of every configuration, then step s+1, ...), so backgrou
 load hits all of them alike. Reports per configuration the median step time (forward +
 backward + hook + optimizer), its ratio to stock DDP, and the hook's telemetry.
 
-    python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 12 --out benchmarks/ddp/results.json
+    python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 12 --out results/ddp/results.json
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 from workers import run_ranks
 
 CONFIGS = [
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/ddp/results.json")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "results.json")
     args = parser.parse_args()
     stamp = provenance.start(
         seeds=sorted({0, *range(max(args.world_sizes))})

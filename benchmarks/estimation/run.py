@@ -29,8 +29,9 @@ from gradsift.compressors import get_compressor
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.tools.analysis import estimation_series, load_gradients, percentile_summary
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
 VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 SETTINGS = {"raw": "raw", "ef-saved": "ef", "ef-replay": "raw"}  # setting -> file kind
@@ -62,8 +63,8 @@ def main() -> None:
         help="SIDCo's exact_below option (default: its own); 0 puts every tensor on the statistical path",
     )  # fmt: skip
     parser.add_argument("--skip", type=int, default=3, help="adaptation calls left out of the summary")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.json")
-    parser.add_argument("--plot", type=Path, default=Path(__file__).parent / "summary.png")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "results.json")
+    parser.add_argument("--plot", type=Path, default=results_dir(__file__) / "summary.png")
     args = parser.parse_args()
     torch.set_num_threads(2)
     stamp = provenance.start()  # no random draws: the gradients are collect.py's (seed 0)

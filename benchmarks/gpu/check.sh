@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check on one GPU, under 8 minutes, without installing gradsift (python3 or $PYTHON,
 # PYTHONPATH=src); exits non-zero when a check fails. --dry-run: on CPU at toy sizes (tests).
-#   benchmarks/gpu/check.sh [--dry-run] [OUT]     OUT: default $OUT, else benchmarks/gpu/results
+#   benchmarks/gpu/check.sh [--dry-run] [OUT]     OUT: default $OUT, else results/gpu
 # Writes to OUT check.json, train.txt, train-summary.json, cuda-tests.txt (with pytest), check.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,7 +12,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   shift
   device=cpu steps=3
 fi
-out=${1:-${OUT:-benchmarks/gpu/results}}
+out=${1:-${OUT:-results/gpu}}
 mkdir -p "$out"
 exec > >(tee "$out/check.log") 2>&1
 started=$(date +%s)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements in one go (see README.md): compress cost against torch.topk at 1M-100M
 # elements in fp32 and bf16, then a 2-process DDP hook run on CUDA tensors. Writes JSON into
-# OUT (default $OUT when set, else benchmarks/gpu/results), each stamped by benchmarks/provenance.py. Budget: under
+# OUT (default $OUT when set, else results/gpu), each stamped by benchmarks/provenance.py. Budget: under
 # 8 minutes on one recent GPU.
 #   benchmarks/gpu/run.sh [OUT]             on a machine with a CUDA GPU
 #   benchmarks/gpu/run.sh --dry-run [OUT]   the same steps on CPU at toy sizes (the tests run this)
@@ -17,7 +17,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   device=cpu sizes="70000" repeats=1 warmup=0
   hook=(--width 16 --depth 1 --batch 4 --steps 1 --warmup 0)
 fi
-out=${1:-${OUT:-benchmarks/gpu/results}}
+out=${1:-${OUT:-results/gpu}}
 mkdir -p "$out"
 if [ "$device" = cuda ] && ! "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "run.sh: no CUDA GPU visible to $py (torch $("$py" -c 'import torch; print(torch.__version__)'))" >&2

@@ -15,7 +15,7 @@ collectives -- and ``optimizer``), the gradsift Python functions by inclusive ti
 the operators by self time. ``backward`` minus stock's ``backward`` is what the hook adds.
 
     python benchmarks/hook_overhead/run.py --steps 60 --warmup 5 --profile-steps 10 \\
-        --json benchmarks/hook_overhead/results.json
+        --json results/hook_overhead/results.json
 """
 
 from __future__ import annotations

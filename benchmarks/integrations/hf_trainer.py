@@ -6,7 +6,7 @@ Each run is ``torchrun --standalone --nproc-per-node 2 examples/hf_trainer_examp
 --steps 300`` (the documented comparison in docs/integrations.md) with ``topk`` at 0.01
 (``gradsift``), the same with ``--plain-error-feedback`` (``plain``: the Trainer's AdamW as
 built, under error feedback) and ``--without-gradsift`` (``alone``). The result,
-``hf_trainer.json``, holds every run's final loss on the example's fixed batch and bytes,
+``results/integrations/hf_trainer.json``, holds every run's final loss on the example's fixed batch and bytes,
 and per variant the mean and sample sd over seeds and the loss ratio to ``alone`` per
 seed: the spread ``tests/test_examples.py`` takes its margin from.
 """
@@ -20,10 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared provenance stamp
-import provenance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
+import provenance
+from paths import ROOT, results_dir
 
 SEEDS = (0, 1, 2)
 STEPS = 300
@@ -64,7 +63,7 @@ def main() -> None:
         "runs": {v: {str(s): r for s, r in by_seed.items()} for v, by_seed in runs.items()},
         "summary": summary, "provenance": stamp.finish(),
     }  # fmt: skip
-    (HERE / "hf_trainer.json").write_text(json.dumps(result, indent=2) + "\n")
+    (results_dir(__file__) / "hf_trainer.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
 

@@ -1,7 +1,7 @@
 """Pack + unpack time of gradsift.compressors.bitpack beside the bit-expansion packer it replaced.
 
 Usage (repository root): flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py
-Writes benchmarks/quantizers/results/bitpack_speed.json. The old packer (commit 720bd68)
+Writes results/quantizers/bitpack_speed.json. The old packer (commit 720bd68)
 expanded every code into b uint8 bits; the current one packs groups of 8 codes into
 one int64 word and cuts it into b bytes. Both are timed in interleaved rounds on the same codes; medians of 15 rounds.
 """
@@ -19,10 +19,9 @@ import torch
 from gradsift import get_compressor
 from gradsift.compressors import bitpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
-
-HERE = Path(__file__).parent
+from paths import results_dir
 
 
 def old_module():
@@ -88,8 +87,9 @@ def main() -> None:
         "provenance": stamp.finish(),
     }
     print(result["qsgd_235k"])
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "bitpack_speed.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = results_dir(__file__)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bitpack_speed.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 # With no NAME, every method below runs. Each result is stamped by benchmarks/provenance.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/quantizers/results
+out=results/quantizers
 mkdir -p "$out"
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(none bf16 qsgd terngrad signsgd efsignsgd powersgd sidco-exp vgc)

@@ -18,7 +18,7 @@ per layer, clip to 2.5 standard deviations of the layer's gradient (``torch.std`
 about the mean), scale ``s = max|h|``, so ``E ||Q - g||^2 = sum |h|(s - |h|) + (h - g)^2``.
 The variance part alone (``sum |h|(s - |h|)``, no bias) is reported too.
 
-    python benchmarks/quantizers/terngrad_variance.py --out benchmarks/quantizers/results/terngrad_variance.json
+    python benchmarks/quantizers/terngrad_variance.py --out results/quantizers/terngrad_variance.json
 """
 
 from __future__ import annotations

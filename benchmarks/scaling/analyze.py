@@ -1,6 +1,6 @@
 """Measured scaling runs beside gradsift.exchanges.costmodel: calibration, error per point, plot.
 
-Reads ``results/*.json`` (written by run.py). For every shaped run it builds the cost
+Reads ``results/scaling/results/*.json`` (written by run.py). For every shaped run it builds the cost
 model's :class:`~gradsift.exchanges.costmodel.Traffic` of the run's exchange, summed over DDP's
 buckets of ``mlp-wide`` (1 059 850 and 803 840 elements: DDP's 1 MB first bucket and
 25 MB cap), at the run's achieved density (an allgather padded to its measured
@@ -24,9 +24,9 @@ padded/sent ratio). Then:
   2 to 16 workers, and its final accuracy (equal steps) is within 0.5 point of
   ``allgather``'s.
 
-    python benchmarks/scaling/analyze.py      # writes analysis.json, plots/measured_vs_model.png, prints tables
-    python benchmarks/scaling/analyze.py --results benchmarks/scaling/unlocked \\
-        --json benchmarks/scaling/unlocked/analysis.json --plot benchmarks/scaling/plots/unlocked_vs_model.png
+    python benchmarks/scaling/analyze.py    # results/scaling/analysis.json, plots/measured_vs_model.png; tables
+    python benchmarks/scaling/analyze.py --results results/scaling/unlocked \\
+        --json results/scaling/unlocked/analysis.json --plot results/scaling/plots/unlocked_vs_model.png
 
 Without localhost runs (or fewer than two dense ones) there is no link time and no
 calibration: the bytes are still compared with the model.
@@ -50,10 +50,11 @@ from gradsift.exchanges.costmodel import (
 )
 from gradsift.tools.train.netem import parse_rate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
-HERE = Path(__file__).resolve().parent
+RESULTS = results_dir(__file__)
 BUCKETS = (
     1_059_850,
     803_840,
@@ -125,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--results", type=Path, default=HERE / "results", help="folder of run.py's JSON")
-    parser.add_argument("--json", type=Path, default=HERE / "analysis.json")
-    parser.add_argument("--plot", type=Path, default=HERE / "plots" / "measured_vs_model.png")
+    parser.add_argument("--results", type=Path, default=RESULTS / "results", help="folder of run.py's JSON")
+    parser.add_argument("--json", type=Path, default=RESULTS / "analysis.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "plots" / "measured_vs_model.png")
     args = parser.parse_args(argv)
     stamp = provenance.start()
     shaped, floor = load(args.results)
@@ -147,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration = None if bandwidth_eff is None else {
         "bandwidth_bytes_per_s": bandwidth_eff, "bandwidth_mbit": bandwidth_eff * 8 / 1e6,
         "latency_per_message_s": latency_eff, "fitted_on": "link times of the dense allreduce runs"}  # fmt: skip
-    analysis = {"results": str(args.results.resolve().relative_to(HERE)), "targets": targets(rows),
-                "accuracy_at_equal_steps": accuracy_runs(HERE / "accuracy"),
+    analysis = {"results": str(args.results.resolve().relative_to(RESULTS)), "targets": targets(rows),
+                "accuracy_at_equal_steps": accuracy_runs(RESULTS / "accuracy"),
                 "calibration": calibration, "buckets": list(BUCKETS), "points": rows,
                 "provenance": stamp.finish()}  # fmt: skip
     args.json.write_text(json.dumps(analysis, indent=2) + "\n")

@@ -10,7 +10,7 @@ Everything comes from gradsift.exchanges.costmodel; see its docstring for the fo
 at 16 workers in units of ``k (P-1)/P`` entries, one more line predicts the balanced
 exchange at that measured traffic (its measured slice imbalance and headers included).
 
-    python benchmarks/scaling/predict.py            # writes predictions.json, plots/predicted_scaling.png
+    python benchmarks/scaling/predict.py    # results/scaling/predictions.json, plots/predicted_scaling.png
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from gradsift.exchanges.costmodel import (
     sparse_reduce_scatter_traffic,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
-HERE = Path(__file__).resolve().parent
+RESULTS = results_dir(__file__)
 BANDWIDTHS_GBIT = (1, 10, 100)
 WORKERS = (64, 128, 256, 512, 1024)
 
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=10e-6, help="seconds per message (default 10 us)")
     parser.add_argument("--side", type=int, default=2048, help="PowerSGD matrix side")
     parser.add_argument("--rank", type=int, default=10, help="PowerSGD rank")
-    parser.add_argument("--json", type=Path, default=HERE / "predictions.json")
-    parser.add_argument("--plot", type=Path, default=HERE / "plots" / "predicted_scaling.png")
+    parser.add_argument("--json", type=Path, default=RESULTS / "predictions.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "plots" / "predicted_scaling.png")
     parser.add_argument(
-        "--analysis", type=Path, default=HERE / "analysis.json", help="measured runs (analyze.py)"
+        "--analysis", type=Path, default=RESULTS / "analysis.json", help="measured runs (analyze.py)"
     )
     args = parser.parse_args(argv)
     stamp = provenance.start()

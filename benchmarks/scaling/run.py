@@ -17,9 +17,10 @@ runs, never inside one).
     python benchmarks/scaling/run.py --label NAME --compressor sidco-exp --ratio 0.01 --exchange NAME
     python benchmarks/scaling/run.py --label fp32 --compressor none --localhost   # CPU floor (no shaping)
 
-Writes ``results/<label>-w<P>[-localhost].json`` and keeps the run directory under ``runs/``
-(``--results DIR``: ``DIR/<name>.json`` and ``DIR/runs/<name>``, for runs kept apart from
-the timed ones, e.g. on a loaded machine without the CPU lock).
+Writes ``results/scaling/results/<label>-w<P>[-localhost].json`` and keeps the run
+directory under ``results/scaling/runs/`` (``--results DIR``: ``DIR/<name>.json`` and
+``DIR/runs/<name>``, for runs kept apart from the timed ones, e.g. on a loaded machine
+without the CPU lock).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from pathlib import Path
 
 from gradsift.tools.train.netem import PREFIX, NetemUnavailableError, link_counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
-HERE = Path(__file__).resolve().parent
+RESULTS = results_dir(__file__)
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 MODEL = ["--model", "mlp-wide", "--lr", "0.05", "--seed", "0", "--data-dir", DATA_DIR, "--no-progress",
          "--timeout", "900"]  # fmt: skip
@@ -84,7 +86,7 @@ def _counters(launcher_pid: int, workers: int) -> list[dict[str, int]]:
 def run_point(args: argparse.Namespace, workers: int) -> dict:
     """One ``gradsift train`` run at ``workers`` workers; its measurements."""
     name = f"{args.label}-w{workers}" + ("-localhost" if args.localhost else "")
-    out = (HERE / "runs" if args.results is None else args.results / "runs") / name
+    out = (RESULTS / "runs" if args.results is None else args.results / "runs") / name
     command = [sys.executable, "-m", "gradsift", "train", *MODEL, "--workers", str(workers),
                "--batch-size", str(args.batch_size), "--compressor", args.compressor, "--steps", str(args.steps),
                "--out", str(out)]  # fmt: skip
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--label", required=True, help="name of the series (results/<label>-w<P>.json)")
+    parser.add_argument("--label", required=True, help="name of the series (<label>-w<P>.json)")
     parser.add_argument("--compressor", required=True)
     parser.add_argument("--ratio", type=float)
     parser.add_argument("--exchange", help="passed as gradsift train --exchange (default: the compressor's)")
@@ -157,10 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", default="100mbit")
     parser.add_argument("--localhost", action="store_true", help="no emulation: the CPU-bound floor")
     parser.add_argument("--lock", default="/tmp/gradsift-cpu.lock", help="CPU lock per run ('' for none)")
-    parser.add_argument("--results", type=Path, help="folder for results and runs (default: results/, runs/)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="folder for the JSON and runs/ (default: the JSON in results/scaling/results/, runs/ beside it)",
+    )
     args = parser.parse_args(argv)
     args.lock = args.lock or None
-    results = HERE / "results" if args.results is None else args.results
+    results = RESULTS / "results" if args.results is None else args.results
     results.mkdir(exist_ok=True)
     for workers in args.workers:
         result = run_point(args, workers)

@@ -7,7 +7,7 @@
 # summary.json stamped by benchmarks/provenance.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/scaling/accuracy
+out=results/scaling/accuracy
 for p in ${WORKERS:-16}; do
   for seed in ${SEEDS:-0 1 2}; do
     for exchange in allgather balanced shared-mask; do

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=.venv/bin/python
-results=benchmarks/scaling/results
+results=results/scaling/results
 point() {  # label workers mode [run.py flags...]
   local label=$1 p=$2 mode=$3; shift 3
   local suffix=""; [ -n "$mode" ] && suffix=-localhost

@@ -12,7 +12,7 @@ last, rank 0's training loss per step, the hook's bytes sent and received per wo
     python benchmarks/scaling/simulate_accuracy.py --workers 2 4 8 16 32 64 --steps 300
     python benchmarks/scaling/simulate_accuracy.py --workers 2 --steps 3 --eval-every 0 --out /tmp/smoke.json
 
-Results go to ``--out`` (default ``simulated/results.json``), one row per run, written
+Results go to ``--out`` (default ``results/scaling/simulated/results.json``), one row per run, written
 after every run; a row already there (same exchange, workers, seed and settings) is
 skipped, so an interrupted sweep resumes. Each row carries its own provenance stamp
 (benchmarks/provenance.py); run it under the CPU lock (``flock /tmp/gradsift-cpu.lock``)
@@ -40,10 +40,11 @@ from gradsift.tools.train.exchange import recipe_options
 from gradsift.tools.train.loop import cross_entropy
 from gradsift.tools.train.models import build_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
-HERE = Path(__file__).resolve().parent
+RESULTS = results_dir(__file__)
 EXCHANGES = ("allgather", "balanced", "shared-mask")
 
 
@@ -60,7 +61,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--model", default="mlp-wide")
     parser.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
-    parser.add_argument("--out", type=Path, default=HERE / "simulated" / "results.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "simulated" / "results.json")
     return parser.parse_args(argv)
 
 

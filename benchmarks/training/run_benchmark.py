@@ -1,7 +1,7 @@
 """End-to-end training benchmark: time to accuracy over emulated 100 Mbit/s and 1 Gbit/s links.
 
 Runs ``gradsift train`` (its parser and code path, in this process) for every configuration below into
-``benchmarks/training/runs/<name>/``, then writes ``results.json`` and the plots.
+``results/training/runs/<name>/``, then writes ``results/training/results.json`` and the plots.
 Needs root + iproute2 (network namespaces, tc tbf) and the full Fashion-MNIST
 (Debian's dataset-fashion-mnist). Run it under the shared benchmark lock:
 
@@ -25,11 +25,12 @@ from gradsift.tools.report import comparison_rows, find_runs, plot_runs
 from gradsift.tools.train.netem import parse_rate
 from gradsift.tools.train.summary import time_to_accuracy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
-HERE = Path(__file__).resolve().parent
-RUNS = HERE / "runs"
+RESULTS = results_dir(__file__)
+RUNS = RESULTS / "runs"
 DATA_DIR = "/usr/share/datasets/fashion-mnist"
 COMPRESSORS = {
     "none": [],
@@ -112,11 +113,11 @@ def analyze() -> dict:
                 for level in SUPPLEMENTARY_LEVELS
             },
         }  # fmt: skip
-        plot_runs(runs, HERE / "plots" / bandwidth)
+        plot_runs(runs, RESULTS / "plots" / bandwidth)
     results["scaling"] = _scaling(by_name)
     _plot_scaling(results["scaling"])
     results["provenance"] = stamp.finish()  # of the analysis; each run's summary.json has its own
-    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
@@ -208,8 +209,8 @@ def _plot_scaling(scaling: dict) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    (HERE / "plots").mkdir(exist_ok=True)
-    figure.savefig(HERE / "plots" / "scaling.png", dpi=120)
+    (RESULTS / "plots").mkdir(exist_ok=True)
+    figure.savefig(RESULTS / "plots" / "scaling.png", dpi=120)
 
 
 def main() -> int:

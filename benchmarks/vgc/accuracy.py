@@ -5,7 +5,7 @@ seed 0) for fp32 dense, ``vgc`` at each alpha, then ``sidco-exp`` and ``topk`` a
 ratio that matches the bytes per step of ``vgc`` at ``--match-alpha`` (8 bytes per
 sparsifier element vs VGC's 4), and writes a summary JSON. Usage (repository root):
 
-    flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out benchmarks/vgc/accuracy.json
+    flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
 FIELDS = ("bytes_sent_per_step", "dense_bytes_per_step", "achieved_density", "step_time_median_s",
           "final_test_accuracy", "train_time_s", "parameters", "steps")  # fmt: skip
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--match-alpha", type=float, default=2.0)
     parser.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/gradsift-vgc-accuracy"))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/vgc/accuracy.json"))
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "accuracy.json")
     args = parser.parse_args()
     stamp = provenance.start(seeds=[0])  # every run's --seed
 

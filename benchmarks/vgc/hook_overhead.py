@@ -1,7 +1,7 @@
 """Backward time with VGC's variance hooks vs a plain backward, on the trainer's reference models.
 
 Usage (from the repository root; the README gives the exact command used):
-    flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py --out benchmarks/vgc/hook_overhead.json
+    flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py --out results/vgc/hook_overhead.json
 
 For every model the plain model and the hooked copies (conv rule "approx" and "exact")
 are timed round-robin, ``--repeats`` times each, so load changes hit all variants
@@ -27,8 +27,9 @@ from torch.nn import functional as F
 from gradsift.compressors.variance import VarianceTracker
 from gradsift.tools.train.models import build_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance
+from paths import results_dir
 
 
 def models(batch: int) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/vgc/hook_overhead.json")
+    parser.add_argument("--out", type=Path, default=results_dir(__file__) / "hook_overhead.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
