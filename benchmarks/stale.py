@@ -36,19 +36,24 @@ MOVED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("results/compress/randomk_sampling.json", (f"{SRC}/compressors/randomk.py",)),
     (
         "results/compress/*",
-        (f"{SRC}/compressors", f"{SRC}/kernels.py", f"{SRC}/stats.py", f"{SRC}/benchmarking.py"),
+        (f"{SRC}/compressors", f"{SRC}/tools/benchmarking.py"),
     ),
     (
         "results/estimation/*",
-        (f"{SRC}/compressors/sidco.py", f"{SRC}/stats.py", f"{SRC}/kernels.py", f"{SRC}/feedback.py"),
+        (
+            f"{SRC}/compressors/sidco.py",
+            f"{SRC}/compressors/stats.py",
+            f"{SRC}/compressors/kernels.py",
+            f"{SRC}/hook/feedback.py",
+        ),
     ),
-    ("results/quantizers/bitpack_speed.json", (f"{SRC}/bitpack.py",)),
+    ("results/quantizers/bitpack_speed.json", (f"{SRC}/compressors/bitpack.py",)),
     (
         "results/quantizers/terngrad_variance.json",
         (f"{SRC}/compressors/terngrad.py", f"{SRC}/compressors/quantization.py"),
     ),
-    ("results/vgc/hook_overhead.json", (f"{SRC}/variance.py",)),
-    ("results/scaling/predictions.json", (f"{SRC}/costmodel.py",)),
+    ("results/vgc/hook_overhead.json", (f"{SRC}/compressors/variance.py",)),
+    ("results/scaling/predictions.json", (f"{SRC}/exchanges/costmodel.py",)),
     ("results/*", (SRC,)),  # the hook, the exchanges, the trainer: everything
 )
 
