@@ -25,6 +25,7 @@ def test_available_compressors_lists_every_design_name():
         "sidco-gamma",
         "vgc",
         "qsgd",
+        "blockquant",
         "terngrad",
         "signsgd",
         "efsignsgd",

@@ -178,6 +178,18 @@ METHODS = {
                              setting="ratio 0.01, the recipe with 64 dense warm-up steps (20 % of 314)"),
     "topk-0.01-dw128": Method("topk", {"ratio": 0.01}, flags=("--dense-warmup-steps", "128"),
                               setting="ratio 0.01, the recipe with 128 dense warm-up steps (41 % of 314)"),
+    "qavg-blockquant8-h10": Method("blockquant", {"bits": 8, "outer_lr": 1.0, "outer_momentum": 0.0},
+                                   flags=("--sync-every", "10"),
+                                   setting="quantized periodic averaging, H 10: the delta in 8-bit codes, absmax per 64, "
+                                           "error feedback with decay 0.95"),
+    "qavg-blockquant4-h10": Method("blockquant", {"bits": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+                                   flags=("--sync-every", "10"), setting="as qavg-blockquant8-h10 in 4-bit codes"),
+    "qavg-blockquant2-h10": Method("blockquant", {"bits": 2, "outer_lr": 1.0, "outer_momentum": 0.0},
+                                   flags=("--sync-every", "10"), setting="as qavg-blockquant8-h10 in 2-bit (ternary) codes"),
+    "qavg-blockquant2-h20": Method("blockquant", {"bits": 2, "outer_lr": 1.0, "outer_momentum": 0.0},
+                                   flags=("--sync-every", "20"), setting="2-bit codes every 20 steps"),
+    "onebit-adam": Method("efsignsgd", setting="1-bit Adam's anchor: the hook's frozen-variance AdamW (the trainer's "
+                                               "dense warm-up) with scaled signs and worker error feedback"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -233,7 +245,9 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
          "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20",
          "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
-         "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128")  # fmt: skip
+         "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128",
+         "qavg-blockquant8-h10", "qavg-blockquant4-h10", "qavg-blockquant2-h10", "qavg-blockquant2-h20",
+         "onebit-adam")  # fmt: skip
 
 
 #: The methods also run on 4 workers.

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.bitpack import bits_for
-from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
+from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype, rows
 from gradsift.core.validation import check_int
 
 #: Largest ``levels``: signed levels ``[-s, s]`` then fit 8-bit codes (the widest bitpack packs).
@@ -63,9 +63,4 @@ class QSGD(StochasticQuantizer):
 
     def _buckets(self, flat: torch.Tensor, fill: float) -> torch.Tensor:
         """``flat`` as rows of ``bucket_size`` (one row when None), the last padded with ``fill``."""
-        numel = flat.numel()
-        size = self.bucket_size or max(1, numel)
-        missing = -numel % size
-        if missing:
-            flat = torch.cat([flat, flat.new_full((missing,), fill)])
-        return flat.view(-1, size)
+        return rows(flat, self.bucket_size or max(1, flat.numel()), fill)

@@ -36,6 +36,15 @@ from gradsift.core.validation import check_int
 RANK_SEED_STRIDE = 1_000_003
 
 
+def rows(flat: torch.Tensor, size: int, fill: float) -> torch.Tensor:
+    """``flat`` as rows of ``size`` elements (the blocks that share one scale), the last
+    padded with ``fill``."""
+    missing = -flat.numel() % size
+    if missing:
+        flat = torch.cat([flat, flat.new_full((missing,), fill)])
+    return flat.view(-1, size)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype quantizer arithmetic runs in: float32 for 16-bit floats, else ``dtype``."""
     return torch.promote_types(dtype, torch.float32)

@@ -29,6 +29,7 @@ _TABLE: dict[str, str] = {
     "sidco-gamma": "gradsift.compressors.sidco:SIDCoGamma",
     "vgc": "gradsift.compressors.vgc:VGC",
     "qsgd": "gradsift.compressors.qsgd:QSGD",
+    "blockquant": "gradsift.compressors.blockquant:BlockQuantizer",
     "terngrad": "gradsift.compressors.terngrad:TernGrad",
     "signsgd": "gradsift.compressors.signsgd:SignSGD",
     "efsignsgd": "gradsift.compressors.signsgd:EFSignSGD",
