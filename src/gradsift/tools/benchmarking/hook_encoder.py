@@ -4,10 +4,11 @@
 (what :meth:`gradsift.exchanges.base.Codec.encode` calls during backward; no host read),
 ``decompress`` times ``decompress_into([payload], out)``. After each call, untimed, the
 step closes as in the hook (the readout's one host read, the commit of the compressor's
-state and adaptation, the capacity following the demand): the hook pays that once per
-step, not per bucket. The public ``compress()`` reads the count and the non-finite flag
-on the host and trims the payload, so on a GPU it waits for the device every call, which
-the hook never does.
+state and adaptation, the capacity following the demand) and the next one opens (its
+:class:`~gradsift.core.transaction.Transaction`): the hook pays both once per step, not
+per bucket. The public ``compress()`` reads the count and the non-finite flag on the
+host and trims the payload, so on a GPU it waits for the device every call, which the
+hook never does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import GradsiftError
 from gradsift.core.payload import Count, Payload
-from gradsift.core.readout import Readout
+from gradsift.core.transaction import Transaction
 from gradsift.hook.capacity import CapacityPlan
 
 
@@ -29,48 +30,49 @@ class HookEncoder:
     :meth:`encode` is the hook's call during backward (the one
     :meth:`gradsift.exchanges.base.Codec.encode` makes): ``Compressor.encode`` with the
     part's capacity from a :class:`~gradsift.hook.capacity.CapacityPlan` (``compressor.capacity(n)``;
-    for an adaptive-capacity compressor, the demand of the last kept step) and the step's
-    :class:`~gradsift.core.readout.Readout`, inside the state store's transaction; no host read.
+    for an adaptive-capacity compressor, the demand of the last kept step) and the readout
+    of the step's :class:`~gradsift.core.transaction.Transaction`; no host read.
     :meth:`close` is the step's close: the readout's one host read, the commit of the
-    store and of the compressor's deferred updates (SIDCo's stage choice), the capacity
-    following the demand. Time :meth:`encode` alone and :meth:`close` between timings:
-    the hook closes once per step, not once per bucket.
+    transaction (the store, then the compressor's deferred updates such as SIDCo's stage
+    choice), the capacity following the demand; then the next step opens, as the hook
+    opens one per step and not per bucket. Time :meth:`encode` alone and :meth:`close`
+    between timings. From construction on, the compressor's store is in the open step's
+    transaction.
     """
 
     def __init__(self, compressor: Compressor, key: Hashable = 0) -> None:
         self.compressor = compressor
         self.key = key
         self.capacities = CapacityPlan()
-        self._open: tuple[Readout, Count, int] | None = None  # the open step: readout, demand, numel
+        self._step = Transaction(compressor.store, compressor)
+        self._encoded: tuple[Count, int] | None = None  # what the open step sent: demand, numel
 
     def encode(self, flat: torch.Tensor) -> Payload:
-        """Open a step and encode ``flat`` (1-D) in it, as the hook does; the payload keeps its padding."""
-        if self._open is not None:
+        """Encode ``flat`` (1-D) in the open step, as the hook does; the payload keeps its padding."""
+        if self._encoded is not None:
             raise GradsiftError("HookEncoder.encode: the previous step is still open; close() it first")
         numel = flat.numel()
-        readout = Readout()
-        store = self.compressor.store
-        store.begin()
         try:
             payload = self.compressor.encode(
                 flat,
                 key=self.key,
                 capacity=self.capacities.capacity(self.compressor, self.key, numel),
-                readout=readout,
+                readout=self._step.readout,
             )
         except BaseException:
-            store.rollback()
+            self._step.roll_back()
+            self._step = Transaction(self.compressor.store, self.compressor)
             raise
-        self._open = (readout, payload.entries() if payload.demand is None else payload.demand, numel)
+        self._encoded = (payload.entries() if payload.demand is None else payload.demand, numel)
         return payload
 
     def close(self) -> None:
-        """Close the step :meth:`encode` opened, as the hook's step close keeps a step."""
-        if self._open is None:
+        """Close the step :meth:`encode` encoded in, as the hook's step close keeps a step; open the next."""
+        if self._encoded is None:
             raise GradsiftError("HookEncoder.close: no step is open; encode() opens one")
-        (readout, demand, numel), self._open = self._open, None
-        read = readout.slot(torch.as_tensor(demand))  # a host count stays on the host
-        readout.read()  # the step's one host read
-        self.compressor.store.commit()
-        readout.commit()
+        (demand, numel), self._encoded = self._encoded, None
+        read = self._step.readout.slot(torch.as_tensor(demand))  # a host count stays on the host
+        self._step.readout.read()  # the step's one host read
+        self._step.commit()
         self.capacities.follow(self.key, read[0], numel)
+        self._step = Transaction(self.compressor.store, self.compressor)
