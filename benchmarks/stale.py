@@ -36,7 +36,7 @@ MOVED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("results/compress/randomk_sampling.json", (f"{SRC}/compressors/randomk.py",)),
     (
         "results/compress/*",
-        (f"{SRC}/compressors", f"{SRC}/tools/benchmarking.py"),
+        (f"{SRC}/compressors", f"{SRC}/tools/benchmarking"),
     ),
     (
         "results/estimation/*",
