@@ -25,9 +25,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import FrozenVarianceStep
+from support.distributed import run_workers
 from test_ddp import IN, batch, flat_params, make_model
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)

@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from support.distributed import run_workers
 from test_ddp import IN, OUT, batch, flat_params
 from test_nonfinite import hook_state, same
 

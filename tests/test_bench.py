@@ -27,7 +27,7 @@ from gradsift.tools.benchmarking import (
     run_compress_benchmark,
     synthetic_gradient,
 )
-from train_utils import session_alive
+from support.train import session_alive
 
 ROW_FIELDS = {
     "compressor",
@@ -266,11 +266,11 @@ def test_gpu_check_fails_when_a_check_fails(tmp_path):
     hooked pair makes its step close's read) and an AMP target below any difference exits 1
     and names what failed."""
     program = (
-        "import sys; sys.path.insert(0, 'benchmarks/gpu'); import check; "
+        "import sys; import check; "
         "check.BUDGET = check.BALANCED_BUDGET = 0; check.AMP_TARGET = -1.0; "
         f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--json', '{tmp_path}/c.json']))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")])}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr

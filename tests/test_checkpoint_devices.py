@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_flatten
 
 import gradsift
 import gradsift.frontends.ddp
-from distributed_utils import run_workers
 from gradsift.core.errors import InvalidOptionError
 from gradsift.integrations.checkpoint import hook_state_on, parameter_digest, to_cpu
-from lazy_device import lazy_device, needs_lazy, tensors
+from support.distributed import run_workers
+from support.lazy_device import lazy_device, needs_lazy, tensors
 
 # -- gather_hook_states / load_hook_state: CPU in the file, the hook's device on load -------
 IN, OUT = 12, 5

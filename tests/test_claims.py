@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import claimmodel
 import claims
+import pytest
 import stale
 from claimmodel import Claim, Result, lookup, spanned
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from support.distributed import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from support.distributed import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import record_sparse_payloads, run_workers
 from gradsift.compressors import Sparsifier, compressor_class
+from support.distributed import record_sparse_payloads, run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from support.distributed import run_workers
 from test_ddp import batch, flat_params, hooked, make_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

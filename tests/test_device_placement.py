@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import gradsift.tools.train.demo
-from distributed_utils import run_workers
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.devices import fallback_device, resolve_device
-from lazy_device import lazy_device, needs_lazy
+from support.distributed import run_workers
+from support.lazy_device import lazy_device, needs_lazy
 
 
 def reduce_via_host(devices: list[str]):

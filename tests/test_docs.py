@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import (
+from gradsift.tools.cli import main
+from support.doc_commands import (
     EMBEDDED_DATA,
     FENCE,
     ROOT,
@@ -28,7 +29,6 @@ from doc_commands import (
     run_group,
     shorten,
 )
-from gradsift.tools.cli import main
 
 DOCS = ROOT / "docs"
 DATA = f"--data-dir {EMBEDDED_DATA}"
@@ -43,7 +43,7 @@ def test_command_lines_join_continuations_and_drop_prompts_and_comments() -> Non
 
 
 def test_markers_exempt_blocks_or_prefixes_and_continue_blocks(tmp_path: Path) -> None:
-    from doc_commands import markdown_blocks
+    from support.doc_commands import markdown_blocks
 
     page = tmp_path / "docs" / "page.md"
     page.parent.mkdir()
@@ -54,7 +54,7 @@ def test_markers_exempt_blocks_or_prefixes_and_continue_blocks(tmp_path: Path) -
         encoding="utf-8",
     )
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("doc_commands.ROOT", tmp_path)
+        patch.setattr("support.doc_commands.ROOT", tmp_path)
         first, second = markdown_blocks(page)
     assert (
         first.commands == ("run a",) and first.runnable == () and first.exempt("run a") == "needs 2 machines"

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns
+from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAGE = "docs/integrations.md"

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import record_sparse_payloads, run_workers
 from gradsift.exchanges import available_exchanges
+from support.distributed import record_sparse_payloads, run_workers
 from test_ddp import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -31,9 +31,10 @@ from types import ModuleType
 
 import pytest
 import torch
+import toy  # examples/extending/toy.py: the examples' problem (model, batches, learning rate; no gradsift)
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed_utils import run_workers
+from support.distributed import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTENDING = ROOT / "examples" / "extending"
@@ -42,8 +43,6 @@ PAGE = ROOT / "docs" / "extending.md"
 SHOWN_FILE = re.compile(r"^`(examples/extending/[\w.]+\.py)`:?\n+```python\n(.*?)^```", re.S | re.M)
 ATOL = 1e-6  # float32 sums in another order; a selection that differs moves a weight by ~1e-3
 
-sys.path.insert(0, str(EXTENDING))
-import toy  # noqa: E402  (the examples' problem: model, batches, learning rate; no gradsift)
 
 Select = Callable[[list[float], int], list[int]]
 

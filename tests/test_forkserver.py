@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_utils import fork_server, run_workers
+from support.distributed import fork_server, run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 
 import gradsift
-from distributed_utils import run_workers
-from doc_commands import EXAMPLES_GROUP
+from support.distributed import run_workers
+from support.doc_commands import EXAMPLES_GROUP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

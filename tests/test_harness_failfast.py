@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import session_alive
+from support.train import session_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"

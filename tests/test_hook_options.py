@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import record_sparse_payloads, run_workers
 from gradsift.hook import recipe
+from support.distributed import record_sparse_payloads, run_workers
 from test_ddp import NUMELS, batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -17,8 +17,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
-from host_reads import HostReads
+from support.distributed import run_workers
+from support.host_reads import HostReads
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

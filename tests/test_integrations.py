@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsift.core.errors import InvalidOptionError, MissingExtraError
 from gradsift.core.extras import EXTRAS, install_hint, require
 from gradsift.integrations.telemetry import scalar_metrics
-from package_utils import read_pyproject
+from support.package import read_pyproject
 
 
 # -- extras -----------------------------------------------------------------------------

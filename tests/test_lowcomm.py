@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import gradsift
-from distributed_utils import run_workers
 from gradsift.core.errors import InvalidOptionError, PeerFailureError
+from support.distributed import run_workers
 from test_ddp import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -251,7 +251,7 @@ def test_the_trainer_runs_diloco_with_sync_every(tmp_path, capsys):
     import json
 
     from gradsift.tools.cli import main as cli_main
-    from train_utils import TINY
+    from support.train import TINY
 
     out = tmp_path / "diloco"
     flags = [

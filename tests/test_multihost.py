@@ -18,7 +18,7 @@ from gradsift.tools.train import netem
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.launcher import emulated_hosts
 from gradsift.tools.train.netem import our_namespaces
-from train_utils import TINY, wait_for
+from support.train import TINY, wait_for
 
 MISSING = netem.missing_prerequisites()
 needs_netem = pytest.mark.skipif(bool(MISSING), reason="emulated hosts need " + "; ".join(MISSING))

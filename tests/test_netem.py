@@ -22,7 +22,7 @@ from gradsift.tools.train.netem import (
     parse_delay,
     parse_rate,
 )
-from train_utils import TINY, rank_pid, wait_for
+from support.train import TINY, rank_pid, wait_for
 
 MISSING = netem.missing_prerequisites()
 needs_netem = pytest.mark.skipif(bool(MISSING), reason="network emulation needs " + "; ".join(MISSING))

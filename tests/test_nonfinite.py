@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
+from support.distributed import run_workers
 from test_ddp import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed_utils import run_workers
+from support.distributed import run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

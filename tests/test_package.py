@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import gradsift
-from doc_commands import COMMANDS_GROUP, ROOT, DocumentedRuns
-from package_utils import Distributions, Environment, read_pyproject
+from support.doc_commands import COMMANDS_GROUP, ROOT, DocumentedRuns
+from support.package import Distributions, Environment, read_pyproject
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(COMMANDS_GROUP)]
 LICENSES = ("LICENSE", "NOTICE", "src/gradsift/data/LICENSE-fashion-mnist.txt")

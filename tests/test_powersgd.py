@@ -140,7 +140,7 @@ def powersgd_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_gloo_ranks_match_pytorch_hook_and_resume():
-    from distributed_utils import run_workers
+    from support.distributed import run_workers
 
     results = run_workers(Path(__file__), "powersgd_worker", WORLD, timeout=120)
     dense, compressed = (32 * 16 + 16 + 16) * 4, (16 + 32 + 16 + 16) * 4

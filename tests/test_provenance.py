@@ -9,10 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import provenance
+import pytest
 
 
 def git(root: Path, *args: str) -> str:

@@ -73,7 +73,7 @@ def train_every_compressor(rank: int, world_size: int, names: list[str]) -> dict
 
 @pytest.fixture(scope="module")
 def runs():
-    from distributed_utils import run_workers
+    from support.distributed import run_workers
 
     return run_workers(Path(__file__), "train_every_compressor", WORLD, timeout=240, names=NAMES)
 

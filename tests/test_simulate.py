@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from distributed_utils import run_workers
 from gradsift.tools.simulate import ring_allreduce_sum, simulate
+from support.distributed import run_workers
 
 SEED, STEPS, BATCH = 3, 6, 8
 IN, HIDDEN, OUT = 32, 96, 10

@@ -21,7 +21,7 @@ from gradsift.tools.commands.train import parse_option
 from gradsift.tools.train.config import TrainConfig, learning_rate
 from gradsift.tools.train.data import EMBEDDED_DIR
 from gradsift.tools.train.summary import summarize, time_to_accuracy
-from train_utils import TINY, rank_pid, wait_for
+from support.train import TINY, rank_pid, wait_for
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_utils import run_workers
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.data import EMBEDDED_DIR
 from gradsift.tools.train.loop import train_rank
+from support.distributed import run_workers
 
 #: model -> (steps, per-worker batch, lr, chance-level loss ln(classes))
 WORKLOADS = {

@@ -12,7 +12,7 @@ from gradsift.hook.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
 from gradsift.tools.cli import main as cli_main
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.exchange import DENSITY_WARMUP_FRACTION, recipe_options, warms_up_density
-from train_utils import TINY
+from support.train import TINY
 
 WITHOUT_FEEDBACK = {"hook_momentum": None, "momentum_masking": None, "density_warmup_steps": 0,
                     "density_warmup_start": None, "optimizer": "SGD", "adam_warmup_steps": None}  # fmt: skip

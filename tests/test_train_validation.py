@@ -13,7 +13,7 @@ from gradsift.compressors.registry import available_compressors
 from gradsift.hook.options import HOOK_OPTIONS
 from gradsift.tools.cli import main as cli_main
 from gradsift.tools.train.config import TrainConfig
-from train_utils import TINY
+from support.train import TINY
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
-from distributed_utils import run_workers
 from gradsift.compressors.vgc import VGC
+from support.distributed import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

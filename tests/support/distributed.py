@@ -7,9 +7,9 @@ timeout: workers still alive after it are killed and the test fails with their o
 so a hung collective can never hang the test suite.
 
 The processes are forks of one server per pytest process that has torch and gradsift
-imported already (``tests/forkserver.py``): a launch costs milliseconds instead of an
+imported already (``tests/support/forkserver.py``): a launch costs milliseconds instead of an
 interpreter start and torch's import per rank. ``GRADSIFT_TEST_WORKERS=subprocess``
-starts every rank as a fresh ``python tests/distributed_utils.py ...`` instead, as
+starts every rank as a fresh ``python tests/support/distributed.py ...`` instead, as
 before the server existed (for debugging a doubt about the server).
 """
 
@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from support import ROOT
+from support.package import read_pyproject
+
 #: Gloo's timeout inside the workers; failure tests rely on it being short.
 GROUP_TIMEOUT_S = 20
 #: How the ranks start (``GRADSIFT_TEST_WORKERS``): forks of the server, or fresh interpreters.
@@ -44,6 +47,15 @@ FINALIZE_ENV = "GRADSIFT_TEST_FINALIZE"
 #: Beyond a call's own timeout, how long the client waits for the server (its first start
 #: imports torch) before it gives up on it.
 SERVER_GRACE_S = 120.0
+
+
+def with_test_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with pytest's ``pythonpath`` (pyproject.toml) first on ``PYTHONPATH``: the
+    processes started here (the fork server, the ranks of the subprocess launcher) import a
+    test module's ``support.<module>`` and the rest as the test process does."""
+    configured = read_pyproject()["tool"]["pytest"]["ini_options"]["pythonpath"]
+    folders = [str(ROOT / folder) for folder in configured]
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, (*folders, env.get("PYTHONPATH"))))}
 
 
 def free_port() -> int:
@@ -85,7 +97,7 @@ def run_workers(
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(kwargs, Path(tmp, "kwargs.pt"))
         env = {
-            **os.environ,
+            **with_test_path(dict(os.environ)),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": "1",
@@ -163,7 +175,7 @@ def launch_forked(
 
 
 class ForkServer:
-    """The client's handle on one ``tests/forkserver.py`` process."""
+    """The client's handle on one ``tests/support/forkserver.py`` process."""
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="gradsift-forkserver-"))
@@ -179,7 +191,7 @@ class ForkServer:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                    env={**with_test_path(dict(os.environ)), "OMP_NUM_THREADS": "1"},
                 )
 
     def launch(self, request: dict[str, Any], patience: float) -> dict[str, Any]:
@@ -244,7 +256,6 @@ def _worker_main(path: str, function: str, rank: int, world_size: int, tmp: str)
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("_gradsift_test_module", path)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(Path(path).parent))
     spec.loader.exec_module(module)
     timeout = float(os.environ.get("GRADSIFT_TEST_GROUP_TIMEOUT", GROUP_TIMEOUT_S))
     dist.init_process_group(

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support import ROOT
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10 (requires-python >= 3.10) has no tomllib; pytest itself depends on tomli there
     import tomli as tomllib
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_pyproject(root: Path = ROOT) -> dict[str, Any]:

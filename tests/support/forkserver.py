@@ -2,9 +2,9 @@
 
 A fresh interpreter spends seconds of CPU importing torch and gradsift before a test's
 worker runs a single step, and ``run_workers`` starts two or three such interpreters per
-call. This server is started once per pytest process (``distributed_utils``), imports
+call. This server is started once per pytest process (``support.distributed``), imports
 :data:`PRELOAD`, and then forks the ranks of each call from that state: a rank starts in
-milliseconds, runs :func:`distributed_utils._worker_main` exactly as a fresh process
+milliseconds, runs :func:`support.distributed._worker_main` exactly as a fresh process
 would, and ends with ``os._exit`` (or, when the call asks for it, through the
 interpreter's finalization).
 
@@ -53,8 +53,8 @@ PRELOAD = (
     "pytest",
     "gradsift",
     "gradsift.compressors.sidco",
-    "distributed_utils",
-    "train_utils",
+    "support.distributed",
+    "support.train",
 )
 #: The server checks this often (seconds) whether pytest, its parent, is still alive.
 PARENT_POLL_S = 1.0
@@ -121,7 +121,7 @@ def fork_rank(request: dict[str, Any], rank: int, inherited: tuple[socket.socket
         for sock in inherited:
             os.close(sock.detach())  # the ranks must not hold the client's connection open
         become_fresh_process(request, rank)
-        from distributed_utils import _worker_main
+        from support.distributed import _worker_main
 
         _worker_main(request["path"], request["function"], rank, request["world_size"], request["directory"])
         finalize = True
@@ -138,7 +138,7 @@ def fork_rank(request: dict[str, Any], rank: int, inherited: tuple[socket.socket
 
 
 def become_fresh_process(request: dict[str, Any], rank: int) -> None:
-    """What differs between a fork of the server and ``python distributed_utils.py``: output,
+    """What differs between a fork of the server and ``python tests/support/distributed.py``: output,
     environment, working directory, signal handlers, random seeds."""
     log = os.open(Path(request["directory"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)

@@ -26,7 +26,7 @@ How the suite runs them (:class:`DocumentedRuns`)
   ``examples/``; its commands run in order with ``bash -c`` (a later one may use what an
   earlier one wrote), and each must exit 0.
 - ``PATH`` starts with a fresh virtual environment whose gradsift is the wheel built from
-  this tree (``tests/package_utils.py``): ``gradsift``, ``python`` and ``pip`` are the
+  this tree (``tests/support/package.py``): ``gradsift``, ``python`` and ``pip`` are the
   installed package's, and ``pip install`` takes gradsift from the built wheel (no index)
   and finds its dependencies installed. ``torchrun`` and ``accelerate`` are the test
   environment's.
@@ -58,7 +58,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^\n]*)\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 CONTINUES = "<!-- continues -->"
