@@ -28,7 +28,7 @@ import gradsift
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import FrozenVarianceStep
 from support.distributed import run_workers
-from test_ddp import IN, batch, flat_params, make_model
+from support.models import IN, batch, flat_params, make_model
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)
 

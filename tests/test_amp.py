@@ -22,8 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from test_ddp import IN, OUT, batch, flat_params
-from test_nonfinite import hook_state, same
+from support.models import IN, OUT, batch, flat_params, hook_state, make_model, same
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,13 +30,11 @@ APPLIED = 6  # optimizer steps applied after the scaler stopped overflowing
 OPTIONS = {"powersgd": {"start_iter": 2}, "threshold": {"threshold": 1e-3}}  # no default threshold
 
 
-def make_model() -> torch.nn.Module:
-    """One parameter, so DDP's bucket layout never changes (DDP rebuilds its buckets after the
-    first backward; with several parameters the overflowing run's first applied step would
-    see another flat order than the clean run's, and random or tie-breaking selections
-    would differ for that reason alone)."""
-    torch.manual_seed(1234)
-    return torch.nn.Linear(IN, OUT, bias=False)
+#: One parameter (``make_model(WIDTHS, bias=False)``: one Linear), so DDP's bucket layout
+#: never changes (DDP rebuilds its buckets after the first backward; with several parameters
+#: the overflowing run's first applied step would see another flat order than the clean
+#: run's, and random or tie-breaking selections would differ for that reason alone).
+WIDTHS = (IN, OUT)
 
 
 def trace(state) -> dict:
@@ -49,7 +46,7 @@ def trace(state) -> dict:
 
 def amp_run(name: str | None, rank: int, init_scale: float) -> dict:
     """Train until APPLIED steps were applied; batch i feeds the i-th applied step."""
-    model = DDP(make_model())
+    model = DDP(make_model(WIDTHS, bias=False))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = None
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
@@ -102,7 +99,7 @@ def amp_worker(rank: int, world: int, names: list[str]) -> dict:
 def bf16_worker(rank: int, world: int, names: list[str]) -> dict:
     results = {}
     for name in names:
-        model = DDP(make_model())
+        model = DDP(make_model(WIDTHS, bias=False))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         state = gradsift.register_comm_hook(model, name, optimizer=optimizer, **OPTIONS.get(name, {}))
         losses = []

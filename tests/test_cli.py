@@ -8,7 +8,6 @@ modules; these tests check each against the back-end it stands for, and that a f
 interpreter building the parsers imports none of the heavy packages.
 """
 
-import argparse
 import dataclasses
 import json
 import subprocess
@@ -24,6 +23,7 @@ from gradsift.tools.commands import bench as bench_command
 from gradsift.tools.train.config import LR_SCHEDULES, OPTIMIZERS
 from gradsift.tools.train.devices import DEVICES
 from gradsift.tools.train.models import MODELS
+from support.cli import subparser
 
 HEAVY = ("torch", "scipy", "matplotlib", "numpy")
 
@@ -51,15 +51,6 @@ gradsift.get_compressor
 report["gradsift.get_compressor"] = loaded()
 print(json.dumps(report))
 """
-
-
-def subparser(*path: str) -> argparse.ArgumentParser:
-    """The parser of ``gradsift PATH...``."""
-    parser = build_parser()
-    for name in path:
-        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = action.choices[name]
-    return parser
 
 
 def choices(path: tuple[str, ...], dest: str) -> tuple:

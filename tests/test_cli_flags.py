@@ -17,7 +17,7 @@ from gradsift.tools.commands.train import config_from_args, exchange_options
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.demo import LENGTHS
 from gradsift.tools.train.devices import DEVICES
-from test_cli import subparser
+from support.cli import subparser
 
 #: Every command with options (``bench`` has only its sub-commands); each writes results.
 COMMANDS = [("train",), ("demo",), ("report",), ("analyze",), ("bench", "compress")]

@@ -10,6 +10,7 @@ would change the selected set, the codes or the bytes.
 from __future__ import annotations
 
 import math
+from functools import partial
 from statistics import NormalDist
 
 import numpy as np
@@ -19,12 +20,10 @@ from scipy import stats as scipy_stats
 
 import gradsift
 from gradsift.compressors.bitpack import bits_for, unpack
+from support import models
 
-
-def laplace(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.empty(n, dtype=torch.float64).exponential_(generator=generator)
-    return (x * (torch.randint(0, 2, (n,), generator=generator) * 2 - 1)).to(dtype)
+#: Laplace samples (exponentials with random signs): ``laplace(n, seed, dtype=torch.float32)``.
+laplace = partial(models.laplace, by="signed_exponential")
 
 
 def selected(payload) -> set[int]:

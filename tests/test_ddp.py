@@ -13,45 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.compressors import Sparsifier, compressor_class
 from support.distributed import record_sparse_payloads, run_workers
+from support.models import NUMELS, batch, flat_params, hooked, make_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-IN, HIDDEN, OUT, BATCH = 12, 16, 3, 8
-# numels in parameter order: 192, 16, 48, 3 -> 259 in one bucket
-NUMELS = [HIDDEN * IN, HIDDEN, OUT * HIDDEN, OUT]
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen)
-
-
-def train(model: DDP, rank: int, steps: range, lr: float = 0.1, micro: int = 1) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in steps:
-        opt.zero_grad()
-        for m in range(micro):
-            x, y = batch(rank, step * micro + m)
-            if m < micro - 1:
-                with model.no_sync():
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-            else:
-                torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def hooked(compressor, **options) -> tuple[DDP, gradsift.hook.state.GradsiftHookState]:
-    model = DDP(make_model())
-    return model, gradsift.register_comm_hook(model, compressor, **options)
 
 
 # --- equality with stock DDP -------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from test_ddp import batch, flat_params, hooked, make_model, train
+from support.models import batch, flat_params, hooked, make_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

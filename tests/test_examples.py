@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns
+from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns, summary_line
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAGE = "docs/integrations.md"
@@ -35,12 +35,6 @@ def documented_pair(runs: DocumentedRuns, script: str) -> tuple[BlockRun, dict[s
     assert result.ok and len(result.runs) == 2, "\n\n".join(r.describe() for r in result.runs)
     full, resumed = (summary_line(run.output) for run in result.runs)
     return result, full, resumed
-
-
-def summary_line(output: str) -> dict[str, Any]:
-    lines = [line for line in output.splitlines() if line.startswith("gradsift-example ")]
-    assert len(lines) == 1, output[-6000:]
-    return json.loads(lines[0].removeprefix("gradsift-example "))
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.exchanges import available_exchanges
 from support.distributed import record_sparse_payloads, run_workers
-from test_ddp import batch, flat_params, make_model
+from support.models import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -25,15 +25,15 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 import gradsift
 from support.distributed import run_workers
 from support.doc_commands import EXAMPLES_GROUP
+from support.models import make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CPU = torch.device("cpu")
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
+#: The model: Linear(8, 32), Tanh, Linear(32, 32), Tanh, Linear(32, 2)
+WIDTHS = (8, 32, 32, 2)
 
 
 def per_layer(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -43,7 +43,7 @@ def per_layer(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
 
 def no_shard(seed: int = 0) -> FSDP:
     return FSDP(
-        make_model(seed),
+        make_model(WIDTHS, seed=seed),
         sharding_strategy=ShardingStrategy.NO_SHARD,
         device_id=CPU,
         auto_wrap_policy=per_layer,
@@ -52,7 +52,7 @@ def no_shard(seed: int = 0) -> FSDP:
 
 def fully_sharded(seed: int, mesh) -> nn.Module:
     """FSDP2: one ``fully_shard`` per Linear, then the root."""
-    model = make_model(seed)
+    model = make_model(WIDTHS, seed=seed)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -98,7 +98,7 @@ STEPS = 60
 
 def training_worker(rank: int, world: int) -> dict:
     teacher, eval_inputs, eval_targets = teacher_task(0)
-    out: dict = {"initial": eval_loss(make_model(0), eval_inputs, eval_targets)}
+    out: dict = {"initial": eval_loss(make_model(WIDTHS, seed=0), eval_inputs, eval_targets)}
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     runs = {
         "no_shard_stock": lambda: (no_shard(), None),
@@ -169,7 +169,7 @@ def test_ranks_hold_identical_parameters_after_training(training_runs, name):
 def sharded_worker(rank: int, world: int) -> dict:
     teacher, _, _ = teacher_task(0)
     inputs, targets = batch(teacher, 0, rank)
-    local = make_model(0)
+    local = make_model(WIDTHS, seed=0)
     ((local(inputs) - targets) ** 2).mean().backward()
     grad = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
     padded = torch.nn.functional.pad(grad, (0, -grad.numel() % world))
@@ -178,7 +178,7 @@ def sharded_worker(rank: int, world: int) -> dict:
     out: dict = {}
     for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("none", torch.float32)):
-            model = FSDP(make_model(0), sharding_strategy=strategy, device_id=CPU)
+            model = FSDP(make_model(WIDTHS, seed=0), sharding_strategy=strategy, device_id=CPU)
             hook = gradsift.register_comm_hook(model, name)
             ((model(inputs) - targets) ** 2).mean().backward()
             # The reference: each rank's gradient cast, divided by W in the cast dtype, summed.
@@ -276,7 +276,9 @@ def nonfinite_worker(rank: int, world: int) -> dict:
             gradsift.register_comm_hook(m, "topk", ratio=0.1, nonfinite="skip"),
         ),
         "full_shard_fp16": lambda: (
-            m := FSDP(make_model(), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=CPU),
+            m := FSDP(
+                make_model(WIDTHS, seed=0), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=CPU
+            ),
             gradsift.register_comm_hook(m, "fp16"),
         ),
     }
@@ -313,18 +315,18 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     one_node = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     cases = {
         "sparse_on_full_shard": lambda: gradsift.register_comm_hook(
-            FSDP(make_model(), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=CPU),
+            FSDP(make_model(WIDTHS, seed=0), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=CPU),
             "topk",
             ratio=0.1,
         ),
         "option_on_full_shard": lambda: gradsift.register_comm_hook(
-            FSDP(make_model(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU),
+            FSDP(make_model(WIDTHS, seed=0), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, device_id=CPU),
             "fp16",
             warmup_steps=2,
         ),
         "hybrid_fsdp1": lambda: gradsift.register_comm_hook(
             FSDP(
-                make_model(),
+                make_model(WIDTHS, seed=0),
                 sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                 device_mesh=one_node,
                 device_id=CPU,
@@ -334,7 +336,10 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         # One rank per node: FSDP1 silently runs NO_SHARD over the 1-rank node (no sync at all).
         "hybrid_fsdp1_one_rank_per_node": lambda: gradsift.register_comm_hook(
             FSDP(
-                make_model(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh, device_id=CPU
+                make_model(WIDTHS, seed=0),
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                device_mesh=mesh,
+                device_id=CPU,
             ),
             "sidco-exp",
         ),
@@ -389,7 +394,7 @@ def test_fsdp_example_trains_like_stock_and_resumes_exactly(documented_runs):
     HSDP, a run stopped at step 30 and its resume. Margin: over seeds 0-4 of the example
     sidco-exp's held-out loss was -0.44%, +1.03%, +2.75%, -0.24%, +0.38% off stock's
     (docs/integrations.md); the bound is about 3x the largest."""
-    from test_examples import summary_line
+    from support.doc_commands import summary_line
 
     block = documented_runs.find("examples/fsdp_example.py", source="docs/integrations.md")
     result = documented_runs.run(block)

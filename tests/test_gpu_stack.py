@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 import gradsift.frontends.ddp
 from support.distributed import run_workers
-from test_ddp import batch, flat_params, make_model
+from support.models import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

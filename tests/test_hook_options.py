@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.hook import recipe
 from support.distributed import record_sparse_payloads, run_workers
-from test_ddp import NUMELS, batch, flat_params, make_model
+from support.models import NUMELS, batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import gradsift
 from gradsift.core.errors import InvalidOptionError, PeerFailureError
 from support.distributed import run_workers
-from test_ddp import batch, flat_params, make_model
+from support.models import batch, flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from test_ddp import batch, flat_params, make_model
+from support.models import batch, flat_params, hook_state, make_model, same
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -40,23 +40,6 @@ CASES = {
     "powersgd": ("powersgd", {"start_iter": 2}, 0, float("nan")),
 }
 POLICIES = ("propagate", "skip", "raise")
-
-
-def hook_state(state) -> dict:
-    """Everything a dropped step must leave as it was (telemetry totals do count the step)."""
-    saved = state.state_dict()
-    del saved["telemetry"]
-    return saved
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def run(

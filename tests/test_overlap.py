@@ -31,23 +31,18 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from support.distributed import run_workers
+from support.models import make_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WIDTH, LAYERS, STEPS = 256, 4, 3
+#: LAYERS Linear(WIDTH, WIDTH) + Tanh, then Linear(WIDTH, 1)
+WIDTHS = (WIDTH,) * (LAYERS + 1) + (1,)
 #: Bucket cap below one layer's weight (256 KiB in float32): DDP's rebuilt buckets (from
 #: the second step on; the first step has one bucket) hold about one layer each.
 BUCKET_CAP_MB = 0.2
 HOOKS = ("gradsift-topk", "stock-allreduce", "deferred-allreduce", "blocking-allreduce")
 OVERLAPPING = ("gradsift-topk", "stock-allreduce")
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 1))
 
 
 class Deferred:
@@ -70,7 +65,7 @@ class Deferred:
 def hooked(name: str) -> DistributedDataParallel:
     import gradsift
 
-    model = DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    model = DistributedDataParallel(make_model(WIDTHS, seed=0), bucket_cap_mb=BUCKET_CAP_MB)
     # this module's hooks go in as lambdas: DDP rejects their (string) annotations
     if name == "gradsift-topk":
         gradsift.register_comm_hook(model, "topk", ratio=0.01)

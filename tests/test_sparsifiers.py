@@ -8,6 +8,7 @@ import copy
 import math
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import gradsift
 from gradsift.compressors import scatter_mean
 from gradsift.compressors.randomk import SharedIndexPayload, first_distinct, stream_seed
 from gradsift.core.errors import InvalidOptionError
+from support import models
 
 BASELINES = ["randomk", "dgc", "redsync", "gaussiank", "threshold"]
 
@@ -28,11 +30,8 @@ def build(name, ratio=0.01, threshold=1.0, **options):
     return gradsift.get_compressor(name, ratio=ratio, **options)
 
 
-def laplace(n, seed):
-    """Standard Laplace samples (inverse CDF), reproducible from ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    uniform = torch.rand(n, generator=generator, dtype=torch.float64) - 0.5
-    return (-torch.sign(uniform) * torch.log1p(-2 * uniform.abs())).float()
+#: Standard Laplace samples (inverse CDF), reproducible from ``seed``: ``laplace(n, seed)``.
+laplace = partial(models.laplace, by="inverse_cdf")
 
 
 def assert_top_set(x, indices):

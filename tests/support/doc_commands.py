@@ -49,6 +49,7 @@ How the suite runs them (:class:`DocumentedRuns`)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -57,6 +58,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from support import ROOT
 
@@ -305,3 +307,10 @@ def command_env(path: str, extra: dict[str, str]) -> dict[str, str]:
     """The environment documented commands run in: the user's, one thread per process, no GPU."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "PIP_", "VIRTUAL_ENV"))}
     return {**env, **extra, "PATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def summary_line(output: str) -> dict[str, Any]:
+    """The one ``gradsift-example {json}`` line an example prints on rank 0, parsed."""
+    lines = [line for line in output.splitlines() if line.startswith("gradsift-example ")]
+    assert len(lines) == 1, output[-6000:]
+    return json.loads(lines[0].removeprefix("gradsift-example "))
