@@ -90,7 +90,7 @@ def run_workers(
     rank that dies on purpose); its result is then None. With ``finalize`` a rank whose
     function returned ends as a user script does, through the interpreter's
     finalization (atexit handlers, module teardown), not ``os._exit(0)``: what a test of
-    the exit itself needs (tests/test_clean_exit.py).
+    the exit itself needs (tests/project/test_clean_exit.py).
     """
     expect_exit = expect_exit or {}
     sys.audit(RUN_WORKERS_EVENT, os.fspath(path), function)

@@ -13,7 +13,7 @@ Stock DDP makes none of them during a training step.
 
 :class:`HostReads` counts those calls process-wide while it is active, on any device,
 so that the CPU test suite can hold the DDP hook to a budget of host reads per step
-(tests/test_host_reads.py). The CPU-only kernels of :mod:`gradsift.compressors.kernels` read CPU
+(tests/hook/test_host_reads.py). The CPU-only kernels of :mod:`gradsift.compressors.kernels` read CPU
 memory through NumPy views, which never happens on a GPU; they are not counted, and
 the GPU check script (benchmarks/gpu/) covers their CUDA branches with
 ``torch.cuda.set_sync_debug_mode``.

@@ -1,7 +1,7 @@
 """Every documented command runs, the CLI lines use real flags, and the site builds strictly.
 
 Which lines are commands, and how they run (shortened lengths, the installed wheel,
-shared runs), is defined at the top of ``tests/doc_commands.py``.
+shared runs), is defined at the top of ``tests/support/doc_commands.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BLOCKS = documented_blocks()
 RUNNABLE = [block for block in BLOCKS if block.runnable]
 
 
-# -- the rules of tests/doc_commands.py ------------------------------------------------------
+# -- the rules of tests/support/doc_commands.py ------------------------------------------------------
 def test_command_lines_join_continuations_and_drop_prompts_and_comments() -> None:
     body = "# a comment\n$ gradsift demo   # the demo\n\ntorchrun --nnodes 2 \\\n    x.py --steps 3\n"
     assert command_lines(body) == ["gradsift demo", "torchrun --nnodes 2 x.py --steps 3"]
@@ -222,7 +222,7 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
 def test_the_decisions_index_lists_every_decision_and_what_is_superseded() -> None:
     import importlib.util
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "decisions_index.py"
+    script = ROOT / "scripts" / "decisions_index.py"
     spec = importlib.util.spec_from_file_location("decisions_index", script)
     assert spec is not None and spec.loader is not None
     decisions_index = importlib.util.module_from_spec(spec)

@@ -2,8 +2,8 @@
 have one version, and the wheel installed outside the source tree runs the demo.
 
 The build (``python -m build --no-isolation``) and the fresh environment are session
-fixtures of ``tests/conftest.py`` (helpers in ``tests/package_utils.py``); the documented
-commands (``tests/doc_commands.py``) run against the same installed wheel, so the demo
+fixtures of ``tests/conftest.py`` (helpers in ``tests/support/package.py``); the documented
+commands (``tests/support/doc_commands.py``) run against the same installed wheel, so the demo
 that ``docs/quickstart.md`` shows after ``pip install gradsift`` is the run checked here.
 """
 

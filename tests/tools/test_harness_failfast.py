@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from support import ROOT
 from support.train import session_alive
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 STEPS = "100000"  # hours of steps: the harness only ends early because a rank died
 

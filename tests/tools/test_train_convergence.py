@@ -48,7 +48,7 @@ def training_worker(
             out=f"{out}/{method}", model=model, compressor=compressor, options=options, workers=world,
             batch_size=batch, lr=lr, steps=steps, seed=seed, synthetic=model == "gpt",
             data_dir=None if model == "gpt" else str(EMBEDDED_DIR), progress=False,
-            optimizer="sgd",  # the protocol's SGD settings (AdamW: tests/test_adam.py, test_train_recipe.py)
+            optimizer="sgd",  # the protocol's SGD settings (AdamW: tests/hook/test_adam.py, test_train_recipe.py)
         )  # fmt: skip
         summary, _ = train_rank(config, torch.device("cpu"), "gloo")
         if summary is not None:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gradsift"
+from support import ROOT
+
+PACKAGE = ROOT / "src" / "gradsift"
 LAYERS = ("core", "compressors", "exchanges", "hook", "frontends", "integrations", "tools")
 #: The only name taken from the root facade inside the package: the release string, which
 #: packaging keeps in ``gradsift/__init__.py``.

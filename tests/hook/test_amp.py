@@ -1,5 +1,5 @@
 """Mixed precision as most GPU users run it: autocast(fp16) + GradScaler, with the one line
-(``scaler=`` passed; without it the first optimizer step refuses: tests/test_first_step.py).
+(``scaler=`` passed; without it the first optimizer step refuses: tests/hook/test_first_step.py).
 
 ``GradScaler(init_scale=2**60)`` makes the first ~40 steps overflow in fp16. Stock DDP
 hands the overflow to the scaler, which skips those steps and halves its scale each

@@ -16,8 +16,8 @@ from torch.utils.data import DistributedSampler
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.train import data, datasets, text
 from gradsift.tools.train.data import DatasetError, find_dataset_dir, load_split, read_idx, shard_indices
+from support import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
 needs_real = pytest.mark.skipif(
     not data.has_dataset(data.SYSTEM_DIR),
     reason=f"real Fashion-MNIST absent from {data.SYSTEM_DIR} (apt-get install dataset-fashion-mnist)",
@@ -57,7 +57,7 @@ def test_embedded_subset_is_class_balanced() -> None:
 @needs_real
 @pytest.mark.slow
 def test_embedded_subset_is_reproduced_by_the_committed_script(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_embedded_subset.py"), "--out", str(tmp_path)],
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_embedded_subset.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True)  # fmt: skip
     for shipped in sorted(data.EMBEDDED_DIR.glob("*.gz")):
         rebuilt = tmp_path / shipped.name

@@ -18,7 +18,6 @@ import importlib.util
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +25,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from support import ROOT
 from support.distributed import run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = ROOT / "scripts"
 
 
 def load_script(name: str):

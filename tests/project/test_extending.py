@@ -26,7 +26,6 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -34,9 +33,9 @@ import torch
 import toy  # examples/extending/toy.py: the examples' problem (model, batches, learning rate; no gradsift)
 from torch.nn.parallel import DistributedDataParallel
 
+from support import ROOT
 from support.distributed import run_workers
 
-ROOT = Path(__file__).resolve().parents[1]
 EXTENDING = ROOT / "examples" / "extending"
 PAGE = ROOT / "docs" / "extending.md"
 #: A file's block on the page: its path in backticks on the line before the fence.

@@ -27,6 +27,7 @@ from gradsift.tools.benchmarking import (
     run_compress_benchmark,
     synthetic_gradient,
 )
+from support import ROOT
 from support.train import session_alive
 
 ROW_FIELDS = {
@@ -47,7 +48,6 @@ ROW_FIELDS = {
     "nbytes",
     "dense_nbytes",
 }
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(argv):
@@ -177,7 +177,7 @@ def test_dtype_option_times_the_gradient_in_that_dtype():
 @pytest.mark.distributed
 def test_gpu_script_dry_run_exercises_every_step_on_cpu(tmp_path):
     """benchmarks/gpu/run.sh --dry-run: the GPU measurements' own code, on CPU at toy sizes."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "run.sh"
+    script = ROOT / "benchmarks" / "gpu" / "run.sh"
     done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

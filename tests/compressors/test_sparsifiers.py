@@ -109,7 +109,7 @@ def test_redsync_cannot_go_below_the_mean():
 def test_redsync_constant_tensor_sends_its_ties_at_the_maximum():
     """Every element ties at M = 3 (eta(r) = M for every r selects none): the elements at the
     maximum are always sent, so error feedback never stalls; under the hook's capacity
-    they are cut to k (tests/test_capacity.py)."""
+    they are cut to k (tests/hook/test_capacity.py)."""
     p = build("redsync", ratio=0.2).compress(torch.full((10,), 3.0))
     assert p.count == 10 and p.values.tolist() == [3.0] * 10
     assert build("redsync", ratio=0.2).compress(torch.zeros(10)).count == 0

@@ -1,7 +1,7 @@
 """The DDP hook's host reads per training step, held to a budget (issue: sync-free on CUDA).
 
 Every host read of a device tensor stalls a GPU and serialises communication with
-backward (tests/host_reads.py lists what counts). Stock DDP makes none. gradsift's hook
+backward (tests/support/host_reads.py lists what counts). Stock DDP makes none. gradsift's hook
 may make at most :data:`BUDGET` per step -- the one read of the step's checks at step
 close (flags, counts, telemetry), and one spare -- and :data:`BALANCED_BUDGET` for the
 balanced exchange; the count must not grow with the number of buckets or workers.

@@ -2,8 +2,8 @@
 
 ``docs/integrations.md`` documents each example as a pair of commands: train with a
 checkpoint half way, then resume from that checkpoint into another folder. The suite
-runs those pairs as written (``tests/doc_commands.py``; the runs are shared with
-``tests/test_docs.py``). Each run prints one ``gradsift-example {json}`` line on rank 0.
+runs those pairs as written (``tests/support/doc_commands.py``; the runs are shared with
+``tests/project/test_docs.py``). Each run prints one ``gradsift-example {json}`` line on rank 0.
 The resumed run must print the same summary and land on bit-identical parameters,
 optimizer state and hook residuals -- which only holds when the saved hook state was
 really restored (the control with zeroed residuals shows that it matters).
@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 
+from support import ROOT
 from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns, summary_line
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 PAGE = "docs/integrations.md"
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group(EXAMPLES_GROUP)]
 
@@ -164,7 +165,7 @@ def test_hf_trainer_example_compresses_and_resumes_exactly_from_the_trainers_che
     assert all(load(middle / f"gradsift_hook_state_{r}.pt")["global_step"] == 20 for r in range(2))
 
 
-HF_MEASURED = Path(__file__).resolve().parents[1] / "results" / "integrations" / "hf_trainer.json"
+HF_MEASURED = ROOT / "results" / "integrations" / "hf_trainer.json"
 
 
 def test_hf_trainer_example_stays_within_its_measured_gap_to_the_trainer_alone(
