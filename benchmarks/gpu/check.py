@@ -63,7 +63,7 @@ from workers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Host synchronisations per step the hook may make: the step close's one read, and a spare
-#: (the balanced exchange: 4); the budgets of tests/test_host_reads.py, which counts on CPU.
+#: (the balanced exchange: 4); the budgets of tests/hook/test_host_reads.py, which counts on CPU.
 BUDGET = 2
 BALANCED_BUDGET = 4
 #: The GradScaler run's largest relative parameter difference from stock DDP.
