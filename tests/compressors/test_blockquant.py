@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import gradsift
-from distributed_utils import run_workers
 from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
-from test_ddp import batch, flat_params, make_model
+from support.distributed import run_workers
+from support.models import batch, flat_params, make_model
 
 
 def quantized_by_definition(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def test_a_non_finite_input_is_refused() -> None:
 
 
 #: Plain error feedback (beta 1): with a decay, ``c`` rounds once fused and twice written out, and
-#: one code near a rounding tie may differ (the decay itself: tests/test_feedback_reference.py).
+#: one code near a rounding tie may differ (the decay itself: tests/hook/test_feedback_reference.py).
 H, ROUNDS, INNER_LR, BITS, BLOCK, DECAY = 3, 4, 0.05, 4, 16, 1.0
 
 
