@@ -13,7 +13,7 @@ Provenance: every JSON file under ``results/`` that names a commit (a ``commit``
 ``gradsift_commit`` key anywhere in it) must name one in this checkout's history, and every
 result a claim reads must carry a ``provenance`` stamp (``provenance.py``) with such a
 commit and ``dirty: false`` -- unless ``stale.STALE`` lists it, with the reason and the
-command that regenerates it. ``tests/test_claims.py`` runs these checks.
+command that regenerates it. ``tests/project/test_claims.py`` runs these checks.
 """
 
 from __future__ import annotations

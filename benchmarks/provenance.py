@@ -16,7 +16,7 @@ A command that is not such a script (``gradsift bench compress --json OUT``, a
 The stamp records the commit of this checkout (HEAD) and whether code under ``src/``,
 ``benchmarks/`` or ``scripts/`` differed from it -- at the start or at any point up to
 the end -- (``dirty``, with the paths, and a warning on stderr: a dirty result cannot
-back a published number, ``tests/test_claims.py`` refuses it); where ``gradsift`` is
+back a published number, ``tests/project/test_claims.py`` refuses it); where ``gradsift`` is
 imported from (a result measured with another checkout's code is dirty too); the exact
 command line; the seeds; Python, torch, CPU and GPU models; the 1/5/15-minute load
 averages before and after; and whether ``/tmp/gradsift-cpu.lock`` was held by this

@@ -4,7 +4,7 @@ Each :class:`~claimmodel.Claim` names its result file, the field path(s) in it, 
 format and -- through its :class:`~claimmodel.Result` -- the command that made the file.
 ``claims.py --write`` puts them into the docs between ``<!-- claim:<id> -->`` markers (and
 whole tables between ``<!-- claims-table:<name> -->`` markers); ``claims.py --check`` and
-``tests/test_claims.py`` fail when a published number is not what its file says. A number
+``tests/project/test_claims.py`` fail when a published number is not what its file says. A number
 a result file cannot back is not published. ``python benchmarks/claims.py --list`` prints
 the registry with the current values.
 """

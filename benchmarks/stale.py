@@ -1,6 +1,6 @@
 """Committed results that cannot back a number as they stand: why, and what regenerates them.
 
-``STALE`` is the list ``tests/test_claims.py`` reads. A ``"provenance"`` entry covers
+``STALE`` is the list ``tests/project/test_claims.py`` reads. A ``"provenance"`` entry covers
 results that name no commit of this history (none at all, or one lost to a rebase), or are
 stamped dirty: the test accepts such a result -- one that names a commit, or one a
 published claim reads -- only while an entry covers it, and fails an entry whose results

@@ -5,7 +5,7 @@ or ``*Its ... superseded``).
     python scripts/decisions_index.py           # rewrite the index between its markers
     python scripts/decisions_index.py --check   # exit 1 when the index is not up to date
 
-tests/test_docs.py runs the check.
+tests/project/test_docs.py runs the check.
 """
 
 from __future__ import annotations

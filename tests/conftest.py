@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import settings
 
-from distributed_utils import RUN_WORKERS_EVENT
-from doc_commands import COMMANDS_GROUP, EXAMPLES_GROUP
+from support.distributed import RUN_WORKERS_EVENT
+from support.doc_commands import COMMANDS_GROUP, EXAMPLES_GROUP
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=30)
@@ -31,7 +31,7 @@ def _seed() -> None:
 # ``-m "not slow"`` is the quick in-process suite: it must start no interpreter and no
 # process group. Every way a test can start a program is recorded while it runs (its
 # setup included): the audit events of subprocess and os.fork/posix_spawn/system, the
-# fork server's launches (``distributed_utils`` raises RUN_WORKERS_EVENT), and
+# fork server's launches (``support.distributed`` raises RUN_WORKERS_EVENT), and
 # multiprocessing's spawn and forkserver, which raise no event (``spawnv_passfds``).
 # System tools that take milliseconds and run no other program (``platform.processor()``
 # runs ``uname -p``; ``ip`` builds network namespaces, and counts when it execs a command;
@@ -94,7 +94,7 @@ def _processes_are_marked(request: pytest.FixtureRequest):
 # -- parallel runs (opt-in): pytest -n 2 --dist loadgroup --no-loadscope-reorder -----------
 # A test without an xdist group is grouped with its module, so module-scoped fixtures (one
 # run_workers launch shared by a module's tests) run once, not once per worker. On a
-# worker, the two groups of documented runs (tests/doc_commands.py, run_group) come first,
+# worker, the two groups of documented runs (tests/support/doc_commands.py, run_group) come first,
 # then the rest of the slow tests, then the quick ones: the longest units start first and
 # the quick ones fill the end, so neither worker waits alone for a long group.
 DOCUMENTED_GROUPS = (EXAMPLES_GROUP, COMMANDS_GROUP)
@@ -125,10 +125,10 @@ def _start_order(items: list[pytest.Item]) -> dict[str, int]:
 
 # -- the package as a user installs it, and the documented commands run against it ---------
 # Session-wide, shared by test_package.py, test_docs.py and test_examples.py: the wheel is
-# built once and each documented block runs once (tests/doc_commands.py has the rules).
+# built once and each documented block runs once (tests/support/doc_commands.py has the rules).
 @pytest.fixture(scope="session")
 def built_package(tmp_path_factory: pytest.TempPathFactory):
-    from package_utils import build_distributions
+    from support.package import build_distributions
 
     return build_distributions(tmp_path_factory.mktemp("build"))
 
@@ -138,7 +138,7 @@ def user_environment(built_package, tmp_path_factory: pytest.TempPathFactory):
     """A fresh venv outside the source tree with the built wheel installed (``pip install gradsift``)."""
     import subprocess
 
-    from package_utils import fresh_environment, pip_offline_env
+    from support.package import fresh_environment, pip_offline_env
 
     environment = fresh_environment(tmp_path_factory.mktemp("user") / "venv")
     installed = subprocess.run(
@@ -155,8 +155,8 @@ def user_environment(built_package, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def documented_runs(built_package, user_environment, tmp_path_factory: pytest.TempPathFactory):
-    from doc_commands import DocumentedRuns, command_env, documented_blocks
-    from package_utils import command_path, pip_offline_env
+    from support.doc_commands import DocumentedRuns, command_env, documented_blocks
+    from support.package import command_path, pip_offline_env
 
     env = command_env(command_path(user_environment), pip_offline_env(built_package))
     return DocumentedRuns(documented_blocks(), tmp_path_factory.mktemp("documented"), env)

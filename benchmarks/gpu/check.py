@@ -30,7 +30,7 @@ conditions does not hold, and any failure makes the exit status 1:
   ``sidco-exp`` at 0.01) on an MLP of 4 x Linear(2048, 2048), median of 20 steps.
 
 ``--device cpu`` runs every check on CPU with gloo at toy sizes (how the test suite checks
-this script; host reads are then counted with the test suite's counter, tests/host_reads.py,
+this script; host reads are then counted with the test suite's counter, tests/support/host_reads.py,
 instead of CUDA's sync debug mode). Writes one JSON (``--json``) and prints a short table.
 """
 
@@ -63,7 +63,7 @@ from workers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Host synchronisations per step the hook may make: the step close's one read, and a spare
-#: (the balanced exchange: 4); the budgets of tests/test_host_reads.py, which counts on CPU.
+#: (the balanced exchange: 4); the budgets of tests/hook/test_host_reads.py, which counts on CPU.
 BUDGET = 2
 BALANCED_BUDGET = 4
 #: The GradScaler run's largest relative parameter difference from stock DDP.
@@ -95,7 +95,7 @@ def mlp(width: int, depth: int, device: torch.device) -> torch.nn.Module:
 
 class SyncCounter:
     """Counts the host synchronisations in a block: CUDA's sync debug warnings on a GPU, the
-    test suite's host-read counter on CPU (tests/host_reads.py)."""
+    test suite's host-read counter on CPU (tests/support/host_reads.py)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -106,7 +106,7 @@ class SyncCounter:
     def counting(self) -> Iterator[None]:
         if self.device.type != "cuda":
             sys.path.insert(0, str(ROOT / "tests"))
-            from host_reads import HostReads
+            from support.host_reads import HostReads
 
             reads = HostReads()
             with reads:

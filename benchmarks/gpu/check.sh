@@ -29,7 +29,7 @@ tail -n 4 "$out/train.txt"
 if [ "$device" = cuda ]; then
   if "$py" -c "import pytest" 2>/dev/null; then
     echo "== CUDA tests"
-    timeout 90 "$py" -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_kernels.py \
+    timeout 90 "$py" -m pytest -q -p no:cacheprovider tests/compressors/test_devices.py tests/compressors/test_kernels.py \
       > "$out/cuda-tests.txt" 2>&1 || status=1
     tail -n 3 "$out/cuda-tests.txt"
   else

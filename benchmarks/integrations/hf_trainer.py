@@ -8,7 +8,7 @@ Each run is ``torchrun --standalone --nproc-per-node 2 examples/hf_trainer_examp
 built, under error feedback) and ``--without-gradsift`` (``alone``). The result,
 ``results/integrations/hf_trainer.json``, holds every run's final loss on the example's fixed batch and bytes,
 and per variant the mean and sample sd over seeds and the loss ratio to ``alone`` per
-seed: the spread ``tests/test_examples.py`` takes its margin from.
+seed: the spread ``tests/project/test_examples.py`` takes its margin from.
 """
 
 from __future__ import annotations

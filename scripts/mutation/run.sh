@@ -34,11 +34,11 @@ declare -A SOURCE=(
 # The fast tests that exercise each module (multi-process and slow tests are deselected:
 # test_exchanges, test_hook_options and test_nonfinite run the hook on gloo, minutes per mutant).
 declare -A TESTS=(
-  [stats]="tests/test_stats.py tests/test_fit_references.py tests/test_sidco_fit.py"
-  [base]="tests/test_core_api.py tests/test_compressor_options.py tests/test_sparsifiers.py tests/test_quantizers.py tests/test_wire.py tests/test_properties.py"
-  [sidco]="tests/test_sidco.py tests/test_sidco_fit.py tests/test_sidco_options.py tests/test_sidco_loop.py"
-  [feedback]="tests/test_core_api.py tests/test_quantizers.py tests/test_feedback_reference.py tests/test_recipe.py tests/test_state.py"
-  [wire]="tests/test_wire.py tests/test_wire_reference.py tests/test_core_api.py"
+  [stats]="tests/compressors/test_stats.py tests/compressors/test_fit_references.py tests/compressors/test_sidco_fit.py"
+  [base]="tests/core/test_core_api.py tests/compressors/test_compressor_options.py tests/compressors/test_sparsifiers.py tests/compressors/test_quantizers.py tests/core/test_wire.py tests/compressors/test_properties.py"
+  [sidco]="tests/compressors/test_sidco.py tests/compressors/test_sidco_fit.py tests/compressors/test_sidco_options.py tests/compressors/test_sidco_loop.py"
+  [feedback]="tests/core/test_core_api.py tests/compressors/test_quantizers.py tests/hook/test_feedback_reference.py tests/hook/test_recipe.py tests/core/test_state.py"
+  [wire]="tests/core/test_wire.py tests/test_wire_reference.py tests/core/test_core_api.py"
 )
 
 modules=("$@")

@@ -50,7 +50,7 @@ from gradsift.core.validation import check_ratio
 _MAX_MOMENT_RATIO = 1e6
 
 #: Newton steps of :func:`inverse_upper_gamma` (from its starting point, 8 reach float64
-#: rounding over the shapes and tails SIDCo meets: tests/test_stats.py).
+#: rounding over the shapes and tails SIDCo meets: tests/compressors/test_stats.py).
 _INVERSE_GAMMA_STEPS = 10
 
 Number = float | torch.Tensor

@@ -18,7 +18,7 @@ ranks' tensors in memory:
 3. the allgather, all-to-all and broadcast are copies, exact whatever the order; the
    sum of an allreduce is computed in the order of gloo's ring allreduce
    (:func:`ring_allreduce_sum`), so a simulated run is bit-identical to the same run
-   on W gloo processes (tests/test_simulate.py: 2, 4 and 8 workers).
+   on W gloo processes (tests/tools/test_simulate.py: 2, 4 and 8 workers).
 
 The ranks compute with one intra-op thread each (set for the duration), as gloo
 workers started with ``OMP_NUM_THREADS=1`` do. What a simulation cannot reproduce is a
@@ -55,7 +55,7 @@ _C10D: Any = torch._C._distributed_c10d
 BACKEND = "gradsift_sim"
 
 #: Gloo's largest segment of a ring allreduce, in bytes (measured on torch 2.13: the
-#: segment boundaries of every allreduce checked in tests/test_simulate.py follow it).
+#: segment boundaries of every allreduce checked in tests/tools/test_simulate.py follow it).
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 #: ``--device`` of every command that runs on a device (``gradsift.tools.train.devices.DEVICES``,
-#: written here because that module loads torch; tests/test_cli.py checks they agree).
+#: written here because that module loads torch; tests/tools/test_cli.py checks they agree).
 DEVICES = ("auto", "cpu", "cuda")
 
 

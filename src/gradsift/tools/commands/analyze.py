@@ -10,7 +10,7 @@ from pathlib import Path
 from gradsift.tools.commands import HelpFormatter
 
 #: :data:`gradsift.tools.analysis.DEFAULT_COMPRESSORS`, written here for the help text: the
-#: parser imports no back-end, which loads torch and SciPy (tests/test_cli.py checks
+#: parser imports no back-end, which loads torch and SciPy (tests/tools/test_cli.py checks
 #: that the two agree).
 DEFAULT_COMPRESSORS = ("sidco-exp", "sidco-gpareto", "sidco-gamma", "topk", "dgc", "redsync", "gaussiank")
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from gradsift.tools.commands import DEVICES, HelpFormatter
 
 #: What the parser shows of :mod:`gradsift.tools.benchmarking` (which needs torch), written
-#: here so that building it imports no back-end; tests/test_cli.py checks each against
+#: here so that building it imports no back-end; tests/tools/test_cli.py checks each against
 #: the back-end: :class:`~gradsift.tools.benchmarking.CompressBenchConfig`'s defaults, the
 #: ``DTYPES`` names and ``INPUT_DESCRIPTION``.
 COMPRESS_DEFAULTS = SimpleNamespace(

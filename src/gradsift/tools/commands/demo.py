@@ -10,7 +10,7 @@ from gradsift.tools.commands import HelpFormatter
 
 DEFAULT_OUT = "gradsift-demo"
 #: Steps per method of the full and the ``--quick`` demo (``gradsift.tools.train.demo.LENGTHS``,
-#: written here because that module loads torch; tests/test_cli_flags.py checks they agree).
+#: written here because that module loads torch; tests/tools/test_cli_flags.py checks they agree).
 FULL_STEPS, QUICK_STEPS = 400, 8
 
 

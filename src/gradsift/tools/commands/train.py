@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gradsift.tools.train.config import TrainConfig
 
 # The choices the parser offers, written here because their back-ends load torch
-# (tests/test_cli.py checks each equals its source): sorted(gradsift.tools.train.models.MODELS),
+# (tests/tools/test_cli.py checks each equals its source): sorted(gradsift.tools.train.models.MODELS),
 # gradsift.tools.train.config.LR_SCHEDULES and OPTIMIZERS,
 # and gradsift.tools.train.devices.DEVICES (gradsift.tools.commands.DEVICES, shared with bench). TrainConfig
 # checks the values again.

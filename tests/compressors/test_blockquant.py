@@ -1,0 +1,188 @@
+"""``blockquant`` (gradsift/compressors/blockquant.py) against its definition, and quantized
+periodic averaging (``gradsift.diloco(..., compressor="blockquant")``) against the method
+written out here, in real gloo processes: every worker's pseudo-gradient plus its decayed
+residual, quantized block by block, averaged; the residual keeps what the codes missed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
+from support.distributed import run_workers
+from support.models import batch, flat_params, make_model
+
+
+def quantized_by_definition(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """``(round(x_i (L / s_B))) (s_B / L)`` block by block, ``s_B`` the block's largest ``|x_i|``,
+    ``L = 2^(bits-1) - 1``, ties to even (Python's ``round``), element by element."""
+    levels = 2 ** (bits - 1) - 1
+    out = []
+    values = x.tolist()
+    for start in range(0, len(values), block):
+        chunk = x[start : start + block]
+        scale = chunk.abs().max()
+        step_up = torch.tensor(levels, dtype=x.dtype) / scale if scale > 0 else torch.tensor(0.0)
+        step_down = scale / levels
+        for value in chunk:
+            q = float(round(float(value * step_up)))
+            out.append(float(torch.tensor(q, dtype=x.dtype) * step_down))
+    return torch.tensor(out, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("numel,block", [(1, 64), (100, 16), (257, 64), (64, 64)])
+def test_codes_decode_to_the_definition(bits: int, numel: int, block: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + bits)) * 3
+    compressor = gradsift.get_compressor("blockquant", bits=bits, block_size=block)
+    payload = compressor.compress(x)
+    decoded = compressor.decompress([payload], numel)
+    torch.testing.assert_close(decoded, quantized_by_definition(x, bits, block), rtol=0, atol=0)
+    assert payload.nbytes == math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block)
+
+
+def test_the_mean_of_two_workers_is_the_mean_of_their_decodings() -> None:
+    compressor = gradsift.get_compressor("blockquant", bits=4, block_size=8)
+    a, b = torch.randn(50), torch.randn(50) * 10
+    payloads = [compressor.compress(a), compressor.compress(b)]
+    expected = (quantized_by_definition(a, 4, 8) + quantized_by_definition(b, 4, 8)) / 2
+    torch.testing.assert_close(compressor.decompress(payloads, 50), expected)
+
+
+def test_two_bits_are_ternary_and_the_method_runs_with_error_feedback() -> None:
+    compressor = gradsift.get_compressor("blockquant", bits=2, block_size=4)
+    decoded = compressor.decompress([compressor.compress(torch.tensor([2.0, -1.5, 0.9, 0.1]))], 4)
+    assert decoded.tolist() == [2.0, -2.0, 0.0, 0.0]
+    assert compressor.error_feedback  # deterministic rounding is biased
+
+
+@pytest.mark.parametrize("options", [{"bits": 3}, {"bits": True}, {"bits": "4"}, {"block_size": 0}])
+def test_bad_options_are_named(options: dict) -> None:
+    with pytest.raises(InvalidOptionError, match=next(iter(options))):
+        gradsift.get_compressor("blockquant", **options)
+
+
+def test_a_non_finite_input_is_refused() -> None:
+    with pytest.raises(NonFiniteGradientError):
+        gradsift.get_compressor("blockquant").compress(torch.tensor([1.0, float("inf"), 0.0]))
+
+
+#: Plain error feedback (beta 1): with a decay, ``c`` rounds once fused and twice written out, and
+#: one code near a rounding tie may differ (the decay itself: tests/hook/test_feedback_reference.py).
+H, ROUNDS, INNER_LR, BITS, BLOCK, DECAY = 3, 4, 0.05, 4, 16, 1.0
+
+
+def inner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def written_out(rank: int, world: int) -> list[torch.Tensor]:
+    """Quantized periodic averaging by hand: ``c = Delta + beta r``, ``q = Q(c)``,
+    ``theta <- theta - mean_w q_w`` (outer lr 1, no momentum), ``r <- c - q``."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    shared = flat_params(model).clone()
+    residual = torch.zeros_like(shared)
+    rounds = []
+    for step in range(H * ROUNDS):
+        inner(model, optimizer, rank, step)
+        if (step + 1) % H == 0:
+            compensated = (shared - flat_params(model)) + DECAY * residual
+            sent = quantized_by_definition(compensated, BITS, BLOCK)
+            residual = compensated - sent
+            mean = sent.clone()
+            dist.all_reduce(mean)
+            shared = shared - mean / world
+            with torch.no_grad():
+                for param, piece in zip(
+                    model.parameters(), shared.split([p.numel() for p in model.parameters()]), strict=True
+                ):
+                    param.copy_(piece.view_as(param))
+            rounds.append(shared.clone())
+    return rounds
+
+
+def with_gradsift(rank: int, resume_at: int | None = None) -> tuple[list[torch.Tensor], dict]:
+    def fresh():
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        state = gradsift.diloco(
+            model,
+            optimizer,
+            sync_every=H,
+            compressor="blockquant",
+            bits=BITS,
+            block_size=BLOCK,
+            residual_decay=DECAY,
+        )
+        return model, optimizer, state
+
+    model, optimizer, state = fresh()
+    rounds = []
+    for step in range(H * ROUNDS):
+        if step == resume_at:
+            saved = (model.state_dict(), optimizer.state_dict(), state.state_dict())
+            state.detach()
+            model, optimizer, state = fresh()
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            state.load_state_dict(saved[2])
+        inner(model, optimizer, rank, step)
+        if (step + 1) % H == 0:
+            rounds.append(flat_params(model))
+    return rounds, state.stats()
+
+
+def averaging_worker(rank: int, world: int) -> dict:
+    expected = written_out(rank, world)
+    got, stats = with_gradsift(rank)
+    resumed, _ = with_gradsift(rank, resume_at=H + 1)
+    return {"expected": expected, "got": got, "resumed": resumed, "stats": stats}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_quantized_averaging_is_the_method_written_out_and_resumes_bit_for_bit() -> None:
+    for result in run_workers(__file__, "averaging_worker", 2, timeout=120):
+        for got, expected in zip(result["got"], result["expected"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["got"], strict=True))
+        total = result["stats"]["total"]
+        numel = sum(p.numel() for p in make_model().parameters())
+        sent = math.ceil(numel * BITS / 8) + 4 * math.ceil(numel / BLOCK)
+        # one payload per round, plus the allgather message's framing (one 4-byte header word)
+        assert ROUNDS * sent < total["bytes_sent"] <= ROUNDS * (sent + 8)
+
+
+def dying_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    gradsift.diloco(model, optimizer, sync_every=H, compressor="blockquant")
+    for step in range(H):
+        inner(model, optimizer, rank, step)
+    if rank == 1:
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        for step in range(H, 2 * H):
+            inner(model, optimizer, rank, step)
+    except PeerFailureError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_dead_peer_raises_instead_of_hanging() -> None:
+    results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3})
+    assert results[0]["error"] is not None and results[0]["seconds"] < 20

@@ -1,0 +1,168 @@
+"""PowerSGD: options, the hook-only contract, and 2 real gloo ranks against PyTorch's own hook."""
+
+import copy
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsift
+
+WORLD = 2
+STEPS = 8
+START = 3
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"rank": 0}, "rank must lie in"),
+        ({"start_iter": 1}, "start_iter must lie in \\[2"),
+        ({"min_compression_rate": 0.0}, "min_compression_rate must lie in"),
+        ({"min_compression_rate": float("nan")}, "min_compression_rate must be a number"),
+        ({"orthogonalization_epsilon": -1e-8}, "orthogonalization_epsilon must lie in"),
+        ({"warm_start": 1}, "warm_start must be True or False"),
+        ({"seed": -3}, "seed must lie in"),
+        ({"ratio": 0.1}, "no option.*ratio.*rank"),
+    ],
+)
+def test_bad_options_name_the_argument(options, message):
+    with pytest.raises(ValueError, match=message):
+        gradsift.get_compressor("powersgd", **options)
+
+
+def test_start_iter_may_be_zero_without_error_feedback_and_warm_start():
+    compressor = gradsift.get_compressor("powersgd", start_iter=0, use_error_feedback=False, warm_start=False)
+    assert compressor.options()["start_iter"] == 0
+    assert compressor.exchanges == ("delegated",) and not compressor.error_feedback
+
+
+def test_single_tensor_use_points_to_the_comm_hook():
+    compressor = gradsift.get_compressor("powersgd")
+    with pytest.raises(ValueError, match="register_comm_hook"):
+        compressor.compress(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="register_comm_hook"):
+        compressor.decompress([], 16)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # Weight 16x32 is compressed at rank 1 ((16+32)*2 < 512); the 16-element bias is not.
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1, bias=False))
+
+
+def _train(ddp: DistributedDataParallel, rank: int, steps: range, record=None) -> None:
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        inputs = torch.randn(8, 32, generator=gen)
+        optimizer.zero_grad()
+        ddp(inputs).square().mean().backward()
+        optimizer.step()
+        if record is not None:
+            record(step)
+
+
+def _hooked(model: torch.nn.Module, **options) -> tuple[DistributedDataParallel, object]:
+    # One bucket holding every parameter, so the bucket index (0) is stable.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    return ddp, gradsift.register_comm_hook(ddp, "powersgd", rank=1, start_iter=START, **options)
+
+
+def _checkpoint_roundtrip(state: dict) -> dict:
+    saved = io.BytesIO()
+    torch.save(state, saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=True)
+
+
+def powersgd_worker(rank: int, world_size: int) -> dict:
+    """Worker (run by ``run_workers``): gradsift's hook, PyTorch's hook, a resume, a refused checkpoint."""
+    ours, state = _hooked(_model())
+    nbytes, checkpoint = [], {}
+
+    def record(step):
+        nbytes.append(state.stats()["step"]["bytes_sent"])
+        if step == STEPS - 1 - STEPS // 2:
+            checkpoint["model"] = copy.deepcopy(ours.module.state_dict())
+            checkpoint["hook"] = _checkpoint_roundtrip(state.state_dict())
+            # The uninterrupted run takes the same dense step after a load as a resumed one.
+            state.load_state_dict(state.state_dict())
+
+    _train(ours, rank, range(STEPS), record)
+
+    reference = DistributedDataParallel(_model(), bucket_cap_mb=25)
+    reference.register_comm_hook(
+        PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=START), powerSGD_hook
+    )
+    _train(reference, rank, range(STEPS - STEPS // 2))
+    baseline, _ = _hooked(_model())
+    _train(baseline, rank, range(STEPS - STEPS // 2))
+
+    resumed_model = _model()
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed, resumed_state = _hooked(resumed_model)
+    resumed_state.load_state_dict(checkpoint["hook"])
+    resumed_nbytes = []
+    _train(
+        resumed,
+        rank,
+        range(STEPS - STEPS // 2, STEPS),
+        lambda step: resumed_nbytes.append(resumed_state.stats()["step"]["bytes_sent"]),
+    )
+
+    # A checkpoint loaded into a model whose bucket holds other shapes is refused.
+    wider = torch.nn.Sequential(torch.nn.Linear(32, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1, bias=False))
+    mismatched, mismatched_state = _hooked(wider, error_feedback=False)
+    mismatched_state.compressor.load_state_dict(checkpoint["hook"]["compressor"])
+    try:
+        _train(mismatched, rank, range(2))
+        refusal = ""
+    except Exception as error:  # DDP re-raises the hook's error from backward()
+        refusal = str(error)
+
+    return {
+        "ours": [p.detach().clone() for p in ours.parameters()],
+        "reference": [p.detach().clone() for p in reference.parameters()],
+        "baseline": [p.detach().clone() for p in baseline.parameters()],
+        "resumed": [p.detach().clone() for p in resumed.parameters()],
+        "nbytes": nbytes,
+        "resumed_nbytes": resumed_nbytes,
+        "state": state.compressor.state_dict(),
+        "residual_keys": list(state.store.table("residual")),
+        "refusal": refusal,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_gloo_ranks_match_pytorch_hook_and_resume():
+    from support.distributed import run_workers
+
+    results = run_workers(Path(__file__), "powersgd_worker", WORLD, timeout=120)
+    dense, compressed = (32 * 16 + 16 + 16) * 4, (16 + 32 + 16 + 16) * 4
+    for result in results:
+        # PyTorch's algorithm, with its error feedback in gradsift's store: bit-identical
+        # parameters to PyTorch's own hook.
+        for ours, reference in zip(result["baseline"], result["reference"], strict=True):
+            assert torch.equal(ours, reference)
+        # A checkpoint taken mid-run resumes, in a fresh DDP model, to the same parameters.
+        for ours, resumed in zip(result["ours"], result["resumed"], strict=True):
+            assert torch.equal(ours, resumed)
+        # Full bucket (528 fp32) while allreducing; then P (16) + Q (32) + bias (16) + last
+        # layer (16, not worth compressing); the step after a load is dense again.
+        assert result["nbytes"] == [dense] * START + [compressed] + [dense] + [compressed] * (
+            STEPS - START - 2
+        )
+        assert result["resumed_nbytes"] == [dense] + [compressed] * (STEPS // 2 - 1)
+        assert result["state"]["iter"] == STEPS
+        assert result["state"]["error_dict"] == {}  # the error lives in gradsift's store:
+        assert result["residual_keys"] == [(0, 1, 2)]  # one bucket, keyed by its parameters
+        assert result["state"]["layouts"] == {0: [[1, 16], [16], [16, 32]]}
+        assert "bucket 0 holds parameters of shapes [[1, 17], [17], [17, 32]]" in result["refusal"]
+    # Every rank holds the same parameters.
+    for ours, other in zip(results[0]["ours"], results[1]["ours"], strict=True):
+        assert torch.equal(ours, other)

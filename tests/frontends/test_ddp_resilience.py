@@ -1,0 +1,228 @@
+"""The DDP hook across checkpoints and failures, in real gloo processes.
+
+Checkpoint at step k, resume in fresh processes (state_dict and pickle), compare with
+the uninterrupted run; a rank that raises or exits mid-step makes the others fail
+within the process group's timeout with PeerFailureError; delegation to PowerSGD.
+"""
+
+import pickle
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from support.distributed import run_workers
+from support.models import batch, flat_params, hooked, make_model, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS, CHECKPOINT_AT = 6, 3
+
+
+class ReadyOrdered(torch.nn.Module):
+    """make_model's network with its parameters registered in the order backward readies
+    their gradients (the last layer first, each bias before its weight): DDP's initial
+    bucket then already has the layout it rebuilds to after the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, _, second = make_model()
+        for layer in (second, first):
+            layer._parameters["weight"] = layer._parameters.pop("weight")  # after the bias
+        self.second, self.first = second, first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+# name: (compressor, options, model). make_model's DDP bucket is laid out (0, 1, 2, 3) at
+# first and (3, 2, 1, 0) after DDP's rebuild, so a resumed run's first step flattens the
+# bucket in another order than the uninterrupted run's: top-k's selection does not depend
+# on it; ReadyOrdered keeps the order, so every other method's state is tested on its own.
+RESUME_CASES = {
+    "topk-momentum": ("topk", {"ratio": 0.05, "momentum": 0.9}, make_model),
+    "topk-layer": ("topk", {"ratio": 0.1, "granularity": "layer"}, make_model),
+    # state that must come back: SIDCo's adaptation and stage counts, VGC's accumulators
+    # and capacity, DGC's sampling generator and velocities, random-k's per-key steps, the
+    # quantizers' rounding generators, EF-signSGD's residual
+    "sidco-exp": ("sidco-exp", {"ratio": 0.05, "exact_below": 0}, ReadyOrdered),  # the fitted path
+    "vgc": ("vgc", {"alpha": 1.0}, ReadyOrdered),
+    "dgc-momentum": ("dgc", {"ratio": 0.05, "momentum": 0.9, "sample_ratio": 0.2, "min_sample": 16}, ReadyOrdered),
+    "randomk": ("randomk", {"ratio": 0.1}, ReadyOrdered),
+    "qsgd": ("qsgd", {}, ReadyOrdered),
+    "terngrad": ("terngrad", {}, ReadyOrdered),
+    "signsgd": ("signsgd", {}, ReadyOrdered),
+    "efsignsgd": ("efsignsgd", {}, ReadyOrdered),
+}  # fmt: skip
+#: Methods whose arithmetic depends on where an element lies (random positions, a
+#: rounding stream, a sum's rounding, QSGD's norms per 512 elements), resumed across
+#: make_model's rebuild: they run on the bucket's parameters in number order
+#: (gradsift.core.store.Canonical), so the layout DDP hands the resumed first step does not
+#: change a bit.
+ACROSS_REBUILD = {
+    f"{name}-rebuilt": (name, options, make_model)
+    for name, options in [
+        ("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})
+    ]
+}  # fmt: skip
+CASES = {**RESUME_CASES, **ACROSS_REBUILD}
+
+
+def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Optimizer) -> None:
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def uninterrupted_worker(rank: int, world: int, directory: str) -> dict:
+    out = {}
+    for case, (name, options, factory) in CASES.items():
+        model = DDP(factory())
+        state = gradsift.register_comm_hook(model, name, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run_with_optimizer(model, rank, range(CHECKPOINT_AT), opt)
+        torch.save(
+            {
+                "model": model.module.state_dict(),
+                "opt": opt.state_dict(),
+                "hook": state.state_dict(),
+                "pickled": pickle.dumps(state),
+            },
+            f"{directory}/{case}-{rank}.pt",
+        )
+        layout = dict(state.bucket_layouts)
+        run_with_optimizer(model, rank, range(CHECKPOINT_AT, STEPS), opt)
+        out[case] = (flat_params(model), layout)
+    return out
+
+
+def resumed_worker(rank: int, world: int, directory: str) -> dict:
+    out = {}
+    for case, (name, options, factory) in CASES.items():
+        checkpoint = torch.load(f"{directory}/{case}-{rank}.pt", weights_only=False)
+        for how in ("state_dict", "pickle"):
+            module = factory()
+            module.load_state_dict(checkpoint["model"])
+            model = DDP(module)
+            if how == "state_dict":
+                state = gradsift.register_comm_hook(model, name, **options)
+                state.load_state_dict(checkpoint["hook"])
+            else:
+                restored = pickle.loads(checkpoint["pickled"])
+                assert restored.process_group is None  # pickled without its group
+                state = gradsift.register_comm_hook(model, restored)
+            assert state.step == CHECKPOINT_AT
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.load_state_dict(checkpoint["opt"])
+            run_with_optimizer(model, rank, range(CHECKPOINT_AT, CHECKPOINT_AT + 1), opt)
+            first_layout = dict(state.bucket_layouts)  # the layout of the resumed first step
+            run_with_optimizer(model, rank, range(CHECKPOINT_AT + 1, STEPS), opt)
+            out[f"{case}/{how}"] = (flat_params(model), first_layout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> tuple[list, list]:
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    return (
+        run_workers(__file__, "uninterrupted_worker", 2, directory=directory),
+        run_workers(__file__, "resumed_worker", 2, directory=directory),
+    )
+
+
+def differing(resume_runs: tuple[list, list], cases: dict) -> list[tuple[str, str, int]]:
+    """The (case, how, rank) whose resumed parameters differ from the uninterrupted run's."""
+    whole, resumed = resume_runs
+    return [
+        (case, how, rank)
+        for rank in range(2)
+        for case in cases
+        for how in ("state_dict", "pickle")
+        if not torch.equal(resumed[rank][f"{case}/{how}"][0], whole[rank][case][0])
+    ]
+
+
+def test_checkpoint_resume_in_fresh_processes_matches_uninterrupted_run(resume_runs):
+    """Every method's state resumes bit for bit, by state_dict and by pickle; ReadyOrdered's
+    resumed first step sees the layout the uninterrupted run had (make_model's does not)."""
+    whole, resumed = resume_runs
+    for case, (_, options, factory) in RESUME_CASES.items():
+        if options.get("granularity") != "layer":  # per-layer keys have no bucket layout
+            layouts = (resumed[0][f"{case}/state_dict"][1], whole[0][case][1])
+            assert (layouts[0] == layouts[1]) == (factory is ReadyOrdered), (case, layouts)
+    assert not differing(resume_runs, RESUME_CASES)
+
+
+def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_methods(resume_runs):
+    """The resumed first step gets make_model's initial layout, the uninterrupted run the
+    rebuilt one: random-k picks the same elements, the quantizers sum, draw and (QSGD)
+    group their norms alike, and decode back into the bucket's layout."""
+    whole, resumed = resume_runs
+    for case in ACROSS_REBUILD:
+        assert resumed[0][f"{case}/state_dict"][1] != whole[0][case][1], case  # the layouts differ
+    assert not differing(resume_runs, ACROSS_REBUILD)
+
+
+# --- a rank that fails mid-step -------------------------------------------------------------
+def failing_worker(rank: int, world: int, how: str) -> dict:
+    model, state = hooked("topk", ratio=0.1)
+    train(model, rank, range(2))
+    if rank == 1:
+
+        def broken(tensor, **kw):
+            if how == "exit":
+                import os
+
+                os._exit(3)
+            raise RuntimeError("simulated failure inside compress")
+
+        state.compressor.encode = broken  # what the hook calls
+        try:
+            train(model, rank, range(2, 3))
+        except RuntimeError:
+            time.sleep(
+                12
+            )  # stay alive (> the 5 s group timeout) without taking part: the peer must time out, not hang
+        return {}
+    started = time.monotonic()
+    try:
+        train(model, rank, range(2, 4))
+        return {"error": None}
+    except gradsift.core.errors.PeerFailureError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_surviving_rank_fails_with_clear_error_instead_of_hanging(how):
+    timeout = 5.0
+    results = run_workers(
+        __file__,
+        "failing_worker",
+        2,
+        how=how,
+        group_timeout=timeout,
+        timeout=120,
+        expect_exit={1: 3} if how == "exit" else None,
+    )
+    survivor = results[0]
+    assert survivor["error"] is not None
+    assert "failed on rank 0 of 2: a peer process is gone" in survivor["error"]
+    assert survivor["seconds"] < 4 * timeout
+
+
+# --- delegation to a compressor's own DDP hook (PowerSGD) -------------------------------------
+def delegation_worker(rank: int, world: int) -> dict:
+    model, state = hooked("powersgd", rank=1, start_iter=2)
+    train(model, rank, range(4))
+    return {"params": flat_params(model), "stats": state.stats()}
+
+
+def test_powersgd_delegation_is_timed_and_counted():
+    runs = run_workers(__file__, "delegation_worker", 2)
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+    step = runs[0]["stats"]["step"]
+    assert 0 < step["bytes_sent"] < step["dense_bytes"] and step["communicate_ms"] > 0

@@ -1,0 +1,109 @@
+"""The command line as PyTorch users expect: every default in ``--help``, one meaning per
+flag name, ``--json PATH`` on every command that writes results, the same ``--device``
+choices everywhere, progress on long work."""
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.cli import build_parser
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.commands.train import config_from_args, exchange_options
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.demo import LENGTHS
+from gradsift.tools.train.devices import DEVICES
+from support.cli import subparser
+
+#: Every command with options (``bench`` has only its sub-commands); each writes results.
+COMMANDS = [("train",), ("demo",), ("report",), ("analyze",), ("bench", "compress")]
+
+
+def help_blocks(path: tuple[str, ...]) -> dict[str, str]:
+    """``gradsift PATH... --help`` cut into one block per option, by its first flag."""
+    text = subparser(*path).format_help()
+    blocks = re.split(r"\n(?=  -)|\n(?=\S)", text)
+    return {
+        block.split()[0].rstrip(","): " ".join(block.split()) for block in blocks if block.startswith("  -")
+    }
+
+
+def options_of(path: tuple[str, ...]) -> list[argparse.Action]:
+    """The options ``--help`` lists (the parser's own record, not the help text)."""
+    return [
+        a
+        for a in subparser(*path)._actions
+        if a.option_strings and a.help is not argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+    ]
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_help_states_every_default(path):
+    blocks = help_blocks(path)
+    options = options_of(path)
+    assert options, path
+    for action in options:
+        block = blocks[action.option_strings[0]]
+        assert "default" in block, block
+
+
+def test_help_shows_the_back_ends_defaults():
+    train, fields = help_blocks(("train",)), {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert f"(default: {fields['timeout_s']})" in train["--timeout"]
+    assert f"(default: {fields['eval_every']})" in train["--eval-every"]
+    assert f"(default: {fields['warmup_steps']})" in train["--lr-warmup-steps"]
+    assert "(default: none," in train["--compressor"]
+    demo = help_blocks(("demo",))
+    assert f"{LENGTHS[True][0]} steps per method instead of {LENGTHS[False][0]}" in demo["--quick"]
+    assert "(default: 100mbit)" in demo["--bandwidth"]
+
+
+def parsed_train(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_warmup_steps_is_a_deprecated_alias_of_lr_warmup_steps(capsys, tmp_path):
+    assert parsed_train("--lr-warmup-steps", "5").lr_warmup_steps == 5
+    assert capsys.readouterr().err == ""
+    args = parsed_train("--warmup-steps", "7", "--synthetic", "--model", "mlp", "--compressor", "topk")
+    warning = capsys.readouterr().err
+    assert "--warmup-steps is deprecated" in warning
+    assert "--lr-warmup-steps" in warning and "--dense-warmup-steps" in warning
+    config = config_from_args(args, str(tmp_path / "run"), workers=2)
+    assert config.warmup_steps == 7  # the learning-rate warm-up, not the hook's dense steps
+    assert "warmup_steps" not in config.options
+    assert "--warmup-steps" not in subparser("train").format_help()  # hidden: the two new names are shown
+
+
+def test_dense_warmup_steps_is_the_hooks_warmup_steps():
+    assert exchange_options(parsed_train("--dense-warmup-steps", "3"))["warmup_steps"] == 3
+    assert "warmup_steps" not in exchange_options(parsed_train("--lr-warmup-steps", "3"))
+    with pytest.raises(InvalidOptionError, match="warmup_steps is given twice"):
+        exchange_options(parsed_train("--dense-warmup-steps", "3", "--option", "warmup_steps=2"))
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_every_result_writing_command_takes_json_path(path):
+    (action,) = [a for a in subparser(*path)._actions if "--json" in a.option_strings]
+    assert action.metavar == "PATH" and action.type is Path
+
+
+def test_device_choices_are_the_same_everywhere():
+    for path in (("train",), ("bench", "compress")):
+        (action,) = [a for a in subparser(*path)._actions if a.dest == "device"]
+        assert tuple(action.choices) == DEVICES, path
+
+
+def test_analyze_shows_progress_over_the_tensors(tmp_path, capsys):
+    file = tmp_path / "grads.pt"
+    torch.save({"a": torch.randn(2000), "b": torch.randn(3000)}, file)
+    argv = ["analyze", str(file), "--compressors", "topk", "--calls", "1"]
+    assert cli_main([*argv, "--json", str(tmp_path / "out.json")]) == 0
+    assert "2/2" in capsys.readouterr().err
+    assert (tmp_path / "out.json").is_file()
+    assert cli_main([*argv, "--no-progress"]) == 0
+    assert "2/2" not in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""`gradsift train` checks every argument, compressor and hook options included, before
+any worker starts: a bad one is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import gradsift.tools.train.launcher
+from gradsift.compressors.registry import available_compressors
+from gradsift.hook.options import HOOK_OPTIONS
+from gradsift.tools.cli import main as cli_main
+from gradsift.tools.train.config import TrainConfig
+from support.train import TINY
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the launcher is reached: validation must come first."""
+
+    def supervise(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(gradsift.tools.train.launcher, "supervise", supervise)
+
+
+def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str) -> str:
+    """Run ``gradsift train`` with ``arguments``; assert exit 2 and one stderr line; return it."""
+    code = cli_main(["train", *TINY, "--out", str(tmp_path / "run"), *arguments])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # the issue's example: `none` takes no ratio
+        (["--compressor", "none", "--ratio", "0.01"], r"compressor 'none' has no option\(s\) ratio"),
+        (
+            ["--compressor", "topk", "--option", "bogus=1"],
+            r"'topk' has no option\(s\) bogus; its options are: ratio",
+        ),
+        (["--compressor", "fp16", "--ratio", "0.01"], r"'fp16' has no option\(s\) ratio"),
+        (["--compressor", "sidco-exp", "--ratio", "2"], r"ratio must lie in \(0.0, 1.0\], got 2.0"),
+        (["--compressor", "vgc", "--option", "alpha=-1"], "alpha must"),
+        (["--compressor", "topk", "--option", "granularity=row"], "granularity must be one of bucket, layer"),
+        (["--compressor", "topk", "--option", "min_numel=-1"], "min_numel must"),
+        (["--compressor", "topk", "--option", "value_dtype=int8"], "value_dtype must be one of"),
+        (["--compressor", "topk", "--option", "momentum=1.5"], "momentum must"),
+        (["--compressor", "topk", "--option", "process_group=1"], "process_group cannot be set"),
+        (["--compressor", "topk", "--ratio", "0.01", "--option", "ratio=0.1"], "option ratio is given twice"),
+        (["--compressor", "zip"], "compressor must be one of"),
+        (["--workers", "0"], r"workers must lie in \[1, 256\], got 0"),
+        (["--lr", "0"], "lr must lie in"),
+        (["--momentum", "1"], "momentum must lie in"),
+        (["--batch-size", "0"], "batch_size must"),
+        (["--eval-every", "-1"], "eval_every must"),
+        (["--decay-steps", "0"], "decay_steps must"),
+        (["--decay-factor", "0"], "decay_factor must"),
+        (["--target-accuracy", "85"], "target_accuracy must lie in"),
+        (["--timeout", "0.5"], "timeout_s must"),
+        (["--epochs", "0"], "--epochs must be > 0"),
+        (["--latency", "1ms"], "--latency needs --bandwidth"),
+        (["--bandwidth", "fast"], "fast"),
+        (["--launcher", "torchrun"], "launcher torchrun .* needs a bandwidth"),
+        (["--nodes", "2"], "nodes needs launcher torchrun"),
+    ],
+)
+def test_bad_argument_is_one_line_before_any_worker(tmp_path, capsys, no_workers, arguments, message):
+    line = rejected(tmp_path, capsys, *arguments)
+    assert line.startswith("gradsift train: error: ")
+    assert re.search(message, line), line
+
+
+def test_the_dataset_and_output_paths_are_checked_first(tmp_path, capsys, no_workers):
+    tiny = [arg for arg in TINY if arg != "--synthetic"]
+    code = cli_main(["train", *tiny, "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not hold the Fashion-MNIST files" in err and len(err.splitlines()) == 1
+    (tmp_path / "no-text").mkdir()
+    code = cli_main(
+        [
+            "train",
+            *tiny,
+            "--model",
+            "gpt",
+            "--data-dir",
+            str(tmp_path / "no-text"),
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "holds 0 *.py files" in err and len(err.splitlines()) == 1
+    (tmp_path / "file").write_text("")
+    assert "--out" in rejected(tmp_path, capsys, "--out", str(tmp_path / "file"))
+    line = rejected(tmp_path, capsys, "--json", str(tmp_path / "missing" / "s.json"))
+    assert "--json" in line and "does not exist" in line
+
+
+def test_more_workers_than_gpus_is_rejected(tmp_path, capsys, no_workers, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = rejected(tmp_path, capsys, "--workers", "2")
+    assert "--workers 2 needs 2 GPUs" in line and "has 1" in line and "--device cpu" in line
+    line = rejected(tmp_path, capsys, "--workers", "2", "--device", "cuda")
+    assert "--workers 2 needs 2 GPUs" in line
+    with pytest.raises(AssertionError, match="a worker was started"):  # every check passed
+        cli_main(["train", *TINY, "--out", str(tmp_path / "run"), "--device", "cpu"])
+    assert TrainConfig.load(tmp_path / "run" / "config.json").device == "cpu"
+
+
+def test_bandwidth_under_torchrun_is_rejected_before_the_rank_starts(tmp_path, capsys, monkeypatch):
+    import gradsift.tools.commands.train
+
+    def rank(config):
+        raise AssertionError("a torchrun rank was started")
+
+    monkeypatch.setattr(gradsift.tools.commands.train, "_run_as_torchrun_rank", rank)
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    line = rejected(tmp_path, capsys, "--bandwidth", "100mbit")
+    assert line == (
+        "gradsift train: error: --bandwidth emulates links between local ranks; it cannot be used under torchrun"
+    )
+
+
+REQUIRED = {"threshold": {"threshold": 0.001}}  # compressors with an option that has no default
+
+
+@pytest.mark.parametrize("compressor", available_compressors())
+def test_every_compressor_with_default_options_is_valid(tmp_path, compressor):
+    options = REQUIRED.get(compressor, {})
+    assert TrainConfig(out=str(tmp_path), compressor=compressor, options=options).options == options
+
+
+def test_a_required_option_that_is_missing_is_named(tmp_path, capsys, no_workers):
+    line = rejected(tmp_path, capsys, "--compressor", "threshold")
+    assert "compressor 'threshold' needs option(s) threshold" in line
+
+
+def test_hook_and_compressor_options_together_are_valid(tmp_path):
+    options = {"ratio": 0.01, "granularity": "layer", "min_numel": 10, "warmup_steps": 2, "nonfinite": "skip"}
+    assert TrainConfig(out=str(tmp_path), compressor="topk", options=options).options == options
+    assert set(options) - {"ratio"} <= set(HOOK_OPTIONS)
