@@ -23,7 +23,13 @@ NAMES = [name for name in gradsift.available_compressors() if name != "powersgd"
 SIZES = [1000, 2 * SELECTION_CHUNK + 4321]
 
 #: Documented wire dtypes of the ratio-less payload fields, for fp16/bf16/fp32 gradients.
-QUANTIZED = {"qsgd": torch.uint8, "terngrad": torch.uint8, "signsgd": torch.uint8, "efsignsgd": torch.uint8}
+QUANTIZED = {
+    "qsgd": torch.uint8,
+    "terngrad": torch.uint8,
+    "signsgd": torch.uint8,
+    "efsignsgd": torch.uint8,
+    "blockquant": torch.uint8,
+}
 CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

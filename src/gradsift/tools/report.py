@@ -1,13 +1,17 @@
-"""Compare finished training runs: a table and four plots (``gradsift report``).
+"""Compare finished training runs: a table and four plots (``gradsift report``), and for
+language-model runs with an fp32 run among them the loss-gap-vs-bytes frontier
+(:mod:`gradsift.tools.frontier`).
 
-A run directory holds ``summary.json``, ``steps.jsonl`` and ``evals.jsonl`` as written
-by ``gradsift train`` (see :mod:`gradsift.tools.train.summary`). Time to accuracy is
-*training* time (sum of step times, evaluation excluded) at the first evaluation whose
-test accuracy reaches the target.
+A run directory holds ``summary.json``, ``steps.jsonl`` (or ``steps.jsonl.gz``, as the
+campaigns keep it), ``evals.jsonl`` and ``config.json`` as written by ``gradsift train``
+(see :mod:`gradsift.tools.train.summary`). Time to accuracy is *training* time (sum of
+step times, evaluation excluded) at the first evaluation whose test accuracy reaches
+the target.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.tools.frontier import FRONTIER_PLOT, frontier_points, group_by_family
 from gradsift.tools.train.summary import PHASES, time_to_accuracy
 
-#: The PNG files :func:`plot_runs` writes.
+#: The PNG files :func:`plot_runs` always writes (and :data:`FRONTIER_PLOT` when it has points).
 PLOTS = ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "density.png", "time_per_phase.png")
 
 
@@ -30,6 +35,7 @@ class Run:
     summary: dict[str, Any]
     steps: list[dict[str, Any]]
     evals: list[dict[str, Any]]
+    config: dict[str, Any]
 
     @property
     def label(self) -> str:
@@ -50,18 +56,28 @@ class Run:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The records of a JSON-lines file, or of its gzipped copy ``path.gz`` when only that exists."""
+    text = (
+        path.read_text()
+        if path.is_file()
+        else gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
+    )
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def load_run(path: str | Path) -> Run:
     """Read one run directory; raise :class:`InvalidOptionError` naming a missing file."""
     path = Path(path)
-    missing = [name for name in ("summary.json", "steps.jsonl", "evals.jsonl") if not (path / name).is_file()]
+    missing = [
+        name
+        for name in ("summary.json", "steps.jsonl", "evals.jsonl")
+        if not (path / name).is_file() and not (path / f"{name}.gz").is_file()
+    ]
     if missing:
         raise InvalidOptionError(f"{path} is not a finished gradsift run: missing {', '.join(missing)}")
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     return Run(path, json.loads((path / "summary.json").read_text()), _read_jsonl(path / "steps.jsonl"),
-               _read_jsonl(path / "evals.jsonl"))  # fmt: skip
+               _read_jsonl(path / "evals.jsonl"), config)  # fmt: skip
 
 
 def find_runs(paths: Sequence[str | Path]) -> list[Run]:
@@ -244,4 +260,21 @@ def plot_runs(runs: Sequence[Run], out: str | Path) -> list[Path]:
     axes.tick_params(axis="x", rotation=30, labelsize=8)
     axes.legend(fontsize=8)
     save(figure, PLOTS[3])
+
+    points = frontier_points(runs)
+    if points:
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for family, members in group_by_family(points).items():
+            if all(p.bytes_per_step == 0 for p in members):  # the zero-byte control: a level
+                axes.axhline(members[0].gap_percent, linestyle="--", color="grey", label=family)
+                continue
+            axes.errorbar([p.bytes_per_step for p in members], [p.gap_percent for p in members],
+                          yerr=[p.gap_sd_percent for p in members], marker="o", capsize=3, label=family)  # fmt: skip
+        axes.axhline(0.0, color="black", linewidth=0.8)
+        axes.set(xscale="log", xlabel="bytes sent per worker per step (mean over the run)",
+                 ylabel="final loss vs fp32 (%), mean +- sd over seeds",
+                 title="Loss gap vs bytes: one curve per method family")  # fmt: skip
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+        save(figure, FRONTIER_PLOT)
     return written
