@@ -19,7 +19,9 @@ settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60
 settings.register_profile("dev", deadline=None, max_examples=30)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One torch thread per xdist worker (two workers share the 2 cores ./dev test is sized for;
+# two threads each would spin against each other), at most two in one process.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 
 
 @pytest.fixture(autouse=True)

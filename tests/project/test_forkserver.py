@@ -57,7 +57,10 @@ def crash_worker(rank: int, world: int, how: str) -> None:
 
 def exit_handler_worker(rank: int, world: int) -> None:
     """Register an exit handler that ends the process with status 7 (as an abort at exit would
-    end it abnormally): it runs only when the interpreter finalizes."""
+    end it abnormally): it runs only when the interpreter finalizes. The barrier keeps rank 0,
+    which serves the group's store, alive until every rank has joined the group (without it
+    rank 1 could still be building its gloo pairs when rank 0 exits: "Connection reset")."""
+    dist.barrier()
     atexit.register(os._exit, 7)
 
 
