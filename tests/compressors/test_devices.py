@@ -71,7 +71,13 @@ def check_device_and_dtypes(name: str, numel: int, dtype: torch.dtype, device: s
             assert tensor.device == x.device, f"{name}: {field} on {tensor.device}"
     assert payload.dtype == dtype and mean.dtype == dtype and sent.dtype == dtype
     assert mean.shape == sent.shape == (numel,)
-    if isinstance(compressor, Sparsifier):
+    if name == "cocktail":  # positions and quantized values
+        assert payload.indices.dtype == torch.int64 and payload.codes.dtype == torch.uint8
+        assert payload.scales.dtype == torch.float32
+        outside = torch.ones(numel, dtype=torch.bool, device=x.device)
+        outside[payload.indices] = False
+        assert not sent[outside].any()  # nothing but the selected positions
+    elif isinstance(compressor, Sparsifier):
         assert payload.indices.dtype == torch.int64 and payload.values.dtype == dtype
         assert torch.equal(payload.values, x[payload.indices])
         assert torch.equal(sent[payload.indices], payload.values)

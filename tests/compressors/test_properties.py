@@ -17,11 +17,15 @@ from gradsift.tools.benchmarking import density_option
 
 
 def _sparsifier_names():
-    """Registry names of the parameter-free sparsifiers; a module that fails to import fails here."""
+    """Registry names of the parameter-free sparsifiers whose density one option sets (the
+    ratio or the threshold: ``cocktail``'s subset, top-k and bits have their own tests, in
+    test_cocktail.py); a module that fails to import fails here."""
     return [
         name
         for name in available_compressors()
-        if issubclass(cls := compressor_class(name), Sparsifier) and not cls.needs_parameters
+        if issubclass(cls := compressor_class(name), Sparsifier)
+        and not cls.needs_parameters
+        and cls.density_option is not None
     ]
 
 

@@ -20,6 +20,7 @@ def test_available_compressors_lists_every_design_name():
         "redsync",
         "gaussiank",
         "threshold",
+        "cocktail",
         "sidco-exp",
         "sidco-gpareto",
         "sidco-gamma",

@@ -24,6 +24,7 @@ _TABLE: dict[str, str] = {
     "redsync": "gradsift.compressors.redsync:RedSync",
     "gaussiank": "gradsift.compressors.gaussiank:GaussianK",
     "threshold": "gradsift.compressors.threshold:HardThreshold",
+    "cocktail": "gradsift.compressors.cocktail:Cocktail",
     "sidco-exp": "gradsift.compressors.sidco:SIDCoExponential",
     "sidco-gpareto": "gradsift.compressors.sidco:SIDCoGeneralizedPareto",
     "sidco-gamma": "gradsift.compressors.sidco:SIDCoGamma",

@@ -107,10 +107,10 @@ class ErrorFeedback:
 
         ``sent`` is what this worker's contribution stands for: a payload with
         ``indices`` and ``values`` (``compensated``, which is consumed, keeps ``c - v``
-        at those positions), another payload (decoded with ``compressor.sent_dense``),
-        or a dense tensor.
+        at those positions), another payload -- codes at positions included (decoded
+        with ``compressor.sent_dense``) -- or a dense tensor.
         """
-        if isinstance(sent, Payload) and sent.indices is not None:
+        if isinstance(sent, Payload) and sent.indices is not None and sent.codes is None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
             indices = sent.indices
             used = in_use(indices.numel(), sent.length, indices.device)

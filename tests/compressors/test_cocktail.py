@@ -1,0 +1,164 @@
+"""``cocktail`` (gradsift/compressors/cocktail.py) against CocktailSGD's compressor written out,
+and per-step delta sync (``gradsift.diloco(..., compressor="cocktail", sync_every=1)``) in real
+gloo processes: rounds agree on every rank, resume bit for bit, a dead peer raises."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+
+import pytest
+import torch
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
+from gradsift.hook.feedback import RESIDUAL, ErrorFeedback
+from support.distributed import run_workers
+from support.models import batch, flat_params, make_model
+from support.oracles import quantized_by_definition
+
+
+def subsets(compressor, numel: int) -> list[set[int]]:
+    """The positions each call of one period may select: those of its slot."""
+    slots = compressor.slots(numel, torch.device("cpu")).tolist()
+    return [{i for i, s in enumerate(slots) if s == phase} for phase in range(compressor.period)]
+
+
+def test_the_subsets_of_one_period_partition_the_positions_and_are_shared() -> None:
+    a, b = gradsift.get_compressor("cocktail", subset=0.25), gradsift.get_compressor("cocktail", subset=0.25)
+    parts = subsets(a, 1000)
+    assert len(parts) == 4 and set().union(*parts) == set(range(1000)) and sum(map(len, parts)) == 1000
+    assert all(150 < len(part) < 350 for part in parts)  # random slots: about n/4 each
+    assert parts == subsets(b, 1000)  # the same seed on every worker
+    assert parts != subsets(gradsift.get_compressor("cocktail", subset=0.25, seed=1), 1000)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_each_call_sends_the_top_k_of_its_subset_quantized_by_blocks(bits: int) -> None:
+    n, subset, topk, block = 2000, 0.2, 0.25, 16
+    compressor = gradsift.get_compressor("cocktail", subset=subset, topk=topk, bits=bits, block_size=block)
+    parts = subsets(compressor, n)
+    k = max(1, int(n * subset * topk))
+    for call in range(7):  # more than a period: the subsets roll
+        x = torch.randn(n, generator=torch.Generator().manual_seed(call))
+        payload = compressor.compress(x, key="bucket")
+        eligible = sorted(parts[call % compressor.period], key=lambda i: -abs(float(x[i])))
+        expected = sorted(eligible[:k])
+        assert payload.indices.tolist() == expected
+        decoded = compressor.decompress([payload], n)
+        wanted = torch.zeros(n)
+        wanted[expected] = quantized_by_definition(x[expected], bits, block)
+        torch.testing.assert_close(decoded, wanted, rtol=0, atol=0)
+        assert payload.nbytes == 4 * k + math.ceil(k * bits / 8) + 4 * math.ceil(k / block) + 4
+    assert compressor.state_dict() == {"calls": {"bucket": 7}}
+
+
+def test_the_mean_of_two_workers_and_what_error_feedback_keeps() -> None:
+    compressor = gradsift.get_compressor("cocktail", subset=0.5, topk=0.5)
+    x, y = torch.randn(400), torch.randn(400) * 3
+    px = compressor.compress(x, key=1)
+    compressor.load_state_dict({"calls": {1: 0}})  # the other worker's same call
+    py = compressor.compress(y, key=1)
+    torch.testing.assert_close(
+        compressor.decompress([px, py], 400), (compressor.sent_dense(px) + compressor.sent_dense(py)) / 2
+    )
+    feedback = ErrorFeedback()
+    feedback.update(0, x.clone(), px, compressor)
+    residual = feedback.store.get(RESIDUAL, 0)
+    torch.testing.assert_close(residual, x - compressor.sent_dense(px))  # the rounding error stays too
+    sent = px.indices
+    assert not torch.equal(residual[sent], torch.zeros(len(sent)))  # 4-bit values are not exact
+
+
+def test_a_nan_outside_the_subset_is_still_flagged() -> None:
+    compressor = gradsift.get_compressor("cocktail", subset=0.5)
+    x = torch.randn(100)
+    outside = next(iter(subsets(compressor, 100)[1]))  # not eligible at call 0
+    x[outside] = float("nan")
+    with pytest.raises(NonFiniteGradientError):
+        compressor.compress(x)
+    assert compressor.state_dict() == {"calls": {}}  # the refused call left no trace
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"subset": 0.001}, {"subset": 0.0}, {"topk": 1.5}, {"bits": 3}, {"block_size": 0}, {"seed": -1}],
+)
+def test_bad_options_are_named(options: dict) -> None:
+    with pytest.raises(InvalidOptionError, match=next(iter(options))):
+        gradsift.get_compressor("cocktail", **options)
+
+
+H, ROUNDS, INNER_LR = 1, 8, 0.05
+
+
+def inner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def per_step_sync(rank: int, resume_at: int | None = None) -> tuple[list[torch.Tensor], dict]:
+    def fresh():
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        state = gradsift.diloco(model, optimizer, sync_every=H, compressor="cocktail", subset=0.5, topk=0.4)
+        return model, optimizer, state
+
+    model, optimizer, state = fresh()
+    rounds = []
+    for step in range(ROUNDS):
+        if step == resume_at:
+            saved = (model.state_dict(), optimizer.state_dict(), state.state_dict())
+            state.detach()
+            model, optimizer, state = fresh()
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            state.load_state_dict(saved[2])
+        inner(model, optimizer, rank, step)
+        rounds.append(flat_params(model))
+    return rounds, state.stats()
+
+
+def delta_sync_worker(rank: int, world: int) -> dict:
+    whole, stats = per_step_sync(rank)
+    resumed, _ = per_step_sync(rank, resume_at=3)
+    return {"whole": whole, "resumed": resumed, "stats": stats}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_per_step_delta_sync_agrees_on_every_rank_and_resumes_bit_for_bit() -> None:
+    results = run_workers(__file__, "delta_sync_worker", 2, timeout=120)
+    for result in results:
+        assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["whole"], strict=True))
+        total = result["stats"]["total"]
+        assert total["steps"] == ROUNDS and 0 < total["bytes_sent"] < total["dense_bytes"] / 4
+    first, second = (r["whole"] for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # the shared parameters
+    assert all(float((b - a).norm()) > 0 for a, b in itertools.pairwise(first))
+
+
+def dying_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    gradsift.diloco(model, optimizer, sync_every=1, compressor="cocktail")
+    inner(model, optimizer, rank, 0)
+    if rank == 1:
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        inner(model, optimizer, rank, 1)
+    except PeerFailureError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_dead_peer_raises_instead_of_hanging() -> None:
+    results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3})
+    assert results[0]["error"] is not None and results[0]["seconds"] < 20
