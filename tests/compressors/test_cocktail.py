@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import time
 
 import pytest
 import torch
 
 import gradsift
-from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.hook.feedback import RESIDUAL, ErrorFeedback
+from support.diloco import INNER_LR, inner, survivors_raised
+from support.diloco import dying_worker as dying_worker  # the ranks look it up by name
 from support.distributed import run_workers
-from support.models import batch, flat_params, make_model
+from support.models import flat_params, make_model
 from support.oracles import quantized_by_definition
 
 
@@ -91,14 +91,7 @@ def test_bad_options_are_named(options: dict) -> None:
         gradsift.get_compressor("cocktail", **options)
 
 
-H, ROUNDS, INNER_LR = 1, 8, 0.05
-
-
-def inner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
-    x, y = batch(rank, step)
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
+H, ROUNDS = 1, 8
 
 
 def per_step_sync(rank: int, resume_at: int | None = None) -> tuple[list[torch.Tensor], dict]:
@@ -142,23 +135,11 @@ def test_per_step_delta_sync_agrees_on_every_rank_and_resumes_bit_for_bit() -> N
     assert all(float((b - a).norm()) > 0 for a, b in itertools.pairwise(first))
 
 
-def dying_worker(rank: int, world: int) -> dict:
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    gradsift.diloco(model, optimizer, sync_every=1, compressor="cocktail")
-    inner(model, optimizer, rank, 0)
-    if rank == 1:
-        os._exit(3)
-    started = time.monotonic()
-    try:
-        inner(model, optimizer, rank, 1)
-    except PeerFailureError as error:
-        return {"error": str(error), "seconds": time.monotonic() - started}
-    return {"error": None}
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_dead_peer_raises_instead_of_hanging() -> None:
-    results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3})
-    assert results[0]["error"] is not None and results[0]["seconds"] < 20
+    results = run_workers(
+        __file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3},
+        sync_every=1, adamw=True, compressor="cocktail",
+    )  # fmt: skip
+    assert survivors_raised(results, 2)

@@ -12,28 +12,20 @@ non-finite round and raise on a dead peer.
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import gradsift
-from gradsift.core.errors import InvalidOptionError, PeerFailureError
+from gradsift.core.errors import InvalidOptionError
+from support.diloco import INNER_LR, inner, survivors_raised
+from support.diloco import dying_worker as dying_worker  # the ranks look it up by name
 from support.distributed import run_workers
-from support.models import batch, flat_params, make_model
+from support.models import flat_params, make_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-H, ROUNDS, INNER_LR = 3, 4, 0.05
-
-
-def inner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, step: int) -> None:
-    x, y = batch(rank, step)
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
+H, ROUNDS = 3, 4
 
 
 def reference(rank: int, world: int) -> list[torch.Tensor]:
@@ -156,29 +148,13 @@ def test_a_non_finite_round_is_skipped_on_every_rank(world):
         assert result == {"skipped": True, "unchanged": True, "finite": True}
 
 
-def dying_worker(rank: int, world: int) -> dict:
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    gradsift.diloco(model, optimizer, sync_every=H, compressor="sidco-exp")
-    for step in range(H):
-        inner(model, optimizer, rank, step)
-    if rank == 1:
-        os._exit(3)
-    started = time.monotonic()
-    try:
-        for step in range(H, 2 * H):
-            inner(model, optimizer, rank, step)
-    except PeerFailureError as error:
-        return {"error": str(error), "seconds": time.monotonic() - started}
-    return {"error": None}
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_dead_peer_raises_instead_of_hanging(world):
-    results = run_workers(__file__, "dying_worker", world, group_timeout=5.0, timeout=60, expect_exit={1: 3})
-    survivors = [r for rank, r in enumerate(results) if rank != 1]
-    assert len(survivors) == world - 1
-    assert all(r["error"] is not None and r["seconds"] < 20 for r in survivors)
+    results = run_workers(
+        __file__, "dying_worker", world, group_timeout=5.0, timeout=60, expect_exit={1: 3},
+        sync_every=H, compressor="sidco-exp",
+    )  # fmt: skip
+    assert survivors_raised(results, world)
 
 
 def options_worker(rank: int, world: int) -> dict:
