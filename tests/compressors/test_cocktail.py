@@ -13,10 +13,9 @@ import torch
 import gradsift
 from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.hook.feedback import RESIDUAL, ErrorFeedback
-from support.diloco import INNER_LR, inner, survivors_raised
 from support.diloco import dying_worker as dying_worker  # the ranks look it up by name
+from support.diloco import survivors_raised, trained
 from support.distributed import run_workers
-from support.models import flat_params, make_model
 from support.oracles import quantized_by_definition
 
 
@@ -95,24 +94,12 @@ H, ROUNDS = 1, 8
 
 
 def per_step_sync(rank: int, resume_at: int | None = None) -> tuple[list[torch.Tensor], dict]:
-    def fresh():
-        model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-        state = gradsift.diloco(model, optimizer, sync_every=H, compressor="cocktail", subset=0.5, topk=0.4)
-        return model, optimizer, state
-
-    model, optimizer, state = fresh()
-    rounds = []
-    for step in range(ROUNDS):
-        if step == resume_at:
-            saved = (model.state_dict(), optimizer.state_dict(), state.state_dict())
-            state.detach()
-            model, optimizer, state = fresh()
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-            state.load_state_dict(saved[2])
-        inner(model, optimizer, rank, step)
-        rounds.append(flat_params(model))
+    rounds, state = trained(
+        lambda model, optimizer: gradsift.diloco(
+            model, optimizer, sync_every=H, compressor="cocktail", subset=0.5, topk=0.4
+        ),
+        rank, ROUNDS, H, adamw=True, resume_at=resume_at,
+    )  # fmt: skip
     return rounds, state.stats()
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
-from support.diloco import INNER_LR, inner, survivors_raised
+from support.diloco import INNER_LR, inner, survivors_raised, trained
 from support.diloco import dying_worker as dying_worker  # the ranks look it up by name
 from support.distributed import run_workers
 from support.models import flat_params, make_model
@@ -51,29 +51,10 @@ def reference(rank: int, world: int) -> list[torch.Tensor]:
 
 
 def hooked(rank: int, compressor: str, resume_at: int | None = None, **options) -> tuple[list, object]:
-    def fresh():
-        model = make_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        return (
-            model,
-            optimizer,
-            gradsift.diloco(model, optimizer, sync_every=H, compressor=compressor, **options),
-        )
-
-    model, optimizer, state = fresh()
-    rounds = []
-    for step in range(H * ROUNDS):
-        if step == resume_at:
-            saved = (model.state_dict(), optimizer.state_dict(), state.state_dict())
-            state.detach()
-            model, optimizer, state = fresh()
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-            state.load_state_dict(saved[2])
-        inner(model, optimizer, rank, step)
-        if (step + 1) % H == 0:
-            rounds.append(flat_params(model))
-    return rounds, state
+    return trained(
+        lambda model, optimizer: gradsift.diloco(model, optimizer, sync_every=H, compressor=compressor, **options),
+        rank, H * ROUNDS, H, resume_at=resume_at,
+    )  # fmt: skip
 
 
 def dense_worker(rank: int, world: int) -> dict:

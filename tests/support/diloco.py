@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import gradsift
 from gradsift.core.errors import PeerFailureError
-from support.models import batch, make_model
+from support.models import batch, flat_params, make_model
 
 INNER_LR = 0.05
 
@@ -20,6 +22,40 @@ def inner(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, s
     optimizer.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
+
+
+def trained(
+    diloco: Callable[[torch.nn.Module, torch.optim.Optimizer], Any],
+    rank: int,
+    steps: int,
+    sync_every: int,
+    *,
+    adamw: bool = False,
+    resume_at: int | None = None,
+) -> tuple[list[torch.Tensor], Any]:
+    """``steps`` inner steps of a fresh model under ``diloco(model, optimizer)``: the
+    parameters after every round and the final state. With ``resume_at``, before that step
+    the model, the inner optimizer and the state are saved, rebuilt and restored."""
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = make_model()
+        optimizer = (torch.optim.AdamW if adamw else torch.optim.SGD)(model.parameters(), lr=INNER_LR)
+        return model, optimizer, diloco(model, optimizer)
+
+    model, optimizer, state = fresh()
+    rounds = []
+    for step in range(steps):
+        if step == resume_at:
+            saved = (model.state_dict(), optimizer.state_dict(), state.state_dict())
+            state.detach()
+            model, optimizer, state = fresh()
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            state.load_state_dict(saved[2])
+        inner(model, optimizer, rank, step)
+        if (step + 1) % sync_every == 0:
+            rounds.append(flat_params(model))
+    return rounds, state
 
 
 def dying_worker(rank: int, world: int, sync_every: int = 3, adamw: bool = False, **diloco: object) -> dict:
