@@ -7,7 +7,7 @@ Public API (stable)::
     payload = c.compress(flat_gradient)
     dense = c.decompress([payload, ...], numel)
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
-    state = gradsift.diloco(model, optimizer)   # SparseLoCo's form: every 10 steps, sidco-exp 0.01
+    state = gradsift.diloco(model, optimizer)   # every 10 steps, the delta in 4-bit codes
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def diloco(
 ) -> DiLoCoState:
     """Low-communication training: outer steps every ``sync_every`` inner steps on compressed
     pseudo-gradients. See :func:`gradsift.frontends.diloco.diloco` (imported lazily), which holds the
-    defaults (SparseLoCo's form every 10 steps): this wrapper restates none of them."""
+    defaults (quantized averaging every 10 steps): this wrapper restates none of them."""
     from gradsift.frontends.diloco import diloco as _diloco
 
     return _diloco(model, optimizer, *args, **options)

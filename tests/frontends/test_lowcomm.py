@@ -183,7 +183,7 @@ def defaults_worker(rank: int, world: int) -> dict:
         seen[label] = {
             "sync_every": state.sync_every,
             "compressor": state.hook.compressor.name,
-            "ratio": getattr(state.hook.compressor, "ratio", None),
+            "options": state.hook.compressor.options(),
             "decay": state.hook.options.residual_decay,
             "outer": (group["lr"], group["momentum"]),
         }
@@ -191,12 +191,12 @@ def defaults_worker(rank: int, world: int) -> dict:
     return seen
 
 
-def test_the_defaults_are_sparselocos_form():
-    """H 10, sidco-exp at 0.01, outer lr 1 without momentum, and error feedback decayed by
-    0.95 wherever the compressor runs it (by name or as an instance), unless given."""
+def test_the_defaults_are_quantized_averaging():
+    """H 10, blockquant's 4-bit codes, outer lr 1 without momentum, and error feedback decayed
+    by 0.95 wherever the compressor runs it (by name or as an instance), unless given."""
     (seen,) = run_workers(__file__, "defaults_worker", 1)
-    assert seen["default"] == {"sync_every": 10, "compressor": "sidco-exp", "ratio": 0.01, "decay": 0.95,
-                               "outer": (1.0, 0.0)}  # fmt: skip
+    assert seen["default"] == {"sync_every": 10, "compressor": "blockquant", "options": {"bits": 4, "block_size": 64},
+                               "decay": 0.95, "outer": (1.0, 0.0)}  # fmt: skip
     assert seen["instance"]["decay"] == 0.95
     assert seen["dense"]["decay"] == 1.0  # no error feedback, nothing to decay
     assert seen["explicit"]["decay"] == 0.5

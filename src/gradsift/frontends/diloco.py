@@ -190,7 +190,7 @@ def diloco(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sync_every: int = 10,
-    compressor: str | Compressor = "sidco-exp",
+    compressor: str | Compressor = "blockquant",
     *,
     outer_lr: float = 1.0,
     outer_momentum: float = 0.0,
@@ -206,11 +206,13 @@ def diloco(
     not ``optimizer``, ``granularity`` or ``warmup_steps``, which have no meaning for
     pseudo-gradients).
 
-    The defaults are SparseLoCo's form, the best of the AdamW campaign at this scale
-    (docs/adam.md, docs/decisions.md): every 10 inner steps, ``sidco-exp`` at its default
-    ratio 0.01, error feedback with ``residual_decay=0.95`` in place of outer momentum,
-    ``outer_lr=1`` (the mean pseudo-gradient applied as it is). DiLoCo's own outer step is
-    ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
+    The defaults are quantized periodic averaging, the best mode at >= 30x fewer bytes than
+    DDP of the AdamW campaign at this scale (docs/adam.md, docs/decisions.md): every 10 inner
+    steps, the pseudo-gradient in ``blockquant``'s 4-bit codes (one absmax scale per 64
+    elements; about 70x fewer bytes than DDP), error feedback with ``residual_decay=0.95``
+    in place of outer momentum, ``outer_lr=1`` (the mean pseudo-gradient applied as it is).
+    SparseLoCo's form is ``compressor="sidco-exp"`` (ratio 0.01, about 500x); DiLoCo's own
+    outer step is ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(

@@ -111,8 +111,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      "hands the optimizer); default 0: no clipping")  # fmt: skip
     run.add_argument("--sync-every", type=int, default=0, metavar="H",
                      help="DiLoCo (no DDP): each worker takes H steps on its own, then one outer step on the "
-                     "compressed pseudo-gradient (gradsift.diloco's defaults: SparseLoCo's form, outer lr 1, no outer "
-                     "momentum, residual decay 0.95; DiLoCo's outer step: --option outer_lr=0.7 --option "
+                     "compressed pseudo-gradient (gradsift.diloco's outer defaults: outer lr 1, no outer momentum, "
+                     "residual decay 0.95 with error feedback; DiLoCo's outer step: --option outer_lr=0.7 --option "
                      "outer_momentum=0.9; also nesterov, buffers); default 0: DDP with gradsift's hook every step")  # fmt: skip
     run.add_argument("--no-recipe", dest="recipe", action="store_false",
                      help="without the recipe: the optimizer keeps its momentum on top of error feedback, no "
