@@ -124,7 +124,7 @@ def test_quantized_averaging_is_the_method_written_out_and_resumes_bit_for_bit()
 @pytest.mark.slow
 def test_a_dead_peer_raises_instead_of_hanging() -> None:
     results = run_workers(
-        __file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3},
+        __file__, "dying_worker", 2, group_timeout=10.0, timeout=60, expect_exit={1: 3},
         sync_every=H, adamw=False, compressor="blockquant",
     )  # fmt: skip
     assert survivors_raised(results, 2)

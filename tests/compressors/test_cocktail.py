@@ -126,7 +126,7 @@ def test_per_step_delta_sync_agrees_on_every_rank_and_resumes_bit_for_bit() -> N
 @pytest.mark.slow
 def test_a_dead_peer_raises_instead_of_hanging() -> None:
     results = run_workers(
-        __file__, "dying_worker", 2, group_timeout=5.0, timeout=60, expect_exit={1: 3},
+        __file__, "dying_worker", 2, group_timeout=10.0, timeout=60, expect_exit={1: 3},
         sync_every=1, adamw=True, compressor="cocktail",
     )  # fmt: skip
     assert survivors_raised(results, 2)

@@ -132,7 +132,7 @@ def test_a_non_finite_round_is_skipped_on_every_rank(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_dead_peer_raises_instead_of_hanging(world):
     results = run_workers(
-        __file__, "dying_worker", world, group_timeout=5.0, timeout=60, expect_exit={1: 3},
+        __file__, "dying_worker", world, group_timeout=10.0, timeout=60, expect_exit={1: 3},
         sync_every=H, compressor="sidco-exp",
     )  # fmt: skip
     assert survivors_raised(results, world)

@@ -20,6 +20,7 @@ import datetime
 import importlib.util
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -58,10 +59,24 @@ def with_test_path(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, (*folders, env.get("PYTHONPATH"))))}
 
 
+#: Store ports: below the kernel's ephemeral range (32768+), one block per xdist worker, so
+#: two workers' groups never draw the same port (a port the kernel hands out free to one
+#: worker could be handed to the other before the first group's store listens on it).
+PORT_BLOCK, PORT_BASE = 10_000, 2_000
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port no process listens on, from this xdist worker's own block."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = PORT_BASE + (worker % 3) * PORT_BLOCK
+    while True:
+        port = random.randrange(low, low + PORT_BLOCK)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @dataclass
