@@ -48,6 +48,12 @@ def _sync_every(run: RunLike) -> int:
     return int(run.config.get("sync_every") or 1)
 
 
+def _bytes(run: RunLike) -> float:
+    """Bytes per worker per step; a lone worker's hook counts what DDP would send, but nothing
+    leaves the process."""
+    return 0.0 if run.summary["workers"] == 1 else float(run.summary["bytes_sent_per_step"])
+
+
 def _family(run: RunLike) -> str:
     if run.summary["workers"] == 1:
         return "one worker alone (no communication)"
@@ -87,7 +93,7 @@ def frontier_points(runs: Sequence[RunLike]) -> list[FrontierPoint]:
                 family=_family(members[0]),
                 setting=setting,
                 seeds=len(members),
-                bytes_per_step=statistics.fmean(r.summary["bytes_sent_per_step"] for r in members),
+                bytes_per_step=statistics.fmean(_bytes(r) for r in members),
                 gap_percent=statistics.fmean(gaps),
                 gap_sd_percent=statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
             )
