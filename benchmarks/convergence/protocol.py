@@ -192,6 +192,10 @@ METHODS = {
                           flags=("--sync-every", "1"),
                           setting="per-step delta sync in CocktailSGD's manner: AdamW local, every step the delta "
                                   "through a rolling 10 % subset, its top 20 %, 4-bit values; plain error feedback"),
+    "cocktail-h1-model": Method("cocktail", {"outer_lr": 1.0, "outer_momentum": 0.0, "residual_decay": 1.0,
+                                             "unsent": "model"}, flags=("--sync-every", "1"),
+                                setting="as cocktail-h1, the unsent delta kept in each worker's parameters "
+                                        "(CocktailSGD's way)"),
     "onebit-adam": Method("efsignsgd", setting="1-bit Adam's anchor: the hook's frozen-variance AdamW (the trainer's "
                                                "dense warm-up) with scaled signs and worker error feedback"),
 }  # fmt: skip
@@ -251,7 +255,7 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
          "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
          "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128",
          "qavg-blockquant8-h10", "qavg-blockquant4-h10", "qavg-blockquant2-h10", "qavg-blockquant2-h20",
-         "onebit-adam", "cocktail-h1")  # fmt: skip
+         "onebit-adam", "cocktail-h1", "cocktail-h1-model")  # fmt: skip
 
 
 #: The methods also run on 4 workers.

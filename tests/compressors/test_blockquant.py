@@ -63,9 +63,11 @@ def test_a_non_finite_input_is_refused() -> None:
 H, ROUNDS, BITS, BLOCK, DECAY = 3, 4, 4, 16, 1.0
 
 
-def written_out(rank: int, world: int) -> list[torch.Tensor]:
+def written_out(rank: int, world: int, in_model: bool = False) -> list[torch.Tensor]:
     """Quantized periodic averaging by hand: ``c = Delta + beta r``, ``q = Q(c)``,
-    ``theta <- theta - mean_w q_w`` (outer lr 1, no momentum), ``r <- c - q``."""
+    ``theta <- theta - mean_w q_w`` (outer lr 1, no momentum), ``r <- c - q``; the worker's
+    parameters after each round (``theta``; with ``in_model``, CocktailSGD's way, ``theta - r``
+    with ``r`` then kept nowhere else)."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     shared = flat_params(model).clone()
@@ -80,19 +82,23 @@ def written_out(rank: int, world: int) -> list[torch.Tensor]:
             mean = sent.clone()
             dist.all_reduce(mean)
             shared = shared - mean / world
+            restart = shared - residual if in_model else shared
+            residual = torch.zeros_like(residual) if in_model else residual
             with torch.no_grad():
                 for param, piece in zip(
-                    model.parameters(), shared.split([p.numel() for p in model.parameters()]), strict=True
+                    model.parameters(), restart.split([p.numel() for p in model.parameters()]), strict=True
                 ):
                     param.copy_(piece.view_as(param))
-            rounds.append(shared.clone())
+            rounds.append(restart.clone())
     return rounds
 
 
-def with_gradsift(rank: int, resume_at: int | None = None) -> tuple[list[torch.Tensor], dict]:
+def with_gradsift(
+    rank: int, resume_at: int | None = None, unsent: str = "residual"
+) -> tuple[list[torch.Tensor], dict]:
     rounds, state = trained(
         lambda model, optimizer: gradsift.diloco(
-            model, optimizer, sync_every=H, compressor="blockquant", bits=BITS, block_size=BLOCK, residual_decay=DECAY
+            model, optimizer, sync_every=H, compressor="blockquant", bits=BITS, block_size=BLOCK, residual_decay=DECAY, unsent=unsent
         ),
         rank, H * ROUNDS, H, resume_at=resume_at,
     )  # fmt: skip
@@ -103,7 +109,26 @@ def averaging_worker(rank: int, world: int) -> dict:
     expected = written_out(rank, world)
     got, stats = with_gradsift(rank)
     resumed, _ = with_gradsift(rank, resume_at=H + 1)
-    return {"expected": expected, "got": got, "resumed": resumed, "stats": stats}
+    in_model, _ = with_gradsift(rank, unsent="model")
+    return {"expected": expected, "got": got, "resumed": resumed, "stats": stats,
+            "expected_in_model": written_out(rank, world, in_model=True), "in_model": in_model}  # fmt: skip
+
+
+def unsent_refusal_worker(rank: int, world: int) -> str:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    try:
+        gradsift.diloco(model, optimizer, compressor="blockquant", unsent="model")  # decay 0.95
+    except InvalidOptionError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_unsent_in_the_model_needs_plain_error_feedback() -> None:
+    (message,) = run_workers(__file__, "unsent_refusal_worker", 1)
+    assert "residual_decay=1.0" in message
 
 
 @pytest.mark.distributed
@@ -112,6 +137,9 @@ def test_quantized_averaging_is_the_method_written_out_and_resumes_bit_for_bit()
     for result in run_workers(__file__, "averaging_worker", 2, timeout=120):
         for got, expected in zip(result["got"], result["expected"], strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(result["in_model"], result["expected_in_model"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)  # unsent="model"
+        assert not torch.equal(result["in_model"][-1], result["got"][-1])
         assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["got"], strict=True))
         total = result["stats"]["total"]
         numel = sum(p.numel() for p in make_model().parameters())

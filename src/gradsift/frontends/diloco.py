@@ -50,6 +50,7 @@ from gradsift.compressors.registry import compressor_class
 from gradsift.core.collectives import blocking
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.layout import FlatBucket
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -58,6 +59,10 @@ from gradsift.hook.state import GradsiftHookState
 SPARSELOCO_DECAY = 0.95
 
 BUFFER_POLICIES = ("mean", "local")
+#: Where what a worker did not send waits: error feedback's residual, or its own parameters.
+UNSENT_POLICIES = ("residual", "model")
+#: The keywords of :func:`diloco` that are its own (the others go to the hook and the compressor).
+OUTER_OPTIONS = ("outer_lr", "outer_momentum", "nesterov", "buffers", "unsent")
 #: Hook options with no meaning for pseudo-gradients (no optimizer, loss scale or warm-up; one part).
 _REFUSED = ("optimizer", "granularity", "warmup_steps", "scaler")
 
@@ -75,8 +80,10 @@ class DiLoCoState:
         outer_momentum: float,
         nesterov: bool,
         buffers: str,
+        unsent: str = "residual",
     ) -> None:
         self.model = model
+        self.unsent = unsent
         self.inner_optimizer = optimizer
         self.hook = hook
         self.sync_every = sync_every
@@ -116,11 +123,22 @@ class DiLoCoState:
                     shared.grad = piece.view_as(shared).clone()
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
-            for param, shared in zip(self.params, self.shared, strict=True):
-                param.copy_(shared)
+            kept = self._take_unsent() if self.unsent == "model" else [None] * len(self.params)
+            for param, shared, unsent in zip(self.params, self.shared, kept, strict=True):
+                param.copy_(shared if unsent is None else shared - unsent.view_as(shared).to(shared.dtype))
             if self.buffers == "mean":
                 _average_buffers(self.model, self.hook.process_group)
         self.rounds += 1
+
+    def _take_unsent(self) -> list[torch.Tensor | None]:
+        """``unsent="model"``: the residual of the round (what this worker did not send), per
+        parameter, taken out of error feedback: the worker keeps it in its own parameters."""
+        key = tuple(sorted(self.hook.layout.numbers[id(p)] for p in self.params))
+        residual = self.hook.store.get(RESIDUAL, key)
+        if residual is None:
+            return [None] * len(self.params)
+        self.hook.store.discard(key, (RESIDUAL,))
+        return list(residual.split([p.numel() for p in self.params]))
 
     def detach(self) -> None:
         """Stop counting the inner optimizer's steps."""
@@ -196,6 +214,7 @@ def diloco(
     outer_momentum: float = 0.0,
     nesterov: bool = True,
     buffers: str = "mean",
+    unsent: str = "residual",
     **options: Any,
 ) -> DiLoCoState:
     """Train ``model`` (not DDP-wrapped) with DiLoCo's outer steps every ``sync_every`` inner
@@ -213,6 +232,14 @@ def diloco(
     in place of outer momentum, ``outer_lr=1`` (the mean pseudo-gradient applied as it is).
     SparseLoCo's form is ``compressor="sidco-exp"`` (ratio 0.01, about 500x); DiLoCo's own
     outer step is ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
+
+    ``unsent="model"`` (with error feedback at ``residual_decay=1.0``) keeps what a worker
+    did not send in its own parameters, as CocktailSGD does: after the outer step the
+    worker restarts from ``theta - u`` (``u`` its round's residual, which is then cleared)
+    instead of the shared ``theta``, so its next gradients are taken where its own updates
+    left it; the default ``"residual"`` restarts every worker from ``theta`` and keeps ``u``
+    aside for the next round's pseudo-gradient. A skipped (non-finite) round restarts from
+    ``theta`` either way.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(
@@ -225,6 +252,7 @@ def diloco(
     check_real(outer_lr, "outer_lr", low=0.0, low_open=True)
     check_real(outer_momentum, "outer_momentum", low=0.0, high=1.0, high_open=True)
     check_choice(buffers, "buffers", BUFFER_POLICIES)
+    check_choice(unsent, "unsent", UNSENT_POLICIES)
     if not isinstance(nesterov, bool):
         raise InvalidOptionError(f"nesterov must be True or False, got {nesterov!r}")
     if not dist.is_initialized():
@@ -240,7 +268,14 @@ def diloco(
     hook = GradsiftHookState.resolve(
         compressor, options, _REFUSED, "by diloco (it applies to the DDP hook's gradients)"
     )
+    if unsent == "model" and (hook.feedback is None or hook.options.residual_decay != 1.0):
+        raise InvalidOptionError(
+            "unsent='model' keeps what was not sent in the worker's parameters, which takes a "
+            "compressor with error feedback and residual_decay=1.0"
+        )
     hook.layout.bind(model)
     hook.compressor.attach(model)
     _broadcast_start(model, hook.process_group)
-    return DiLoCoState(model, optimizer, hook, sync_every, outer_lr, outer_momentum, nesterov, buffers)
+    return DiLoCoState(
+        model, optimizer, hook, sync_every, outer_lr, outer_momentum, nesterov, buffers, unsent
+    )

@@ -18,6 +18,7 @@ import torch
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.frontends.diloco import OUTER_OPTIONS
 from gradsift.hook.options import HOOK_OPTIONS
 from gradsift.hook.state import GradsiftHookState
 from gradsift.tools.train.devices import DEVICES
@@ -57,7 +58,7 @@ class TrainConfig:
             optimizer step (``torch.nn.utils.clip_grad_norm_``); 0 (default): no clipping.
         sync_every: 0 (default): DDP with gradsift's hook; ``H > 0``: no DDP, DiLoCo's outer
             step on the compressed pseudo-gradient every ``H`` steps (``gradsift.diloco``;
-            its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers`` go in ``options``).
+            its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers``, ``unsent`` go in ``options``).
         recipe: the recipe (default True, see :mod:`gradsift.tools.train.exchange`): for
             error-feedback compressors the optimizer's first moment moves into the hook
             (SGD: DGC's momentum correction + factor masking; AdamW: the frozen-variance
@@ -179,7 +180,7 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
         raise InvalidOptionError(
             "option process_group cannot be set for a training run (it uses its own group)"
         )
-    outer = ("outer_lr", "outer_momentum", "nesterov", "buffers")
+    outer = OUTER_OPTIONS
     if not diloco and any(name in options for name in outer):
         raise InvalidOptionError(f"options {', '.join(outer)} are DiLoCo's: they need --sync-every")
     if diloco:

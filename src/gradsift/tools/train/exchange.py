@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsift.compressors.base import Sparsifier
 from gradsift.compressors.registry import compressor_class
 from gradsift.frontends.ddp import register_comm_hook
-from gradsift.frontends.diloco import diloco
+from gradsift.frontends.diloco import OUTER_OPTIONS, diloco
 from gradsift.hook.adam import default_warmup_steps
 
 #: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
@@ -90,10 +90,6 @@ def install_exchange(
     return lambda: step_exchange_stats(state.stats()["step"]), recipe_in_use(state, optimizer, recipe)
 
 
-#: Options of ``gradsift.diloco`` itself (the rest are the compressor's and the hook's).
-DILOCO_OPTIONS = ("outer_lr", "outer_momentum", "nesterov", "buffers")
-
-
 def install_diloco(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Any
 ) -> tuple[Callable[[], dict[str, float]], dict[str, Any], Callable[[], None]]:
@@ -117,7 +113,7 @@ def install_diloco(
         if state.inner_steps % state.sync_every:
             state.sync()
 
-    outer = {name: config.options[name] for name in DILOCO_OPTIONS if name in config.options}
+    outer = {name: config.options[name] for name in OUTER_OPTIONS if name in config.options}
     recipe = {
         "enabled": False,
         "optimizer": type(optimizer).__name__,
