@@ -79,6 +79,7 @@ BLOCKS: dict[str, Block] = {
         ConvergenceTables("gpt-adamw"),
         ConvergenceTables("gpt-adamw-w4"),
         ConvergenceTables("gpt-adamw-1k"),
+        ConvergenceTables("gpt-adamw-3k"),
     )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
