@@ -86,17 +86,20 @@ class ParameterLayout:
                 "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
             ) from None
 
-    def parts(self, bucket: BucketLike, granularity: str, store: TensorStore) -> list[Part]:
-        """The parts of ``bucket``, their layouts declared to ``store``."""
+    def parts(
+        self, bucket: BucketLike, granularity: str, store: TensorStore
+    ) -> tuple[list[Part], tuple[int, ...]]:
+        """The parts of ``bucket``, their layouts declared to ``store``, and the bucket's
+        parameter numbers in its flat order."""
         params = list(bucket.parameters())
         ids = self.numbers_of(bucket)
         buffer = bucket.buffer()
         if granularity == "bucket":
             key = tuple(sorted(ids))
             store.follow(key, ids, self.numels)
-            return [Part(key, 0, buffer, params)]
+            return [Part(key, 0, buffer, params)], ids
         parts, offset = [], 0
         for number, param in zip(ids, params, strict=True):
             parts.append(Part(number, offset, buffer[offset : offset + param.numel()], [param]))
             offset += param.numel()
-        return parts
+        return parts, ids

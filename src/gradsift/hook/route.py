@@ -57,8 +57,7 @@ def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.
     """Steps 1-7 of the module docstring for one bucket; the future completes at the step's close."""
     step = state.open_step()  # 1
     try:
-        parts = state.layout.parts(bucket, state.options.granularity, state.store)  # 2
-        order = state.layout.numbers_of(bucket)
+        parts, order = state.layout.parts(bucket, state.options.granularity, state.store)  # 2
         context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
         step.keys.update([context.key, *(part.key for part in parts)])
         if state.first_step is not None and state.first_step.watching:  # until its checks decided
