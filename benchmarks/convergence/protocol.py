@@ -258,16 +258,21 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
          "onebit-adam", "cocktail-h1", "cocktail-h1-model")  # fmt: skip
 
 
-#: The methods also run on 4 workers.
-ADAMW_W4 = ("none", "bf16", "topk-0.01", "sparseloco-sidco-exp-0.01-h10")
+#: The methods also run on 4 workers: the controls (fp32, bf16, one worker alone, dense
+#: averaging every 10 steps), the recipe, SparseLoCo's form, and the best compressed
+#: local-AdamW modes of the 2-worker screen (4-bit quantized averaging, CocktailSGD's way).
+ADAMW_W4 = ("none", "bf16", "topk-0.01", "sparseloco-sidco-exp-0.01-h10", "alone", "diloco-avg-h10",
+            "qavg-blockquant4-h10", "cocktail-h1-model")  # fmt: skip
 
 
 #: The methods also run at 1,000 steps: the controls, the recipe, averaging and SparseLoCo's form.
 ADAMW_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "sparseloco-sidco-exp-0.01-h10")
 
-#: The same methods at 3,000 steps (the slope of each gap with run length), and quantized
-#: periodic averaging at 4 and 8 bits, the best of its 314-step screen.
-ADAMW_3K = (*ADAMW_1K, "qavg-blockquant4-h10", "qavg-blockquant8-h10")
+#: The same methods at 3,000 steps (the slope of each gap with run length), quantized
+#: periodic averaging at 4 and 8 bits, the best of its 314-step screen, the bf16 control,
+#: CocktailSGD's per-step delta sync and the 1-bit Adam anchor.
+ADAMW_3K = (*ADAMW_1K, "qavg-blockquant4-h10", "qavg-blockquant8-h10", "bf16", "cocktail-h1-model",
+            "onebit-adam")  # fmt: skip
 
 
 def adamw_runs() -> list[Run]:
