@@ -200,6 +200,20 @@ def blocking(what: str, group: Any, start: Callable[[], Any]) -> None:
     started(guarded(what, group, start), None, group, what).wait()
 
 
+def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Any, what: str = "start broadcast") -> None:
+    """Set every tensor of ``tensors``, in place, to the group's first rank's (one broadcast
+    each, in order): what a frontend that does not wrap the model in DDP does to start its
+    workers from the same parameters."""
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def start(tensor: torch.Tensor) -> Callable[[], Any]:
+        return lambda: dist.broadcast(tensor, source, group=group, async_op=True)
+
+    with torch.no_grad():
+        for tensor in tensors:
+            blocking(what, group, start(tensor))
+
+
 def allreduce_sum(tensor: torch.Tensor, group: Any, what: str = "allreduce") -> Pending[torch.Tensor]:
     """Start an in-place sum of ``tensor`` over the group; the result is ``tensor`` once it is done."""
     work = guarded(what, group, lambda: dist.all_reduce(tensor, group=group, async_op=True))

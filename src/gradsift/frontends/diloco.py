@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.registry import compressor_class
-from gradsift.core.collectives import blocking
+from gradsift.core.collectives import blocking, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.hook.feedback import RESIDUAL
@@ -191,14 +191,6 @@ def _average_buffers(model: torch.nn.Module, group: Any) -> None:
             buffer.div_(world)
 
 
-def _broadcast_start(model: torch.nn.Module, group: Any) -> None:
-    """Every worker starts from rank 0's parameters and buffers."""
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            blocking("start broadcast", group, _collective(dist.broadcast, tensor, source, group=group))
-
-
 def _collective(function: Any, *args: Any, **kwargs: Any) -> Any:
     """A started collective ``function(*args, **kwargs, async_op=True)``, for :func:`blocking`."""
     return lambda: function(*args, **kwargs, async_op=True)
@@ -275,7 +267,7 @@ def diloco(
         )
     hook.layout.bind(model)
     hook.compressor.attach(model)
-    _broadcast_start(model, hook.process_group)
+    broadcast_from_first([*model.parameters(), *model.buffers()], hook.process_group)  # rank 0's start
     return DiLoCoState(
         model, optimizer, hook, sync_every, outer_lr, outer_momentum, nesterov, buffers, unsent
     )
