@@ -8,6 +8,7 @@ Public API (stable)::
     dense = c.decompress([payload, ...], numel)
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
     state = gradsift.diloco(model, optimizer)   # every 10 steps, the delta in 4-bit codes
+    optimizer = gradsift.DeMo(model.parameters(), lr=1e-3)   # DeMo: DCT top-k, sign steps
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
     from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
+    from gradsift.frontends.decoupled_momentum import DeMo
     from gradsift.frontends.diloco import DiLoCoState
     from gradsift.hook.state import GradsiftHookState
 
@@ -41,14 +43,19 @@ __version__ = "0.1.0"
 #: has read its arguments -- does not load torch (docs/decisions.md, "The command line
 #: imports a subcommand's back-end only when it runs").
 _FROM_COMPRESSORS = ("Compressor", "Payload", "available_compressors", "get_compressor")
+#: Every lazily imported public name and its module (``DeMo`` is DeMo's optimizer).
+_LAZY = {
+    **dict.fromkeys(_FROM_COMPRESSORS, "gradsift.compressors"),
+    "DeMo": "gradsift.frontends.decoupled_momentum",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """A name of :data:`_FROM_COMPRESSORS`, or the ``compressors`` subpackage itself (which
+    """A name of :data:`_LAZY`, or the ``compressors`` subpackage itself (which
     ``import gradsift`` used to load), imported now and kept in the module."""
-    if name != "compressors" and name not in _FROM_COMPRESSORS:
+    if name != "compressors" and name not in _LAZY:
         raise AttributeError(f"module 'gradsift' has no attribute {name!r}")
-    module = importlib.import_module("gradsift.compressors")
+    module = importlib.import_module(_LAZY.get(name, "gradsift.compressors"))
     value = module if name == "compressors" else getattr(module, name)
     globals()[name] = value
     return value
@@ -56,7 +63,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The module's names, the lazy ones included (so completion and ``dir()`` show them)."""
-    return sorted({*globals(), "compressors", *_FROM_COMPRESSORS})
+    return sorted({*globals(), "compressors", *_LAZY})
 
 
 def register_comm_hook(
@@ -93,6 +100,7 @@ def diloco(
 
 __all__ = [
     "Compressor",
+    "DeMo",
     "GradsiftError",
     "InvalidOptionError",
     "InvalidTensorError",

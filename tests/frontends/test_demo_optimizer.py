@@ -1,0 +1,243 @@
+"""gradsift.DeMo (gradsift/frontends/decoupled_momentum.py): DeMo's step against its definition.
+
+The oracle is DeMo written out here, tile by tile, with SciPy's orthonormal DCT
+(``scipy.fft.dctn(..., norm="ortho")``) and a sort for the top-k: the momentum
+``delta = beta delta + g_k``, per chunk the ``topk`` largest coefficients ``q_k``,
+``delta -= IDCT(q_k)``, ``theta = theta (1 - lr wd) - lr sign(IDCT(mean_k q_k))``. One
+process (no collective) and two gloo ranks (against the two workers' math simulated in
+this process) must match it; the ranks must agree bit for bit, a run must resume bit for
+bit, a dead peer must raise within seconds and bad arguments must say what is wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
+from gradsift.tools.train.config import TrainConfig
+from support.distributed import run_workers
+
+SHAPES = [(6, 10), (7,), (2, 3, 5)]  # a matrix with padded tiles, a vector, a tensor cut into runs
+CHUNK, TOPK, LR, DECAY, BETA, STEPS = 4, 3, 0.01, 0.1, 0.9, 3
+
+
+def start(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, dtype=torch.float64, generator=generator) for shape in SHAPES]
+
+
+def gradients(rank: int, step: int) -> list[torch.Tensor]:
+    return start(1000 + 100 * rank + step)
+
+
+def demo(params: list[torch.Tensor], **options) -> gradsift.DeMo:
+    settings = {"lr": LR, "weight_decay": DECAY, "beta": BETA, "chunk": CHUNK, "topk": TOPK, **options}
+    return gradsift.DeMo(params, **settings)
+
+
+def trained(params: list[torch.nn.Parameter], optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        for param, grad in zip(params, gradients(rank, step), strict=True):
+            param.grad = grad
+        optimizer.step()
+
+
+# -- the oracle ---------------------------------------------------------------------------------
+def tiles(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The 2-D view and the tile of a tensor: a matrix as it is, anything else as one row."""
+    rows, cols = shape if len(shape) == 2 else (1, int(np.prod(shape)))
+    return rows, cols, min(CHUNK, rows), min(CHUNK, cols)
+
+
+def sent_coefficients(delta: np.ndarray, value_dtype: torch.dtype | None) -> np.ndarray:
+    """Every tile's ``TOPK`` largest DCT coefficients (the rest zero), laid out tile by tile
+    on the zero-padded 2-D view, rounded to the wire's dtype."""
+    rows, cols, tr, tc = tiles(delta.shape)
+    padded = np.zeros((-(-rows // tr) * tr, -(-cols // tc) * tc))
+    padded[:rows, :cols] = delta.reshape(rows, cols)
+    kept = np.zeros_like(padded)
+    for r in range(0, padded.shape[0], tr):
+        for c in range(0, padded.shape[1], tc):
+            coefficients = scipy.fft.dctn(padded[r : r + tr, c : c + tc], norm="ortho").reshape(-1)
+            top = np.argsort(-np.abs(coefficients))[: min(TOPK, tr * tc)]
+            chosen = np.zeros_like(coefficients)
+            chosen[top] = coefficients[top]
+            kept[r : r + tr, c : c + tc] = chosen.reshape(tr, tc)
+    if value_dtype is not None:
+        kept = torch.from_numpy(kept).to(value_dtype).double().numpy()
+    return kept
+
+
+def inverse(coefficients: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    rows, cols, tr, tc = tiles(shape)
+    out = np.zeros_like(coefficients)
+    for r in range(0, coefficients.shape[0], tr):
+        for c in range(0, coefficients.shape[1], tc):
+            out[r : r + tr, c : c + tc] = scipy.fft.idctn(coefficients[r : r + tr, c : c + tc], norm="ortho")
+    return out[:rows, :cols].reshape(shape)
+
+
+def oracle(
+    world: int, value_dtype: torch.dtype | None = None
+) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """The parameters after ``STEPS`` steps of ``world`` workers started from rank 0's, and
+    every worker's momentum."""
+    thetas = [p.numpy() for p in start(0)]
+    deltas = [[np.zeros(shape) for shape in SHAPES] for _ in range(world)]
+    for step in range(STEPS):
+        for i, shape in enumerate(SHAPES):
+            sent = []
+            for rank in range(world):
+                deltas[rank][i] = BETA * deltas[rank][i] + gradients(rank, step)[i].numpy()
+                q = sent_coefficients(deltas[rank][i], value_dtype)
+                deltas[rank][i] = deltas[rank][i] - inverse(q, shape)
+                sent.append(q)
+            direction = np.sign(inverse(sum(sent) / world, shape))
+            thetas[i] = thetas[i] * (1 - LR * DECAY) - LR * direction
+    return thetas, deltas
+
+
+#: Entries per step: the matrix 2 x 3 tiles, the vector 2 runs, the tensor's 30 elements 8 runs; 3 each.
+ENTRIES = (6 + 2 + 8) * TOPK
+
+
+@pytest.mark.parametrize("value_dtype", [None, "bf16"])
+def test_one_process_follows_the_definition(value_dtype) -> None:
+    params = [torch.nn.Parameter(p) for p in start(0)]
+    optimizer = demo(params, value_dtype=value_dtype)
+    trained(params, optimizer, 0, range(STEPS))
+    thetas, deltas = oracle(1, torch.bfloat16 if value_dtype else None)
+    for param, theta, delta in zip(params, thetas, deltas[0], strict=True):
+        torch.testing.assert_close(param.detach(), torch.from_numpy(theta), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            optimizer.state[param]["delta"], torch.from_numpy(delta), rtol=0, atol=1e-12
+        )
+    step = optimizer.stats()["step"]
+    assert step["bytes_sent"] == ENTRIES * ((2 if value_dtype else 8) + 2)  # values + int16 indices
+    assert step["bytes_received"] == 0 and step["dense_bytes"] == 8 * sum(p.numel() for p in params)
+    assert step["density"] == pytest.approx(ENTRIES / sum(p.numel() for p in params))
+
+
+def ranks_worker(rank: int, world: int) -> dict:
+    params = [torch.nn.Parameter(p) for p in start(rank)]  # DeMo starts every rank from rank 0's
+    optimizer = demo(params)
+    trained(params, optimizer, rank, range(STEPS))
+    return {
+        "params": [p.detach() for p in params],
+        "deltas": [optimizer.state[p]["delta"] for p in params],
+        "stats": optimizer.stats(),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_follow_the_definition_and_agree_bit_for_bit() -> None:
+    results = run_workers(__file__, "ranks_worker", 2, timeout=60)
+    thetas, deltas = oracle(2)
+    for rank, result in enumerate(results):
+        for got, theta, delta, own in zip(
+            result["params"], thetas, deltas[rank], result["deltas"], strict=True
+        ):
+            torch.testing.assert_close(got, torch.from_numpy(theta), rtol=0, atol=1e-12)
+            torch.testing.assert_close(own, torch.from_numpy(delta), rtol=0, atol=1e-12)
+        total = result["stats"]["total"]
+        assert total["steps"] == STEPS and total["bytes_sent"] == STEPS * ENTRIES * (8 + 2)
+        assert total["bytes_received"] == total["bytes_sent"]  # one other worker's message per step
+    for got, other in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(got, other)
+
+
+def test_a_run_resumes_bit_for_bit() -> None:
+    params = [torch.nn.Parameter(p) for p in start(0)]
+    optimizer = demo(params)
+    trained(params, optimizer, 0, range(5))
+
+    params_b = [torch.nn.Parameter(p) for p in start(0)]
+    first = demo(params_b)
+    trained(params_b, first, 0, range(2))
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params_b], "optimizer": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+    second = demo(resumed, lr=1.0)  # the checkpoint's groups win
+    second.load_state_dict(saved["optimizer"])
+    trained(resumed, second, 0, range(2, 5))
+    for a, b in zip(params, resumed, strict=True):
+        assert torch.equal(a, b) and torch.equal(optimizer.state[a]["delta"], second.state[b]["delta"])
+    assert second.stats()["total"] == optimizer.stats()["total"] | {
+        name: second.stats()["total"][name] for name in ("compress_ms", "communicate_ms", "decompress_ms")
+    }
+
+
+def dying_worker(rank: int, world: int) -> dict:
+    params = [torch.nn.Parameter(p) for p in start(0)]
+    optimizer = demo(params)
+    trained(params, optimizer, rank, range(1))
+    if rank == 1:
+        os._exit(3)
+    began = time.monotonic()
+    try:
+        trained(params, optimizer, rank, range(1, 3))
+    except PeerFailureError as error:
+        return {"error": str(error), "seconds": time.monotonic() - began}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_dead_peer_raises_instead_of_hanging() -> None:
+    results = run_workers(__file__, "dying_worker", 2, group_timeout=10.0, timeout=60, expect_exit={1: 3})
+    assert results[0]["error"] is not None and "DeMo all-gather" in results[0]["error"]
+    assert results[0]["seconds"] < 15
+
+
+def test_a_non_finite_gradient_raises_before_any_parameter_moves() -> None:
+    params = [torch.nn.Parameter(p) for p in start(0)]
+    optimizer = demo(params)
+    before = [p.detach().clone() for p in params]
+    for param, grad in zip(params, gradients(0, 0), strict=True):
+        param.grad = grad
+    params[1].grad[3] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="NaN or Inf"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"beta": 1.0}, "beta must lie in"),
+        ({"chunk": 0}, "chunk must lie in"),
+        ({"topk": 17}, "topk must lie in"),  # more than a 4 x 4 tile holds
+        ({"value_dtype": "int8"}, "value_dtype must be one of"),
+        ({"nonfinite": "skip"}, "nonfinite must be one of"),
+        ({"ratio": 0.01}, "DeMo has no option ratio; its options are: beta, chunk, topk"),
+        ({"lr": 0.0}, "lr must lie in"),
+        ({"weight_decay": -0.1}, "weight_decay must lie in"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong(options, message) -> None:
+    with pytest.raises(InvalidOptionError, match=message):
+        demo([torch.nn.Parameter(p) for p in start(0)], **options)
+
+
+def test_the_trainer_refuses_what_does_not_apply_to_demo(tmp_path) -> None:
+    def config(**settings):
+        return TrainConfig(out=str(tmp_path), model="gpt", optimizer="demo", **settings)
+
+    assert config(options={"topk": 16}).lr == 1e-3  # DeMo's own default
+    with pytest.raises(InvalidOptionError, match="--compressor must be none"):
+        config(compressor="topk", options={"ratio": 0.01})
+    with pytest.raises(InvalidOptionError, match="--sync-every"):
+        config(sync_every=10)
+    with pytest.raises(InvalidOptionError, match="DeMo has no option warmup_steps"):
+        config(options={"warmup_steps": 10})
