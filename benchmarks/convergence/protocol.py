@@ -198,6 +198,11 @@ METHODS = {
                                         "(CocktailSGD's way)"),
     "onebit-adam": Method("efsignsgd", setting="1-bit Adam's anchor: the hook's frozen-variance AdamW (the trainer's "
                                                "dense warm-up) with scaled signs and worker error feedback"),
+    "demo": Method("none", flags=("--optimizer", "demo", "--lr", "0.001"),
+                   setting="DeMo's anchor (gradsift.DeMo in AdamW's place, no DDP): momentum 0.999 as the error-feedback "
+                           "buffer, DCT of 64x64 tiles, top 32 coefficients each (fp32 values, int16 indices: 85x fewer "
+                           "bytes on the matrices), sign steps; lr 1e-3, not AdamW's 3e-3 (a sign step moves every "
+                           "coordinate by lr; untuned), no weight decay (the paper's runs)"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -248,14 +253,15 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 
 
 #: The AdamW campaign's methods (``gpt-adamw``): the dense baselines, the issue's failure
-#: (error feedback alone), the recipe's frozen-variance AdamW, and DiLoCo dense and compressed.
+#: (error feedback alone), the recipe's frozen-variance AdamW, DiLoCo dense and compressed,
+#: and the anchors (1-bit Adam, DeMo).
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
          "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20",
          "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
          "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128",
          "qavg-blockquant8-h10", "qavg-blockquant4-h10", "qavg-blockquant2-h10", "qavg-blockquant2-h20",
-         "onebit-adam", "cocktail-h1", "cocktail-h1-model")  # fmt: skip
+         "onebit-adam", "cocktail-h1", "cocktail-h1-model", "demo")  # fmt: skip
 
 
 #: The methods also run on 4 workers: the controls (fp32, bf16, one worker alone, dense

@@ -55,6 +55,16 @@ def test_a_family_is_one_curve_in_increasing_bytes() -> None:
     }  # fmt: skip
 
 
+def test_demo_is_its_own_family_and_never_the_reference() -> None:
+    demo = run("none", 2.31, 50.0)  # DeMo's runs say compressor none: it exchanges by itself
+    demo.config["optimizer"] = "demo"
+    points = frontier_points([*RUNS, demo])
+    reference = next(p for p in points if p.family == "every step: none")
+    assert reference.seeds == 2 and reference.gap_percent == pytest.approx(0.0, abs=1e-12)
+    point = next(p for p in points if p.family == "every step: DeMo")
+    assert point.gap_percent == pytest.approx(10.0) and point.bytes_per_step == 50.0
+
+
 def test_no_reference_or_nothing_to_compare_gives_no_frontier() -> None:
     assert frontier_points([r for r in RUNS if r.summary["compressor"] != "none"]) == []
     assert frontier_points(RUNS[:2]) == []  # the reference alone

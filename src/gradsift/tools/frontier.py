@@ -1,7 +1,8 @@
 """The loss-gap-vs-bytes frontier of language-model runs (``gradsift report``'s fifth plot).
 
 Among the runs handed in, the fp32 reference is the mean final test loss of the dense
-per-step runs (compressor ``none``, more than one worker, no ``sync_every``). Every other
+per-step runs (compressor ``none``, more than one worker, no ``sync_every``, not DeMo, whose
+compressor is ``none`` because it exchanges by itself). Every other
 setting -- the runs that differ only in their seed -- is one point:
 
     gap = mean_seeds(loss / reference - 1) * 100 %,   sd over the seeds (0 for one seed),
@@ -54,9 +55,16 @@ def _bytes(run: RunLike) -> float:
     return 0.0 if run.summary["workers"] == 1 else float(run.summary["bytes_sent_per_step"])
 
 
+def _demo(run: RunLike) -> bool:
+    """Whether the run trained with ``--optimizer demo`` (DeMo's own exchange)."""
+    return run.config.get("optimizer") == "demo"
+
+
 def _family(run: RunLike) -> str:
     if run.summary["workers"] == 1:
         return "one worker alone (no communication)"
+    if _demo(run):
+        return "every step: DeMo"
     every = _sync_every(run)
     return f"{'every step' if every == 1 else 'every H steps'}: {run.summary['compressor']}"
 
@@ -77,7 +85,10 @@ def frontier_points(runs: Sequence[RunLike]) -> list[FrontierPoint]:
     reference_losses = [
         r.summary["final_test_loss"]
         for r in scored
-        if r.summary["compressor"] == "none" and r.summary["workers"] > 1 and _sync_every(r) == 1
+        if r.summary["compressor"] == "none"
+        and r.summary["workers"] > 1
+        and _sync_every(r) == 1
+        and not _demo(r)
     ]
     if not reference_losses:
         return []

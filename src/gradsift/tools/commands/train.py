@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # checks the values again.
 MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
 LR_SCHEDULES = ("step", "cosine")
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "demo")
 
 EPILOG = """\
 examples:
@@ -97,14 +97,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine")
     run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
     run.add_argument("--optimizer", choices=OPTIMIZERS,
-                     help="sgd (with --momentum) or adamw (with --betas); default: adamw for --model gpt, "
-                     "sgd for the image models")  # fmt: skip
-    run.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw)")
+                     help="sgd (with --momentum), adamw (with --betas), or demo (gradsift.DeMo: no DDP, DCT top-k "
+                     "of the local momentum exchanged, sign steps; --compressor none; its beta, chunk, topk, "
+                     "value_dtype, nonfinite by --option); default: adamw for --model gpt, sgd for the image "
+                     "models")  # fmt: skip
+    run.add_argument("--lr", type=float,
+                     help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw, 0.001 for demo)")  # fmt: skip
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     run.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], metavar=("BETA1", "BETA2"),
                      help="AdamW's betas")  # fmt: skip
     run.add_argument("--weight-decay", type=float,
-                     help="weight decay (default: 0 for sgd; 0.1 for adamw, decoupled)")  # fmt: skip
+                     help="weight decay (default: 0 for sgd and demo; 0.1 for adamw; decoupled for adamw and demo)")  # fmt: skip
     run.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
                      help="clip the gradients' total norm to C before each optimizer step, as GPT recipes do "
                      "(torch.nn.utils.clip_grad_norm_; with the AdamW recipe it clips the first moment the hook "
@@ -301,8 +304,9 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
+    demo = (summary.get("recipe") or {}).get("optimizer") == "DeMo"  # its own exchange, compressor none
     lines = [
-        f"{summary['compressor']} on {summary['workers']} workers ({summary['model']}, {summary['steps']} steps): "
+        f"{'DeMo' if demo else summary['compressor']} on {summary['workers']} workers ({summary['model']}, {summary['steps']} steps): "
         f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation",
         f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, "
         f"{summary['bytes_sent_per_step'] / 1e6:.3f} MB sent per step per worker "

@@ -122,6 +122,20 @@ def install_diloco(
     return stats, recipe, finish_round
 
 
+def install_demo(optimizer: Any) -> tuple[Callable[[], dict[str, float]], dict[str, Any]]:
+    """Train with :class:`gradsift.DeMo` (no DDP: its step is the exchange). Returns the
+    per-step exchange numbers (its ``stats()``, as the hook's) and what runs (for ``summary.json``)."""
+
+    def stats() -> dict[str, float]:
+        return step_exchange_stats(optimizer.stats()["step"])
+
+    return stats, {
+        "enabled": False,
+        "optimizer": type(optimizer).__name__,
+        "demo": optimizer.options.describe(),
+    }
+
+
 def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -> dict[str, Any]:
     """What the run applies, for ``summary.json``: whether the recipe is on, the momentum
     inside the exchange (momentum correction; None without error feedback) and the one

@@ -27,7 +27,7 @@ from gradsift.tools.train.config import TrainConfig, build_optimizer, learning_r
 from gradsift.tools.train.data import batches, shard_indices
 from gradsift.tools.train.datasets import is_language_model, load_for_model
 from gradsift.tools.train.devices import backend_for, resolve_device
-from gradsift.tools.train.exchange import install_diloco, install_exchange
+from gradsift.tools.train.exchange import install_demo, install_diloco, install_exchange
 from gradsift.tools.train.models import build_model, parameter_count
 from gradsift.tools.train.summary import summarize
 
@@ -161,19 +161,23 @@ def train_rank(
     )
     model = build_model(config.model, config.seed).to(device)
     optimizer = build_optimizer(config, model.parameters())
-    forward: torch.nn.Module
-    if config.sync_every:  # DiLoCo: no DDP, an outer step every sync_every steps
-        forward = model
+    forward: torch.nn.Module = model  # DiLoCo and DeMo: no DDP, each worker's gradients stay its own
+    finish_round = None
+    if config.sync_every:  # DiLoCo: an outer step every sync_every steps
         exchange_stats, recipe, finish_round = install_diloco(model, optimizer, config)
+    elif config.optimizer == "demo":  # DeMo: its step is the exchange
+        exchange_stats, recipe = install_demo(optimizer)
     else:
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         exchange_stats, recipe = install_exchange(
             forward, config.compressor, config.options, optimizer, config.steps, recipe=config.recipe
         )
-        finish_round = None
     writer = RunWriter(Path(config.out), enabled=rank == 0)
     progress = tqdm(
-        total=config.steps, disable=rank != 0 or not config.progress, desc=config.compressor, unit="step"
+        total=config.steps,
+        disable=rank != 0 or not config.progress,
+        desc="demo" if config.optimizer == "demo" else config.compressor,
+        unit="step",
     )
     step, epoch, train_time = 0, 0, 0.0
     started = time.perf_counter()
