@@ -1,4 +1,4 @@
-"""The shell commands of the documentation, and how the test suite runs every one of them.
+"""The shell commands and Python blocks of the documentation, and how the suite runs them.
 
 What a documented command is
 ----------------------------
@@ -20,8 +20,26 @@ example scripts' docstrings (``examples/*.py``).
   previous block of its page (same directory, its commands appended): for a page whose
   later block uses what an earlier one wrote (``gradsift report`` on earlier runs).
 
-How the suite runs them (:class:`DocumentedRuns`)
--------------------------------------------------
+Python blocks
+-------------
+Sources: the same Markdown pages. A fenced block whose language is ``python`` (or ``py``)
+is one Python program, run as written (:func:`python_blocks`; how, and with which names
+given, is ``tests/support/doc_python.py``'s docstring).
+
+- ``<!-- not-run: REASON -->`` as the last line before the fence exempts the block, for
+  the same reasons as a shell block (a GPU, several machines) or a package the test
+  environment does not install. The prefix form is for shell blocks only.
+- ``<!-- continues -->`` as the last line before the fence appends the block to the
+  previous Python block of its page: one program, run in one namespace (a block that uses
+  what the block before it defined).
+- A block right after a line that is only a repository file's path in backticks, with
+  an optional colon (as each of ``examples/extending/``'s files is named on
+  docs/extending.md), shows that file: it must equal the file, character for character,
+  and is not run as a block; the file runs where its own tests run it
+  (tests/project/test_extending.py trains ``examples/extending/``'s examples).
+
+How the suite runs shell commands (:class:`DocumentedRuns`)
+-----------------------------------------------------------
 - Each block runs in a fresh directory outside the source tree that holds a link to
   ``examples/``; its commands run in order with ``bash -c`` (a later one may use what an
   earlier one wrote), and each must exit 0.
@@ -63,9 +81,12 @@ from typing import Any
 from support import ROOT
 
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+PYTHON_LANGUAGES = {"python", "py"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[^\n]*)\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 CONTINUES = "<!-- continues -->"
 NOT_RUN = re.compile(r"<!--\s*not-run(?:\s+`(?P<prefix>[^`]+)`)?\s*:\s*(?P<reason>.*?)\s*-->")
+#: The line before a block that shows a file of the repository: its path in backticks.
+SHOWN_FILE = re.compile(r"^`(?P<path>[\w./-]+\.\w+)`:?$")
 COMMAND_TIMEOUT_S = 300
 
 #: ``gradsift train`` length flags and the values the suite runs them with.
@@ -106,22 +127,54 @@ def command_lines(body: str) -> list[str]:
     return commands
 
 
-def markdown_blocks(path: Path) -> list[Block]:
+@dataclass(frozen=True)
+class Fence:
+    """One fenced block of a Markdown page."""
+
+    source: str  # "docs/cli.md:12": the page and the line of the opening fence
+    body: str  # the lines between the fences
+    before: str  # the last non-empty line before the fence (where the markers are)
+
+    @property
+    def line(self) -> int:
+        return int(self.source.rsplit(":", 1)[1])
+
+    @property
+    def not_run(self) -> tuple[tuple[str, str], ...]:
+        """(command prefix, reason) of each ``not-run`` marker; prefix "" = the whole block."""
+        return tuple((m.group("prefix") or "", m.group("reason")) for m in NOT_RUN.finditer(self.before))
+
+    @property
+    def continues(self) -> bool:
+        return CONTINUES in self.before
+
+
+def fences(path: Path, languages: set[str]) -> list[Fence]:
+    """The fenced blocks of the page at ``path`` whose language is one of ``languages``."""
     text = path.read_text(encoding="utf-8")
-    blocks = []
+    found = []
     for fence in FENCE.finditer(text):
-        if fence.group("lang").strip().lower() not in SHELL_LANGUAGES:
+        if fence.group("lang").strip().lower() not in languages:
             continue
         before = text[: fence.start()].rstrip().splitlines()
-        marker_line = before[-1] if before else ""
-        not_run = tuple((m.group("prefix") or "", m.group("reason")) for m in NOT_RUN.finditer(marker_line))
-        commands = tuple(command_lines(fence.group("body")))
-        if CONTINUES in marker_line and blocks:
-            previous = blocks.pop()
-            blocks.append(Block(previous.source, previous.commands + commands, previous.not_run + not_run))
-            continue
         line = text.count("\n", 0, fence.start()) + 1
-        blocks.append(Block(f"{path.relative_to(ROOT)}:{line}", commands, not_run))
+        found.append(
+            Fence(f"{path.relative_to(ROOT)}:{line}", fence.group("body"), before[-1] if before else "")
+        )
+    return found
+
+
+def markdown_blocks(path: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for fence in fences(path, SHELL_LANGUAGES):
+        commands = tuple(command_lines(fence.body))
+        if fence.continues and blocks:
+            previous = blocks.pop()
+            blocks.append(
+                Block(previous.source, previous.commands + commands, previous.not_run + fence.not_run)
+            )
+            continue
+        blocks.append(Block(fence.source, commands, fence.not_run))
     return blocks
 
 
@@ -147,6 +200,52 @@ def documented_blocks(root: Path = ROOT) -> list[Block]:
     blocks = [block for page in pages for block in markdown_blocks(page) if block.commands]
     scripts = sorted((root / "examples").glob("*.py"))
     return blocks + [block for block in map(docstring_block, scripts) if block is not None]
+
+
+@dataclass(frozen=True)
+class PythonBlock:
+    """One Python program of the documentation: a block and the blocks that continue it."""
+
+    source: str  # "README.md:58": the page and the line of the (first) opening fence
+    parts: tuple[tuple[int, str], ...]  # (the page's line of the first code line, the code) per block
+    not_run: str = ""  # why the block is not run ("" = it runs)
+    shows: str = ""  # the repository file the block shows ("" = none)
+
+    @property
+    def page(self) -> str:
+        return self.source.rsplit(":", 1)[0]
+
+    @property
+    def code(self) -> str:
+        return "".join(code for _, code in self.parts)
+
+
+def python_blocks(root: Path = ROOT) -> list[PythonBlock]:
+    """Every Python block of the Markdown pages named in the module docstring."""
+    pages = [root / "README.md", root / "examples" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return [block for page in pages for block in page_python_blocks(page)]
+
+
+def page_python_blocks(path: Path) -> list[PythonBlock]:
+    blocks: list[PythonBlock] = []
+    for fence in fences(path, PYTHON_LANGUAGES):
+        if any(prefix for prefix, _ in fence.not_run):
+            raise ValueError(
+                f"{fence.source}: `not-run `PREFIX`` is for shell blocks; exempt the whole block"
+            )
+        reason = fence.not_run[0][1] if fence.not_run else ""
+        part = (fence.line + 1, fence.body)
+        if fence.continues and blocks:
+            previous = blocks.pop()
+            blocks.append(
+                PythonBlock(
+                    previous.source, (*previous.parts, part), previous.not_run or reason, previous.shows
+                )
+            )
+            continue
+        shown = SHOWN_FILE.match(fence.before.strip())
+        blocks.append(PythonBlock(fence.source, (part,), reason, shown.group("path") if shown else ""))
+    return blocks
 
 
 def run_group(block: Block) -> str:
