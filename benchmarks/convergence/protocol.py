@@ -73,7 +73,8 @@ class Workload:
 #: (314 steps, a CPU budget of ~3 min per run on 2 cores): the AdamW issue's campaign;
 #: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch); ``gpt-adamw-1k`` gpt-adamw
 #: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length;
-#: ``gpt-adamw-3k`` the same at 3,000 steps (2.865 epochs, 4 evaluations per epoch).
+#: ``gpt-adamw-3k`` the same at 3,000 steps (2.865 epochs, 4 evaluations per epoch);
+#: ``gpt-adamw-w4-1k`` 1,000 steps on 4 workers (1.909 epochs): the gaps' slope at 4 workers.
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -92,6 +93,9 @@ WORKLOADS = {
     "gpt-adamw-3k": Workload("gpt", 16, 3e-3, epochs=2.865, study_epochs=(), evals_per_epoch=4,
                              steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                              clip_grad_norm=1.0),
+    "gpt-adamw-w4-1k": Workload("gpt", 16, 3e-3, epochs=1.909, study_epochs=(), evals_per_epoch=5,
+                                steps_per_epoch=524, warmup_epochs=0.04, data_dir=None, workers=4,
+                                optimizer="adamw", clip_grad_norm=1.0),
 }  # fmt: skip
 
 
@@ -281,6 +285,10 @@ ADAMW_3K = (*ADAMW_1K, "qavg-blockquant4-h10", "qavg-blockquant8-h10", "bf16", "
             "onebit-adam")  # fmt: skip
 
 
+#: The 4-worker methods at 1,000 steps: the controls and the best mode of each family.
+ADAMW_W4_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "qavg-blockquant4-h10", "cocktail-h1-model")
+
+
 def adamw_runs() -> list[Run]:
     """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers, 4, then 1,000 and 3,000 steps."""
     plan = []
@@ -289,6 +297,7 @@ def adamw_runs() -> list[Run]:
         ("gpt-adamw-w4", ADAMW_W4),
         ("gpt-adamw-1k", ADAMW_1K),
         ("gpt-adamw-3k", ADAMW_3K),
+        ("gpt-adamw-w4-1k", ADAMW_W4_1K),
     ):
         workload = WORKLOADS[name]
         plan += [Run(name, m, s, workload.epochs) for s in workload.seeds for m in methods]
