@@ -48,7 +48,7 @@ VGC_HOOKS = Result(
 )
 HOOK = Result(
     "results/hook_overhead/results.json",
-    "flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 60 --warmup 5 "
+    "flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
     "--profile-steps 10 --json results/hook_overhead/results.json",
 )
 DDP = Result(
