@@ -5,7 +5,7 @@ Public API (stable)::
     gradsift.available_compressors() -> list[str]
     c = gradsift.get_compressor("sidco-exp", ratio=0.01)
     payload = c.compress(flat_gradient)
-    dense = c.decompress([payload, ...], numel)
+    dense = c.decompress(payloads, numel)   # the mean of every worker's payload
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
     state = gradsift.diloco(model, optimizer)   # every 10 steps, the delta in 4-bit codes
     optimizer = gradsift.DeMo(model.parameters(), lr=1e-3)   # DeMo: DCT top-k, sign steps
