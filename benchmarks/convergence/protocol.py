@@ -207,6 +207,10 @@ METHODS = {
                            "buffer, DCT of 64x64 tiles, top 32 coefficients each (fp32 values, int16 indices: 85x fewer "
                            "bytes on the matrices), sign steps; lr 1e-3, not AdamW's 3e-3 (a sign step moves every "
                            "coordinate by lr; untuned), no weight decay (the paper's runs)"),
+    "demo-lr3e-4": Method("none", flags=("--optimizer", "demo", "--lr", "0.0003"),
+                          setting="as demo, lr 3e-4 (the anchor's learning-rate screen)"),
+    "demo-lr3e-3": Method("none", flags=("--optimizer", "demo", "--lr", "0.003"),
+                          setting="as demo, lr 3e-3 (AdamW's; the anchor's learning-rate screen)"),
 }  # fmt: skip
 
 #: The four methods every workload runs (VGG: with every seed).
@@ -265,7 +269,7 @@ ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "
          "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
          "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128",
          "qavg-blockquant8-h10", "qavg-blockquant4-h10", "qavg-blockquant2-h10", "qavg-blockquant2-h20",
-         "onebit-adam", "cocktail-h1", "cocktail-h1-model", "demo")  # fmt: skip
+         "onebit-adam", "cocktail-h1", "cocktail-h1-model", "demo", "demo-lr3e-4", "demo-lr3e-3")  # fmt: skip
 
 
 #: The methods also run on 4 workers: the controls (fp32, bf16, one worker alone, dense
