@@ -586,11 +586,17 @@ CONVERGENCE = Result(
 )
 
 
-def _adamw(method: str) -> Claim:
-    """gpt-adamw's final validation loss of ``method``: mean ± sd over its seeds."""
-    path = f"workloads/gpt-adamw/methods/{method}"
-    return Claim(f"verdict.adamw.{method}", CONVERGENCE, (f"{path}/final_mean", f"{path}/final_sd", f"{path}/seeds"),
+def _adamw(method: str, workload: str = "gpt-adamw", name: str = "adamw") -> Claim:
+    """``workload``'s final validation loss of ``method``: mean ± sd over its seeds."""
+    path = f"workloads/{workload}/methods/{method}"
+    return Claim(f"verdict.{name}.{method}", CONVERGENCE, (f"{path}/final_mean", f"{path}/final_sd", f"{path}/seeds"),
                  "{:.3f} ± {:.3f} ({} seeds)", compute=lambda mean, sd, seeds: (mean, sd, len(seeds)))  # fmt: skip
+
+
+def _adamw_fewer(method: str, workload: str, name: str) -> Claim:
+    """How many times fewer bytes than fp32 ``method`` sent on ``workload``."""
+    return Claim(f"verdict.{name}.{method}.fewer", CONVERGENCE,
+                 (f"workloads/{workload}/methods/{method}/fewer_bytes_than_fp32",), "{:.1f}x")  # fmt: skip
 
 
 VERDICT_CLAIMS = (
@@ -605,6 +611,8 @@ VERDICT_CLAIMS = (
           "{:.1f}x"),
     Claim("verdict.adamw.avg.fewer", CONVERGENCE,
           ("workloads/gpt-adamw/methods/diloco-avg-h10/fewer_bytes_than_fp32",), "{:.1f}x"),
+    *(_adamw(m, "gpt-adamw-3k", "adamw3k") for m in ("none", "qavg-blockquant4-h10", "onebit-adam")),
+    *(_adamw_fewer(m, "gpt-adamw-3k", "adamw3k") for m in ("qavg-blockquant4-h10", "onebit-adam")),
 )  # fmt: skip
 STEPS40_CLAIMS = (
     Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
