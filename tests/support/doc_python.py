@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from support import ROOT
+from support.models import make_model
 
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 BATCHES, BATCH = 4, 8
@@ -133,10 +134,7 @@ class Given:
 
 
 def _classifier() -> torch.nn.Module:
-    torch.manual_seed(0)  # the same weights on every rank
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
-    )
+    return make_model((FEATURES, HIDDEN, CLASSES), seed=0)  # the same weights on every rank
 
 
 class _BlockNet(torch.nn.Module):

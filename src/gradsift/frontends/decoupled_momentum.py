@@ -194,9 +194,11 @@ class DeMo(torch.optim.Optimizer):
         self.value_dtype = self.options.value_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
         self.index_dtype = torch.int16 if self.options.chunk**2 <= 2**15 else torch.int32
         self.tilings = {p: Tiling.of(p.shape, self.options.chunk, self.options.topk) for p in self.params}
-        entries = sum(t.entries for t in self.tilings.values())
-        self.message_bytes = entries * (self.value_dtype.itemsize + self.index_dtype.itemsize)
-        self.values_bytes = entries * self.value_dtype.itemsize
+        self.entries = sum(t.entries for t in self.tilings.values())
+        self.message_bytes = self.entries * (self.value_dtype.itemsize + self.index_dtype.itemsize)
+        self.values_bytes = self.entries * self.value_dtype.itemsize
+        self.numel = sum(p.numel() for p in self.params)
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.steps = 0
         self.telemetry = Telemetry()
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -230,12 +232,10 @@ class DeMo(torch.optim.Optimizer):
             rows = self._gather(message)
         with record.timed("decompress_ms", device):
             self._update(rows)
-        numel = sum(p.numel() for p in self.params)
         record.add_bytes(sent=self.message_bytes, padded=self.message_bytes,
                          received=(self.world - 1) * self.message_bytes)  # fmt: skip
-        for name, value in (("dense_bytes", sum(p.numel() * p.element_size() for p in self.params)),
-                            ("elements_sent", sum(t.entries for t in self.tilings.values())),
-                            ("elements", numel), ("compressed_tensors", len(self.params))):  # fmt: skip
+        for name, value in (("dense_bytes", self.dense_bytes), ("elements_sent", self.entries),
+                            ("elements", self.numel), ("compressed_tensors", len(self.params))):  # fmt: skip
             record.add(name, value)
         self.telemetry.end_step(self.steps, [record], skipped=False, running=record.settle())
         self.steps += 1
