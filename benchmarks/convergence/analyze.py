@@ -8,10 +8,12 @@ localhost runs (``runs/``); the time axis from step times
 measured over emulated links (``timing/``): a run's training time to step ``s`` on a
 link is ``sum_{i < s} t(bytes_i)``, where ``bytes_i`` is what step ``i`` of the
 localhost run sent and ``t`` interpolates linearly, in bytes, between the median step
-times of the method's timing runs on that link (one point for methods whose message
-never changes size; two -- the density warm-up's first density and the target -- for
-the error-feedback sparsifiers, whose messages shrink during the warm-up). The full
-emulated runs in ``validation/`` check that composition.
+times per message size of the method's timing runs on that link (one point for methods
+whose message never changes size; two for the error-feedback sparsifiers under SGD -- the
+density warm-up's first density and the target --, for methods that sync every H steps
+-- a local step and a sync step --, and for the Adam hook -- its compressed step and its
+dense warm-up step, which is stock DDP's). The full emulated runs in ``validation/``
+check that composition.
 
 Targets are fixed before the runs: fp32's final test accuracy (mean over seeds) minus
 0.5 point; for the language model, fp32's final validation loss times 1.01.
@@ -99,13 +101,27 @@ def mean_sd(values: list[float]) -> tuple[float, float | None]:
 
 
 # -- the time axis ------------------------------------------------------------------------------
+#: A timing run's first steps (process start, allocator warm-up) are not its step time.
+TIMING_SKIP = 3
+#: Fewest steps of one message size that make its median: a 40-step timing run of a method
+#: that syncs every 10 steps has 4 sync steps after the skip.
+MIN_SAMPLES = 3
+
+
 def timing_points(workload: str, method: str, link: str) -> list[tuple[float, float]]:
-    """``(bytes_padded per step, median step seconds)`` of the method's timing runs on ``link``."""
-    points = []
-    for summary_path in sorted((TIMING / workload).glob(f"{method}-{link}*/summary.json")):
-        summary = json.loads(summary_path.read_text())
-        points.append((summary["bytes_padded_per_step"], summary["step_time_median_s"]))
-    return sorted(points)
+    """``(bytes_padded per step, median step seconds)`` per message size of the method's
+    timing runs on ``link`` (their first ``TIMING_SKIP`` steps left out). A size measured
+    fewer than ``MIN_SAMPLES`` times that is stock DDP's message takes stock DDP's point:
+    the Adam hook's dense warm-up steps are stock DDP's steps."""
+    by_size: dict[float, list[float]] = {}
+    for steps_path in sorted((TIMING / workload).glob(f"{method}-{link}*/steps.jsonl*")):
+        for record in read_jsonl(steps_path)[TIMING_SKIP:]:
+            by_size.setdefault(record["bytes_padded"], []).append(record["step_s"])
+    points = {size: statistics.median(times) for size, times in by_size.items() if len(times) >= MIN_SAMPLES}
+    if method != "none" and points:
+        for size, seconds in timing_points(workload, "none", link):
+            points.setdefault(size, seconds)
+    return sorted(points.items())
 
 
 def step_seconds(points: list[tuple[float, float]], message_bytes: float) -> float:
@@ -297,7 +313,7 @@ def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
 
 # -- generated markdown -------------------------------------------------------------------------
 #: What a cell of a measurement no run of the table has reads like: such a column is left out.
-EMPTY_CELLS = ("-", "- s", "- / -")
+EMPTY_CELLS = ("-", "- s", "- / -", "- / - s")
 
 
 def bytes_factor(factor: float | None) -> str:
@@ -307,6 +323,18 @@ def bytes_factor(factor: float | None) -> str:
 
 def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
+
+
+def time_to_target(row: dict[str, Any], link: str) -> str:
+    """The median seconds to the target on ``link``; ``not reached (k/n)`` where a seed
+    never reached it; ``- s`` without timing runs."""
+    times = row.get(f"time_to_target_s_{link}")
+    if times is None:
+        return "- s"
+    reached_times = [t for t in times if t is not None]
+    if len(reached_times) < len(times):
+        return f"not reached ({len(reached_times)}/{len(times)})"
+    return f"{statistics.median(reached_times):.0f} s"
 
 
 def markdown(
@@ -327,7 +355,7 @@ def markdown(
         ]
         header = ("method", "setting", "final (mean ± sd, seeds)", "vs fp32", "fewer bytes than fp32",
                   "epochs to target", "time to target 100 Mbit/s", "1 Gbit/s",
-                  "sooner than fp32 / bf16 at 100 Mbit/s")  # fmt: skip
+                  "sooner than fp32 / bf16 at 100 Mbit/s", "whole run 100 Mbit/s / 1 Gbit/s")  # fmt: skip
         rows = []
         for method, row in section["methods"].items():
             sd = (
@@ -353,8 +381,8 @@ def markdown(
             rows.append((method, row["setting"],
                          f"{row['final_mean'] * scale:{'.3f' if loss else '.2f'}}{unit}{sd} ({len(row['seeds'])})",
                          versus, bytes_factor(row["fewer_bytes_than_fp32"]), epochs_text,
-                         f"{fmt(row.get('time_to_target_median_s_100mbit'), '.0f')} s",
-                         f"{fmt(row.get('time_to_target_median_s_1gbit'), '.0f')} s", ratios))  # fmt: skip
+                         time_to_target(row, "100mbit"), time_to_target(row, "1gbit"), ratios,
+                         " / ".join(fmt(row.get(f"total_time_s_{link}"), ".0f") for link in LINKS) + " s"))  # fmt: skip
         kept = [c for c in range(len(header)) if any(row[c] not in EMPTY_CELLS for row in rows)]
         lines.append("| " + " | ".join(header[c] for c in kept) + " |")
         lines.append("| " + " | ".join("---" if c < 2 else "---:" for c in kept) + " |")

@@ -308,7 +308,8 @@ def adamw_runs() -> list[Run]:
     return plan
 
 
-#: Steps of a timing run (the median step time of all of them is its number).
+#: Steps of a timing run (analyze.py takes the median step time per message size; 40 steps
+#: hold four syncs of a method that averages every 10).
 TIMING_STEPS = 40
 LINKS = ("100mbit", "1gbit")
 #: The hook's density warm-up knobs (see gradsift.hook.recipe) and its first density.
@@ -317,7 +318,8 @@ WARMUP_STEPS_OPTION, WARMUP_START_OPTION, WARMUP_START = "density_warmup_steps",
 
 @dataclass(frozen=True)
 class TimingRun:
-    """Step time of one method on one emulated link, at one message size.
+    """Step times of one method on one emulated link, per message size (one size for most
+    methods; two for those that sync every H steps or warm up dense).
 
     ``at_start``: the density warm-up's first density (the error-feedback sparsifiers'
     largest message) instead of the target ratio; both run with the warm-up off, so
@@ -343,26 +345,37 @@ class TimingRun:
             *workload.train_arguments(workload.epochs, steps=TIMING_STEPS),
             *method.train_arguments(),
         ]
-        if warms_up(self.method):
+        if warms_up(self.workload, self.method):
             arguments += ["--option", f"{WARMUP_STEPS_OPTION}=0"]
             if self.at_start:
                 arguments += ["--ratio", str(WARMUP_START)]
         return [*arguments, "--seed", "0", "--bandwidth", self.link]
 
 
-def warms_up(method: str) -> bool:
-    """Whether the trainer's default density warm-up applies (error feedback + a ratio)."""
-    return METHODS[method].error_feedback and "ratio" in METHODS[method].options
+def warms_up(workload: str, method: str) -> bool:
+    """Whether the trainer's default density warm-up applies: error feedback and a ratio,
+    under SGD (under AdamW the hook's warm-up is dense steps instead, each stock DDP's)."""
+    return (
+        WORKLOADS[workload].optimizer != "adamw"
+        and METHODS[method].error_feedback
+        and "ratio" in METHODS[method].options
+    )
+
+
+#: The AdamW workload whose runs get a time axis: the longest, every method of it.
+ADAMW_TIMED = "gpt-adamw-3k"
 
 
 def timing_runs() -> list[TimingRun]:
-    """Every method of the campaign on both links (and its warm-up start size), in plan order."""
+    """Every method of the SGD campaign and of the timed AdamW workload on both links (and
+    the density warm-up's start size where it applies), in plan order."""
+    pairs = [(r.workload, r.method) for r in accuracy_runs()] + [(ADAMW_TIMED, m) for m in ADAMW_3K]
     plan = []
-    for run in dict.fromkeys((r.workload, r.method) for r in accuracy_runs()):
+    for workload, method in dict.fromkeys(pairs):
         for link in LINKS:
-            plan.append(TimingRun(*run, link))
-            if warms_up(run[1]):
-                plan.append(TimingRun(*run, link, at_start=True))
+            plan.append(TimingRun(workload, method, link))
+            if warms_up(workload, method):
+                plan.append(TimingRun(workload, method, link, at_start=True))
     return plan
 
 
