@@ -215,11 +215,16 @@ def method_row(workload: str, runs: list[Result], target: float) -> dict[str, An
             for s in runs[0].steps
         )
         row[f"time_to_target_s_{link}"] = to_target
-        row[f"time_to_target_median_s_{link}"] = (
-            statistics.median(to_target) if all(t is not None for t in to_target) else None
-        )
+        row[f"time_to_target_median_s_{link}"] = median_reached(to_target)
         row[f"total_time_s_{link}"] = statistics.fmean(t[-1] for t in times)
     return row
+
+
+def median_reached(values: list[float | None]) -> float | None:
+    """The median over seeds of a time (or epochs) to the target, a seed that never reached
+    it counting as infinitely late; None where the median itself is such a seed."""
+    median = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(median) else median
 
 
 def add_ratios(section: dict[str, Any]) -> None:
@@ -325,16 +330,19 @@ def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def to_target(values: list[float | None], spec: str, unit: str = "") -> str:
+    """The median to the target (:func:`median_reached`) with ``(k/n)`` where only ``k`` of
+    the ``n`` seeds reached it; ``not reached (k/n)`` where the median did not."""
+    reached_count = sum(v is not None for v in values)
+    median = median_reached(values)
+    count = "" if reached_count == len(values) else f" ({reached_count}/{len(values)})"
+    return f"not reached{count}" if median is None else f"{median:{spec}}{unit}{count}"
+
+
 def time_to_target(row: dict[str, Any], link: str) -> str:
-    """The median seconds to the target on ``link``; ``not reached (k/n)`` where a seed
-    never reached it; ``- s`` without timing runs."""
+    """:func:`to_target` of the seconds to the target on ``link``; ``- s`` without timing runs."""
     times = row.get(f"time_to_target_s_{link}")
-    if times is None:
-        return "- s"
-    reached_times = [t for t in times if t is not None]
-    if len(reached_times) < len(times):
-        return f"not reached ({len(reached_times)}/{len(times)})"
-    return f"{statistics.median(reached_times):.0f} s"
+    return "- s" if times is None else to_target(times, ".0f", " s")
 
 
 def markdown(
@@ -369,13 +377,7 @@ def markdown(
                 if loss
                 else f"{delta:+.2f} pt"
             )
-            epochs = [e for e in row["epochs_to_target"] if e is not None]
-            reached_all = len(epochs) == len(row["epochs_to_target"])
-            epochs_text = (
-                f"{statistics.median(epochs):.2f}"
-                if reached_all
-                else f"not reached ({len(epochs)}/{len(row['seeds'])})"
-            )
+            epochs_text = to_target(row["epochs_to_target"], ".2f")
             ratios = " / ".join(fmt(row.get(f"sooner_than_{b}_100mbit"), ".2f") + "x" if row.get(f"sooner_than_{b}_100mbit") else "-"
                                 for b in ("none", "bf16"))  # fmt: skip
             rows.append((method, row["setting"],

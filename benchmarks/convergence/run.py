@@ -73,7 +73,8 @@ def execute(run, timed: bool = False) -> bool:
                "--no-progress", "--timeout", "1800"]  # fmt: skip
     started = time.monotonic()
     print(
-        f"[{time.strftime('%H:%M:%S')}] start {run.workload}/{run.directory.name}: {' '.join(command[3:])}", flush=True
+        f"[{time.strftime('%H:%M:%S')}] start {run.workload}/{run.directory.name}: {' '.join(command[3:])}",
+        flush=True,
     )
     with cpu_lock() if timed else contextlib.nullcontext():
         stamp = provenance.start(seeds=[int(arguments[arguments.index("--seed") + 1])])
