@@ -202,6 +202,10 @@ METHODS = {
                                         "(CocktailSGD's way)"),
     "onebit-adam": Method("efsignsgd", setting="1-bit Adam's anchor: the hook's frozen-variance AdamW (the trainer's "
                                                "dense warm-up) with scaled signs and worker error feedback"),
+    "onebit-adam-server": Method("onebit", {"adam": "onebit", "server_feedback": True},
+                                 setting="1-bit Adam as written (Tang et al. 2021): frozen-variance AdamW after the trainer's "
+                                         "dense warm-up, (||x||_2/sqrt(d)) sign(x) per bucket, worker and server error "
+                                         "feedback, each worker's momentum restarted from the exchanged one"),
     "demo": Method("none", flags=("--optimizer", "demo", "--lr", "0.001"),
                    setting="DeMo's anchor (gradsift.DeMo in AdamW's place, no DDP): momentum 0.999 as the error-feedback "
                            "buffer, DCT of 64x64 tiles, top 32 coefficients each (fp32 values, int16 indices: 85x fewer "
@@ -262,14 +266,16 @@ def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
 
 #: The AdamW campaign's methods (``gpt-adamw``): the dense baselines, the issue's failure
 #: (error feedback alone), the recipe's frozen-variance AdamW, DiLoCo dense and compressed,
-#: and the anchors (1-bit Adam, DeMo).
+#: and the anchors (1-bit Adam -- the hook's scaled signs, then the method as written with
+#: both residuals, appended last so that finished runs keep their places --, DeMo).
 ADAMW = ("none", "bf16", "topk-0.01-no-recipe", "topk-0.01", "sidco-exp-0.01", "diloco-h10",
          "diloco-sidco-exp-0.01-h10", "sparseloco-sidco-exp-0.01-h10", "topk-0.01-adam-update",
          "sidco-exp-0.01-fit", "diloco-avg-h10", "diloco-h20", "sparseloco-sidco-exp-0.01-h20",
          "sparseloco-sidco-exp-0.01-h20-bf16", "sparse-avg-sidco-exp-0.01-h10",
          "alone", "topk-0.01-dw16", "topk-0.01-dw64", "topk-0.01-dw128",
          "qavg-blockquant8-h10", "qavg-blockquant4-h10", "qavg-blockquant2-h10", "qavg-blockquant2-h20",
-         "onebit-adam", "cocktail-h1", "cocktail-h1-model", "demo", "demo-lr3e-4", "demo-lr3e-3")  # fmt: skip
+         "onebit-adam", "cocktail-h1", "cocktail-h1-model", "demo", "demo-lr3e-4", "demo-lr3e-3",
+         "onebit-adam-server")  # fmt: skip
 
 
 #: The methods also run on 4 workers: the controls (fp32, bf16, one worker alone, dense
@@ -284,9 +290,9 @@ ADAMW_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "sparseloco-sidco-ex
 
 #: The same methods at 3,000 steps (the slope of each gap with run length), quantized
 #: periodic averaging at 4 and 8 bits, the best of its 314-step screen, the bf16 control,
-#: CocktailSGD's per-step delta sync and the 1-bit Adam anchor.
+#: CocktailSGD's per-step delta sync and the 1-bit Adam anchor (and 1-bit Adam as written).
 ADAMW_3K = (*ADAMW_1K, "qavg-blockquant4-h10", "qavg-blockquant8-h10", "bf16", "cocktail-h1-model",
-            "onebit-adam")  # fmt: skip
+            "onebit-adam", "onebit-adam-server")  # fmt: skip
 
 
 #: The 4-worker methods at 1,000 steps: the controls and the best mode of each family.

@@ -411,18 +411,20 @@ def test_terngrad_seed_fixes_the_rounding():
     assert torch.equal(three, again) and not torch.equal(three, four)
 
 
-# --- signsgd / efsignsgd --------------------------------------------------------------------
+# --- signsgd / efsignsgd / onebit -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["signsgd", "efsignsgd"])
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_sign_methods_send_signs_and_mean_magnitude(name, dtype):
+def test_sign_methods_send_signs_and_one_scale(name, dtype):
+    """The mean magnitude ``||x||_1 / n`` (signSGD's), or the root mean square
+    ``||x||_2 / sqrt(n)`` (1-bit Adam's ``onebit``)."""
     x = laplace(1001, seed=80, dtype=dtype)
     x[5] = 0.0  # sign(0) = +1
     compressor = gradsift.get_compressor(name)
     payload = compressor.compress(x)
     wide = x.to(torch.promote_types(dtype, torch.float32))
-    scale = wide.abs().sum() / 1001
+    scale = wide.square().sum().sqrt() / math.sqrt(1001) if name == "onebit" else wide.abs().sum() / 1001
     torch.testing.assert_close(payload.scales, scale.reshape(1), rtol=1e-6, atol=0)
     signs = torch.where(x < 0, -1.0, 1.0).to(wide.dtype)
     assert torch.equal(unpack(payload.codes, 1, 1001), (x < 0).long())

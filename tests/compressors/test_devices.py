@@ -28,6 +28,7 @@ QUANTIZED = {
     "terngrad": torch.uint8,
     "signsgd": torch.uint8,
     "efsignsgd": torch.uint8,
+    "onebit": torch.uint8,
     "blockquant": torch.uint8,
 }
 CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}

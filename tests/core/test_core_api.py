@@ -30,6 +30,7 @@ def test_available_compressors_lists_every_design_name():
         "terngrad",
         "signsgd",
         "efsignsgd",
+        "onebit",
         "powersgd",
     ]
 

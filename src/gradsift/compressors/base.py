@@ -62,6 +62,9 @@ class Compressor(abc.ABC):
         adaptive_capacity: the number of entries the method sends follows the data,
             with no ratio to bound it (a fixed threshold, VGC): the DDP hook then sizes
             the payload from the counts of earlier steps (:mod:`gradsift.hook.capacity`).
+        server_stage: :meth:`encode` is deterministic, keeps no state and does not depend
+            on the rank, so every rank can compress the workers' mean again and get the
+            same result (1-bit Adam's server stage, the hook option ``server_feedback``).
 
     Example (docs/extending.md writes a new one, end to end)::
 
@@ -82,6 +85,7 @@ class Compressor(abc.ABC):
     needs_parameters: ClassVar[bool] = False
     identity: ClassVar[bool] = False
     adaptive_capacity: ClassVar[bool] = False
+    server_stage: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).

@@ -34,6 +34,7 @@ _TABLE: dict[str, str] = {
     "terngrad": "gradsift.compressors.terngrad:TernGrad",
     "signsgd": "gradsift.compressors.signsgd:SignSGD",
     "efsignsgd": "gradsift.compressors.signsgd:EFSignSGD",
+    "onebit": "gradsift.compressors.signsgd:OneBit",
     "powersgd": "gradsift.compressors.powersgd:PowerSGD",
 }
 

@@ -1,6 +1,9 @@
-"""signSGD and EF-signSGD: one bit per element plus the scale ``||g||_1 / n``."""
+"""signSGD, EF-signSGD and 1-bit Adam's compressor: one bit per element plus one scale
+(``||g||_1 / n`` for the first two, ``||g||_2 / sqrt(n)`` for 1-bit Adam's)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -18,10 +21,15 @@ class SignSGD(Quantizer):
 
     name = "signsgd"
     code_bits = 1
+    server_stage = True  # deterministic, stateless, the same on every rank
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (flat < 0).to(torch.uint8), self.scale(flat)
+
+    def scale(self, flat: torch.Tensor) -> torch.Tensor:
+        """The one scale of the non-empty ``flat`` (shape ``[1]``): ``||g||_1 / n``."""
         l1 = torch.linalg.vector_norm(flat, ord=1, dtype=compute_dtype(flat.dtype)).reshape(1)
-        return (flat < 0).to(torch.uint8), l1 / flat.numel()
+        return l1 / flat.numel()
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         signs = (1 - 2 * codes).to(dtype)  # 0 -> +1, 1 -> -1
@@ -38,3 +46,21 @@ class EFSignSGD(SignSGD):
 
     name = "efsignsgd"
     error_feedback = True
+
+
+class OneBit(EFSignSGD):
+    """``onebit``: 1-bit Adam's compressor (Tang et al. 2021), ``C(x) = (||x||_2 / sqrt(n)) sign(x)``.
+
+    The payload of ``signsgd`` with another scale: the root mean square of ``x`` instead of
+    its mean magnitude (``||x||_1 / n <= ||x||_2 / sqrt(n)``, equal when every ``|x_i|`` is
+    the same), so ``||C(x)||_2 = ||x||_2``. With error feedback on the worker, as
+    ``efsignsgd``; the hook option ``server_feedback=True`` adds 1-bit Adam's second
+    residual after the average (:func:`gradsift.hook.feedback.server_stage`).
+    """
+
+    name = "onebit"
+
+    def scale(self, flat: torch.Tensor) -> torch.Tensor:
+        """``||x||_2 / sqrt(n)`` (shape ``[1]``)."""
+        l2 = torch.linalg.vector_norm(flat, ord=2, dtype=compute_dtype(flat.dtype)).reshape(1)
+        return l2 / math.sqrt(flat.numel())

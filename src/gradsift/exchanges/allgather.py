@@ -34,6 +34,7 @@ class Allgather(Exchange):
     """One allgather of the bucket's fixed-size message (see the module docstring)."""
 
     name = "allgather"
+    replicated = True
 
     @classmethod
     def traffic(cls, k: int, world: int) -> Traffic:

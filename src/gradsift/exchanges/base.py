@@ -149,6 +149,12 @@ class Exchange(abc.ABC):
     #: refuses ``granularity="layer"`` and frontends without DDP buckets refuse it.
     whole_bucket: ClassVar[bool] = False
 
+    #: Whether every rank decodes every worker's payload itself, in rank order, so the
+    #: mean is bit-identical on every rank (the allgather): what lets each rank apply a
+    #: server stage to it alike (the hook option ``server_feedback``). An allreduce's sum
+    #: is left to the backend, which does not promise the same bits on every rank.
+    replicated: ClassVar[bool] = False
+
     #: Whether the workers' messages add up on the way (each worker moves about one
     #: message's bytes, as in a ring allreduce) rather than each reaching every other
     #: worker (``W - 1`` messages, as in an allgather): the report's cost model uses it.

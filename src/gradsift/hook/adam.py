@@ -25,6 +25,14 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    Because ``m / D`` is linear in what was sent, error feedback's delayed coordinates are
    delayed, not shrunk: DGC's argument for SGD momentum carries over.
 
+``adam="onebit"`` is 1-bit Adam's own momentum instead of step 3's: every worker's first moment
+restarts each step from the exchanged one, ``m_k = beta1 m + (1 - beta1) g_k`` with ``m`` the
+mean that was delivered (after the server stage, when ``server_feedback=True``) -- in
+velocity units ``u_k = beta1 s + g_k`` -- rather than running on its own
+(:class:`OneBitAdamStep`). ``register_comm_hook(ddp, "onebit", optimizer=adamw,
+adam="onebit", server_feedback=True)`` is then 1-bit Adam as Tang et al. write it: the
+compressor ``(||x||_2 / sqrt(d)) sign(x)``, error feedback on the worker and on the server.
+
 The optimizer step is taken over by a step pre-hook (:class:`FrozenVarianceStep`) that
 applies the update above to the model's parameters and clears their ``.grad``, so the
 optimizer skips them; learning-rate schedulers, ``GradScaler.step`` (which calls the
@@ -46,6 +54,7 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.feedback import VELOCITY
 from gradsift.hook.param_groups import model_groups
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
@@ -145,6 +154,11 @@ class AdamStep:
         del params
         return None
 
+    def exchanged(self, store: Any, key: Any, mean: torch.Tensor) -> None:
+        """What the method keeps of part ``key``'s exchanged ``mean`` (velocity units, before
+        the hook scales it): by default nothing."""
+        del store, key, mean
+
     def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """What the step subtracts, times lr, from ``param`` (its ``.grad`` transformed)."""
         assert param.grad is not None
@@ -178,7 +192,7 @@ class FrozenVarianceStep(AdamStep):
     def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int) -> None:
         if warmup_steps < 1:
             raise InvalidOptionError(
-                "compressed Adam with adam='frozen-variance' needs a dense warm-up that gives the second "
+                "compressed Adam with a frozen second moment (adam='frozen-variance' or 'onebit') needs a dense warm-up that gives the second "
                 "moment its values: pass warmup_steps >= 1 (docs/choosing.md has what was measured here)"
             )
         super().__init__(optimizer, numbers)
@@ -228,12 +242,29 @@ class FrozenVarianceStep(AdamStep):
         return torch.cat(pieces) if found else None
 
 
+class OneBitAdamStep(FrozenVarianceStep):
+    """1-bit Adam's momentum (Tang et al. 2021; module docstring): the frozen-variance method
+    whose velocity is, after every exchange, the delivered mean ``s`` (the same on every rank),
+    so the next step compensates ``u_k = beta1 s + g_k`` -- 1-bit Adam's
+    ``m_k = beta1 m + (1 - beta1) g_k`` over ``1 - beta1`` -- instead of the worker's own
+    ``u_k <- beta1 u_k + g_k``. What compression left out of ``s`` waits in the residuals."""
+
+    def exchanged(self, store: Any, key: Any, mean: torch.Tensor) -> None:
+        """The velocity of ``key`` becomes ``mean`` (a copy in the velocity's dtype; put new, so a
+        dropped step rolls it back)."""
+        velocity = store.get(VELOCITY, key)
+        dtype = torch.promote_types(mean.dtype, torch.float32) if velocity is None else velocity.dtype
+        store.put(VELOCITY, key, mean.to(dtype, copy=True))
+
+
 #: State-store tables of :class:`LocalUpdateStep`: each worker's own Adam moments.
 FIRST, SECOND = "adam.exp_avg", "adam.exp_avg_sq"
 
 
 #: The methods ``optimizer=`` offers for the Adam family (the hook option ``adam``).
-METHODS = ("frozen-variance", "update")
+METHODS = ("frozen-variance", "update", "onebit")
+#: Those that freeze the second moment after a dense warm-up (which they cannot do without).
+FROZEN_METHODS = ("frozen-variance", "onebit")
 
 
 def adam_step(
@@ -242,6 +273,8 @@ def adam_step(
     """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``."""
     if method == "update":
         return LocalUpdateStep(optimizer, numbers, warmup_steps)
+    if method == "onebit":
+        return OneBitAdamStep(optimizer, numbers, warmup_steps)
     return FrozenVarianceStep(optimizer, numbers, warmup_steps)
 
 

@@ -26,6 +26,10 @@ State lives in a :class:`gradsift.core.store.TensorStore` (tables ``"residual"``
 ``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
 step a transaction and follows DDP's bucket rebuilds. ``compensate`` and ``update`` put
 new tensors and never modify a stored one, so a rolled-back step costs nothing.
+
+1-bit Adam's *server* error feedback (the hook option ``server_feedback``) is
+:func:`server_stage`: a second residual, table ``"server_residual"``, on the exchange's
+mean instead of the worker's input.
 """
 
 from __future__ import annotations
@@ -39,10 +43,35 @@ from gradsift.compressors.base import Compressor, in_use
 from gradsift.compressors.kernels import zero_at
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
+from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.core.validation import check_real
 
-RESIDUAL, VELOCITY = "residual", "velocity"
+RESIDUAL, VELOCITY, SERVER_RESIDUAL = "residual", "velocity", "server_residual"
+
+
+def server_stage(
+    store: TensorStore, key: Hashable, mean: torch.Tensor, compressor: Compressor, readout: Readout
+) -> None:
+    """1-bit Adam's server stage on one part, in place: ``mean`` (``s``, the exchange's mean over
+    the workers) becomes ``c = C(s + e)`` and the server residual ``e`` (zeros at first) becomes
+    ``s + e - c``, so ``s + e_old == c + e_new`` up to the rounding of the sum.
+
+    ``C`` is ``compressor``'s own encode and decode (for ``onebit``, ``(||x||_2 / sqrt(n)) sign(x)``
+    over the part). Every rank holds the same ``s`` and runs this with the same ``e`` (a
+    :attr:`~gradsift.compressors.base.Compressor.server_stage` compressor on a
+    :attr:`~gradsift.exchanges.base.Exchange.replicated` exchange), so every rank gets the
+    same ``c`` without sending a byte; the residual is float32 at least, as the worker's, and
+    put new (a dropped step rolls it back).
+    """
+    flat = mean.float() if mean.dtype in (torch.float16, torch.bfloat16) else mean
+    residual = store.get(SERVER_RESIDUAL, key)
+    ErrorFeedback._check_like(key, residual, flat)
+    target = flat.clone() if residual is None else residual + flat
+    payload = compressor.encode(target, key=key, capacity=None, readout=readout)
+    sent = compressor.sent_dense(payload).to(target.dtype)
+    mean.copy_(sent)
+    store.put(SERVER_RESIDUAL, key, target.sub_(sent))
 
 
 class ErrorFeedback:

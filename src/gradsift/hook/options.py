@@ -32,8 +32,8 @@ class HookOptions:
             ``"layer"`` -- one per parameter, so every layer gets its own selection.
         min_numel: parts with fewer elements go dense (default 0).
         warmup_steps: the first this many steps are dense (default 0), like PowerSGD's
-            ``start_powerSGD_iter``; with ``optimizer=`` Adam/AdamW (``adam="frozen-variance"``)
-            0 means :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS` (64), the measured default
+            ``start_powerSGD_iter``; with ``optimizer=`` Adam/AdamW (``adam="frozen-variance"`` or
+            ``"onebit"``) 0 means :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS` (64), the measured default
             when the run's length is unknown -- pass 10-20 % of a long run's steps.
         value_dtype: dtype of sent values: None (default) keeps the compressor's, or
             ``"fp32"``/``"fp16"``/``"bf16"``. Dense parts travel in the gradient's dtype.
@@ -59,8 +59,17 @@ class HookOptions:
         scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
             the hook then works on unscaled gradients (see the module docstring).
         adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.hook.adam`:
-            ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``) or ``"update"``.
+            ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``), ``"onebit"``
+            (the same with 1-bit Adam's momentum, restarted every step from the exchanged one)
+            or ``"update"``.
         residual_decay: error feedback's ``beta`` in ``c = g + beta r`` (default 1).
+        server_feedback: 1-bit Adam's server-side error feedback (default False): after the
+            exchange's mean ``s`` of a compressed part, every rank computes
+            ``c = C(s + e)`` with the compressor ``C``, keeps ``e <- s + e - c`` and uses
+            ``c`` (:func:`gradsift.hook.feedback.server_stage`). No extra bytes: every rank
+            holds the same ``s``, so the same ``e`` and ``c``. Needs a compressor whose
+            ``server_stage`` is True (``signsgd``, ``efsignsgd``, ``onebit``) and an exchange
+            that hands every rank the same mean (the allgather); refused otherwise.
         log_every: log every this many steps (``gradsift.hook`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
     """
@@ -80,6 +89,7 @@ class HookOptions:
     scaler: Any = None
     adam: str = "frozen-variance"
     residual_decay: float = 1.0
+    server_feedback: bool = False
     log_every: int = 0
     jsonl_path: str | os.PathLike[str] | None = None
 
@@ -103,6 +113,8 @@ class HookOptions:
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
         check_choice(self.adam, "adam", ADAM_METHODS)
         check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
+        if not isinstance(self.server_feedback, bool):
+            raise InvalidOptionError(f"server_feedback must be True or False, got {self.server_feedback!r}")
         if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
             raise InvalidOptionError(
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"

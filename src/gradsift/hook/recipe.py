@@ -73,7 +73,7 @@ def take_over(
 
     SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: the method
     ``adam`` of :mod:`gradsift.hook.adam` takes the optimizer's steps after ``warmup_steps`` dense
-    ones (``"frozen-variance"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
+    ones (``"frozen-variance"``, ``"onebit"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
     each worker's own Adam update travels, with no momentum in the exchange).
     ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
     :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,

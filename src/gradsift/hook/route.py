@@ -18,7 +18,9 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
    into its fixed-capacity payload, moves it, validates what arrives and writes each
    part's mean over the workers into the bucket's result; the collectives overlap the
    rest of backward.
-6. **update** -- error feedback keeps ``r <- c - sent``; the mean is multiplied back by
+6. **update** -- error feedback keeps ``r <- c - sent``; with ``server_feedback`` every rank
+   compresses the compressed parts' mean again with a server residual (1-bit Adam's second
+   stage, :func:`~gradsift.hook.feedback.server_stage`); the mean is multiplied back by
    ``s`` (stock DDP's scaled mean) and, under Adam, by the first moment's scale.
 7. **close** -- on the last bucket (or when backward ends) the step closes on the thread
    that ran backward: it waits for the exchanges, reads the step's checks in one host
@@ -40,7 +42,7 @@ from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.hook import recipe
 from gradsift.hook.adam import LocalUpdateStep
-from gradsift.hook.feedback import VELOCITY
+from gradsift.hook.feedback import VELOCITY, server_stage
 from gradsift.hook.layout import BucketLike
 from gradsift.hook.ledger import BucketInFlight
 from gradsift.hook.state import PYTHON_REDUCER, STOCK_ALLREDUCE, GradsiftHookState
@@ -106,15 +108,17 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     for part in large:  # 4
         part.compensated = _compensate(state, part, context.world, loss_scale)
     trips = []  # 5
+    warming = state.ledger.step < state.options.warmup_steps  # the warm-up with momentum correction
     if large:
-        warming = state.ledger.step < state.options.warmup_steps  # the warm-up with momentum correction
         exchange, codec = (
             (STOCK_ALLREDUCE, IDENTITY) if warming else (state.bucket_exchange(context), state.codec)
         )
         trips.append(exchange.start(large, codec, context))
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
-    return Pending.gather(trips).then(_update(state, context, large, _mean_scale(state, loss_scale)))  # 6
+    return Pending.gather(trips).then(
+        _update(state, context, large, _mean_scale(state, loss_scale), compressed=not warming)
+    )  # 6
 
 
 def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None) -> torch.Tensor:
@@ -150,10 +154,16 @@ def _mean_scale(state: GradsiftHookState, loss_scale: torch.Tensor | None) -> to
 
 
 def _update(
-    state: GradsiftHookState, context: Context, large: list[Part], scale: torch.Tensor | float | None
+    state: GradsiftHookState,
+    context: Context,
+    large: list[Part],
+    scale: torch.Tensor | float | None,
+    compressed: bool = True,
 ) -> Callable[[list[Outcome]], Outcome]:
     """Step 6, once the bucket's trips delivered (the compressed parts' first): error
-    feedback's ``r <- c - sent``, the scale put back into the mean, one outcome for the close."""
+    feedback's ``r <- c - sent``; when ``large`` travelled ``compressed``, the server stage
+    on their mean and what the Adam method keeps of it (both in the residuals' units, before
+    the scale); the scale put back into the mean; one outcome for the close."""
 
     def finish(outcomes: list[Outcome]) -> Outcome:
         if large and state.feedback is not None:  # before the scale: ``sent`` may be the result itself
@@ -161,6 +171,15 @@ def _update(
                 state.feedback.update(
                     part.key, part.input, part.input if sent is None else sent, state.compressor
                 )
+        if large and compressed and state.options.server_feedback:
+            with context.record.timed("compress_ms", context.result.device):
+                for part in large:
+                    server_stage(
+                        state.store, part.key, part.view(context.result), state.compressor, context.readout
+                    )
+        if large and compressed and state.adam is not None:
+            for part in large:
+                state.adam.exchanged(state.store, part.key, part.view(context.result))
         if large and scale is not None:
             for part in large:
                 part.view(context.result).mul_(scale)

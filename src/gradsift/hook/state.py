@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor, Sparsifier
+from gradsift.compressors.registry import available_compressors, compressor_class
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
@@ -24,9 +25,9 @@ from gradsift.core.trip import Context, Part
 from gradsift.exchanges import AUTO
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import IDENTITY, Codec, Exchange
-from gradsift.exchanges.choice import choose_exchange, get_exchange, resolve_exchange
+from gradsift.exchanges.choice import choose_exchange, exchange_class, get_exchange, resolve_exchange
 from gradsift.hook import recipe
-from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
+from gradsift.hook.adam import FROZEN_METHODS, ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
 from gradsift.hook.capacity import CapacityPlan
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
@@ -94,6 +95,8 @@ class GradsiftHookState:
             raise InvalidOptionError(
                 f"density_warmup_steps needs a sparsifier with a ratio; {self.compressor.name} has none"
             )
+        if self.options.server_feedback:
+            self._check_server_feedback()
         uses_feedback = self.options.error_feedback
         if uses_feedback is None:
             uses_feedback = bool(self.compressor.error_feedback)
@@ -111,6 +114,25 @@ class GradsiftHookState:
             if self.compressor.identity
             else IDENTITY
         )
+
+    def _check_server_feedback(self) -> None:
+        """Refuse ``server_feedback=True`` where the ranks could not apply it alike: a compressor
+        whose encode is not :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an
+        exchange (any ``"auto"`` may pick) that is not :attr:`~gradsift.exchanges.base.Exchange.replicated`."""
+        name = self.compressor.name
+        if not self.compressor.server_stage:
+            able = [n for n in available_compressors() if compressor_class(n).server_stage]
+            raise InvalidOptionError(
+                f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
+                f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
+            )
+        names = self.compressor.exchanges if self.options.exchange == AUTO else (self.exchange.name,)
+        for exchange in names:
+            if not exchange_class(exchange).replicated:
+                raise InvalidOptionError(
+                    f"server_feedback=True needs every rank to decode the same mean itself (exchange="
+                    f"'allgather'); {name!r} may travel by {exchange!r}, which does not promise that"
+                )
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
@@ -148,7 +170,7 @@ class GradsiftHookState:
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         if optimizer is not None and self.feedback is not None:
-            one_line = self.options.warmup_steps == 0 and self.options.adam == "frozen-variance"
+            one_line = self.options.warmup_steps == 0 and self.options.adam in FROZEN_METHODS
             if one_line and is_adam(recipe.unwrapped(optimizer)):  # a measured default warm-up
                 self.options = dataclasses.replace(self.options, warmup_steps=ONE_LINE_WARMUP_STEPS)
             taken = recipe.take_over(
@@ -197,10 +219,12 @@ class GradsiftHookState:
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Step, the state store, compressor state and telemetry totals (tensors cloned)."""
+        """Step, the state store (residuals, the server residual, ...), compressor state and
+        telemetry totals (tensors cloned)."""
         return {
             "step": self.ledger.step,
             "feedback": None if self.feedback is None else {"momentum": self.feedback.momentum},
+            "server_feedback": self.options.server_feedback,
             "store": self.store.state_dict(),
             "compressor": self.compressor.state_dict(),
             "weight_decay": dict(self.weight_decay),
@@ -218,6 +242,11 @@ class GradsiftHookState:
             raise InvalidOptionError(
                 f"checkpoint was made with momentum={state['feedback']['momentum']}, "
                 f"this hook has {self.feedback.momentum}"
+            )
+        if bool(state.get("server_feedback", False)) != self.options.server_feedback:
+            raise InvalidOptionError(
+                "checkpoint and hook disagree on server_feedback (on in one, off in the other): the "
+                "server residual would be dropped or start from zero"
             )
         self.ledger.step = int(state["step"])
         self.store.load_state_dict(state["store"])
