@@ -613,9 +613,9 @@ VERDICT_CLAIMS = (
           ("workloads/gpt-adamw/methods/diloco-avg-h10/fewer_bytes_than_fp32",), "{:.1f}x"),
     *(_adamw(m, "gpt-adamw-3k", "adamw3k") for m in ("none", "qavg-blockquant4-h10", "onebit-adam")),
     *(_adamw_fewer(m, "gpt-adamw-3k", "adamw3k") for m in ("qavg-blockquant4-h10", "onebit-adam")),
-    *(Claim(f"verdict.adamw3k.onebit-adam.sooner.{baseline}", CONVERGENCE,
-            (f"workloads/gpt-adamw-3k/methods/onebit-adam/sooner_than_{baseline}_100mbit",), "{:.1f}x")
-      for baseline in ("none", "bf16")),
+    *(Claim(f"verdict.adamw3k.onebit-adam.sooner{'' if link == '100mbit' else '.' + link}.{baseline}", CONVERGENCE,
+            (f"workloads/gpt-adamw-3k/methods/onebit-adam/sooner_than_{baseline}_{link}",), "{:.1f}x")
+      for link in ("100mbit", "1gbit") for baseline in ("none", "bf16")),
 )  # fmt: skip
 STEPS40_CLAIMS = (
     Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
