@@ -5,7 +5,7 @@ Runs ``gradsift train`` (its parser and code path, in this process) for every co
 Needs root + iproute2 (network namespaces, tc tbf) and the full Fashion-MNIST
 (Debian's dataset-fashion-mnist). Run it under the shared benchmark lock:
 
-    flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py
+    flock /tmp/gradsift-cpu.lock python benchmarks/training/run_benchmark.py
 
 ``--analyze-only`` rebuilds results.json and the plots from existing run directories;
 existing runs are skipped unless ``--rerun``.
@@ -39,7 +39,7 @@ COMPRESSORS = {
     "topk": ["--ratio", "0.01"],
     "vgc": [],
 }
-COMMON = ["--model", "vgg", "--batch-size", "32", "--lr", "0.05", "--warmup-steps", "20", "--seed", "0",
+COMMON = ["--model", "vgg", "--batch-size", "32", "--lr", "0.05", "--lr-warmup-steps", "20", "--seed", "0",
           "--data-dir", DATA_DIR, "--no-progress", "--timeout", "600"]  # fmt: skip
 MAIN = {"workers": 4, "steps": 200, "eval_every": 25, "bandwidths": ("100mbit", "1gbit")}
 CORES = 2  # the machine the committed results come from
