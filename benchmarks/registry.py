@@ -179,12 +179,31 @@ TRAINING_TABLE = Table(
         for label, c in METHODS
     ),
 )
+def _scaled(compressor: str, workers: int, field: str) -> Claim:
+    """A step time of the training benchmark's scaling runs (100 Mbit/s), in ms."""
+    return Claim(f"train.scaling.{compressor}.w{workers}.{field}", TRAINING,
+                 (f"scaling/rows/[compressor={compressor},workers={workers}]/{field}_step_s",), "{:.0f} ms",
+                 compute=lambda s: 1e3 * s)  # fmt: skip
+
+
+TRAINING_SCALING_TABLE = Table(
+    "training-scaling",
+    ("workers", "none measured", "none predicted", "sidco-exp measured", "sidco-exp predicted"),
+    ("---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (str(w), *(_scaled(c, w, f) for c in ("none", "sidco-exp") for f in ("measured", "predicted")))
+        for w in (2, 4, 8)
+    ),
+)
 SPARSE, DENSE = ("sidco-exp", "topk"), ("none", "bf16")
 TRAINING_CLAIMS = (
     Claim("train.target", TRAINING, (f"{MBIT}/target_accuracy",), "{:.3f}"),
     Claim("train.step.none_over_sidco", TRAINING, (f"{MBIT}/ratios/step_none_over_sidco",), "{:.1f}x"),
     Claim("train.step.bf16_over_sidco", TRAINING, (row("bf16", "step_ms"), row("sidco-exp", "step_ms")), "{:.1f}x",
           compute=ratio),
+    Claim("train.step.topk_over_sidco", TRAINING, (f"{MBIT}/ratios/step_topk_over_sidco",), "{:.2f}x"),
+    Claim("train.tta.none_over_sidco", TRAINING, (f"{MBIT}/ratios/tta_none_over_sidco",), "{:.1f}x"),
+    Claim("train.tta.bf16_over_sidco", TRAINING, (f"{MBIT}/ratios/tta_bf16_over_sidco",), "{:.1f}x"),
     Claim("train.t077.none_over_sidco", TRAINING, (time_to_077("none"), time_to_077("sidco-exp")), "{:.1f}x",
           compute=ratio),
     Claim("train.t077.bf16_over_sidco", TRAINING, (time_to_077("bf16"), time_to_077("sidco-exp")), "{:.2f}x",
@@ -195,6 +214,8 @@ TRAINING_CLAIMS = (
     Claim("train.sparse.t077", TRAINING, tuple(map(time_to_077, SPARSE)), "{} s", compute=spanned(".0f")),
     Claim("train.none.t077.s", TRAINING, (time_to_077("none"),), "{:.0f} s"),
     Claim("train.bf16.t077.s", TRAINING, (time_to_077("bf16"),), "{:.0f} s"),
+    Claim("train.crossover", TRAINING, ("scaling/crossover_workers",), "{}"),
+    Claim("train.step.none_over_vgc", TRAINING, (f"{MBIT}/ratios/step_none_over_vgc",), "{:.2f}x"),
     Claim("train.sidco.factor", TRAINING, (row("sidco-exp", "compression_factor"),), "{:.0f}x"),
     Claim("train.1gbit.step", TRAINING, tuple(row(c, "step_ms", GBIT) for c in (*DENSE, *SPARSE)), "{} ms",
           compute=spanned(".0f")),
@@ -625,6 +646,7 @@ STEPS40_CLAIMS = (
 
 TABLES = (
     TRAINING_TABLE,
+    TRAINING_SCALING_TABLE,
     QUANTIZER_TABLE,
     CROSSOVER_TABLE,
     HOOK_TABLE,

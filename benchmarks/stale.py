@@ -140,14 +140,6 @@ STALE: tuple[Stale, ...] = (
         "~35 min (six runs of 4-7 min)",
     ),
     Stale(
-        ("results/training/results.json", "results/training/runs/*/*.json"),
-        "provenance",
-        f"No commit recorded; 29 November, one seed. Since then the trainer's defaults changed (DGC's recipe "
-        f"db4a645, density warm-up c095d7c) and {HOOK}. The README's training table quotes it.",
-        f"{LOCK} .venv/bin/python benchmarks/training/run_benchmark.py (root)",
-        "~25 min",
-    ),
-    Stale(
         ("results/vgc/accuracy.json",),
         "provenance",
         f"No commit recorded; 29 November, one seed; the trainer's defaults changed since (db4a645) and {HOOK}.",
