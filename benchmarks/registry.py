@@ -179,6 +179,8 @@ TRAINING_TABLE = Table(
         for label, c in METHODS
     ),
 )
+
+
 def _scaled(compressor: str, workers: int, field: str) -> Claim:
     """A step time of the training benchmark's scaling runs (100 Mbit/s), in ms."""
     return Claim(f"train.scaling.{compressor}.w{workers}.{field}", TRAINING,
