@@ -80,6 +80,7 @@ BLOCKS: dict[str, Block] = {
         ConvergenceTables("gpt-adamw-w4"),
         ConvergenceTables("gpt-adamw-1k"),
         ConvergenceTables("gpt-adamw-3k"),
+        ConvergenceTables("gpt-adamw-w4-1k"),
     )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
