@@ -151,8 +151,10 @@ def moment_sums(
     ``> above`` (all of them without ``above``), as float64 0-d tensors on ``values``' device;
     the minimum of none is +inf.
 
-    CPU: NumPy keeps the elements above the bound (``np.compress``, on the calling thread)
-    and sums that tail in float64 -- SIDCo's later stages see a few percent of the sample.
+    CPU: NumPy keeps the elements above the bound (``np.compress``, on the calling thread;
+    no copy when all of them are, as in SIDCo's stages, whose values were already narrowed
+    to that bound: 0.07 ms for 60k elements) and sums that tail in float64 -- SIDCo's later
+    stages see a few percent of the sample.
     The sum of squares is ``np.einsum``, never ``np.dot``: NumPy hands a dot product to
     BLAS, whose worker threads spin against the other ranks on a shared CPU (2 gloo ranks
     on 2 cores: 6.6 ms per call on a 2^18-element sample, against 0.08 ms for einsum on
@@ -161,7 +163,8 @@ def moment_sums(
     """
     if _numpy_floats(values):
         array = _numpy(values)
-        tail = array if above is None else np.compress(array > _host_float(above), array)
+        passes = None if above is None else array > _host_float(above)
+        tail = array if passes is None or passes.all() else np.compress(passes, array)
         wide = tail.astype(np.float64)
         smallest = float(tail.min()) if tail.size else math.inf
         count, total, squares, least = torch.tensor(
