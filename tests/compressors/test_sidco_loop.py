@@ -242,9 +242,9 @@ def test_correction_is_a_damped_newton_step_in_log_space(achieved, k):
     step = 0.5 * math.log((achieved + 0.5) / (k + 0.5)) / STEP_SLOPE
     assert abs(step) < 1
     one, fit = torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.8, dtype=torch.float64)
-    assert float(compressor._next_correction(STEP_SAMPLE, one, fit, achieved, k)) == pytest.approx(
-        math.log(1.0 / 0.8) + step, rel=1e-12, abs=1e-15
-    )
+    assert float(
+        compressor._next_correction(sample_slope(STEP_SAMPLE, one), one, fit, achieved, k)
+    ) == pytest.approx(math.log(1.0 / 0.8) + step, rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.parametrize(
@@ -262,9 +262,9 @@ def test_correction_step_and_total_are_bounded(eta_fit, achieved, k, expected):
     ten, fit = torch.tensor(10.0, dtype=torch.float64), torch.tensor(eta_fit, dtype=torch.float64)
     # the achieved count as the CPU selection gives it (a host int) and as a GPU's (a tensor)
     for count in (achieved, torch.tensor(achieved)):
-        assert float(compressor._next_correction(STEP_SAMPLE, ten, fit, count, k)) == pytest.approx(
-            expected, rel=1e-12
-        )
+        assert float(
+            compressor._next_correction(sample_slope(STEP_SAMPLE, ten), ten, fit, count, k)
+        ) == pytest.approx(expected, rel=1e-12)
 
 
 # --- the state ------------------------------------------------------------------------------

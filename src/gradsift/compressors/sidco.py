@@ -271,10 +271,13 @@ class _SIDCo(Sparsifier):
         return kept_or_value_with_above(miss.abs() <= tolerance, eta.double(), sample, keep)
 
     def _next_correction(
-        self, sample: torch.Tensor, eta: torch.Tensor, eta_fit: torch.Tensor, achieved: Count, k: int
+        self, slope: torch.Tensor, eta: torch.Tensor, eta_fit: torch.Tensor, achieved: Count, k: int
     ) -> torch.Tensor:
-        """Damped Newton step in log space driving ``achieved/k`` to 1."""
-        step = (_DAMPING * log_miss(achieved, k) / sample_slope(sample, eta)).clamp(-_MAX_STEP, _MAX_STEP)
+        """Damped Newton step in log space driving ``achieved/k`` to 1: ``c = ln(eta/eta_fit)
+        - 0.5 L/s`` with ``L = ln((achieved + 1/2)/(k + 1/2))`` and ``s`` = ``slope``, the sample's
+        :func:`~gradsift.compressors.sidco_sample.sample_slope` at ``eta`` (step in ``[-1, 1]``,
+        ``|c| <= ln(100)``)."""
+        step = (_DAMPING * log_miss(achieved, k) / slope).clamp(-_MAX_STEP, _MAX_STEP)
         corrected = torch.log(eta.clamp_min(1e-300) / eta_fit.clamp_min(1e-300)) + step
         return corrected.clamp(-_MAX_LOG_CORRECTION, _MAX_LOG_CORRECTION)
 
@@ -317,10 +320,12 @@ class _SIDCo(Sparsifier):
             eta_fit = eta = self.fitted_threshold(sample, state["stages"])
         # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
         eta = eta.clamp_min(0.0)
+        # the slope needs only the sample and eta: read it before the selection pass evicts the sample
+        slope = sample_slope(sample, eta) if self.adapt else None
         selection = threshold_selection(flat, eta, capacity)
-        if self.adapt:
+        if slope is not None:
             assert selection.demand is not None  # threshold_selection reports the count
-            corrected = self._next_correction(sample, eta, eta_fit, selection.demand, k)
+            corrected = self._next_correction(slope, eta, eta_fit, selection.demand, k)
             state["log_correction"] = torch.where(
                 (eta > 0) & (eta_fit > 0), corrected, correction_of(state, flat.device)
             )
