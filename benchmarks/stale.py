@@ -140,13 +140,6 @@ STALE: tuple[Stale, ...] = (
         "~35 min (six runs of 4-7 min)",
     ),
     Stale(
-        ("results/vgc/accuracy.json",),
-        "provenance",
-        f"No commit recorded; 29 November, one seed; the trainer's defaults changed since (db4a645) and {HOOK}.",
-        f"{LOCK} .venv/bin/python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json",
-        "~15 min",
-    ),
-    Stale(
         (
             "results/convergence/runs/*/*/*.json",
             "results/convergence/partial/*/*/*.json",
