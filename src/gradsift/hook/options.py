@@ -15,7 +15,7 @@ from typing import Any
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.registry import get_compressor
 from gradsift.core.errors import InvalidOptionError
-from gradsift.core.validation import check_choice, check_int, check_ratio, check_real
+from gradsift.core.validation import check_bool, check_choice, check_int, check_ratio, check_real
 from gradsift.core.wire import parse_value_dtype
 from gradsift.exchanges import AUTO, available_exchanges
 from gradsift.hook.adam import METHODS as ADAM_METHODS
@@ -113,8 +113,7 @@ class HookOptions:
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
         check_choice(self.adam, "adam", ADAM_METHODS)
         check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
-        if not isinstance(self.server_feedback, bool):
-            raise InvalidOptionError(f"server_feedback must be True or False, got {self.server_feedback!r}")
+        check_bool(self.server_feedback, "server_feedback")
         if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
             raise InvalidOptionError(
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
