@@ -74,7 +74,8 @@ class Workload:
 #: ``gpt-adamw-w4`` the same 314 steps on 4 workers (0.6 epoch); ``gpt-adamw-1k`` gpt-adamw
 #: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length;
 #: ``gpt-adamw-3k`` the same at 3,000 steps (2.865 epochs, 4 evaluations per epoch);
-#: ``gpt-adamw-w4-1k`` 1,000 steps on 4 workers (1.909 epochs): the gaps' slope at 4 workers.
+#: ``gpt-adamw-w4-1k`` 1,000 steps on 4 workers (1.909 epochs): the gaps' slope at 4 workers;
+#: ``gpt-adamw-w4-3k`` 3,000 steps on 4 workers (5.725 epochs, 2 evaluations per epoch).
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -94,6 +95,9 @@ WORKLOADS = {
                              steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                              clip_grad_norm=1.0),
     "gpt-adamw-w4-1k": Workload("gpt", 16, 3e-3, epochs=1.909, study_epochs=(), evals_per_epoch=5,
+                                steps_per_epoch=524, warmup_epochs=0.04, data_dir=None, workers=4,
+                                optimizer="adamw", clip_grad_norm=1.0),
+    "gpt-adamw-w4-3k": Workload("gpt", 16, 3e-3, epochs=5.725, study_epochs=(), evals_per_epoch=2,
                                 steps_per_epoch=524, warmup_epochs=0.04, data_dir=None, workers=4,
                                 optimizer="adamw", clip_grad_norm=1.0),
 }  # fmt: skip
@@ -298,6 +302,12 @@ ADAMW_3K = (*ADAMW_1K, "qavg-blockquant4-h10", "qavg-blockquant8-h10", "bf16", "
 #: The 4-worker methods at 1,000 steps: the controls and the best mode of each family.
 ADAMW_W4_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "qavg-blockquant4-h10", "cocktail-h1-model")
 
+#: The 4-worker methods at 3,000 steps: the controls (fp32, one worker alone, dense averaging
+#: every 10 steps) and each family's best at 2 workers and 3,000 steps (the per-step hook with
+#: 1-bit Adam's scaled signs, 4-bit averaging, CocktailSGD's way); seed by seed, so that a
+#: partial campaign holds whole seeds of every method.
+ADAMW_W4_3K = ("none", "alone", "onebit-adam", "diloco-avg-h10", "qavg-blockquant4-h10", "cocktail-h1-model")
+
 
 def adamw_runs() -> list[Run]:
     """The AdamW campaign, seed by seed (every method's seed 0 first), 2 workers, 4, then 1,000 and 3,000 steps."""
@@ -308,6 +318,7 @@ def adamw_runs() -> list[Run]:
         ("gpt-adamw-1k", ADAMW_1K),
         ("gpt-adamw-3k", ADAMW_3K),
         ("gpt-adamw-w4-1k", ADAMW_W4_1K),
+        ("gpt-adamw-w4-3k", ADAMW_W4_3K),
     ):
         workload = WORKLOADS[name]
         plan += [Run(name, m, s, workload.epochs) for s in workload.seeds for m in methods]
