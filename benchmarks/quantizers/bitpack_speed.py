@@ -1,7 +1,7 @@
 """Pack + unpack time of gradsift.compressors.bitpack beside the bit-expansion packer it replaced.
 
 Usage (repository root): flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py
-Writes results/quantizers/bitpack_speed.json. The old packer (commit 720bd68)
+Writes results/quantizers/bitpack_speed.json. The old packer (commit 720bd68, then src/gradsift/bitpack.py)
 expanded every code into b uint8 bits; the current one packs groups of 8 codes into
 one int64 word and cuts it into b bytes. Both are timed in interleaved rounds on the same codes; medians of 15 rounds.
 """
@@ -26,7 +26,7 @@ from paths import results_dir
 
 def old_module():
     source = subprocess.run(
-        ["git", "show", "720bd68:src/gradsift/compressors/bitpack.py"],
+        ["git", "show", "720bd68:src/gradsift/bitpack.py"],
         capture_output=True,
         text=True,
         check=True,
