@@ -31,6 +31,8 @@ def old_module():
         text=True,
         check=True,
     ).stdout
+    # the package's layout moved since: its errors are in gradsift.core.errors now
+    source = source.replace("from gradsift.errors import", "from gradsift.core.errors import")
     path = Path("/tmp/gradsift_bitpack_expand.py")
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("bitpack_expand", path)
