@@ -31,8 +31,9 @@ def old_module():
         text=True,
         check=True,
     ).stdout
-    # the package's layout moved since: its errors are in gradsift.core.errors now
-    source = source.replace("from gradsift.errors import", "from gradsift.core.errors import")
+    # the package's layout moved since: its errors and validation are in gradsift.core now
+    for moved in ("errors", "validation"):
+        source = source.replace(f"from gradsift.{moved} import", f"from gradsift.core.{moved} import")
     path = Path("/tmp/gradsift_bitpack_expand.py")
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("bitpack_expand", path)
