@@ -83,14 +83,13 @@ STALE: tuple[Stale, ...] = (
         "~25 min (sweep to 2^27 ~10 min, contended ~7 min, crossover ~5 min, alone ~2 min)",
     ),
     Stale(
-        ("results/compress/profile_ops*.json", "results/compress/randomk_sampling.json"),
+        ("results/compress/profile_ops_before.json",),
         "provenance",
-        f"No commit recorded; operator counts and Random-k sampling medians from 29 November-1 December. "
-        f"{SIDCO_CPU}; Random-k's payload changed with the fixed capacity (d5d10de).",
-        f"{LOCK} {STAMP} --json results/compress/profile_ops.json -- .venv/bin/python "
-        "benchmarks/compress/profile_ops.py --json results/compress/profile_ops.json (likewise "
-        "--torch-kernels, and randomk_sampling.py; profile_ops_before.json is the old code's record)",
-        "~3 min",
+        "No commit recorded: the operator counts of SIDCo's CPU path before its rewrite (ffe0ddf, fe9f2de), "
+        "the 'before' of docs/decisions.md's \"SIDCo: float32 sample, float64 fits, one host transfer per stage\"; a record of code that no "
+        "longer exists (profile_ops.json and profile_ops_torch_kernels.json were re-run stamped on 5dc9ba6).",
+        "not re-runnable on main: check out the commit before ffe0ddf and run benchmarks/compress/profile_ops.py",
+        "~1 min",
     ),
     Stale(
         ("results/estimation/results*.json",),
@@ -111,17 +110,13 @@ STALE: tuple[Stale, ...] = (
         "~65 min (not a timing: no lock needed)",
     ),
     Stale(
-        (
-            "results/quantizers/bitpack_speed.json",
-            "results/quantizers/terngrad_variance.json",
-        ),
+        ("results/quantizers/terngrad_variance.json",),
         "provenance",
-        "No commit recorded; TernGrad's error predates the quantizers' fixed-capacity change (d5d10de); "
-        "bitpack.py is unchanged since bitpack_speed.json (stamp missing only). (The training comparison, "
-        "run.sh's files, was re-run stamped on 08b2593.)",
-        f"{LOCK} .venv/bin/python benchmarks/quantizers/bitpack_speed.py; nice -n 19 .venv/bin/python "
-        "benchmarks/quantizers/terngrad_variance.py --out results/quantizers/terngrad_variance.json",
-        "~1 min bit packing; ~90 min TernGrad at nice 19",
+        "No commit recorded; TernGrad's error predates the quantizers' fixed-capacity change (d5d10de). "
+        "(The training comparison, run.sh's files, was re-run stamped on 08b2593; bitpack_speed.json on 5dc9ba6.)",
+        "nice -n 19 .venv/bin/python benchmarks/quantizers/terngrad_variance.py --out "
+        "results/quantizers/terngrad_variance.json",
+        "~90 min at nice 19",
     ),
     Stale(
         ("results/scaling/unlocked/*.json",),
