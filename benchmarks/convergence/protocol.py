@@ -255,12 +255,13 @@ def study_runs() -> list[Run]:
 
 
 def accuracy_runs(error_feedback: bool | None = None) -> list[Run]:
-    """The campaign in priority order: VGG headline x 3 seeds, VGG every other method
-    (seed 0), then the other workloads' headline methods (seed 0). ``error_feedback``
-    keeps only the methods with (True) or without (False) error feedback."""
+    """The campaign in priority order: VGG headline x 3 seeds, VGG every other SGD method
+    (seed 0; the AdamW campaign's own methods -- local-AdamW modes, Adam anchors, its
+    controls -- are not SGD methods), then the other workloads' headline methods (seed 0).
+    ``error_feedback`` keeps only the methods with (True) or without (False) error feedback."""
     vgg = WORKLOADS["vgg"]
     plan = [Run("vgg", m, s, vgg.epochs) for s in vgg.seeds for m in HEADLINE]
-    plan += [Run("vgg", m, 0, vgg.epochs) for m in METHODS if m not in HEADLINE]
+    plan += [Run("vgg", m, 0, vgg.epochs) for m in METHODS if m not in HEADLINE and m not in ADAMW]
     for name in ("resnet20", "lstm", "gpt"):
         plan += [Run(name, m, 0, WORKLOADS[name].epochs) for m in HEADLINE]
     if error_feedback is not None:
