@@ -646,6 +646,75 @@ STEPS40_CLAIMS = (
           "{:.1f} before the first run / {:.1f} after the last", compute=lambda *v: v),
 )  # fmt: skip
 
+
+# -- SIDCo against top-k at every size, alone and contended (benchmarks/compress/README.md) ----------
+def _compress_result(name: str, command: str) -> Result:
+    return Result(f"results/compress/{name}.json", f"flock /tmp/gradsift-cpu.lock {command}")
+
+
+_SWEEP = "gradsift bench compress --ratios 0.01 --compressors topk dgc threshold sidco-exp sidco-gpareto sidco-gamma --threads 2"
+COMPRESS_SMALL = _compress_result("sizes-small", f"{_SWEEP} --sizes 4096 ... 1048576 --repeats 41 --warmup 3")
+COMPRESS_LARGE = _compress_result(
+    "sizes-large", f"{_SWEEP} --sizes 2097152 ... 134217728 --repeats 5 --warmup 1"
+)
+_AT_25M = "gradsift bench compress --sizes 25000000 --ratios 0.01 --compressors topk dgc sidco-exp sidco-gpareto sidco-gamma"
+COMPRESS_ALONE = _compress_result("alone-25M", f"{_AT_25M} --threads 2 --repeats 9 --warmup 2")
+COMPRESS_CONTENDED = _compress_result(
+    "contended-25M", f"{_AT_25M} --threads 2 --processes 4 --repeats 9 --warmup 2"
+)
+COMPRESS_CROSSOVER = _compress_result(
+    "crossover-cpu", "python benchmarks/compress/crossover.py --clock cpu --threads 1"
+)
+SWEEP_SIZES = (
+    (COMPRESS_SMALL, (4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)),
+    (COMPRESS_LARGE, (2097152, 4194304, 8388608, 16777216, 25000000, 33554432, 67108864, 134217728)),
+)
+SWEEP_VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma", "dgc")
+
+
+def _sweep_cell(result: Result, n: int, compressor: str, key: str, fmt: str) -> Claim:
+    return Claim(
+        f"sweep.{n}.{compressor}.{key}", result, (f"rows/[compressor={compressor},numel={n}]/{key}",), fmt
+    )
+
+
+COMPRESS_SWEEP_TABLE = Table(
+    "compress-sweep",
+    ("elements", "topk ms", "sidco-exp ms", *(f"topk / {v}" for v in SWEEP_VARIANTS)),
+    ("---:",) * (3 + len(SWEEP_VARIANTS)),
+    tuple(
+        (f"{n:,}", _sweep_cell(result, n, "topk", "compress_ms", "{:.3f}"),
+         _sweep_cell(result, n, "sidco-exp", "compress_ms", "{:.3f}"),
+         *(_sweep_cell(result, n, v, "speedup_vs_topk_compressor", "{:.2f}") for v in SWEEP_VARIANTS))
+        for result, sizes in SWEEP_SIZES for n in sizes
+    ),
+)  # fmt: skip
+_AT_25M_ROWS = "rows/[compressor={},numel=25000000]/compress_ms"
+COMPRESS_25M_TABLE = Table(
+    "compress-25m",
+    ("compressor", "alone ms", "4 x 2 contended ms", "contended / alone", "contended time / topk's contended"),
+    ("---", "---:", "---:", "---:", "---:"),
+    tuple(
+        (c, Claim(f"at25m.{c}.alone", COMPRESS_ALONE, (_AT_25M_ROWS.format(c),), "{:.1f}"),
+         Claim(f"at25m.{c}.contended", COMPRESS_CONTENDED, (_AT_25M_ROWS.format(c),), "{:.1f}"),
+         Claim(f"at25m.{c}.slowdown", COMPRESS_CONTENDED, (_AT_25M_ROWS.format(c), (COMPRESS_ALONE, _AT_25M_ROWS.format(c))),
+               "{:.1f}x", compute=ratio),
+         Claim(f"at25m.{c}.vs_topk", COMPRESS_CONTENDED, (_AT_25M_ROWS.format(c), _AT_25M_ROWS.format("topk")), "{:.3f}",
+               compute=ratio))
+        for c in ("topk", "dgc", "sidco-exp", "sidco-gpareto", "sidco-gamma")
+    ),
+)  # fmt: skip
+COMPRESS_SWEEP_CLAIMS = (
+    Claim("sweep.sizes-small.commit", COMPRESS_SMALL, ("provenance/commit",), "{:.7}"),
+    Claim("sweep.sizes-large.commit", COMPRESS_LARGE, ("provenance/commit",), "{:.7}"),
+    Claim("sweep.sizes-large.wall_s", COMPRESS_LARGE, ("provenance/wall_s",), "{:.0f} s"),
+    *(Claim(f"sweep.{r.path.rsplit('/', 1)[-1][:-5]}.load", r, ("provenance/load_before/0", "provenance/load_after/0"),
+            "{:.1f} / {:.1f}", compute=lambda *v: v)
+      for r in (COMPRESS_SMALL, COMPRESS_LARGE, COMPRESS_ALONE, COMPRESS_CONTENDED, COMPRESS_CROSSOVER)),
+    *(Claim(f"sweep.crossover.{v}", COMPRESS_CROSSOVER, (f"crossover/{v}",), "{:,}")
+      for v in ("sidco-exp", "sidco-gpareto", "sidco-gamma")),
+)  # fmt: skip  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -657,10 +726,12 @@ TABLES = (
     STEPS40_TABLE,
     DEMO_TABLE,
     QUANTIZER_RUNS_TABLE,
+    COMPRESS_SWEEP_TABLE,
+    COMPRESS_25M_TABLE,
     _ddp_table("2"),
     _ddp_table("4"),
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

@@ -74,15 +74,6 @@ class Stale:
 
 STALE: tuple[Stale, ...] = (
     Stale(
-        ("results/compress/*-load2?.json",),
-        "provenance",
-        "No commit recorded; measured at load 18-29 on code of 06ed5f6/3c9656f (compress/README.md), "
-        f"kept as a record of the busy-CPU problem. {SIDCO_CPU}. Superseded by the queued runs of "
-        "compress/README.md (sizes-large, alone-25M, contended-25M, crossover-cpu), each under the wrapper.",
-        f"{LOCK} {STAMP} --json OUT --seed 0 -- COMMAND, for each command of compress/README.md's list",
-        "~25 min (sweep to 2^27 ~10 min, contended ~7 min, crossover ~5 min, alone ~2 min)",
-    ),
-    Stale(
         ("results/compress/profile_ops_before.json",),
         "provenance",
         "No commit recorded: the operator counts of SIDCo's CPU path before its rewrite (ffe0ddf, fe9f2de), "
