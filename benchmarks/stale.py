@@ -83,16 +83,6 @@ STALE: tuple[Stale, ...] = (
         "~1 min",
     ),
     Stale(
-        ("results/estimation/results*.json",),
-        "provenance",
-        f"No commit recorded; 1 December 09:37 (3c9656f). {SIDCO_CPU}. The README's estimation paragraph "
-        "quotes them. The gradients they read are not committed (~160 MB cache).",
-        ".venv/bin/python benchmarks/gradients/collect.py --warmup 400 --steps 16, then "
-        f"{LOCK} .venv/bin/python benchmarks/estimation/run.py [--exact-below 0 | --sample-size 16384 | "
-        "--no-adapt, with --out/--plot as in estimation/README.md]",
-        "~25 min (collection ~8 min, four runs ~4 min each)",
-    ),
-    Stale(
         ("results/exit/results.json",),
         "provenance",
         f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
