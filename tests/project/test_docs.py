@@ -233,3 +233,18 @@ def test_the_decisions_index_lists_every_decision_and_what_is_superseded() -> No
     once = decisions_index.rewritten(text)
     assert "- [First: one](#first-one) (superseded, see the entry)\n- [Second, two](#second-two)\n" in once
     assert decisions_index.rewritten(once) == once  # the index does not index itself
+
+
+def test_the_hook_options_table_lists_every_option_with_its_default() -> None:
+    """docs/distributed.md's option table against the dataclass the hook validates with."""
+    import dataclasses
+
+    from gradsift.hook.options import HookOptions
+
+    table = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.MULTILINE))
+    for option in dataclasses.fields(HookOptions):
+        assert option.name in rows, f"docs/distributed.md's option table lacks {option.name}"
+        default = option.default
+        shown = f'"{default}"' if isinstance(default, str) else repr(default)
+        assert rows[option.name] == shown, (option.name, rows[option.name], shown)
