@@ -128,14 +128,6 @@ STALE: tuple[Stale, ...] = (
         ".venv/bin/python benchmarks/convergence/analyze.py --update-docs (convergence/README.md lists them)",
         "~30 h for the whole plan (VGG ~60 min per 4-epoch run, LSTM ~21 min per 8-epoch run)",
     ),
-    Stale(
-        ("results/convergence/lr_probes/*/*.json", "results/convergence/warmup_probe/*/*.json"),
-        "provenance",
-        "No commit recorded: short probes that chose the learning rates and the trainer's density warm-up; "
-        "they decided defaults and are not quoted as results.",
-        "the gradsift train commands of convergence/README.md (Density warm-up probes)",
-        "~40 min",
-    ),
 )
 
 
