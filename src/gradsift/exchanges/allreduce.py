@@ -20,12 +20,14 @@ padding, received ``2 (W-1)/W |m|`` (ring).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
 from gradsift.core.errors import GradsiftError
 from gradsift.core.payload import Payload
+from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Encoded, Exchange
 
@@ -57,30 +59,34 @@ class Allreduce(Exchange):
             poison = _poison([encoded[i] for i in members])
             if poison is not None:
                 message = message.add_(poison)
-            nbytes = message.numel() * message.element_size()
-            context.record.add_bytes(
-                sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
-            )
-            reductions.append(allreduce_sum(message, context.group))
+            reductions.append(summed(message, context.world, context.group, context.record))
 
         def finish(means: list[torch.Tensor]) -> Outcome:
             if not in_place:
                 for members, mean in zip(groups.values(), means, strict=True):
                     _split(mean, [parts[i] for i in members], [encoded[i] for i in members], codec, context)
-            nonfinite = None
-            if codec.checks_values:
-                nonfinite = torch.stack(
-                    [
-                        ~torch.isfinite(mean.sum(dtype=torch.promote_types(mean.dtype, torch.float32)))
-                        for mean in means
-                    ]
-                ).any()
+            nonfinite = any_nonfinite(means) if codec.checks_values else None
             sent: list[Payload | torch.Tensor | None] = [
                 None if codec.compressor.identity else e.wire for e in encoded
             ]
             return Outcome.of(parts, sent, nonfinite=nonfinite)
 
         return Pending.gather(reductions).then(finish)
+
+
+def summed(message: torch.Tensor, world: int, group: Any, record: BucketRecord) -> Pending[torch.Tensor]:
+    """Start the in-place sum of ``message`` over the group's ``world`` workers, its bytes in
+    ``record``: sent ``|m|``, no padding, received ``2 (W-1)/W |m|`` (ring)."""
+    nbytes = message.numel() * message.element_size()
+    record.add_bytes(sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, world))
+    return allreduce_sum(message, group)
+
+
+def any_nonfinite(means: list[torch.Tensor]) -> torch.Tensor:
+    """0-d bool on the device: some reduced tensor holds a NaN or Inf (one sum each, no host read)."""
+    return torch.stack(
+        [~torch.isfinite(mean.sum(dtype=torch.promote_types(mean.dtype, torch.float32))) for mean in means]
+    ).any()
 
 
 def _values(encoded: Encoded) -> torch.Tensor:

@@ -5,11 +5,12 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
 
 1. **open** -- the first bucket of a backward opens the step (:mod:`gradsift.hook.ledger`):
    the state store's transaction, the compressor's snapshot, the step's readout.
-2. **cut** -- the bucket becomes parts (:mod:`gradsift.hook.layout`): the whole bucket or
-   one per layer, and one :class:`~gradsift.core.trip.Context` for their trip.
-3. **stock step?** -- the identity compressor ``none``, and the first ``warmup_steps``
-   steps without momentum correction, run stock DDP's in-place ``allreduce(g / W)``.
-   Otherwise parts below ``min_numel`` elements are *small* and travel by that allreduce.
+2. **stock step?** -- the identity compressor ``none``, and the first ``warmup_steps``
+   steps without momentum correction, run stock DDP's in-place ``allreduce(g / W)`` of the
+   whole bucket and skip 3-6 (no parts, no codec, no state: the least Python per bucket).
+3. **cut** -- the bucket becomes parts (:mod:`gradsift.hook.layout`): the whole bucket or
+   one per layer, and one :class:`~gradsift.core.trip.Context` for their trip; parts below
+   ``min_numel`` elements are *small* and travel by the stock allreduce.
 4. **compensate** -- with ``scaler=`` the gradient divided by the loss scale ``s``; the
    recipe's weight decay and local clipping; then error feedback ``c = g + r`` (with
    momentum correction ``u <- m u + g``, ``c = r + u``), so weight decay, clipping,
@@ -38,7 +39,9 @@ import torch.distributed as dist
 
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
+from gradsift.exchanges.allreduce import any_nonfinite, summed
 from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.hook import recipe
 from gradsift.hook.adam import LocalUpdateStep
@@ -59,20 +62,24 @@ def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.
     """Steps 1-7 of the module docstring for one bucket; the future completes at the step's close."""
     step = state.open_step()  # 1
     try:
-        parts, order = state.layout.parts(bucket, state.options.granularity, state.store)  # 2
-        context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
-        step.keys.update([context.key, *(part.key for part in parts)])
-        if state.first_step is not None and state.first_step.watching:  # until its checks decided
-            state.first_step.offer(bucket.parameters()[0], context.result)
-        pending = _exchange(state, parts, context)  # 3-6
+        if state.stock_step():  # 2
+            result, record = bucket.buffer(), state.bucket_record(bucket.buffer())
+            _offer_first_step(state, bucket, result)
+            pending = _stock_allreduce(state, result, record)
+        else:
+            parts, order = state.layout.parts(bucket, state.options.granularity, state.store)  # 3
+            context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
+            step.keys.update([context.key, *(part.key for part in parts)])
+            result, record = context.result, context.record
+            _offer_first_step(state, bucket, result)
+            pending = _exchange(state, parts, context)  # 4-6
     except BaseException:
         state.ledger.abort()
         raise
-    result = context.result
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=None if result.device.type == "cpu" else [result.device]
     )
-    step.buckets.append(BucketInFlight(future, pending, result, context.record))
+    step.buckets.append(BucketInFlight(future, pending, result, record))
     if bucket.is_last():  # 7; DDP may wait for the futures before our end-of-backward callback runs
         state.close_step()
     return future
@@ -97,11 +104,29 @@ def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Te
     return in_flight.result, outcome
 
 
+def _offer_first_step(state: GradsiftHookState, bucket: BucketLike, result: torch.Tensor) -> None:
+    """The first optimizer step's check watches the step's first bucket until it has decided."""
+    if state.first_step is not None and state.first_step.watching:
+        state.first_step.offer(bucket.parameters()[0], result)
+
+
+def _stock_allreduce(
+    state: GradsiftHookState, buffer: torch.Tensor, record: BucketRecord
+) -> Pending[Outcome]:
+    """Step 2: stock DDP's ``allreduce(g / W)`` of the bucket in place -- no parts, no codec, no
+    state touched (so the step keeps no keys) -- with the mean's NaN/Inf flag where the
+    ``nonfinite`` policy needs it (:attr:`~gradsift.hook.state.GradsiftHookState.stock_checks`)."""
+    world = dist.get_world_size(state.process_group)
+    checks = state.stock_checks
+    record.add("dense_tensors", 1)
+    record.add("elements_sent", buffer.numel())
+    return summed(buffer.div_(world), world, state.process_group, record).then(
+        lambda mean: Outcome.of([], [], nonfinite=any_nonfinite([mean]) if checks else None)
+    )
+
+
 def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> Pending[Outcome]:
-    """Steps 3-6: the stock step, or compensate -> exchange (-> decode) -> update."""
-    if state.stock_step():  # 3
-        whole = [Part(context.key, 0, context.result, [p for part in parts for p in part.params])]
-        return STOCK_ALLREDUCE.start(whole, state.stock_codec, context)
+    """Steps 4-6: compensate -> exchange (-> decode) -> update."""
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
     loss_scale = state.loss_scale()

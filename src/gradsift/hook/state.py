@@ -24,7 +24,7 @@ from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.trip import Context, Part
 from gradsift.exchanges import AUTO
 from gradsift.exchanges.allreduce import Allreduce
-from gradsift.exchanges.base import IDENTITY, Codec, Exchange
+from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import choose_exchange, exchange_class, get_exchange, resolve_exchange
 from gradsift.hook import recipe
 from gradsift.hook.adam import FROZEN_METHODS, ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
@@ -76,7 +76,6 @@ class GradsiftHookState:
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
-    stock_codec: Codec = dataclasses.field(init=False)
     exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
     first_step: FirstOptimizerStep | None = None
@@ -109,11 +108,6 @@ class GradsiftHookState:
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
         self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
         self.codec = Codec(self.compressor, self.options.value_dtype)
-        self.stock_codec = (
-            Codec(self.compressor, checks_values=self.options.nonfinite != "propagate")
-            if self.compressor.identity
-            else IDENTITY
-        )
 
     def _check_server_feedback(self) -> None:
         """Refuse ``server_feedback=True`` where the ranks could not apply it alike: a compressor
@@ -295,8 +289,7 @@ class GradsiftHookState:
         """The one :class:`Context` of a trip of ``parts`` into ``result`` this step (every
         frontend's): the group, each part's payload capacity (:mod:`gradsift.hook.capacity`),
         and a fresh telemetry record whose dense size is ``source``'s (default ``result``)."""
-        source = result if source is None else source
-        record = BucketRecord(dense_bytes=source.numel() * source.element_size(), elements=source.numel())
+        record = self.bucket_record(result if source is None else source)
         capacities = {}
         for part in parts:
             room = self.capacities.capacity(self.compressor, part.key, part.numel)
@@ -317,6 +310,18 @@ class GradsiftHookState:
             step=self.step,
             bucket=bucket,
         )
+
+    @property
+    def stock_checks(self) -> bool:
+        """Whether a stock step flags a NaN/Inf in its mean: always during a compressor's warm-up
+        (the step's check, as on its compressed steps); for ``none``, only under a ``nonfinite``
+        policy other than ``"propagate"`` (stock DDP's own behaviour, with no extra pass)."""
+        return not self.compressor.identity or self.options.nonfinite != "propagate"
+
+    @staticmethod
+    def bucket_record(source: torch.Tensor) -> BucketRecord:
+        """A fresh telemetry record for a trip whose dense size is ``source``'s."""
+        return BucketRecord(dense_bytes=source.numel() * source.element_size(), elements=source.numel())
 
     def loss_scale(self) -> torch.Tensor | None:
         """The scaler's current scale (a device tensor, not read), or None without loss scaling."""
