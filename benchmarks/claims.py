@@ -70,6 +70,21 @@ class ConvergenceTables:
         return markdown(self.result.load(root), only, skip=skip).rstrip()
 
 
+class LengthTables:
+    """How each AdamW gap moves with the run's length (``convergence/lengths.py``), from the
+    same results.json as the convergence tables."""
+
+    claims = ()
+    name = "convergence.lengths"
+    result = ConvergenceTables.result
+
+    def render(self, root: Path = ROOT) -> str:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "convergence"))
+        from lengths import markdown
+
+        return markdown(self.result.load(root)["lengths"])
+
+
 BLOCKS: dict[str, Block] = {
     b.name: b
     for b in (
@@ -81,6 +96,8 @@ BLOCKS: dict[str, Block] = {
         ConvergenceTables("gpt-adamw-1k"),
         ConvergenceTables("gpt-adamw-3k"),
         ConvergenceTables("gpt-adamw-w4-1k"),
+        ConvergenceTables("gpt-adamw-w4-3k"),
+        LengthTables(),
     )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}

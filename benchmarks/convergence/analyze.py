@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lengths
 from protocol import HEADLINE, METHODS, RESULTS, RUNS, WORKLOADS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
@@ -167,6 +168,7 @@ def analyze(results: list[Result]) -> dict[str, Any]:
                 section["methods"][method] = method_row(name, runs, target)
         add_ratios(section)
         out["workloads"][name] = section
+    out["lengths"] = lengths.gaps_by_length(out)
     out["validation"] = validation(results)
     out["trainer_defaults"] = trainer_defaults(results)
     return out
@@ -313,6 +315,8 @@ def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
         figure.savefig(path, dpi=110)
         plt.close(figure)
         written.append(path)
+    if analysis.get("lengths"):
+        written.append(lengths.plot(analysis["lengths"], PLOTS / "gpt-adamw-gaps-vs-length.png"))
     return written
 
 
