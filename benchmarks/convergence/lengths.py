@@ -1,12 +1,13 @@
 """How each AdamW method's gap to fp32 moves with the run's length, per worker count.
 
 The AdamW campaign runs the same model, data and schedule (the cosine rescaled) at 314,
-1,000 and 3,000 steps, on 2 and 4 workers (``protocol.WORKLOADS``). For each method run at
-two lengths or more, the gap at a length is ``100 (L_m - L_fp32) / L_fp32`` with ``L_m`` the
-mean final validation loss over the method's seeds and ``L_fp32`` fp32 DDP's mean at that
-length (its sd is the method's seeds' sd over ``L_fp32``; fp32's own spread is not folded
-in). The slope is the least-squares fit of the gap against ``log2(steps)``: percentage
-points per doubling of the run (negative: the gap closes as the run grows).
+1,000 and 3,000 steps, on 2 and 4 workers (``protocol.WORKLOADS``). For each method, the
+gap at a length is ``100 (L_m - L_fp32) / L_fp32`` with ``L_m`` the mean final validation
+loss over the method's seeds and ``L_fp32`` fp32 DDP's mean at that length (its sd is the
+method's seeds' sd over ``L_fp32``; fp32's own spread is not folded in). Where a method
+ran at two lengths or more, the slope is the least-squares fit of the gap against
+``log2(steps)``: percentage points per doubling of the run (negative: the gap closes as
+the run grows).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ SERIES = {
 
 def gaps_by_length(analysis: dict[str, Any]) -> dict[str, Any]:
     """``{workers: {"steps": [...], "methods": {method: {"gaps": [...], "sds": [...], "seeds": [...],
-    "slope_per_doubling": s}}}}`` (None where a length lacks the method)."""
+    "slope_per_doubling": s}}}}`` (None where a length lacks the method; no slope for a
+    method run at one length only)."""
     out: dict[str, Any] = {}
     for workers, names in SERIES.items():
         sections = [analysis["workloads"].get(name) for name in names]
@@ -43,12 +45,12 @@ def gaps_by_length(analysis: dict[str, Any]) -> dict[str, Any]:
                 sds.append(None if row is None or row["final_sd"] is None else 100 * row["final_sd"] / fp32)
                 seeds.append(0 if row is None else len(row["seeds"]))
             points = [(math.log2(s["steps"]), g) for s, g in zip(present, gaps, strict=True) if g is not None]
-            if len(points) >= 2:
+            if points:
                 methods[method] = {
                     "gaps": gaps,
                     "sds": sds,
                     "seeds": seeds,
-                    "slope_per_doubling": slope(points),
+                    "slope_per_doubling": slope(points) if len(points) >= 2 else None,
                 }
         out[str(workers)] = {"steps": [s["steps"] for s in present], "methods": methods}
     return out
@@ -79,7 +81,8 @@ def markdown(lengths: dict[str, Any]) -> str:
                 "-" if gap is None else f"{gap:+.1f}{'' if sd is None else f' ± {sd:.1f}'} % ({count})"
                 for gap, sd, count in zip(row["gaps"], row["sds"], row["seeds"], strict=True)
             ]
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {row['slope_per_doubling']:+.1f} |")
+            slope_text = "-" if row["slope_per_doubling"] is None else f"{row['slope_per_doubling']:+.1f}"
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {slope_text} |")
         lines.append("")
     return "\n".join(lines).rstrip()
 

@@ -36,10 +36,16 @@ def test_gaps_and_slopes_per_worker_count() -> None:
                 3000, 1.3, {"none": (1.3, 0.1, 3), "a": (1.313, 0.013, 2), "b": (1.404, 0.0, 3)}
             ),
             "gpt-adamw-w4": _section(314, 2.1, {"none": (2.1, 0.1, 3), "a": (2.31, 0.1, 3)}),
+            "gpt-adamw-w4-3k": _section(3000, 1.2, {"none": (1.2, 0.1, 3), "c": (1.176, 0.012, 1)}),
         }
     }
     out = lengths.gaps_by_length(analysis)
-    assert set(out) == {"2"}  # one length on 4 workers: no slope to draw
+    assert set(out) == {"2", "4"}
+    four = out["4"]
+    assert four["steps"] == [314, 3000]
+    assert np.allclose(four["methods"]["a"]["gaps"][0], 10.0) and four["methods"]["a"]["gaps"][1] is None
+    assert four["methods"]["a"]["slope_per_doubling"] is None  # one length: no slope
+    assert np.allclose(four["methods"]["c"]["gaps"][1], -2.0)
     series = out["2"]
     assert series["steps"] == [314, 1000, 3000]
     a, b = series["methods"]["a"], series["methods"]["b"]
@@ -53,3 +59,4 @@ def test_gaps_and_slopes_per_worker_count() -> None:
     text = lengths.markdown(out)
     assert "| a | +10.0 ± 2.0 % (3) | +5.0 ± 1.0 % (3) | +1.0 ± 1.0 % (2) |" in text
     assert "| b | +5.0 % (1) | - | +8.0 ± 0.0 % (3) | +0.9 |" in text
+    assert "| c | - | -2.0 ± 1.0 % (1) | - |" in text
