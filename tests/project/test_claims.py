@@ -19,6 +19,7 @@ from claimmodel import Claim, Result, lookup, spanned
 
 ROOT = claimmodel.ROOT
 ESTIMATION, PREDICTIONS = "results/estimation/results.json", "results/scaling/predictions.json"
+ESTIMATION_STAT = "results/estimation/results-statistical.json"
 
 
 # -- the repository as committed --------------------------------------------------------------
@@ -49,11 +50,11 @@ def test_the_registry_covers_readme_and_docs() -> None:
 def tree(tmp_path: Path) -> Path:
     """A scratch root with two results and a README quoting them (numbers and a table)."""
     (tmp_path / "docs").mkdir()
-    for result in (ESTIMATION, PREDICTIONS):
-        (tmp_path / result).parent.mkdir(parents=True)
+    for result in (ESTIMATION, ESTIMATION_STAT, PREDICTIONS):
+        (tmp_path / result).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / result, tmp_path / result)
     (tmp_path / "README.md").write_text(
-        "cases: <!-- claim:est.cases -->324<!-- /claim -->, in band <!-- claim:est.default.median_in -->324/324"
+        "cases: <!-- claim:est.cases -->324<!-- /claim -->, in band <!-- claim:est.statistical.median_in -->324/324"
         "<!-- /claim -->\n\n<!-- claims-table:choosing-crossover -->\n"
         + claims.BLOCKS["choosing-crossover"].render()
         + "\n<!-- /claims-table -->\n"
@@ -77,11 +78,11 @@ def test_a_doctored_number_in_the_text_fails(tree: Path) -> None:
 
 
 def test_a_doctored_result_fails(tree: Path) -> None:
-    data = json.loads((tree / ESTIMATION).read_text())
+    data = json.loads((tree / ESTIMATION_STAT).read_text())
     data["summary"]["median_in_0.8_1.25"] = 321
-    (tree / ESTIMATION).write_text(json.dumps(data))
+    (tree / ESTIMATION_STAT).write_text(json.dumps(data))
     (problem,) = readme_problems(tree)
-    assert "est.default.median_in says '324/324'" in problem and "gives '321/324'" in problem
+    assert "est.statistical.median_in says '324/324'" in problem and "gives '321/324'" in problem
 
 
 def test_a_doctored_table_cell_and_an_unknown_claim_fail(tree: Path) -> None:
