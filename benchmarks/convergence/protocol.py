@@ -305,9 +305,11 @@ ADAMW_W4_1K = ("none", "alone", "topk-0.01", "diloco-avg-h10", "qavg-blockquant4
 
 #: The 4-worker methods at 3,000 steps: the controls (fp32, one worker alone, dense averaging
 #: every 10 steps) and each family's best at 2 workers and 3,000 steps (the per-step hook with
-#: 1-bit Adam's scaled signs, 4-bit averaging, CocktailSGD's way); seed by seed, so that a
-#: partial campaign holds whole seeds of every method.
-ADAMW_W4_3K = ("none", "alone", "onebit-adam", "diloco-avg-h10", "qavg-blockquant4-h10", "cocktail-h1-model")
+#: 1-bit Adam's scaled signs, 4-bit averaging, CocktailSGD's way), then the bf16 control
+#: (appended: the finished runs keep their places); seed by seed, so that a partial
+#: campaign holds whole seeds of every method.
+ADAMW_W4_3K = ("none", "alone", "onebit-adam", "diloco-avg-h10", "qavg-blockquant4-h10", "cocktail-h1-model",
+               "bf16")  # fmt: skip
 
 
 def adamw_runs() -> list[Run]:

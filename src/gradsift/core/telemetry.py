@@ -79,6 +79,11 @@ class BucketRecord:
         self.add("bytes_padded", padded)
         self.add("bytes_received", received)
 
+    def add_tensor(self, elements: int | torch.Tensor, *, dense: bool) -> None:
+        """Count one tensor sent, dense or compressed, and the ``elements`` it carries."""
+        self.add("dense_tensors" if dense else "compressed_tensors", 1)
+        self.add("elements_sent", elements)
+
     @contextlib.contextmanager
     def timed(self, name: str, device: torch.device) -> Iterator[None]:
         """Add the time the ``with`` block takes to the field ``name`` (milliseconds; see the

@@ -94,8 +94,7 @@ class Codec:
                 and payload.nonfinite is not None
             ):
                 sent = wire.flagged(sent, payload.nonfinite | ~torch.isfinite(sent.values.float().sum()))
-        context.record.add("dense_tensors" if self.compressor.identity else "compressed_tensors", 1)
-        context.record.add("elements_sent", payload.entries())
+        context.record.add_tensor(payload.entries(), dense=self.compressor.identity)
         return Encoded(payload, sent)
 
     def decompress_into(

@@ -63,7 +63,8 @@ def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.
     step = state.open_step()  # 1
     try:
         if state.stock_step():  # 2
-            result, record = bucket.buffer(), state.bucket_record(bucket.buffer())
+            result = bucket.buffer()
+            record = state.bucket_record(result)
             _offer_first_step(state, bucket, result)
             pending = _stock_allreduce(state, result, record)
         else:
@@ -118,8 +119,7 @@ def _stock_allreduce(
     ``nonfinite`` policy needs it (:attr:`~gradsift.hook.state.GradsiftHookState.stock_checks`)."""
     world = dist.get_world_size(state.process_group)
     checks = state.stock_checks
-    record.add("dense_tensors", 1)
-    record.add("elements_sent", buffer.numel())
+    record.add_tensor(buffer.numel(), dense=True)
     return summed(buffer.div_(world), world, state.process_group, record).then(
         lambda mean: Outcome.of([], [], nonfinite=any_nonfinite([mean]) if checks else None)
     )
