@@ -684,6 +684,9 @@ STEPS40_CLAIMS = (
     Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
     Claim("steps40.load", STEPS40["none"], ("provenance/load_before/0", (STEPS40["sidco-exp"], "provenance/load_after/0")),
           "{:.1f} before the first run / {:.1f} after the last", compute=lambda *v: v),
+    # top-k's step over SIDCo's with SIDCo's selection taken out: the most a cheaper selection can give
+    Claim("steps40.sidco.ceiling", STEPS40["topk"], ("step_time_median_s", (STEPS40["sidco-exp"], "step_time_median_s"),
+          (STEPS40["sidco-exp"], "compress_median_s")), "{:.2f}x", compute=lambda topk, sidco, compress: topk / (sidco - compress)),
 )  # fmt: skip
 
 
