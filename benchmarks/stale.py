@@ -74,15 +74,6 @@ class Stale:
 
 STALE: tuple[Stale, ...] = (
     Stale(
-        ("results/compress/profile_ops_before.json",),
-        "provenance",
-        "No commit recorded: the operator counts of SIDCo's CPU path before its rewrite (ffe0ddf, fe9f2de), "
-        "the 'before' of docs/decisions.md's \"SIDCo: float32 sample, float64 fits, one host transfer per stage\"; a record of code that no "
-        "longer exists (profile_ops.json and profile_ops_torch_kernels.json were re-run stamped on 5dc9ba6).",
-        "not re-runnable on main: check out the commit before ffe0ddf and run benchmarks/compress/profile_ops.py",
-        "~1 min",
-    ),
-    Stale(
         ("results/exit/results.json",),
         "provenance",
         f"No commit in the JSON (a fixed checkout of 6634782, says exit/README.md); {HOOK}.",
