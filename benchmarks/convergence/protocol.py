@@ -382,17 +382,18 @@ def warms_up(workload: str, method: str) -> bool:
     )
 
 
-#: The AdamW workload whose runs get a time axis: the longest, every method of it but one
-#: worker alone, which sends nothing and whose one process gets both of this machine's
-#: cores (0.03 s a step against 0.056 s for a local step of two workers sharing them).
-ADAMW_TIMED = "gpt-adamw-3k"
+#: The AdamW workloads whose runs get a time axis: the longest, at 2 and at 4 workers, every
+#: method of each but one worker alone, which sends nothing and whose one process gets both
+#: of this machine's cores (0.03 s a step against 0.056 s for a local step of two workers
+#: sharing them).
+ADAMW_TIMED = {"gpt-adamw-3k": ADAMW_3K, "gpt-adamw-w4-3k": ADAMW_W4_3K}
 
 
 def timing_runs() -> list[TimingRun]:
-    """Every method of the SGD campaign and of the timed AdamW workload on both links (and
+    """Every method of the SGD campaign and of the timed AdamW workloads on both links (and
     the density warm-up's start size where it applies), in plan order."""
     pairs = [(r.workload, r.method) for r in accuracy_runs()] + [
-        (ADAMW_TIMED, m) for m in ADAMW_3K if m != "alone"
+        (workload, m) for workload, methods in ADAMW_TIMED.items() for m in methods if m != "alone"
     ]
     plan = []
     for workload, method in dict.fromkeys(pairs):

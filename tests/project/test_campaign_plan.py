@@ -32,3 +32,10 @@ def test_the_adamw_campaigns_methods_are_planned_only_on_adamw_workloads() -> No
         assert workload.optimizer == "adamw", run
     timed = {(t.workload, t.method) for t in protocol.timing_runs() if t.workload == "vgg"}
     assert not {m for _, m in timed} & (set(protocol.ADAMW) - set(protocol.HEADLINE))
+
+
+def test_both_3000_step_adamw_workloads_get_a_time_axis_on_both_links() -> None:
+    for workload, methods in (("gpt-adamw-3k", protocol.ADAMW_3K), ("gpt-adamw-w4-3k", protocol.ADAMW_W4_3K)):
+        timed = {(t.method, t.link) for t in protocol.timing_runs() if t.workload == workload}
+        expected = {(m, link) for m in methods if m != "alone" for link in ("100mbit", "1gbit")}
+        assert timed == expected, workload
