@@ -126,7 +126,8 @@ class _SIDCo(Sparsifier):
     first_fit: ClassVar[staticmethod[[torch.Tensor], MagnitudeFit]]
     tail_fit: ClassVar[staticmethod[[Moments], tuple[torch.Tensor, MagnitudeFit]]]
     #: The size from which this variant's statistical path costs less than the exact top-k
-    #: on CPU (measured one thread, ratio 0.01; docs/decisions.md): ``exact_below``'s default.
+    #: on CPU (measured one thread, ratio 0.01: results/compress/crossover-cpu.json), rounded
+    #: up to a power of two: ``exact_below``'s default.
     crossover: ClassVar[int]
 
     def __init__(
@@ -384,4 +385,4 @@ class SIDCoGamma(_SIDCo):
     name = "sidco-gamma"
     first_fit = staticmethod(gamma_of)
     tail_fit = staticmethod(generalized_pareto_excess)
-    crossover = 1 << 20  # the gamma's first stage takes a logarithm of every sampled element
+    crossover = 1 << 19
