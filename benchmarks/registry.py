@@ -757,6 +757,42 @@ COMPRESS_SWEEP_CLAIMS = (
     *(Claim(f"sweep.crossover.{v}", COMPRESS_CROSSOVER, (f"crossover/{v}",), "{:,}")
       for v in ("sidco-exp", "sidco-gpareto", "sidco-gamma")),
 )  # fmt: skip  # fmt: skip
+# -- TernGrad's error on real gradients against the paper's clipped recipe (quantizers/README.md) --
+TERNGRAD = Result(
+    "results/quantizers/terngrad_variance.json",
+    "nice -n 19 python benchmarks/quantizers/terngrad_variance.py --out results/quantizers/terngrad_variance.json",
+)
+TERNGRAD_MODELS = ("vgg", "lstm", "gpt")
+
+
+def _times_reference(mses: list[float], references: list[float]) -> str:
+    """``"lo-hi"x`` over the snapshots of a configuration's error over the reference's."""
+    ratios = [mse / reference for mse, reference in zip(mses, references, strict=True)]
+    low, high = (f"{r:.2f}" if r < 10 else f"{r:.0f}" for r in (min(ratios), max(ratios)))
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
+def _terngrad_cell(model: str, configuration: str) -> Claim:
+    snapshots = f"models/{model}/snapshots/*"
+    return Claim(f"terngrad.{model}.{slug(configuration)}", TERNGRAD,
+                 (f"{snapshots}/{configuration}", f"{snapshots}/reference_mse"), compute=_times_reference)  # fmt: skip
+
+
+TERNGRAD_TABLE = Table(
+    "terngrad-variance",
+    ("gradsift `terngrad`", *TERNGRAD_MODELS),
+    ("---", *("---:" for _ in TERNGRAD_MODELS)),
+    tuple(
+        (label, *(_terngrad_cell(model, configuration) for model in TERNGRAD_MODELS))
+        for label, configuration in (
+            ("before clipping, one scale per bucket (the hook's default granularity)", "bucket, no clip"),
+            ('before clipping, `granularity="layer"`', "layer, no clip"),
+            ("`clip=2.5` (the default), one scale per bucket", "bucket, clip 2.5"),
+            ('`clip=2.5`, `granularity="layer"` (the paper\'s per-layer scale)', "layer, clip 2.5"),
+        )
+    ),
+)
+
 
 TABLES = (
     TRAINING_TABLE,
@@ -767,6 +803,7 @@ TABLES = (
     HF_TRAINER_TABLE,
     SIMULATED_TABLE,
     STEPS40_TABLE,
+    TERNGRAD_TABLE,
     DEMO_TABLE,
     QUANTIZER_RUNS_TABLE,
     COMPRESS_SWEEP_TABLE,
