@@ -82,15 +82,6 @@ STALE: tuple[Stale, ...] = (
         "~65 min (not a timing: no lock needed)",
     ),
     Stale(
-        ("results/quantizers/terngrad_variance.json",),
-        "provenance",
-        "No commit recorded; TernGrad's error predates the quantizers' fixed-capacity change (d5d10de). "
-        "(The training comparison, run.sh's files, was re-run stamped on 08b2593; bitpack_speed.json on 5dc9ba6.)",
-        "nice -n 19 .venv/bin/python benchmarks/quantizers/terngrad_variance.py --out "
-        "results/quantizers/terngrad_variance.json",
-        "~90 min at nice 19",
-    ),
-    Stale(
         ("results/scaling/unlocked/*.json",),
         "provenance",
         "Name commits lost to a rebase (d935071, 90e61a9, 5f1c0f1); unlocked, load 16-49; the 8-worker "
