@@ -679,6 +679,10 @@ VERDICT_CLAIMS = (
     *(Claim(f"verdict.adamw3k.onebit-adam.sooner{'' if link == '100mbit' else '.' + link}.{baseline}", CONVERGENCE,
             (f"workloads/gpt-adamw-3k/methods/onebit-adam/sooner_than_{baseline}_{link}",), "{:.1f}x")
       for link in ("100mbit", "1gbit") for baseline in ("none", "bf16")),
+    *(_adamw(m, "gpt-adamw-w4-3k", "adamw-w4-3k") for m in ("none", "alone", "qavg-blockquant4-h10", "onebit-adam")),
+    *(Claim(f"verdict.adamw-w4-3k.onebit-adam.sooner.{baseline}", CONVERGENCE,
+            (f"workloads/gpt-adamw-w4-3k/methods/onebit-adam/sooner_than_{baseline}_100mbit",), "{:.1f}x")
+      for baseline in ("none", "bf16")),
 )  # fmt: skip
 STEPS40_CLAIMS = (
     Claim("steps40.commit", STEPS40["sidco-exp"], ("provenance/commit",), "{:.7}"),
