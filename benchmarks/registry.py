@@ -760,7 +760,9 @@ COMPRESS_SWEEP_CLAIMS = (
       for r in (COMPRESS_SMALL, COMPRESS_LARGE, COMPRESS_ALONE, COMPRESS_CONTENDED, COMPRESS_CROSSOVER)),
     *(Claim(f"sweep.crossover.{v}", COMPRESS_CROSSOVER, (f"crossover/{v}",), "{:,}")
       for v in ("sidco-exp", "sidco-gpareto", "sidco-gamma")),
-)  # fmt: skip  # fmt: skip
+)  # fmt: skip
+
+
 # -- TernGrad's error on real gradients against the paper's clipped recipe (quantizers/README.md) --
 TERNGRAD = Result(
     "results/quantizers/terngrad_variance.json",

@@ -13,6 +13,7 @@ the run grows).
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,8 @@ def gaps_by_length(analysis: dict[str, Any]) -> dict[str, Any]:
 
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of ``y`` on ``x``."""
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    xs, ys = zip(*points, strict=True)
+    return statistics.linear_regression(xs, ys).slope
 
 
 def markdown(lengths: dict[str, Any]) -> str:
