@@ -97,19 +97,6 @@ STALE: tuple[Stale, ...] = (
         'SEEDS="0 1 2" WORKERS=16 benchmarks/scaling/run_accuracy.sh',
         "~35 min (six runs of 4-7 min)",
     ),
-    Stale(
-        (
-            "results/convergence/runs/*/*/*.json",
-            "results/convergence/partial/*/*/*.json",
-            "results/convergence/results.json",
-        ),
-        "provenance",
-        "The runs name commits lost to rebases (4c2b7a4, 3fedd65, 10f145f, 897b5c1, bcbf5e2); one seed; "
-        f"results.json is analyze.py's summary of them. {HOOK}.",
-        "nice -n 10 .venv/bin/python benchmarks/convergence/run.py study|accuracy|defaults, then "
-        ".venv/bin/python benchmarks/convergence/analyze.py --update-docs (convergence/README.md lists them)",
-        "~30 h for the whole plan (VGG ~60 min per 4-epoch run, LSTM ~21 min per 8-epoch run)",
-    ),
 )
 
 

@@ -88,6 +88,10 @@ def is_loss_metric(workload: str) -> bool:
     return WORKLOADS[workload].model == "gpt"
 
 
+def metric_name(workload: str) -> str:
+    return "validation loss (nats/byte)" if is_loss_metric(workload) else "test accuracy"
+
+
 def metric(workload: str, record: dict[str, Any]) -> float:
     """The workload's metric of one evaluation: test accuracy, or validation loss (LM)."""
     return record["loss"] if is_loss_metric(workload) else record["accuracy"]
@@ -158,7 +162,7 @@ def analyze(results: list[Result]) -> dict[str, Any]:
         dense_mean, _ = mean_sd(dense)
         target = dense_mean * (1 + LOSS_MARGIN) if is_loss_metric(name) else dense_mean - ACCURACY_MARGIN
         section: dict[str, Any] = {
-            "metric": "validation loss (nats/byte)" if is_loss_metric(name) else "test accuracy",
+            "metric": metric_name(name),
             "epochs": workload.epochs, "steps": workload.steps(workload.epochs), "fp32_final_mean": dense_mean,
             "target": target, "study": study(results, name), "methods": {},
         }  # fmt: skip
@@ -323,6 +327,8 @@ def plot(results: list[Result], analysis: dict[str, Any]) -> list[Path]:
 # -- generated markdown -------------------------------------------------------------------------
 #: What a cell of a measurement no run of the table has reads like: such a column is left out.
 EMPTY_CELLS = ("-", "- s", "- / -", "- / - s")
+#: What a planned table without a run says instead of its rows.
+NOT_RUN = "planned, not run yet"
 
 
 def bytes_factor(factor: float | None) -> str:
@@ -353,10 +359,15 @@ def markdown(
     analysis: dict[str, Any], workloads: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()
 ) -> str:
     """The tables of ``workloads`` (default: every workload but those whose name starts
-    with one of ``skip``, then the trainer-defaults table)."""
+    with one of ``skip``, then the trainer-defaults table); a planned workload without a
+    section in ``analysis`` (no run at its protocol length) gets one line that says so."""
     lines = []
-    for name, section in analysis["workloads"].items():
+    for name, workload in WORKLOADS.items():
         if (workloads is not None and name not in workloads) or any(name.startswith(p) for p in skip):
+            continue
+        section = analysis["workloads"].get(name)
+        if section is None:
+            lines += [f"**{name}** ({workload.epochs:g} epochs, {metric_name(name)}): {NOT_RUN}", ""]
             continue
         loss = is_loss_metric(name)
         scale, unit = (1.0, "") if loss else (100.0, "%")
@@ -394,16 +405,19 @@ def markdown(
         lines.append("| " + " | ".join("---" if c < 2 else "---:" for c in kept) + " |")
         lines += ["| " + " | ".join(row[c] for c in kept) + " |" for row in rows]
         lines.append("")
-    defaults = analysis.get("trainer_defaults") or {}
-    if defaults and workloads is None:
-        lines += ["**One epoch of VGG with `gradsift train`'s defaults** (constant lr 0.05, seed 3; "
-                  "target: within 0.5 point of fp32)", "",
-                  "| method | test accuracy | vs fp32 | fewer bytes than fp32 | within 0.5 point |",
-                  "| --- | ---: | ---: | ---: | --- |"]  # fmt: skip
-        for method, row in defaults.items():
-            lines.append(f"| {method} | {100 * row['final']:.2f}% | {row['vs_fp32_points']:+.2f} pt "
-                         f"| {row['fewer_bytes_than_fp32']:.1f}x | {'yes' if row['within_half_point'] else 'no'} |")  # fmt: skip
-        lines.append("")
+    defaults = analysis.get("trainer_defaults")
+    if workloads is None:
+        title = ("**One epoch of VGG with `gradsift train`'s defaults** (constant lr 0.05, seed 3; "
+                 "target: within 0.5 point of fp32)")  # fmt: skip
+        if not defaults:
+            lines += [f"{title}: {NOT_RUN}", ""]
+        else:
+            lines += [title, "", "| method | test accuracy | vs fp32 | fewer bytes than fp32 | within 0.5 point |",
+                      "| --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+            for method, row in defaults.items():
+                lines.append(f"| {method} | {100 * row['final']:.2f}% | {row['vs_fp32_points']:+.2f} pt "
+                             f"| {row['fewer_bytes_than_fp32']:.1f}x | {'yes' if row['within_half_point'] else 'no'} |")  # fmt: skip
+            lines.append("")
     return "\n".join(lines)
 
 
