@@ -54,6 +54,21 @@ def test_none_matches_stock_ddp_bit_for_bit_and_topk_ratio_one_matches_dense():
         assert out["accum_steps"] == 3
 
 
+def three_worker_equality_worker(rank: int, world: int) -> dict:
+    stock = DDP(make_model())
+    train(stock, rank, range(3))
+    model, _ = hooked("none")
+    train(model, rank, range(3))
+    return {"stock": flat_params(stock), "none": flat_params(model)}
+
+
+def test_none_matches_stock_ddp_bit_for_bit_at_three_workers():
+    # Stock DDP multiplies each gradient by 1/W; at W = 3, g / 3 differs from g * (1/3) in
+    # the last bit for some g, so only the same arithmetic keeps the equality exact.
+    for out in run_workers(__file__, "three_worker_equality_worker", 3):
+        assert torch.equal(out["none"], out["stock"])
+
+
 # --- every sparsifier: identical parameters, aggregate == reference from gathered payloads ----
 def sparsifier_names() -> list[str]:
     """The sparsifiers whose payload carries the selected values as they are (a density option

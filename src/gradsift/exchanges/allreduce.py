@@ -26,6 +26,7 @@ import torch
 
 from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
 from gradsift.core.errors import GradsiftError
+from gradsift.core.mean import divide_, divided
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
@@ -52,10 +53,10 @@ class Allreduce(Exchange):
         reductions = []
         for members in groups.values():
             if in_place:
-                message = values[0].div_(context.world)
+                message = divide_(values[0], context.world)
             else:
                 joined = torch.cat([values[i] for i in members]) if len(members) > 1 else values[members[0]]
-                message = torch.div(joined, context.world)
+                message = divided(joined, context.world)
             poison = _poison([encoded[i] for i in members])
             if poison is not None:
                 message = message.add_(poison)

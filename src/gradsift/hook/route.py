@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.mean import divide_
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allreduce import any_nonfinite, summed
@@ -120,7 +121,7 @@ def _stock_allreduce(
     world = dist.get_world_size(state.process_group)
     checks = state.stock_checks
     record.add_tensor(buffer.numel(), dense=True)
-    return summed(buffer.div_(world), world, state.process_group, record).then(
+    return summed(divide_(buffer, world), world, state.process_group, record).then(
         lambda mean: Outcome.of([], [], nonfinite=any_nonfinite([mean]) if checks else None)
     )
 
