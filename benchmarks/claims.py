@@ -203,12 +203,14 @@ def named_commits(data: Any) -> Iterator[str]:
 
 def stamp_problem(data: Any, commits: set[str]) -> str | None:
     """Why a result's ``provenance`` stamp does not back a number (None: it does). A file of
-    ``runs`` without a stamp of its own (a resumable campaign's rows, each written by its own
-    invocation) is backed when every run's stamp is."""
+    ``runs`` or ``sessions`` without a stamp of its own (a resumable campaign's rows, a resumed
+    stress test's sessions, each written by its own invocation) is backed when every one's
+    stamp is."""
     stamp = data.get("provenance") if isinstance(data, dict) else None
-    if stamp is None and isinstance(data, dict) and isinstance(data.get("runs"), list) and data["runs"]:
-        problems = (stamp_problem(run, commits) for run in data["runs"])
-        return next((f"run {i}: {p}" for i, p in enumerate(problems) if p is not None), None)
+    for key in ("runs", "sessions"):
+        if stamp is None and isinstance(data, dict) and isinstance(data.get(key), list) and data[key]:
+            problems = (stamp_problem(part, commits) for part in data[key])
+            return next((f"{key[:-1]} {i}: {p}" for i, p in enumerate(problems) if p is not None), None)
     if not isinstance(stamp, dict) or not isinstance(stamp.get("commit"), str):
         return "no provenance stamp"
     if not in_history(stamp["commit"], commits):

@@ -61,15 +61,8 @@ DDP = Result(
     "flock /tmp/gradsift-bench.lock python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
     "--out results/ddp/results.json",
 )
-SCALING = Result(
-    "results/scaling/unlocked/analysis.json",
-    ".venv/bin/python benchmarks/scaling/analyze.py --results results/scaling/unlocked "
-    "--json results/scaling/unlocked/analysis.json --plot results/scaling/plots/unlocked_vs_model.png",
-)
-PREDICTIONS = Result(
-    "results/scaling/predictions.json",
-    ".venv/bin/python benchmarks/scaling/predict.py --analysis results/scaling/unlocked/analysis.json",
-)
+SCALING = Result("results/scaling/analysis.json", ".venv/bin/python benchmarks/scaling/analyze.py")
+PREDICTIONS = Result("results/scaling/predictions.json", ".venv/bin/python benchmarks/scaling/predict.py")
 
 
 def training_run(name: str) -> Result:
@@ -338,11 +331,33 @@ HOOK_REPEAT = Result(
     "flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
     "--profile-steps 0 --json results/hook_overhead/repeat.json",
 )
+#: The same two runs on a later commit, on a slower afternoon (the machine's state, not the code: see the README).
+HOOK_AFTERNOON = tuple(
+    Result(f"results/hook_overhead/afternoon{suffix}.json",
+           f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
+           f"--profile-steps {profile} --json results/hook_overhead/{'repeat' if suffix else 'results'}.json "
+           f"(a clean worktree of bf06bf2; committed as afternoon{suffix}.json)")
+    for suffix, profile in (("", 10), ("-repeat", 0))
+)  # fmt: skip
+
+
+def hook_run_claims(name: str, result: Result) -> tuple[Claim, ...]:
+    """One run's stock step and every configuration's step over it, as ``hook.<name>.<config>``."""
+    return (
+        Claim(f"hook.{name}.stock", result, ("results/stock/median_step_ms",), "{:.1f} ms"),
+        *(Claim(f"hook.{name}.{short}", result, (f"results/{config}/ratio_to_stock",), "{:.3f}x")
+          for short, config in (("torch", "torch-allreduce-hook"), ("none", "none"), ("sidco", "sidco-exp@0.01"),
+                                ("topk", "topk@0.01"))),
+    )  # fmt: skip
+
+
 HOOK_CLAIMS = (
-    Claim("hook.repeat.stock", HOOK_REPEAT, ("results/stock/median_step_ms",), "{:.1f} ms"),
-    *(Claim(f"hook.repeat.{short}", HOOK_REPEAT, (f"results/{config}/ratio_to_stock",), "{:.3f}x")
-      for short, config in (("torch", "torch-allreduce-hook"), ("none", "none"), ("sidco", "sidco-exp@0.01"),
-                            ("topk", "topk@0.01"))),
+    *hook_run_claims("repeat", HOOK_REPEAT),
+    *hook_run_claims("afternoon", HOOK_AFTERNOON[0]),
+    *hook_run_claims("afternoon.repeat", HOOK_AFTERNOON[1]),
+    Claim("hook.afternoon.commit", HOOK_AFTERNOON[0], ("provenance/commit",), "{:.7}"),
+    Claim("hook.afternoon.load", HOOK_AFTERNOON[0], ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
     Claim("hook.commit", HOOK, ("provenance/commit",), "{:.7}"),
     Claim("hook.load", HOOK, ("provenance/load_before/0", "provenance/load_after/0"), "{:.1f} before / {:.1f} after",
           compute=lambda *v: v),
@@ -800,6 +815,33 @@ TERNGRAD_TABLE = Table(
 )
 
 
+# -- clean exit: abnormal exits of a plain user script (scripts/exit_stress.py) ------------------
+EXIT = Result(
+    "results/exit/results.json",
+    "nice -n 19 python scripts/exit_stress.py --runs 200 --steps 20 --compressors sidco-exp fp16 vgc powersgd "
+    "--jobs 2 --json results/exit/results.json",
+)
+EXIT_COMPRESSORS = ("sidco-exp", "fp16", "vgc", "powersgd")
+EXIT_TABLE = Table(
+    "exit-stress",
+    ("compressor", "runs", "abnormal", "hung"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (f"`{name}`", *(Claim(f"exit.{name}.{field}", EXIT, (f"results/{name}/{field}",))
+                        for field in ("runs", "abnormal", "timed_out")))
+        for name in EXIT_COMPRESSORS
+    ),
+)  # fmt: skip
+EXIT_CLAIMS = (
+    Claim("exit.commit", EXIT, ("sessions/0/provenance/commit",), "{:.7}"),
+    Claim("exit.started", EXIT, ("sessions/0/provenance/started",), compute=lambda t: t[:16].replace("T", " ") + " UTC"),
+    Claim("exit.load", EXIT, ("sessions/0/provenance/load_before/0", "sessions/1/provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    Claim("exit.abnormal.total", EXIT, tuple(f"results/{name}/abnormal" for name in EXIT_COMPRESSORS),
+          compute=lambda *v: sum(v)),
+)  # fmt: skip
+
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -817,8 +859,9 @@ TABLES = (
     COMPRESS_25M_TABLE,
     _ddp_table("2"),
     _ddp_table("4"),
+    EXIT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

@@ -222,3 +222,15 @@ def test_a_file_of_runs_is_backed_when_every_run_is_stamped_validly() -> None:
     )
     assert claims.stamp_problem({"runs": [{"provenance": good}, {}]}, commits) == "run 1: no provenance stamp"
     assert claims.stamp_problem({"runs": []}, commits) == "no provenance stamp"
+
+
+def test_a_file_of_sessions_is_backed_when_every_session_is_stamped_validly() -> None:
+    # scripts/exit_stress.py --resume appends one stamped session per invocation
+    good = {"commit": "a" * 40, "dirty": False}
+    commits = {"a" * 40}
+    assert claims.stamp_problem({"sessions": [{"provenance": good}], "results": {}}, commits) is None
+    lost = {"commit": "b" * 40, "dirty": False}
+    assert claims.stamp_problem({"sessions": [{"provenance": good}, {"provenance": lost}]}, commits) == (
+        f"session 1: stamped with {'b' * 40}, not in this history"
+    )
+    assert claims.stamp_problem({"sessions": []}, commits) == "no provenance stamp"
