@@ -3,8 +3,9 @@
 Reads ``results/scaling/results/*.json`` (written by run.py). For every shaped run it builds the cost
 model's :class:`~gradsift.exchanges.costmodel.Traffic` of the run's exchange, summed over DDP's
 buckets of ``mlp-wide`` (1 059 850 and 803 840 elements: DDP's 1 MB first bucket and
-25 MB cap), at the run's achieved density (the allgather's and the balanced exchange's
-fixed-capacity payloads padded to their measured padded/sent ratio). Then:
+25 MB cap), at the run's achieved density, the sparse exchanges' fixed-capacity payloads padded to
+their measured padded/sent ratio (the balanced exchange's slices have room for ``SLACK``
+times an even share). Then:
 
 - the link's time: the shaped run's median step minus the localhost run's (same
   configuration, no shaping: the CPU-bound floor). The hook's ``communicate`` median is
@@ -85,15 +86,15 @@ def traffic(result: dict) -> Traffic:
     total = Traffic(0.0, 0.0, 0.0)
     padded = means["bytes_padded"] / means["bytes_sent"]  # fixed-capacity payloads: what the wire carries
     for numel in BUCKETS:
-        k = means["density"] * numel
+        k = means["density"] * numel * padded
         if kind == "allreduce":
             total += dense_allreduce_traffic(
                 numel, workers, value_bytes=DENSE_VALUE_BYTES.get(result["compressor"], 4)
             )
         elif kind == "allgather":
-            total += allgather_traffic(k * padded, workers)
-        elif kind == "reduce-scatter":  # slices of fixed room: SLACK times an even share
-            total += sparse_reduce_scatter_traffic(k * padded, workers)
+            total += allgather_traffic(k, workers)
+        elif kind == "reduce-scatter":
+            total += sparse_reduce_scatter_traffic(k, workers)
         else:  # rank 0's mean over the leader cycle: as leader (1 step in P) it receives no header or indices
             step = shared_mask_traffic(k, workers)
             broadcast = shared_mask_traffic(k, workers, value_bytes=0)
