@@ -26,8 +26,6 @@ times an even share). Then:
   ``allgather``'s.
 
     python benchmarks/scaling/analyze.py    # results/scaling/analysis.json, plots/measured_vs_model.png; tables
-    python benchmarks/scaling/analyze.py --results results/scaling/unlocked \\
-        --json results/scaling/unlocked/analysis.json --plot results/scaling/plots/unlocked_vs_model.png
 
 Without localhost runs (or fewer than two dense ones) there is no link time and no
 calibration: the bytes are still compared with the model.
