@@ -431,11 +431,9 @@ SCALING_CLAIMS = (
           (point("allgather", "hook_bytes_received", "16"), "targets/exchanges/balanced/received/k",
            "targets/rules/workers"),
           "{:.1f}", compute=lambda received, k, p: received / (8 * k * (p - 1) / p)),
-    Claim("scaling.balanced.gap300", SCALING, (GAP_300.format("balanced"),), compute=spanned(".1f", scale=100)),
-    Claim("scaling.shared-mask.gap300", SCALING, (GAP_300.format("shared-mask"),), compute=spanned(".1f", scale=100)),
-    Claim("scaling.balanced.trails300", SCALING, (GAP_300.format("balanced"),), compute=spanned(".1f", scale=-100)),
-    Claim("scaling.shared-mask.trails300", SCALING, (GAP_300.format("shared-mask"),),
-          compute=spanned(".1f", scale=-100)),
+    *(Claim(f"scaling.{name}.{kind}300", SCALING, (GAP_300.format(name),), "{:.1f} ± {:.1f}",
+            compute=lambda gaps, sign=sign: (sign * 100 * statistics.mean(gaps), 100 * statistics.stdev(gaps)))
+      for name in ("balanced", "shared-mask") for kind, sign in (("gap", 1), ("trails", -1))),
 )  # fmt: skip
 LARGEST = "predictions/100gbit/{}/seconds/-1"
 PREDICTION_CLAIMS = (
