@@ -479,3 +479,31 @@ def test_scatter_mean_refuses_an_out_of_the_wrong_size_and_casts_into_another_dt
     assert half.dtype == torch.bfloat16 and torch.equal(
         half, scatter_mean([payload, payload], 100).bfloat16()
     )
+
+
+def test_scatter_mean_scales_the_received_values_not_the_dense_result():
+    # 1/W goes on the W k received entries: the only ops over the n-element result are its
+    # zeroing and the index_add_ (no division pass over the bucket), and the mean is exact
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, world = 4096, 4
+    payloads = [build("topk", ratio=0.01).compress(laplace(n, 60 + w)) for w in range(world)]
+
+    class Dense(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() == n:
+                self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    with Dense() as seen:
+        mean = scatter_mean(payloads, n)
+    assert seen.ops == ["zeros", "index_add_"]
+    reference = torch.zeros(n)
+    for payload in payloads:
+        reference[payload.indices] += payload.values
+    torch.testing.assert_close(mean, reference / world, rtol=0, atol=1e-7)

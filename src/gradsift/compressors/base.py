@@ -335,12 +335,12 @@ def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | No
     joined_values = values[0] if len(values) == 1 else torch.cat([v.to(first.dtype) for v in values])
     # 1/W on the received values (a pass over W k entries, not n) in float32 and wider; half
     # precision sums first, so that values near its subnormal range keep their bits
-    early = len(payloads) > 1 and torch.finfo(first.dtype).bits >= 32
-    if early:
+    scaled_first = len(payloads) > 1 and torch.finfo(first.dtype).bits >= 32
+    if scaled_first:
         joined_values = divided(joined_values, len(payloads))
     joined_indices = indices[0] if len(indices) == 1 else torch.cat(indices)
     dense = torch.zeros(numel, dtype=first.dtype, device=joined_values.device) if out is None else out.zero_()
     dense.index_add_(0, joined_indices, joined_values.to(first.dtype))
-    if len(payloads) > 1 and not early:
+    if len(payloads) > 1 and not scaled_first:
         dense /= len(payloads)
     return dense

@@ -1,4 +1,5 @@
-"""A sum over ``W`` workers made their mean: ``sum * (1 / W)``, never ``sum / W``.
+"""A sum over ``W`` workers made their mean as ``sum * (1 / W)``: the hook's stock step, the
+allreduce exchange and the sparse decode (``scatter_mean``, float32 and wider) use it.
 
 Stock DDP's reducer multiplies each gradient by ``1 / W`` as it copies it into the bucket
 (``mul_out`` with the reciprocal), so a mean computed the same way equals stock DDP's bit
