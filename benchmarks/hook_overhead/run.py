@@ -5,8 +5,11 @@ Two gloo ranks on localhost train the 3.16M-parameter MLP of ``benchmarks/ddp``
 Every configuration (stock DDP, and the hook with ``none``, ``sidco-exp`` and ``topk``)
 has its own DDP model with the same initial weights; the timed steps are interleaved
 (step s of every configuration, then step s+1, ...) so background load hits all of them
-alike, and each reports the median step time (zero_grad + forward + backward + hook +
-SGD step) and its ratio to stock DDP's median in the same run.
+alike, in an order that rotates by one every step (step s starts with configuration
+s mod 5), so no configuration always runs right after the same one (the step before
+leaves the caches and the allocator in its own state). Each reports the median step
+time (zero_grad + forward + backward + hook + SGD step) and its ratio to stock DDP's
+median in the same run.
 
 Then every configuration runs ``--profile-steps`` more steps under ``torch.profiler``
 (CPU activities, Python stacks) on both ranks; rank 0's profile is summarised per step:
@@ -133,7 +136,8 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, que
 
     for step in range(args.warmup + args.steps):
         x, y = batch()
-        for label, model, optimizer, state in runs:
+        first = step % len(runs)
+        for label, model, optimizer, state in runs[first:] + runs[:first]:
             dist.barrier()
             started = time.perf_counter()
             _step(model, optimizer, x, y)
