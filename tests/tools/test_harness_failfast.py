@@ -127,3 +127,18 @@ def test_hook_overhead_without_profile_steps_finishes(tmp_path):
     for entry in results.values():
         assert len(entry["step_ms"]) == 1 and "profile" not in entry
         assert entry["ratio_to_stock"] == entry["median_step_ms"] / results["stock"]["median_step_ms"]
+
+
+def test_mean_pass_benchmark_delivers_the_mean_and_writes_its_timings(tmp_path):
+    """benchmarks/hook_overhead/mean_pass.py checks both mean ways against the closed-form mean
+    (it exits non-zero otherwise) and writes one median per way."""
+    out = tmp_path / "mean_pass.json"
+    command = [sys.executable, str(BENCHMARKS / "hook_overhead" / "mean_pass.py"), "--numel", "4096",
+               "--rounds", "2", "--warmup", "0", "--json", str(out)]  # fmt: skip
+    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert process.returncode == 0, process.stdout + process.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"allreduce", "mean-then-allreduce", "reduce-scatter-mean-allgather"}
+    for entry in results.values():
+        assert len(entry["ms"]) == 2 and entry["median_ms"] > 0
+    assert results["allreduce"]["ratio_to_allreduce"] == 1.0
