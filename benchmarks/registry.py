@@ -351,7 +351,19 @@ def hook_run_claims(name: str, result: Result) -> tuple[Claim, ...]:
     )  # fmt: skip
 
 
+HOOK_MEAN_PASS = Result(
+    "results/hook_overhead/mean_pass.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/mean_pass.py --json results/hook_overhead/mean_pass.json",
+)
 HOOK_CLAIMS = (
+    Claim("hook.mean_pass.numel", HOOK_MEAN_PASS, ("args/numel",), "{:,}"),
+    Claim("hook.mean_pass.allreduce", HOOK_MEAN_PASS, ("results/allreduce/median_ms",), "{:.2f} ms"),
+    Claim("hook.mean_pass.extra", HOOK_MEAN_PASS,
+          ("results/mean-then-allreduce/median_ms", "results/allreduce/median_ms"), "{:.2f} ms",
+          compute=lambda both, plain: both - plain),
+    Claim("hook.mean_pass.shard", HOOK_MEAN_PASS,
+          ("results/reduce-scatter-mean-allgather/median_ms", "results/reduce-scatter-mean-allgather/ratio_to_allreduce"),
+          "{:.2f} ms ({:.2f}x one all_reduce)", compute=lambda *v: v),
     *hook_run_claims("repeat", HOOK_REPEAT),
     *hook_run_claims("afternoon", HOOK_AFTERNOON[0]),
     *hook_run_claims("afternoon.repeat", HOOK_AFTERNOON[1]),
@@ -364,6 +376,12 @@ HOOK_CLAIMS = (
     Claim("hook.started", HOOK, ("provenance/started",), compute=lambda t: t[:16].replace("T", " ") + " UTC"),
     Claim("hook.wall", HOOK, ("provenance/wall_s",), "{:.0f} s"),
     Claim("hook.steps", HOOK, ("args/steps",)),
+    # the pass that turns a hook's summed bucket into the mean (profile, rank 0, per step), and its share of
+    # stock DDP's step: what any comm hook pays that stock DDP fuses into its copy into the bucket
+    *(Claim(f"hook.{config}.mean_pass", HOOK, (f"results/{config}/profile/operators_self_ms/{op}/self_ms",
+                                                 "results/stock/median_step_ms"),
+            "{:.2f} ms ({:.1f} % of stock DDP's step)", compute=lambda ms, step: (ms, 100 * ms / step))
+      for config, op in (("none", "aten::mul_"), ("torch-allreduce-hook", "aten::div_"))),
     *(Claim(f"hook.{c}.ratio.plain", HOOK, (f"results/{c}/ratio_to_stock",), "{:.3f}x" if c in HOOK_TARGETS else "{:.2f}x")
       for c in ("none", "sidco-exp@0.01", "topk@0.01")),
 )  # fmt: skip
