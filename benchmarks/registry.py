@@ -275,6 +275,19 @@ VGC_CLAIMS = (
                                 ("topk", VGC_RUNS["topk"], "{:+.2f}"))
     ),
 )  # fmt: skip
+PADDING = {
+    model: Result(f"results/vgc/padding-{model}.json",
+                  f"flock /tmp/gradsift-cpu.lock python benchmarks/vgc/padding.py --model {model} --steps {steps} "
+                  f"--json results/vgc/padding-{model}.json")
+    for model, steps in (("mlp", 600), ("vgg", 200))
+}  # fmt: skip
+PADDING_CLAIMS = tuple(
+    Claim(f"padding.{model}.{short}", result,
+          (f"results/{label}/padded_over_sent_mean", f"results/{label}/padded_over_sent_sd", "args/seeds"),
+          "{:.2f}x +- {:.2f} ({} seeds)", compute=lambda mean, sd, seeds: (mean, sd, len(seeds)))
+    for model, result in PADDING.items()
+    for short, label in (("vgc", "vgc-alpha4"), ("threshold", "threshold-0.1"))
+)  # fmt: skip
 HOOK_MODELS = ("mlp", "vgg", "lstm")
 VGC_HOOK_CLAIMS = (
     Claim("vgc.hooks.backward", VGC_HOOKS, ("results/*/backward_ratio_to_plain/hooks-approx-conv",), "{}x",
@@ -878,6 +891,6 @@ TABLES = (
     EXIT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

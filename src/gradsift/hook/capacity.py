@@ -12,13 +12,14 @@ most ``n``), every step. The payload is padded to its capacity, so room kept for
 demand that does not come is sent as zeros, and entries beyond it wait in the residual
 for the next step. Measured on VGC (alpha 4, 2 ranks; docs/decisions.md): the rule
 before issue 27 (``1.25 x demand``, changed only on growth or below half) sent 1.9x
-the entries' bytes; 10 % headroom every step 1.37-1.52x; the demand itself 1.25x (MLP)
-and 1.39x (VGG). What is left is VGC's own step-to-step swing and the allgather's
-padding to the largest worker; a capacity fixed before the data exists cannot remove
-it without a host read. A capacity below the demand (0.6x: VGG 1.19-1.27x) pads less
-but sends 11-13 % fewer entries and loses a point of accuracy: a higher threshold, not
-less waste. A new capacity costs nothing: the wire layout is built from
-each step's payloads. Capacities are part of the hook's checkpoint.
+the entries' bytes; 10 % headroom every step 1.37-1.52x; the demand itself 1.28x (MLP)
+and 1.43x (VGG), a fixed ``threshold`` 1.12x (``benchmarks/vgc/padding.py``, 3 seeds).
+What is left is VGC's bursts from step to step and the allgather's padding to the
+largest worker; a capacity fixed before the data exists cannot remove them without a
+host read. A capacity below the demand pads less (0.7x: MLP 1.12x, VGG still 1.26x) by
+sending fewer entries: a higher effective threshold, which ``alpha`` already sets. A new
+capacity costs nothing: the wire layout is built from each step's payloads. Capacities
+are part of the hook's checkpoint.
 """
 
 from __future__ import annotations
