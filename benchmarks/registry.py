@@ -310,7 +310,8 @@ DDP_CLAIMS = (
           compute=lambda a, b: a - b),
 )  # fmt: skip
 
-HOOK_CONFIGS = (("stock DDP", "stock"), ("PyTorch's `allreduce_hook`", "torch-allreduce-hook"), ("`none`", "none"),
+HOOK_CONFIGS = (("stock DDP", "stock"), ("PyTorch's `allreduce_hook`", "torch-allreduce-hook"),
+                ("PyTorch's C++ built-in `ALLREDUCE` hook", "torch-builtin-hook"), ("`none`", "none"),
                 ("`sidco-exp@0.01`", "sidco-exp@0.01"), ("`topk@0.01`", "topk@0.01"))  # fmt: skip
 HOOK_TARGETS = {"none": 1.03, "sidco-exp@0.01": 1.3}  # issue 13, fixed before the runs
 
@@ -325,7 +326,7 @@ def hook_ratio(config: str) -> Claim:
 
 def hook_phases(config: str) -> Cell:
     keys = tuple(f"results/{config}/median_{phase}_ms" for phase in ("compress", "communicate", "decompress"))
-    return "-" if config in ("stock", "torch-allreduce-hook") else Claim(f"hook.{config}.phases", HOOK, keys, "{:.1f} / {:.1f} / {:.1f}",
+    return "-" if config in ("stock", "torch-allreduce-hook", "torch-builtin-hook") else Claim(f"hook.{config}.phases", HOOK, keys, "{:.1f} / {:.1f} / {:.1f}",
                                                 compute=lambda *v: v)  # fmt: skip
 
 
@@ -378,6 +379,7 @@ HOOK_CLAIMS = (
           ("results/reduce-scatter-mean-allgather/median_ms", "results/reduce-scatter-mean-allgather/ratio_to_allreduce"),
           "{:.2f} ms ({:.2f}x one all_reduce)", compute=lambda *v: v),
     *hook_run_claims("repeat", HOOK_REPEAT),
+    Claim("hook.repeat.builtin", HOOK_REPEAT, ("results/torch-builtin-hook/ratio_to_stock",), "{:.3f}x"),
     *hook_run_claims("afternoon", HOOK_AFTERNOON[0]),
     *hook_run_claims("afternoon.repeat", HOOK_AFTERNOON[1]),
     Claim("hook.afternoon.commit", HOOK_AFTERNOON[0], ("provenance/commit",), "{:.7}"),

@@ -2,11 +2,12 @@
 
 Two gloo ranks on localhost train the 3.16M-parameter MLP of ``benchmarks/ddp``
 (3 x Linear(1024, 1024) + Linear(1024, 10), batch 32 per rank, one thread per rank).
-Every configuration (stock DDP, and the hook with ``none``, ``sidco-exp`` and ``topk``)
-has its own DDP model with the same initial weights; the timed steps are interleaved
+Every configuration (stock DDP, PyTorch's two allreduce hooks, and gradsift's hook with
+``none``, ``sidco-exp`` and ``topk``) has its own DDP model with the same initial
+weights; the timed steps are interleaved
 (step s of every configuration, then step s+1, ...) so background load hits all of them
 alike, in an order that rotates by one every step (step s starts with configuration
-s mod 5), so no configuration always runs right after the same one (the step before
+s mod 6), so no configuration always runs right after the same one (the step before
 leaves the caches and the allocator in its own state). Each reports the median step
 time (zero_grad + forward + backward + hook + SGD step) and its ratio to stock DDP's
 median in the same run.
@@ -49,13 +50,16 @@ import provenance
 from workers import run_ranks
 
 #: (label, gradsift compressor, options); ``torch-allreduce-hook`` is PyTorch's own
-#: ``default_hooks.allreduce_hook``: the control for what any comm hook costs over stock DDP
-#: (without a hook, DDP divides by the world size while copying gradients into the bucket;
-#: a hook receives the bucket undivided and divides it in one more pass).
+#: ``default_hooks.allreduce_hook`` (Python) and ``torch-builtin-hook`` its C++ built-in
+#: ``BuiltinCommHookType.ALLREDUCE``: the controls for what any comm hook costs over stock
+#: DDP (without a hook, DDP divides by the world size while copying gradients into the
+#: bucket; a hook receives the bucket undivided and divides it in one more pass).
 TORCH_HOOK = "torch-allreduce-hook"
+BUILTIN_HOOK = "torch-builtin-hook"
 CONFIGS: list[tuple[str, str | None, dict[str, Any]]] = [
     ("stock", None, {}),
     (TORCH_HOOK, None, {}),
+    (BUILTIN_HOOK, None, {}),
     ("none", "none", {}),
     ("sidco-exp@0.01", "sidco-exp", {"ratio": 0.01}),
     ("topk@0.01", "topk", {"ratio": 0.01}),
@@ -126,6 +130,8 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, que
         state = None if name is None else gradsift.register_comm_hook(model, name, **options)
         if label == TORCH_HOOK:
             model.register_comm_hook(None, default_hooks.allreduce_hook)
+        if label == BUILTIN_HOOK:
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         runs.append((label, model, torch.optim.SGD(model.parameters(), lr=0.01), state))
     times: dict[str, list[float]] = {label: [] for label, *_ in runs}
     telemetry: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in runs}
