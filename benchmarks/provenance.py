@@ -188,6 +188,13 @@ class Stamp:
         )  # fmt: skip
         return self.record
 
+    def write(self, path: Path, args: Any, **fields: Any) -> None:
+        """Finish the stamp and write ``{"args": vars(args), **fields, "provenance": ...}`` to
+        ``path`` as indented JSON (its folder made): a harness's report."""
+        report = {"args": {**vars(args), "json": str(path)}, **fields, "provenance": self.finish()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
 
 def start(seeds: list[int] | None = None, root: Path | None = None, lock: Path = CPU_LOCK) -> Stamp:
     """Stamp a run that starts now; ``seeds``: every seed the run uses (None: it draws none);

@@ -22,7 +22,6 @@ their closed-form mean (the run fails otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -103,15 +102,7 @@ def main() -> None:
         median = statistics.median(times[way])
         results[way] = {"median_ms": median, "ratio_to_allreduce": median / plain, "ms": times[way]}
         print(f"{way:>30}: {median:7.2f} ms  {median / plain:5.2f}x all_reduce", flush=True)
-    report = {
-        "args": {**vars(args), "json": str(args.json)},
-        "world_size": WORLD,
-        "threads_per_rank": 1,
-        "results": results,
-        "provenance": stamp.finish(),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    stamp.write(args.json, args, world_size=WORLD, threads_per_rank=1, results=results)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import statistics
@@ -196,16 +195,14 @@ def main() -> None:
             entry["profile"] = measured["profiles"][label]
         results[label] = entry
         print(f"{label:>16}: {median:7.2f} ms  {median / stock:5.3f}x stock", flush=True)
-    report = {
-        "args": {**vars(args), "json": str(args.json)},
-        "model": "MLP 3 x Linear(1024, 1024) + Linear(1024, 10), 3 159 050 parameters, batch 32 per rank",
-        "world_size": 2,
-        "threads_per_rank": 1,
-        "results": results,
-        "provenance": stamp.finish(),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    stamp.write(
+        args.json,
+        args,
+        model="MLP 3 x Linear(1024, 1024) + Linear(1024, 10), 3 159 050 parameters, batch 32 per rank",
+        world_size=2,
+        threads_per_rank=1,
+        results=results,
+    )
 
 
 if __name__ == "__main__":

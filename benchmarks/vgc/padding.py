@@ -89,13 +89,7 @@ def main() -> None:
                 "runs": runs,
             }
             print(f"{label}: padded / sent {statistics.mean(ratios):.3f} over seeds {args.seeds}", flush=True)
-    report = {
-        "args": {**vars(args), "json": str(args.json)},
-        "results": results,
-        "provenance": stamp.finish(),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    stamp.write(args.json, args, results=results)
 
 
 if __name__ == "__main__":

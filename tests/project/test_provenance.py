@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import shlex
@@ -67,6 +68,17 @@ def test_the_stamp_records_commit_command_seeds_machine_and_load(checkout: Path)
     assert record["seeds"] == [0, 1] and record["cpus"] and record["torch"] and record["python"]
     assert len(record["load_before"]) == len(record["load_after"]) == 3 and record["wall_s"] >= 0
     assert record["cpu_lock"] == {"path": str(checkout / "no-lock"), "held": False, "holder": None}
+
+
+def test_a_report_holds_the_arguments_the_fields_and_the_finished_stamp(checkout: Path) -> None:
+    stamp = provenance.start(seeds=[3], root=checkout, lock=checkout / "no-lock")
+    path = checkout / "results" / "new" / "report.json"  # the folder does not exist yet
+    stamp.write(path, argparse.Namespace(steps=5), results={"a": 1.5}, world_size=2)
+    report = json.loads(path.read_text())
+    assert list(report) == ["args", "results", "world_size", "provenance"]
+    assert report["args"] == {"steps": 5, "json": str(path)}
+    assert report["results"] == {"a": 1.5} and report["world_size"] == 2
+    assert report["provenance"]["seeds"] == [3] and "finished" in report["provenance"]
 
 
 def test_uncommitted_code_is_stamped_dirty_loudly(checkout: Path, capsys: pytest.CaptureFixture) -> None:
