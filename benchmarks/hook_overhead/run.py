@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import gradsift
+from gradsift.tools.benchmarking import in_rotation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
@@ -141,8 +142,7 @@ def worker(rank: int, world: int, store_path: str, args: argparse.Namespace, que
 
     for step in range(args.warmup + args.steps):
         x, y = batch()
-        first = step % len(runs)
-        for label, model, optimizer, state in runs[first:] + runs[:first]:
+        for label, model, optimizer, state in in_rotation(runs, step):
             dist.barrier()
             started = time.perf_counter()
             _step(model, optimizer, x, y)
