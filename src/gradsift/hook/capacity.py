@@ -17,9 +17,9 @@ and 1.43x (VGG), a fixed ``threshold`` 1.12x (``benchmarks/vgc/padding.py``, 3 s
 What is left is VGC's bursts from step to step and the allgather's padding to the
 largest worker; a capacity fixed before the data exists cannot remove them without a
 host read. A capacity below the demand pads less (0.7x, tried with the rule patched in:
-MLP 1.12x, VGG still 1.26x) by sending fewer entries: a higher effective threshold, which ``alpha`` already sets. A new
-capacity costs nothing: the wire layout is built from each step's payloads. Capacities
-are part of the hook's checkpoint.
+MLP 1.12x, VGG still 1.26x) by sending fewer entries: a higher effective threshold,
+which ``alpha`` already sets. A new capacity costs nothing: the wire layout is built
+from each step's payloads. Capacities are part of the hook's checkpoint.
 """
 
 from __future__ import annotations
