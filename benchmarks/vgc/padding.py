@@ -3,10 +3,13 @@
 A compressor without a ratio (``vgc``, ``threshold``: ``adaptive_capacity``) sends a
 payload whose capacity is the last kept step's largest demand
 (:mod:`gradsift.hook.capacity`); room that the step's data does not fill travels as
-zeros. For each configuration and seed this runs ``gradsift train`` (localhost gloo,
-2 workers) and reads rank 0's per-step telemetry: padded over sent is
-``sum(bytes_padded) / sum(bytes_sent)`` over the steps from ``--skip`` on (the first
-steps start from ``first_ratio``), with the final test accuracy. Usage (repository root):
+zeros. Two more VGC arms weigh the ways around it: ``padding_target=1.1`` (capacities
+below the demand, entries beyond them wait) against ``alpha=6`` (fewer entries chosen),
+by the bytes on the wire per step and the accuracy. For each configuration and seed
+this runs ``gradsift train`` (localhost gloo, 2 workers) and reads rank 0's per-step
+telemetry: padded over sent is ``sum(bytes_padded) / sum(bytes_sent)`` over the steps
+from ``--skip`` on (the first steps start from ``first_ratio``), with the final test
+accuracy. Usage (repository root):
 
     flock /tmp/gradsift-cpu.lock python benchmarks/vgc/padding.py --json results/vgc/padding.json
 """
@@ -25,8 +28,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
-#: (label, compressor, its options): VGC at the paper's alpha, a fixed threshold at about 2 % density on the MLP.
-CONFIGS = (("vgc-alpha4", "vgc", ("alpha=4",)), ("threshold-0.1", "threshold", ("threshold=0.1",)))
+#: (label, compressor, its options): VGC at the paper's alpha, a fixed threshold at about 2 % density on the
+#: MLP, VGC with its padding bounded (the hook's ``padding_target``), and VGC at a higher alpha, the
+#: control that sends fewer bytes by sending fewer entries instead.
+CONFIGS = (
+    ("vgc-alpha4", "vgc", ("alpha=4",)),
+    ("threshold-0.1", "threshold", ("threshold=0.1",)),
+    ("vgc-alpha4-padding1.1", "vgc", ("alpha=4", "padding_target=1.1")),
+    ("vgc-alpha6", "vgc", ("alpha=6",)),
+)
 
 
 def padding(steps: list[dict[str, Any]], skip: int) -> float:
@@ -79,6 +89,7 @@ def main() -> None:
             ]
             ratios = [r["padded_over_sent"] for r in runs]
             accuracies = [r["final_test_accuracy"] for r in runs]
+            wire = [r["bytes_padded_per_step"] for r in runs]
             results[label] = {
                 "compressor": compressor,
                 "options": list(options),
@@ -86,6 +97,7 @@ def main() -> None:
                 "padded_over_sent_sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
                 "accuracy_mean": statistics.mean(accuracies),
                 "accuracy_sd": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                "bytes_padded_per_step_mean": statistics.mean(wire),
                 "runs": runs,
             }
             print(f"{label}: padded / sent {statistics.mean(ratios):.3f} over seeds {args.seeds}", flush=True)

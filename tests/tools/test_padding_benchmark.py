@@ -18,7 +18,7 @@ def test_padding_benchmark_reads_each_runs_telemetry(tmp_path):
     process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stdout + process.stderr
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"vgc-alpha4", "threshold-0.1"}
+    assert set(report["results"]) == {"vgc-alpha4", "threshold-0.1", "vgc-alpha4-padding1.1", "vgc-alpha6"}
     for entry in report["results"].values():
         (run,) = entry["runs"]
         # a payload is padded up to its capacity, never cut below what it carries
@@ -26,6 +26,7 @@ def test_padding_benchmark_reads_each_runs_telemetry(tmp_path):
         assert run["bytes_padded_per_step"] >= run["bytes_sent_per_step"] > 0
         assert 0.0 <= run["final_test_accuracy"] <= 1.0
         assert entry["padded_over_sent_mean"] == run["padded_over_sent"]
+        assert entry["bytes_padded_per_step_mean"] == run["bytes_padded_per_step"]
 
 
 def test_padding_is_the_ratio_of_the_sums_after_the_skipped_steps():

@@ -100,9 +100,10 @@ class Outcome:
             step is dropped.
         malformed: ``[W]`` bool device flags: worker ``w``'s message broke the format
             (the result is then garbage, but nothing was written out of range).
-        demands: per part key, ``(demand, numel)``: the most entries any worker wanted
-            to send (a 0-d device count; an adaptive-capacity compressor sizes its next
-            payloads from it).
+        demands: per part key, ``(demand, used, numel)``: the most entries any worker
+            wanted to send and the mean over workers of the entries sent (0-d device
+            values; an adaptive-capacity compressor sizes its next payloads from them,
+            :mod:`gradsift.hook.capacity`).
         error: a failure the host already knows (a collective failed), raised when the
             step closes.
     """
@@ -110,7 +111,7 @@ class Outcome:
     sent: list[Payload | torch.Tensor | None] = field(default_factory=list)
     nonfinite: list[torch.Tensor] = field(default_factory=list)
     malformed: list[torch.Tensor] = field(default_factory=list)
-    demands: dict[Hashable, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    demands: dict[Hashable, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
     error: BaseException | None = None
 
     @classmethod
@@ -121,11 +122,15 @@ class Outcome:
         *,
         nonfinite: torch.Tensor | None = None,
         malformed: torch.Tensor | None = None,
-        demand: torch.Tensor | None = None,
+        demand: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Outcome:
         """An exchange's outcome for ``parts``: its flags (None: it cannot tell), and its
-        ``[P]`` device ``demand`` counts, ``demand[i]`` being part ``i``'s."""
-        demands = {} if demand is None else {p.key: (demand[i], p.numel) for i, p in enumerate(parts)}
+        ``demand``: ``[P]`` device counts (the most entries any worker wanted to send) and
+        ``[P]`` means (the entries sent), element ``i`` being part ``i``'s."""
+        demands = {}
+        if demand is not None:
+            largest, used = demand
+            demands = {p.key: (largest[i], used[i], p.numel) for i, p in enumerate(parts)}
         return cls(
             sent,
             [] if nonfinite is None else [nonfinite],

@@ -10,7 +10,7 @@ single collective with no size exchange first. It is one byte buffer:
   held NaN or Inf", so the non-finite flag rides in the message at no extra round
   trip), then per part the entries in use (``length``) and the entries the compressor
   wanted to send (``demand``; an adaptive-capacity compressor sizes its next payloads
-  from the largest). Both are the field's capacity for a payload without a length;
+  from the largest, and from the mean in use when it bounds its padding). Both are the field's capacity for a payload without a length;
 * per part, per field, the tensor at its full capacity, each starting on an 8-byte
   boundary: ``values`` in the chosen value dtype, ``indices`` as int32 (int64 only when
   ``numel > 2**31 - 1``) and strictly increasing over the entries in use (so a receiver
@@ -117,12 +117,14 @@ class Received:
         malformed: ``[W]`` bool, worker ``w``'s message broke the format.
         nonfinite: 0-d bool, some worker flagged a non-finite input.
         demand: ``[P]`` int, per part the largest demand of any worker.
+        used: ``[P]`` float, per part the mean over workers of the entries in use.
     """
 
     payloads: list[list[Payload]]
     malformed: torch.Tensor
     nonfinite: torch.Tensor
     demand: torch.Tensor
+    used: torch.Tensor
 
 
 class MessageLayout:
@@ -171,12 +173,13 @@ class MessageLayout:
             for slot in self.slots
         }
         payloads: list[list[Payload]] = [[] for _ in range(world)]
-        demands = []
+        demands, used = [], []
         for part, template in enumerate(self.templates):
             length, demand = header[:, 1 + 2 * part], header[:, 2 + 2 * part]
             capacity = template.capacity
             malformed |= (length < 0) | (length > capacity) | (demand < 0)
             demands.append(demand.amax())
+            used.append(length.clamp(0, capacity).to(torch.float32).mean())
             columns: dict[str, Any] = {name: fields[(part, name)] for name in template.fields()}
             if template.variable_size:
                 columns, bad = _checked_entries(columns, length, capacity, template.numel)
@@ -192,7 +195,9 @@ class MessageLayout:
                         **{name: column[w] for name, column in columns.items()},
                     )
                 )
-        return Received(payloads, malformed, (flags & NONFINITE).any(), torch.stack(demands))
+        return Received(
+            payloads, malformed, (flags & NONFINITE).any(), torch.stack(demands), torch.stack(used)
+        )
 
 
 def _checked_entries(

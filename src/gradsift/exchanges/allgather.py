@@ -57,7 +57,11 @@ class Allgather(Exchange):
             if flags:
                 malformed = malformed | torch.stack(flags).any()
             return Outcome.of(
-                parts, list(sent), nonfinite=received.nonfinite, malformed=malformed, demand=received.demand
+                parts,
+                list(sent),
+                nonfinite=received.nonfinite,
+                malformed=malformed,
+                demand=(received.demand, received.used),
             )
 
         return gather_payloads(sent, context).then(finish)

@@ -111,7 +111,10 @@ class SharedMask(Exchange):
             ]
             flags = torch.zeros(world, dtype=torch.bool, device=device)
             flags[leader : leader + 1] = malformed
-            return Outcome.of(parts, list(sent), nonfinite=nonfinite, malformed=flags, demand=demands)
+            in_use = lengths.clamp_min(0)  # every worker sends at the leader's positions (beyond: malformed)
+            return Outcome.of(
+                parts, list(sent), nonfinite=nonfinite, malformed=flags, demand=(demands, in_use)
+            )
 
         return allreduce_sum(message_values, context.group, "values allreduce").then(finish)
 

@@ -85,7 +85,7 @@ class _Checks:
 
     nonfinite: list[Slot] = field(default_factory=list)
     malformed: list[Slot] = field(default_factory=list)
-    demands: list[tuple[Hashable, int, Slot]] = field(default_factory=list)
+    demands: list[tuple[Hashable, int, Slot, Slot]] = field(default_factory=list)
 
 
 @dataclass
@@ -173,8 +173,8 @@ class StepLedger:
                 bucket.result.fill_(self.fill_value)
         else:
             step.transaction.commit()
-            for key, numel, slot in checks.demands:
-                capacities.follow(key, slot[0], numel)
+            for key, numel, demand, used in checks.demands:
+                capacities.follow(key, demand[0], used[0], numel)
             if step.keys:
                 step.transaction.store.retain(step.keys)
         for bucket in step.buckets:
@@ -192,8 +192,8 @@ def _register(step: OpenStep, outcomes: list[Outcome]) -> _Checks:
         if outcome.nonfinite:
             checks.nonfinite.append(readout.slot(torch.stack(outcome.nonfinite).any()))
         checks.malformed.extend(readout.slot(flags) for flags in outcome.malformed)
-        for key, (demand, numel) in outcome.demands.items():
-            checks.demands.append((key, numel, readout.slot(demand)))
+        for key, (demand, used, numel) in outcome.demands.items():
+            checks.demands.append((key, numel, readout.slot(demand), readout.slot(used)))
         bucket.record.register(readout)
     return checks
 

@@ -70,6 +70,12 @@ class HookOptions:
             holds the same ``s``, so the same ``e`` and ``c``. Needs a compressor whose
             ``server_stage`` is True (``signsgd``, ``efsignsgd``, ``onebit``) and an exchange
             that hands every rank the same mean (the allgather); refused otherwise.
+        padding_target: for a compressor whose payload's capacity follows its demand
+            (``vgc``, ``threshold``): None (default) -- each capacity is the last step's
+            largest demand; a number >= 1 -- the room over entries sent that the
+            capacities aim for, by sending at most a fraction of that demand (entries
+            beyond the room wait in the residual; :mod:`gradsift.hook.capacity`).
+            Refused for the other compressors.
         log_every: log every this many steps (``gradsift.hook`` logger, INFO); 0 = off.
         jsonl_path: also append each logged step to this JSON-lines file.
     """
@@ -90,6 +96,7 @@ class HookOptions:
     adam: str = "frozen-variance"
     residual_decay: float = 1.0
     server_feedback: bool = False
+    padding_target: float | None = None
     log_every: int = 0
     jsonl_path: str | os.PathLike[str] | None = None
 
@@ -114,6 +121,8 @@ class HookOptions:
         check_choice(self.adam, "adam", ADAM_METHODS)
         check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
         check_bool(self.server_feedback, "server_feedback")
+        if self.padding_target is not None:
+            check_real(self.padding_target, "padding_target", low=1.0)
         if self.scaler is not None and not hasattr(self.scaler, "is_enabled"):
             raise InvalidOptionError(
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"

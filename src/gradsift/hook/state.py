@@ -71,7 +71,7 @@ class GradsiftHookState:
     layout: ParameterLayout = dataclasses.field(default_factory=ParameterLayout)
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
-    capacities: CapacityPlan = dataclasses.field(default_factory=CapacityPlan)
+    capacities: CapacityPlan = dataclasses.field(init=False)
     adam: AdamStep | None = None
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
@@ -103,6 +103,13 @@ class GradsiftHookState:
             self.feedback = ErrorFeedback(
                 self.options.momentum, self.options.momentum_masking, self.store, self.options.residual_decay
             )
+        if self.options.padding_target is not None and not self.compressor.adaptive_capacity:
+            adaptive = [n for n in available_compressors() if compressor_class(n).adaptive_capacity]
+            raise InvalidOptionError(
+                f"padding_target bounds the padding of a capacity that follows the demand "
+                f"({', '.join(adaptive)}); {self.compressor.name}'s capacity is fixed by its options"
+            )
+        self.capacities = CapacityPlan(self.options.padding_target)
         self.compressor.bind_store(self.store)
         self.ledger.nonfinite = self.options.nonfinite
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)

@@ -45,7 +45,7 @@ class HookEncoder:
         self.key = key
         self.capacities = CapacityPlan()
         self._step = Transaction(compressor.store, compressor)
-        self._encoded: tuple[Count, int] | None = None  # what the open step sent: demand, numel
+        self._encoded: tuple[Count, Count, int] | None = None  # the open step's demand, entries sent, numel
 
     def encode(self, flat: torch.Tensor) -> Payload:
         """Encode ``flat`` (1-D) in the open step, as the hook does; the payload keeps its padding."""
@@ -63,16 +63,18 @@ class HookEncoder:
             self._step.roll_back()
             self._step = Transaction(self.compressor.store, self.compressor)
             raise
-        self._encoded = (payload.entries() if payload.demand is None else payload.demand, numel)
+        entries = payload.entries()
+        self._encoded = (entries if payload.demand is None else payload.demand, entries, numel)
         return payload
 
     def close(self) -> None:
         """Close the step :meth:`encode` encoded in, as the hook's step close keeps a step; open the next."""
         if self._encoded is None:
             raise GradsiftError("HookEncoder.close: no step is open; encode() opens one")
-        (demand, numel), self._encoded = self._encoded, None
-        read = self._step.readout.slot(torch.as_tensor(demand))  # a host count stays on the host
+        (demand, entries, numel), self._encoded = self._encoded, None
+        wanted = self._step.readout.slot(torch.as_tensor(demand))  # a host count stays on the host
+        used = self._step.readout.slot(torch.as_tensor(entries))
         self._step.readout.read()  # the step's one host read
         self._step.commit()
-        self.capacities.follow(self.key, read[0], numel)
+        self.capacities.follow(self.key, wanted[0], used[0], numel)
         self._step = Transaction(self.compressor.store, self.compressor)
