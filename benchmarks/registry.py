@@ -288,6 +288,25 @@ PADDING_CLAIMS = tuple(
     for model, result in PADDING.items()
     for short, label in (("vgc", "vgc-alpha4"), ("threshold", "threshold-0.1"))
 )  # fmt: skip
+PADDING_ARMS = (("VGC alpha 4", "vgc-alpha4"), ("VGC alpha 4, `padding_target=1.1`", "vgc-alpha4-padding1.1"),
+                ("VGC alpha 6", "vgc-alpha6"), ("`threshold` 0.1", "threshold-0.1"))
+PADDING_TABLE = Table(
+    "vgc-padding",
+    ("model", "configuration", "padded / sent", "kB on the wire per step", "test accuracy"),
+    ("---", "---", "---:", "---:", "---:"),
+    tuple(
+        (model, name,
+         Claim(f"padtab.{model}.{label}.ratio", result,
+               (f"results/{label}/padded_over_sent_mean", f"results/{label}/padded_over_sent_sd"), "{:.2f} ± {:.2f}",
+               compute=lambda mean, sd: (mean, sd)),
+         Claim(f"padtab.{model}.{label}.kb", result, (f"results/{label}/bytes_padded_per_step_mean",), "{:.1f}",
+               compute=lambda b: b / 1000),
+         Claim(f"padtab.{model}.{label}.accuracy", result,
+               (f"results/{label}/accuracy_mean", f"results/{label}/accuracy_sd"), "{:.3f} ± {:.3f}",
+               compute=lambda mean, sd: (mean, sd)))
+        for model, result in PADDING.items() for name, label in PADDING_ARMS
+    ),
+)  # fmt: skip
 HOOK_MODELS = ("mlp", "vgg", "lstm")
 VGC_HOOK_CLAIMS = (
     Claim("vgc.hooks.backward", VGC_HOOKS, ("results/*/backward_ratio_to_plain/hooks-approx-conv",), "{}x",
@@ -891,6 +910,7 @@ TABLES = (
     _ddp_table("2"),
     _ddp_table("4"),
     EXIT_TABLE,
+    PADDING_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.capacity import CapacityPlan
 from gradsift.hook.state import GradsiftHookState
 from support.distributed import run_workers
 
@@ -108,3 +109,24 @@ def test_a_padding_target_is_refused_for_a_capacity_fixed_by_the_options():
         GradsiftHookState.build("topk", ratio=0.1, padding_target=1.1)
     with pytest.raises(InvalidOptionError, match=r"padding_target must lie in \[1.0"):
         GradsiftHookState.build("vgc", padding_target=0.9)
+
+
+def test_a_threshold_is_refused_on_the_balanced_exchange_which_reports_no_demand():
+    # its capacity would never leave first_ratio's: a hidden ratio in place of the threshold
+    with pytest.raises(InvalidOptionError, match="cannot travel by exchange 'balanced'"):
+        GradsiftHookState.build("threshold", threshold=0.1, exchange="balanced")
+
+
+def test_the_padding_factor_and_the_rooms_round_trip_through_a_checkpoint():
+    compressor = gradsift.get_compressor("vgc", alpha=4.0)
+    plan = CapacityPlan(padding_target=1.2)
+    assert plan.capacity(compressor, "p", 10_000) == 100  # first_ratio 0.01
+    plan.follow("p", demand=400, used=100, numel=10_000)  # full room: padding 1, f -> min(1, sqrt(1.2))
+    assert plan.factors["p"] == 1.0 and plan.rooms["p"] == 400
+    plan.follow("p", demand=160, used=100, numel=10_000)  # 400 of room for 100: f = sqrt(1.2 / 4)
+    assert plan.factors["p"] == pytest.approx(math.sqrt(0.3))
+    assert plan.rooms["p"] == 16 * math.ceil(math.sqrt(0.3) * 160 / 16)
+    restored = CapacityPlan(padding_target=1.2)
+    restored.load_state_dict(plan.state_dict())
+    assert restored.capacity(compressor, "p", 10_000) == plan.rooms["p"]
+    assert restored.factors == plan.factors

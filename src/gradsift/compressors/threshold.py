@@ -57,7 +57,8 @@ class HardThreshold(Sparsifier):
     method has no ``ratio``. Under the DDP hook the payload's capacity follows the
     counts of earlier steps (``adaptive_capacity``; the first step's is ``first_ratio``
     of the elements); when more elements pass than there is room for, the largest go
-    and the rest wait in error feedback.
+    and the rest wait in error feedback. It travels by the allgather (default) or the
+    shared mask, which report the demand.
 
     Options:
         threshold: ``eta``, a finite number > 0 (required). Compared in the
@@ -73,6 +74,9 @@ class HardThreshold(Sparsifier):
 
     name = "threshold"
     adaptive_capacity = True
+    # Not the balanced exchange: its re-sparsified slices report no demand, so the
+    # capacity would stay at first_ratio's, a hidden ratio in place of the threshold.
+    exchanges = ("allgather", "shared-mask")
 
     def __init__(self, threshold: float, first_ratio: float = 0.01) -> None:
         self.threshold = check_real(

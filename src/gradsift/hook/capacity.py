@@ -12,7 +12,7 @@ most ``n``), every step. The payload is padded to its capacity, so room kept for
 demand that does not come is sent as zeros, and entries beyond it wait in the residual
 for the next step. Measured on VGC (alpha 4, 2 ranks; docs/decisions.md): the rule
 before issue 27 (``1.25 x demand``, changed only on growth or below half) sent 1.9x
-the entries' bytes; 10 % headroom every step 1.37-1.52x; the demand itself 1.28x (MLP)
+the entries' bytes; 10 % headroom every step 1.37-1.52x; the demand itself 1.27x (MLP)
 and 1.43x (VGG), a fixed ``threshold`` 1.12x (``benchmarks/vgc/padding.py``, 3 seeds).
 What is left is VGC's bursts from step to step and the allgather's padding to the
 largest worker; a capacity fixed before the data exists cannot remove them without a
