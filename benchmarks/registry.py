@@ -288,8 +288,12 @@ PADDING_CLAIMS = tuple(
     for model, result in PADDING.items()
     for short, label in (("vgc", "vgc-alpha4"), ("threshold", "threshold-0.1"))
 )  # fmt: skip
-PADDING_ARMS = (("VGC alpha 4", "vgc-alpha4"), ("VGC alpha 4, `padding_target=1.1`", "vgc-alpha4-padding1.1"),
-                ("VGC alpha 6", "vgc-alpha6"), ("`threshold` 0.1", "threshold-0.1"))
+PADDING_ARMS = (
+    ("VGC alpha 4", "vgc-alpha4"),
+    ("VGC alpha 4, `padding_target=1.1`", "vgc-alpha4-padding1.1"),
+    ("VGC alpha 6", "vgc-alpha6"),
+    ("`threshold` 0.1", "threshold-0.1"),
+)
 PADDING_TABLE = Table(
     "vgc-padding",
     ("model", "configuration", "padded / sent", "kB on the wire per step", "test accuracy"),
