@@ -7,7 +7,8 @@ most its size; the first step's comes from the compressor. Padding then stays ne
 was sent (the rule before issue 27 padded VGC to 1.9x on these runs). Under
 ``padding_target=T`` the capacity is ``f_t`` times that demand, where ``f`` starts at 1
 and moves by ``sqrt(T u_t / c_t)`` (``u_t``: the mean entries the ranks sent, ``c_t``:
-the capacity), kept in [1/4, 1].
+the capacity), kept in [1/4, 1]; the first step's capacity, from the options, moves no
+factor.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_a_padding_target_scales_the_demand_by_a_factor_that_follows_the_padding
             continue
         capacity, numel = room[step - 1, key]
         f = factor.get(key, 1.0)
-        if used[step - 1, key] > 0:
+        if (step - 2, key) in room and used[step - 1, key] > 0:  # the first step's room moves no factor
             f = min(1.0, max(0.25, f * math.sqrt(1.1 * used[step - 1, key] / capacity)))
         factor[key] = f
         expected = min(numel, max(16, 16 * math.ceil(f * demand[step - 1, key] / 16)))
@@ -121,8 +122,8 @@ def test_the_padding_factor_and_the_rooms_round_trip_through_a_checkpoint():
     compressor = gradsift.get_compressor("vgc", alpha=4.0)
     plan = CapacityPlan(padding_target=1.2)
     assert plan.capacity(compressor, "p", 10_000) == 100  # first_ratio 0.01
-    plan.follow("p", demand=400, used=100, numel=10_000)  # full room: padding 1, f -> min(1, sqrt(1.2))
-    assert plan.factors["p"] == 1.0 and plan.rooms["p"] == 400
+    plan.follow("p", demand=400, used=100, numel=10_000)  # the first step's room moves no factor
+    assert "p" not in plan.factors and plan.rooms["p"] == 400
     plan.follow("p", demand=160, used=100, numel=10_000)  # 400 of room for 100: f = sqrt(1.2 / 4)
     assert plan.factors["p"] == pytest.approx(math.sqrt(0.3))
     assert plan.rooms["p"] == 16 * math.ceil(math.sqrt(0.3) * 160 / 16)

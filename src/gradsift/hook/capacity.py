@@ -21,7 +21,8 @@ host read.
 ``padding_target=T`` (a hook option) bounds the padding instead, by sending less than
 the demand: part ``p``'s capacity is ``c_{t+1} = f_t d_t`` (rounded up as above), where
 ``d_t`` is the step's largest demand and the factor ``f`` starts at 1 and follows the
-padding the step had, ``f_t = clip(f_{t-1} (T u_t / c_t)^(1/2), 1/4, 1)`` with ``u_t``
+padding the step had (from the second kept step on: the first step's room comes from the
+options), ``f_t = clip(f_{t-1} (T u_t / c_t)^(1/2), 1/4, 1)`` with ``u_t``
 the mean over workers of the entries sent (read with the demand); entries beyond the
 room wait in the residual. It reaches the bound but costs accuracy that fewer entries
 chosen by a higher ``alpha`` do not, at fewer bytes on the wire (VGG, 3 seeds; the
@@ -64,12 +65,12 @@ class CapacityPlan:
         base = compressor.capacity(numel)
         if base is None or not compressor.adaptive_capacity:
             return base
-        return self.rooms.setdefault(key, min(numel, base))
+        return min(numel, self.rooms.get(key, base))
 
     def follow(self, key: Hashable, demand: float, used: float, numel: int) -> None:
         """Set part ``key``'s next capacity from a kept step: the largest ``demand`` of any
         worker, and (under a padding target) ``used``, the mean entries the workers sent
-        in the room :meth:`capacity` gave."""
+        in the room this plan gave (the first step's, from the options, moves no factor)."""
         factor = 1.0
         if self.padding_target is not None:
             factor = self.factors.get(key, 1.0)
