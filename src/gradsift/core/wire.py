@@ -10,7 +10,8 @@ single collective with no size exchange first. It is one byte buffer:
   held NaN or Inf", so the non-finite flag rides in the message at no extra round
   trip), then per part the entries in use (``length``) and the entries the compressor
   wanted to send (``demand``; an adaptive-capacity compressor sizes its next payloads
-  from the largest, and from the mean in use when it bounds its padding). Both are the field's capacity for a payload without a length;
+  from the largest, and from the mean in use when it bounds its padding). Both are the
+  field's capacity for a payload without a length;
 * per part, per field, the tensor at its full capacity, each starting on an 8-byte
   boundary: ``values`` in the chosen value dtype, ``indices`` as int32 (int64 only when
   ``numel > 2**31 - 1``) and strictly increasing over the entries in use (so a receiver
