@@ -377,6 +377,15 @@ HOOK_AFTERNOON = tuple(
     for suffix, profile in (("", 10), ("-repeat", 0))
 )  # fmt: skip
 
+#: The same two runs again on the evening of 3 December, on c427f0d (after the adaptive-capacity change).
+HOOK_EVENING = tuple(
+    Result(f"results/hook_overhead/evening{suffix}.json",
+           f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
+           f"--profile-steps {profile} --json /tmp/{name}.json "
+           f"(a clean worktree of c427f0d; committed as evening{suffix}.json)")
+    for suffix, profile, name in (("", 10, "ho2"), ("-repeat", 0, "ho"))
+)  # fmt: skip
+
 
 def hook_run_claims(name: str, result: Result) -> tuple[Claim, ...]:
     """One run's stock step and every configuration's step over it, as ``hook.<name>.<config>``."""
@@ -406,6 +415,13 @@ HOOK_CLAIMS = (
     *hook_run_claims("afternoon", HOOK_AFTERNOON[0]),
     *hook_run_claims("afternoon.repeat", HOOK_AFTERNOON[1]),
     Claim("hook.afternoon.commit", HOOK_AFTERNOON[0], ("provenance/commit",), "{:.7}"),
+    *hook_run_claims("evening", HOOK_EVENING[0]),
+    *hook_run_claims("evening.repeat", HOOK_EVENING[1]),
+    *(Claim(f"hook.evening{suffix}.builtin", result, ("results/torch-builtin-hook/ratio_to_stock",), "{:.3f}x")
+      for suffix, result in zip(("", ".repeat"), HOOK_EVENING, strict=True)),
+    Claim("hook.evening.commit", HOOK_EVENING[0], ("provenance/commit",), "{:.7}"),
+    Claim("hook.evening.load", HOOK_EVENING[1], ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
     Claim("hook.afternoon.load", HOOK_AFTERNOON[0], ("provenance/load_before/0", "provenance/load_after/0"),
           "{:.1f} before / {:.1f} after", compute=lambda *v: v),
     Claim("hook.commit", HOOK, ("provenance/commit",), "{:.7}"),
