@@ -13,7 +13,7 @@ import torch
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.cli import build_parser
 from gradsift.tools.cli import main as cli_main
-from gradsift.tools.commands.train import config_from_args, exchange_options
+from gradsift.tools.commands.train import config_from_args, exchange_options, format_summary
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.demo import LENGTHS
 from gradsift.tools.train.devices import DEVICES
@@ -107,3 +107,21 @@ def test_analyze_shows_progress_over_the_tensors(tmp_path, capsys):
     assert (tmp_path / "out.json").is_file()
     assert cli_main([*argv, "--no-progress"]) == 0
     assert "2/2" not in capsys.readouterr().err
+
+
+def _summary(sent: float, padded: float) -> dict:
+    return {"final_test_accuracy": 0.8, "time_to_accuracy_s": None, "compressor": "vgc", "workers": 2,
+            "model": "mlp", "steps": 10, "step_time_median_s": 0.01, "bytes_sent_per_step": sent,
+            "bytes_padded_per_step": padded, "dense_bytes_per_step": 1e6, "compression_factor": 1e6 / sent,
+            "achieved_density": 0.01, "wall_time_s": 1.0, "target_accuracy": None}  # fmt: skip
+
+
+def test_the_summary_names_the_bytes_padded_to_capacity_when_they_exceed_those_sent():
+    padded = format_summary(_summary(sent=10_000, padded=14_300), "runs/x")
+    # the wire carries the whole capacity: 1e6 dense bytes over 14,300 on the wire
+    assert (
+        "0.010 MB sent per step per worker (100.0x less than fp32), 0.014 MB with the padding to "
+        "capacity (69.9x less)" in padded
+    )
+    exact = format_summary(_summary(sent=10_000, padded=10_000), "runs/x")
+    assert "padding" not in exact and "(100.0x less than fp32), density" in exact

@@ -300,17 +300,29 @@ def _run_as_torchrun_rank(config: TrainConfig) -> dict[str, Any] | None:
     return run_worker(config)
 
 
+#: The summary names the bytes padded to capacity when they exceed the bytes sent by more than this factor.
+PADDING_SHOWN = 1.01
+
+
 def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
     demo = (summary.get("recipe") or {}).get("optimizer") == "DeMo"  # its own exchange, compressor none
+    sent, wire = summary["bytes_sent_per_step"], summary["bytes_padded_per_step"]
+    # a payload padded to its capacity travels whole: say so when the padding is more than rounding
+    padded = (
+        f", {wire / 1e6:.3f} MB with the padding to capacity "
+        f"({summary['dense_bytes_per_step'] / wire:.1f}x less)"
+        if wire > PADDING_SHOWN * sent
+        else ""
+    )
     lines = [
         f"{'DeMo' if demo else summary['compressor']} on {summary['workers']} workers ({summary['model']}, {summary['steps']} steps): "
         f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation",
         f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, "
         f"{summary['bytes_sent_per_step'] / 1e6:.3f} MB sent per step per worker "
-        f"({summary['compression_factor']:.1f}x less than fp32), density {summary['achieved_density']:.4f}",
+        f"({summary['compression_factor']:.1f}x less than fp32){padded}, density {summary['achieved_density']:.4f}",
         f"  wall time {summary['wall_time_s']:.1f} s"
         + (f", time to accuracy {summary['target_accuracy']}: " + (f"{tta:.1f} s" if tta is not None else "not reached")
            if summary["target_accuracy"] is not None else ""),
