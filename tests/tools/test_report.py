@@ -25,11 +25,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(directory: Path, compressor: str, accuracies: list[float], *, step_s: float, bytes_sent: float,
-             ratio: float | None = None) -> Path:  # fmt: skip
+             ratio: float | None = None, bytes_padded: float | None = None) -> Path:  # fmt: skip
     """A run directory as `gradsift train` writes it, from hand-made records."""
     steps = [{"step": i, "loss": 1.0, "step_s": step_s, "compute_s": step_s / 2, "compress_s": 0.002,
               "communicate_s": step_s / 2 - 0.003, "decompress_s": 0.001, "bytes_sent": bytes_sent,
-              "bytes_padded": bytes_sent, "dense_bytes": 4000.0, "density": bytes_sent / 4000.0}
+              "bytes_padded": bytes_sent if bytes_padded is None else bytes_padded, "dense_bytes": 4000.0, "density": bytes_sent / 4000.0}
              for i in range(4 * len(accuracies))]  # fmt: skip
     evals = [{"step": 4 * (i + 1), "accuracy": a, "loss": 1.0, "train_time_s": 4 * (i + 1) * step_s,
               "wall_time_s": 5 * (i + 1) * step_s} for i, a in enumerate(accuracies)]  # fmt: skip
@@ -66,6 +66,16 @@ def test_table_rows_and_default_target(runs_dir: Path) -> None:
     table = format_table(rows)
     assert "t->0.840 s" in table and "topk r=0.01 w2 100mbit" in table and "50.0" in table
     assert runs[1].cumulative_bytes_at(8) == 640.0
+
+
+def test_the_table_gives_the_factor_below_fp32_on_the_wire_with_the_padding(tmp_path: Path) -> None:
+    make_run(tmp_path / "vgc", "vgc", [0.5, 0.8], step_s=0.1, bytes_sent=80.0, bytes_padded=100.0)
+    (row,) = comparison_rows(find_runs([tmp_path / "vgc"]), None)
+    assert row["compression_factor"] == pytest.approx(50.0)  # 4000 dense bytes over 80 sent
+    assert row["wire_factor"] == pytest.approx(40.0)  # ... over the 100 on the wire
+    lines = format_table([row]).splitlines()
+    cells = lines[2][len(row["run"]) :].split()  # after the label, which has spaces: MB/step, fp32/sent, ...
+    assert lines[0].split()[2:4] == ["fp32/sent", "fp32/wire"] and cells[1:3] == ["50.0", "40.0"]
 
 
 def test_no_dense_run_means_no_default_target(runs_dir: Path) -> None:

@@ -140,6 +140,7 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             "run": run.label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
             "bandwidth": s.get("bandwidth"), "steps": s["steps"],
             "bytes_per_step": s["bytes_sent_per_step"], "compression_factor": s["compression_factor"],
+            "wire_factor": s["dense_bytes_per_step"] / max(s["bytes_padded_per_step"], 1.0),
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,
@@ -162,6 +163,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         "run",
         "MB/step",
         "fp32/sent",
+        "fp32/wire",
         "density",
         "overhead ms",
         "comm ms",
@@ -172,7 +174,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     body = [
         [r["run"], _cell(r["bytes_per_step"] / 1e6, ".3f"), _cell(r["compression_factor"], ".1f"),
-         _cell(r["density"], ".4f"), _cell(r["overhead_ms"], ".1f"), _cell(r["communicate_ms"], ".1f"),
+         _cell(r["wire_factor"], ".1f"), _cell(r["density"], ".4f"), _cell(r["overhead_ms"], ".1f"), _cell(r["communicate_ms"], ".1f"),
          _cell(r["step_ms"], ".1f"), _cell(r["accuracy"], ".4f"), _cell(r["time_to_accuracy_s"], ".1f"),
          _cell(r["train_time_s"], ".1f")]
         for r in rows
