@@ -102,13 +102,14 @@ def test_two_workers_two_parts_round_trip_with_padding_lengths_and_demands():
         wire.to_wire(payload([2, 3])),
     ]
     theirs = [
-        wire.to_wire(payload([0, 5, 9, 0], length=torch.tensor(3), demand=torch.tensor(4))),
+        wire.to_wire(payload([0, 5, 9, 0], length=torch.tensor(2), demand=torch.tensor(4))),
         wire.to_wire(payload([1, 4])),
     ]
     layout = wire.MessageLayout(mine)
     received = layout.unpack(gathered(layout, [mine, theirs]), world=2)
     assert received.malformed.tolist() == [False, False] and not bool(received.nonfinite)
     assert received.demand.tolist() == [9, 2]  # the most any worker wanted, per part
+    assert received.used.tolist() == [2.5, 2.0]  # the mean entries in use: (3 + 2) / 2, (2 + 2) / 2
     for worker, sent in enumerate([mine, theirs]):
         for got, want in zip(received.payloads[worker], sent, strict=True):
             used = int(want.entries())

@@ -174,13 +174,10 @@ class MessageLayout:
             for slot in self.slots
         }
         payloads: list[list[Payload]] = [[] for _ in range(world)]
-        demands, used = [], []
         for part, template in enumerate(self.templates):
             length, demand = header[:, 1 + 2 * part], header[:, 2 + 2 * part]
             capacity = template.capacity
             malformed |= (length < 0) | (length > capacity) | (demand < 0)
-            demands.append(demand.amax())
-            used.append(length.clamp(0, capacity).to(torch.float32).mean())
             columns: dict[str, Any] = {name: fields[(part, name)] for name in template.fields()}
             if template.variable_size:
                 columns, bad = _checked_entries(columns, length, capacity, template.numel)
@@ -196,9 +193,10 @@ class MessageLayout:
                         **{name: column[w] for name, column in columns.items()},
                     )
                 )
-        return Received(
-            payloads, malformed, (flags & NONFINITE).any(), torch.stack(demands), torch.stack(used)
-        )
+        # every part at once (a length beyond its capacity is malformed: the step is dropped)
+        lengths, demands = header[:, 1::2], header[:, 2::2]
+        used = lengths.clamp_min(0).to(torch.float32).mean(dim=0)
+        return Received(payloads, malformed, (flags & NONFINITE).any(), demands.amax(dim=0), used)
 
 
 def _checked_entries(

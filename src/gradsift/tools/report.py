@@ -21,7 +21,7 @@ from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.frontier import FRONTIER_PLOT, frontier_points, group_by_family
-from gradsift.tools.train.summary import PHASES, time_to_accuracy
+from gradsift.tools.train.summary import PHASES, time_to_accuracy, wire_factor
 
 #: The PNG files :func:`plot_runs` always writes (and :data:`FRONTIER_PLOT` when it has points).
 PLOTS = ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "density.png", "time_per_phase.png")
@@ -140,7 +140,7 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             "run": run.label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
             "bandwidth": s.get("bandwidth"), "steps": s["steps"],
             "bytes_per_step": s["bytes_sent_per_step"], "compression_factor": s["compression_factor"],
-            "wire_factor": s["dense_bytes_per_step"] / max(s["bytes_padded_per_step"], 1.0),
+            "wire_factor": wire_factor(s),
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,

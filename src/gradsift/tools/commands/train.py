@@ -306,14 +306,15 @@ PADDING_SHOWN = 1.01
 
 def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
+    from gradsift.tools.train.summary import wire_factor
+
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
     demo = (summary.get("recipe") or {}).get("optimizer") == "DeMo"  # its own exchange, compressor none
     sent, wire = summary["bytes_sent_per_step"], summary["bytes_padded_per_step"]
     # a payload padded to its capacity travels whole: say so when the padding is more than rounding
     padded = (
-        f", {wire / 1e6:.3f} MB with the padding to capacity "
-        f"({summary['dense_bytes_per_step'] / wire:.1f}x less)"
+        f", {wire / 1e6:.3f} MB with the padding to capacity ({wire_factor(summary):.1f}x less)"
         if wire > PADDING_SHOWN * sent
         else ""
     )

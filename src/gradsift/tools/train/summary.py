@@ -43,6 +43,12 @@ def time_to_loss(evals: Sequence[dict[str, Any]], target: float | None) -> float
     return next((e["train_time_s"] for e in evals if e["loss"] <= target), None)
 
 
+def wire_factor(summary: dict[str, Any]) -> float:
+    """fp32's bytes over the bytes on the wire, padding to capacity included (``compression_factor``
+    divides by the bytes sent instead)."""
+    return summary["dense_bytes_per_step"] / max(summary["bytes_padded_per_step"], 1.0)
+
+
 def summarize(
     steps: Sequence[dict[str, Any]],
     evals: Sequence[dict[str, Any]],
