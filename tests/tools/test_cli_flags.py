@@ -125,3 +125,19 @@ def test_the_summary_names_the_bytes_padded_to_capacity_when_they_exceed_those_s
     )
     exact = format_summary(_summary(sent=10_000, padded=10_000), "runs/x")
     assert "padding" not in exact and "(100.0x less than fp32), density" in exact
+
+
+def test_the_summary_of_one_worker_alone_says_nothing_was_sent():
+    # the telemetry counts the dense message a lone worker would send; the line must not report it as sent
+    alone = format_summary({**_summary(sent=1e6, padded=1e6), "workers": 1, "compressor": "none"}, "runs/x")
+    assert "none on 1 worker (mlp, 10 steps): test accuracy 0.8000" in alone
+    assert (
+        "nothing sent (one worker alone)" in alone
+        and "MB sent" not in alone
+        and "less than fp32" not in alone
+    )
+
+
+def test_the_summary_without_evaluation_keeps_its_headline():
+    quiet = format_summary({**_summary(sent=10_000, padded=10_000), "final_test_accuracy": None}, "runs/x")
+    assert quiet.splitlines()[0] == "vgc on 2 workers (mlp, 10 steps): no evaluation"

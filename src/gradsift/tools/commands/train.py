@@ -318,12 +318,19 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         if wire > PADDING_SHOWN * sent
         else ""
     )
+    workers = summary["workers"]
+    # one worker alone exchanges nothing: its telemetry still counts the dense message it would send
+    traffic = (
+        "nothing sent (one worker alone)"
+        if workers == 1
+        else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
+    )
     lines = [
-        f"{'DeMo' if demo else summary['compressor']} on {summary['workers']} workers ({summary['model']}, {summary['steps']} steps): "
-        f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation",
-        f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, "
-        f"{summary['bytes_sent_per_step'] / 1e6:.3f} MB sent per step per worker "
-        f"({summary['compression_factor']:.1f}x less than fp32){padded}, density {summary['achieved_density']:.4f}",
+        f"{'DeMo' if demo else summary['compressor']} on {workers} worker{'' if workers == 1 else 's'} "
+        f"({summary['model']}, {summary['steps']} steps): "
+        + (f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation"),
+        f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, {traffic}, "
+        f"density {summary['achieved_density']:.4f}",
         f"  wall time {summary['wall_time_s']:.1f} s"
         + (f", time to accuracy {summary['target_accuracy']}: " + (f"{tta:.1f} s" if tta is not None else "not reached")
            if summary["target_accuracy"] is not None else ""),
