@@ -9,7 +9,8 @@ by the bytes on the wire per step and the accuracy. For each configuration and s
 this runs ``gradsift train`` (localhost gloo, 2 workers) and reads rank 0's per-step
 telemetry: padded over sent is ``sum(bytes_padded) / sum(bytes_sent)`` over the steps
 from ``--skip`` on (the first steps start from ``first_ratio``), with the final test
-accuracy. Usage (repository root):
+accuracy. The controls train the same model in the same run: fp32 (``none``), ``bf16`` and
+one worker alone (no communication, the zero-byte run). Usage (repository root):
 
     flock /tmp/gradsift-cpu.lock python benchmarks/vgc/padding.py --json results/vgc/padding.json
 """
@@ -28,14 +29,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
-#: (label, compressor, its options): VGC at the paper's alpha, a fixed threshold at about 2 % density on the
-#: MLP, VGC with its padding bounded (the hook's ``padding_target``), and VGC at a higher alpha, the
-#: control that sends fewer bytes by sending fewer entries instead.
+#: (label, compressor, its options, workers): the controls -- fp32, bf16 and one worker alone with no
+#: communication -- then VGC at the paper's alpha, a fixed threshold at about 2 % density on the MLP, VGC
+#: with its padding bounded (the hook's ``padding_target``), and VGC at a higher alpha, the arm that sends
+#: fewer bytes by sending fewer entries instead.
 CONFIGS = (
-    ("vgc-alpha4", "vgc", ("alpha=4",)),
-    ("threshold-0.1", "threshold", ("threshold=0.1",)),
-    ("vgc-alpha4-padding1.1", "vgc", ("alpha=4", "padding_target=1.1")),
-    ("vgc-alpha6", "vgc", ("alpha=6",)),
+    ("fp32", "none", (), 2),
+    ("bf16", "bf16", (), 2),
+    ("alone", "none", (), 1),
+    ("vgc-alpha4", "vgc", ("alpha=4",), 2),
+    ("threshold-0.1", "threshold", ("threshold=0.1",), 2),
+    ("vgc-alpha4-padding1.1", "vgc", ("alpha=4", "padding_target=1.1"), 2),
+    ("vgc-alpha6", "vgc", ("alpha=6",), 2),
 )
 
 
@@ -46,23 +51,30 @@ def padding(steps: list[dict[str, Any]], skip: int) -> float:
 
 
 def run(
-    compressor: str, options: tuple[str, ...], seed: int, out: Path, args: argparse.Namespace
+    compressor: str, options: tuple[str, ...], workers: int, seed: int, out: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One ``gradsift train`` run: its padded over sent, accuracy and bytes per step."""
-    command = [sys.executable, "-m", "gradsift", "train", "--model", args.model, "--workers", "2",
+    """One ``gradsift train`` run: its padded over sent, accuracy and bytes per step (one worker
+    alone sends nothing: no ratio, no bytes)."""
+    command = [sys.executable, "-m", "gradsift", "train", "--model", args.model, "--workers", str(workers),
                "--steps", str(args.steps), "--seed", str(seed), "--compressor", compressor, "--no-progress",
                "--out", str(out), *(f"--option={option}" for option in options)]  # fmt: skip
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, timeout=args.timeout)
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    alone = workers == 1
     return {
         "seed": seed,
-        "padded_over_sent": padding(steps, args.skip),
+        "padded_over_sent": None if alone else padding(steps, args.skip),
         "final_test_accuracy": summary["final_test_accuracy"],
-        "bytes_sent_per_step": summary["bytes_sent_per_step"],
-        "bytes_padded_per_step": summary["bytes_padded_per_step"],
+        "bytes_sent_per_step": 0.0 if alone else summary["bytes_sent_per_step"],
+        "bytes_padded_per_step": 0.0 if alone else summary["bytes_padded_per_step"],
     }
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main() -> None:
@@ -83,24 +95,26 @@ def main() -> None:
     stamp = provenance.start(seeds=args.seeds)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, compressor, options in CONFIGS:
+        for label, compressor, options, workers in CONFIGS:
             runs = [
-                run(compressor, options, seed, Path(tmp) / f"{label}-{seed}", args) for seed in args.seeds
+                run(compressor, options, workers, seed, Path(tmp) / f"{label}-{seed}", args)
+                for seed in args.seeds
             ]
-            ratios = [r["padded_over_sent"] for r in runs]
-            accuracies = [r["final_test_accuracy"] for r in runs]
-            wire = [r["bytes_padded_per_step"] for r in runs]
+            accuracy = mean_sd([r["final_test_accuracy"] for r in runs])
             results[label] = {
                 "compressor": compressor,
                 "options": list(options),
-                "padded_over_sent_mean": statistics.mean(ratios),
-                "padded_over_sent_sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
-                "accuracy_mean": statistics.mean(accuracies),
-                "accuracy_sd": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
-                "bytes_padded_per_step_mean": statistics.mean(wire),
+                "workers": workers,
+                "accuracy_mean": accuracy[0],
+                "accuracy_sd": accuracy[1],
+                "bytes_padded_per_step_mean": statistics.mean(r["bytes_padded_per_step"] for r in runs),
                 "runs": runs,
             }
-            print(f"{label}: padded / sent {statistics.mean(ratios):.3f} over seeds {args.seeds}", flush=True)
+            if workers > 1:
+                ratio = mean_sd([r["padded_over_sent"] for r in runs])
+                results[label].update(padded_over_sent_mean=ratio[0], padded_over_sent_sd=ratio[1])
+                print(f"{label}: padded / sent {ratio[0]:.3f} over seeds {args.seeds}", flush=True)
+            print(f"{label}: test accuracy {accuracy[0]:.4f} +- {accuracy[1]:.4f}", flush=True)
     stamp.write(args.json, args, results=results)
 
 
