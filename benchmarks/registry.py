@@ -289,6 +289,9 @@ PADDING_CLAIMS = tuple(
     for short, label in (("vgc", "vgc-alpha4"), ("threshold", "threshold-0.1"))
 )  # fmt: skip
 PADDING_ARMS = (
+    ("fp32 (`none`)", "fp32"),
+    ("`bf16`", "bf16"),
+    ("one worker alone, no communication", "alone"),
     ("VGC alpha 4", "vgc-alpha4"),
     ("VGC alpha 4, `padding_target=1.1`", "vgc-alpha4-padding1.1"),
     ("VGC alpha 6", "vgc-alpha6"),
@@ -300,6 +303,7 @@ PADDING_TABLE = Table(
     ("---", "---", "---:", "---:", "---:"),
     tuple(
         (model, name,
+         "-" if label == "alone" else  # nothing sent, nothing padded
          Claim(f"padtab.{model}.{label}.ratio", result,
                (f"results/{label}/padded_over_sent_mean", f"results/{label}/padded_over_sent_sd"), "{:.2f} ± {:.2f}",
                compute=lambda mean, sd: (mean, sd)),
@@ -384,6 +388,58 @@ HOOK_EVENING = tuple(
            f"--profile-steps {profile} --json /tmp/{name}.json "
            f"(a clean worktree of c427f0d; committed as evening{suffix}.json)")
     for suffix, profile, name in (("", 10, "ho2"), ("-repeat", 0, "ho"))
+)  # fmt: skip
+
+#: Five back-to-back runs without the profile (the night of 3 December, on 9c9ed43): the run-to-run spread.
+HOOK_SPREAD = tuple(
+    Result(f"results/hook_overhead/spread-{run}.json",
+           f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
+           f"--profile-steps 0 --json results/hook_overhead/spread-{run}.json")
+    for run in range(1, 6)
+)  # fmt: skip
+#: The spread table's columns: (heading, configuration in the run's results).
+SPREAD_COLUMNS = (
+    ("PyTorch's C++ `ALLREDUCE` hook", "torch-builtin-hook"),
+    ("PyTorch's Python `allreduce_hook`", "torch-allreduce-hook"),
+    ("`none`", "none"),
+    ("`sidco-exp@0.01`", "sidco-exp@0.01"),
+)
+
+
+def _spread_median(config: str) -> Claim:
+    """The median over the five runs of one configuration's step over stock DDP's."""
+    path = f"results/{config}/ratio_to_stock"
+    return Claim(f"hookspread.median.{config}", HOOK_SPREAD[0], (path, *((r, path) for r in HOOK_SPREAD[1:])),
+                 "{:.3f}x", compute=lambda *ratios: statistics.median(ratios))  # fmt: skip
+
+
+HOOK_SPREAD_TABLE = Table(
+    "hook-spread",
+    ("run", "stock DDP step", *(heading for heading, _ in SPREAD_COLUMNS)),
+    ("---:", "---:", *("---:" for _ in SPREAD_COLUMNS)),
+    (
+        *((str(run), Claim(f"hookspread.{run}.stock", result, ("results/stock/median_step_ms",), "{:.1f} ms"),
+           *(Claim(f"hookspread.{run}.{config}", result, (f"results/{config}/ratio_to_stock",), "{:.3f}x")
+             for _, config in SPREAD_COLUMNS))
+          for run, result in enumerate(HOOK_SPREAD, start=1)),
+        ("median", "-", *(_spread_median(config) for _, config in SPREAD_COLUMNS)),
+    ),
+)  # fmt: skip
+
+HOOK_SPREAD_CLAIMS = (
+    Claim("hookspread.commit", HOOK_SPREAD[0], ("provenance/commit",), "{:.7}"),
+    Claim("hookspread.started", HOOK_SPREAD[0], ("provenance/started",), "{}",
+          compute=lambda iso: iso[:16].replace("T", " ") + " UTC"),
+    Claim("hookspread.load", HOOK_SPREAD[0], ("provenance/load_before/0", (HOOK_SPREAD[-1], "provenance/load_after/0")),
+          "{:.1f} before the first / {:.1f} after the last", compute=lambda *v: v),
+    *(Claim(f"hookspread.range.{config}", HOOK_SPREAD[0],
+            (f"results/{config}/ratio_to_stock", *((r, f"results/{config}/ratio_to_stock") for r in HOOK_SPREAD[1:])),
+            "{:.3f}-{:.3f}x", compute=lambda *ratios: (min(ratios), max(ratios)))
+      for _, config in SPREAD_COLUMNS),
+    *(Claim(f"hookspread.{name}", HOOK_SPREAD[0], (*_spread_median(upper).fields, *_spread_median(lower).fields),
+            "{:.1%}", compute=lambda *r: statistics.median(r[:len(HOOK_SPREAD)]) / statistics.median(r[len(HOOK_SPREAD):]) - 1)
+      for name, upper, lower in (("python_over_builtin", "torch-allreduce-hook", "torch-builtin-hook"),
+                                 ("none_over_python", "none", "torch-allreduce-hook"))),
 )  # fmt: skip
 
 
@@ -918,6 +974,7 @@ TABLES = (
     QUANTIZER_TABLE,
     CROSSOVER_TABLE,
     HOOK_TABLE,
+    HOOK_SPREAD_TABLE,
     HF_TRAINER_TABLE,
     SIMULATED_TABLE,
     STEPS40_TABLE,
@@ -933,6 +990,6 @@ TABLES = (
     PADDING_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
