@@ -406,11 +406,16 @@ SPREAD_COLUMNS = (
 )
 
 
+def _spread_ratios(config: str) -> tuple[str | tuple[Result, str], ...]:
+    """One configuration's step over stock DDP's in each of the five runs (claim fields)."""
+    path = f"results/{config}/ratio_to_stock"
+    return (path, *((result, path) for result in HOOK_SPREAD[1:]))
+
+
 def _spread_median(config: str) -> Claim:
     """The median over the five runs of one configuration's step over stock DDP's."""
-    path = f"results/{config}/ratio_to_stock"
-    return Claim(f"hookspread.median.{config}", HOOK_SPREAD[0], (path, *((r, path) for r in HOOK_SPREAD[1:])),
-                 "{:.3f}x", compute=lambda *ratios: statistics.median(ratios))  # fmt: skip
+    return Claim(f"hookspread.median.{config}", HOOK_SPREAD[0], _spread_ratios(config), "{:.3f}x",
+                 compute=lambda *ratios: statistics.median(ratios))  # fmt: skip
 
 
 HOOK_SPREAD_TABLE = Table(
@@ -432,11 +437,10 @@ HOOK_SPREAD_CLAIMS = (
           compute=lambda iso: iso[:16].replace("T", " ") + " UTC"),
     Claim("hookspread.load", HOOK_SPREAD[0], ("provenance/load_before/0", (HOOK_SPREAD[-1], "provenance/load_after/0")),
           "{:.1f} before the first / {:.1f} after the last", compute=lambda *v: v),
-    *(Claim(f"hookspread.range.{config}", HOOK_SPREAD[0],
-            (f"results/{config}/ratio_to_stock", *((r, f"results/{config}/ratio_to_stock") for r in HOOK_SPREAD[1:])),
-            "{:.3f}-{:.3f}x", compute=lambda *ratios: (min(ratios), max(ratios)))
+    *(Claim(f"hookspread.range.{config}", HOOK_SPREAD[0], _spread_ratios(config), "{:.3f}-{:.3f}x",
+            compute=lambda *ratios: (min(ratios), max(ratios)))
       for _, config in SPREAD_COLUMNS),
-    *(Claim(f"hookspread.{name}", HOOK_SPREAD[0], (*_spread_median(upper).fields, *_spread_median(lower).fields),
+    *(Claim(f"hookspread.{name}", HOOK_SPREAD[0], (*_spread_ratios(upper), *_spread_ratios(lower)),
             "{:.1%}", compute=lambda *r: statistics.median(r[:len(HOOK_SPREAD)]) / statistics.median(r[len(HOOK_SPREAD):]) - 1)
       for name, upper, lower in (("python_over_builtin", "torch-allreduce-hook", "torch-builtin-hook"),
                                  ("none_over_python", "none", "torch-allreduce-hook"))),

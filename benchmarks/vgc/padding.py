@@ -29,6 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
+from gradsift.tools.train.summary import alone, bytes_sent
+
 #: (label, compressor, its options, workers): the controls -- fp32, bf16 and one worker alone with no
 #: communication -- then VGC at the paper's alpha, a fixed threshold at about 2 % density on the MLP, VGC
 #: with its padding bounded (the hook's ``padding_target``), and VGC at a higher alpha, the arm that sends
@@ -62,13 +64,13 @@ def run(
     subprocess.run(command, check=True, timeout=args.timeout)
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    alone = workers == 1
+    lone = alone(summary)
     return {
         "seed": seed,
-        "padded_over_sent": None if alone else padding(steps, args.skip),
+        "padded_over_sent": None if lone else padding(steps, args.skip),
         "final_test_accuracy": summary["final_test_accuracy"],
-        "bytes_sent_per_step": 0.0 if alone else summary["bytes_sent_per_step"],
-        "bytes_padded_per_step": 0.0 if alone else summary["bytes_padded_per_step"],
+        "bytes_sent_per_step": bytes_sent(summary),
+        "bytes_padded_per_step": 0.0 if lone else summary["bytes_padded_per_step"],
     }
 
 

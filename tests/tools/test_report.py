@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(directory: Path, compressor: str, accuracies: list[float], *, step_s: float, bytes_sent: float,
-             ratio: float | None = None, bytes_padded: float | None = None) -> Path:  # fmt: skip
+             ratio: float | None = None, bytes_padded: float | None = None, workers: int = 2) -> Path:  # fmt: skip
     """A run directory as `gradsift train` writes it, from hand-made records."""
     steps = [{"step": i, "loss": 1.0, "step_s": step_s, "compute_s": step_s / 2, "compress_s": 0.002,
               "communicate_s": step_s / 2 - 0.003, "decompress_s": 0.001, "bytes_sent": bytes_sent,
@@ -34,7 +34,13 @@ def make_run(directory: Path, compressor: str, accuracies: list[float], *, step_
     evals = [{"step": 4 * (i + 1), "accuracy": a, "loss": 1.0, "train_time_s": 4 * (i + 1) * step_s,
               "wall_time_s": 5 * (i + 1) * step_s} for i, a in enumerate(accuracies)]  # fmt: skip
     options = {"ratio": ratio} if ratio else {}
-    run = {"compressor": compressor, "options": options, "model": "mlp", "workers": 2, "bandwidth": "100mbit"}
+    run = {
+        "compressor": compressor,
+        "options": options,
+        "model": "mlp",
+        "workers": workers,
+        "bandwidth": "100mbit",
+    }
     summary = summarize(steps, evals, run=run, target_accuracy=None, wall_time_s=10.0)
     directory.mkdir(parents=True)
     (directory / "summary.json").write_text(json.dumps(summary))
@@ -76,6 +82,17 @@ def test_the_table_gives_the_factor_below_fp32_on_the_wire_with_the_padding(tmp_
     lines = format_table([row]).splitlines()
     cells = lines[2][len(row["run"]) :].split()  # after the label, which has spaces: MB/step, fp32/sent, ...
     assert lines[0].split()[2:4] == ["fp32/sent", "fp32/wire"] and cells[1:3] == ["50.0", "40.0"]
+
+
+def test_a_worker_alone_sent_nothing_in_the_table_and_the_bytes(tmp_path: Path) -> None:
+    # its telemetry counts the dense message (4000 bytes a step) that DDP would send
+    make_run(tmp_path / "alone", "none", [0.5, 0.7], step_s=0.1, bytes_sent=4000.0, workers=1)
+    (run,) = find_runs([tmp_path / "alone"])
+    assert run.cumulative_bytes_at(8) == 0.0
+    (row,) = comparison_rows([run], None)
+    assert row["bytes_per_step"] == 0.0 and row["compression_factor"] is None and row["wire_factor"] is None
+    cells = format_table([row]).splitlines()[2][len(row["run"]) :].split()
+    assert cells[:3] == ["0.000", "-", "-"]  # MB/step, fp32/sent, fp32/wire
 
 
 def test_no_dense_run_means_no_default_target(runs_dir: Path) -> None:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gradsift.tools.train.summary import alone, bytes_sent
+
 #: The PNG the frontier is drawn into.
 FRONTIER_PLOT = "loss_gap_vs_bytes.png"
 
@@ -49,19 +51,13 @@ def _sync_every(run: RunLike) -> int:
     return int(run.config.get("sync_every") or 1)
 
 
-def _bytes(run: RunLike) -> float:
-    """Bytes per worker per step; a lone worker's hook counts what DDP would send, but nothing
-    leaves the process."""
-    return 0.0 if run.summary["workers"] == 1 else float(run.summary["bytes_sent_per_step"])
-
-
 def _demo(run: RunLike) -> bool:
     """Whether the run trained with ``--optimizer demo`` (DeMo's own exchange)."""
     return run.config.get("optimizer") == "demo"
 
 
 def _family(run: RunLike) -> str:
-    if run.summary["workers"] == 1:
+    if alone(run.summary):
         return "one worker alone (no communication)"
     if _demo(run):
         return "every step: DeMo"
@@ -104,7 +100,7 @@ def frontier_points(runs: Sequence[RunLike]) -> list[FrontierPoint]:
                 family=_family(members[0]),
                 setting=setting,
                 seeds=len(members),
-                bytes_per_step=statistics.fmean(_bytes(r) for r in members),
+                bytes_per_step=statistics.fmean(bytes_sent(r.summary) for r in members),
                 gap_percent=statistics.fmean(gaps),
                 gap_sd_percent=statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
             )

@@ -21,7 +21,7 @@ from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.frontier import FRONTIER_PLOT, frontier_points, group_by_family
-from gradsift.tools.train.summary import PHASES, time_to_accuracy, wire_factor
+from gradsift.tools.train.summary import PHASES, alone, bytes_sent, time_to_accuracy, wire_factor
 
 #: The PNG files :func:`plot_runs` always writes (and :data:`FRONTIER_PLOT` when it has points).
 PLOTS = ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "density.png", "time_per_phase.png")
@@ -50,7 +50,9 @@ class Run:
         return " ".join(parts)
 
     def cumulative_bytes_at(self, step: int) -> float:
-        """Bytes this worker sent during the first ``step`` steps."""
+        """Bytes this worker sent during the first ``step`` steps (none for a worker alone)."""
+        if alone(self.summary):
+            return 0.0
         totals = list(accumulate(r["bytes_sent"] for r in self.steps))
         return totals[min(step, len(totals)) - 1] if step > 0 and totals else 0.0
 
@@ -139,8 +141,9 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
         rows.append({
             "run": run.label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
             "bandwidth": s.get("bandwidth"), "steps": s["steps"],
-            "bytes_per_step": s["bytes_sent_per_step"], "compression_factor": s["compression_factor"],
-            "wire_factor": wire_factor(s),
+            # a worker alone sends nothing: no factor below fp32 to give
+            "bytes_per_step": bytes_sent(s), "compression_factor": None if alone(s) else s["compression_factor"],
+            "wire_factor": None if alone(s) else wire_factor(s),
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,

@@ -306,7 +306,7 @@ PADDING_SHOWN = 1.01
 
 def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
-    from gradsift.tools.train.summary import wire_factor
+    from gradsift.tools.train.summary import alone, wire_factor
 
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
@@ -319,10 +319,9 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         else ""
     )
     workers = summary["workers"]
-    # one worker alone exchanges nothing: its telemetry still counts the dense message it would send
     traffic = (
         "nothing sent (one worker alone)"
-        if workers == 1
+        if alone(summary)
         else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
     )
     lines = [
