@@ -247,8 +247,9 @@ class Sparsifier(Compressor):
 
     Subclasses implement :meth:`select`. This class handles the empty tensor, gathering
     the values (zero at padding), the payload layout and the aggregation
-    ``mean_w scatter_add(indices_w, values_w)`` (``index_add_``, so indices repeated
-    across workers add up instead of being dropped; padding adds zero at index 0).
+    ``mean_w scatter_add(indices_w, values_w)`` (:func:`scatter_mean`: one ``index_add_``
+    per worker in rank order, so indices repeated across workers add up, in the same order
+    on every rank; padding adds zero at index 0).
 
     The capacity of a sparsifier with a ``ratio`` is ``k = max(1, floor(n ratio))``:
     the ratio is the wire budget, and a threshold method that selects more sends the
@@ -311,12 +312,18 @@ class Sparsifier(Compressor):
 
 
 def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense mean of sparse payloads: ``(1/W) sum_w scatter_add(indices_w, values_w)``.
+    """Dense mean of sparse payloads: ``(1/W) sum_w scatter_add(indices_w, values_w)``,
+    summed in rank order.
 
-    Uses ``index_add_`` so an index sent by several workers accumulates every value
-    (padding entries add zero at index 0). The result has the payloads' dtype and
-    device; with ``out`` (``numel`` elements) it is written there, in place, and
-    returned (summed in the payloads' dtype, then cast, when ``out`` has another one).
+    One ``index_add_`` per payload, in list order (the exchanges pass them in rank order):
+    an index sent by several workers accumulates every value, and a payload's indices are
+    unique (its padding entries add zero at index 0, which changes no sum), so each
+    position sees its additions in a fixed order -- ``((0 + v_0) + v_1) + ...`` -- on
+    every device. A single ``index_add_`` of all payloads would leave that order to
+    CUDA's atomics and give ranks different last bits (docs/decisions.md, "The sparse
+    mean adds in rank order"). The result has the payloads' dtype and device; with ``out``
+    (``numel`` elements) it is written there, in place, and returned (summed in the
+    payloads' dtype, then cast, when ``out`` has another one).
     """
     if not payloads:
         raise InvalidOptionError("payloads must hold at least one payload")
@@ -330,17 +337,16 @@ def scatter_mean(payloads: Sequence[Payload], numel: int, out: torch.Tensor | No
             raise InvalidOptionError(f"payload encodes {payload.numel} elements, expected numel={numel}")
         if payload.indices is None or payload.values is None:
             raise InvalidOptionError("scatter_mean needs sparse payloads: each with indices and values")
-    values = [p.values for p in payloads if p.values is not None]
-    indices = [p.indices for p in payloads if p.indices is not None]
-    joined_values = values[0] if len(values) == 1 else torch.cat([v.to(first.dtype) for v in values])
+    world = len(payloads)
     # 1/W on the received values (a pass over W k entries, not n) in float32 and wider; half
     # precision sums first, so that values near its subnormal range keep their bits
-    scaled_first = len(payloads) > 1 and torch.finfo(first.dtype).bits >= 32
-    if scaled_first:
-        joined_values = divided(joined_values, len(payloads))
-    joined_indices = indices[0] if len(indices) == 1 else torch.cat(indices)
-    dense = torch.zeros(numel, dtype=first.dtype, device=joined_values.device) if out is None else out.zero_()
-    dense.index_add_(0, joined_indices, joined_values.to(first.dtype))
-    if len(payloads) > 1 and not scaled_first:
-        dense /= len(payloads)
+    scaled_first = world > 1 and torch.finfo(first.dtype).bits >= 32
+    pairs = [(p.indices, p.values) for p in payloads if p.indices is not None and p.values is not None]
+    device = pairs[0][1].device
+    dense = torch.zeros(numel, dtype=first.dtype, device=device) if out is None else out.zero_()
+    for indices, received in pairs:
+        values = received.to(first.dtype)
+        dense.index_add_(0, indices, divided(values, world) if scaled_first else values)
+    if world > 1 and not scaled_first:
+        dense /= world
     return dense

@@ -255,14 +255,19 @@ def _reduce_slice(got: _Blocks, room: int, numel: int, dtype: torch.dtype) -> Pa
     The sums travel on in the gradient's ``dtype``, whatever ``value_dtype`` the entries
     came in: rounding a sum would be an error no worker's feedback keeps.
     """
+    world = got.positions.shape[0]
     positions = got.positions.reshape(-1)
-    values = got.values.reshape(-1).to(dtype)
     ordered, order = torch.sort(positions)
-    values = values.index_select(0, order)
     first = torch.ones_like(ordered, dtype=torch.bool)
     first[1:] = ordered[1:] != ordered[:-1]
     group = torch.cumsum(first.long(), 0) - 1
-    summed = torch.zeros_like(values).index_add_(0, group, values)
+    # Each worker's positions are distinct (the entries not in use sit at _LAST with value
+    # 0), so adding one worker's block at a time sums every position in rank order.
+    groups = torch.empty_like(group).index_copy_(0, order, group).view(world, room)
+    values = got.values.to(dtype)
+    summed = torch.zeros(positions.numel(), dtype=dtype, device=positions.device)
+    for rank in range(world):
+        summed.index_add_(0, groups[rank], values[rank])
     unique = torch.full_like(ordered, _LAST).index_copy_(0, group, ordered)  # equal within a group
     real = unique < _LAST
     keep = torch.round(got.counts.clamp(0, room).double().mean()).long()
