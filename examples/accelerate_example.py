@@ -83,7 +83,7 @@ def main() -> None:
     step = 0
     if args.resume is not None:
         # on the CPU: the file holds every rank's hook state; each rank keeps its own
-        checkpoint = torch.load(args.resume, map_location="cpu")
+        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=True)
         accelerator.unwrap_model(model).load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])  # moves its state to the parameters' device
         load_hook_state(hook_state, checkpoint["gradsift"], device=accelerator.device)

@@ -107,7 +107,7 @@ def main() -> None:
     step = 0
     if args.resume is not None:
         # on the CPU: rank 0's file holds every rank's hook state; each rank keeps its own
-        checkpoint = torch.load(args.resume, map_location="cpu")
+        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=True)
         ddp_model.module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])  # moves its state to the parameters' device
         load_hook_state(hook_state, checkpoint["gradsift"], device=device)

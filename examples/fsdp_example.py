@@ -132,7 +132,7 @@ def main() -> None:
 
     step = 0
     if args.resume is not None:
-        saved = torch.load(args.resume, map_location="cpu", weights_only=False)
+        saved = torch.load(args.resume, map_location="cpu", weights_only=True)
         set_model_state_dict(model, saved["model"], options=full)
         if hook_state is not None:
             load_hook_state(hook_state, saved["gradsift"])

@@ -22,6 +22,7 @@ from gradsift.core.errors import (
     InvalidTensorError,
     NonFiniteGradientError,
     UnknownCompressorError,
+    UntrustedDataError,
     WireFormatError,
 )
 
@@ -107,6 +108,7 @@ __all__ = [
     "NonFiniteGradientError",
     "Payload",
     "UnknownCompressorError",
+    "UntrustedDataError",
     "WireFormatError",
     "__version__",
     "available_compressors",

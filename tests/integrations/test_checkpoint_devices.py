@@ -48,7 +48,7 @@ def gather_worker(rank: int, world: int, checkpoint: str) -> dict:
     if rank == 0:
         torch.save({"gradsift": gathered}, checkpoint)
     dist.barrier()
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     on_device = gradsift.hook.state.GradsiftHookState.build("dgc", ratio=0.2)
     load_hook_state(on_device, saved["gradsift"], device=device)
     default = gradsift.hook.state.GradsiftHookState.build("dgc", ratio=0.2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsift.core.errors import InvalidOptionError, MissingExtraError
+from gradsift.core.errors import InvalidOptionError, MissingExtraError, UntrustedDataError
 from gradsift.core.extras import EXTRAS, install_hint, require
 from gradsift.integrations.telemetry import scalar_metrics
 from support.package import read_pyproject
@@ -249,8 +250,23 @@ def test_trainer_callback_refuses_what_would_not_continue_the_run(
     path = saver.save(tmp_path / "checkpoint-3", global_step=2)  # a file of another step
     with pytest.raises(InvalidOptionError, match="holds the hook state of step 2"):
         fresh().on_train_begin(*_trainer_events(tmp_path, 3))
-    torch.save({**torch.load(path, weights_only=False), "world_size": 2, "global_step": 3}, path)
+    torch.save({**torch.load(path, weights_only=True), "world_size": 2, "global_step": 3}, path)
     with pytest.raises(InvalidOptionError, match="world_size=1"):
         fresh().on_train_begin(*_trainer_events(tmp_path, 3))
+    marker = tmp_path / "ran"
+    torch.save({"world_size": 1, "global_step": 3, "hook": _MakesDirectory(marker)}, path)
+    with pytest.raises(UntrustedDataError, match=r"gradsift_hook_state_0\.pt refused.*GLOBAL posix\.mkdir"):
+        fresh().on_train_begin(*_trainer_events(tmp_path, 3))
+    assert not marker.exists()  # the file's object was never built
     with pytest.raises(InvalidOptionError, match="not hook options"):
         GradsiftTrainerCallback(None, saver.state.compressor, ratio=0.1)
+
+
+class _MakesDirectory:
+    """Pickles as ``os.mkdir(marker)``: loading it with plain pickle makes the directory."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (self.marker,))

@@ -48,3 +48,9 @@ class PeerFailureError(GradsiftError, RuntimeError):
     instead of blocking forever; the message names the rank, the world size and the
     backend's own error.
     """
+
+
+class UntrustedDataError(InvalidOptionError):
+    """Bytes from outside (a checkpoint file, a peer's state) hold something other than plain
+    data -- tensors, numbers, strings, ``None``, lists, tuples and dicts of them -- and were
+    refused without building it (no ``__reduce__`` of theirs ran)."""

@@ -7,10 +7,11 @@ therefore needs every rank's hook state gathered to rank 0 (:func:`gather_hook_s
 a collective) and, on resume, each rank picking its own entry (:func:`load_hook_state`).
 Resuming on a different number of workers is refused: residuals belong to a rank.
 
-Gathered states travel and are saved on the CPU: rank 0 would otherwise unpickle every
-rank's residuals onto its own GPU (a model's worth of memory per rank). Load the file
-with ``torch.load(path, map_location="cpu")``; :func:`load_hook_state` puts this rank's
-entry on its device.
+Gathered states travel as plain data (tensors, numbers, strings and containers of them;
+:mod:`gradsift.core.plain`), never as pickled objects, and are saved on the CPU. Load the
+file with ``torch.load(path, map_location="cpu", weights_only=True)`` (or
+:func:`gradsift.core.plain.read_plain`); :func:`load_hook_state` puts this rank's entry on
+its device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from gradsift.core.collectives import blocking
-from gradsift.core.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError, UntrustedDataError
+from gradsift.core.plain import PLAIN, plain_bytes, read_plain
 from gradsift.core.validation import check_int
 
 #: Elements per step of :func:`parameter_digest`: its float64 temporaries are this long.
@@ -79,13 +81,58 @@ def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str,
     """Collective: rank ``dst`` (of ``group``) receives ``{"world_size": W, "ranks": [sd_0, ..., sd_{W-1}]}``.
 
     ``sd_r`` is rank r's ``state.state_dict()`` with every tensor on the CPU (:func:`to_cpu`);
-    every other rank gets ``None``. Every rank of ``group`` must call this (it is a
-    ``gather_object``).
+    every other rank gets ``None``. Every rank of ``group`` must call this.
+
+    The states travel as plain data (:mod:`gradsift.core.plain`), never as pickled objects:
+    each rank checks its own state and sends the bytes ``torch.save`` writes in a ``uint8``
+    tensor (one all_gather of the sizes, one gather of the bytes); rank ``dst`` reads each
+    with ``torch.load(weights_only=True)``, so a peer's bytes that hold any other object are
+    refused (:class:`~gradsift.core.errors.UntrustedDataError`) without being built. A rank
+    whose own state is not plain data says so in the sizes' exchange, and every rank raises.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    gathered: list[Any] | None = [None] * world if rank == dst else None
-    dist.gather_object(to_cpu(state.state_dict()), gathered, group=group, group_dst=dst)
-    return None if gathered is None else {"world_size": world, "ranks": gathered}
+    device = collective_device(group)
+    refusal: UntrustedDataError | None = None
+    try:
+        local = plain_bytes(to_cpu(state.state_dict()), f"rank {rank}'s hook state")
+    except UntrustedDataError as error:
+        local, refusal = torch.zeros(0, dtype=torch.uint8), error
+    sizes = _all_gather_sizes(-1 if refusal is not None else local.numel(), group, device)
+    refused = [r for r, size in enumerate(sizes) if size < 0]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise UntrustedDataError(
+            f"the hook state of rank(s) {refused} is not plain data ({PLAIN}), so nothing was gathered; "
+            "their error names the entry"
+        )
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: local.numel()] = local.to(device)
+    received = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    blocking(
+        "hook state gather",
+        group,
+        lambda: dist.gather(padded, received, group=group, group_dst=dst, async_op=True),
+    )
+    if received is None:
+        return None
+    ranks = [
+        read_plain(bytes_[:size], f"rank {r}'s hook state")
+        for r, (bytes_, size) in enumerate(zip(received, sizes, strict=True))
+    ]
+    return {"world_size": world, "ranks": ranks}
+
+
+def _all_gather_sizes(size: int, group: Any, device: torch.device) -> list[int]:
+    """Collective: every rank's ``size``, in rank order."""
+    local = torch.tensor([size], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    blocking(
+        "hook state sizes all_gather",
+        group,
+        lambda: dist.all_gather(sizes, local, group=group, async_op=True),
+    )
+    return [int(size) for size in torch.cat(sizes).tolist()]
 
 
 def load_hook_state(
@@ -93,7 +140,7 @@ def load_hook_state(
 ) -> None:
     """Restore this rank's entry of :func:`gather_hook_states`' result into ``state``.
 
-    ``saved`` may come from ``torch.load(path, map_location="cpu")``: the entry is placed
+    ``saved`` may come from ``torch.load(path, map_location="cpu", weights_only=True)``: the entry is placed
     for a hook on ``device`` (:func:`hook_state_on`), the device of the model's parameters.
     None takes :func:`collective_device`: the current CUDA device under NCCL, else the CPU;
     pass ``device`` when the model lives elsewhere (CUDA tensors over gloo, say).

@@ -16,7 +16,9 @@ its source, transformers 5.24):
    (``rng_state_RANK.pth``); the callback writes each rank's hook state beside it, as
    ``gradsift_hook_state_RANK.pt`` (:data:`HOOK_STATE_FILE`): residuals, compressor
    state, RNG stream, step and telemetry totals. Each rank writes its own file, so no
-   collective runs and every node keeps the files of its own ranks.
+   collective runs and every node keeps the files of its own ranks. A resumed run reads
+   it as plain data (``torch.load(weights_only=True)``, :mod:`gradsift.core.plain`), as the
+   Trainer reads its own files there: nothing in the file is run.
 4. A resumed run starts with ``state.global_step`` read from the checkpoint. The folder is
    the callback's ``resume_from``, else ``TrainingArguments.resume_from_checkpoint``, else
    ``OUTPUT_DIR/checkpoint-STEP`` (where ``train(resume_from_checkpoint=True)`` resumes).
@@ -45,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
+from gradsift.core.plain import read_plain
 from gradsift.frontends.ddp import register_comm_hook
 from gradsift.hook.adam import default_warmup_steps, is_adam
 from gradsift.hook.state import GradsiftHookState
@@ -167,7 +170,11 @@ class GradsiftTrainerCallback(TrainerCallback):
                 "error-feedback state cannot be restored; pass the checkpoint folder as "
                 "GradsiftTrainerCallback(..., resume_from=FOLDER) or TrainingArguments(resume_from_checkpoint=FOLDER)"
             )
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = read_plain(path, str(path))
+        if not isinstance(saved, dict) or not {"world_size", "global_step", "hook"} <= set(saved):
+            raise InvalidOptionError(
+                f"{path} is not a gradsift hook state file (a dict with keys world_size, global_step, hook)"
+            )
         check_same_world_size(saved["world_size"])
         if saved["global_step"] != global_step:
             raise InvalidOptionError(

@@ -10,7 +10,6 @@ the series is summarised by its median and 10th/90th percentiles.
 from __future__ import annotations
 
 import math
-import pickle
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from gradsift.compressors.base import Compressor, target_count
 from gradsift.compressors.registry import compressor_class, get_compressor
 from gradsift.compressors.stats import goodness_of_fit, subsample
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
+from gradsift.core.plain import read_plain
 from gradsift.hook.feedback import ErrorFeedback
 
 #: Compressors `gradsift analyze` runs by default: SIDCo and the threshold baselines.
@@ -33,20 +33,14 @@ MAGNITUDE_FAMILIES = ("exponential", "gpareto", "gamma")
 def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
     """Load a torch file holding a tensor or a dict ``name -> tensor``, safely.
 
-    ``torch.load(..., weights_only=True)`` only rebuilds tensors and plain containers;
-    a file whose pickle would run code or build other objects is refused with
-    :class:`InvalidOptionError`. A bare tensor is returned as ``{"tensor": t}``.
+    :func:`gradsift.core.plain.read_plain` (``torch.load(..., weights_only=True)``) only
+    rebuilds tensors and plain containers; a file whose pickle would run code or build other
+    objects is refused with :class:`~gradsift.core.errors.UntrustedDataError`. A bare tensor is returned as ``{"tensor": t}``.
     """
     path = Path(path)
     if not path.is_file():
         raise InvalidOptionError(f"FILE {str(path)!r} does not exist or is not a file")
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as error:
-        raise InvalidOptionError(
-            f"FILE {str(path)!r} refused: not a plain torch tensor file (loaded with weights_only=True, "
-            f"which never runs code from the file): {str(error).splitlines()[0]}"
-        ) from error
+    loaded = read_plain(path, f"FILE {str(path)!r}")
     tensors = {"tensor": loaded} if isinstance(loaded, torch.Tensor) else loaded
     if not isinstance(tensors, dict) or not tensors:
         raise InvalidOptionError(f"FILE {str(path)!r} must hold a tensor or a non-empty dict name -> tensor")
