@@ -57,29 +57,57 @@ def test_selection_of_a_short_strided_tensor_a_tensor_threshold_and_bad_eta():
         select_above(x, -1.0)
 
 
+def largest_by_brute_force(x: torch.Tensor, positions: torch.Tensor, capacity: int) -> list[int]:
+    """The ``capacity`` positions of largest ``|x|`` (NaN largest, ties to the lower position),
+    ascending: a Python sort of (magnitude, position) pairs."""
+
+    def rank(p: int) -> tuple[bool, float, int]:  # NaN above every number, Inf included
+        value = abs(float(x[p]))
+        return (math.isnan(value), 0.0 if math.isnan(value) else value, -p)
+
+    return sorted(sorted(positions.tolist(), key=rank, reverse=True)[:capacity])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gpu_branch_selects_what_numpy_selects_into_a_fixed_room(monkeypatch, dtype):
-    """On a GPU every kernel takes its PyTorch branch; forced here on CPU. With a room, the
-    positions are nonzero_static's (padding 0, the count a tensor) and agree with NumPy's."""
+def test_the_gpu_branch_selects_what_numpy_selects_at_a_capacity(dtype):
+    """On a GPU every kernel takes its PyTorch branch (forced here on CPU): without a
+    capacity every position; with one, exactly that many entries (padding 0, the count a
+    tensor), the largest when more pass -- the CPU branch's choice."""
     x = hard_input(dtype)
     reference = nan_inclusive(x, 1.5)
-    monkeypatch.setattr(kernels, "uses_numpy", lambda tensor: False)
-    exact = select_above(x, 1.5)
+    with kernels.device_branch():
+        exact = select_above(x, 1.5)
+        roomy = select_above(x, torch.tensor(1.5), reference.numel() + 50)
+        tight = select_mask(~(x.abs() <= 1.5), 100, x)
     assert torch.equal(exact.indices, reference) and bool(exact.nonfinite)
-    room = reference.numel() + 50
-    roomy = select_above(x, torch.tensor(1.5), room)
-    assert roomy.indices.numel() == room and int(roomy.length) == int(roomy.selected) == reference.numel()
+    assert roomy.indices.numel() == reference.numel() + 50
+    assert int(roomy.length) == int(roomy.selected) == reference.numel()
     assert torch.equal(roomy.indices[: reference.numel()], reference)
     assert bool((roomy.indices[reference.numel() :] == 0).all())
-    tight = select_mask(~(x.abs() <= 1.5), 100)
     assert int(tight.length) == 100 and int(tight.selected) == reference.numel()
-    assert torch.equal(tight.indices, reference[:100])
+    assert tight.indices.tolist() == largest_by_brute_force(x, reference, 100)
+    on_cpu = select_mask(~(x.abs() <= 1.5), 100, x)
+    assert torch.equal(on_cpu.indices, tight.indices) and on_cpu.length == 100
 
 
 def test_select_mask_on_cpu_returns_every_position_with_a_host_count():
     mask = torch.tensor([False, True, True, False, True])
-    found = select_mask(mask, room=2)  # CPU: the count is free, so nothing is cut
+    found = select_mask(mask)  # CPU: the count is free
     assert found.indices.tolist() == [1, 2, 4] and found.length is None and found.selected == 3
+    values = torch.tensor([9.0, 1.0, -3.0, 8.0, 2.0])
+    cut = select_mask(mask, 2, values)  # the 2 largest of |1|, |-3|, |2|
+    assert cut.indices.tolist() == [2, 4] and cut.length == 2 and cut.selected == 3
+    with pytest.raises(InvalidOptionError, match="magnitudes_of"):
+        select_mask(mask, 2)
+
+
+def test_ties_go_to_the_lower_position_on_both_branches():
+    values = torch.tensor([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], dtype=torch.bfloat16)
+    mask = torch.ones(6, dtype=torch.bool)
+    on_cpu = select_mask(mask, 2, values)
+    with kernels.device_branch():
+        on_device = select_mask(mask, 2, values)
+    assert on_cpu.indices.tolist() == on_device.indices.tolist() == [1, 2]
 
 
 def test_keep_largest_takes_the_largest_magnitudes_in_position_order():

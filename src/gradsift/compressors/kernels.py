@@ -4,18 +4,23 @@ Two jobs:
 
 * **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
   mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
-  and ``nonzero`` are 4-50x slower than NumPy's on the same memory (measured on the
-  project's 2-core machine, one thread, 2^20 fp32 elements: ``abs(x) > eta`` 630 us vs
-  NumPy 170 us, ``nonzero`` of the mask 1010 us vs ``flatnonzero`` 220 us), and above
-  32768 elements each PyTorch kernel opens an OpenMP parallel region, which on an
-  oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
+  and ``nonzero`` are 4-50x slower than NumPy's on the same memory (docs/decisions.md),
+  and above 32768 elements each PyTorch kernel opens an OpenMP parallel region, which on
+  an oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
   calling thread, on a zero-copy view of the tensor, and the number of selected
   elements is known on the host at no cost: CPU memory *is* host memory. On other
   devices the number of selected elements is data the host does not have, and asking
-  for it (``nonzero``) stalls the device; with a ``room`` the selection is
-  ``nonzero_static`` into ``room`` slots, its count a device scalar.
-* **Keeping the largest** of the selected elements when there are more than a payload's
-  capacity (:func:`keep_largest`): the ``capacity`` largest magnitudes, in position order.
+  for it (``nonzero``) stalls the device.
+* **Keeping the largest** of the selected elements when a payload has a capacity: the
+  ``capacity`` largest magnitudes, in position order, ties to the lower position (one
+  total order, :func:`ranking_keys`, on every device). On CPU the selected positions are
+  compacted first (host-sized) and the largest of them kept (:func:`keep_largest`);
+  elsewhere one ``topk`` of ``capacity`` over the ranking keys of the whole tensor, the
+  unselected elements keyed -1 -- fixed shapes, no host read, and the same elements.
+
+Each function has two branches, chosen by :func:`uses_numpy`: the CPU branch and the device
+branch. Under :func:`device_branch` the device branch runs on CPU tensors too, so a test
+can compare the two on the same bucket.
 
 :class:`CallingThreadOnly` runs a block with the intra-op pool at one thread (the
 remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
@@ -25,7 +30,10 @@ remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import numpy as np
@@ -71,35 +79,53 @@ class Candidates(NamedTuple):
     nonfinite: torch.Tensor | None = None
 
 
+_DEVICE_BRANCH: ContextVar[bool] = ContextVar("gradsift_device_branch", default=False)
+
+
 def uses_numpy(tensor: torch.Tensor) -> bool:
-    """Whether these kernels run through NumPy for ``tensor``: on CPU, yes."""
-    return tensor.device.type == "cpu"
+    """Whether these kernels run through NumPy for ``tensor``: on CPU, yes (outside
+    :func:`device_branch`)."""
+    return tensor.device.type == "cpu" and not _DEVICE_BRANCH.get()
 
 
-def select_above(flat: torch.Tensor, eta: Threshold, room: int | None = None) -> Candidates:
-    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN (``eta >= 0``), ascending.
+@contextlib.contextmanager
+def device_branch() -> Iterator[None]:
+    """Run every kernel's device branch, CPU tensors included, inside the ``with`` block (for
+    tests that compare it with the CPU branch on the same data)."""
+    token = _DEVICE_BRANCH.set(True)
+    try:
+        yield
+    finally:
+        _DEVICE_BRANCH.reset(token)
+
+
+def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None) -> Candidates:
+    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN (``eta >= 0``), ascending;
+    with ``capacity``, the at most ``capacity`` largest of them (:func:`select_mask`).
 
     The comparison runs in ``flat``'s dtype (``eta`` is rounded to it). NaN and Inf always
     pass the test, so ``nonfinite`` -- read from the selected elements only -- checks all
-    of them. ``room`` (ignored on CPU, where the count is free) bounds the positions
-    returned on other devices; ``selected`` is exact either way.
+    of them; ``selected`` counts every element that passed, whatever the capacity.
 
     * CPU: the IEEE bit patterns of non-negative floats are ordered like the floats,
       so ``|x| > eta`` is ``(bits(x) & ~sign) > bits(eta)`` on the integer view --
       and NaN (exponent all ones, mantissa non-zero) lies above every finite
       ``eta``. NumPy evaluates that and ``flatnonzero`` over
       :data:`SELECTION_CHUNK`-element chunks on the calling thread.
-    * other devices: the mask ``not (|x| <= eta)`` (true for NaN), its ``nonzero_static``
-      into ``room`` slots, its sum (the number selected) and the sum of the selected values (finite
-      exactly when every selected element is).
+    * device: the mask ``not (|x| <= eta)`` (true for NaN), the sum of the selected values
+      (finite exactly when every selected element is) and :func:`select_mask`'s device branch.
     """
     if uses_numpy(flat):
-        return _select_above_numpy(flat, eta)
+        found = _select_above_numpy(flat, eta)
+        if capacity is None:
+            return found
+        indices, length = keep_largest(flat, found, capacity)
+        return found._replace(indices=indices, length=length)
     if isinstance(eta, float) and eta < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {eta}")
     mask = ~(flat.abs() <= eta)
     total = torch.where(mask, flat, 0).sum(dtype=torch.promote_types(flat.dtype, torch.float32))
-    candidates = select_mask(mask, room)
+    candidates = select_mask(mask, capacity, flat)
     return candidates._replace(nonfinite=~torch.isfinite(total))
 
 
@@ -126,22 +152,93 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
     return Candidates(indices, None, int(positions.size), torch.tensor(nonfinite, device="cpu"))
 
 
-def select_mask(mask: torch.Tensor, room: int | None = None) -> Candidates:
-    """Positions of the True elements of the 1-D boolean ``mask``, ascending.
+def select_mask(
+    mask: torch.Tensor, capacity: int | None = None, magnitudes_of: torch.Tensor | None = None
+) -> Candidates:
+    """Positions of the True elements of the 1-D boolean ``mask``, ascending; with ``capacity``,
+    the at most ``capacity`` of them of largest ``|magnitudes_of|`` (NaN largest, ties to the
+    lower position), as exactly ``capacity`` positions, the first ``length`` in use.
 
-    CPU: every position (NumPy), count on the host. Other devices: without ``room`` every
-    position (``nonzero``: a host read, for callers off the hot path); with ``room``,
-    ``nonzero_static`` into ``room`` slots (padding 0) and the count as a device scalar.
+    CPU: every position (NumPy), count on the host, then :func:`keep_largest`. Device:
+    without ``capacity`` every position (``nonzero``: a host read, for callers off the hot
+    path); with it, ``topk`` of ``capacity`` over the :func:`ranking_keys` of the whole
+    tensor with the unselected elements keyed -1, the picked positions sorted (no host
+    read; ``selected`` a device scalar). Both branches pick the same elements.
     """
+    if capacity is not None and magnitudes_of is None:
+        raise InvalidOptionError("select_mask with a capacity needs magnitudes_of")
     if uses_numpy(mask):
         positions = np.flatnonzero(_numpy(mask))
-        return Candidates(torch.from_numpy(positions.astype(np.int64, copy=False)), None, int(positions.size))
-    if room is None:
+        found = Candidates(
+            torch.from_numpy(positions.astype(np.int64, copy=False)), None, int(positions.size)
+        )
+        if capacity is None:
+            return found
+        assert magnitudes_of is not None
+        indices, length = keep_largest(magnitudes_of, found, capacity)
+        return found._replace(indices=indices, length=length)
+    if capacity is None:
         indices = torch.nonzero(mask).view(-1)
         return Candidates(indices, None, indices.numel())
-    found = torch.nonzero_static(mask, size=room, fill_value=-1).view(-1)
-    count = mask.sum()
-    return Candidates(found.clamp_min(0), torch.clamp(count, max=room), count)
+    assert magnitudes_of is not None
+    keys = torch.where(mask, ranking_keys(magnitudes_of), -1)
+    top = torch.topk(keys, min(capacity, keys.numel()), sorted=False)
+    chosen, used = _in_position_order(top.indices, _ranked(top.values), capacity)
+    return Candidates(chosen, used, mask.sum())
+
+
+def candidate_positions(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(positions, live)`` of the True elements of the 1-D ``mask``, for work on just those.
+
+    CPU: their positions (host-sized, ascending) and no mask. Device: no positions (every
+    element takes part: their number is not known on the host) and ``mask`` as the live mask.
+    """
+    if uses_numpy(mask):
+        return torch.from_numpy(np.flatnonzero(_numpy(mask)).astype(np.int64, copy=False)), None
+    return None, mask
+
+
+#: Position bits of a ranking key (see :func:`ranking_keys`).
+_POSITION_BITS = 32
+
+
+def ranking_keys(values: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 keys that order elements by ``|value|`` (NaN above Inf), ties to the lower position.
+
+    ``key = bits(|v|) << 32 | (2^32 - 1 - position)`` for 16- and 32-bit floats with fewer
+    than 2^32 elements: the magnitude's bit pattern (sign cleared) orders like the
+    magnitude, and the complemented position breaks ties, so the keys are distinct and
+    every ``topk`` of them -- on any device, of any subset -- picks the same elements.
+    ``positions`` are the elements' positions (default: ``0 .. n-1``). Other dtypes and
+    sizes: the magnitudes themselves (ties then left to ``topk``).
+    """
+    count = values.numel()
+    if positions is None:
+        positions = torch.arange(count, device=values.device)
+    if values.dtype not in (torch.float16, torch.bfloat16, torch.float32) or count >= 1 << _POSITION_BITS:
+        return values.abs()
+    integer, magnitude = _MAGNITUDE_BITS[values.dtype]
+    bits = (values.view(integer) & magnitude).to(torch.int64)
+    return (bits << _POSITION_BITS) | ((1 << _POSITION_BITS) - 1 - positions)
+
+
+def _ranked(keys: torch.Tensor) -> torch.Tensor:
+    """Which picked keys stand for an element (the others were keyed -1; a NaN magnitude,
+    where the keys are the magnitudes themselves, is an element)."""
+    return (keys >= 0) | torch.isnan(keys) if keys.is_floating_point() else keys >= 0
+
+
+def _in_position_order(
+    picked: torch.Tensor, valid: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, length)``: the ``valid`` ones of the positions ``picked`` ascending, then 0s,
+    ``capacity`` entries in all, and how many are in use."""
+    ordered = torch.sort(torch.where(valid, picked, torch.iinfo(torch.int64).max)).values
+    used = valid.sum()
+    ordered = torch.where(torch.arange(ordered.numel(), device=ordered.device) < used, ordered, 0)
+    if ordered.numel() < capacity:
+        ordered = torch.cat([ordered, ordered.new_zeros(capacity - ordered.numel())])
+    return ordered, used
 
 
 def moment_sums(
@@ -266,44 +363,31 @@ def keep_largest(
     """The at most ``capacity`` candidates of largest ``|magnitudes_of[i]|``, in position order.
 
     Returns ``(indices, length)``: exactly ``capacity`` int64 positions, the first
-    ``length`` in use and ascending, the rest 0. NaN counts as the largest magnitude (as
-    in ``torch.topk``), so a non-finite element that was selected stays selected.
+    ``length`` in use and ascending, the rest 0. The order is :func:`ranking_keys`' (NaN
+    largest, so a non-finite element that was selected stays selected; ties to the lower
+    position), the same as :func:`select_mask`'s device branch.
 
-    The ``capacity`` largest are the ones ``torch.topk`` picks (in no particular order).
     The candidates are ascending, so on CPU, with every candidate in use, flagging the
     picked ones and compacting the candidates (NumPy, one pass over ``found`` flags) puts
-    them in position order without a sort: 0.05 ms against 0.47 ms for ``torch.sort`` of
-    11960 int64 positions (one thread). Elsewhere the compacted size would be a host
-    read, so the picked positions are sorted.
+    them in position order without a sort (docs/decisions.md). Elsewhere the compacted
+    size would be a host read, so the picked positions are sorted.
     """
     indices, length = candidates.indices, candidates.length
     found = indices.numel()
-    device = indices.device
     if length is None and found <= capacity:
         if found == capacity:
             return indices, found
         return torch.cat([indices, indices.new_zeros(capacity - found)]), found
-    magnitudes = magnitudes_of.index_select(0, indices).abs()
-    if length is not None:
-        magnitudes = torch.where(torch.arange(found, device=device) < length, magnitudes, -1)
-    if found > capacity:
-        top = torch.topk(magnitudes, capacity, sorted=False)
-        if length is None and uses_numpy(indices):  # every candidate in use: compact, in order
-            chosen_flags = np.zeros(found, dtype=np.bool_)
-            chosen_flags[_numpy(top.indices)] = True
-            return torch.from_numpy(np.compress(chosen_flags, _numpy(indices))), capacity
-        chosen, kept = indices.index_select(0, top.indices), top.values
-    else:
-        chosen, kept = indices, magnitudes
-    if length is None:  # every candidate was in use, and there were more than capacity
-        return torch.sort(chosen).values, capacity
-    valid = (kept >= 0) | torch.isnan(kept)
-    chosen = torch.sort(torch.where(valid, chosen, torch.iinfo(torch.int64).max)).values
-    used = valid.sum()
-    chosen = torch.where(torch.arange(chosen.numel(), device=device) < used, chosen, 0)
-    if chosen.numel() < capacity:
-        chosen = torch.cat([chosen, chosen.new_zeros(capacity - chosen.numel())])
-    return chosen, used
+    keys = ranking_keys(magnitudes_of.index_select(0, indices), indices)
+    in_use = None if length is None else torch.arange(found, device=indices.device) < length
+    if in_use is not None:
+        keys = torch.where(in_use, keys, -1)
+    top = torch.topk(keys, min(capacity, found), sorted=False)
+    if length is None and uses_numpy(indices):  # every candidate in use: compact, in order
+        chosen_flags = np.zeros(found, dtype=np.bool_)
+        chosen_flags[_numpy(top.indices)] = True
+        return torch.from_numpy(np.compress(chosen_flags, _numpy(indices))), capacity
+    return _in_position_order(indices.index_select(0, top.indices), _ranked(top.values), capacity)
 
 
 def zero_at(tensor: torch.Tensor, indices: torch.Tensor, used: torch.Tensor | None) -> None:

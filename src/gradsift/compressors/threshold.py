@@ -15,38 +15,27 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import Candidates, Threshold, keep_largest, select_above, select_mask
+from gradsift.compressors.kernels import Candidates, Threshold, select_above, select_mask
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_ratio, check_real
-
-#: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity
-#: (on CPU every selected element is a candidate).
-ROOM = 2
 
 
 def threshold_selection(flat: torch.Tensor, eta: Threshold, capacity: int | None) -> Selection:
     """``{i : |flat_i| > eta}`` (NaN included), cut to the ``capacity`` largest when over it."""
-    candidates = select_above(flat, eta, None if capacity is None else ROOM * capacity)
+    candidates = select_above(flat, eta, capacity)
     assert candidates.nonfinite is not None  # select_above always checks
-    return _fitted(flat, candidates, capacity, candidates.nonfinite)
+    return _selection(candidates, candidates.nonfinite)
 
 
 def mask_selection(
     flat: torch.Tensor, mask: torch.Tensor, capacity: int | None, nonfinite: torch.Tensor
 ) -> Selection:
-    """The elements where ``mask`` holds, cut to the ``capacity`` largest when over it."""
-    return _fitted(
-        flat, select_mask(mask, None if capacity is None else ROOM * capacity), capacity, nonfinite
-    )
+    """The elements where ``mask`` holds, cut to the ``capacity`` largest of ``|flat|`` when over it."""
+    return _selection(select_mask(mask, capacity, flat), nonfinite)
 
 
-def _fitted(
-    flat: torch.Tensor, candidates: Candidates, capacity: int | None, nonfinite: torch.Tensor
-) -> Selection:
-    if capacity is None:
-        return Selection(candidates.indices, candidates.length, nonfinite, demand=candidates.selected)
-    indices, length = keep_largest(flat, candidates, capacity)
-    return Selection(indices, length, nonfinite, demand=candidates.selected)
+def _selection(candidates: Candidates, nonfinite: torch.Tensor) -> Selection:
+    return Selection(candidates.indices, candidates.length, nonfinite, demand=candidates.selected)
 
 
 class HardThreshold(Sparsifier):

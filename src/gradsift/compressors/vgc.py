@@ -44,15 +44,12 @@ from torch import nn
 
 from gradsift.compressors import vgc_codec
 from gradsift.compressors.base import Compressor, in_use, scatter_mean, target_count
-from gradsift.compressors.kernels import Candidates, keep_largest, select_mask, zero_at
+from gradsift.compressors.kernels import candidate_positions, select_mask, zero_at
 from gradsift.compressors.variance import CONV_RULES, METHODS, VarianceTracker
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_choice, check_ratio, check_real
-
-#: Candidates a fixed-capacity selection considers on a GPU, as a multiple of the capacity.
-ROOM = 2
 
 RESIDUAL, VARIANCE = "vgc.residual", "vgc.variance"
 
@@ -180,25 +177,25 @@ class VGC(Compressor):
         keep = squared <= accumulated * self.alpha
         if self.tau is not None:
             keep &= squared <= self.tau * self.tau
-        room = None if capacity is None else ROOM * capacity
-        passed = select_mask(~keep, room)
-        magnitudes = residual.index_select(0, passed.indices).abs()
-        used = in_use(passed.indices.numel(), passed.length, flat.device)
-        live = magnitudes if used is None else torch.where(used, magnitudes, 0.0)
-        scale = live.max() if live.numel() else live.new_zeros(())
+        # Step 3 over every element that passed (M and the demand from the whole set): on CPU
+        # their positions, host-sized; on a device every element, masked.
+        passed, live = candidate_positions(~keep)
+        candidates = residual if passed is None else residual.index_select(0, passed)
+        magnitudes = candidates.abs()
+        in_play = magnitudes if live is None else torch.where(live, magnitudes, 0.0)
+        scale = in_play.max() if in_play.numel() else in_play.new_zeros(())
         # Below M * 2^-7.5 a value would be sent as M/128, injecting that overshoot as
         # noise: it stays in the residual instead (unsent, its variance keeps decaying).
         sendable = vgc_codec.representable(magnitudes, scale)
-        if used is not None:
-            sendable &= used
-        chosen = select_mask(sendable, None if capacity is None else passed.indices.numel())
-        candidates = Candidates(
-            passed.indices.index_select(0, chosen.indices), chosen.length, chosen.selected
-        )
-        if capacity is None:
-            indices, length = candidates.indices, None
-        else:
-            indices, length = keep_largest(residual, candidates, capacity)
+        if live is not None:
+            sendable &= live
+        chosen = select_mask(sendable, capacity, candidates)
+        indices, length = chosen.indices, chosen.length
+        if passed is not None:
+            indices = passed.index_select(0, indices)
+            used = None if capacity is None else in_use(capacity, length, flat.device)
+            if used is not None:
+                indices = torch.where(used, indices, 0)
         codes, scales, quantized = vgc_codec.encode(
             indices, residual.index_select(0, indices), flat.numel(), length
         )
