@@ -39,10 +39,14 @@ def train(ddp: DDP, optimizer, scaler=None, steps: int = 3, clip: float | None =
         scaler.update()
 
 
-def test_a_grad_scaler_without_scaler_is_refused_at_the_first_step(one_process_group):
+def test_a_grad_scaler_the_hook_cannot_adopt_is_refused_at_the_first_step(one_process_group):
+    """Two enabled scalers have scaled a loss: discovery adopts neither (which scales this
+    model's loss is not knowable), and the first step's check refuses the scaled gradients."""
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
     gradsift.register_comm_hook(ddp, "topk", ratio=0.5, optimizer=optimizer)
+    other = torch.amp.GradScaler("cpu", init_scale=2.0**3)
+    other.scale(torch.ones(()))
     before = [p.detach().clone() for p in ddp.parameters()]
     with pytest.raises(InvalidOptionError, match=r"2\^12.*scaler="):
         train(ddp, optimizer, torch.amp.GradScaler("cpu", init_scale=2.0**12))
@@ -70,13 +74,17 @@ def test_the_scaler_passed_or_plain_gradients_or_user_clipping_train_silently(on
     ],
     ids=["sgd-momentum", "adamw"],
 )
-def test_a_momentum_optimizer_not_passed_is_named_once(one_process_group, make_optimizer):
+def test_a_momentum_optimizer_the_hook_cannot_adopt_is_named_once(one_process_group, make_optimizer):
+    """A second optimizer holds the model's parameters: discovery adopts neither, and the
+    first step's check names the one that steps."""
     ddp = model()
     optimizer = make_optimizer(ddp.parameters())
+    spare = torch.optim.SGD(ddp.parameters(), lr=0.0)
     gradsift.register_comm_hook(ddp, "randomk", ratio=0.1)
     with pytest.warns(UserWarning, match=f"{type(optimizer).__name__}.*optimizer=") as caught:
         train(ddp, optimizer, steps=3)
     assert len([w for w in caught if "optimizer=" in str(w.message)]) == 1
+    del spare
 
 
 def test_no_warning_without_momentum_or_without_error_feedback(one_process_group):

@@ -53,22 +53,26 @@ def compressor_class(name: str) -> type[Compressor]:
     return cls
 
 
+def compressor_options(name: str) -> list[str]:
+    """The option names the compressor registered under ``name`` accepts (its keyword arguments)."""
+    return [
+        p.name
+        for p in inspect.signature(compressor_class(name).__init__).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
 def get_compressor(name: str, **options: Any) -> Compressor:
     """Build the compressor registered under ``name`` with the given options.
 
     Unknown option names raise :class:`InvalidOptionError` listing the accepted
     ones; out-of-range values raise from the compressor's own checks.
     """
-    cls = compressor_class(name)
-    accepted = [
-        p.name
-        for p in inspect.signature(cls.__init__).parameters.values()
-        if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+    accepted = compressor_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise InvalidOptionError(
             f"compressor {name!r} has no option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(accepted) or '(none)'}"
         )
-    return cls(**options)
+    return compressor_class(name)(**options)

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.compressors.registry import get_compressor
+from gradsift.compressors.registry import compressor_options, get_compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_bool, check_choice, check_int, check_ratio, check_real
 from gradsift.core.wire import parse_value_dtype
@@ -31,10 +31,12 @@ class HookOptions:
         granularity: ``"bucket"`` (default) -- one ``compress`` per DDP bucket;
             ``"layer"`` -- one per parameter, so every layer gets its own selection.
         min_numel: parts with fewer elements go dense (default 0).
-        warmup_steps: the first this many steps are dense (default 0), like PowerSGD's
-            ``start_powerSGD_iter``; with ``optimizer=`` Adam/AdamW (``adam="frozen-variance"`` or
-            ``"onebit"``) 0 means :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS` (64), the measured default
-            when the run's length is unknown -- pass 10-20 % of a long run's steps.
+        warmup_steps: the first this many steps are dense, like PowerSGD's
+            ``start_powerSGD_iter``. None (default): none, except under an Adam/AdamW optimizer
+            (given or found) with ``adam="frozen-variance"`` or ``"onebit"``, whose frozen
+            second moment needs dense steps first: then
+            :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`. ``0`` means no dense step (refused
+            under those Adam methods, which would have no second moment to freeze).
         value_dtype: dtype of sent values: None (default) keeps the compressor's, or
             ``"fp32"``/``"fp16"``/``"bf16"``. Dense parts travel in the gradient's dtype.
         nonfinite: what a step with NaN/Inf on any rank becomes, on every rank:
@@ -82,7 +84,7 @@ class HookOptions:
 
     granularity: str = "bucket"
     min_numel: int = 0
-    warmup_steps: int = 0
+    warmup_steps: int | None = None
     value_dtype: Any = None
     nonfinite: str = "propagate"
     error_feedback: bool | None = None
@@ -103,7 +105,8 @@ class HookOptions:
     def __post_init__(self) -> None:
         check_choice(self.granularity, "granularity", GRANULARITIES)
         check_int(self.min_numel, "min_numel", low=0)
-        check_int(self.warmup_steps, "warmup_steps", low=0)
+        if self.warmup_steps is not None:
+            check_int(self.warmup_steps, "warmup_steps", low=0)
         object.__setattr__(self, "value_dtype", parse_value_dtype(self.value_dtype))
         check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES)
         if self.error_feedback is not None and not isinstance(self.error_feedback, bool):
@@ -129,6 +132,11 @@ class HookOptions:
             )
         check_int(self.log_every, "log_every", low=0)
 
+    @property
+    def dense_steps(self) -> int:
+        """The dense warm-up's length: ``warmup_steps``, 0 when unset."""
+        return self.warmup_steps or 0
+
 
 #: Keyword arguments of ``register_comm_hook`` that configure the hook (the rest go to the compressor).
 HOOK_OPTIONS = ("process_group", "optimizer", *(f.name for f in dataclasses.fields(HookOptions)))
@@ -138,6 +146,13 @@ def resolve_compressor(compressor: str | Compressor, options: dict[str, Any]) ->
     """``compressor`` built from its registry name and ``options`` (the non-hook keywords), or
     the instance as given (then ``options`` must be empty)."""
     if isinstance(compressor, str):
+        accepted = compressor_options(compressor)
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown option(s) {', '.join(unknown)}: the hook's options are {', '.join(HOOK_OPTIONS)}; "
+                f"compressor {compressor!r}'s are {', '.join(accepted) or '(none)'}"
+            )
         return get_compressor(compressor, **options)
     if options:
         raise InvalidOptionError(

@@ -26,7 +26,7 @@ from gradsift.exchanges import AUTO
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import choose_exchange, exchange_class, get_exchange, resolve_exchange
-from gradsift.hook import recipe
+from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import FROZEN_METHODS, ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
 from gradsift.hook.capacity import CapacityPlan
 from gradsift.hook.feedback import ErrorFeedback
@@ -79,6 +79,11 @@ class GradsiftHookState:
     exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
     first_step: FirstOptimizerStep | None = None
+    #: The model's parameters, the optimizer adopted (given or found), and whether the next
+    #: step's first bucket still looks for an optimizer or a scaler (:meth:`discover`).
+    hooked: list[torch.nn.Parameter] = dataclasses.field(default_factory=list, repr=False)
+    optimizer: Any = dataclasses.field(default=None, repr=False)
+    discovering: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.compressor, Compressor):
@@ -165,17 +170,27 @@ class GradsiftHookState:
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any = None) -> None:
         """Bind to ``ddp_model`` (parameter numbers, process group, the compressor's
-        instrumentation); with ``optimizer``, take over its momentum (:mod:`gradsift.hook.recipe`)."""
+        instrumentation) and adopt ``optimizer`` (:meth:`adopt`); without one, and without
+        ``scaler=``, the first step's first bucket looks for them (:meth:`discover`)."""
         if getattr(ddp_model, "_use_python_reducer", False):
             raise InvalidOptionError(PYTHON_REDUCER)
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
+        self.hooked = list(ddp_model.module.parameters())
+        self.discovering = optimizer is None or self.options.scaler is None
+        self.adopt(optimizer)
+        self.compressor.attach(ddp_model.module)
+
+    def adopt(self, optimizer: Any) -> None:
+        """Take over ``optimizer``'s momentum (:mod:`gradsift.hook.recipe`; Adam's method,
+        :mod:`gradsift.hook.adam`) when the compressor runs error feedback, and watch the
+        first optimizer step (:mod:`gradsift.hook.first_step`)."""
+        self.optimizer = optimizer
         if optimizer is not None and self.feedback is not None:
-            one_line = self.options.warmup_steps == 0 and self.options.adam in FROZEN_METHODS
-            if one_line and is_adam(recipe.unwrapped(optimizer)):  # a measured default warm-up
-                self.options = dataclasses.replace(self.options, warmup_steps=ONE_LINE_WARMUP_STEPS)
+            if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
+                self._frozen_variance_warmup()
             taken = recipe.take_over(
-                optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam
+                optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam
             )
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
@@ -188,12 +203,35 @@ class GradsiftHookState:
         if self.first_step is not None:
             self.first_step.close()
         self.first_step = FirstOptimizerStep(
-            list(ddp_model.module.parameters()),
+            self.hooked,
             optimizer,
             check_momentum=self.feedback is not None,
             check_scaler=self.options.scaler is None and not self.compressor.identity,
         )
-        self.compressor.attach(ddp_model.module)
+
+    def _frozen_variance_warmup(self) -> None:
+        """The dense steps a frozen second moment needs: unset means
+        :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`; ``0`` is refused."""
+        if self.options.warmup_steps is None:
+            self.options = dataclasses.replace(self.options, warmup_steps=ONE_LINE_WARMUP_STEPS)
+        elif self.options.warmup_steps == 0:
+            raise InvalidOptionError(
+                f"warmup_steps=0 with adam={self.options.adam!r}: the method freezes Adam's second moment "
+                "after dense steps, and with none there is no second moment to freeze; pass warmup_steps >= 1 "
+                f"or leave it unset ({ONE_LINE_WARMUP_STEPS} dense steps)"
+            )
+
+    def discover(self) -> None:
+        """Adopt what the training script built and did not pass (:mod:`gradsift.hook.discovery`):
+        the one enabled ``GradScaler`` that scaled a loss, as ``scaler=``; the one optimizer
+        stepping the hooked parameters, as ``optimizer=``. Runs once, at the first bucket of
+        the first step, before anything of the step is computed."""
+        self.discovering = False
+        if self.options.scaler is None and (scaler := discovery.find_scaler()) is not None:
+            self.options = dataclasses.replace(self.options, scaler=scaler)
+        found = discovery.find_optimizer(self.hooked) if self.optimizer is None else None
+        if found is not None or self.options.scaler is not None:
+            self.adopt(found or self.optimizer)
 
     # -- public read-outs -------------------------------------------------------------------
     @property
@@ -270,7 +308,7 @@ class GradsiftHookState:
         """Stock DDP's in-place allreduce this step: ``none``, or warm-up without momentum correction."""
         if self.compressor.identity:
             return True
-        warming = self.ledger.step < self.options.warmup_steps
+        warming = self.ledger.step < self.options.dense_steps
         # Adam's warm-up is the optimizer as built: its moments come from dense gradients
         return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
 
@@ -348,6 +386,11 @@ class GradsiftHookState:
             self.adam.pending = self.adam.compressing(closing)
 
     def open_step(self) -> Any:
+        """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), after the first
+        step's :meth:`discover`; while the density warms up, set the sparsifier's ratio for
+        this step (:func:`gradsift.hook.recipe.density_at`)."""
+        if self.discovering and self.ledger.current is None:
+            self.discover()
         warming = self.ledger.current is None and self.options.density_warmup_steps
         if warming and self.target_ratio is not None and isinstance(self.compressor, Sparsifier):
             self.compressor.ratio = recipe.density_at(

@@ -149,7 +149,7 @@ def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -
         "hook_momentum": None if feedback is None else feedback.momentum,
         "optimizer": type(optimizer).__name__,
         "optimizer_momentum": optimizer.param_groups[0].get("momentum"),
-        "adam_warmup_steps": state.options.warmup_steps if state.adam is not None else None,
+        "adam_warmup_steps": state.options.dense_steps if state.adam is not None else None,
         "momentum_masking": feedback.momentum_masking if correcting else None,
         "density_warmup_steps": warmup,
         "density_warmup_start": state.options.density_warmup_start if warmup else None,

@@ -1,0 +1,137 @@
+"""Discovery (gradsift.hook.discovery): the hook adopts the optimizer and the GradScaler a
+training script built but did not pass, and a run with discovery equals, bit for bit, the
+same run with them passed by hand -- per optimizer family and for the scaler, on a 1-rank
+gloo group in this process (the arithmetic of every rank's route)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook import discovery
+
+pytestmark = pytest.mark.distributed
+
+
+def model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)))
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3, weight_decay=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
+}
+
+
+def run(compressor: str, family: str, *, passed: bool, scaler_scale: float | None = None, **options):
+    """Six steps of a fixed data stream; the final parameters and the hook's state."""
+    ddp = model()
+    optimizer = OPTIMIZERS[family](ddp.parameters())
+    scaler = None if scaler_scale is None else torch.amp.GradScaler("cpu", init_scale=scaler_scale)
+    given = {"optimizer": optimizer, "scaler": scaler} if passed else {}
+    state = gradsift.register_comm_hook(ddp, compressor, **options, **given)
+    generator = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # adopted: no "not passed" warning
+        for _ in range(6):
+            optimizer.zero_grad()
+            loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+    return [p.detach().clone() for p in ddp.parameters()], state
+
+
+CASES = [
+    ("topk", "sgd-momentum", {"ratio": 0.2}),
+    ("randomk", "sgd-momentum", {"ratio": 0.2}),
+    ("sidco-exp", "sgd-momentum", {"ratio": 0.05}),
+    ("topk", "sgd", {"ratio": 0.2}),
+    ("efsignsgd", "adamw", {"warmup_steps": 2}),
+    ("topk", "adam", {"ratio": 0.2, "warmup_steps": 2}),
+    ("efsignsgd", "adamw", {"warmup_steps": 2, "adam": "onebit"}),
+]
+
+
+@pytest.mark.parametrize(("compressor", "family", "options"), CASES, ids=lambda c: str(c))
+def test_a_found_optimizer_trains_as_the_one_passed(one_process_group, compressor, family, options):
+    found, state = run(compressor, family, passed=False, **options)
+    given, _ = run(compressor, family, passed=True, **options)
+    assert state.optimizer is not None  # adopted
+    for a, b in zip(found, given, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("compressor", ["topk", "sidco-exp", "qsgd", "efsignsgd"])
+def test_a_found_grad_scaler_trains_as_the_one_passed(one_process_group, compressor):
+    options = {"ratio": 0.2} if compressor == "topk" else {}
+    found, state = run(compressor, "sgd-momentum", passed=False, scaler_scale=2.0**10, **options)
+    given, _ = run(compressor, "sgd-momentum", passed=True, scaler_scale=2.0**10, **options)
+    assert state.options.scaler is not None
+    for a, b in zip(found, given, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_found_optimizer_is_the_inner_one_of_a_wrapper():
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    class Wrapper(torch.optim.Optimizer):  # shares the inner's groups, as Accelerate's does
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    outer = Wrapper(inner)
+    params = inner.param_groups[0]["params"]
+    assert discovery.find_optimizer(params) is inner
+    del outer
+
+
+def test_nothing_is_adopted_when_two_optimizers_hold_the_parameters():
+    layer = torch.nn.Linear(2, 2)
+    first = torch.optim.SGD(layer.parameters(), lr=0.1)
+    assert discovery.find_optimizer(layer.parameters()) is first
+    second = torch.optim.Adam(layer.parameters(), lr=0.1)
+    assert discovery.find_optimizer(layer.parameters()) is None
+    assert discovery.find_optimizer(torch.nn.Linear(2, 2).parameters()) is None  # holds none of them
+    del second
+
+
+def test_a_scaler_that_scaled_nothing_or_is_disabled_is_not_adopted():
+    gc.collect()  # scalers of earlier tests
+    assert discovery.find_scaler() is None
+    idle = torch.amp.GradScaler("cpu")
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    off.scale(torch.ones(()))
+    assert discovery.find_scaler() is None
+    idle.scale(torch.ones(()))
+    assert discovery.find_scaler() is idle
+
+
+def test_an_explicit_warmup_of_zero_under_frozen_adam_is_refused(one_process_group):
+    ddp = model()
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    with pytest.raises(InvalidOptionError, match="warmup_steps=0.*no second moment"):
+        gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=0)
+
+
+def test_a_misspelt_option_lists_the_hooks_and_the_compressors(one_process_group):
+    with pytest.raises(
+        InvalidOptionError, match=r"warmup_step\b.*hook's options are.*warmup_steps.*'topk'.*ratio"
+    ):
+        gradsift.register_comm_hook(model(), "topk", warmup_step=3)
