@@ -58,7 +58,6 @@ def gather_worker(rank: int, world: int, checkpoint: str) -> dict:
         "gathered": gathered,
         "loaded_devices": sorted({str(t.device) for t in tensors(on_device.store.tables)}),
         "loaded": to_cpu(on_device.state_dict()),
-        "generators": {name: str(g.device) for name, g in on_device.compressor.generators.items()},
         "default_devices": sorted({str(t.device) for t in tensors(default.store.tables)}),
     }
 
@@ -81,10 +80,8 @@ def test_gathered_checkpoint_is_on_the_cpu_and_loads_onto_the_hooks_device(tmp_p
             assert torch.equal(result["loaded"]["store"]["tables"]["residual"][key], residual)
         assert result["loaded_devices"] == ["lazy:0"]  # the store on the hook's device
         assert result["default_devices"] == ["cpu"]
-        assert result["generators"] == {"cpu": "cpu"}  # the RNG state restored (it must be on the CPU)
-        assert torch.equal(
-            result["loaded"]["compressor"]["generators"]["cpu"], own["compressor"]["generators"]["cpu"]
-        )
+        # DGC's sample stream restored (its per-key call counters: host ints)
+        assert result["loaded"]["compressor"]["calls"] == own["compressor"]["calls"] != {}
 
 
 def test_hook_state_on_moves_the_store_and_floating_compressor_state_only() -> None:

@@ -3,7 +3,7 @@
 Three compressors in a row, for a tensor ``x`` of ``n`` elements at its ``t``-th call:
 
 1. **subset** -- every position has a slot in ``[0, P)``, ``P = round(1 / p)``, drawn once
-   from the shared ``seed`` (the same on every worker); call ``t`` may select only the
+   from the shared ``seed`` (the same on every worker, whatever its device); call ``t`` may select only the
    positions of slot ``t mod P``, so each position is eligible once every ``P`` calls;
 2. **top-k** -- of those, the ``k = max(1, floor(n p r))`` of largest ``|x_i|`` (``r`` the
    fraction kept of the subset), sent as ascending positions;
@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gradsift.compressors import draws
 from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.bitpack import pack, unpack
 from gradsift.compressors.blockquant import BlockQuantizer
@@ -83,13 +84,11 @@ class Cocktail(Sparsifier):
                 "block_size": self.values.block_size, "seed": self.seed}  # fmt: skip
 
     def slots(self, numel: int, device: torch.device) -> torch.Tensor:
-        """Every position's slot in ``[0, P)`` (uint8), a function of ``(seed, numel)`` only."""
+        """Every position's slot in ``[0, P)`` (uint8), a function of ``(seed, numel)`` only --
+        the same on every device (:mod:`gradsift.compressors.draws`)."""
         cached = self._slots.get((numel, str(device)))
         if cached is None:
-            generator = torch.Generator(device=device).manual_seed(self.seed + numel)
-            cached = torch.randint(
-                0, self.period, (numel,), generator=generator, device=device, dtype=torch.uint8
-            )
+            cached = draws.below(self.period, self.seed + numel, numel, device).to(torch.uint8)
             self._slots[(numel, str(device))] = cached
         return cached
 

@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
+from gradsift.compressors import draws
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.draws import stream_seed
 from gradsift.compressors.kernels import Candidates, keep_largest
 from gradsift.compressors.threshold import threshold_selection
+from gradsift.core.errors import InvalidOptionError
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int, check_real
 
@@ -24,7 +27,8 @@ class DGC(Sparsifier):
     For a flat gradient ``g`` of ``n`` elements and ``k = max(1, floor(n * ratio))``:
 
     1. Draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))`` positions
-       uniformly (with replacement) from this instance's generator; ``a = |g|`` there.
+       uniformly (with replacement), a function of ``(seed, key, call)`` -- the same on
+       every device (:mod:`gradsift.compressors.draws`); ``a = |g|`` there.
     2. ``eta`` = the smallest of the ``ceil(s * ratio)`` largest sampled magnitudes.
     3. Select ``{i : |g_i| >= eta}`` (count ``c``; ties at ``eta`` included, so a
        constant tensor is never left unsent).
@@ -43,9 +47,10 @@ class DGC(Sparsifier):
         ratio: target density in (0, 1].
         sample_ratio: fraction of ``n`` sampled, in (0, 1] (default 0.01).
         min_sample: smallest sample size, integer >= 1 (default 1024).
-        seed: seed of the sampling generator, integer >= 0 (default 0).
+        seed: seed of the sample's draws, integer >= 0 (default 0).
 
-    State (``state_dict``): the generator state per device.
+    State (``state_dict``): the per-key call counters (the sample of call ``t`` of
+    ``key`` is fixed by ``(seed, key, t)``).
 
     Cost: one comparison pass over ``n`` (:func:`gradsift.compressors.kernels.select_above`), a
     top-k over the sample (and over ``c`` elements when trimming); the non-finite check
@@ -61,7 +66,7 @@ class DGC(Sparsifier):
         self.sample_ratio = check_real(sample_ratio, "sample_ratio", low=0.0, high=1.0, low_open=True)
         self.min_sample = check_int(min_sample, "min_sample", low=1)
         self.seed = check_int(seed, "seed", low=0)
-        self.generators: dict[str, torch.Generator] = {}
+        self.calls: dict[Hashable, int] = {}
 
     def options(self) -> dict[str, Any]:
         return {
@@ -71,18 +76,13 @@ class DGC(Sparsifier):
             "seed": self.seed,
         }
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This instance's sampling generator on ``device`` (seeded with ``seed`` on first use)."""
-        name = str(device)
-        if name not in self.generators:
-            self.generators[name] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[name]
-
     def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         n = flat.numel()
         k = target_count(n, self.ratio)
         size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
-        positions = torch.randint(n, (size,), generator=self.generator(flat.device), device=flat.device)
+        call = self.calls.get(key, 0)
+        self.calls[key] = call + 1
+        positions = draws.below(n, stream_seed(self.seed, key, call), size, flat.device)
         top = torch.topk(
             flat.index_select(0, positions).abs(), math.ceil(size * self.ratio), sorted=False
         ).values
@@ -96,9 +96,9 @@ class DGC(Sparsifier):
         return selection
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generators": {name: g.get_state() for name, g in self.generators.items()}}
+        return {"calls": dict(self.calls)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generators = {}  # a generator made after the saved state must not survive it
-        for name, generator_state in state["generators"].items():
-            self.generator(torch.device(name)).set_state(generator_state)
+        if set(state) != {"calls"}:
+            raise InvalidOptionError(f"{self.name} state must hold the key calls; got {sorted(state)}")
+        self.calls = {key: check_int(call, f"calls[{key!r}]", low=0) for key, call in state["calls"].items()}

@@ -1,6 +1,7 @@
 """Random-k with a shared seed: every worker picks the same k positions, so it fits allreduce.
 
-Indices are a pure function of ``(seed, key, step)``, where ``step`` counts the
+Indices are a pure function of ``(seed, key, step)`` -- the same on the CPU and on any GPU
+model (counter-based draws, :mod:`gradsift.compressors.draws`) -- where ``step`` counts the
 calls made with that ``key``; they are drawn over the key's parameters in number order
 (:meth:`gradsift.core.store.TensorStore.canonical`), so DDP's bucket layout, which changes when
 it rebuilds its buckets and again when a run resumes, does not change which elements
@@ -17,7 +18,6 @@ no header (``variable_size=False``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from gradsift.compressors import draws
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.draws import stream_seed
 from gradsift.core.payload import Payload, index_dtype
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int
@@ -44,17 +46,6 @@ class SharedIndexPayload(Payload):
         return {name: t for name, t in super().fields().items() if name != "indices"}
 
 
-def stream_seed(seed: int, key: Hashable, step: int) -> int:
-    """A 63-bit generator seed from ``(seed, key, step)``, equal in every process.
-
-    Uses BLAKE2b of ``repr((seed, key, step))``: Python's ``hash()`` is salted per
-    process. Keys must therefore have a process-independent ``repr`` (ints,
-    strings, tuples of them -- bucket indices and parameter names do).
-    """
-    digest = hashlib.blake2b(repr((seed, key, step)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def first_distinct(draws: torch.Tensor) -> torch.Tensor:
     """Mask of the draws that are the first appearance of their value.
 
@@ -70,8 +61,9 @@ def first_distinct(draws: torch.Tensor) -> torch.Tensor:
     return first
 
 
-def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """``k`` distinct positions of ``[0, n)``, every ``k``-subset equally likely, in draw order.
+def sample_without_replacement(n: int, k: int, key: int, device: torch.device) -> torch.Tensor:
+    """``k`` distinct positions of ``[0, n)``, every ``k``-subset equally likely, in draw order,
+    a function of ``(n, k, key)`` only: the same on every device (:mod:`gradsift.compressors.draws`).
 
     For ``k <= n/2``: the first ``k`` distinct values of an i.i.d. uniform stream
     (sequential sampling without replacement by rejection). The stream length ``m``
@@ -84,13 +76,13 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> to
     permutation is cut instead.
     """
     if 2 * k > n:
-        return torch.randperm(n, generator=generator, device=generator.device)[:k]
+        return draws.permutation(n, key, device)[:k]
     wanted = min(n - 0.5, k + 8 * math.sqrt(k) + 32)
     length = math.ceil(-n * math.log1p(-wanted / n))
     # int32 positions when they fit: the sort is the cost, and it is several times faster.
-    draws = torch.randint(n, (length,), generator=generator, device=generator.device, dtype=index_dtype(n))
-    first = torch.nonzero_static(first_distinct(draws), size=k, fill_value=-1).view(-1)
-    return torch.where(first >= 0, draws.index_select(0, first.clamp_min(0)), 0).long()
+    drawn = draws.below(n, key, length, device).to(index_dtype(n))
+    first = torch.nonzero_static(first_distinct(drawn), size=k, fill_value=-1).view(-1)
+    return torch.where(first >= 0, drawn.index_select(0, first.clamp_min(0)), 0).long()
 
 
 class RandomK(Sparsifier):
@@ -128,8 +120,10 @@ class RandomK(Sparsifier):
         smallest, largest = torch.aminmax(flat)
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
-        generator = torch.Generator(device=flat.device).manual_seed(stream_seed(self.seed, key, step))
-        drawn = sample_without_replacement(flat.numel(), target_count(flat.numel(), self.ratio), generator)
+        stream = stream_seed(self.seed, key, step)
+        drawn = sample_without_replacement(
+            flat.numel(), target_count(flat.numel(), self.ratio), stream, flat.device
+        )
         canonical = self.store.canonical(key)
         if canonical is not None:  # drawn in parameter order: a rebuilt bucket picks the same elements
             drawn = canonical.flat_positions(drawn)
