@@ -200,6 +200,14 @@ def blocking(what: str, group: Any, start: Callable[[], Any]) -> None:
     started(guarded(what, group, start), None, group, what).wait()
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """The device this rank's collectives of ``group`` run on: its current CUDA device when
+    the group's backend is NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Any, what: str = "start broadcast") -> None:
     """Set every tensor of ``tensors``, in place, to the group's first rank's (one broadcast
     each, in order): what a frontend that does not wrap the model in DDP does to start its

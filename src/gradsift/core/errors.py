@@ -54,3 +54,9 @@ class UntrustedDataError(InvalidOptionError):
     """Bytes from outside (a checkpoint file, a peer's state) hold something other than plain
     data -- tensors, numbers, strings, ``None``, lists, tuples and dicts of them -- and were
     refused without building it (no ``__reduce__`` of theirs ran)."""
+
+
+class SettingsMismatchError(InvalidOptionError):
+    """The ranks of a group were given different settings that shape the messages or the
+    result (compressor, its options, the hook's); raised on every rank at registration,
+    naming each setting and the ranks' values."""

@@ -11,6 +11,7 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
 from gradsift.hook.state import GradsiftHookState
 
@@ -48,5 +49,6 @@ def register_comm_hook(
     optimizer = options.pop("optimizer", None)
     state = GradsiftHookState.resolve(compressor, options)
     state.attach(ddp_model, optimizer)
+    check_hook_settings(state, "register_comm_hook")  # collective: ranks that disagree stop here
     ddp_model.register_comm_hook(state, gradsift_hook)
     return state

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsift.core.agreement import check_agreement, setting_text, tensors_text
 from gradsift.core.collectives import allgather, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError, NonFiniteGradientError
 from gradsift.core.telemetry import BucketRecord, Telemetry
@@ -203,7 +204,18 @@ class DeMo(torch.optim.Optimizer):
         self.telemetry = Telemetry()
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         if self.world > 1:
+            check_agreement(self._settings(), process_group, "DeMo")  # collective: before anything moves
             broadcast_from_first(self.params, process_group)
+
+    def _settings(self) -> dict[str, str]:
+        """What every rank's DeMo must share (:mod:`gradsift.core.agreement`): its options (the
+        values' dtype as resolved), each group's ``lr`` and ``weight_decay``, the parameters' layout."""
+        settings = {name: setting_text(value) for name, value in self.options.describe().items()}
+        settings["value_dtype"] = setting_text(self.value_dtype)
+        groups = [(group["lr"], group["weight_decay"]) for group in self.param_groups]
+        settings["lr and weight_decay by group"] = setting_text(groups)
+        settings["parameters"] = setting_text(tensors_text(self.params))
+        return settings
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group while the optimizer is built; afterwards the layout of the message is fixed."""

@@ -47,10 +47,12 @@ import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.registry import compressor_class
+from gradsift.core.agreement import tensors_text
 from gradsift.core.collectives import blocking, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.hook.feedback import RESIDUAL
+from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.layout import FlatBucket
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -267,6 +269,10 @@ def diloco(
         )
     hook.layout.bind(model)
     hook.compressor.attach(model)
+    outer = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+             "nesterov": nesterov, "buffers": buffers, "unsent": unsent,
+             "parameters and buffers": tensors_text([*model.parameters(), *model.buffers()])}  # fmt: skip
+    check_hook_settings(hook, "diloco", outer)  # collective: ranks that disagree stop here
     broadcast_from_first([*model.parameters(), *model.buffers()], hook.process_group)  # rank 0's start
     return DiLoCoState(
         model, optimizer, hook, sync_every, outer_lr, outer_momentum, nesterov, buffers, unsent

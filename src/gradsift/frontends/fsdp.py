@@ -57,6 +57,7 @@ from gradsift.core.trip import Outcome, Part
 from gradsift.exchanges.base import waited
 from gradsift.exchanges.choice import exchange_class
 from gradsift.exchanges.reduce_scatter import ReduceScatter
+from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.layout import FlatBucket
 from gradsift.hook.ledger import BucketInFlight
 from gradsift.hook.options import HookOptions
@@ -130,6 +131,7 @@ def register_fsdp_comm_hook(
         _register_fsdp1(model, state)
     else:
         _register_fsdp2(cast(torch.nn.Module, model), state)  # fully_shard modules are nn.Modules
+    check_hook_settings(state, "register_comm_hook on an FSDP model")  # collective, before any step
     return state
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.core.collectives import blocking
+from gradsift.core.collectives import blocking, collective_device
 from gradsift.core.errors import InvalidOptionError, UntrustedDataError
 from gradsift.core.plain import PLAIN, plain_bytes, read_plain
 from gradsift.core.validation import check_int
@@ -67,14 +67,6 @@ def hook_state_on(state_dict: dict[str, Any], device: torch.device | str) -> dic
     placed["store"] = _to_device(state_dict["store"], device, floating_only=False)
     placed["compressor"] = _to_device(state_dict["compressor"], device, floating_only=True)
     return placed
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """The device this rank's collectives run on: its current CUDA device when ``group``'s
-    backend is NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str, Any] | None:

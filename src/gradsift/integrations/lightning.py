@@ -24,6 +24,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
 from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
 from gradsift.integrations.checkpoint import gather_hook_states, hook_state_on, rank_entry
 from gradsift.integrations.hook_state import new_hook_state
@@ -80,6 +81,7 @@ class GradsiftCallback(Callback):
         optimizer = self._optimizer(trainer)
         if any(state is self.state for _, state in getattr(ddp_model, "_comm_hooks", ())):
             self.state.attach(ddp_model, optimizer)  # Lightning registered it (CUDA): bind it only
+            check_hook_settings(self.state, "GradsiftCallback")  # collective: ranks that disagree stop
         else:
             register_comm_hook(ddp_model, self.state, optimizer=optimizer)
         self._ddp_model = ddp_model
