@@ -21,6 +21,7 @@ from gradsift.core.errors import (
     InvalidOptionError,
     InvalidTensorError,
     NonFiniteGradientError,
+    PeerFailureError,
     SettingsMismatchError,
     UnknownCompressorError,
     UntrustedDataError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
     from gradsift.frontends.decoupled_momentum import DeMo
     from gradsift.frontends.diloco import DiLoCoState
+    from gradsift.hook.auto import AutoHookState
     from gradsift.hook.state import GradsiftHookState
 
 #: The release, written only here (pyproject.toml reads it; CHANGELOG.md has its entry).
@@ -49,6 +51,9 @@ _FROM_COMPRESSORS = ("Compressor", "Payload", "available_compressors", "get_comp
 _LAZY = {
     **dict.fromkeys(_FROM_COMPRESSORS, "gradsift.compressors"),
     "DeMo": "gradsift.frontends.decoupled_momentum",
+    "DiLoCoState": "gradsift.frontends.diloco",
+    "GradsiftHookState": "gradsift.hook.state",
+    "AutoHookState": "gradsift.hook.auto",
 }
 
 
@@ -70,19 +75,25 @@ def __dir__() -> list[str]:
 
 def register_comm_hook(
     ddp_model: DistributedDataParallel | FullyShardedDataParallel | FSDPModule,
-    compressor: str | Compressor | GradsiftHookState = "sidco-exp",
+    compressor: str | Compressor | GradsiftHookState = "auto",
     **options: Any,
-) -> GradsiftHookState:
+) -> GradsiftHookState | AutoHookState:
     """Install gradsift's communication hook on a ``DistributedDataParallel`` (or FSDP) model.
 
     See :func:`gradsift.frontends.ddp.register_comm_hook` for the options; imported lazily so
     that ``import gradsift`` does not initialise ``torch.distributed``. An FSDP model
     (``FullyShardedDataParallel`` or ``fully_shard``) goes to
-    :func:`gradsift.frontends.fsdp.register_fsdp_comm_hook`.
+    :func:`gradsift.frontends.fsdp.register_fsdp_comm_hook`, which takes a named method
+    (``"auto"`` switches methods on DDP's buckets only).
     """
     from gradsift.frontends.fsdp import is_fsdp_model, register_fsdp_comm_hook
 
     if is_fsdp_model(ddp_model):
+        if compressor == "auto":
+            raise InvalidOptionError(
+                "compressor='auto' (the default) measures and switches methods on DDP's buckets; on FSDP "
+                "name the method: 'sidco-exp' (SGD), 'bf16' or 'none' (register_comm_hook(model, 'sidco-exp'))"
+            )
         return register_fsdp_comm_hook(ddp_model, compressor, **options)
     from gradsift.frontends.ddp import register_comm_hook as _register
 
@@ -101,13 +112,17 @@ def diloco(
 
 
 __all__ = [
+    "AutoHookState",
     "Compressor",
     "DeMo",
+    "DiLoCoState",
     "GradsiftError",
+    "GradsiftHookState",
     "InvalidOptionError",
     "InvalidTensorError",
     "NonFiniteGradientError",
     "Payload",
+    "PeerFailureError",
     "SettingsMismatchError",
     "UnknownCompressorError",
     "UntrustedDataError",

@@ -1,8 +1,9 @@
-"""The DDP frontend: ``register_comm_hook(ddp_model, compressor, **options)``.
+"""The DDP frontend: ``register_comm_hook(ddp_model, compressor="auto", **options)``.
 
-Builds the hook's state (:class:`~gradsift.hook.state.GradsiftHookState`), binds it to
-the model and its optimizer, and installs :func:`~gradsift.hook.route.gradsift_hook`,
-which takes every DDP bucket along the hook's route (:mod:`gradsift.hook.route`).
+Builds the hook's state (:class:`~gradsift.hook.state.GradsiftHookState`; for ``"auto"``,
+:class:`~gradsift.hook.auto.AutoHookState`, which measures and picks the method), binds it
+to the model and its optimizer, and installs the hook, which takes every DDP bucket along
+the hook's route (:mod:`gradsift.hook.route`).
 """
 
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.auto import AUTO, AutoHookState, auto_hook
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
 from gradsift.hook.state import GradsiftHookState
@@ -18,35 +20,44 @@ from gradsift.hook.state import GradsiftHookState
 
 def register_comm_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
-    compressor: str | Compressor | GradsiftHookState = "sidco-exp",
+    compressor: str | Compressor | GradsiftHookState = AUTO,
     **options: Any,
-) -> GradsiftHookState:
+) -> GradsiftHookState | AutoHookState:
     """Install gradsift's hook on ``ddp_model`` and return its state.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model (gloo or NCCL).
-        compressor: a registry name, a :class:`Compressor` instance, or a
-            :class:`GradsiftHookState` to re-attach (e.g. one restored by pickle).
+        compressor: ``"auto"`` (default: stock DDP for a few steps while it measures the
+            link, the step and each candidate's cost, then the fastest method that keeps
+            quality for the optimizer it found; :mod:`gradsift.hook.auto`), a registry name,
+            a :class:`Compressor` instance, or a :class:`GradsiftHookState` to re-attach
+            (e.g. one restored by pickle).
         options: the hook's knobs (:data:`~gradsift.hook.options.HOOK_OPTIONS`: ``process_group``, ``optimizer``
             and the fields of :class:`~gradsift.hook.options.HookOptions`); every other keyword goes to the
             compressor (``ratio``, ``stages``, ...). ``optimizer=`` applies DGC's momentum
             correction (:mod:`gradsift.hook.recipe`): with an error-feedback compressor the
             optimizer's momentum and weight decay move into the hook, so momentum is
-            applied exactly once.
+            applied exactly once. Without ``optimizer=`` / ``scaler=`` the hook adopts the
+            optimizer and the ``GradScaler`` it finds (:mod:`gradsift.hook.discovery`).
 
     The compressor's ``attach(ddp_model.module)`` is called once here.
 
     Example::
 
         model = torch.nn.parallel.DistributedDataParallel(module)
-        state = gradsift.register_comm_hook(model, "topk", ratio=0.01, optimizer=optimizer)
-        # train as usual; state.stats()["step"] has the last step's bytes and density
+        state = gradsift.register_comm_hook(model)  # "auto"; or e.g. "topk", ratio=0.01
+        # train as usual; state.stats()["auto"] says what it chose and why
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(
             f"ddp_model must be a DistributedDataParallel model, got {type(ddp_model).__name__}"
         )
     optimizer = options.pop("optimizer", None)
+    if isinstance(compressor, str) and compressor == AUTO:
+        auto = AutoHookState(ddp_model, optimizer, options)
+        check_hook_settings(auto.dense, "register_comm_hook")  # collective: ranks that disagree stop here
+        ddp_model.register_comm_hook(auto, auto_hook)
+        return auto
     state = GradsiftHookState.resolve(compressor, options)
     state.attach(ddp_model, optimizer)
     check_hook_settings(state, "register_comm_hook")  # collective: ranks that disagree stop here

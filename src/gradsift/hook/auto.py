@@ -1,0 +1,300 @@
+"""``compressor="auto"``: measure the run, then run what is fastest among the methods that keep quality.
+
+The hook starts as stock DDP (``none``: dense fp32 allreduce, the optimizer as built) and
+decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike:
+
+1. **Measure** -- the step time ``T`` of the dense steps (median of the intervals between
+   the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`; on CUDA each of those steps
+   synchronises once, so host clocks see device time), and, with the step's first bucket:
+   each candidate's encode + decode time on it (scaled to the model's size), and the time
+   its message takes on this group's link -- a real collective of the candidate's size and
+   kind (allreduce for ``none`` and ``bf16``, allgather of the payload's wire bytes for the
+   compressed one), once untimed, then :data:`PROBES` times, the least.
+2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
+   rank predicts from the same numbers and picks the same candidate.
+3. **Predict** -- compute ``T_c = T - t_none`` (the dense step without its message; the
+   message's overlap with backward makes this a lower bound, which errs towards dense),
+   then ``T(c) = T_c + t(c) + codec(c)`` per candidate; ``none`` keeps ``T`` as measured.
+4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat ``T``
+   by :data:`MARGIN`, so a near tie stays dense (the hook is never the reason a run is slower).
+
+Candidates keep the optimizer family's quality (docs/decisions.md, "compressor='auto'"):
+SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction; Adam / AdamW
+-- ``none``, ``bf16``, the 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam
+step), which starts only after Adam's dense warm-up (``warmup_steps``, unset:
+:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`); another or no optimizer -- ``none``,
+``bf16``. The chosen method runs as ``register_comm_hook(ddp, name, optimizer=...)`` would,
+continuing the step count; its state, the choice and the predictions are in ``stats()`` and
+the checkpoint.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsift.compressors.registry import get_compressor
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook import recipe
+from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
+from gradsift.hook.layout import BucketLike
+from gradsift.hook.route import route_bucket
+from gradsift.hook.state import GradsiftHookState
+
+AUTO = "auto"
+#: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
+SKIP = 2
+DECIDE_AT = 10
+#: Timed calls per probe, after one untimed (the least is kept: noise only adds time).
+PROBES = 5
+#: A compressed candidate must be predicted this much faster than the dense step.
+MARGIN = 0.9
+#: Elements of the probe messages and codec runs at most (larger models scale linearly).
+PROBE_ELEMENTS = 1 << 24
+#: The candidates per optimizer family: registry name and compressor options.
+CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "sgd": (("none", {}), ("bf16", {}), ("sidco-exp", {"ratio": 0.01})),
+    "adam": (("none", {}), ("bf16", {}), ("efsignsgd", {})),
+    "other": (("none", {}), ("bf16", {})),
+}
+#: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
+PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
+
+
+def family(optimizer: Any) -> str:
+    """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found too)."""
+    if optimizer is None:
+        return "other"
+    inner = recipe.unwrapped(optimizer)
+    if is_adam(inner):
+        return "adam"
+    return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+
+
+class AutoHookState:
+    """The state of ``register_comm_hook(ddp)`` with ``compressor="auto"`` (module docstring).
+
+    Attributes:
+        dense: the ``none`` hook state the run starts with (and keeps when it wins).
+        current: the state whose route the buckets take now.
+        choice: ``"measuring"`` until the decision, then the chosen registry name.
+        predicted_ms: per candidate, the predicted step time; ``measured_ms``: the parts.
+    """
+
+    def __init__(
+        self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, options: dict[str, Any]
+    ) -> None:
+        unknown = sorted(set(options) - {"process_group", *PASSED_ON})
+        if unknown:
+            raise InvalidOptionError(
+                f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
+                f"method: pass compressor=<name> to set them (auto takes {', '.join(PASSED_ON)})"
+            )
+        self.ddp_model = ddp_model
+        self.options = dict(options)
+        self.dense = GradsiftHookState.build("none", **self.options)
+        self.dense.attach(ddp_model, optimizer)
+        self.current = self.dense
+        self.choice = "measuring"
+        self.decided_at: int | None = None
+        self.switch_at: int | None = None
+        self.pending: str | None = None
+        self.switched_at: int | None = None
+        self.predicted_ms: dict[str, float] = {}
+        self.measured_ms: dict[str, float] = {}
+        self._starts: list[float] = []
+
+    # -- the route -----------------------------------------------------------------------
+    def route(self, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+        """One bucket: at a step's first bucket, the clock, the decision and the switch; then
+        the current method's route (:func:`gradsift.hook.route.route_bucket`)."""
+        if self.current.ledger.current is None:
+            self._at_step_start(bucket)
+        return route_bucket(self.current, bucket)
+
+    def _at_step_start(self, bucket: BucketLike) -> None:
+        step = self.current.step
+        if self.choice == "measuring":
+            if self.dense.discovering:
+                self.dense.discover()
+            if step >= SKIP:
+                if bucket.buffer().is_cuda:
+                    torch.cuda.synchronize(bucket.buffer().device)
+                self._starts.append(time.perf_counter())
+            if step >= DECIDE_AT:
+                self._decide(bucket.buffer())
+        if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
+            self._switch(self.pending, step)
+
+    # -- deciding ------------------------------------------------------------------------
+    def _decide(self, sample: torch.Tensor) -> None:
+        group, world = self.dense.process_group, dist.get_world_size(self.dense.process_group)
+        numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
+        candidates = CANDIDATES[family(self.dense.optimizer)]
+        names = [name for name, _ in candidates]
+        local = [self._step_seconds()]
+        for name, options in candidates:
+            local += _costs(name, options, sample, numel, world, group)
+        agreed = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        step_s, *parts = agreed.tolist()
+        message = dict(zip(names, parts[0::2], strict=True))
+        codec = dict(zip(names, parts[1::2], strict=True))
+        best, predicted = choose(step_s, message, codec)
+        self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
+        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - message["none"], 0.0)}
+        self.measured_ms.update({f"message {n}": 1e3 * message[n] for n in names})
+        self.measured_ms.update({f"codec {n}": 1e3 * codec[n] for n in names if n != "none"})
+        self.decided_at = self.current.step
+        self.choice = best
+        if best != "none":
+            self.pending = best
+            self.switch_at = max(self.decided_at, self._dense_steps(best))
+
+    def _step_seconds(self) -> float:
+        """The median interval between the timed steps' first buckets."""
+        return statistics.median(b - a for a, b in zip(self._starts, self._starts[1:], strict=False))
+
+    def _dense_steps(self, name: str) -> int:
+        """Steps the method needs dense before it starts: Adam's warm-up for the 1-bit method."""
+        if family(self.dense.optimizer) != "adam" or name != "efsignsgd":
+            return 0
+        given = self.options.get("warmup_steps")
+        return ONE_LINE_WARMUP_STEPS if given is None else int(given)
+
+    def _switch(self, name: str, step: int) -> None:
+        """Run ``name`` from ``step`` on, as ``register_comm_hook(ddp, name, optimizer=...)``
+        would with the ``step`` steps before as its dense warm-up."""
+        options = dict(dict(CANDIDATES[family(self.dense.optimizer)])[name])
+        hook_options = {k: v for k, v in self.options.items() if k in PASSED_ON}
+        hook_options["warmup_steps"] = step
+        if hook_options.get("scaler") is None:
+            hook_options["scaler"] = self.dense.options.scaler
+        state = GradsiftHookState.build(
+            name, **options, **hook_options, process_group=self.dense.process_group
+        )
+        state.attach(self.ddp_model, self.dense.optimizer)
+        state.discovering = False
+        state.ledger.step = step
+        state.telemetry.load_state_dict(self.dense.telemetry.state_dict())
+        if self.dense.first_step is not None:
+            self.dense.first_step.close()
+        self.current, self.pending, self.switched_at = state, None, step
+
+    # -- read-outs and checkpoints -------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The running method's :meth:`~GradsiftHookState.stats` with ``"auto"``: the choice,
+        the step it was made at, the predicted step times and the measured parts (ms)."""
+        stats = self.current.stats()
+        stats["auto"] = {
+            "choice": self.choice,
+            "running": self.current.compressor.name,
+            "decided_at": self.decided_at,
+            "predicted_ms": dict(self.predicted_ms),
+            "measured_ms": dict(self.measured_ms),
+        }
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The choice (and when it takes effect) with the running method's state."""
+        return {
+            "auto": {
+                "choice": self.choice,
+                "decided_at": self.decided_at,
+                "switch_at": self.switch_at,
+                "pending": self.pending,
+                "switched_at": self.switched_at,
+                "running": self.current.compressor.name,
+                "predicted_ms": dict(self.predicted_ms),
+                "measured_ms": dict(self.measured_ms),
+            },
+            "state": self.current.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the choice, and the running method with its state."""
+        auto = state["auto"]
+        self.choice, self.decided_at, self.switch_at = auto["choice"], auto["decided_at"], auto["switch_at"]
+        self.predicted_ms, self.measured_ms = dict(auto["predicted_ms"]), dict(auto["measured_ms"])
+        if self.dense.discovering:
+            self.dense.discover()
+        if auto["running"] != "none":
+            self._switch(auto["running"], auto["switched_at"])
+        self.pending = auto["pending"]
+        self.current.load_state_dict(state["state"])
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else reads the running method's state (``step``, ``telemetry``, ...)."""
+        if name in ("current", "dense"):
+            raise AttributeError(name)
+        return getattr(self.current, name)
+
+
+def choose(step: float, message: dict[str, float], codec: dict[str, float]) -> tuple[str, dict[str, float]]:
+    """Steps 3-4 of the module docstring: the candidate to run and every candidate's predicted
+    step time (seconds), from the dense step time ``step`` and per candidate (``"none"``
+    first) its message and codec seconds."""
+    compute = max(step - message["none"], 0.0)
+    predicted = {name: compute + message[name] + codec[name] for name in message}
+    predicted["none"] = step
+    names = list(message)
+    best = min(names, key=lambda name: (predicted[name], names.index(name)))
+    if best != "none" and predicted[best] > MARGIN * step:
+        best = "none"
+    return best, predicted
+
+
+def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of ``compressor="auto"``."""
+    return state.route(bucket)
+
+
+def _costs(
+    name: str, options: dict[str, Any], sample: torch.Tensor, numel: int, world: int, group: Any
+) -> list[float]:
+    """``[message seconds, codec seconds]`` of candidate ``name`` for the model's ``numel``
+    gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32
+    / bf16 values; otherwise an allgather of the payload's wire bytes) and its encode +
+    decode of ``sample`` (the step's first bucket), both scaled from at most
+    :data:`PROBE_ELEMENTS` elements."""
+    size = min(numel, PROBE_ELEMENTS)
+    scale = numel / size
+    device = sample.device
+    if name in ("none", "bf16"):
+        dtype = torch.float32 if name == "none" else torch.bfloat16
+        message = torch.zeros(size, dtype=dtype, device=device)
+        seconds = _least_seconds(lambda: dist.all_reduce(message, group=group), device)
+        codec = 0.0 if name == "none" else _least_seconds(lambda: sample.to(torch.bfloat16).float(), device)
+        return [scale * seconds, codec * numel / max(sample.numel(), 1)]
+    compressor = get_compressor(name, **options)
+    flat = sample.detach().reshape(-1).float().clone()
+    payload = compressor.compress(flat)
+    per_element = payload.nbytes / flat.numel()
+    wire = torch.zeros(max(1, round(per_element * size)), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(wire) for _ in range(world)]
+    seconds = _least_seconds(lambda: dist.all_gather(gathered, wire, group=group), device)
+
+    def codec_once() -> None:
+        compressor.decompress([compressor.compress(flat)] * world, flat.numel())
+
+    codec = _least_seconds(codec_once, device) * numel / flat.numel()
+    return [scale * seconds, codec]
+
+
+def _least_seconds(run: Any, device: torch.device) -> float:
+    """The least wall time of :data:`PROBES` calls of ``run`` after one untimed call (the
+    device synchronised around each)."""
+    run()
+    times = []
+    for _ in range(PROBES):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return min(times)
