@@ -114,14 +114,15 @@ def reference_run(per_layer: bool, workers: int = 2) -> torch.Tensor:
 def hooked_run(
     rank: int, options: dict, resume_at: int | None = None, helpers: bool = False, takeover: bool = True
 ) -> dict:
-    """The user's loop with the one line (``optimizer=`` the AdamW unless not ``takeover``); with
+    """The user's loop with the one line (``optimizer=`` the AdamW, or with ``takeover`` False
+    ``optimizer=False``: none, not looked for); with
     ``resume_at`` a checkpoint there and a restart into fresh objects (through ``state_dict``, or
     with ``helpers`` through ``gather_hook_states`` / ``load_hook_state``)."""
 
     def fresh():
         model = DDP(make_model())
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-        hook_options = {**options, "optimizer": optimizer} if takeover else options
+        hook_options = {**options, "optimizer": optimizer if takeover else False}
         return model, optimizer, gradsift.register_comm_hook(model, "onebit", **hook_options)
 
     model, optimizer, state = fresh()
@@ -286,7 +287,7 @@ class ReplicableCast(Float16):
         ("topk", {"ratio": 0.1}, "'topk' is not one"),
         ("qsgd", {}, "deterministic, stateless compressor (signsgd, efsignsgd, onebit)"),
         ("powersgd", {}, "'powersgd' is not one"),
-        (ReplicableCast(), {}, "may travel by 'allreduce'"),
+        (ReplicableCast(), {}, "travels by 'allreduce'"),
     ],
 )
 def test_settings_it_cannot_honour_are_refused(compressor, options, message):

@@ -3,16 +3,13 @@
 ``EXCHANGES`` maps each name to ``"module:Class"`` (imported on first use). A
 compressor declares the exchanges it can travel by (``Compressor.exchanges``, the
 first being its default); the DDP hook's ``exchange=`` option picks one of them, or
-``"auto"`` (the default): per bucket, among the supported exchanges that are *exact*
-(:attr:`Exchange.exact`: every rank gets the mean of every worker's own selection --
-the allgather, the allreduce, the delegated exchange), the one :mod:`gradsift.exchanges.costmodel`
-predicts fastest for the bucket's ``n`` elements, the sparsifier's ``k = ratio n`` and
-the ``W`` workers, on :data:`AUTO_LINK` (exchanges without a formula: the compressor's
-order). The balanced reduce-scatter and the shared mask move ``O(k)`` bytes instead of
-the allgather's ``(W-1) k`` but deliver an approximation of the mean that costs
-accuracy at equal steps, so ``"auto"`` never picks them; ``exchange="balanced"`` or
-``"shared-mask"`` still does. Every rank computes the same choice from the same numbers
-(:mod:`gradsift.exchanges.choice`).
+``"auto"`` (the default): the compressor's first *exact* exchange (:attr:`Exchange.exact`:
+every rank gets the mean of every worker's own selection -- the allgather, the allreduce,
+the delegated exchange), its default when it has none. No compressor supports two exact
+exchanges, so there is nothing to choose between per bucket. The balanced reduce-scatter
+and the shared mask move ``O(k)`` bytes instead of the allgather's ``(W-1) k`` but deliver
+an approximation of the mean that costs accuracy at equal steps, so ``"auto"`` never takes
+them; ``exchange="balanced"`` or ``"shared-mask"`` still does.
 
 This module is the registry alone and imports no torch, so the command line can offer
 the names without loading it: a new exchange is one module plus one line here.
@@ -30,13 +27,10 @@ EXCHANGES: dict[str, str] = {
 
 AUTO = "auto"
 
-#: The link ``"auto"`` plans for: 10 Gbit/s (in bytes per second) and 50 us per message.
-AUTO_LINK = (10e9 / 8, 50e-6)
-
 
 def available_exchanges() -> list[str]:
     """Every exchange name, in a stable order."""
     return list(EXCHANGES)
 
 
-__all__ = ["AUTO", "AUTO_LINK", "EXCHANGES", "available_exchanges"]
+__all__ = ["AUTO", "EXCHANGES", "available_exchanges"]

@@ -139,8 +139,8 @@ class Exchange(abc.ABC):
     #: error feedback, delaying it: the balanced reduce-scatter keeps only ``k`` of the up
     #: to ``W k`` summed positions, the shared mask sends every worker's values at one
     #: leader's positions only. Those cost accuracy at equal steps (measured at 8 and 16
-    #: workers, issue 23), so ``exchange="auto"`` never picks them
-    #: (:func:`gradsift.exchanges.choose_exchange`); they stay available by name.
+    #: workers, docs/decisions.md), so ``exchange="auto"`` never takes them
+    #: (:func:`gradsift.exchanges.choice.resolve_exchange`); they stay available by name.
     exact: ClassVar[bool] = True
 
     #: Whether the exchange takes the whole bucket as one part and hands it to the

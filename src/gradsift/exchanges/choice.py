@@ -1,20 +1,19 @@
-"""Which exchange a compressor's buckets travel by: by name, or ``"auto"``'s pick per bucket.
+"""Which exchange a compressor's buckets travel by: by name, or ``"auto"``: its first exact one.
 
 An exchange name resolves through the registry (:data:`gradsift.exchanges.EXCHANGES`,
 imported on first use); a compressor may travel by it when the exchange
 :meth:`~gradsift.exchanges.base.Exchange.carries` it (by default: the compressor lists
-the name in its ``exchanges``). ``"auto"`` picks, per bucket, among the compressor's
-exact exchanges the one whose :meth:`~gradsift.exchanges.base.Exchange.traffic` the cost
-model predicts fastest (:mod:`gradsift.exchanges`'s docstring says why only exact ones).
+the name in its ``exchanges``). ``"auto"`` takes the compressor's first exact exchange
+(:mod:`gradsift.exchanges`'s docstring says why only exact ones).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from gradsift.compressors.base import Compressor, target_count
+from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
-from gradsift.exchanges import AUTO, AUTO_LINK, EXCHANGES
+from gradsift.exchanges import AUTO, EXCHANGES
 from gradsift.exchanges.base import Exchange
 
 
@@ -55,21 +54,3 @@ def _auto_candidates(compressor: Compressor) -> list[str]:
     order (its default alone when none is exact)."""
     exact = [name for name in compressor.exchanges if exchange_class(name).exact]
     return exact or [compressor.exchanges[0]]
-
-
-def choose_exchange(
-    compressor: Compressor, numel: int, world: int, link: tuple[float, float] = AUTO_LINK
-) -> str:
-    """``"auto"``'s pick for one bucket: among the supported exact exchanges
-    (:attr:`Exchange.exact`), the one with the least predicted time (:meth:`Exchange.traffic`;
-    ties and exchanges without a formula: the compressor's order)."""
-    candidates = _auto_candidates(compressor)
-    if len(candidates) == 1 or compressor.ratio is None or world < 2:
-        return candidates[0]
-    k = target_count(numel, compressor.ratio)
-    seconds = {}
-    for name in candidates:
-        traffic = exchange_class(name).traffic(k, world)
-        if traffic is not None:
-            seconds[name] = float(traffic.seconds(*link))
-    return min(candidates, key=lambda name: (seconds.get(name, float("inf")), candidates.index(name)))

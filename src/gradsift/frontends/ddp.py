@@ -38,7 +38,8 @@ def register_comm_hook(
             correction (:mod:`gradsift.hook.recipe`): with an error-feedback compressor the
             optimizer's momentum and weight decay move into the hook, so momentum is
             applied exactly once. Without ``optimizer=`` / ``scaler=`` the hook adopts the
-            optimizer and the ``GradScaler`` it finds (:mod:`gradsift.hook.discovery`).
+            optimizer and the ``GradScaler`` it finds (:mod:`gradsift.hook.discovery`);
+            ``optimizer=False``: none, and none looked for.
 
     The compressor's ``attach(ddp_model.module)`` is called once here.
 

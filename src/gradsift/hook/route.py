@@ -137,7 +137,7 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     warming = state.ledger.step < state.options.dense_steps  # the warm-up with momentum correction
     if large:
         exchange, codec = (
-            (STOCK_ALLREDUCE, IDENTITY) if warming else (state.bucket_exchange(context), state.codec)
+            (STOCK_ALLREDUCE, IDENTITY) if warming else (state.exchange, state.codec)
         )
         trips.append(exchange.start(large, codec, context))
     if small:

@@ -22,10 +22,9 @@ from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.trip import Context, Part
-from gradsift.exchanges import AUTO
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
-from gradsift.exchanges.choice import choose_exchange, exchange_class, get_exchange, resolve_exchange
+from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import FROZEN_METHODS, ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
 from gradsift.hook.capacity import CapacityPlan
@@ -76,7 +75,6 @@ class GradsiftHookState:
     exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
-    exchanges: dict[str, Exchange] = dataclasses.field(default_factory=dict)
     target_ratio: float | None = dataclasses.field(init=False)
     first_step: FirstOptimizerStep | None = None
     #: The model's parameters, the optimizer adopted (given or found), and whether the next
@@ -84,6 +82,7 @@ class GradsiftHookState:
     hooked: list[torch.nn.Parameter] = dataclasses.field(default_factory=list, repr=False)
     optimizer: Any = dataclasses.field(default=None, repr=False)
     discovering: bool = False
+    find_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.compressor, Compressor):
@@ -124,7 +123,7 @@ class GradsiftHookState:
     def _check_server_feedback(self) -> None:
         """Refuse ``server_feedback=True`` where the ranks could not apply it alike: a compressor
         whose encode is not :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an
-        exchange (any ``"auto"`` may pick) that is not :attr:`~gradsift.exchanges.base.Exchange.replicated`."""
+        exchange that is not :attr:`~gradsift.exchanges.base.Exchange.replicated`."""
         name = self.compressor.name
         if not self.compressor.server_stage:
             able = [n for n in available_compressors() if compressor_class(n).server_stage]
@@ -132,13 +131,11 @@ class GradsiftHookState:
                 f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
                 f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
             )
-        names = self.compressor.exchanges if self.options.exchange == AUTO else (self.exchange.name,)
-        for exchange in names:
-            if not exchange_class(exchange).replicated:
-                raise InvalidOptionError(
-                    f"server_feedback=True needs every rank to decode the same mean itself (exchange="
-                    f"'allgather'); {name!r} may travel by {exchange!r}, which does not promise that"
-                )
+        if not self.exchange.replicated:
+            raise InvalidOptionError(
+                f"server_feedback=True needs every rank to decode the same mean itself (exchange="
+                f"'allgather'); {name!r} travels by {self.exchange.name!r}, which does not promise that"
+            )
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
@@ -170,14 +167,17 @@ class GradsiftHookState:
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any = None) -> None:
         """Bind to ``ddp_model`` (parameter numbers, process group, the compressor's
-        instrumentation) and adopt ``optimizer`` (:meth:`adopt`); without one, and without
-        ``scaler=``, the first step's first bucket looks for them (:meth:`discover`)."""
+        instrumentation) and adopt ``optimizer`` (:meth:`adopt`); without one (None), and without
+        ``scaler=``, the first step's first bucket looks for them (:meth:`discover`);
+        ``optimizer=False`` means none, not looked for."""
         if getattr(ddp_model, "_use_python_reducer", False):
             raise InvalidOptionError(PYTHON_REDUCER)
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         self.hooked = list(ddp_model.module.parameters())
-        self.discovering = optimizer is None or self.options.scaler is None
+        self.find_optimizer = optimizer is None
+        optimizer = None if optimizer is False else optimizer
+        self.discovering = self.find_optimizer or self.options.scaler is None
         self.adopt(optimizer)
         self.compressor.attach(ddp_model.module)
 
@@ -229,7 +229,7 @@ class GradsiftHookState:
         self.discovering = False
         if self.options.scaler is None and (scaler := discovery.find_scaler()) is not None:
             self.options = dataclasses.replace(self.options, scaler=scaler)
-        found = discovery.find_optimizer(self.hooked) if self.optimizer is None else None
+        found = discovery.find_optimizer(self.hooked) if self.find_optimizer else None
         if found is not None or self.options.scaler is not None:
             self.adopt(found or self.optimizer)
 
@@ -311,15 +311,6 @@ class GradsiftHookState:
         warming = self.ledger.step < self.options.dense_steps
         # Adam's warm-up is the optimizer as built: its moments come from dense gradients
         return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
-
-    def bucket_exchange(self, context: Context) -> Exchange:
-        """The exchange of one bucket: the chosen one, or ``"auto"``'s pick."""
-        if self.options.exchange != AUTO or len(self.compressor.exchanges) == 1:
-            return self.exchange
-        name = choose_exchange(self.compressor, context.result.numel(), context.world)
-        if name not in self.exchanges:
-            self.exchanges[name] = get_exchange(name)
-        return self.exchanges[name]
 
     def context(
         self,
