@@ -136,9 +136,7 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     trips = []  # 5
     warming = state.ledger.step < state.options.dense_steps  # the warm-up with momentum correction
     if large:
-        exchange, codec = (
-            (STOCK_ALLREDUCE, IDENTITY) if warming else (state.exchange, state.codec)
-        )
+        exchange, codec = (STOCK_ALLREDUCE, IDENTITY) if warming else (state.exchange, state.codec)
         trips.append(exchange.start(large, codec, context))
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
