@@ -21,7 +21,7 @@ import scipy.fft
 import torch
 
 import gradsift
-from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError, WireFormatError
 from gradsift.tools.train.config import TrainConfig
 from support.distributed import run_workers
 
@@ -210,6 +210,98 @@ def test_a_non_finite_gradient_raises_before_any_parameter_moves() -> None:
     with pytest.raises(NonFiniteGradientError, match="NaN or Inf"):
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all("delta" not in optimizer.state[p] for p in params)  # no momentum kept either
+
+
+def refusing_worker(rank: int, world: int) -> dict:
+    """Step 0; step 1 refused twice -- rank 1 sends an index outside its chunk, then a NaN --
+    then taken; step 2. What each refusal said and left, the end state, and the count of
+    collective handles kept over 500 more steps."""
+    from gradsift.core.collectives import KEPT_WORKS
+
+    params = [torch.nn.Parameter(p) for p in start(rank)]
+    optimizer = demo(params)
+    trained(params, optimizer, rank, range(1))
+    compress = optimizer._compress
+
+    def corrupt_index():
+        message, deltas = compress()
+        indices = message[optimizer.values_bytes :].clone().view(optimizer.index_dtype)
+        indices[5] = CHUNK * CHUNK  # one past the last position of a 4 x 4 tile
+        message[optimizer.values_bytes :] = indices.view(torch.uint8)
+        return message, deltas
+
+    refusals = []
+    for case, error_type in ((corrupt_index, WireFormatError), (None, NonFiniteGradientError)):
+        for param, grad in zip(params, gradients(rank, 1), strict=True):
+            param.grad = grad
+        if rank == 1 and case is not None:
+            optimizer._compress = case
+        if rank == 1 and case is None:
+            params[2].grad[0, 1, 2] = float("inf")
+        before = ([p.detach().clone() for p in params], [optimizer.state[p]["delta"].clone() for p in params])
+        try:
+            optimizer.step()
+            refusals.append({"error": None})
+        except error_type as error:
+            refusals.append({
+                "error": str(error),
+                "params_kept": all(torch.equal(p, b) for p, b in zip(params, before[0], strict=True)),
+                "momentum_kept": all(torch.equal(optimizer.state[p]["delta"], b)
+                                     for p, b in zip(params, before[1], strict=True)),
+            })  # fmt: skip
+        optimizer._compress = compress
+    trained(params, optimizer, rank, range(1, STEPS))
+    end = {
+        "params": [p.detach().clone() for p in params],
+        "deltas": [optimizer.state[p]["delta"] for p in params],
+    }
+    kept = []
+    for step in range(STEPS, STEPS + 500):
+        trained(params, optimizer, rank, range(step, step + 1))
+        kept.append(len(KEPT_WORKS.works))
+    return {"refusals": refusals, **end, "kept": kept}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_refused_step_moves_nothing_and_works_are_released_every_step() -> None:
+    results = run_workers(__file__, "refusing_worker", 2, timeout=120)
+    for rank, result in enumerate(results):
+        wire, nonfinite = result["refusals"]
+        assert "rank(s) [1] sent coefficient indices outside their chunk" in wire["error"], rank
+        assert "rank(s) [1] sent NaN or Inf" in nonfinite["error"], rank
+        for refusal in (wire, nonfinite):
+            assert "no parameter and no momentum moved, on any rank" in refusal["error"]
+            assert refusal["params_kept"] and refusal["momentum_kept"], (rank, refusal)
+    # the refused steps left no trace: the run is the definition's 3 steps
+    thetas, deltas = oracle(2)
+    for rank, result in enumerate(results):
+        for got, theta, own, delta in zip(
+            result["params"], thetas, result["deltas"], deltas[rank], strict=True
+        ):
+            torch.testing.assert_close(got, torch.from_numpy(theta), rtol=0, atol=1e-12)
+            torch.testing.assert_close(own, torch.from_numpy(delta), rtol=0, atol=1e-12)
+        # the last step's all-gather only, every step (the old code kept one more per step)
+        assert set(result["kept"]) == {1}, (rank, result["kept"][:3], result["kept"][-3:])
+
+
+def test_under_propagate_an_index_outside_its_chunk_is_dropped() -> None:
+    params = [torch.nn.Parameter(p) for p in start(0)]
+    optimizer = demo(params, nonfinite="propagate")
+    for param, grad in zip(params, gradients(0, 0), strict=True):
+        param.grad = grad
+    message, _ = optimizer._compress()
+    bad = message.clone()
+    indices = bad[optimizer.values_bytes :].clone().view(optimizer.index_dtype)
+    indices[[0, 7]] = torch.tensor([-1, 10_000], dtype=optimizer.index_dtype)
+    bad[optimizer.values_bytes :] = indices.view(torch.uint8)
+    values, got = optimizer._received([message, bad])
+    sent = message[: optimizer.values_bytes].clone().view(optimizer.value_dtype)
+    own = message[optimizer.values_bytes :].clone().view(optimizer.index_dtype).int()
+    assert torch.equal(got[0], own) and torch.equal(got[1, 1:7], own[1:7])
+    assert got[1, 0] == 0 and got[1, 7] == 0 and values[1, 0] == 0 and values[1, 7] == 0
+    assert torch.equal(values[1, 1:7], sent[1:7]) and torch.equal(values[0], sent)
 
 
 @pytest.mark.parametrize(

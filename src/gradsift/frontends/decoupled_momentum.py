@@ -34,9 +34,13 @@ fp32 allreduce's message. :meth:`DeMo.stats` reports like the DDP hook's ``stats
 phase times). ``state_dict()`` holds every parameter's ``delta``, the groups' ``lr`` and
 ``weight_decay``, the step count and the byte totals: a run resumes bit for bit.
 
-``nonfinite="raise"`` (default): a NaN or Inf in what any worker sent raises
-:class:`NonFiniteGradientError` on every rank before any parameter moves (a flag from the
-gathered values, the step's one host read); ``"propagate"``: no check, no host read. A
+A step is all or nothing: the momentum it computes is kept only once the exchange is
+checked. ``nonfinite="raise"`` (default): a NaN or Inf in what any worker sent raises
+:class:`NonFiniteGradientError`, an index outside its chunk :class:`WireFormatError`, on
+every rank before any parameter or momentum moves (flags from the gathered message, the
+step's one host read), so the step can be taken again; ``"propagate"``: no host read, NaN
+reaches the parameters and an out-of-range entry is dropped alike on every rank. Every step
+releases the previous step's collective handles and buffers. A
 worker that dies makes the others raise :class:`PeerFailureError` within the process
 group's timeout. Every parameter with ``requires_grad`` takes part in every step (a missing
 ``.grad`` counts as zero), so the messages of all workers have one layout.
@@ -58,8 +62,13 @@ import torch
 import torch.distributed as dist
 
 from gradsift.core.agreement import check_agreement, setting_text, tensors_text
-from gradsift.core.collectives import allgather, broadcast_from_first
-from gradsift.core.errors import InvalidOptionError, InvalidTensorError, NonFiniteGradientError
+from gradsift.core.collectives import KEPT_WORKS, allgather, broadcast_from_first
+from gradsift.core.errors import (
+    InvalidOptionError,
+    InvalidTensorError,
+    NonFiniteGradientError,
+    WireFormatError,
+)
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.core.wire import parse_value_dtype
@@ -200,6 +209,13 @@ class DeMo(torch.optim.Optimizer):
         self.values_bytes = self.entries * self.value_dtype.itemsize
         self.numel = sum(p.numel() for p in self.params)
         self.dense_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        #: Per entry of a message, the size of its chunk: every index must lie below it.
+        self._index_bounds = torch.cat(
+            [
+                torch.full((t.entries,), t.tile_rows * t.tile_cols, dtype=torch.int32)
+                for t in self.tilings.values()
+            ]
+        ).to(self.params[0].device)
         self.steps = 0
         self.telemetry = Telemetry()
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -238,12 +254,16 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         record = BucketRecord()
         device = self.params[0].device
+        KEPT_WORKS.next_step()  # the last step's all-gather is done: release its work and buffers
         with record.timed("compress_ms", device):
-            message = self._compress()
+            message, deltas = self._compress()
         with record.timed("communicate_ms", device):
             rows = self._gather(message)
         with record.timed("decompress_ms", device):
-            self._update(rows)
+            values, indices = self._received(rows)
+            self._update(values, indices)
+            for param, delta in zip(self.params, deltas, strict=True):
+                self.state[param]["delta"] = delta  # the momentum moves with the parameters
         record.add_bytes(sent=self.message_bytes, padded=self.message_bytes,
                          received=(self.world - 1) * self.message_bytes)  # fmt: skip
         for name, value in (("dense_bytes", self.dense_bytes), ("elements_sent", self.entries),
@@ -253,18 +273,19 @@ class DeMo(torch.optim.Optimizer):
         self.steps += 1
         return loss
 
-    def _compress(self) -> torch.Tensor:
-        """Momentum, DCT, top-k per chunk, error feedback: this worker's message as bytes."""
-        values, indices = [], []
+    def _compress(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Momentum, DCT, top-k per chunk, error feedback: this worker's message as bytes, and
+        every parameter's new momentum (new tensors: :meth:`step` commits them once the
+        exchange is validated, so a refused step leaves the momentum as it was)."""
+        values, indices, deltas = [], [], []
         for param in self.params:
             grad = param.grad
             if grad is not None and grad.is_sparse:
                 raise InvalidTensorError("DeMo does not take sparse gradients")
-            state = self.state[param]
-            if "delta" not in state:
-                state["delta"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            delta = state["delta"]
-            delta.mul_(self.options.beta)
+            previous = self.state[param].get("delta")
+            if previous is None:
+                previous = torch.zeros_like(param, memory_format=torch.preserve_format)
+            delta = previous.mul(self.options.beta)
             if grad is not None:
                 delta.add_(grad)
             tiling = self.tilings[param]
@@ -275,7 +296,9 @@ class DeMo(torch.optim.Optimizer):
             delta.sub_(self._decode(kept, tiling).to(delta.dtype))
             values.append(sent.reshape(-1))
             indices.append(index.to(self.index_dtype).reshape(-1))
-        return torch.cat([torch.cat(values).view(torch.uint8), torch.cat(indices).view(torch.uint8)])
+            deltas.append(delta)
+        message = torch.cat([torch.cat(values).view(torch.uint8), torch.cat(indices).view(torch.uint8)])
+        return message, deltas
 
     def _gather(self, message: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's message, in rank order (one all-gather; none for one worker)."""
@@ -285,18 +308,39 @@ class DeMo(torch.optim.Optimizer):
         allgather(out, message, self.process_group, "DeMo all-gather").wait()
         return list(out.view(self.world, -1).unbind(0))
 
-    def _update(self, rows: list[torch.Tensor]) -> None:
-        """Sum the workers' coefficients, IDCT, sign step with decoupled weight decay."""
+    def _received(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The workers' values and indices, ``(W, entries)`` each, checked before anything moves.
+
+        ``nonfinite="raise"``: an index outside its chunk raises :class:`WireFormatError`, a NaN
+        or Inf value :class:`NonFiniteGradientError` -- on every rank alike (they all hold the
+        same rows), from the step's one host read, with no parameter and no momentum moved.
+        ``"propagate"`` reads nothing: an out-of-range entry is dropped on the device (it adds
+        nothing, on every rank alike), so no write lands outside a chunk."""
         # clone: a row's slice may start off its dtype's alignment inside the gathered bytes
-        values = [row[: self.values_bytes].clone().view(self.value_dtype) for row in rows]
-        indices = [row[self.values_bytes :].clone().view(self.index_dtype) for row in rows]
+        values = torch.stack([row[: self.values_bytes].clone().view(self.value_dtype) for row in rows])
+        indices = torch.stack([row[self.values_bytes :].clone().view(self.index_dtype) for row in rows]).int()
+        in_range = (indices >= 0) & (indices < self._index_bounds)
         if self.options.nonfinite == "raise":
-            finite = torch.stack([v.isfinite().all() for v in values]).all()
-            if not bool(finite):  # the step's one host read
-                raise NonFiniteGradientError(
-                    f"DeMo step {self.steps}: a worker sent NaN or Inf (its gradient or momentum is "
-                    "not finite); no parameter moved, on any rank"
+            flags = torch.stack([in_range.all(dim=1), values.isfinite().all(dim=1)])
+            valid, finite = flags.tolist()  # the step's one host read
+            kept = "no parameter and no momentum moved, on any rank"
+            if not all(valid):
+                raise WireFormatError(
+                    f"DeMo step {self.steps}: rank(s) {[r for r, ok in enumerate(valid) if not ok]} sent "
+                    f"coefficient indices outside their chunk (a corrupt message or a peer built "
+                    f"with other settings); {kept}. The step can be taken again or the job stopped"
                 )
+            if not all(finite):
+                raise NonFiniteGradientError(
+                    f"DeMo step {self.steps}: rank(s) {[r for r, ok in enumerate(finite) if not ok]} sent "
+                    f"NaN or Inf (a gradient or momentum that is not finite); {kept}. The step can "
+                    "be taken again on finite gradients (e.g. after lowering the loss scale) or the job stopped"
+                )
+            return values, indices
+        return torch.where(in_range, values, 0), torch.where(in_range, indices, 0)
+
+    def _update(self, values: torch.Tensor, indices: torch.Tensor) -> None:
+        """Sum the workers' coefficients (rank order), IDCT, sign step with decoupled weight decay."""
         start = 0
         groups = {p: g for g in self.param_groups for p in g["params"]}
         for param in self.params:
@@ -307,8 +351,8 @@ class DeMo(torch.optim.Optimizer):
             for worker_values, worker_indices in zip(values, indices, strict=True):
                 total.scatter_add_(
                     1,
-                    worker_indices[start:end].view(tiling.chunks, tiling.keep).long(),
-                    worker_values[start:end].view(tiling.chunks, tiling.keep).to(total.dtype),
+                    worker_indices[start:end].reshape(tiling.chunks, tiling.keep).long(),
+                    worker_values[start:end].reshape(tiling.chunks, tiling.keep).to(total.dtype),
                 )
             direction = self._decode(total, tiling).sign_().to(param.dtype)
             group = groups[param]
