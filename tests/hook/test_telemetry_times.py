@@ -1,6 +1,6 @@
-"""The hook's phase times measure their phases: a compressor that sleeps in ``encode``
-shows it in ``compress_ms`` only, one that sleeps in ``decompress_into`` in
-``decompress_ms`` only (a 1-rank gloo group in this process; CPU times are host
+"""The hook's phase times measure their phases, each moment once: a compressor that sleeps
+in ``encode`` shows it in ``compress_ms`` only, one that sleeps in ``decompress_into`` in
+``decompress_ms`` only -- not in ``communicate_ms`` too, whose wait runs the decode (a 1-rank gloo group in this process; CPU times are host
 wall-clock around each phase, ``gradsift.core.telemetry``).
 
 The sleeps (0.2 s per step) dwarf the phases' own cost on this tiny model (< 1 ms), so
@@ -41,7 +41,7 @@ def phase_totals(compressor: TopK) -> dict[str, float]:
     for _ in range(STEPS):
         model(torch.randn(8, 64)).square().mean().backward()
     total = state.stats()["total"]
-    return {key: total[key] for key in ("compress_ms", "decompress_ms")}
+    return {key: total[key] for key in ("compress_ms", "communicate_ms", "decompress_ms")}
 
 
 @pytest.mark.parametrize(("compressor", "slow", "fast"), [
@@ -53,5 +53,6 @@ def test_each_phase_time_holds_its_phase_and_only_it(one_process_group: None, co
     slept_ms = 1000 * STEPS * SLEEP_S
     assert times[slow] >= slept_ms
     assert times[fast] < slept_ms / 2
+    assert times["communicate_ms"] < slept_ms / 2  # the decode ran inside the wait: not counted twice
     plain = phase_totals(TopK(ratio=0.1))  # positive control: the same run without the sleeps
     assert plain[slow] < slept_ms / 2

@@ -16,8 +16,11 @@ message) are those of the bandwidth-optimal algorithms: ring allreduce
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -164,6 +167,24 @@ def _leave_cleanly() -> None:
     wait_until_idle()
 
 
+#: What times the waits for collectives in the current context (None: nothing does).
+_WAIT_TIMER: ContextVar[Callable[[], AbstractContextManager[Any]] | None] = ContextVar(
+    "gradsift_wait_timer", default=None
+)
+
+
+@contextlib.contextmanager
+def timing_waits(timer: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Inside the block, every wait for a collective (a :class:`Pending` of :func:`started`)
+    runs inside ``timer()``: the time spent waiting for the network alone, not the Python
+    a :meth:`Pending.then` runs after it (decoding, which is timed as its own phase)."""
+    token = _WAIT_TIMER.set(timer)
+    try:
+        yield
+    finally:
+        _WAIT_TIMER.reset(token)
+
+
 def ready(value: T) -> Pending[T]:
     """A result that is already there."""
     return Pending(lambda: value)
@@ -179,7 +200,9 @@ def started(work: Any, result: T, group: Any, what: str) -> Pending[T]:
         KEPT_WORKS.keep(work)
 
     def read() -> T:
-        guarded(what, group, work.wait)
+        timer = _WAIT_TIMER.get()
+        with contextlib.nullcontext() if timer is None else timer():
+            guarded(what, group, work.wait)
         return result
 
     return Pending(read)

@@ -7,17 +7,20 @@ records into one :class:`Telemetry` step and adds it to the running totals.
 Counts the host does not know without reading the device (the entries a threshold
 sparsifier really sent, the bytes they take) are added as device scalars and read with
 the step's other checks, once, when the step closes (:meth:`BucketRecord.register`).
-Times are milliseconds summed over buckets: on CPU host wall-clock around each phase;
-on CUDA the time between two ``torch.cuda.Event`` records on the current stream of the
+Times are milliseconds summed over buckets, each moment counted in one phase:
+``compress_ms`` (encoding), ``communicate_ms`` (waiting for the collectives alone: the
+communication the rest of backward did not hide, :func:`gradsift.core.collectives.timing_waits`)
+and ``decompress_ms`` (decoding). On CPU they are host wall-clock around each phase; on
+CUDA the time between two ``torch.cuda.Event`` records on the current stream of the
 bucket's device (host wall-clock there would time the launch of kernels, and absorb
 whatever backward kernels were still queued). An event's time exists only once the
-device has passed it, and asking earlier raises; the hook never waits for that: a
-phase whose events completed by its step's close (the step's one host read waits for
-the stream, so every phase of a step that reads is complete) is counted in that step,
-one still running (a step with nothing to read on the host, e.g. ``none``'s) in the
-first later step that finds it complete (``Event.query()``, no wait), and
-:meth:`Telemetry.summary` waits for any still pending. ``communicate_ms`` is the time
-spent waiting for collectives, the part of the communication backward did not hide.
+device has passed it, and asking earlier raises; nothing here waits for that: a phase
+whose events completed by its step's close (the step's one host read waits for the
+stream, so every phase of a step that reads is complete) is counted in that step; one
+still running (a step with nothing to read on the host, e.g. ``none``'s) is counted --
+in *its own* step's numbers and in the totals -- by the first later call that finds it
+complete (``Event.query()``, no wait). :meth:`Telemetry.summary` (``state.stats()``) never
+waits for a running step; ``summary(wait=True)`` does, for a final report.
 """
 
 from __future__ import annotations
@@ -161,7 +164,8 @@ class Telemetry:
         self.jsonl_path = None if jsonl_path is None else os.fspath(jsonl_path)
         self.last: dict[str, Any] = {}
         self.total: dict[str, Any] = {**dict.fromkeys(_SUMMED, 0), "steps": 0, "skipped_steps": 0}
-        self.running: list[tuple[str, Any, Any]] = []  # CUDA phases not complete at their step's close
+        #: CUDA phases not complete at their step's close: (their step's dict, name, start, end).
+        self.running: list[tuple[dict[str, Any], str, Any, Any]] = []
 
     def end_step(
         self,
@@ -171,9 +175,11 @@ class Telemetry:
         running: Iterable[tuple[str, Any, Any]] = (),
     ) -> None:
         """Record one finished step (``step`` counts from 0); ``running``: its CUDA phases
-        still in progress, counted by the first later step that finds them complete."""
+        still in progress, counted in this step's numbers by the first later call that
+        finds them complete."""
+        self._fold_completed()
         self.last = {"step": step, **combine(records), "skipped": skipped}
-        self.running = fold_completed(self.last, self.running) + list(running)
+        self.running.extend((self.last, name, start, end) for name, start, end in running)
         for name in _SUMMED:
             self.total[name] += self.last[name]
         self.total["steps"] += 1
@@ -181,19 +187,29 @@ class Telemetry:
         if self.log_every and (step + 1) % self.log_every == 0:
             self._log(self.last)
 
-    def summary(self) -> dict[str, Any]:
-        """``{"step": last step dict, "total": totals with cumulative density}``; waits for the
-        CUDA phases still running and counts them in both."""
-        for name, start, end in self.running:
-            end.synchronize()
-            elapsed = start.elapsed_time(end)
-            self.total[name] += elapsed
-            if self.last:
-                self.last[name] += elapsed
-        self.running = []
+    def summary(self, wait: bool = False) -> dict[str, Any]:
+        """``{"step": last step dict, "total": totals with cumulative density}``. Phases that
+        completed since are counted first (in their own step and the totals); with ``wait``,
+        the ones still running are waited for, otherwise they are left for a later call."""
+        if wait:
+            for _, _, _, end in self.running:
+                end.synchronize()
+        self._fold_completed()
         total = dict(self.total)
         total["density"] = total["elements_sent"] / total["elements"] if total["elements"] else 0.0
         return {"step": dict(self.last), "total": total}
+
+    def _fold_completed(self) -> None:
+        """Add every completed running phase to its own step's dict and to the totals (no wait)."""
+        still = []
+        for step, name, start, end in self.running:
+            if end.query():
+                elapsed = start.elapsed_time(end)
+                step[name] += elapsed
+                self.total[name] += elapsed
+            else:
+                still.append((step, name, start, end))
+        self.running = still
 
     def state_dict(self) -> dict[str, Any]:
         return {"total": dict(self.total)}

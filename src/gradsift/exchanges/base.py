@@ -32,7 +32,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.casts import NoCompression
 from gradsift.core import wire
-from gradsift.core.collectives import Pending
+from gradsift.core.collectives import Pending, timing_waits
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
@@ -111,9 +111,10 @@ IDENTITY = Codec(NoCompression())
 
 
 def waited(record: BucketRecord, pending: Pending[T], device: torch.device) -> T:
-    """``pending.wait()``; the time spent waiting adds to ``record.communicate_ms`` (the
-    communication that the rest of backward did not hide; decoding is timed apart)."""
-    with record.timed("communicate_ms", device):
+    """``pending.wait()``; the time spent waiting for its collectives -- and only that: not the
+    decoding and updates that run once they are done, timed as their own phases -- adds to
+    ``record.communicate_ms`` (the communication that the rest of backward did not hide)."""
+    with timing_waits(lambda: record.timed("communicate_ms", device)):
         return pending.wait()
 
 
