@@ -191,8 +191,8 @@ class VGC(Compressor):
             sendable &= live
         chosen = select_mask(sendable, capacity, candidates)
         indices, length = chosen.indices, chosen.length
-        if passed is not None:
-            indices = passed.index_select(0, indices)
+        if passed is not None:  # nothing passed: the padding's position 0 (none in use)
+            indices = passed.index_select(0, indices) if passed.numel() else torch.zeros_like(indices)
             used = None if capacity is None else in_use(capacity, length, flat.device)
             if used is not None:
                 indices = torch.where(used, indices, 0)
