@@ -22,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.core.errors import UntrustedDataError
 from gradsift.core.plain import check_plain, plain_bytes, read_plain
+from gradsift.hook.checkpoint_checks import check_hook_entry
+from gradsift.hook.handshake import hook_settings
 from support.distributed import run_workers
 from support.models import batch, make_model, same
 
@@ -97,6 +99,7 @@ def _every_state(rank: int) -> dict:
         saved = state.state_dict()
         read = read_plain(plain_bytes(saved, name), name)
         _, fresh, _ = build()
+        check_hook_entry(fresh, read, hook_settings(state), name)  # a genuine state passes the checks
         fresh.load_state_dict(read)
         results[name] = same(read, saved) and same(fresh.state_dict(), saved)
 

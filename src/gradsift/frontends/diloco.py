@@ -51,6 +51,7 @@ from gradsift.core.agreement import tensors_text
 from gradsift.core.collectives import blocking, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.hook.checkpoint_checks import check_hook_entry
 from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.layout import FlatBucket
@@ -176,6 +177,7 @@ class DiLoCoState:
             raise InvalidOptionError(
                 f"DiLoCo state holds {len(state['shared'])} shared parameters, this model has {len(self.shared)}"
             )
+        check_hook_entry(self.hook, state["hook"], None, "the DiLoCo state's hook")
         self.hook.load_state_dict(state["hook"])
         with torch.no_grad():
             for shared, saved in zip(self.shared, state["shared"], strict=True):

@@ -25,6 +25,8 @@ from gradsift.core.collectives import blocking, collective_device
 from gradsift.core.errors import InvalidOptionError, UntrustedDataError
 from gradsift.core.plain import PLAIN, plain_bytes, read_plain
 from gradsift.core.validation import check_int
+from gradsift.hook.checkpoint_checks import check_hook_entry
+from gradsift.hook.handshake import hook_settings
 
 #: Elements per step of :func:`parameter_digest`: its float64 temporaries are this long.
 DIGEST_CHUNK = 1 << 20
@@ -70,10 +72,14 @@ def hook_state_on(state_dict: dict[str, Any], device: torch.device | str) -> dic
 
 
 def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str, Any] | None:
-    """Collective: rank ``dst`` (of ``group``) receives ``{"world_size": W, "ranks": [sd_0, ..., sd_{W-1}]}``.
+    """Collective: rank ``dst`` (of ``group``) receives ``{"world_size": W, "ranks": [sd_0, ..., sd_{W-1}],
+    "settings": ...}``.
 
     ``sd_r`` is rank r's ``state.state_dict()`` with every tensor on the CPU (:func:`to_cpu`);
-    every other rank gets ``None``. Every rank of ``group`` must call this.
+    ``settings`` the hook's (:func:`gradsift.hook.handshake.hook_settings`: the compressor's
+    name and options, the hook's options -- the same on every rank), which
+    :func:`load_hook_state` compares with the hook it loads into. Every other rank gets
+    ``None``. Every rank of ``group`` must call this.
 
     The states travel as plain data (:mod:`gradsift.core.plain`), never as pickled objects:
     each rank checks its own state and sends the bytes ``torch.save`` writes in a ``uint8``
@@ -112,7 +118,7 @@ def gather_hook_states(state: Any, group: Any = None, dst: int = 0) -> dict[str,
         read_plain(bytes_[:size], f"rank {r}'s hook state")
         for r, (bytes_, size) in enumerate(zip(received, sizes, strict=True))
     ]
-    return {"world_size": world, "ranks": ranks}
+    return {"world_size": world, "ranks": ranks, "settings": hook_settings(state)}
 
 
 def _all_gather_sizes(size: int, group: Any, device: torch.device) -> list[int]:
@@ -132,13 +138,34 @@ def load_hook_state(
 ) -> None:
     """Restore this rank's entry of :func:`gather_hook_states`' result into ``state``.
 
-    ``saved`` may come from ``torch.load(path, map_location="cpu", weights_only=True)``: the entry is placed
-    for a hook on ``device`` (:func:`hook_state_on`), the device of the model's parameters.
-    None takes :func:`collective_device`: the current CUDA device under NCCL, else the CPU;
-    pass ``device`` when the model lives elsewhere (CUDA tensors over gloo, say).
+    ``saved`` may come from ``torch.load(path, map_location="cpu", weights_only=True)``: the
+    entry is checked (:func:`gradsift.hook.checkpoint_checks.check_hook_entry`: the saved
+    settings are this hook's; finite residuals of this model's shapes; step, capacities and
+    counts in range), then placed for a hook on ``device`` (:func:`hook_state_on`), the
+    device of the model's parameters, and loaded; a refused entry leaves ``state`` as it
+    was. None takes :func:`collective_device`: the current CUDA device under NCCL, else the
+    CPU; pass ``device`` when the model lives elsewhere (CUDA tensors over gloo, say).
     """
     entry = rank_entry(saved, group)
-    state.load_state_dict(hook_state_on(entry, collective_device(group) if device is None else device))
+    where = f"the checkpoint's hook state of rank {dist.get_rank(group)}"
+    placed_on = collective_device(group) if device is None else device
+    restore_hook_state(state, entry, saved.get("settings"), placed_on, where)
+
+
+def restore_hook_state(
+    state: Any, entry: Any, settings: dict[str, str] | None, device: torch.device | str, where: str
+) -> None:
+    """Check one rank's saved hook state against ``state`` (and the ``settings`` saved with
+    it; None for a checkpoint older than them), place it on ``device`` and load it, all or
+    nothing: a refused entry raises :class:`InvalidOptionError` naming what is wrong, and a
+    load that fails half-way puts the state back as it was."""
+    check_hook_entry(state, entry, settings, where)
+    before = state.state_dict()
+    try:
+        state.load_state_dict(hook_state_on(entry, device))
+    except Exception:
+        state.load_state_dict(before)
+        raise
 
 
 def rank_entry(saved: dict[str, Any], group: Any = None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from gradsift.core.extras import require
 from gradsift.frontends.ddp import register_comm_hook
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
-from gradsift.integrations.checkpoint import gather_hook_states, hook_state_on, rank_entry
+from gradsift.integrations.checkpoint import gather_hook_states, rank_entry, restore_hook_state
 from gradsift.integrations.hook_state import new_hook_state
 from gradsift.integrations.telemetry import scalar_metrics
 
@@ -113,11 +113,14 @@ class GradsiftCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Check ``state_dict`` and take this rank's entry; restore it now if the DDP model
         is known, else at ``on_fit_start`` (once Lightning has put the model on its device)."""
-        self._restored = rank_entry(state_dict)
+        self._restored = {"entry": rank_entry(state_dict), "settings": state_dict.get("settings")}
         if self._ddp_model is not None:
             self._load(self._restored)
 
-    def _load(self, entry: dict[str, Any]) -> None:
-        """Restore this rank's ``entry`` onto the DDP model's device."""
-        self.state.load_state_dict(hook_state_on(entry, next(self._ddp_model.parameters()).device))
+    def _load(self, restored: dict[str, Any]) -> None:
+        """Check and restore this rank's entry onto the DDP model's device."""
+        device = next(self._ddp_model.parameters()).device
+        restore_hook_state(
+            self.state, restored["entry"], restored["settings"], device, "Lightning's checkpoint"
+        )
         self._restored = None

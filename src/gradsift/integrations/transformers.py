@@ -50,8 +50,9 @@ from gradsift.core.extras import require
 from gradsift.core.plain import read_plain
 from gradsift.frontends.ddp import register_comm_hook
 from gradsift.hook.adam import default_warmup_steps, is_adam
+from gradsift.hook.handshake import hook_settings
 from gradsift.hook.state import GradsiftHookState
-from gradsift.integrations.checkpoint import check_same_world_size, hook_state_on, to_cpu
+from gradsift.integrations.checkpoint import check_same_world_size, restore_hook_state, to_cpu
 from gradsift.integrations.hook_state import new_hook_state
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class GradsiftTrainerCallback(TrainerCallback):
             "world_size": dist.get_world_size(),
             "global_step": global_step,
             "hook": self.state.state_dict(),
+            "settings": hook_settings(self.state),
         }
         torch.save(to_cpu(saved), path)
         return path
@@ -182,4 +184,4 @@ class GradsiftTrainerCallback(TrainerCallback):
                 f"step {global_step}: pass the folder of the checkpoint the Trainer resumed from"
             )
         device = next(self.trainer.model_wrapped.parameters()).device
-        self.state.load_state_dict(hook_state_on(saved["hook"], device))
+        restore_hook_state(self.state, saved["hook"], saved.get("settings"), device, str(path))
