@@ -1,37 +1,45 @@
-"""One GPU, a few minutes: does gradsift's hook path run on CUDA + NCCL without waiting on the host?
+"""One GPU, under five minutes: does gradsift's hook path run right on CUDA + NCCL, without
+waiting on the host?
 
-Run by ``benchmarks/gpu/check.sh`` (which then trains with ``gradsift train`` and runs the
-CUDA tests). It prints the environment (torch, CUDA, NCCL), then runs each check on its own;
-one that raises never stops the others. A check **fails** when it raises or when one of its
-conditions does not hold, and any failure makes the exit status 1:
+Run by ``benchmarks/gpu/check.sh`` in parts (``--only``), each its own process under its own
+``timeout``. Every check appends one JSON line to ``--jsonl`` the moment it ends (a part that
+times out keeps what its earlier checks wrote); one that raises never stops the others. A
+check **fails** when it raises or when one of its conditions does not hold, and any failure
+makes the exit status 1:
 
-* ``sync_counter``: the counter itself, on a known host read (``.item()``): it must count it.
-* ``exchanges``: a world-size-1 NCCL process group; for every compressor x exchange the
-  registry allows (SIDCo also on its statistical path), a DDP model trains a few steps under
+* ``sync_counter``: the counter itself must count a known host read (``.item()``) on the
+  main thread *and* in a DDP comm hook, which runs on autograd's device thread.
+* ``determinism``: ``W = 4`` sparse payloads with overlapping positions decoded twice on the
+  device (``scatter_mean``) and the balanced exchange's slice sum: bit for bit equal to each
+  other and to the CPU's rank-order sum (a single ``index_add_`` of all payloads, the old
+  decode, is reported beside it).
+* ``selection``: one heavy-tailed bucket where far more than twice the capacity pass the
+  threshold: the device's fixed-capacity selection equals the CPU's (fp32, bf16), and so do
+  random-k's draws and VGC's payload.
+* ``exchanges``: a world-size-1 NCCL group; for every compressor x exchange the registry
+  allows (SIDCo also on its statistical path), a DDP model trains a few steps under
   ``torch.cuda.set_sync_debug_mode("warn")``, counting the synchronising calls per step
   (budget: :data:`BUDGET`, :data:`BALANCED_BUDGET` for the balanced exchange; stock DDP's count
-  is reported beside them); ``topk`` at ratio 1 must give stock DDP's parameters exactly.
-* ``two_ranks``: two gloo ranks sharing the device (NCCL refuses two ranks on one GPU): every
-  pair trains a few steps and both ranks must hold the same parameters after it; ``topk`` at
-  ratio 1 must equal stock DDP. Syncs are reported, not budgeted (gloo stages CUDA tensors
-  through the host, and its copies synchronise).
+  beside them); ``topk`` at ratio 1 must give stock DDP's parameters exactly.
+* ``bf16_layer``: a bf16 model at ``granularity="layer"``, the same budget.
+* ``memory``: ``torch.cuda.max_memory_allocated`` after each of 12 steps of ``sidco-exp`` and
+  ``vgc``: the peak must not grow after the fourth step.
 * ``static_graph``: DDP(static_graph=True) with the hook completes its steps.
-* ``evaluate``: the trainer's evaluation on a CUDA model under NCCL.
 * ``amp``: autocast fp16 + ``GradScaler`` + SGD with weight decay, ``topk`` at ratio 1 with
   ``optimizer=`` and ``scaler=``, against stock DDP: relative parameter difference at most
   :data:`AMP_TARGET`.
-* ``encode`` (a measurement): the hook's sync-free encode (``Compressor.encode`` with the
-  hook's capacity and a step readout, each step closed untimed:
-  ``gradsift.tools.benchmarking.HookEncoder``; not the public ``compress()``, which reads
-  counts on the host) of ``sidco-exp`` (as the hook runs it, and forced onto its
-  statistical path) and ``topk`` against a bare ``torch.topk(|x|, k)`` at 2^20, 10^7 and 10^8
-  elements and ratios 0.01 and 0.001, median time by CUDA events.
-* ``step_time`` (a measurement): stock DDP against the hook (``none``, ``topk``,
-  ``sidco-exp`` at 0.01) on an MLP of 4 x Linear(2048, 2048), median of 20 steps.
+* ``encode`` (a measurement): the hook's sync-free encode (``HookEncoder``: ``encode`` with
+  the hook's capacity and a step readout, each step closed untimed) of ``sidco-exp`` (as the
+  hook runs it, and on its statistical path) and ``topk`` against ``torch.topk(|x|, k)`` at
+  2^20, 10^7 and 10^8 elements, ratios 0.01 and 0.001, median time by CUDA events.
+* ``step_time`` (a measurement): stock DDP against the hook on an MLP of 4 x Linear(2048, 2048).
+* ``two_ranks``: two gloo ranks sharing the device (NCCL refuses two ranks on one GPU): a
+  set of pairs trains a few steps and both ranks must hold the same parameters.
 
 ``--device cpu`` runs every check on CPU with gloo at toy sizes (how the test suite checks
-this script; host reads are then counted with the test suite's counter, tests/support/host_reads.py,
-instead of CUDA's sync debug mode). Writes one JSON (``--json``) and prints a short table.
+this script; host reads are then counted with the test suite's counter,
+tests/support/host_reads.py, instead of CUDA's sync debug mode). Needs torch 2.3 or later
+(``init_process_group(device_id=)``); the GPU image's 2.11 is the one it is meant for.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -54,6 +63,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from gradsift.compressors import draws, kernels, scatter_mean
+from gradsift.core.payload import Payload
+from gradsift.core.readout import Readout
+from gradsift.exchanges import balanced
 from gradsift.tools.benchmarking import HookEncoder
 
 # benchmarks/: the shared provenance stamp and worker launcher
@@ -85,12 +98,12 @@ def build(name: str) -> gradsift.Compressor:
     return gradsift.get_compressor(name, **options)
 
 
-def mlp(width: int, depth: int, device: torch.device) -> torch.nn.Module:
+def mlp(width: int, depth: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)).to(device)
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)).to(device, dtype)
 
 
 class SyncCounter:
@@ -137,12 +150,13 @@ def train_steps(
     width: int,
     counter: SyncCounter | None = None,
     seed: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(steps):
-        x = torch.randn(16, width, generator=generator).to(device)
-        y = torch.randn(16, 8, generator=generator).to(device)
+        x = torch.randn(16, width, generator=generator).to(device, dtype)
+        y = torch.randn(16, 8, generator=generator).to(device, dtype)
         context = counter.counting() if counter is not None else contextlib.nullcontext()
         with context:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -152,15 +166,21 @@ def train_steps(
 
 
 def syncs_per_step(
-    name: str, exchange: str, device: torch.device, width: int, seed: int = 1
+    name: str,
+    exchange: str,
+    device: torch.device,
+    width: int,
+    seed: int = 1,
+    dtype: torch.dtype = torch.float32,
+    granularity: str = "bucket",
 ) -> dict[str, Any]:
     """Train a few steps (DDP rebuilds its buckets, PowerSGD starts), then count two."""
-    model = DDP(mlp(width, 2, device), bucket_cap_mb=0.05 if device.type == "cpu" else 1)
+    model = DDP(mlp(width, 2, device, dtype), bucket_cap_mb=0.05 if device.type == "cpu" else 1)
     if name != "stock":
-        gradsift.register_comm_hook(model, build(name), exchange=exchange)
-    train_steps(model, 3, device, width, seed=seed)
+        gradsift.register_comm_hook(model, build(name), exchange=exchange, granularity=granularity)
+    train_steps(model, 3, device, width, seed=seed, dtype=dtype)
     counter = SyncCounter(device)
-    train_steps(model, 2, device, width, counter, seed=seed)
+    train_steps(model, 2, device, width, counter, seed=seed, dtype=dtype)
     return {"syncs_per_step": counter.count / 2, "sites": counter.sites, "model": model}
 
 
@@ -175,13 +195,116 @@ def equals_stock(device: torch.device, width: int, seed: int = 1) -> bool:
 
 
 def check_sync_counter(device: torch.device, small: bool) -> dict[str, Any]:
+    """The counter counts a known ``.item()`` on the main thread and in a comm hook, which DDP
+    runs on autograd's device thread (where every hook of gradsift runs)."""
     counter = SyncCounter(device)
     with counter.counting():
         torch.ones(3, device=device).sum().item()
-    failures = (
-        [] if counter.count >= 1 else ["the counter missed a .item(): the sync counts below mean nothing"]
+    width = 64 if small else 512
+    model = DDP(mlp(width, 1, device))
+
+    def reading_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+        bucket.buffer().sum().item()  # a host read on autograd's thread
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    model.register_comm_hook(None, reading_hook)
+    train_steps(model, 1, device, width)
+    in_hook = SyncCounter(device)
+    train_steps(model, 2, device, width, in_hook)
+    failures = []
+    if counter.count < 1:
+        failures.append("the counter missed an .item() on the main thread: the counts below mean nothing")
+    if in_hook.count < 2:
+        failures.append("the counter missed an .item() in a comm hook (autograd's thread)")
+    return {"syncs_of_one_item": counter.count, "syncs_of_a_reading_hook_in_2_steps": in_hook.count,
+            "failures": failures}  # fmt: skip
+
+
+def _overlapping(world: int, numel: int, device: torch.device) -> list[Payload]:
+    """``world`` payloads of ``numel // 100`` distinct positions among the first ``numel // 50``."""
+    payloads = []
+    for rank in range(world):
+        generator = torch.Generator().manual_seed(rank)
+        count = numel // 100
+        positions = torch.randperm(numel // 50, generator=generator)[:count].sort().values
+        values = torch.randn(count, generator=generator) * 10.0 ** torch.randint(
+            -3, 3, (count,), generator=generator
+        )
+        payloads.append(Payload(numel=numel, dtype=torch.float32, values=values.to(device),
+                                indices=positions.to(device)))  # fmt: skip
+    return payloads
+
+
+def check_determinism(device: torch.device, small: bool) -> dict[str, Any]:
+    """Sparse means in rank order: the same bits twice on the device and as on the CPU."""
+    numel, world = (1 << 14) if small else (1 << 22), 4
+    on_device = _overlapping(world, numel, device)
+    on_cpu = _overlapping(world, numel, torch.device("cpu"))
+    first, second = scatter_mean(on_device, numel), scatter_mean(on_device, numel)
+    reference = scatter_mean(on_cpu, numel)
+    joined = [torch.zeros(numel, device=device).index_add_(
+        0, torch.cat([p.indices for p in on_device]), torch.cat([p.values for p in on_device]) / world
+    ) for _ in range(2)]  # fmt: skip
+    room = numel // 100
+    blocks = balanced._Blocks(
+        torch.zeros(world, dtype=torch.bool, device=device),
+        torch.full((world,), room, device=device),
+        torch.stack([p.indices for p in on_device]),
+        torch.stack([p.values for p in on_device]),
     )
-    return {"syncs_of_one_item": counter.count, "failures": failures}
+    slices = [balanced._reduce_slice(blocks, room, numel, torch.float32) for _ in range(2)]
+    failures = []
+    if not torch.equal(first, second):
+        failures.append("scatter_mean gave other bits the second time")
+    if not torch.equal(first.cpu(), reference):
+        failures.append("scatter_mean on the device differs from the CPU's rank-order sum")
+    if not (
+        torch.equal(slices[0].values, slices[1].values) and torch.equal(slices[0].indices, slices[1].indices)
+    ):
+        failures.append("the balanced slice sum gave other bits the second time")
+    return {"numel": numel, "world": world,
+            "one_index_add_of_all_payloads_repeats_its_bits": bool(torch.equal(joined[0], joined[1])),
+            "failures": failures}  # fmt: skip
+
+
+def check_selection(device: torch.device, small: bool) -> dict[str, Any]:
+    """The device's fixed-capacity selection equals the CPU's on one bucket (> 2x capacity pass)."""
+    numel = (1 << 14) if small else (1 << 22)
+    generator = torch.Generator().manual_seed(5)
+    bucket = torch.empty(numel).exponential_(generator=generator) * torch.randn(numel, generator=generator)
+    capacity = numel // 1000
+    failures, out = [], {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = bucket.to(dtype)
+        eta = float(x.float().abs().median())
+        cpu = kernels.select_above(x, eta, capacity)
+        gpu = kernels.select_above(x.to(device), eta, capacity)
+        if device.type == "cpu":  # the dry run: the device branch on CPU tensors
+            with kernels.device_branch():
+                gpu = kernels.select_above(x, eta, capacity)
+        same = torch.equal(cpu.indices, gpu.indices.cpu()) and int(cpu.length) == int(gpu.length)
+        out[str(dtype)] = {"selected": int(cpu.selected), "capacity": capacity, "same": same}
+        if not same:
+            failures.append(f"{dtype}: the device selects other elements than the CPU")
+    key = draws.stream_seed(0, "bucket", 7)
+    same_draws = torch.equal(draws.below(numel, key, 4096, torch.device("cpu")),
+                             draws.below(numel, key, 4096, device).cpu())  # fmt: skip
+    if not same_draws:
+        failures.append("random-k's draws differ between the CPU and the device")
+    payloads = []
+    for where, forced in ((torch.device("cpu"), False), (device, device.type == "cpu")):
+        vgc = gradsift.get_compressor("vgc", alpha=1.0)
+        x = bucket.to(where)
+        with kernels.device_branch() if forced else contextlib.nullcontext():
+            payloads.append(vgc.encode(x, key=0, capacity=vgc.capacity(numel), readout=Readout(),
+                                       variance=(x * x) * 0.01))  # fmt: skip
+    same_vgc = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(payloads[0].fields().values(),
+                                                                  payloads[1].fields().values(), strict=True))  # fmt: skip
+    if not same_vgc:
+        failures.append("VGC's payload differs between the CPU and the device")
+    return {**out, "same_draws": same_draws, "same_vgc_payload": same_vgc, "failures": failures}
 
 
 def check_exchanges(device: torch.device, small: bool) -> dict[str, Any]:
@@ -204,6 +327,12 @@ def check_exchanges(device: torch.device, small: bool) -> dict[str, Any]:
     return {"pairs": out, "topk ratio 1 equals stock DDP": same, "failures": failures}
 
 
+#: The pairs the two gloo ranks train (one per exchange and kind of selection: gloo stages
+#: CUDA tensors through the host, so every pair costs seconds).
+TWO_RANK_PAIRS = [("topk", "allgather"), ("sidco-exp/fit", "allgather"), ("gaussiank", "balanced"),
+                  ("dgc", "shared-mask"), ("randomk", "allreduce"), ("vgc", "allgather"), ("fp16", "allreduce")]  # fmt: skip
+
+
 def two_ranks(rank: int, store: str, device_type: str, results: Any) -> None:
     """One of two gloo ranks on the same device: every pair, then ``topk`` at ratio 1."""
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
@@ -215,7 +344,7 @@ def two_ranks(rank: int, store: str, device_type: str, results: Any) -> None:
     width = 64 if device.type == "cpu" else 512
     out: dict[str, Any] = {}
     failures = []
-    for name, exchange in [("stock", ""), *pairs()]:
+    for name, exchange in [("stock", ""), *TWO_RANK_PAIRS]:
         entry = syncs_per_step(name, exchange, device, width, seed=1 + rank)
         flat = torch.cat([p.detach().reshape(-1) for p in entry.pop("model").parameters()])
         copies = [torch.empty_like(flat) for _ in range(2)]
@@ -234,7 +363,7 @@ def two_ranks(rank: int, store: str, device_type: str, results: Any) -> None:
 
 def check_two_ranks(device: torch.device, small: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(two_ranks, (f"{tmp}/store", device.type), 2, timeout_s=240)
+        return run_ranks(two_ranks, (f"{tmp}/store", device.type), 2, timeout_s=45)
 
 
 def check_static_graph(device: torch.device, small: bool) -> dict[str, Any]:
@@ -247,6 +376,41 @@ def check_static_graph(device: torch.device, small: bool) -> dict[str, Any]:
         train_steps(model, 4, device, width)
         out[name] = {"steps": 4, "seconds": time.perf_counter() - started}
     return out
+
+
+def check_bf16_layer(device: torch.device, small: bool) -> dict[str, Any]:
+    """A bf16 model at ``granularity="layer"``: the sync budget holds."""
+    width = 64 if small else 512
+    out, failures = {}, []
+    for name, exchange in (("topk", "allgather"), ("sidco-exp/fit", "allgather"), ("vgc", "allgather"),
+                           ("gaussiank", "balanced"), ("randomk", "allreduce")):  # fmt: skip
+        entry = syncs_per_step(name, exchange, device, width, dtype=torch.bfloat16, granularity="layer")
+        del entry["model"]
+        budget = BALANCED_BUDGET if exchange == "balanced" else BUDGET
+        if entry["syncs_per_step"] > budget:
+            failures.append(f"{name} {exchange} bf16 layer: {entry['syncs_per_step']:g} syncs per step")
+        out[f"{name} {exchange}"] = entry
+    return {"pairs": out, "failures": failures}
+
+
+def check_memory(device: torch.device, small: bool) -> dict[str, Any]:
+    """``max_memory_allocated`` after each step: no growth once the state exists."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA memory statistics on CPU"}
+    width, out, failures = 1024, {}, []
+    for name in ("sidco-exp", "vgc"):
+        model = DDP(mlp(width, 2, device))
+        gradsift.register_comm_hook(model, name)
+        peaks = []
+        for _ in range(12):
+            train_steps(model, 1, device, width)
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device))
+        out[name] = peaks
+        if peaks[-1] > peaks[3] + (1 << 20):
+            failures.append(f"{name}: peak memory grew from {peaks[3]} to {peaks[-1]} bytes after step 4")
+        del model
+    return {"peaks_bytes": out, "failures": failures}
 
 
 def check_evaluate(device: torch.device, small: bool) -> dict[str, Any]:
@@ -312,7 +476,7 @@ def timed(
 
 def check_encode(device: torch.device, small: bool) -> dict[str, Any]:
     sizes = [1 << 12, 10_000] if small else [1 << 20, 10**7, 10**8]
-    repeats = 2 if small else 10
+    repeats = 2 if small else 5
     rows = []
     for numel in sizes:
         x = torch.randn(numel, device=device)
@@ -338,7 +502,7 @@ def check_encode(device: torch.device, small: bool) -> dict[str, Any]:
 
 def check_step_time(device: torch.device, small: bool) -> dict[str, Any]:
     width, depth = (64, 2) if small else (2048, 4)
-    repeats = 3 if small else 20
+    repeats = 3 if small else 10
     out = {}
     generator = torch.Generator(device="cpu").manual_seed(4)
     x = torch.randn(64, width, generator=generator).to(device)
@@ -368,13 +532,17 @@ def check_step_time(device: torch.device, small: bool) -> dict[str, Any]:
 
 CHECKS = {
     "sync_counter": check_sync_counter,
+    "determinism": check_determinism,
+    "selection": check_selection,
     "exchanges": check_exchanges,
-    "two_ranks": check_two_ranks,
+    "bf16_layer": check_bf16_layer,
+    "memory": check_memory,
     "static_graph": check_static_graph,
-    "evaluate": check_evaluate,
     "amp": check_amp,
+    "evaluate": check_evaluate,
     "encode": check_encode,
     "step_time": check_step_time,
+    "two_ranks": check_two_ranks,
 }
 
 
@@ -387,22 +555,36 @@ def environment(device: torch.device) -> dict[str, Any]:
             "gpus": torch.cuda.device_count() if cuda else 0}  # fmt: skip
 
 
+def append(path: Path, line: dict[str, Any]) -> None:
+    """One JSON line, appended and flushed to disk at once (a later timeout loses nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(line, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: toy sizes, gloo")
-    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument("--jsonl", type=Path, required=True, help="JSON lines appended after every check")
     parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="run these checks only")
+    parser.add_argument("--stamp", action="store_true", help="also append the machine's provenance stamp")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"check.py: no CUDA GPU visible to torch {torch.__version__}", file=sys.stderr)
+        append(args.jsonl, {"check": "environment", "ok": False, "error": "no CUDA GPU visible"})
         return 2
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     small = device.type == "cpu"
-    stamp = provenance.start()
-    results: dict[str, Any] = {"environment": environment(device), "checks": {}}
-    print(" ".join(f"{key} {value}" for key, value in results["environment"].items()), flush=True)
+    stamp = provenance.start() if args.stamp else None
+    env = environment(device)
+    print(" ".join(f"{key} {value}" for key, value in env.items()), flush=True)
+    if args.stamp:
+        append(args.jsonl, {"check": "environment", "ok": True, "result": env})
+    ok = True
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
@@ -415,41 +597,37 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             try:
                 result = CHECKS[name](device, small)
-                entry = {"ok": not result.get("failures"), "result": result}
+                entry = {"check": name, "ok": not result.get("failures"), "result": result}
             except Exception:  # one check's failure must not hide the others' results
-                entry = {"ok": False, "error": traceback.format_exc(limit=8)}
+                entry = {"check": name, "ok": False, "error": traceback.format_exc(limit=8)}
             entry["seconds"] = round(time.perf_counter() - started, 2)
-            results["checks"][name] = entry
+            append(args.jsonl, entry)
+            ok &= entry["ok"]
             print(f"{name:<14} {'ok' if entry['ok'] else 'FAILED'} {entry['seconds']:7.1f} s", flush=True)
+            report(entry)
         dist.destroy_process_group()
-    results["machine"] = stamp.finish()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    summary(results)
-    return 0 if all(entry["ok"] for entry in results["checks"].values()) else 1
+    if stamp is not None:
+        append(args.jsonl, {"check": "machine", "ok": True, "result": stamp.finish()})
+    return 0 if ok else 1
 
 
-def summary(results: dict[str, Any]) -> None:
-    checks = results["checks"]
-    for name in ("exchanges", "two_ranks"):
-        if "result" in checks.get(name, {}):
-            worst = sorted(
-                checks[name]["result"]["pairs"].items(), key=lambda item: -item[1]["syncs_per_step"]
-            )
-            print(f"\n{name}: most host synchronisations per step: "
-                  + ", ".join(f"{pair} {entry['syncs_per_step']:g}" for pair, entry in worst[:6]))  # fmt: skip
-    if "result" in checks.get("encode", {}):
-        print("\nencode ms (x torch.topk):")
-        for row in checks["encode"]["result"]["rows"]:
+def report(entry: dict[str, Any]) -> None:
+    """A few lines of one check's result, and what failed."""
+    name, result = entry["check"], entry.get("result", {})
+    if name in ("exchanges", "two_ranks", "bf16_layer"):
+        worst = sorted(result.get("pairs", {}).items(), key=lambda item: -item[1]["syncs_per_step"])
+        print("  most host synchronisations per step: "
+              + ", ".join(f"{pair} {item['syncs_per_step']:g}" for pair, item in worst[:6]))  # fmt: skip
+    if name == "encode":
+        for row in result.get("rows", []):
             print(f"  n={row['numel']:>11,} ratio={row['ratio']:<6} {row['method']:<14} {row['encode_ms']:9.3f}"
                   f"  x{row['speedup_vs_torch_topk']:.2f}")  # fmt: skip
-    if "result" in checks.get("step_time", {}):
-        print(f"\nstep_time: {json.dumps(checks['step_time']['result'], default=str)[:300]}")
-    for name, entry in checks.items():
-        for failure in entry.get("result", {}).get("failures", []):
-            print(f"FAILED {name}: {failure}")
-        if "error" in entry:
-            print(f"FAILED {name}: {entry['error'].strip().splitlines()[-1]}")
+    if name in ("step_time", "determinism", "selection", "memory", "sync_counter"):
+        print(f"  {json.dumps(result, default=str)[:300]}")
+    for failure in result.get("failures", []):
+        print(f"FAILED {name}: {failure}")
+    if "error" in entry:
+        print(f"FAILED {name}: {entry['error'].strip().splitlines()[-1]}")
 
 
 if __name__ == "__main__":

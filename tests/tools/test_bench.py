@@ -173,33 +173,6 @@ def test_dtype_option_times_the_gradient_in_that_dtype():
         CompressBenchConfig(dtype="int8")
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_gpu_script_dry_run_exercises_every_step_on_cpu(tmp_path):
-    """benchmarks/gpu/run.sh --dry-run: the GPU measurements' own code, on CPU at toy sizes."""
-    script = ROOT / "benchmarks" / "gpu" / "run.sh"
-    done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    for dtype in ("fp32", "bf16"):
-        result = json.loads((tmp_path / f"compress-{dtype}.json").read_text())
-        assert result["config"]["dtype"] == dtype and result["config"]["device"] == "cpu"
-        names = {row["compressor"] for row in result["rows"]}
-        assert {"topk", "sidco-exp", "sidco-gpareto", "sidco-gamma"} <= names
-        assert all(
-            row["dense_nbytes"] == row["numel"] * (4 if dtype == "fp32" else 2) for row in result["rows"]
-        )
-    hook = json.loads((tmp_path / "hook.json").read_text())
-    assert hook["backend"] == "gloo" and set(hook["results"]) == {
-        "stock",
-        "none",
-        "topk@0.01",
-        "sidco-exp@0.01",
-    }
-    assert hook["results"]["stock"]["ratio_to_stock"] == 1.0
-    assert hook["results"]["sidco-exp@0.01"]["density"] > 0
-
-
 def test_rounds_rotate_the_order_of_the_methods():
     assert in_rotation([1, 2, 3], 0) == [1, 2, 3]
     assert in_rotation([1, 2, 3], 4) == [2, 3, 1]
@@ -217,35 +190,57 @@ def test_gpu_check_dry_run_runs_every_check_on_cpu(tmp_path):
     """benchmarks/gpu/check.sh --dry-run: the GPU check's own code, on CPU with gloo at toy
     sizes; its numbers must say what the CPU suite says (at most one host read per step for
     every compressor x exchange at 1 and 2 ranks, ratio 1 equal to stock DDP, the two ranks
-    in agreement, the GradScaler run within 1e-4 of stock), and the device command's shape
-    holds (under 2,000 characters, $OUT as the default folder, at most 6 files)."""
+    in agreement, the GradScaler run within 1e-4 of stock, the counter counting a read in a
+    comm hook, the same bits twice, the same selection on both branches), a line per check
+    in $OUT/check.jsonl, and the device command's shape (under 2,000 characters, $OUT as the
+    default folder, at most 4 files)."""
     script = ROOT / "benchmarks" / "gpu" / "check.sh"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
     done = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=600,
                           env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(script.read_text()) < 2000 and 1 <= len(list(tmp_path.iterdir())) <= 6
+    assert len(script.read_text()) < 2000 and 1 <= len(list(tmp_path.iterdir())) <= 4
     assert f"torch {torch.__version__}" in done.stdout
-    result = json.loads((tmp_path / "check.json").read_text())
-    checks = result["checks"]
-    assert set(checks) == {"sync_counter", "exchanges", "two_ranks", "static_graph", "evaluate", "amp",
-                           "encode", "step_time"}  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "check.jsonl").read_text().splitlines()]
+    checks = {line["check"]: line for line in lines}
+    assert set(checks) == {"environment", "machine", "sync_counter", "determinism", "selection", "exchanges",
+                           "bf16_layer", "memory", "static_graph", "amp", "evaluate", "encode", "step_time",
+                           "two_ranks", "train"}  # fmt: skip
     assert all(entry["ok"] for entry in checks.values()), {k: v.get("error") for k, v in checks.items()}
-    assert checks["sync_counter"]["result"]["syncs_of_one_item"] == 1
+    counter = checks["sync_counter"]["result"]
+    assert counter["syncs_of_one_item"] == 1 and counter["syncs_of_a_reading_hook_in_2_steps"] == 2
+    assert checks["selection"]["result"]["torch.float32"]["selected"] > 2 * 16  # > 2x capacity passed
     for name in ("exchanges", "two_ranks"):
         check = checks[name]["result"]
         assert check["topk ratio 1 equals stock DDP"] is True and check["failures"] == []
         assert check["pairs"].pop("stock")["syncs_per_step"] == 0
-        assert set(check["pairs"]) == {f"{name} {exchange}" for name, exchange in registry_pairs()}
         assert all(entry["syncs_per_step"] <= 1 for entry in check["pairs"].values()), check["pairs"]
+    pairs = set(checks["exchanges"]["result"]["pairs"])
+    assert pairs == {f"{name} {exchange}" for name, exchange in registry_pairs()}
+    assert all(entry["syncs_per_step"] <= 1 for entry in checks["bf16_layer"]["result"]["pairs"].values())
     assert checks["amp"]["result"]["relative_difference"] <= 1e-4
     rows = checks["encode"]["result"]["rows"]
     sizes = {(n, r) for n in (4096, 10_000) for r in (0.01, 0.001)}
     assert {(row["numel"], row["ratio"]) for row in rows} == sizes
     assert {row["method"] for row in rows} == {"torch.topk", "topk", "sidco-exp", "sidco-exp fit"}
-    assert result["machine"]["commit"] and "load_before" in result["machine"]
+    assert checks["machine"]["result"]["commit"] and "load_before" in checks["machine"]["result"]
     train = json.loads((tmp_path / "train-summary.json").read_text())
     assert (train["steps"], train["workers"], train["device"]) == (3, 1, "cpu")
+
+
+@pytest.mark.slow
+def test_gpu_check_writes_down_a_part_that_dies_and_exits_non_zero(tmp_path):
+    """A part whose process dies (here: no Python at all) leaves a line saying so in
+    check.jsonl, the other parts still run, and the command exits non-zero."""
+    script = ROOT / "benchmarks" / "gpu" / "check.sh"
+    env = {**os.environ, "PYTHON": "false"}
+    done = subprocess.run(["bash", str(script), "--dry-run", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
+    assert done.returncode != 0
+    lines = [json.loads(line) for line in (tmp_path / "check.jsonl").read_text().splitlines()]
+    parts = [line["check"] for line in lines if line["check"].startswith("part ")]
+    assert len(parts) == 5 and "part two_ranks" in parts
+    assert not any(line["ok"] for line in lines)
 
 
 def registry_pairs() -> list[tuple[str, str]]:
@@ -268,13 +263,15 @@ def test_gpu_check_fails_when_a_check_fails(tmp_path):
     program = (
         "import sys; import check; "
         "check.BUDGET = check.BALANCED_BUDGET = 0; check.AMP_TARGET = -1.0; "
-        f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--json', '{tmp_path}/c.json']))"
+        f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--jsonl', '{tmp_path}/c.jsonl']))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")])}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
-    checks = json.loads((tmp_path / "c.json").read_text())["checks"]
+    checks = {
+        line["check"]: line for line in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())
+    }
     assert not checks["exchanges"]["ok"] and not checks["amp"]["ok"]
     assert "FAILED exchanges: topk allgather: 1 syncs per step (budget 0)" in done.stdout
     assert "FAILED amp: relative difference" in done.stdout
