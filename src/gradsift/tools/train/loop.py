@@ -29,6 +29,7 @@ from gradsift.tools.train.datasets import is_language_model, load_for_model
 from gradsift.tools.train.devices import backend_for, resolve_device
 from gradsift.tools.train.exchange import install_demo, install_diloco, install_exchange
 from gradsift.tools.train.models import build_model, parameter_count
+from gradsift.tools.train.records import JsonlRecords
 from gradsift.tools.train.summary import summarize
 
 
@@ -73,36 +74,40 @@ def evaluate(
 
 
 class RunWriter:
-    """Rank 0's output files; on other ranks it only keeps the records in memory."""
+    """Rank 0's output files: the step records go to ``steps.jsonl`` and are read back from
+    there (:class:`~gradsift.tools.train.records.JsonlRecords`), so no rank's memory grows
+    with the run's length; the evaluations (one per ``eval_every`` steps, all of them in the
+    summary) stay in memory too. Other ranks keep nothing."""
 
     def __init__(self, out: Path, enabled: bool) -> None:
         self.out = out
         self.enabled = enabled
-        self.steps: list[dict[str, Any]] = []
+        self.steps: JsonlRecords | None = None
         self.evals: list[dict[str, Any]] = []
-        self._files: dict[str, Any] = {}
+        self._evals_file: Any = None
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
-            self._files = {name: open(out / f"{name}.jsonl", "w") for name in ("steps", "evals")}  # noqa: SIM115
-
-    def _write(self, name: str, record: dict[str, Any]) -> None:
-        getattr(self, name).append(record)
-        if name in self._files:
-            self._files[name].write(json.dumps(record) + "\n")
-            self._files[name].flush()
+            self.steps = JsonlRecords(out / "steps.jsonl")
+            self._evals_file = open(out / "evals.jsonl", "w")  # noqa: SIM115
 
     def step(self, record: dict[str, Any]) -> None:
         """Record one training step."""
-        self._write("steps", record)
+        if self.steps is not None:
+            self.steps.append(record)
 
     def eval(self, record: dict[str, Any]) -> None:
         """Record one evaluation."""
-        self._write("evals", record)
+        if self._evals_file is not None:
+            self.evals.append(record)
+            self._evals_file.write(json.dumps(record) + "\n")
+            self._evals_file.flush()
 
     def close(self, summary: dict[str, Any] | None) -> None:
         """Close the JSONL files and write ``summary.json`` (when there is one)."""
-        for handle in self._files.values():
-            handle.close()
+        if self.steps is not None:
+            self.steps.close()
+        if self._evals_file is not None:
+            self._evals_file.close()
         if self.enabled and summary is not None:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -236,7 +241,7 @@ def train_rank(
             run["epochs_seen"] = round(step * config.batch_size * world / len(train), 4)
             run["recipe"] = recipe
             summary = summarize(
-                writer.steps, writer.evals, run=run, target_accuracy=config.target_accuracy,
+                writer.steps or (), writer.evals, run=run, target_accuracy=config.target_accuracy,
                 target_loss=config.target_loss, wall_time_s=time.perf_counter() - started,
             )  # fmt: skip
             if is_language_model(config.model) and writer.evals:
