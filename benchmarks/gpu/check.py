@@ -363,7 +363,7 @@ def two_ranks(rank: int, store: str, device_type: str, results: Any) -> None:
 
 def check_two_ranks(device: torch.device, small: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(two_ranks, (f"{tmp}/store", device.type), 2, timeout_s=45)
+        return run_ranks(two_ranks, (f"{tmp}/store", device.type), 2, timeout_s=35)
 
 
 def check_static_graph(device: torch.device, small: bool) -> dict[str, Any]:
