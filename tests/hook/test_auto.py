@@ -75,7 +75,7 @@ def test_a_fast_link_keeps_stock_ddp(one_process_group):
     stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
     train(stock, stock_optimizer, auto.DECIDE_AT + 4, torch.Generator().manual_seed(1))
     stats = state.stats()["auto"]
-    assert stats["choice"] == "none" and stats["decided_at"] == auto.DECIDE_AT
+    assert stats["choice"] == "none" and stats["decided_at"] == auto.DECIDE_AT + 1  # after its optimizer step
     assert set(stats["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
     for a, b in zip(ddp.parameters(), stock.parameters(), strict=True):
         assert torch.equal(a, b)

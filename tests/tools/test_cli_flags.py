@@ -56,7 +56,7 @@ def test_help_shows_the_back_ends_defaults():
     assert f"(default: {fields['timeout_s']})" in train["--timeout"]
     assert f"(default: {fields['eval_every']})" in train["--eval-every"]
     assert f"(default: {fields['warmup_steps']})" in train["--lr-warmup-steps"]
-    assert "(default: none," in train["--compressor"]
+    assert "auto (default:" in train["--compressor"] and fields["compressor"] == "auto"
     demo = help_blocks(("demo",))
     assert f"{LENGTHS[True][0]} steps per method instead of {LENGTHS[False][0]}" in demo["--quick"]
     assert "(default: 100mbit)" in demo["--bandwidth"]

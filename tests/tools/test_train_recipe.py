@@ -131,3 +131,16 @@ def test_clip_grad_norm_bounds_each_step_and_leaves_small_gradients_alone(tmp_pa
 def test_config_refuses_a_negative_clip_grad_norm(tmp_path: Path) -> None:
     with pytest.raises(InvalidOptionError, match="clip_grad_norm"):
         TrainConfig(out=str(tmp_path), clip_grad_norm=-1.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_default_compressor_is_auto_and_the_summary_says_what_it_chose(tmp_path: Path) -> None:
+    summary, steps = _train(tmp_path, "auto", "--steps", "14")
+    auto = summary["recipe"]["auto"]
+    assert summary["compressor"] == "auto" and auto["choice"] in ("none", "bf16", "sidco-exp")
+    assert set(auto["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
+    assert auto["decided_at"] == 11  # after the optimizer step of step 10
+    assert all(r["density"] == 1.0 for r in steps[:10])  # dense while it measures
+    assert recipe_options("auto", {}, 300, adam=True) == {"warmup_steps": 30}  # Adam's warm-up only
+    assert recipe_options("auto", {"nonfinite": "skip"}, 300) == {"nonfinite": "skip"}

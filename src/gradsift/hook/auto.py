@@ -9,7 +9,9 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
    each candidate's encode + decode time on it (scaled to the model's size), and the time
    its message takes on this group's link -- a real collective of the candidate's size and
    kind (allreduce for ``none`` and ``bf16``, allgather of the payload's wire bytes for the
-   compressed one), once untimed, then :data:`PROBES` times, the least.
+   compressed one), once untimed, then :data:`PROBES` times, the median. The probes run
+   after the optimizer's step (a step post-hook), outside backward; with no optimizer
+   found, at the step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
    rank predicts from the same numbers and picks the same candidate.
 3. **Predict** -- compute ``T_c = T - t_none`` (the dense step without its message; the
@@ -48,7 +50,7 @@ AUTO = "auto"
 #: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
 SKIP = 2
 DECIDE_AT = 10
-#: Timed calls per probe, after one untimed (the least is kept: noise only adds time).
+#: Timed calls per probe, after one untimed (the median is kept).
 PROBES = 5
 #: A compressed candidate must be predicted this much faster than the dense step.
 MARGIN = 0.9
@@ -94,8 +96,8 @@ class AutoHookState:
                 f"method: pass compressor=<name> to set them (auto takes {', '.join(PASSED_ON)})"
             )
         self.ddp_model = ddp_model
-        self.options = dict(options)
-        self.dense = GradsiftHookState.build("none", **self.options)
+        self.hook_options = dict(options)
+        self.dense = GradsiftHookState.build("none", **self.hook_options)
         self.dense.attach(ddp_model, optimizer)
         self.current = self.dense
         self.choice = "measuring"
@@ -106,6 +108,8 @@ class AutoHookState:
         self.predicted_ms: dict[str, float] = {}
         self.measured_ms: dict[str, float] = {}
         self._starts: list[float] = []
+        self._sample: torch.Tensor | None = None  # the deciding step's first bucket
+        self._after_step: Any = None  # the optimizer step post-hook that decides
 
     # -- the route -----------------------------------------------------------------------
     def route(self, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
@@ -117,19 +121,32 @@ class AutoHookState:
 
     def _at_step_start(self, bucket: BucketLike) -> None:
         step = self.current.step
-        if self.choice == "measuring":
+        if self.choice == "measuring" and self._sample is None:
             if self.dense.discovering:
                 self.dense.discover()
+                if self.dense.optimizer is not None:  # decide after its step, outside backward
+                    inner = recipe.unwrapped(self.dense.optimizer)
+                    self._after_step = inner.register_step_post_hook(self._decide_after_step)
             if step >= SKIP:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
                 self._starts.append(time.perf_counter())
             if step >= DECIDE_AT:
-                self._decide(bucket.buffer())
+                self._sample = bucket.buffer().detach().clone()
+                if self._after_step is None:  # no optimizer found: decide here
+                    self._decide(self._sample)
+        elif self._after_step is not None and self.choice != "measuring":
+            self._after_step.remove()  # not from inside the optimizer's own hook loop
+            self._after_step = None
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
     # -- deciding ------------------------------------------------------------------------
+    def _decide_after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post-hook: decide once the deciding step's sample is kept."""
+        if self._sample is not None and self.choice == "measuring":
+            self._decide(self._sample)
+
     def _decide(self, sample: torch.Tensor) -> None:
         group, world = self.dense.process_group, dist.get_world_size(self.dense.process_group)
         numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
@@ -150,6 +167,7 @@ class AutoHookState:
         self.measured_ms.update({f"codec {n}": 1e3 * codec[n] for n in names if n != "none"})
         self.decided_at = self.current.step
         self.choice = best
+        self._sample = None
         if best != "none":
             self.pending = best
             self.switch_at = max(self.decided_at, self._dense_steps(best))
@@ -162,14 +180,14 @@ class AutoHookState:
         """Steps the method needs dense before it starts: Adam's warm-up for the 1-bit method."""
         if family(self.dense.optimizer) != "adam" or name != "efsignsgd":
             return 0
-        given = self.options.get("warmup_steps")
+        given = self.hook_options.get("warmup_steps")
         return ONE_LINE_WARMUP_STEPS if given is None else int(given)
 
     def _switch(self, name: str, step: int) -> None:
         """Run ``name`` from ``step`` on, as ``register_comm_hook(ddp, name, optimizer=...)``
         would with the ``step`` steps before as its dense warm-up."""
         options = dict(dict(CANDIDATES[family(self.dense.optimizer)])[name])
-        hook_options = {k: v for k, v in self.options.items() if k in PASSED_ON}
+        hook_options = {k: v for k, v in self.hook_options.items() if k in PASSED_ON}
         hook_options["warmup_steps"] = step
         if hook_options.get("scaler") is None:
             hook_options["scaler"] = self.dense.options.scaler
@@ -177,7 +195,8 @@ class AutoHookState:
             name, **options, **hook_options, process_group=self.dense.process_group
         )
         state.attach(self.ddp_model, self.dense.optimizer)
-        state.discovering = False
+        state.find_optimizer = False  # the dense state's, adopted above
+        state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
         state.ledger.step = step
         state.telemetry.load_state_dict(self.dense.telemetry.state_dict())
         if self.dense.first_step is not None:
@@ -199,8 +218,10 @@ class AutoHookState:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """The choice (and when it takes effect) with the running method's state."""
+        """The running method's :meth:`~GradsiftHookState.state_dict` with ``"auto"``: the
+        choice, when it takes effect, and what it was made from."""
         return {
+            **self.current.state_dict(),
             "auto": {
                 "choice": self.choice,
                 "decided_at": self.decided_at,
@@ -211,20 +232,25 @@ class AutoHookState:
                 "predicted_ms": dict(self.predicted_ms),
                 "measured_ms": dict(self.measured_ms),
             },
-            "state": self.current.state_dict(),
         }
+
+    def prepare_load(self, entry: dict[str, Any]) -> GradsiftHookState:
+        """The method state that loads ``entry`` (a :meth:`state_dict`): the optimizer found,
+        and the method the saving run was running switched to."""
+        self.dense.prepare_load(entry)
+        auto = entry["auto"]
+        if auto["running"] != self.current.compressor.name:
+            self._switch(auto["running"], auto["switched_at"])
+        return self.current
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the choice, and the running method with its state."""
+        self.prepare_load(state)
         auto = state["auto"]
         self.choice, self.decided_at, self.switch_at = auto["choice"], auto["decided_at"], auto["switch_at"]
+        self.pending, self.switched_at = auto["pending"], auto["switched_at"]
         self.predicted_ms, self.measured_ms = dict(auto["predicted_ms"]), dict(auto["measured_ms"])
-        if self.dense.discovering:
-            self.dense.discover()
-        if auto["running"] != "none":
-            self._switch(auto["running"], auto["switched_at"])
-        self.pending = auto["pending"]
-        self.current.load_state_dict(state["state"])
+        self.current.load_state_dict({key: value for key, value in state.items() if key != "auto"})
 
     def __getattr__(self, name: str) -> Any:
         """Everything else reads the running method's state (``step``, ``telemetry``, ...)."""
@@ -266,8 +292,8 @@ def _costs(
     if name in ("none", "bf16"):
         dtype = torch.float32 if name == "none" else torch.bfloat16
         message = torch.zeros(size, dtype=dtype, device=device)
-        seconds = _least_seconds(lambda: dist.all_reduce(message, group=group), device)
-        codec = 0.0 if name == "none" else _least_seconds(lambda: sample.to(torch.bfloat16).float(), device)
+        seconds = _median_seconds(lambda: dist.all_reduce(message, group=group), device)
+        codec = 0.0 if name == "none" else _median_seconds(lambda: sample.to(torch.bfloat16).float(), device)
         return [scale * seconds, codec * numel / max(sample.numel(), 1)]
     compressor = get_compressor(name, **options)
     flat = sample.detach().reshape(-1).float().clone()
@@ -275,17 +301,17 @@ def _costs(
     per_element = payload.nbytes / flat.numel()
     wire = torch.zeros(max(1, round(per_element * size)), dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(wire) for _ in range(world)]
-    seconds = _least_seconds(lambda: dist.all_gather(gathered, wire, group=group), device)
+    seconds = _median_seconds(lambda: dist.all_gather(gathered, wire, group=group), device)
 
     def codec_once() -> None:
         compressor.decompress([compressor.compress(flat)] * world, flat.numel())
 
-    codec = _least_seconds(codec_once, device) * numel / flat.numel()
+    codec = _median_seconds(codec_once, device) * numel / flat.numel()
     return [scale * seconds, codec]
 
 
-def _least_seconds(run: Any, device: torch.device) -> float:
-    """The least wall time of :data:`PROBES` calls of ``run`` after one untimed call (the
+def _median_seconds(run: Any, device: torch.device) -> float:
+    """The median wall time of :data:`PROBES` calls of ``run`` after one untimed call (the
     device synchronised around each)."""
     run()
     times = []
@@ -297,4 +323,4 @@ def _least_seconds(run: Any, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
-    return min(times)
+    return statistics.median(times)

@@ -169,24 +169,25 @@ class GradsiftHookState:
         """Bind to ``ddp_model`` (parameter numbers, process group, the compressor's
         instrumentation) and adopt ``optimizer`` (:meth:`adopt`); without one (None), and without
         ``scaler=``, the first step's first bucket looks for them (:meth:`discover`);
-        ``optimizer=False`` means none, not looked for."""
+        ``optimizer=False``, or a ``momentum=`` set by hand, means none, not looked for."""
         if getattr(ddp_model, "_use_python_reducer", False):
             raise InvalidOptionError(PYTHON_REDUCER)
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
         self.hooked = list(ddp_model.module.parameters())
-        self.find_optimizer = optimizer is None
+        self.find_optimizer = optimizer is None and not self.options.momentum  # momentum= by hand: none
         optimizer = None if optimizer is False else optimizer
         self.discovering = self.find_optimizer or self.options.scaler is None
         self.adopt(optimizer)
         self.compressor.attach(ddp_model.module)
 
-    def adopt(self, optimizer: Any) -> None:
+    def adopt(self, optimizer: Any, take_over: bool = True) -> None:
         """Take over ``optimizer``'s momentum (:mod:`gradsift.hook.recipe`; Adam's method,
         :mod:`gradsift.hook.adam`) when the compressor runs error feedback, and watch the
-        first optimizer step (:mod:`gradsift.hook.first_step`)."""
+        first optimizer step (:mod:`gradsift.hook.first_step`); ``take_over=False``: only
+        watch again (a scaler was found)."""
         self.optimizer = optimizer
-        if optimizer is not None and self.feedback is not None:
+        if take_over and optimizer is not None and self.feedback is not None:
             if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
                 self._frozen_variance_warmup()
             taken = recipe.take_over(
@@ -221,17 +222,29 @@ class GradsiftHookState:
                 f"or leave it unset ({ONE_LINE_WARMUP_STEPS} dense steps)"
             )
 
-    def discover(self) -> None:
+    def discover(self, scaler: bool = True) -> None:
         """Adopt what the training script built and did not pass (:mod:`gradsift.hook.discovery`):
-        the one enabled ``GradScaler`` that scaled a loss, as ``scaler=``; the one optimizer
-        stepping the hooked parameters, as ``optimizer=``. Runs once, at the first bucket of
-        the first step, before anything of the step is computed."""
-        self.discovering = False
-        if self.options.scaler is None and (scaler := discovery.find_scaler()) is not None:
-            self.options = dataclasses.replace(self.options, scaler=scaler)
-        found = discovery.find_optimizer(self.hooked) if self.find_optimizer else None
-        if found is not None or self.options.scaler is not None:
-            self.adopt(found or self.optimizer)
+        the one optimizer stepping the hooked parameters, as ``optimizer=``, and (``scaler``)
+        the one enabled ``GradScaler`` that scaled a loss, as ``scaler=``. Each is looked for
+        once: the optimizer at the first of the first step's first bucket and a checkpoint's
+        load (:meth:`prepare_load`), the scaler at that bucket (before it, no loss was scaled)."""
+        if self.find_optimizer:
+            self.find_optimizer = False
+            found = discovery.find_optimizer(self.hooked)
+            if found is not None:
+                self.adopt(found)
+        if scaler:
+            self.discovering = False
+            if self.options.scaler is None and (found_scaler := discovery.find_scaler()) is not None:
+                self.options = dataclasses.replace(self.options, scaler=found_scaler)
+                self.adopt(self.optimizer, take_over=False)
+
+    def prepare_load(self, entry: dict[str, Any]) -> "GradsiftHookState":
+        """The state that loads ``entry`` (a :meth:`state_dict`): this one, its optimizer found
+        first, so the settings it is checked against are those the run that saved it had."""
+        del entry
+        self.discover(scaler=False)
+        return self
 
     # -- public read-outs -------------------------------------------------------------------
     @property

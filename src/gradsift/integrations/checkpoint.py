@@ -159,7 +159,7 @@ def restore_hook_state(
     it; None for a checkpoint older than them), place it on ``device`` and load it, all or
     nothing: a refused entry raises :class:`InvalidOptionError` naming what is wrong, and a
     load that fails half-way puts the state back as it was."""
-    check_hook_entry(state, entry, settings, where)
+    check_hook_entry(state.prepare_load(entry), entry, settings, where)  # after discovery, auto's switch
     before = state.state_dict()
     try:
         state.load_state_dict(hook_state_on(entry, device))

@@ -82,9 +82,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The run and network-emulation flags of ``gradsift train``."""
     run = parser.add_argument_group("run")
     run.add_argument("--model", choices=MODEL_NAMES, default="vgg", help="network to train (default: vgg)")
-    run.add_argument("--compressor", default="none",
-                     help="registry name, e.g. none, bf16, topk, sidco-exp, vgc (default: none, fp32 DDP: "
-                     "the baseline; the library's register_comm_hook defaults to sidco-exp)")  # fmt: skip
+    run.add_argument("--compressor", default="auto",
+                     help="auto (default: the hook measures the link and picks none, bf16 or the optimizer's "
+                     "compressed method, as register_comm_hook does), or a registry name, e.g. none (fp32 DDP, "
+                     "the baseline), bf16, topk, sidco-exp, vgc")  # fmt: skip
     run.add_argument("--ratio", type=float,
                      help="target density delta, passed as the compressor's ratio option (default: the "
                      "compressor's own, e.g. 0.01 for the sparsifiers)")  # fmt: skip
@@ -324,8 +325,13 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         if alone(summary)
         else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
     )
+    auto = (summary.get("recipe") or {}).get("auto")
+    method = "DeMo" if demo else summary["compressor"]
+    if auto is not None:  # what auto chose, and the predicted step times it chose from
+        predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
+        method = f"auto -> {auto['choice']} (predicted ms per step: {predicted})"
     lines = [
-        f"{'DeMo' if demo else summary['compressor']} on {workers} worker{'' if workers == 1 else 's'} "
+        f"{method} on {workers} worker{'' if workers == 1 else 's'} "
         f"({summary['model']}, {summary['steps']} steps): "
         + (f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation"),
         f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, {traffic}, "

@@ -20,6 +20,7 @@ from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.frontends.decoupled_momentum import DeMo, DeMoOptions
 from gradsift.frontends.diloco import OUTER_OPTIONS
+from gradsift.hook.auto import AUTO, PASSED_ON
 from gradsift.hook.options import HOOK_OPTIONS
 from gradsift.hook.state import GradsiftHookState
 from gradsift.tools.train.devices import DEVICES
@@ -88,7 +89,7 @@ class TrainConfig:
 
     out: str
     model: str = "vgg"
-    compressor: str = "none"
+    compressor: str = AUTO
     options: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     batch_size: int = 32
@@ -122,9 +123,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
-        if self.compressor not in available_compressors():
+        if self.compressor not in (AUTO, *available_compressors()):
             raise UnknownCompressorError(
-                f"compressor must be one of {', '.join(available_compressors())}; got {self.compressor!r}"
+                f"compressor must be {AUTO} or one of {', '.join(available_compressors())}; got {self.compressor!r}"
             )
         check_int(self.workers, "workers", low=1, high=256)
         check_int(self.batch_size, "batch_size", low=1)
@@ -191,6 +192,9 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
     outer = OUTER_OPTIONS
     if not diloco and any(name in options for name in outer):
         raise InvalidOptionError(f"options {', '.join(outer)} are DiLoCo's: they need --sync-every")
+    if compressor == AUTO:
+        check_auto_options(options, diloco)
+        return
     if diloco:
         for name in ("optimizer", "granularity", "warmup_steps", "scaler"):
             if name in options:
@@ -221,10 +225,23 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
     GradsiftHookState.build(built, **hook_options)
 
 
+def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
+    """``--compressor auto``: the DDP hook picks the method, taking only the hook options it
+    passes on (:data:`gradsift.hook.auto.PASSED_ON`); with DiLoCo, DiLoCo's default compressor
+    runs, with DiLoCo's outer options only."""
+    allowed = OUTER_OPTIONS if diloco else PASSED_ON
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise InvalidOptionError(
+            f"--compressor auto picks the method and its options; {', '.join(unknown)} belong to a named "
+            f"method (--compressor NAME); auto takes {', '.join(allowed)}"
+        )
+
+
 def check_demo_options(compressor: str, options: dict[str, Any], sync_every: int) -> None:
     """``--optimizer demo``: DeMo exchanges by itself, so no compressor, no DiLoCo, and only
     DeMo's own options (:class:`gradsift.frontends.decoupled_momentum.DeMoOptions`)."""
-    if compressor != "none":
+    if compressor not in ("none", AUTO):
         raise InvalidOptionError(
             f"--optimizer demo sends its own DCT coefficients: --compressor must be none, got {compressor!r}"
         )

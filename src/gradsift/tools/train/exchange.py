@@ -24,6 +24,7 @@ from gradsift.compressors.registry import compressor_class
 from gradsift.frontends.ddp import register_comm_hook
 from gradsift.frontends.diloco import OUTER_OPTIONS, diloco
 from gradsift.hook.adam import default_warmup_steps
+from gradsift.hook.auto import AUTO
 
 #: Share of the run's steps over which the recipe warms the density up (docs/decisions.md).
 DENSITY_WARMUP_FRACTION = 0.025
@@ -58,6 +59,10 @@ def recipe_options(
     error-feedback compressor the dense warm-up of :func:`gradsift.hook.adam.default_warmup_steps`
     (a tenth of the steps, at least 1); explicit options win."""
     hook_options = dict(options)
+    if compressor == AUTO:  # the method is picked later: only Adam's dense warm-up is the recipe's
+        if adam:
+            hook_options.setdefault("warmup_steps", default_warmup_steps(steps))
+        return hook_options
     warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
     if warmup_steps and warms_up_density(compressor, options):
         hook_options.setdefault("density_warmup_steps", warmup_steps)
@@ -86,8 +91,18 @@ def install_exchange(
     (:func:`step_exchange_stats`) and the recipe in use (:func:`recipe_in_use`)."""
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     hook_options = recipe_options(compressor, options, steps, adam) if recipe else dict(options)
-    state = register_comm_hook(ddp_model, compressor, optimizer=optimizer if recipe else None, **hook_options)
-    return lambda: step_exchange_stats(state.stats()["step"]), recipe_in_use(state, optimizer, recipe)
+    state = register_comm_hook(
+        ddp_model, compressor, optimizer=optimizer if recipe else False, **hook_options
+    )
+    in_use = recipe_in_use(state, optimizer, recipe)
+
+    def stats() -> dict[str, float]:
+        numbers = state.stats()
+        if "auto" in numbers:  # what compressor="auto" measured and chose, for summary.json
+            in_use["auto"] = numbers["auto"]
+        return step_exchange_stats(numbers["step"])
+
+    return stats, in_use
 
 
 def install_diloco(
@@ -97,9 +112,8 @@ def install_diloco(
     the per-step exchange numbers (a round's on the step that ended it, nothing on the
     others; ``dense_bytes`` is what DDP would have sent that step), what runs (for
     ``summary.json``), and a function that ends an unfinished round (the run's last step)."""
-    state = diloco(
-        model, optimizer, sync_every=config.sync_every, compressor=config.compressor, **config.options
-    )
+    named = {} if config.compressor == AUTO else {"compressor": config.compressor}  # auto: DiLoCo's default
+    state = diloco(model, optimizer, sync_every=config.sync_every, **named, **config.options)
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     seen = {"rounds": 0}
 
