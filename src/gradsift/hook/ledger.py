@@ -18,6 +18,9 @@ exchange delivers the same flags to all ranks):
 
 * a collective failed -> state rolled back, :class:`PeerFailureError` raised;
 * a received message was malformed -> state rolled back, :class:`WireFormatError` raised;
+* (every raised step also sets the ``.grad`` of the step's parameters to None, so no rank
+  keeps its own, unsynchronised gradient; DDP runs no further backward after its hook
+  failed, so the job must stop: :data:`STOP`, said in the errors);
 * some rank's gradient held NaN/Inf -> state rolled back (residuals, velocities, VGC's
   accumulators, the compressor's adaptation and generators: as if the step never
   happened; ``step`` does not advance), then the ``nonfinite`` policy:
@@ -53,17 +56,26 @@ from gradsift.exchanges.base import waited
 from gradsift.hook.capacity import CapacityPlan
 
 NONFINITE_POLICIES = ("propagate", "skip", "raise")
+#: What a raised step leaves, and what the caller can do (every rank raises alike).
+STOP = (
+    "Every rank raises this from backward(): the hook's state is rolled back and the .grad of "
+    "the step's parameters is None, so no rank can step on gradients of its own. The job must "
+    "stop: DDP runs no further backward once its communication hook failed (its reducer keeps "
+    "the failed step); restart from the last checkpoint."
+)
 
 
 @dataclass
 class BucketInFlight:
     """One bucket handed to DDP: the future DDP waits for, the exchange that will produce
-    its outcome, the tensor its result lands in, and its telemetry."""
+    its outcome, the tensor its result lands in, its telemetry, and its parameters (whose
+    ``.grad`` a raised step clears)."""
 
     future: torch.futures.Future[torch.Tensor]
     pending: Pending[Outcome]
     result: torch.Tensor
     record: BucketRecord
+    params: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -121,7 +133,7 @@ class StepLedger:
         """Forget the step in progress (a bucket raised): roll its state back."""
         if self.current is not None:
             self.current.transaction.roll_back()
-            _fail(self.current, RuntimeError("gradsift: the step was abandoned (a bucket raised)"))
+            _refuse(self.current, RuntimeError("gradsift: the step was abandoned (a bucket raised)"))
             self.current = None
 
     def close(self, telemetry: Telemetry, capacities: CapacityPlan) -> None:
@@ -139,7 +151,7 @@ class StepLedger:
                     raise outcome.error
         except BaseException as failure:
             step.transaction.roll_back()
-            _fail(step, failure)
+            _refuse(step, failure)
             raise
         checks = _register(step, outcomes)
         step.readout.read()  # the step's one host read
@@ -155,19 +167,20 @@ class StepLedger:
                 error = WireFormatError(
                     f"step {self.step}: a malformed message arrived from rank(s) {malformed} of the group "
                     "(a length beyond the payload's capacity, an index out of range or repeated, or an "
-                    "encoding the compressor rejects); every rank drops the step"
+                    f"encoding the compressor rejects: a corrupt link, or ranks running other code). {STOP}"
                 )
-                _fail(step, error)
+                _refuse(step, error)
                 raise error
         if nonfinite:
             step.transaction.roll_back()
             if self.nonfinite == "raise":
                 refusal = NonFiniteGradientError(
-                    f"step {self.step}: a gradient holds NaN or Inf on at least one rank; every rank raises "
-                    "(nonfinite='propagate', the default, hands NaN gradients to the optimizer as stock DDP "
-                    "does, for torch.amp.GradScaler; nonfinite='skip' zeroes them)"
+                    f"step {self.step}: a gradient holds NaN or Inf on at least one rank. {STOP} To train on "
+                    "past such steps instead, register the hook with nonfinite='skip' (the step's gradients "
+                    "are zero on every rank) or 'propagate', the default (NaN gradients, as stock DDP hands "
+                    "them to torch.amp.GradScaler)"
                 )
-                _fail(step, refusal)
+                _refuse(step, refusal)
                 raise refusal
             for bucket in step.buckets:
                 bucket.result.fill_(self.fill_value)
@@ -196,6 +209,16 @@ def _register(step: OpenStep, outcomes: list[Outcome]) -> _Checks:
             checks.demands.append((key, numel, readout.slot(demand), readout.slot(used)))
         bucket.record.register(readout)
     return checks
+
+
+def _refuse(step: OpenStep, error: BaseException) -> None:
+    """A raised step: fail DDP's futures with ``error`` and set the ``.grad`` of every parameter
+    of the step's buckets to None, so that no rank keeps its own, unsynchronised gradient for
+    an optimizer step taken after catching the error."""
+    _fail(step, error)
+    for bucket in step.buckets:
+        for param in bucket.params:
+            param.grad = None
 
 
 def _fail(step: OpenStep, error: BaseException) -> None:

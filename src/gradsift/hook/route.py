@@ -81,7 +81,7 @@ def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=None if result.device.type == "cpu" else [result.device]
     )
-    step.buckets.append(BucketInFlight(future, pending, result, record))
+    step.buckets.append(BucketInFlight(future, pending, result, record, list(bucket.parameters())))
     if bucket.is_last():  # 7; DDP may wait for the futures before our end-of-backward callback runs
         state.close_step()
     return future
