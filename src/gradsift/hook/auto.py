@@ -155,7 +155,7 @@ class AutoHookState:
         local = [self._step_seconds()]
         for name, options in candidates:
             local += _costs(name, options, sample, numel, world, group)
-        agreed = torch.tensor(local, dtype=torch.float64)
+        agreed = torch.tensor(local, dtype=torch.float64, device=sample.device)  # NCCL: on the GPU
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         step_s, *parts = agreed.tolist()
         message = dict(zip(names, parts[0::2], strict=True))
