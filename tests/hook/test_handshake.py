@@ -61,6 +61,15 @@ def _diloco(sync_every: int) -> None:
     gradsift.diloco(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=sync_every)
 
 
+def _fsdp(ratio: float) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    model = FullyShardedDataParallel(
+        make_model(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu")
+    )
+    gradsift.register_comm_hook(model, "topk", ratio=ratio)
+
+
 def worker(rank: int, world: int, directory: str) -> dict:
     results = {}
     for case, pair in HOOK_PAIRS.items():
@@ -70,6 +79,7 @@ def worker(rank: int, world: int, directory: str) -> dict:
         )
     results["DeMo chunk"] = _refused(lambda: _demo((8, 16)[rank]))
     results["diloco sync_every"] = _refused(lambda: _diloco((5, 10)[rank]))
+    results["FSDP ratio"] = _refused(lambda: _fsdp((0.01, 0.1)[rank]))
 
     # per-rank options differ, the rest agrees: the pair trains, replicas equal
     model = DDP(make_model())
@@ -92,6 +102,7 @@ def test_ranks_with_different_settings_stop_at_registration_naming_the_setting(t
     expected = {case: line for case, (_, _, line) in HOOK_PAIRS.items()}
     expected["DeMo chunk"] = "  chunk: 8 on rank 0; 16 on rank 1"
     expected["diloco sync_every"] = "  sync_every: 5 on rank 0; 10 on rank 1"
+    expected["FSDP ratio"] = "  compressor option ratio: 0.01 on rank 0; 0.1 on rank 1"
     for case, line in expected.items():
         for rank, result in enumerate(results):
             error = result[case]["error"]
