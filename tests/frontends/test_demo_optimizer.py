@@ -254,7 +254,7 @@ def refusing_worker(rank: int, world: int) -> dict:
     trained(params, optimizer, rank, range(1, STEPS))
     end = {
         "params": [p.detach().clone() for p in params],
-        "deltas": [optimizer.state[p]["delta"] for p in params],
+        "deltas": [optimizer.state[p]["delta"].clone() for p in params],
     }
     kept = []
     for step in range(STEPS, STEPS + 500):

@@ -219,6 +219,8 @@ class DeMo(torch.optim.Optimizer):
         self.steps = 0
         self.telemetry = Telemetry()
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        #: Per parameter, the buffer the next step's momentum is written into (double buffering).
+        self._spare: dict[torch.Tensor, torch.Tensor | None] = {}
         if self.world > 1:
             check_agreement(self._settings(), process_group, "DeMo")  # collective: before anything moves
             broadcast_from_first(self.params, process_group)
@@ -262,8 +264,9 @@ class DeMo(torch.optim.Optimizer):
         with record.timed("decompress_ms", device):
             values, indices = self._received(rows)
             self._update(values, indices)
-            for param, delta in zip(self.params, deltas, strict=True):
-                self.state[param]["delta"] = delta  # the momentum moves with the parameters
+            for param, delta in zip(self.params, deltas, strict=True):  # the momentum moves with them
+                self._spare[param] = self.state[param].get("delta")
+                self.state[param]["delta"] = delta
         record.add_bytes(sent=self.message_bytes, padded=self.message_bytes,
                          received=(self.world - 1) * self.message_bytes)  # fmt: skip
         for name, value in (("dense_bytes", self.dense_bytes), ("elements_sent", self.entries),
@@ -275,8 +278,9 @@ class DeMo(torch.optim.Optimizer):
 
     def _compress(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Momentum, DCT, top-k per chunk, error feedback: this worker's message as bytes, and
-        every parameter's new momentum (new tensors: :meth:`step` commits them once the
-        exchange is validated, so a refused step leaves the momentum as it was)."""
+        every parameter's new momentum, written into its spare buffer (the one the momentum
+        before the last step held): :meth:`step` commits them once the exchange is validated,
+        so a refused step leaves the momentum as it was, and no step allocates a new one."""
         values, indices, deltas = [], [], []
         for param in self.params:
             grad = param.grad
@@ -285,7 +289,10 @@ class DeMo(torch.optim.Optimizer):
             previous = self.state[param].get("delta")
             if previous is None:
                 previous = torch.zeros_like(param, memory_format=torch.preserve_format)
-            delta = previous.mul(self.options.beta)
+            spare = self._spare.get(param)
+            if spare is None or spare.shape != previous.shape or spare.dtype != previous.dtype:
+                spare = torch.empty_like(previous)
+            delta = torch.mul(previous, self.options.beta, out=spare)
             if grad is not None:
                 delta.add_(grad)
             tiling = self.tilings[param]
@@ -420,5 +427,6 @@ class DeMo(torch.optim.Optimizer):
                 f"this optimizer has chunk={self.options.chunk}, topk={self.options.topk}"
             )
         super().load_state_dict(state_dict)
+        self._spare = {}  # never write into a tensor the loaded state may share
         self.steps = int(demo["steps"])
         self.telemetry.load_state_dict(demo["telemetry"])
