@@ -34,8 +34,8 @@ fp32 allreduce's message. :meth:`DeMo.stats` reports like the DDP hook's ``stats
 phase times). ``state_dict()`` holds every parameter's ``delta``, the groups' ``lr`` and
 ``weight_decay``, the step count and the byte totals: a run resumes bit for bit.
 
-A step is all or nothing: the momentum it computes is kept only once the exchange is
-checked. ``nonfinite="raise"`` (default): a NaN or Inf in what any worker sent raises
+A step is all or nothing: the momentum it computes (into a second buffer per parameter,
+swapped in: DeMo holds two momentum buffers) is kept only once the exchange is checked. ``nonfinite="raise"`` (default): a NaN or Inf in what any worker sent raises
 :class:`NonFiniteGradientError`, an index outside its chunk :class:`WireFormatError`, on
 every rank before any parameter or momentum moves (flags from the gathered message, the
 step's one host read), so the step can be taken again; ``"propagate"``: no host read, NaN
