@@ -1,0 +1,133 @@
+"""Issue 44's controls: the runs that tell the optimizer's effect from the compression's.
+
+The 1-bit arm (``onebit-adam``: the hook's frozen-variance AdamW with ``efsignsgd``, the
+trainer's 10 % dense warm-up) ends *below* fp32 DDP at 3,000 steps. Two explanations: a
+different optimizer (the second moment frozen at the end of the warm-up; the gradient
+clipping applied to the exchanged first moment, which the hook hands DDP), or the
+compression. The controls here separate them, on the ``gpt-adamw`` workload (2 workers):
+
+- ``fp32-lr1.5e-3``, ``fp32-lr6e-3``: stock DDP at half and twice the protocol's lr 3e-3 (the
+  3-point learning-rate screen; 3e-3 itself is the campaign's ``none``);
+- ``dense-fv``: the hook's frozen-variance method with a dense exchange -- ``topk`` at ratio 1
+  without momentum-factor masking, which ``tests/hook/test_adam.py`` checks equal to the
+  method written out -- so everything of the 1-bit arm but the compression;
+- the existing runs of the protocol (``results/convergence/runs/``) for fp32 at 3e-3, bf16, one
+  worker alone and the 1-bit arm; ``repro`` reruns two of them (seed 0) on this commit, so
+  that pairing new runs with them rests on a measured bit-for-bit (or not) reproduction.
+
+Order: the 314-step screen first (every arm, seed by seed), the reproduction checks, then the
+3,000-step dense frozen-variance arm (the control the issue's claim is about), then the
+learning-rate screen at 3,000 steps (seed 0 of both, then the other seeds, the better lr of
+seed 0 first). Each run is ``gradsift train`` in its own process (``run.py``'s ``execute``:
+provenance stamp with the load before and after, steps gzipped); a run whose summary.json
+exists is skipped, so rerunning the command resumes::
+
+    PYTHONPATH=$PWD/src nohup nice -n 19 python benchmarks/convergence/campaign44.py run &
+    python benchmarks/convergence/campaign44.py status
+
+Runs go to ``results/convergence/issue44/runs/<workload>/<arm>-e<epochs>-s<seed>/`` of the
+checkout that runs this script (``--root`` another); timings are discarded (accuracy and
+bytes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from protocol import METHODS, RESULTS, WORKLOADS, Method
+
+ISSUE44 = RESULTS / "issue44"
+
+#: The new arms (the others are the protocol's METHODS, by the same name).
+ARMS = {
+    "fp32-lr1.5e-3": Method("none", flags=("--lr", "0.0015"), setting="fp32 allreduce (stock DDP), lr 1.5e-3"),
+    "fp32-lr6e-3": Method("none", flags=("--lr", "0.006"), setting="fp32 allreduce (stock DDP), lr 6e-3"),
+    "dense-fv": Method("topk", {"ratio": 1.0, "momentum_masking": False},
+                       setting="the hook's frozen-variance AdamW, dense exchange (topk ratio 1, no momentum "
+                               "masking): the 1-bit arm's optimizer without its compression"),
+}  # fmt: skip
+
+SEEDS = (0, 1, 2)
+SCREEN, LONG = "gpt-adamw", "gpt-adamw-3k"
+LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
+
+
+def method(name: str) -> Method:
+    return ARMS[name] if name in ARMS else METHODS[name]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One planned run of this campaign (same flags as ``protocol.Run``; its own folder)."""
+
+    workload: str
+    method: str
+    seed: int
+    root: Path = ISSUE44
+
+    @property
+    def epochs(self) -> float:
+        return WORKLOADS[self.workload].epochs
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-e{self.epochs:g}-s{self.seed}"
+
+    @property
+    def directory(self) -> Path:
+        return self.root / "runs" / self.workload / self.name
+
+    def arguments(self) -> list[str]:
+        workload = WORKLOADS[self.workload]
+        return [*workload.train_arguments(self.epochs), *method(self.method).train_arguments(),
+                "--seed", str(self.seed)]  # fmt: skip
+
+
+def final_loss(run: Run) -> float | None:
+    path = run.directory / "summary.json"
+    return json.loads(path.read_text())["final_test_loss"] if path.is_file() else None
+
+
+def plan(root: Path = ISSUE44) -> list[Run]:
+    """The campaign in priority order (recomputed after every run: the 3,000-step lr seeds
+    follow seed 0's result)."""
+    runs = [Run(SCREEN, arm, seed, root) for seed in SEEDS for arm in ("dense-fv", *LR_ARMS)]
+    runs += [Run(SCREEN, "none", 0, root), Run(SCREEN, "onebit-adam", 0, root)]  # the reproduction checks
+    runs += [Run(LONG, "dense-fv", seed, root) for seed in SEEDS]
+    runs += [Run(LONG, arm, 0, root) for arm in LR_ARMS]
+    losses = {arm: final_loss(Run(LONG, arm, 0, root)) for arm in LR_ARMS}
+    order = sorted(LR_ARMS, key=lambda arm: float("inf") if losses[arm] is None else losses[arm])
+    runs += [Run(LONG, arm, seed, root) for arm in order for seed in SEEDS[1:]]
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("run", "status"))
+    parser.add_argument("--root", type=Path, default=ISSUE44, help="where runs/ goes (default: %(default)s)")
+    args = parser.parse_args()
+    from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
+
+    if args.action == "status":
+        for run in plan(args.root):
+            print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
+        return 0
+    failed: set[Run] = set()
+    while True:
+        todo = [r for r in plan(args.root) if not finished(r) and r not in failed]
+        if not todo:
+            break
+        if not execute(todo[0]):
+            failed.add(todo[0])
+    print(f"[{time.strftime('%H:%M:%S')}] campaign44 over; failed: {sorted(str(r.directory) for r in failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
