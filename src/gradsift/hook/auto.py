@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from gradsift.compressors.registry import get_compressor
+from gradsift.core.collectives import ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.telemetry import BucketRecord
 from gradsift.hook import recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
-from gradsift.hook.layout import BucketLike
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
@@ -74,6 +75,11 @@ def family(optimizer: Any) -> str:
     if is_adam(inner):
         return "adam"
     return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+
+
+def _running(name: str) -> Any:
+    """A read-only attribute of :class:`AutoHookState` that reads the running method's state."""
+    return property(lambda self: getattr(self.current, name), doc=f"The running method's ``{name}``.")
 
 
 class AutoHookState:
@@ -110,16 +116,44 @@ class AutoHookState:
         self._starts: list[float] = []
         self._sample: torch.Tensor | None = None  # the deciding step's first bucket
         self._after_step: Any = None  # the optimizer step post-hook that decides
+        #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
+        #: (:meth:`_stock_allreduce`), unless a ``nonfinite`` policy needs the route's checks.
+        self.lean = self.dense.options.nonfinite == "propagate"
+        self._open = False  # a step's first bucket has arrived, its last not yet
+        self._records: list[BucketRecord] = []
 
     # -- the route -----------------------------------------------------------------------
-    def route(self, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    def route(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """One bucket: at a step's first bucket, the clock, the decision and the switch; then
-        the current method's route (:func:`gradsift.hook.route.route_bucket`)."""
-        if self.current.ledger.current is None:
+        stock DDP's allreduce while dense (:meth:`_stock_allreduce`), or the running method's
+        route (:func:`gradsift.hook.route.route_bucket`)."""
+        if not self._open:
+            self._open = True
             self._at_step_start(bucket)
+        if bucket.is_last():
+            self._open = False
+        if self.lean and self.current is self.dense:
+            return self._stock_allreduce(bucket)
         return route_bucket(self.current, bucket)
 
-    def _at_step_start(self, bucket: BucketLike) -> None:
+    def _stock_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """``allreduce(g / W)`` in place, as PyTorch's ``allreduce_hook``, its bytes counted on
+        the host (no timing, no device work); the last bucket ends the step in the telemetry."""
+        buffer, group = bucket.buffer(), self.dense.process_group
+        world = dist.get_world_size(group)
+        record = GradsiftHookState.bucket_record(buffer)
+        record.add_tensor(buffer.numel(), dense=True)
+        nbytes = record.dense_bytes
+        record.add_bytes(sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, world))
+        self._records.append(record)
+        work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
+        if bucket.is_last():
+            self.dense.telemetry.end_step(self.dense.ledger.step, self._records, skipped=False)
+            self.dense.ledger.step += 1
+            self._records = []
+        return work.get_future().then(lambda done: done.value()[0])
+
+    def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
         if self.choice == "measuring" and self._sample is None:
             if self.dense.discovering:
@@ -252,11 +286,17 @@ class AutoHookState:
         self.predicted_ms, self.measured_ms = dict(auto["predicted_ms"]), dict(auto["measured_ms"])
         self.current.load_state_dict({key: value for key, value in state.items() if key != "auto"})
 
-    def __getattr__(self, name: str) -> Any:
-        """Everything else reads the running method's state (``step``, ``telemetry``, ...)."""
-        if name in ("current", "dense"):
-            raise AttributeError(name)
-        return getattr(self.current, name)
+    step = _running("step")
+    last_step_skipped = _running("last_step_skipped")
+    compressor = _running("compressor")
+    options = _running("options")
+    exchange = _running("exchange")
+    feedback = _running("feedback")
+    adam = _running("adam")
+    weight_decay = _running("weight_decay")
+    layout = _running("layout")
+    telemetry = _running("telemetry")
+    process_group = _running("process_group")
 
 
 def choose(step: float, message: dict[str, float], codec: dict[str, float]) -> tuple[str, dict[str, float]]:

@@ -19,6 +19,7 @@ from gradsift.core.validation import check_bool, check_choice, check_int, check_
 from gradsift.core.wire import parse_value_dtype
 from gradsift.exchanges import AUTO, available_exchanges
 from gradsift.hook.adam import METHODS as ADAM_METHODS
+from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
 from gradsift.hook.layout import GRANULARITIES
 from gradsift.hook.ledger import NONFINITE_POLICIES
 
@@ -131,6 +132,18 @@ class HookOptions:
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
             )
         check_int(self.log_every, "log_every", low=0)
+
+    def with_frozen_variance_warmup(self) -> HookOptions:
+        """These options under a frozen-variance Adam method, whose second moment needs dense
+        steps: ``warmup_steps`` unset becomes :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`;
+        ``0`` is refused."""
+        if self.warmup_steps == 0:
+            raise InvalidOptionError(
+                f"warmup_steps=0 with adam={self.adam!r}: the method freezes Adam's second moment after "
+                "dense steps, and with none there is no second moment to freeze; pass warmup_steps >= 1 "
+                f"or leave it unset ({ONE_LINE_WARMUP_STEPS} dense steps)"
+            )
+        return self if self.warmup_steps else dataclasses.replace(self, warmup_steps=ONE_LINE_WARMUP_STEPS)
 
     @property
     def dense_steps(self) -> int:

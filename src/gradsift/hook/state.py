@@ -26,7 +26,7 @@ from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook import discovery, recipe
-from gradsift.hook.adam import FROZEN_METHODS, ONE_LINE_WARMUP_STEPS, AdamStep, is_adam
+from gradsift.hook.adam import FROZEN_METHODS, AdamStep, is_adam
 from gradsift.hook.capacity import CapacityPlan
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
@@ -189,7 +189,7 @@ class GradsiftHookState:
         self.optimizer = optimizer
         if take_over and optimizer is not None and self.feedback is not None:
             if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
-                self._frozen_variance_warmup()
+                self.options = self.options.with_frozen_variance_warmup()
             taken = recipe.take_over(
                 optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam
             )
@@ -209,18 +209,6 @@ class GradsiftHookState:
             check_momentum=self.feedback is not None,
             check_scaler=self.options.scaler is None and not self.compressor.identity,
         )
-
-    def _frozen_variance_warmup(self) -> None:
-        """The dense steps a frozen second moment needs: unset means
-        :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`; ``0`` is refused."""
-        if self.options.warmup_steps is None:
-            self.options = dataclasses.replace(self.options, warmup_steps=ONE_LINE_WARMUP_STEPS)
-        elif self.options.warmup_steps == 0:
-            raise InvalidOptionError(
-                f"warmup_steps=0 with adam={self.options.adam!r}: the method freezes Adam's second moment "
-                "after dense steps, and with none there is no second moment to freeze; pass warmup_steps >= 1 "
-                f"or leave it unset ({ONE_LINE_WARMUP_STEPS} dense steps)"
-            )
 
     def discover(self, scaler: bool = True) -> None:
         """Adopt what the training script built and did not pass (:mod:`gradsift.hook.discovery`):
