@@ -1,0 +1,333 @@
+"""Issue 44's controls: paired per-seed gaps with 95 % t-intervals, and bytes sent and received.
+
+    python benchmarks/convergence/analyze44.py                 # results/convergence/issue44/{results.json,table.md}
+    python benchmarks/convergence/analyze44.py --update-docs   # also docs/adam.md between its issue44 markers
+
+Reads the runs of ``campaign44.py`` (``results/convergence/issue44/runs/``: the fp32 lr screen,
+the dense frozen-variance arm, the reproduction checks) and the protocol's own runs of the same
+workloads (``results/convergence/runs/``: fp32 at lr 3e-3, bf16, one worker alone, the 1-bit arms).
+
+Statistics. Every arm is paired with fp32 at lr 3e-3 *of the same seed* (same data order, same
+initialisation): ``d_s = loss_arm(s) - loss_fp32(s)`` over the seeds both have, and the gap is
+``mean(d) +- t_{0.975, n-1} * sd(d) / sqrt(n)`` (sd with n - 1); the relative gap is the same
+interval of ``100 (loss_arm(s) / loss_fp32(s) - 1)``. One seed gives no interval.
+
+Bytes. Per worker and per step, averaged over every step of the run (dense warm-up steps,
+padding, headers and indices included, as ``gradsift train`` counts them in ``steps.jsonl``):
+bytes sent and bytes received. The factor is against stock DDP's ring allreduce on the
+*received* measure: a ring allreduce of N fp32 values receives ``2 (W - 1) / W * 4 N`` bytes per
+worker per step (1.916 MB at W = 2 for this model), divided by the arm's mean received bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import campaign44
+from protocol import RESULTS, RUNS, WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "adam.md"
+BEGIN, END = "<!-- issue44-table:begin -->", "<!-- issue44-table:end -->"
+REFERENCE = "none"  # fp32 at the protocol's lr 3e-3, from the protocol's runs
+
+#: t_{0.975, df}: the two-sided 95 % quantile of Student's t (scipy's values to 4 decimals).
+T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060,
+        9: 2.2622, 10: 2.2281, 11: 2.2010, 12: 2.1788, 13: 2.1604, 14: 2.1448, 15: 2.1314, 16: 2.1199,
+        17: 2.1098, 18: 2.1009, 19: 2.0930, 20: 2.0860, 25: 2.0595, 30: 2.0423}  # fmt: skip
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError("a t-interval needs two paired values or more")
+    if df in T975:
+        return T975[df]
+    from scipy.stats import t  # beyond the table
+
+    return float(t.ppf(0.975, df))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """``mean +- half`` over ``n`` paired values (``half`` None when n = 1)."""
+
+    n: int
+    mean: float
+    sd: float | None
+    half: float | None
+
+    @property
+    def low(self) -> float | None:
+        return None if self.half is None else self.mean - self.half
+
+    @property
+    def high(self) -> float | None:
+        return None if self.half is None else self.mean + self.half
+
+
+def interval(values: list[float]) -> Interval:
+    """The 95 % t-interval of the mean of ``values``."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(1, mean, None, None)
+    sd = statistics.stdev(values)
+    return Interval(n, mean, sd, t975(n - 1) * sd / math.sqrt(n))
+
+
+def paired_gap(arm: dict[int, float], reference: dict[int, float], relative: bool = False) -> Interval:
+    """The paired gap ``arm - reference`` over the seeds both have (``relative``: in % of the
+    reference's loss of the same seed)."""
+    seeds = sorted(set(arm) & set(reference))
+    if relative:
+        return interval([100.0 * (arm[s] / reference[s] - 1.0) for s in seeds])
+    return interval([arm[s] - reference[s] for s in seeds])
+
+
+def ring_received(dense_bytes: float, workers: int) -> float:
+    """Bytes one worker receives in a ring allreduce of ``dense_bytes``: ``2 (W - 1) / W`` of it."""
+    return 2.0 * (workers - 1) / workers * dense_bytes
+
+
+@dataclass(frozen=True)
+class Row:
+    arm: str
+    source: str  # "protocol" (results/convergence/runs/) or "issue44"
+    setting: str
+
+
+ROWS = (
+    Row("fp32-lr1.5e-3", "issue44", "stock DDP, fp32, lr 1.5e-3"),
+    Row("none", "protocol", "stock DDP, fp32, lr 3e-3 (the protocol's; the reference)"),
+    Row("fp32-lr6e-3", "issue44", "stock DDP, fp32, lr 6e-3"),
+    Row("bf16", "protocol", "bf16 allreduce, lr 3e-3"),
+    Row("alone", "protocol", "one worker alone at the per-worker batch (no communication)"),
+    Row("dense-fv", "issue44", "frozen-variance AdamW, dense exchange (topk ratio 1: values + indices)"),
+    Row("onebit-adam", "protocol", "frozen-variance AdamW + efsignsgd (the 1-bit arm)"),
+    Row("onebit-adam-server", "protocol", "1-bit Adam as written (onebit, server feedback)"),
+)
+WORKLOAD_LABELS = {"gpt-adamw": "314 steps", "gpt-adamw-3k": "3,000 steps"}
+
+
+def run_directory(workload: str, arm: str, seed: int, source: str, issue44: Path) -> Path:
+    name = f"{arm}-e{WORKLOADS[workload].epochs:g}-s{seed}"
+    return (RUNS if source == "protocol" else issue44 / "runs") / workload / name
+
+
+def load_run(directory: Path) -> dict[str, Any] | None:
+    """A finished run's numbers (None if unfinished)."""
+    summary_path, steps_path = directory / "summary.json", directory / "steps.jsonl.gz"
+    if not (summary_path.is_file() and steps_path.is_file()):
+        return None
+    summary = json.loads(summary_path.read_text())
+    with gzip.open(steps_path, "rt") as handle:
+        steps = [json.loads(line) for line in handle if line.strip()]
+    tail = steps[-max(1, len(steps) // 10) :]
+    stamp = summary.get("provenance", {})
+    return {
+        "directory": str(directory.relative_to(ROOT)) if directory.is_relative_to(ROOT) else str(directory),
+        "seed": summary["seed"],
+        "workers": summary["workers"],
+        "steps": len(steps),
+        "final_val_loss": summary["final_test_loss"],
+        "train_loss_last_10pct": statistics.fmean(s["loss"] for s in tail),
+        "bytes_sent_per_step": statistics.fmean(s["bytes_sent"] for s in steps),
+        "bytes_received_per_step": statistics.fmean(s["bytes_received"] for s in steps),
+        "dense_bytes_per_step": summary["dense_bytes_per_step"],
+        "loss_curve": [s["loss"] for s in steps],
+        "commit": stamp.get("commit"),
+        "dirty": stamp.get("dirty"),
+        "command": stamp.get("command"),
+        "load_before": stamp.get("load_before"),
+        "load_after": stamp.get("load_after"),
+    }
+
+
+def collect(issue44: Path) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
+    """``{workload: {arm: {seed: run}}}`` of every finished run the tables use."""
+    found: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
+    for workload in WORKLOAD_LABELS:
+        for row in ROWS:
+            for seed in campaign44.SEEDS:
+                run = load_run(run_directory(workload, row.arm, seed, row.source, issue44))
+                if run is not None:
+                    found.setdefault(workload, {}).setdefault(row.arm, {})[seed] = run
+    return found
+
+
+def signed(value: float, digits: int) -> str:
+    return f"{value:+.{digits}f}"
+
+
+def ci_text(gap: Interval, digits: int, unit: str = "") -> str:
+    if gap.half is None:
+        return f"{signed(gap.mean, digits)}{unit} (1 seed, no interval)"
+    return f"{signed(gap.mean, digits)}{unit} [{signed(gap.low, digits)}, {signed(gap.high, digits)}]"
+
+
+def arm_stats(runs: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    losses = {s: r["final_val_loss"] for s, r in runs.items()}
+    ref = {s: r["final_val_loss"] for s, r in reference.items()}
+    workers = next(iter(runs.values()))["workers"]
+    dense = next(iter(runs.values()))["dense_bytes_per_step"]
+    received = statistics.fmean(r["bytes_received_per_step"] for r in runs.values())
+    sent = statistics.fmean(r["bytes_sent_per_step"] for r in runs.values())
+    paired = sorted(set(losses) & set(ref))
+    stats: dict[str, Any] = {
+        "seeds": sorted(losses),
+        "final_val_loss": losses,
+        "mean": statistics.fmean(losses.values()),
+        "sd": statistics.stdev(losses.values()) if len(losses) > 1 else None,
+        "train_loss_last_10pct": statistics.fmean(r["train_loss_last_10pct"] for r in runs.values()),
+        "workers": workers,
+        "bytes_sent_per_step": sent,
+        "bytes_received_per_step": received,
+        "ring_allreduce_received_per_step": ring_received(dense, workers) if workers > 1 else None,
+        "factor_received": ring_received(dense, workers) / received if workers > 1 and received > 0 else None,
+        "paired_seeds": paired,
+    }
+    if paired:
+        for key, relative in (("gap", False), ("gap_pct", True)):
+            gap = paired_gap(losses, ref, relative)
+            stats[key] = {"n": gap.n, "mean": gap.mean, "sd": gap.sd, "half": gap.half,
+                          "low": gap.low, "high": gap.high}  # fmt: skip
+    return stats
+
+
+def table(workload: str, arms: dict[str, dict[int, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """One workload's markdown table and its numbers."""
+    reference = arms.get(REFERENCE, {})
+    workers = WORKLOADS[workload].workers
+    some = next(iter(next(iter(arms.values())).values()))
+    ring = ring_received(some["dense_bytes_per_step"], workers)
+    lines = [
+        f"**{workload}** ({WORKLOAD_LABELS[workload]}, {workers} workers; final validation loss in nats/byte; "
+        f"gaps paired by seed with fp32 at lr 3e-3, mean [95 % t-interval]; bytes per worker per step averaged "
+        f"over the whole run, dense warm-up included; the factor is stock DDP's ring allreduce's received bytes, "
+        f"2(W-1)/W x {some['dense_bytes_per_step'] / 1e6:.3f} MB = {ring / 1e6:.3f} MB, over the arm's received bytes)",
+        "",
+        "| arm | setting | seeds | final loss (mean ± sd) | paired gap to fp32 @ 3e-3 (nats) | same in % "
+        "| training loss, last 10 % of steps | MB sent / received per step | fewer bytes received than ring allreduce |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    numbers: dict[str, Any] = {}
+    for row in ROWS:
+        runs = arms.get(row.arm)
+        if not runs:
+            continue
+        stats = arm_stats(runs, reference) if reference else arm_stats(runs, {})
+        numbers[row.arm] = stats
+        spread = f" ± {stats['sd']:.3f}" if stats["sd"] is not None else ""
+        if row.arm == REFERENCE:
+            gap, pct = "reference", "reference"
+        elif "gap" in stats:
+            gap = ci_text(paired_gap({s: r["final_val_loss"] for s, r in runs.items()},
+                                     {s: r["final_val_loss"] for s, r in reference.items()}), 3)  # fmt: skip
+            pct = ci_text(paired_gap({s: r["final_val_loss"] for s, r in runs.items()},
+                                     {s: r["final_val_loss"] for s, r in reference.items()}, relative=True), 1, " %")  # fmt: skip
+        else:
+            gap = pct = "no fp32 run of these seeds"
+        if stats["workers"] == 1:
+            traffic, factor = "none: one process", "no communication"
+        else:
+            traffic = f"{stats['bytes_sent_per_step'] / 1e6:.3f} / {stats['bytes_received_per_step'] / 1e6:.3f}"
+            factor = f"{stats['factor_received']:.2f}x"
+        seeds = ",".join(str(s) for s in stats["seeds"])
+        lines.append(
+            f"| {row.arm} | {row.setting} | {seeds} | {stats['mean']:.3f}{spread} | {gap} | {pct} "
+            f"| {stats['train_loss_last_10pct']:.3f} | {traffic} | {factor} |"
+        )
+    return "\n".join(lines) + "\n", numbers
+
+
+def reproduction(issue44: Path) -> list[dict[str, Any]]:
+    """The campaign's reruns of protocol runs on its own commit, against the protocol's runs."""
+    checks = []
+    for workload in WORKLOAD_LABELS:
+        for arm in (REFERENCE, "onebit-adam"):
+            for seed in campaign44.SEEDS:
+                new = load_run(run_directory(workload, arm, seed, "issue44", issue44))
+                old = load_run(run_directory(workload, arm, seed, "protocol", issue44))
+                if new is None or old is None:
+                    continue
+                curve = max((abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"])), default=None)
+                checks.append({
+                    "workload": workload, "arm": arm, "seed": seed,
+                    "old": {"commit": old["commit"], "final_val_loss": old["final_val_loss"]},
+                    "new": {"commit": new["commit"], "final_val_loss": new["final_val_loss"]},
+                    "final_val_loss_difference": new["final_val_loss"] - old["final_val_loss"],
+                    "max_training_loss_difference_over_steps": curve,
+                    "bitwise_equal_curve": new["loss_curve"] == old["loss_curve"],
+                })  # fmt: skip
+    return checks
+
+
+def unfinished(issue44: Path) -> list[str]:
+    from run import finished
+
+    return [str(r.directory.relative_to(issue44)) for r in campaign44.plan(issue44) if not finished(r)]
+
+
+def analyse(issue44: Path) -> tuple[str, dict[str, Any]]:
+    found = collect(issue44)
+    parts, numbers = [], {}
+    for workload in WORKLOAD_LABELS:
+        if workload in found:
+            text, numbers[workload] = table(workload, found[workload])
+            parts.append(text)
+    runs = [
+        {"workload": w, "arm": a, **{k: v for k, v in r.items() if k != "loss_curve"}}
+        for w, arms in found.items() for a, seeds in arms.items() for r in seeds.values()
+    ]  # fmt: skip
+    report = {
+        "description": "issue 44's controls on gpt-adamw: paired per-seed gaps to fp32 at lr 3e-3 (95 % t-intervals) "
+        "and bytes per worker per step, sent and received; factor = ring allreduce received / arm received",
+        "campaign_command": "PYTHONPATH=$PWD/src nohup nice -n 19 python benchmarks/convergence/campaign44.py run "
+        "--root <repo>/results/convergence/issue44 (from a clean worktree of the commit in each run's provenance)",
+        "analysis_command": "python benchmarks/convergence/analyze44.py --update-docs",
+        "tables": numbers,
+        "reproduction": reproduction(issue44),
+        "planned_not_finished": unfinished(issue44),
+        "runs": runs,
+    }
+    return "\n".join(parts), report
+
+
+def update_doc(text: str, doc: Path = DOC) -> None:
+    page = doc.read_text()
+    head, begin, rest = page.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise SystemExit(f"{doc} has no {BEGIN} ... {END} block")
+    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=campaign44.ISSUE44, help="the campaign's folder")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite docs/adam.md's issue44 block")
+    args = parser.parse_args()
+    text, report = analyse(args.root)
+    (args.root / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.root / "table.md").write_text(text)
+    print(text)
+    print(f"reproduction: {json.dumps(report['reproduction'], indent=1)}")
+    print(f"planned, not finished: {report['planned_not_finished']}")
+    if args.update_docs:
+        update_doc(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
