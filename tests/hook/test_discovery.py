@@ -75,12 +75,15 @@ def test_a_found_optimizer_trains_as_the_one_passed(one_process_group, compresso
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("compressor", ["topk", "sidco-exp", "qsgd", "efsignsgd"])
-def test_a_found_grad_scaler_trains_as_the_one_passed(one_process_group, compressor):
-    options = {"ratio": 0.2} if compressor == "topk" else {}
+@pytest.mark.parametrize("compressor", gradsift.available_compressors())
+def test_every_compressor_with_a_found_optimizer_and_scaler_trains_as_with_them_passed(
+    one_process_group, compressor
+):
+    """SGD momentum and a GradScaler, neither passed: the run equals the one with both passed."""
+    options = {"threshold": 0.01} if compressor == "threshold" else {}  # its one required option
     found, state = run(compressor, "sgd-momentum", passed=False, scaler_scale=2.0**10, **options)
     given, _ = run(compressor, "sgd-momentum", passed=True, scaler_scale=2.0**10, **options)
-    assert state.options.scaler is not None
+    assert state.options.scaler is not None and state.optimizer is not None
     for a, b in zip(found, given, strict=True):
         assert torch.equal(a, b)
 
