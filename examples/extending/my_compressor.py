@@ -27,7 +27,6 @@ import toy
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
-from gradsift.compressors import registry
 from gradsift.compressors.base import Selection, Sparsifier
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
@@ -61,11 +60,9 @@ class FractionOfMax(Sparsifier):
         return mask_selection(flat, passing, capacity, nonfinite=~torch.isfinite(largest))
 
 
-# gradsift has no public call that adds a name: the registry is this module-private table
-# of "module:Class" strings, imported on first use. Inside the package a new compressor is
-# one line there; from outside, an instance needs no name:
-# gradsift.register_comm_hook(ddp_model, FractionOfMax(fraction=0.5)).
-registry._TABLE[NAME] = f"{FractionOfMax.__module__}:{FractionOfMax.__name__}"
+# A name for it: get_compressor and register_comm_hook then build it from its options.
+# (An instance needs no name: gradsift.register_comm_hook(ddp_model, FractionOfMax(fraction=0.5)).)
+gradsift.register_compressor(NAME, FractionOfMax)
 
 
 def train(rank: int, steps: int = toy.STEPS) -> tuple[torch.nn.Module, GradsiftHookState, list[float]]:

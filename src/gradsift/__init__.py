@@ -33,7 +33,13 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradsift.compressors import Compressor, Payload, available_compressors, get_compressor
+    from gradsift.compressors import (
+        Compressor,
+        Payload,
+        available_compressors,
+        get_compressor,
+        register_compressor,
+    )
     from gradsift.frontends.decoupled_momentum import DeMo
     from gradsift.frontends.diloco import DiLoCoState
     from gradsift.hook.auto import AutoHookState
@@ -46,7 +52,13 @@ __version__ = "0.1.0"
 #: access (PEP 562), so that ``import gradsift`` -- and the ``gradsift`` command before it
 #: has read its arguments -- does not load torch (docs/decisions.md, "The command line
 #: imports a subcommand's back-end only when it runs").
-_FROM_COMPRESSORS = ("Compressor", "Payload", "available_compressors", "get_compressor")
+_FROM_COMPRESSORS = (
+    "Compressor",
+    "Payload",
+    "available_compressors",
+    "get_compressor",
+    "register_compressor",
+)
 #: Every lazily imported public name and its module (``DeMo`` is DeMo's optimizer).
 _LAZY = {
     **dict.fromkeys(_FROM_COMPRESSORS, "gradsift.compressors"),
@@ -132,4 +144,5 @@ __all__ = [
     "diloco",
     "get_compressor",
     "register_comm_hook",
+    "register_compressor",
 ]

@@ -289,3 +289,24 @@ def test_the_default_key_is_0():
     randomk = gradsift.get_compressor("randomk", ratio=0.5)
     randomk.compress(torch.randn(10))
     assert randomk.state_dict() == {"steps": {0: 1}}
+
+
+def test_register_compressor_names_a_class_and_refuses_a_taken_name(monkeypatch):
+    from gradsift.compressors import registry
+
+    monkeypatch.setattr(registry, "_TABLE", dict(registry._TABLE))
+
+    from gradsift.compressors.casts import Float16
+
+    class Halves(Float16):
+        """fp16 under another name, defined where no module path reaches it."""
+
+    gradsift.register_compressor("halves", Halves)
+    assert "halves" in gradsift.available_compressors()
+    assert type(gradsift.get_compressor("halves")) is Halves
+    with pytest.raises(gradsift.InvalidOptionError, match="'topk' is taken"):
+        gradsift.register_compressor("topk", Halves)
+    with pytest.raises(gradsift.InvalidOptionError, match="'auto' is taken"):
+        gradsift.register_compressor("auto", Halves)
+    with pytest.raises(gradsift.InvalidOptionError, match="Compressor subclass"):
+        gradsift.register_compressor("nothing", int)

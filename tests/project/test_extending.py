@@ -346,6 +346,8 @@ def test_hook_examples_run_as_written() -> None:
     for rank in run_workers(__file__, "examples_worker", toy.WORLD, timeout=240):
         for name, out in rank.items():
             assert out["step"] == 1, name
-            assert out["density"] == pytest.approx(max(1, int(0.01 * n)) / n), name  # topk at 1%
+            if name != "ddp":
+                assert out["density"] == pytest.approx(max(1, int(0.01 * n)) / n), name  # topk at 1%
         assert rank["exchange"]["exchange"] == "Balanced()"
-        assert rank["ddp"]["exchange"] == "Allgather()"
+        # register_comm_hook's example is the one line: compressor="auto", stock DDP while it measures
+        assert rank["ddp"]["density"] == 1.0 and rank["ddp"]["exchange"] == "Allreduce()"

@@ -14,7 +14,9 @@ from typing import Any
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 
-_TABLE: dict[str, str] = {
+#: Registry name -> ``"module:Class"`` (imported on first use), or the class itself for one
+#: added by :func:`register_compressor`.
+_TABLE: dict[str, str | type[Compressor]] = {
     "none": "gradsift.compressors.casts:NoCompression",
     "fp16": "gradsift.compressors.casts:Float16",
     "bf16": "gradsift.compressors.casts:BFloat16",
@@ -39,6 +41,20 @@ _TABLE: dict[str, str] = {
 }
 
 
+def register_compressor(name: str, cls: type[Compressor]) -> None:
+    """Give the compressor class ``cls`` the registry name ``name``, so that
+    ``get_compressor(name, **options)`` and ``register_comm_hook(ddp, name, **options)``
+    build it (its keyword arguments are the options). A name already registered, or a
+    class that is not a :class:`Compressor`, is refused."""
+    if not isinstance(name, str) or not name:
+        raise InvalidOptionError(f"a compressor's name must be a non-empty string, got {name!r}")
+    if name in _TABLE or name == "auto":
+        raise InvalidOptionError(f"compressor name {name!r} is taken; known compressors: {', '.join(_TABLE)}")
+    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+        raise InvalidOptionError(f"register_compressor needs a Compressor subclass, got {cls!r}")
+    _TABLE[name] = cls
+
+
 def available_compressors() -> list[str]:
     """All registry names, in a stable order (dense, sparsifiers, quantizers, low rank)."""
     return list(_TABLE)
@@ -48,7 +64,10 @@ def compressor_class(name: str) -> type[Compressor]:
     """Return the class registered under ``name`` (imported on first use)."""
     if not isinstance(name, str) or name not in _TABLE:
         raise UnknownCompressorError(f"unknown compressor {name!r}; known compressors: {', '.join(_TABLE)}")
-    module_name, class_name = _TABLE[name].split(":")
+    entry = _TABLE[name]
+    if not isinstance(entry, str):
+        return entry
+    module_name, class_name = entry.split(":")
     cls: type[Compressor] = getattr(importlib.import_module(module_name), class_name)
     return cls
 
