@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
+from gradsift.core.finite import nonfinite
 from gradsift.core.mean import divided
 from gradsift.core.payload import Count, Payload
 from gradsift.core.readout import Readout
@@ -131,7 +132,7 @@ class Compressor(abc.ABC):
         payload = self.encode(flat, key=key, capacity=None, readout=readout, **extra)
         flag = payload.nonfinite
         if flag is None and payload.values is not None:
-            flag = ~torch.isfinite(payload.values.sum(dtype=torch.float64))
+            flag = nonfinite(payload.values)
         checked = None if flag is None else readout.slot(flag)
         readout.read()
         if checked is not None and checked[0]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.bitpack import pack, packed_nbytes, unpack
 from gradsift.core.errors import InvalidOptionError, WireFormatError
+from gradsift.core.finite import nonfinite
 from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
 from gradsift.core.store import Canonical
@@ -93,7 +94,7 @@ class Quantizer(Compressor):
             codes=pack(codes, self.code_bits),
             scales=scales,
             variable_size=False,
-            nonfinite=~torch.isfinite(scales.sum()),
+            nonfinite=nonfinite(scales),
             canonical=canonical,
         )
         payload.info["bits_per_element"] = 8 * payload.nbytes / numel if numel else 0.0

@@ -26,6 +26,7 @@ import torch
 
 from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
 from gradsift.core.errors import GradsiftError
+from gradsift.core.finite import nonfinite
 from gradsift.core.mean import divide_, divided
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
@@ -85,9 +86,7 @@ def summed(message: torch.Tensor, world: int, group: Any, record: BucketRecord) 
 
 def any_nonfinite(means: list[torch.Tensor]) -> torch.Tensor:
     """0-d bool on the device: some reduced tensor holds a NaN or Inf (one sum each, no host read)."""
-    return torch.stack(
-        [~torch.isfinite(mean.sum(dtype=torch.promote_types(mean.dtype, torch.float32))) for mean in means]
-    ).any()
+    return nonfinite(*means)
 
 
 def _values(encoded: Encoded) -> torch.Tensor:

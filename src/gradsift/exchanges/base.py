@@ -33,6 +33,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.compressors.casts import NoCompression
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, timing_waits
+from gradsift.core.finite import nonfinite
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
@@ -93,7 +94,7 @@ class Codec:
                 and sent.values is not None
                 and payload.nonfinite is not None
             ):
-                sent = wire.flagged(sent, payload.nonfinite | ~torch.isfinite(sent.values.float().sum()))
+                sent = wire.flagged(sent, payload.nonfinite | nonfinite(sent.values))
         context.record.add_tensor(payload.entries(), dense=self.compressor.identity)
         return Encoded(payload, sent)
 

@@ -30,6 +30,7 @@ import torch
 
 from gradsift.core.collectives import Pending, guarded, ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.finite import nonfinite
 from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Exchange
 
@@ -77,8 +78,7 @@ class Delegated(Exchange):
             view = part.view(context.result)
             if mean.data_ptr() != view.data_ptr():
                 view.copy_(mean)
-            nonfinite = ~torch.isfinite(view.sum(dtype=torch.promote_types(view.dtype, torch.float32)))
-            return Outcome.of(parts, [view if compressing else None], nonfinite=nonfinite)
+            return Outcome.of(parts, [view if compressing else None], nonfinite=nonfinite(view))
 
         result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait))
         return result.then(finish)

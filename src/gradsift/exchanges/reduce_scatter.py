@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gradsift.core.collectives import Pending, guarded, started
 from gradsift.core.errors import GradsiftError
+from gradsift.core.finite import nonfinite
 from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Exchange
 
@@ -53,11 +54,7 @@ class ReduceScatter(Exchange):
 
         def finish(reduced: torch.Tensor) -> Outcome:
             context.result.copy_(reduced)
-            nonfinite = None
-            if codec.checks_values:
-                nonfinite = ~torch.isfinite(
-                    context.result.sum(dtype=torch.promote_types(reduced.dtype, torch.float32))
-                )
-            return Outcome.of(parts, [None], nonfinite=nonfinite)
+            flagged = nonfinite(context.result) if codec.checks_values else None
+            return Outcome.of(parts, [None], nonfinite=flagged)
 
         return started(work, shard, group, "reduce-scatter").then(finish)

@@ -33,6 +33,7 @@ from gradsift.compressors.base import in_use
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, allreduce_sum, blocking, ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.finite import nonfinite
 from gradsift.core.payload import Payload, index_dtype
 from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import sum_counts
@@ -68,7 +69,7 @@ class SharedMask(Exchange):
             local_nonfinite = None
         else:
             with context.record.timed("compress_ms", device):
-                local_nonfinite = torch.stack([~torch.isfinite(part.input.sum()) for part in parts]).any()
+                local_nonfinite = nonfinite(*(part.input for part in parts))
         flat = message.to(wire_index) if wire_index == torch.int32 else message
         blocking(
             "positions broadcast",
@@ -102,7 +103,7 @@ class SharedMask(Exchange):
                     view = part.view(context.result)
                     view.zero_()
                     view.index_add_(0, where, share.to(view.dtype))
-            nonfinite = leader_flag | ~torch.isfinite(mean.float().sum())
+            flagged = leader_flag | nonfinite(mean)
             sent = [
                 Payload(numel=part.numel, dtype=part.input.dtype, values=own, indices=where, length=length)
                 for part, own, where, length in zip(
@@ -112,9 +113,7 @@ class SharedMask(Exchange):
             flags = torch.zeros(world, dtype=torch.bool, device=device)
             flags[leader : leader + 1] = malformed
             in_use = lengths.clamp_min(0)  # every worker sends at the leader's positions (beyond: malformed)
-            return Outcome.of(
-                parts, list(sent), nonfinite=nonfinite, malformed=flags, demand=(demands, in_use)
-            )
+            return Outcome.of(parts, list(sent), nonfinite=flagged, malformed=flags, demand=(demands, in_use))
 
         return allreduce_sum(message_values, context.group, "values allreduce").then(finish)
 

@@ -1,0 +1,20 @@
+"""The one non-finite check of a step's tensors: a NaN or Inf anywhere, as a device flag.
+
+Every compressor and exchange asks the same question of what it sends or receives -- does
+this tensor hold a NaN or an Inf? -- and answers it here, the same way: one sum per tensor,
+accumulated in float64, and ``~isfinite`` of the sums. NaN and Inf propagate through a sum
+(``Inf - Inf`` is NaN), and in float64 finite fp16, bf16 or fp32 values cannot overflow: for
+``n < 2^53`` elements ``|sum| <= n * 3.4e38 < 1.8e308``. A sum in the input's own dtype
+could (fp16's 65504 is reached by two elements of 40000), flagging a good step. The flag
+stays on the device: nothing is read on the host (the step's readout reads it once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def nonfinite(*tensors: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the tensors' device: some element of ``tensors`` is NaN or +-Inf."""
+    flags = [~torch.isfinite(tensor.sum(dtype=torch.float64)) for tensor in tensors]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
