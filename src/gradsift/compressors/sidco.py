@@ -29,7 +29,7 @@ target count ``k = max(1, floor(n delta))``:
    sample is not the whole tensor), ``eta`` becomes the sample's own quantile
    (the value with ``round(k S/n)`` sample elements above it). This is what holds
    the density on error-compensated gradients, where a few percent of ``eta`` moves
-   the count 10-30x.
+   the count many-fold (docs/decisions.md).
 5. **Select** ``|g| > eta`` over the full tensor
    (:func:`gradsift.compressors.threshold.threshold_selection`: one read of memory;
    NaN is selected, so checking the selected values checks all ``n``); with a

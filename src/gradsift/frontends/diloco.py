@@ -226,7 +226,7 @@ def diloco(
     steps, the pseudo-gradient in ``blockquant``'s 4-bit codes (one absmax scale per 64
     elements; about 70x fewer bytes than DDP), error feedback with ``residual_decay=0.95``
     in place of outer momentum, ``outer_lr=1`` (the mean pseudo-gradient applied as it is).
-    SparseLoCo's form is ``compressor="sidco-exp"`` (ratio 0.01, about 500x); DiLoCo's own
+    SparseLoCo's form is ``compressor="sidco-exp"`` (ratio 0.01); DiLoCo's own
     outer step is ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
 
     ``unsent="model"`` (with error feedback at ``residual_decay=1.0``) keeps what a worker

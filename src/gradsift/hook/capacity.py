@@ -10,13 +10,10 @@ worker wanted to send (read with the step's checks, the same number on every ran
 and the next capacity is that demand rounded up to a multiple of :data:`QUANTUM` (at
 most ``n``), every step. The payload is padded to its capacity, so room kept for a
 demand that does not come is sent as zeros, and entries beyond it wait in the residual
-for the next step. Measured on VGC (alpha 4, 2 ranks; docs/decisions.md): the rule
-before issue 27 (``1.25 x demand``, changed only on growth or below half) sent 1.9x
-the entries' bytes; 10 % headroom every step 1.37-1.52x; the demand itself 1.27x (MLP)
-and 1.43x (VGG), a fixed ``threshold`` 1.12x (``benchmarks/vgc/padding.py``, 3 seeds).
-What is left is VGC's bursts from step to step and the allgather's padding to the
-largest worker; a capacity fixed before the data exists cannot remove them without a
-host read.
+for the next step. Following the demand pads least of the rules measured (docs/decisions.md,
+``benchmarks/vgc/padding.py``); what is left is VGC's bursts from step to step and the
+allgather's padding to the largest worker, which a capacity fixed before the data exists
+cannot remove without a host read.
 
 ``padding_target=T`` (a hook option) bounds the padding instead, by sending less than
 the demand: part ``p``'s capacity is ``c_{t+1} = f_t d_t`` (rounded up as above), where

@@ -4,8 +4,8 @@ Every method is first called ``warmup`` times (adaptive methods settle their
 per-tensor state; allocator and caches warm up), then the methods are called in turn,
 ``repeats`` rounds, so drift and background load hit them alike; round ``r`` starts at
 the ``r``-th method (:func:`in_rotation`), so no method always follows the same one (a
-microsecond call measured right after the bare ``torch.topk`` ran ~1.4x faster than the
-same call after a NumPy-kernel method). Reported: the median over rounds.
+short call's time depends on the call before it: docs/decisions.md). Reported: the median
+over rounds.
 
 What a time means: the wall clock (``time.perf_counter``) around one call. On CPU the
 work runs in the calling process (on the run's ``threads`` threads), so that is its cost. On

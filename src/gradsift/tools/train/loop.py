@@ -127,9 +127,9 @@ def rank_device(config: TrainConfig) -> tuple[torch.device, str]:
 
 def flush_subnormals(device: torch.device) -> None:
     """On CPU, treat subnormal floats (``0 < |x| < 1.18e-38`` in fp32) as zero in every op
-    (``torch.set_flush_denormal``: x86's FTZ and DAZ). x86 cores take a slow path for them:
-    the byte-level GPT under the 1-bit Adam anchor (120 steps, 2 ranks) ran 112.7 ms a step,
-    78.8 ms flushed, at the same loss to 3 digits (docs/decisions.md). GPUs keep their modes."""
+    (``torch.set_flush_denormal``: x86's FTZ and DAZ): x86 cores take a slow path for them,
+    and flushing them leaves the loss as it is (docs/decisions.md has the GPT's times). GPUs
+    keep their modes."""
     if device.type == "cpu":
         torch.set_flush_denormal(True)
 
