@@ -248,7 +248,37 @@ def table(workload: str, arms: dict[str, dict[int, dict[str, Any]]]) -> tuple[st
             f"| {row.arm} | {row.setting} | {seeds} | {stats['mean']:.3f}{spread} | {gap} | {pct} "
             f"| {stats['train_loss_last_10pct']:.3f} | {traffic} | {factor} |"
         )
+    decomposition = split(arms)
+    if decomposition:
+        lines += ["", "Paired by seed, the same intervals:"]
+        for key, (label, gap, pct) in decomposition.items():
+            numbers.setdefault("decomposition", {})[key] = {"n": gap.n, "mean": gap.mean, "half": gap.half,
+                                                            "pct_mean": pct.mean, "pct_half": pct.half}  # fmt: skip
+            lines.append(f"- {label}: {ci_text(gap, 3)} nats, {ci_text(pct, 1, ' %')}")
     return "\n".join(lines) + "\n", numbers
+
+
+#: The two effects the controls separate: (key, arm, baseline arm, label).
+EFFECTS = (
+    ("optimizer", "dense-fv", REFERENCE, "the optimizer's effect (dense-fv - fp32 at 3e-3: frozen variance, "
+                                         "clipping on the exchanged moment, no compression)"),
+    ("compression", "onebit-adam", "dense-fv", "the compression's effect (onebit-adam - dense-fv: the same "
+                                               "optimizer, 1-bit codes with error feedback)"),
+    ("compression-server", "onebit-adam-server", "dense-fv", "1-bit Adam as written - dense-fv (its momentum "
+                                                             "restart and server residual as well as the codes)"),
+)  # fmt: skip
+
+
+def split(arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, tuple[str, Interval, Interval]]:
+    """Each effect of :data:`EFFECTS` whose two arms share two seeds or more."""
+    found = {}
+    for key, arm, base, label in EFFECTS:
+        a = {s: r["final_val_loss"] for s, r in arms.get(arm, {}).items()}
+        b = {s: r["final_val_loss"] for s, r in arms.get(base, {}).items()}
+        if len(set(a) & set(b)) >= 2:
+            found[key] = (f"{label}, seeds {','.join(map(str, sorted(set(a) & set(b))))}",
+                          paired_gap(a, b), paired_gap(a, b, relative=True))  # fmt: skip
+    return found
 
 
 def reproduction(issue44: Path) -> list[dict[str, Any]]:

@@ -109,3 +109,20 @@ def test_plan_puts_the_controls_first() -> None:
     assert "ratio=1.0" in dense and "momentum_masking=false" in dense
     fast = campaign44.Run("gpt-adamw", "fp32-lr6e-3", 1).arguments()
     assert fast[len(fast) - 1 - fast[::-1].index("--lr") + 1] == "0.006"  # the last --lr wins
+
+
+def test_the_two_effects_are_paired_differences_of_the_controls() -> None:
+    # optimizer: dense-fv - fp32 = (-0.1, -0.2, -0.3); compression: onebit - dense-fv = (0.1, 0.1, 0.1)
+    arms = {
+        "none": {s: _run(s, 2.0, 1_000_000.0) for s in (0, 1, 2)},
+        "dense-fv": {s: _run(s, 2.0 - 0.1 * (s + 1), 2_000_000.0) for s in (0, 1, 2)},
+        "onebit-adam": {s: _run(s, 2.0 - 0.1 * s, 125_000.0) for s in (0, 1, 2)},
+    }
+    effects = analyze44.split(arms)
+    assert set(effects) == {"optimizer", "compression"}  # no server arm: no third line
+    assert effects["optimizer"][1].mean == pytest.approx(-0.2)
+    assert effects["optimizer"][1].half == pytest.approx(0.248417, abs=1e-6)
+    assert effects["compression"][1].mean == pytest.approx(0.1)
+    assert effects["compression"][1].half == pytest.approx(0.0, abs=1e-12)
+    text, numbers = analyze44.table("gpt-adamw", arms)
+    assert numbers["decomposition"]["optimizer"]["n"] == 3 and "the compression's effect" in text
