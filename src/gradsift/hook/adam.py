@@ -221,8 +221,7 @@ class FrozenVarianceStep(AdamStep):
                     "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
                 )
             beta2, eps = float(group["betas"][1]), float(group["eps"])
-            correction = 1.0 - beta2 ** _host_step(state["step"])
-            cached = (state["exp_avg_sq"] / correction).sqrt_().add_(eps)
+            cached = (state["exp_avg_sq"] / bias_correction(beta2, state["step"])).sqrt_().add_(eps)
             self._preconditioners[id(param)] = cached
         return cached
 
@@ -235,7 +234,7 @@ class FrozenVarianceStep(AdamStep):
             state = self.optimizer.state.get(param, {})
             if "exp_avg" in state:
                 found = True
-                correction = (1.0 - self.beta1) * (1.0 - self.beta1 ** _host_step(state["step"]))
+                correction = (1.0 - self.beta1) * bias_correction(self.beta1, state["step"])
                 pieces.append((state["exp_avg"].reshape(-1) / correction).float())
             else:
                 pieces.append(torch.zeros(param.numel(), dtype=torch.float32, device=param.device))
@@ -320,7 +319,11 @@ class LocalUpdateStep(AdamStep):
         return first / (1.0 - self.beta1**t) / denominator
 
 
-def _host_step(step: Any) -> float:
-    """Adam's step count as a float (a CPU tensor unless ``capturable``): read once per
-    parameter, when the variance is frozen, in the optimizer's step -- not during backward."""
-    return float(step)
+def bias_correction(beta: float, step: Any) -> torch.Tensor:
+    """Adam's ``1 - beta^t`` for its step count ``t`` (``state["step"]``: a CPU tensor, or one on the
+    parameters' device under ``capturable``/``fused``), as a 0-dim float64 tensor where ``t`` lives:
+    computed by the device, never read on the host, so neither the backward (the first compressed
+    step's velocity) nor the optimizer's step waits for the device. In float64, as Python's own
+    ``1 - beta ** float(t)``: the same bits."""
+    t = torch.as_tensor(step).double()
+    return 1.0 - torch.pow(torch.full_like(t, beta), t)

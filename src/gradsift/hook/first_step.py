@@ -21,14 +21,17 @@ its gradient is compared with the copy on the host (outside backward): equal -- 
 gradient is what the hook delivered; ``g = d / 2^k`` exactly for every element, ``k !=
 0`` -- a loss scaler's ``unscale_`` ran between backward and the step, which (2^k scales,
 exact in floating point) no clipping or other rule produces except by coincidence;
-anything else -- the user changed the gradient some other way, not our business. A
-reference of zeros says nothing and waits for the next step. Once decided, the hook's
-watcher leaves the one process-wide optimizer hook (:class:`_Watchers`).
+anything else -- the user changed the gradient some other way, not our business. The
+comparison is computed on the device and read with one host read per check
+(:func:`_scaled_by`). A reference with no finite non-zero element says nothing and waits
+for the next step, at most :data:`UNDECIDED_CHECKS` checks: after that the scaler check
+gives up (a gradient that stays zero is no scaled gradient to refuse), so the watch costs
+a bounded number of host reads whatever the gradients. Once decided, the hook's watcher
+leaves the one process-wide optimizer hook (:class:`_Watchers`).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 import weakref
@@ -41,6 +44,9 @@ from gradsift.core.errors import InvalidOptionError
 
 #: Elements of the delivered gradient kept for the comparison.
 REFERENCE_ELEMENTS = 4096
+#: Checks whose reference said nothing (no finite non-zero element) before the scaler check
+#: gives up: each costs one host read.
+UNDECIDED_CHECKS = 8
 
 
 class _Watchers:
@@ -100,6 +106,7 @@ class FirstOptimizerStep:
         self.check_scaler = check_scaler
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.undecided = 0
         if self.watching:
             WATCHERS.add(self)
 
@@ -149,9 +156,11 @@ class FirstOptimizerStep:
             param, delivered = self.reference
             if any(p is param for p in params) and param.grad is not None:
                 decided = _scaled_by(param.grad.reshape(-1)[: delivered.numel()], delivered)
-                if decided is not None:
+                self.reference = None  # one check per delivered reference
+                self.undecided += decided is None
+                if decided is not None or self.undecided >= UNDECIDED_CHECKS:
                     self.check_scaler = False
-                    if decided != 0:
+                    if decided:  # a power of two other than 1 (None: gave up, 0: not a scaler)
                         self.close()
                         raise InvalidOptionError(
                             f"the gradients {type(optimizer).__name__} steps are the hook's divided by "
@@ -185,16 +194,23 @@ def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:
 def _scaled_by(gradient: torch.Tensor, delivered: torch.Tensor) -> int | None:
     """``k != 0`` when ``gradient == delivered / 2^k`` exactly; ``0`` when equal or related
     otherwise (not a scaler's doing); None when the reference says nothing (no non-zero
-    finite element)."""
-    largest = int(delivered.abs().argmax())
-    top = float(delivered[largest])
-    if top == 0.0 or not math.isfinite(top):
+    finite element).
+
+    At the largest ``|d_j|`` of ``delivered``: ``k = log2(d_j / g_j)`` must be an integer (a
+    positive ratio) and ``ldexp(g, k) == d`` must hold for every element (multiplying by
+    ``2^k`` is exact, so a scaler's ``unscale_`` passes and nothing else does but by
+    coincidence). Every test runs on the device; the verdict comes back in one host read.
+    """
+    largest = delivered.abs().argmax()
+    top, seen = delivered[largest].double(), gradient[largest].double()
+    informative = (top != 0) & torch.isfinite(top)
+    ratio = top / seen
+    exponent = torch.log2(ratio.abs())
+    k = torch.round(exponent)
+    related = (seen != 0) & torch.isfinite(seen) & (exponent == k) & (ratio > 0)
+    k = torch.where(related, k, torch.zeros_like(k))
+    exact = torch.eq(torch.ldexp(gradient, k.to(gradient.dtype)), delivered).all()
+    verdict = torch.stack([informative.double(), (related & exact).double(), k]).tolist()  # the host read
+    if not verdict[0]:
         return None
-    seen = float(gradient[largest])
-    if seen == 0.0 or not math.isfinite(seen):
-        return 0
-    exponent = math.log2(abs(top / seen))
-    if exponent != round(exponent) or top / seen < 0:
-        return 0
-    k = round(exponent)
-    return k if torch.equal(gradient * 2.0**k, delivered) else 0
+    return int(verdict[2]) if verdict[1] else 0
