@@ -279,7 +279,8 @@ def gaussiank_oracle(x: torch.Tensor, ratio: float) -> set[int]:
     """GaussianK's definition in NumPy float64 (docs/baselines.md): ``eta = |mu| + sigma
     Phi^-1(1 - ratio/2)`` with the population mean and deviation of the signed values; up
     to 3 corrections (a count below ``2/3 k`` halves ``eta``, above ``4/3 k`` multiplies it
-    by 1.5); send ``a > eta``, with the elements at a non-zero maximum."""
+    by 1.5), then up to 7 more halvings while the count is below ``2/3 k``; send ``a > eta``,
+    with the elements at a non-zero maximum."""
     g = x.double().numpy()
     a = np.abs(g)
     ordered = np.sort(a)
@@ -290,6 +291,10 @@ def gaussiank_oracle(x: torch.Tensor, ratio: float) -> set[int]:
         if 2 / 3 * k <= count <= 4 / 3 * k:
             break
         eta *= 0.5 if count < 2 / 3 * k else 1.5
+    for _ in range(7):
+        if count_above(ordered, eta) >= 2 / 3 * k:
+            break
+        eta *= 0.5
     top = a.max()
     chosen = set(np.nonzero(a > eta)[0].tolist())
     return chosen | (set(np.nonzero(a == top)[0].tolist()) if top > 0 else set())

@@ -71,7 +71,7 @@ def test_threshold_options_report_eta_and_no_ratio():
     assert c.options() == {"threshold": 0.25, "first_ratio": 0.01}
     with pytest.raises(InvalidOptionError, match="no option.*ratio.*threshold"):
         gradsift.get_compressor("threshold", threshold=1.0, ratio=0.1)
-    with pytest.raises(TypeError, match="threshold"):
+    with pytest.raises(InvalidOptionError, match="'threshold' needs threshold="):
         gradsift.get_compressor("threshold")
 
 

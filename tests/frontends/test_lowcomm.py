@@ -198,7 +198,7 @@ def test_the_defaults_are_quantized_averaging():
     assert seen["default"] == {"sync_every": 10, "compressor": "blockquant", "options": {"bits": 4, "block_size": 64},
                                "decay": 0.95, "outer": (1.0, 0.0)}  # fmt: skip
     assert seen["instance"]["decay"] == 0.95
-    assert seen["dense"]["decay"] == 1.0  # no error feedback, nothing to decay
+    assert seen["dense"]["decay"] is None  # no error feedback: nothing to decay, left unset
     assert seen["explicit"]["decay"] == 0.5
 
 

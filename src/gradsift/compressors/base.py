@@ -67,6 +67,11 @@ class Compressor(abc.ABC):
         server_stage: :meth:`encode` is deterministic, keeps no state and does not depend
             on the rank, so every rank can compress the workers' mean again and get the
             same result (1-bit Adam's server stage, the hook option ``server_feedback``).
+        momentum_correction: the DDP hook takes an adopted SGD optimizer's momentum over
+            (DGC's momentum correction, :mod:`gradsift.hook.recipe`); False: the optimizer
+            keeps it and applies it to the exchanged mean (PowerSGD, whose paper does so).
+        residual_decay: error feedback's ``beta`` in ``c = g + beta r`` when the hook option
+            ``residual_decay`` is unset (1: plain error feedback; random-k's is below 1).
 
     Example (docs/extending.md writes a new one, end to end)::
 
@@ -88,6 +93,8 @@ class Compressor(abc.ABC):
     identity: ClassVar[bool] = False
     adaptive_capacity: ClassVar[bool] = False
     server_stage: ClassVar[bool] = False
+    momentum_correction: ClassVar[bool] = True
+    residual_decay: ClassVar[float] = 1.0
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).

@@ -11,8 +11,10 @@ from gradsift.compressors.stats import normal_two_sided_threshold
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
 
-#: Number of threshold corrections after the first estimate.
+#: Number of threshold corrections after the first estimate (the paper's).
 CORRECTIONS = 3
+#: Further halvings while fewer than ``LOW * k`` pass (module docstring of :class:`GaussianK`, step 4).
+RESCUES = 7
 #: A count below ``LOW * k`` halves the threshold, above ``HIGH * k`` multiplies it by 1.5.
 LOW, HIGH = 2 / 3, 4 / 3
 
@@ -29,21 +31,25 @@ class GaussianK(Sparsifier):
        ``eta`` positive -- so the corrections below move it the right way -- when
        the gradient's bulk is negative.
     3. Count ``c = #{|g_i| > eta}``; up to 3 times: ``c < 2/3 k``: ``eta *= 0.5``,
-       ``c > 4/3 k``: ``eta *= 1.5``, else stop. Send ``{i : |g_i| > eta}`` for the
-       last ``eta`` (whatever its count after the third correction).
-    4. The elements at the maximum magnitude ``M > 0`` are always sent too, so that a
+       ``c > 4/3 k``: ``eta *= 1.5``, else stop.
+    4. Not in the paper: while ``c < 2/3 k`` still, halve ``eta`` up to :data:`RESCUES` more
+       times. A few large entries make the fit's ``sigma`` (error feedback's residuals do,
+       under momentum correction), and three corrections, at most ``8x`` down, can leave one
+       element passing: the run then sends one element a step and diverges
+       (docs/decisions.md). Send ``{i : |g_i| > eta}`` for the last ``eta``.
+    5. The elements at the maximum magnitude ``M > 0`` are always sent too, so that a
        gradient of ties (a constant tensor) still sends something and error feedback
        never stalls.
 
     The corrections run on the device ("stop" freezes ``eta``: ``torch.where``), so a
-    call makes 4 count passes and no host read. Under the DDP hook the payload has room
-    for ``k``: of more, the largest go.
+    call makes ``CORRECTIONS + RESCUES + 1`` count passes and no host read. Under the DDP
+    hook the payload has room for ``k``: of more, the largest go.
 
     Options:
         ratio: target density in (0, 1].
 
-    Cost: one ``std_mean`` pass, ``abs``, a max pass, 4 count passes, one selection
-    pass. The mean and deviation double as the non-finite check.
+    Cost: one ``std_mean`` pass, ``abs``, a max pass, ``CORRECTIONS + RESCUES`` count passes,
+    one selection pass. The mean and deviation double as the non-finite check.
     """
 
     name = "gaussiank"
@@ -57,6 +63,8 @@ class GaussianK(Sparsifier):
         for _ in range(CORRECTIONS):
             count = (magnitudes > eta).sum()
             eta = torch.where(count < LOW * k, eta * 0.5, torch.where(count > HIGH * k, eta * 1.5, eta))
+        for _ in range(RESCUES):
+            eta = torch.where((magnitudes > eta).sum() < LOW * k, eta * 0.5, eta)
         top = magnitudes.max()
         mask = (magnitudes > eta) | ((magnitudes >= top) & (top > 0))
         return mask_selection(flat, mask, capacity, ~torch.isfinite(std + mean))

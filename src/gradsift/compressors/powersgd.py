@@ -15,6 +15,12 @@ Per bucket and step (after ``start_iter`` plain allreduces):
    allreduce ``P``, orthogonalise it; ``Q = M^T P``, allreduce ``Q`` and divide by W;
 4. writes the mean ``P Q^T`` back; error feedback keeps ``e = c - P Q^T``.
 
+With SGD momentum the optimizer keeps its momentum and applies it to the exchanged mean, as
+in the paper's Algorithm 2 (``momentum_correction = False``): DGC's momentum correction
+would feed the power iteration the velocity, about ``1 / (1 - m)`` gradients of slowly
+turning direction, and leave in the error what rank ``r`` misses of it; at rank 1 that
+stale velocity comes back in bursts and training collapses (docs/decisions.md).
+
 Steps 1 and 4 are PyTorch's own error feedback, moved into gradsift's state store
 (PyTorch's ``PowerSGDState`` runs with ``use_error_feedback=False``), so that the
 error follows DDP's bucket rebuilds, checkpoints with the hook, and is rolled back with
@@ -74,6 +80,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     exchanges = ("delegated",)
+    momentum_correction = False  # the paper's momentum, after the exchange (module docstring)
 
     def __init__(
         self,

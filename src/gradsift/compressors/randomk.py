@@ -93,6 +93,13 @@ class RandomK(Sparsifier):
     allreduce of ``k`` values. The values are sent unscaled (biased by ``k/n``):
     meant for error feedback like the other sparsifiers.
 
+    Its error feedback forgets (``residual_decay = 0.95``, the hook's default for it):
+    a position waits ``1/ratio`` steps on average whatever its size, so a plain residual
+    hands over, at once, about ``1/ratio`` stale gradients (``1 / (ratio (1 - m))`` under
+    momentum correction) -- a delayed step that diverges where the largest-first
+    sparsifiers, which send a large residual early, train. With ``beta = 0.95`` a residual
+    holds about the last ``1 / (1 - beta) = 20`` steps' worth (docs/decisions.md).
+
     Options:
         ratio: target density in (0, 1].
         seed: integer >= 0 shared by all workers (default 0).
@@ -107,6 +114,7 @@ class RandomK(Sparsifier):
 
     name = "randomk"
     exchanges = ("allreduce",)
+    residual_decay = 0.95  # bounded staleness (class docstring)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         super().__init__(ratio)

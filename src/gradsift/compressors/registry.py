@@ -85,7 +85,8 @@ def get_compressor(name: str, **options: Any) -> Compressor:
     """Build the compressor registered under ``name`` with the given options.
 
     Unknown option names raise :class:`InvalidOptionError` listing the accepted
-    ones; out-of-range values raise from the compressor's own checks.
+    ones, and so does a missing option that has no default (``threshold``'s ``threshold``);
+    out-of-range values raise from the compressor's own checks.
     """
     accepted = compressor_options(name)
     unknown = sorted(set(options) - set(accepted))
@@ -93,5 +94,13 @@ def get_compressor(name: str, **options: Any) -> Compressor:
         raise InvalidOptionError(
             f"compressor {name!r} has no option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(accepted) or '(none)'}"
+        )
+    parameters = inspect.signature(compressor_class(name).__init__).parameters
+    missing = [n for n in accepted if parameters[n].default is inspect.Parameter.empty and n not in options]
+    if missing:
+        raise InvalidOptionError(
+            f"compressor {name!r} needs {', '.join(f'{n}=' for n in missing)} (an option without a "
+            f"default), e.g. get_compressor({name!r}, {missing[0]}=...) or "
+            f"register_comm_hook(model, {name!r}, {missing[0]}=...)"
         )
     return compressor_class(name)(**options)

@@ -264,7 +264,7 @@ def diloco(
     hook = GradsiftHookState.resolve(
         compressor, options, _REFUSED, "by diloco (it applies to the DDP hook's gradients)"
     )
-    if unsent == "model" and (hook.feedback is None or hook.options.residual_decay != 1.0):
+    if unsent == "model" and (hook.feedback is None or hook.feedback.decay != 1.0):
         raise InvalidOptionError(
             "unsent='model' keeps what was not sent in the worker's parameters, which takes a "
             "compressor with error feedback and residual_decay=1.0"

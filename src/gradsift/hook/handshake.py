@@ -14,7 +14,7 @@ before the first step, every setting that shapes the wire or the result
   value_dtype, exchange, nonfinite, ...: new fields are compared without a change here),
   except :data:`PER_RANK`;
 * what registration resolved from them: the exchange, whether error feedback runs, the
-  momentum and weight decay taken from the optimizer, the Adam takeover.
+  momentum and weight decay taken from the optimizer, the residual decay, the Adam takeover.
 
 :data:`PER_RANK` lists the options that may differ between ranks: they shape neither the
 messages nor the parameters.
@@ -48,6 +48,7 @@ def hook_settings(state: GradsiftHookState) -> dict[str, str]:
     settings["exchange (resolved)"] = setting_text(state.exchange.name)
     settings["error feedback (resolved)"] = setting_text(feedback is not None)
     settings["momentum (resolved)"] = setting_text(None if feedback is None else feedback.momentum)
+    settings["residual decay (resolved)"] = setting_text(None if feedback is None else feedback.decay)
     settings["weight decay taken from the optimizer"] = setting_text(sorted(state.weight_decay.items()))
     settings["adam takeover"] = setting_text(None if state.adam is None else type(state.adam).__name__)
     return settings

@@ -65,7 +65,9 @@ class HookOptions:
             ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``), ``"onebit"``
             (the same with 1-bit Adam's momentum, restarted every step from the exchanged one)
             or ``"update"``.
-        residual_decay: error feedback's ``beta`` in ``c = g + beta r`` (default 1).
+        residual_decay: error feedback's ``beta`` in ``c = g + beta r``; None (default): the
+            compressor's own :attr:`~gradsift.compressors.base.Compressor.residual_decay`
+            (1, plain error feedback, except random-k's 0.95).
         server_feedback: 1-bit Adam's server-side error feedback (default False): after the
             exchange's mean ``s`` of a compressed part, every rank computes
             ``c = C(s + e)`` with the compressor ``C``, keeps ``e <- s + e - c`` and uses
@@ -97,7 +99,7 @@ class HookOptions:
     exchange: str = AUTO
     scaler: Any = None
     adam: str = "frozen-variance"
-    residual_decay: float = 1.0
+    residual_decay: float | None = None
     server_feedback: bool = False
     padding_target: float | None = None
     log_every: int = 0
@@ -123,7 +125,8 @@ class HookOptions:
         check_ratio(self.density_warmup_start, "density_warmup_start")
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
         check_choice(self.adam, "adam", ADAM_METHODS)
-        check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
+        if self.residual_decay is not None:
+            check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
         check_bool(self.server_feedback, "server_feedback")
         if self.padding_target is not None:
             check_real(self.padding_target, "padding_target", low=1.0)

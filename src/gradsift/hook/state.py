@@ -104,8 +104,12 @@ class GradsiftHookState:
         if uses_feedback is None:
             uses_feedback = bool(self.compressor.error_feedback)
         if uses_feedback and self.feedback is None:
+            decay = self.options.residual_decay
             self.feedback = ErrorFeedback(
-                self.options.momentum, self.options.momentum_masking, self.store, self.options.residual_decay
+                self.options.momentum,
+                self.options.momentum_masking,
+                self.store,
+                self.compressor.residual_decay if decay is None else decay,
             )
         if self.options.padding_target is not None and not self.compressor.adaptive_capacity:
             adaptive = [n for n in available_compressors() if compressor_class(n).adaptive_capacity]
@@ -187,8 +191,10 @@ class GradsiftHookState:
         first optimizer step (:mod:`gradsift.hook.first_step`); ``take_over=False``: only
         watch again (a scaler was found)."""
         self.optimizer = optimizer
-        if take_over and optimizer is not None and self.feedback is not None:
-            if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
+        adam = optimizer is not None and is_adam(recipe.unwrapped(optimizer))
+        corrects = adam or self.compressor.momentum_correction  # PowerSGD leaves SGD's momentum be
+        if take_over and optimizer is not None and self.feedback is not None and corrects:
+            if self.options.adam in FROZEN_METHODS and adam:
                 self.options = self.options.with_frozen_variance_warmup()
             taken = recipe.take_over(
                 optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam
@@ -206,7 +212,7 @@ class GradsiftHookState:
         self.first_step = FirstOptimizerStep(
             self.hooked,
             optimizer,
-            check_momentum=self.feedback is not None,
+            check_momentum=self.feedback is not None and self.compressor.momentum_correction,
             check_scaler=self.options.scaler is None and not self.compressor.identity,
         )
 
