@@ -346,8 +346,11 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         "powersgd_no_shard": lambda: gradsift.register_comm_hook(no_shard(), "powersgd"),
         "vgc_no_shard": lambda: gradsift.register_comm_hook(no_shard(), "vgc"),
         "layer_no_shard": lambda: gradsift.register_comm_hook(no_shard(), "topk", granularity="layer"),
-        "optimizer_no_shard": lambda: gradsift.register_comm_hook(
-            m := no_shard(), "topk", optimizer=torch.optim.SGD(m.parameters(), lr=0.1)
+        "optimizer_fsdp2": lambda: gradsift.register_comm_hook(
+            m := fully_sharded(0, mesh["shard"]),
+            "topk",
+            process_group=mesh.get_group("replicate"),
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
         ),
         "fsdp2_without_group": lambda: gradsift.register_comm_hook(fully_sharded(0, mesh["shard"]), "topk"),
         "fsdp2_native_hsdp": lambda: gradsift.register_comm_hook(
@@ -375,7 +378,7 @@ def test_unsupported_combinations_name_what_is_supported(runs):
         "powersgd_no_shard": "compressor 'powersgd' is not supported on FSDP models",
         "vgc_no_shard": "compressor 'vgc' is not supported on FSDP models",
         "layer_no_shard": "granularity must be 'bucket'",
-        "optimizer_no_shard": "optimizer= is not supported on FSDP models",
+        "optimizer_fsdp2": "optimizer= is not supported on fully_shard (FSDP2)",
         "fsdp2_without_group": "pass process_group=<the replicate group>",
         "fsdp2_native_hsdp": "2-D mesh (native HSDP)",
     }

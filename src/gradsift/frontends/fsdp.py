@@ -10,6 +10,11 @@ hook can take over depends on the flavour (torch 2.13, every path runs on gloo/C
   compress, the compressor's exchange (allgather, balanced, shared-mask, allreduce),
   ``r <- c - s``, the per-step transaction, the non-finite policy. Every compressor
   but the ones that run their own collectives (PowerSGD) or read parameters (VGC).
+  The optimizer is the DDP hook's too: ``optimizer=`` (or, left out, the one found holding
+  the units' flat parameters, :mod:`gradsift.hook.discovery`) gets SGD's momentum
+  correction or the Adam methods (:mod:`gradsift.hook.adam`), each unit's ``FlatParameter``
+  standing for the parameters of a DDP bucket: the optimizer must hold the flat parameters
+  (``use_orig_params=False``, FSDP1's default), as it does then.
 * **FSDP1, ``FULL_SHARD`` / ``SHARD_GRAD_OP``** -- the hook gets the padded flat
   gradient and the shard it must fill (``hook(state, g, out)``): a reduce-scatter of
   elementwise sums (:class:`gradsift.exchanges.reduce_scatter.ReduceScatter`). gradsift
@@ -26,7 +31,9 @@ hook can take over depends on the flavour (torch 2.13, every path runs on gloo/C
   replaces ``g`` by the mean over the replicate group, exactly like ``NO_SHARD`` above
   (compressed, error feedback on ``g``). On a 2-D (native HSDP) mesh FSDP2 has already
   all-reduced across replicas before the hook runs, so gradsift refuses it; a plain
-  1-D FSDP2 model without ``process_group`` has no allreduce to compress.
+  1-D FSDP2 model without ``process_group`` has no allreduce to compress. ``optimizer=`` is
+  refused: the hook sees each module's reduced shard, the optimizer steps the DTensor
+  parameters, and the takeovers need the one to stand for the other.
 
 Every exchange is synchronous within its hook (FSDP reads the result as soon as the
 hook returns), and a non-finite step's fill is applied there on the device from the
@@ -68,7 +75,13 @@ _REDUCE_SCATTER = ReduceScatter()
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 #: Hook options that need the model's parameters, which FSDP flattens or shards.
-_REFUSED = ("optimizer", "clip_norm")
+_REFUSED = ("clip_norm",)
+#: Where ``optimizer=`` (momentum correction, the Adam methods) applies.
+_OPTIMIZER_WORKS = (
+    "optimizer= (SGD's momentum correction, the Adam/AdamW methods) works on DDP and on FSDP1 "
+    "NO_SHARD with use_orig_params=False (the default), where each unit's flat parameter is what "
+    "the optimizer steps"
+)
 #: The hook options the sharded strategies' reduce-scatter honours; every other one must keep its default.
 _SHARDED_FREE_OPTIONS = ("nonfinite", "log_every", "jsonl_path")
 _SUPPORTED = (
@@ -106,9 +119,10 @@ def register_fsdp_comm_hook(
 ) -> GradsiftHookState:
     """Install gradsift on an FSDP model (see the module docstring for what each flavour allows).
 
-    Options are the DDP hook's (:data:`gradsift.hook.options.HOOK_OPTIONS`), except ``optimizer``,
-    ``clip_norm`` and ``granularity="layer"`` (they need the model's parameters, which
-    FSDP flattens or shards). ``process_group`` is, for FSDP2, the group gradsift
+    Options are the DDP hook's (:data:`gradsift.hook.options.HOOK_OPTIONS`), except
+    ``clip_norm`` and ``granularity="layer"`` (they need the model's parameters, which FSDP
+    flattens or shards); ``optimizer`` applies on FSDP1 ``NO_SHARD`` only (the module
+    docstring), where it is looked for when left out, as on DDP. ``process_group`` is, for FSDP2, the group gradsift
     all-reduces over (required: the replicate group); FSDP1 uses the model's own group.
 
     Example::
@@ -122,21 +136,23 @@ def register_fsdp_comm_hook(
         replicas = mesh.get_group("replicate")
         state = gradsift.register_comm_hook(module, "topk", ratio=0.01, process_group=replicas)
     """
+    optimizer = options.pop("optimizer", None)
     state = GradsiftHookState.resolve(compressor, options, _REFUSED, f"on FSDP models; {_SUPPORTED}")
     if state.options.granularity != "bucket":
         raise InvalidOptionError(
             f"granularity must be 'bucket' on FSDP models (one part per FSDP unit); {_SUPPORTED}"
         )
     if isinstance(model, FSDP):
-        _register_fsdp1(model, state)
+        _register_fsdp1(model, state, optimizer)
     else:
+        _refuse_optimizer(optimizer, "fully_shard (FSDP2)")
         _register_fsdp2(cast(torch.nn.Module, model), state)  # fully_shard modules are nn.Modules
     check_hook_settings(state, "register_comm_hook on an FSDP model")  # collective, before any step
     return state
 
 
 # -- FSDP1 ----------------------------------------------------------------------------------
-def _register_fsdp1(model: FSDP, state: GradsiftHookState) -> None:
+def _register_fsdp1(model: FSDP, state: GradsiftHookState, optimizer: Any) -> None:
     strategies = {unit.sharding_strategy for unit in FSDP.fsdp_modules(model)}
     if len(strategies) != 1:
         names = sorted(s.name for s in strategies)
@@ -166,10 +182,30 @@ def _register_fsdp1(model: FSDP, state: GradsiftHookState) -> None:
     if strategy == ShardingStrategy.NO_SHARD:
         _check_allreduce_compressor(state.compressor)
         state.layout.bind(torch.nn.ParameterList(flat_params))
+        _check_holds(optimizer, flat_params)
+        state.watch(flat_params, optimizer)
         model.register_comm_hook(binding, _no_shard_hook)
     else:
+        _refuse_optimizer(optimizer, strategy.name)
         _check_reduce_scatter_options(state, strategy)
         model.register_comm_hook(binding, _reduce_scatter_hook)
+
+
+def _refuse_optimizer(optimizer: Any, where: str) -> None:
+    if optimizer is not None and optimizer is not False:
+        raise InvalidOptionError(f"optimizer= is not supported on {where}: {_OPTIMIZER_WORKS}; {_SUPPORTED}")
+
+
+def _check_holds(optimizer: Any, flat_params: Sequence[torch.nn.Parameter]) -> None:
+    """An optimizer passed for ``NO_SHARD`` must step the units' flat parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return  # None / False, or not an optimizer (the takeover names the type)
+    wanted = {id(p) for p in flat_params}
+    if not any(id(p) in wanted for group in optimizer.param_groups for p in group["params"]):
+        raise InvalidOptionError(
+            f"the optimizer steps none of this FSDP model's flat parameters (built with "
+            f"use_orig_params=True, or for another model?): {_OPTIMIZER_WORKS}; {_SUPPORTED}"
+        )
 
 
 def _no_shard_hook(binding: Binding, grad: torch.Tensor) -> None:

@@ -178,12 +178,18 @@ class GradsiftHookState:
             raise InvalidOptionError(PYTHON_REDUCER)
         self.layout.bind(ddp_model.module)
         self.process_group = self.process_group or ddp_model.process_group
-        self.hooked = list(ddp_model.module.parameters())
+        self.watch(ddp_model.module.parameters(), optimizer)
+        self.compressor.attach(ddp_model.module)
+
+    def watch(self, params: Any, optimizer: Any = None) -> None:
+        """The optimizer side of :meth:`attach` (also FSDP1 ``NO_SHARD``'s, whose ``params`` are
+        its units' flat parameters): adopt ``optimizer``, or (None) look for it and the scaler at
+        the first step's first bucket; ``False`` or a ``momentum=`` set by hand: none, not looked for."""
+        self.hooked = list(params)
         self.find_optimizer = optimizer is None and not self.options.momentum  # momentum= by hand: none
         optimizer = None if optimizer is False else optimizer
         self.discovering = self.find_optimizer or self.options.scaler is None
         self.adopt(optimizer)
-        self.compressor.attach(ddp_model.module)
 
     def adopt(self, optimizer: Any, take_over: bool = True) -> None:
         """Take over ``optimizer``'s momentum (:mod:`gradsift.hook.recipe`; Adam's method,
@@ -279,7 +285,9 @@ class GradsiftHookState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (an optimizer still to be looked for is found first:
+        :meth:`prepare_load`, so the momentum checked is the one the saving run adopted)."""
+        self.prepare_load(state)
         if (state["feedback"] is None) != (self.feedback is None):
             raise InvalidOptionError(
                 "checkpoint and hook disagree on error feedback (on in one, off in the other)"
