@@ -9,9 +9,9 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
    each candidate's encode + decode time on it (scaled to the model's size), and the time
    its message takes on this group's link -- a real collective of the candidate's size and
    kind (allreduce for ``none`` and ``bf16``, allgather of the payload's wire bytes for the
-   compressed one), once untimed, then :data:`PROBES` times, the median. The probes run
-   after the optimizer's step (a step post-hook), outside backward; with no optimizer
-   found, at the step's first bucket.
+   compressed one), once untimed, then :data:`PROBES` rounds of every probe in turn, the
+   median. The probes run after the optimizer's step (a step post-hook), outside backward;
+   with no optimizer found, at the step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
    rank predicts from the same numbers and picks the same candidate.
 3. **Predict** -- compute ``T_c = T - t_none`` (the dense step without its message; the
@@ -22,10 +22,11 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
 
 Candidates keep the optimizer family's quality (docs/decisions.md, "compressor='auto'"):
 SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction; Adam / AdamW
--- ``none``, ``bf16``, the 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam
-step), which starts only after Adam's dense warm-up (``warmup_steps``, unset:
-:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`); another or no optimizer -- ``none``,
-``bf16``. The chosen method runs as ``register_comm_hook(ddp, name, optimizer=...)`` would,
+-- ``none``, ``bf16``, and, when the run is known to last at least :data:`LONG_RUN_STEPS`
+(``steps=``), the 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step), which
+starts only after Adam's dense warm-up (``warmup_steps``, unset:
+:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`): it reaches the dense loss in long runs
+and not in short ones; another or no optimizer -- ``none``, ``bf16``. The chosen method runs as ``register_comm_hook(ddp, name, optimizer=...)`` would,
 continuing the step count; its state, the choice and the predictions are in ``stats()`` and
 the checkpoint.
 """
@@ -42,6 +43,7 @@ from gradsift.compressors.registry import get_compressor
 from gradsift.core.collectives import ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
+from gradsift.core.validation import check_int
 from gradsift.hook import recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
 from gradsift.hook.route import route_bucket
@@ -60,9 +62,12 @@ PROBE_ELEMENTS = 1 << 24
 #: The candidates per optimizer family: registry name and compressor options.
 CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
     "sgd": (("none", {}), ("bf16", {}), ("sidco-exp", {"ratio": 0.01})),
-    "adam": (("none", {}), ("bf16", {}), ("efsignsgd", {})),
+    "adam": (("none", {}), ("bf16", {})),
     "other": (("none", {}), ("bf16", {})),
 }
+#: Under Adam, a run at least this long (``steps=``) also has the 1-bit Adam method.
+LONG_RUN_STEPS = 3000
+ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
 #: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
 
@@ -95,12 +100,17 @@ class AutoHookState:
     def __init__(
         self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, options: dict[str, Any]
     ) -> None:
-        unknown = sorted(set(options) - {"process_group", *PASSED_ON})
+        unknown = sorted(set(options) - {"process_group", "steps", *PASSED_ON})
         if unknown:
             raise InvalidOptionError(
                 f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
-                f"method: pass compressor=<name> to set them (auto takes {', '.join(PASSED_ON)})"
+                f"method: pass compressor=<name> to set them (auto takes steps, {', '.join(PASSED_ON)})"
             )
+        options = dict(options)
+        #: The run's length in steps, when the caller knows it (None: unknown).
+        self.run_steps: int | None = options.pop("steps", None)
+        if self.run_steps is not None:
+            check_int(self.run_steps, "steps", low=1)
         self.ddp_model = ddp_model
         self.hook_options = dict(options)
         self.dense = GradsiftHookState.build("none", **self.hook_options)
@@ -184,11 +194,9 @@ class AutoHookState:
     def _decide(self, sample: torch.Tensor) -> None:
         group, world = self.dense.process_group, dist.get_world_size(self.dense.process_group)
         numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
-        candidates = CANDIDATES[family(self.dense.optimizer)]
+        candidates = self.candidates()
         names = [name for name, _ in candidates]
-        local = [self._step_seconds()]
-        for name, options in candidates:
-            local += _costs(name, options, sample, numel, world, group)
+        local = [self._step_seconds(), *_costs(candidates, sample, numel, world, group)]
         agreed = torch.tensor(local, dtype=torch.float64, device=sample.device)  # NCCL: on the GPU
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         step_s, *parts = agreed.tolist()
@@ -206,6 +214,12 @@ class AutoHookState:
             self.pending = best
             self.switch_at = max(self.decided_at, self._dense_steps(best))
 
+    def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+        """The candidates for the optimizer found (module docstring), with their options."""
+        kind = family(self.dense.optimizer)
+        long_run = self.run_steps is not None and self.run_steps >= LONG_RUN_STEPS
+        return CANDIDATES[kind] + ((ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
+
     def _step_seconds(self) -> float:
         """The median interval between the timed steps' first buckets."""
         return statistics.median(b - a for a, b in zip(self._starts, self._starts[1:], strict=False))
@@ -220,7 +234,7 @@ class AutoHookState:
     def _switch(self, name: str, step: int) -> None:
         """Run ``name`` from ``step`` on, as ``register_comm_hook(ddp, name, optimizer=...)``
         would with the ``step`` steps before as its dense warm-up."""
-        options = dict(dict(CANDIDATES[family(self.dense.optimizer)])[name])
+        options = dict(dict(self.candidates())[name])
         hook_options = {k: v for k, v in self.hook_options.items() if k in PASSED_ON}
         hook_options["warmup_steps"] = step
         if hook_options.get("scaler") is None:
@@ -319,48 +333,62 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def _costs(
-    name: str, options: dict[str, Any], sample: torch.Tensor, numel: int, world: int, group: Any
+    candidates: tuple[tuple[str, dict[str, Any]], ...],
+    sample: torch.Tensor,
+    numel: int,
+    world: int,
+    group: Any,
 ) -> list[float]:
-    """``[message seconds, codec seconds]`` of candidate ``name`` for the model's ``numel``
-    gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32
-    / bf16 values; otherwise an allgather of the payload's wire bytes) and its encode +
-    decode of ``sample`` (the step's first bucket), both scaled from at most
-    :data:`PROBE_ELEMENTS` elements."""
+    """``[message seconds, codec seconds]`` per candidate, flattened, for the model's ``numel``
+    gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32 /
+    bf16 values; otherwise an allgather of the payload's wire bytes) and its encode + decode
+    of ``sample`` (the step's first bucket), scaled from at most :data:`PROBE_ELEMENTS`
+    elements. Every probe runs once untimed, then :data:`PROBES` rounds time each probe in
+    turn (each round starting one later), so load that comes and goes hits them alike."""
+    probes: list[tuple[Any, float]] = []
+    for name, options in candidates:
+        probes += _probes(name, options, sample, numel, world, group)
+    for run, _ in probes:
+        run()
+    times: list[list[float]] = [[] for _ in probes]
+    for round_ in range(PROBES):
+        for offset in range(len(probes)):
+            index = (round_ + offset) % len(probes)
+            times[index].append(_seconds(probes[index][0], sample.device))
+    return [statistics.median(seconds) * scale for seconds, (_, scale) in zip(times, probes, strict=True)]
+
+
+def _probes(
+    name: str, options: dict[str, Any], sample: torch.Tensor, numel: int, world: int, group: Any
+) -> list[tuple[Any, float]]:
+    """Candidate ``name``'s two probes, each a call and the factor from its time to the model's."""
     size = min(numel, PROBE_ELEMENTS)
-    scale = numel / size
     device = sample.device
     if name in ("none", "bf16"):
-        dtype = torch.float32 if name == "none" else torch.bfloat16
-        message = torch.zeros(size, dtype=dtype, device=device)
-        seconds = _median_seconds(lambda: dist.all_reduce(message, group=group), device)
-        codec = 0.0 if name == "none" else _median_seconds(lambda: sample.to(torch.bfloat16).float(), device)
-        return [scale * seconds, codec * numel / max(sample.numel(), 1)]
+        message = torch.zeros(size, dtype=torch.float32 if name == "none" else torch.bfloat16, device=device)
+        cast = (lambda: None) if name == "none" else (lambda: sample.to(torch.bfloat16).float())
+        return [(lambda: dist.all_reduce(message, group=group), numel / size), (cast, numel / sample.numel())]
     compressor = get_compressor(name, **options)
     flat = sample.detach().reshape(-1).float().clone()
-    payload = compressor.compress(flat)
-    per_element = payload.nbytes / flat.numel()
+    per_element = compressor.compress(flat).nbytes / flat.numel()
     wire = torch.zeros(max(1, round(per_element * size)), dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(wire) for _ in range(world)]
-    seconds = _median_seconds(lambda: dist.all_gather(gathered, wire, group=group), device)
 
-    def codec_once() -> None:
+    def codec() -> None:
         compressor.decompress([compressor.compress(flat)] * world, flat.numel())
 
-    codec = _median_seconds(codec_once, device) * numel / flat.numel()
-    return [scale * seconds, codec]
+    return [
+        (lambda: dist.all_gather(gathered, wire, group=group), numel / size),
+        (codec, numel / flat.numel()),
+    ]
 
 
-def _median_seconds(run: Any, device: torch.device) -> float:
-    """The median wall time of :data:`PROBES` calls of ``run`` after one untimed call (the
-    device synchronised around each)."""
+def _seconds(run: Any, device: torch.device) -> float:
+    """The wall time of one call of ``run`` (the device synchronised around it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
     run()
-    times = []
-    for _ in range(PROBES):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started

@@ -91,6 +91,8 @@ def install_exchange(
     (:func:`step_exchange_stats`) and the recipe in use (:func:`recipe_in_use`)."""
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     hook_options = recipe_options(compressor, options, steps, adam) if recipe else dict(options)
+    if compressor == AUTO:
+        hook_options["steps"] = steps  # the run's length: the 1-bit Adam method is a candidate in long runs
     state = register_comm_hook(
         ddp_model, compressor, optimizer=optimizer if recipe else False, **hook_options
     )
