@@ -148,6 +148,10 @@ class HookOptions:
             )
         return self if self.warmup_steps else dataclasses.replace(self, warmup_steps=ONE_LINE_WARMUP_STEPS)
 
+    def feedback_decay(self, compressor: Compressor) -> float:
+        """Error feedback's ``beta``: ``residual_decay``, or ``compressor``'s own when unset."""
+        return compressor.residual_decay if self.residual_decay is None else self.residual_decay
+
     @property
     def dense_steps(self) -> int:
         """The dense warm-up's length: ``warmup_steps``, 0 when unset."""

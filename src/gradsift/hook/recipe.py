@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import ADAM_FAMILY, AdamStep, LocalUpdateStep, adam_step, is_adam, l2_decay
 from gradsift.hook.param_groups import model_groups
@@ -67,7 +68,11 @@ def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def take_over(
-    optimizer: Any, numbers: dict[int, int], warmup_steps: int = 0, adam: str = "frozen-variance"
+    optimizer: Any,
+    numbers: dict[int, int],
+    warmup_steps: int = 0,
+    adam: str = "frozen-variance",
+    compressor: Compressor | None = None,
 ) -> Takeover:
     """Move the optimizer's first moment (and the weight decay that enters it) into the hook.
 
@@ -75,7 +80,9 @@ def take_over(
     ``adam`` of :mod:`gradsift.hook.adam` takes the optimizer's steps after ``warmup_steps`` dense
     ones (``"frozen-variance"``, ``"onebit"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
     each worker's own Adam update travels, with no momentum in the exchange).
-    ``numbers`` maps ``id(parameter)`` to the parameter's number. Raises
+    ``numbers`` maps ``id(parameter)`` to the parameter's number. A ``compressor`` whose
+    :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
+    nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
     :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
     and for groups that disagree on momentum.
     """
@@ -86,6 +93,8 @@ def take_over(
         step = adam_step(optimizer, numbers, warmup_steps, adam)
         momentum = 0.0 if isinstance(step, LocalUpdateStep) else step.beta1
         return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
+    if compressor is not None and not compressor.momentum_correction:
+        return Takeover()
     if not isinstance(optimizer, torch.optim.SGD):
         raise InvalidOptionError(
             f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "

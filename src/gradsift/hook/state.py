@@ -104,12 +104,9 @@ class GradsiftHookState:
         if uses_feedback is None:
             uses_feedback = bool(self.compressor.error_feedback)
         if uses_feedback and self.feedback is None:
-            decay = self.options.residual_decay
+            decay = self.options.feedback_decay(self.compressor)
             self.feedback = ErrorFeedback(
-                self.options.momentum,
-                self.options.momentum_masking,
-                self.store,
-                self.compressor.residual_decay if decay is None else decay,
+                self.options.momentum, self.options.momentum_masking, self.store, decay
             )
         if self.options.padding_target is not None and not self.compressor.adaptive_capacity:
             adaptive = [n for n in available_compressors() if compressor_class(n).adaptive_capacity]
@@ -182,9 +179,7 @@ class GradsiftHookState:
         self.compressor.attach(ddp_model.module)
 
     def watch(self, params: Any, optimizer: Any = None) -> None:
-        """The optimizer side of :meth:`attach` (also FSDP1 ``NO_SHARD``'s, whose ``params`` are
-        its units' flat parameters): adopt ``optimizer``, or (None) look for it and the scaler at
-        the first step's first bucket; ``False`` or a ``momentum=`` set by hand: none, not looked for."""
+        """:meth:`attach`'s optimizer side, also FSDP1 ``NO_SHARD``'s (``params``: its flat parameters)."""
         self.hooked = list(params)
         self.find_optimizer = optimizer is None and not self.options.momentum  # momentum= by hand: none
         optimizer = None if optimizer is False else optimizer
@@ -197,13 +192,11 @@ class GradsiftHookState:
         first optimizer step (:mod:`gradsift.hook.first_step`); ``take_over=False``: only
         watch again (a scaler was found)."""
         self.optimizer = optimizer
-        adam = optimizer is not None and is_adam(recipe.unwrapped(optimizer))
-        corrects = adam or self.compressor.momentum_correction  # PowerSGD leaves SGD's momentum be
-        if take_over and optimizer is not None and self.feedback is not None and corrects:
-            if self.options.adam in FROZEN_METHODS and adam:
+        if take_over and optimizer is not None and self.feedback is not None:
+            if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
                 self.options = self.options.with_frozen_variance_warmup()
             taken = recipe.take_over(
-                optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam
+                optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam, self.compressor
             )
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
@@ -285,8 +278,7 @@ class GradsiftHookState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (an optimizer still to be looked for is found first:
-        :meth:`prepare_load`, so the momentum checked is the one the saving run adopted)."""
+        """Restore :meth:`state_dict`, an optimizer still to be found found first (:meth:`prepare_load`)."""
         self.prepare_load(state)
         if (state["feedback"] is None) != (self.feedback is None):
             raise InvalidOptionError(
