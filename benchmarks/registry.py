@@ -972,6 +972,58 @@ EXIT_CLAIMS = (
 )  # fmt: skip
 
 
+# -- the one line, compressor="auto" (benchmarks/auto/one_line.py) -------------------------------------
+_ONE_LINE = "flock /tmp/gradsift-cpu.lock python benchmarks/auto/one_line.py"
+#: (link, what auto could pick, result, arms): localhost and 100 Mbit/s at 589aa13, when the
+#: 1-bit Adam method was a candidate in every run; 100 Mbit/s again once it is one only in long runs.
+AUTO_LINKS = (
+    ("localhost", "with 1-bit Adam", Result("results/auto/localhost.json", f"{_ONE_LINE} --json results/auto/localhost.json"),
+     ("none", "bf16", "auto")),
+    ("100 Mbit/s", "with 1-bit Adam", Result("results/auto/100mbit-onebit.json",
+     f"{_ONE_LINE} --bandwidth 100mbit --arms none bf16 auto --json results/auto/100mbit.json"), ("none", "bf16", "auto")),
+    ("100 Mbit/s", "1-bit Adam in long runs only", Result("results/auto/100mbit.json",
+     f"{_ONE_LINE} --bandwidth 100mbit --arms none auto --json results/auto/100mbit.json"), ("none", "auto")),
+)
+AUTO_ARMS = {"none": "stock DDP (`none`)", "bf16": "`bf16`", "auto": "`auto` (the one line)"}
+
+
+def _auto_ratio(result: Result, arm: str, field: str) -> Claim | str:
+    """``arm``'s paired ratio to stock DDP and its 95 % interval; the baseline's own row says 1."""
+    if arm == "none":
+        return "1"
+    return Claim(f"auto.{result.path}.{arm}.{field}", result, (f"ratios_to_none/{arm}/{field}",),
+                 "{:.3f}x [{:.3f}, {:.3f}]", compute=tuple)
+
+
+def _auto_choices(result: Result, arm: str) -> Claim | str:
+    if arm != "auto":
+        return "-"
+    return Claim(f"auto.{result.path}.choices", result, ("runs/{arm=auto}/auto/choice",), "{}",
+                 compute=lambda choices: ", ".join(sorted(set(choices))))
+
+
+AUTO_TABLE = Table(
+    "auto-one-line",
+    ("link", "auto's Adam candidates", "arm", "chose", "validation loss / stock", "median step / stock", "wall time / stock"),
+    ("---", "---", "---", "---", "---:", "---:", "---:"),
+    tuple(
+        (link, candidates, AUTO_ARMS[arm], _auto_choices(result, arm),
+         *(_auto_ratio(result, arm, field) for field in ("final_validation_loss", "step_time_median_s", "wall_time_s")))
+        for link, candidates, result, arms in AUTO_LINKS
+        for arm in arms
+    ),
+)  # fmt: skip
+AUTO_CLAIMS = tuple(
+    Claim(f"auto.{result.path}.{key}", result, (path,), fmt, compute=compute)
+    for _, _, result, _ in AUTO_LINKS
+    for key, path, fmt, compute in (
+        ("commit", "provenance/commit", "{:.7}", None),
+        ("load", "provenance/load_before/0", "{:.1f}", None),
+        ("seeds", "provenance/seeds", "{}", lambda seeds: len(seeds)),
+    )
+)
+
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -992,8 +1044,9 @@ TABLES = (
     _ddp_table("4"),
     EXIT_TABLE,
     PADDING_TABLE,
+    AUTO_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
