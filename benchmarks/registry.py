@@ -977,12 +977,30 @@ _ONE_LINE = "flock /tmp/gradsift-cpu.lock python benchmarks/auto/one_line.py"
 #: (link, what auto could pick, result, arms): localhost and 100 Mbit/s at 589aa13, when the
 #: 1-bit Adam method was a candidate in every run; 100 Mbit/s again once it is one only in long runs.
 AUTO_LINKS = (
-    ("localhost", "with 1-bit Adam", Result("results/auto/localhost.json", f"{_ONE_LINE} --json results/auto/localhost.json"),
-     ("none", "bf16", "auto")),
-    ("100 Mbit/s", "with 1-bit Adam", Result("results/auto/100mbit-onebit.json",
-     f"{_ONE_LINE} --bandwidth 100mbit --arms none bf16 auto --json results/auto/100mbit.json"), ("none", "bf16", "auto")),
-    ("100 Mbit/s", "1-bit Adam in long runs only", Result("results/auto/100mbit.json",
-     f"{_ONE_LINE} --bandwidth 100mbit --arms none auto --json results/auto/100mbit.json"), ("none", "auto")),
+    (
+        "localhost",
+        "with 1-bit Adam",
+        Result("results/auto/localhost.json", f"{_ONE_LINE} --json results/auto/localhost.json"),
+        ("none", "bf16", "auto"),
+    ),
+    (
+        "100 Mbit/s",
+        "with 1-bit Adam",
+        Result(
+            "results/auto/100mbit-onebit.json",
+            f"{_ONE_LINE} --bandwidth 100mbit --arms none bf16 auto --json results/auto/100mbit.json",
+        ),
+        ("none", "bf16", "auto"),
+    ),
+    (
+        "100 Mbit/s",
+        "1-bit Adam in long runs only",
+        Result(
+            "results/auto/100mbit.json",
+            f"{_ONE_LINE} --bandwidth 100mbit --arms none auto --json results/auto/100mbit.json",
+        ),
+        ("none", "auto"),
+    ),
 )
 AUTO_ARMS = {"none": "stock DDP (`none`)", "bf16": "`bf16`", "auto": "`auto` (the one line)"}
 
@@ -991,15 +1009,25 @@ def _auto_ratio(result: Result, arm: str, field: str) -> Claim | str:
     """``arm``'s paired ratio to stock DDP and its 95 % interval; the baseline's own row says 1."""
     if arm == "none":
         return "1"
-    return Claim(f"auto.{result.path}.{arm}.{field}", result, (f"ratios_to_none/{arm}/{field}",),
-                 "{:.3f}x [{:.3f}, {:.3f}]", compute=tuple)
+    return Claim(
+        f"auto.{result.path}.{arm}.{field}",
+        result,
+        (f"ratios_to_none/{arm}/{field}",),
+        "{:.3f}x [{:.3f}, {:.3f}]",
+        compute=tuple,
+    )
 
 
 def _auto_choices(result: Result, arm: str) -> Claim | str:
     if arm != "auto":
         return "-"
-    return Claim(f"auto.{result.path}.choices", result, ("runs/{arm=auto}/auto/choice",), "{}",
-                 compute=lambda choices: ", ".join(sorted(set(choices))))
+    return Claim(
+        f"auto.{result.path}.choices",
+        result,
+        ("runs/{arm=auto}/auto/choice",),
+        "{}",
+        compute=lambda choices: ", ".join(sorted(set(choices))),
+    )
 
 
 AUTO_TABLE = Table(

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import campaign44
-from protocol import RESULTS, RUNS, WORKLOADS
+from protocol import RUNS, WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "adam.md"
@@ -241,7 +241,9 @@ def table(workload: str, arms: dict[str, dict[int, dict[str, Any]]]) -> tuple[st
         if stats["workers"] == 1:
             traffic, factor = "none: one process", "no communication"
         else:
-            traffic = f"{stats['bytes_sent_per_step'] / 1e6:.3f} / {stats['bytes_received_per_step'] / 1e6:.3f}"
+            traffic = (
+                f"{stats['bytes_sent_per_step'] / 1e6:.3f} / {stats['bytes_received_per_step'] / 1e6:.3f}"
+            )
             factor = f"{stats['factor_received']:.2f}x"
         seeds = ",".join(str(s) for s in stats["seeds"])
         lines.append(
@@ -291,7 +293,10 @@ def reproduction(issue44: Path) -> list[dict[str, Any]]:
                 old = load_run(run_directory(workload, arm, seed, "protocol", issue44))
                 if new is None or old is None:
                     continue
-                curve = max((abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"])), default=None)
+                curve = max(
+                    (abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"], strict=False)),
+                    default=None,
+                )
                 checks.append({
                     "workload": workload, "arm": arm, "seed": seed,
                     "old": {"commit": old["commit"], "final_val_loss": old["final_val_loss"]},
@@ -344,7 +349,9 @@ def update_doc(text: str, doc: Path = DOC) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--root", type=Path, default=campaign44.ISSUE44, help="the campaign's folder")
     parser.add_argument("--update-docs", action="store_true", help="rewrite docs/adam.md's issue44 block")
     args = parser.parse_args()

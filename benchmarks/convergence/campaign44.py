@@ -115,7 +115,9 @@ def plan(root: Path = ISSUE44, extended: bool = False) -> list[Run]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("action", choices=("run", "status"))
     parser.add_argument("--root", type=Path, default=ISSUE44, help="where runs/ goes (default: %(default)s)")
     parser.add_argument("--extended", action="store_true", help="also the other lr at 3,000 steps")
@@ -133,7 +135,9 @@ def main() -> int:
             break
         if not execute(todo[0]):
             failed.add(todo[0])
-    print(f"[{time.strftime('%H:%M:%S')}] campaign44 over; failed: {sorted(str(r.directory) for r in failed)}")
+    print(
+        f"[{time.strftime('%H:%M:%S')}] campaign44 over; failed: {sorted(str(r.directory) for r in failed)}"
+    )
     return 1 if failed else 0
 
 

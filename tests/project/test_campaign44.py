@@ -102,7 +102,9 @@ def test_plan_puts_the_controls_first() -> None:
     runs = campaign44.plan(Path("/nonexistent"))
     assert [(r.workload, r.method) for r in runs[:3]] == [
         ("gpt-adamw", "dense-fv"), ("gpt-adamw", "fp32-lr1.5e-3"), ("gpt-adamw", "fp32-lr6e-3")]  # fmt: skip
-    assert [r.method for r in runs if r.workload == "gpt-adamw-3k"] == ["dense-fv"] * 3 + ["fp32-lr1.5e-3"] * 3
+    assert [r.method for r in runs if r.workload == "gpt-adamw-3k"] == ["dense-fv"] * 3 + [
+        "fp32-lr1.5e-3"
+    ] * 3
     assert len(campaign44.plan(Path("/nonexistent"), extended=True)) == len(runs) + 3
     dense = campaign44.Run("gpt-adamw", "dense-fv", 0).arguments()
     assert dense[dense.index("--compressor") + 1] == "topk"
