@@ -8,7 +8,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import gradsift
-from gradsift.compressors.kernels import value_with_above
+from gradsift.compressors.tail_kernels import value_with_above
 from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError
 from gradsift.hook.feedback import ErrorFeedback
 

@@ -1,6 +1,7 @@
 """Selection kernels of the sparsifiers: NumPy on CPU, PyTorch (without host reads) elsewhere.
 
-Two jobs:
+Two jobs (the statistics of a sample's tail that the fitted thresholds need are
+:mod:`gradsift.compressors.tail_kernels`', on the same two branches):
 
 * **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
   mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
@@ -18,8 +19,8 @@ Two jobs:
   elsewhere one ``topk`` of ``capacity`` over the ranking keys of the whole tensor, the
   unselected elements keyed -1 -- fixed shapes, no host read, and the same elements.
 
-Each function has two branches, chosen by :func:`uses_numpy`: the CPU branch and the device
-branch. Under :func:`device_branch` the device branch runs on CPU tensors too, so a test
+Each function has two branches, chosen by :func:`uses_numpy` (:func:`numpy_floats` where
+NumPy must hold the dtype): the CPU branch and the device branch. Under :func:`device_branch` the device branch runs on CPU tensors too, so a test
 can compare the two on the same bucket.
 
 :class:`CallingThreadOnly` runs a block with the intra-op pool at one thread (the
@@ -31,7 +32,6 @@ remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -131,13 +131,13 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
 
 def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
     integer, magnitude = _MAGNITUDE_BITS[flat.dtype]
-    threshold = _host_float(eta)
+    threshold = host_float(eta)
     if threshold < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {threshold}")
     bound = int(
         torch.tensor(threshold, dtype=flat.dtype, device="cpu").view(integer).numpy()
     )  # eta in the dtype
-    words = _numpy(flat.view(integer))
+    words = numpy_view(flat.view(integer))
     pieces, largest = [], -1  # largest selected magnitude pattern (-1: none selected)
     for start in range(0, words.size, SELECTION_CHUNK):
         magnitudes = words[start : start + SELECTION_CHUNK] & magnitude
@@ -168,7 +168,7 @@ def select_mask(
     if capacity is not None and magnitudes_of is None:
         raise InvalidOptionError("select_mask with a capacity needs magnitudes_of")
     if uses_numpy(mask):
-        positions = np.flatnonzero(_numpy(mask))
+        positions = np.flatnonzero(numpy_view(mask))
         found = Candidates(
             torch.from_numpy(positions.astype(np.int64, copy=False)), None, int(positions.size)
         )
@@ -194,7 +194,7 @@ def candidate_positions(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.
     element takes part: their number is not known on the host) and ``mask`` as the live mask.
     """
     if uses_numpy(mask):
-        return torch.from_numpy(np.flatnonzero(_numpy(mask)).astype(np.int64, copy=False)), None
+        return torch.from_numpy(np.flatnonzero(numpy_view(mask)).astype(np.int64, copy=False)), None
     return None, mask
 
 
@@ -241,104 +241,6 @@ def _in_position_order(
     return ordered, used
 
 
-def moment_sums(
-    values: torch.Tensor, above: Threshold | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(count, sum, sum of squares, minimum)`` of the elements of the 1-D ``values`` that are
-    ``> above`` (all of them without ``above``), as float64 0-d tensors on ``values``' device;
-    the minimum of none is +inf.
-
-    CPU: NumPy keeps the elements above the bound (``np.compress``, on the calling thread;
-    no copy when all of them are, as in SIDCo's stages, whose values were already narrowed
-    to that bound: 0.07 ms for 60k elements) and sums that tail in float64 -- SIDCo's later
-    stages see a few percent of the sample.
-    The sum of squares is ``np.einsum``, never ``np.dot``: NumPy hands a dot product to
-    BLAS, whose worker threads spin against the other ranks on a shared CPU (2 gloo ranks
-    on 2 cores: 6.6 ms per call on a 2^18-element sample, against 0.08 ms for einsum on
-    the calling thread; docs/decisions.md).
-    Other devices: masked sums over every element, no host read.
-    """
-    if _numpy_floats(values):
-        array = _numpy(values)
-        passes = None if above is None else array > _host_float(above)
-        tail = array if passes is None or passes.all() else np.compress(passes, array)
-        wide = tail.astype(np.float64)
-        smallest = float(tail.min()) if tail.size else math.inf
-        count, total, squares, least = torch.tensor(
-            [float(wide.size), float(wide.sum()), float(np.einsum("i,i->", wide, wide)), smallest],
-            dtype=torch.float64,
-            device="cpu",
-        ).unbind()
-        return count, total, squares, least
-    x = values.reshape(-1)
-    if above is None:
-        kept = x.double()
-        count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-        least = kept.min() if x.numel() else count + math.inf
-    else:
-        mask = x > above
-        kept = torch.where(mask, x, 0).double()
-        count = mask.sum(dtype=torch.float64)
-        least = torch.where(mask, x, math.inf).min().double() if x.numel() else count + math.inf
-    return count, kept.sum(), torch.dot(kept, kept), least
-
-
-def narrowed(values: torch.Tensor, bound: Threshold) -> torch.Tensor:
-    """Elements of the 1-D ``values`` that the bound cannot rule out: on CPU those ``> bound``
-    (NumPy, host-sized for free), elsewhere all of them (masking them costs no host read)."""
-    if _numpy_floats(values):
-        array = _numpy(values)
-        return torch.from_numpy(np.compress(array > _host_float(bound), array))
-    return values
-
-
-def counts_above(values: torch.Tensor, thresholds: list[torch.Tensor]) -> torch.Tensor:
-    """``[#{v > t} for t in thresholds]`` as a float64 tensor (compared in ``values``' dtype).
-
-    CPU: one NumPy compare-and-count per threshold. Elsewhere: one broadcast comparison with
-    every threshold and one reduction, no host read.
-    """
-    if _numpy_floats(values):
-        array = _numpy(values)
-        kind = array.dtype.type
-        counts = [float(np.count_nonzero(array > kind(_host_float(t)))) for t in thresholds]
-        return torch.tensor(counts, dtype=torch.float64, device="cpu")
-    bounds = torch.stack([t.to(values.dtype) for t in thresholds])
-    return torch.gt(values.unsqueeze(1), bounds).sum(0, dtype=torch.float64)
-
-
-def value_with_above(values: torch.Tensor, keep: int) -> torch.Tensor:
-    """The element of the 1-D ``values`` with exactly ``keep`` elements above it: the
-    ``(keep+1)``-th largest (ties may leave fewer above it), a 0-d tensor.
-
-    CPU: NumPy's introselect (``np.partition``, 6x faster than ``torch.topk`` on 2^18
-    elements). Elsewhere: ``torch.topk`` of ``keep + 1``, no host read.
-    """
-    if _numpy_floats(values):
-        array = _numpy(values)
-        position = array.size - 1 - keep
-        return torch.tensor(float(np.partition(array, position)[position]), dtype=values.dtype, device="cpu")
-    return torch.topk(values, keep + 1, sorted=False).values.min()
-
-
-def kept_or_value_with_above(
-    keep_eta: torch.Tensor, eta: torch.Tensor, values: torch.Tensor, keep: int
-) -> torch.Tensor:
-    """``eta`` where the 0-d bool ``keep_eta`` holds, else :func:`value_with_above` of
-    ``(values, keep)`` (in ``eta``'s dtype).
-
-    CPU: the flag is host memory (read through NumPy), so the selection of the quantile
-    runs only when it is needed -- SIDCo's sample check keeps ``eta`` on most calls, and
-    the partition is a copy and a pass over the sample. Elsewhere: both, chosen on the
-    device by ``torch.where``, no host read.
-    """
-    if _numpy_floats(values) and keep_eta.device.type == "cpu":
-        if bool(_numpy(keep_eta.reshape(1))[0]):
-            return eta
-        return value_with_above(values, keep).to(eta.dtype)
-    return torch.where(keep_eta, eta, value_with_above(values, keep).to(eta.dtype))
-
-
 def nonzero_first(
     indices: torch.Tensor, magnitudes: torch.Tensor, smallest: torch.Tensor
 ) -> tuple[torch.Tensor, int | torch.Tensor]:
@@ -349,7 +251,7 @@ def nonzero_first(
     CPU: when ``smallest > 0`` (the usual case, one read of CPU memory) ``indices`` as they
     are; otherwise, and on other devices, a sort with the zeros last.
     """
-    if uses_numpy(smallest) and _host_float(smallest) > 0:
+    if uses_numpy(smallest) and host_float(smallest) > 0:
         return indices, indices.numel()
     nonzero = magnitudes > 0
     ordered = torch.sort(torch.where(nonzero, indices, torch.iinfo(torch.int64).max)).values
@@ -385,8 +287,8 @@ def keep_largest(
     top = torch.topk(keys, min(capacity, found), sorted=False)
     if length is None and uses_numpy(indices):  # every candidate in use: compact, in order
         chosen_flags = np.zeros(found, dtype=np.bool_)
-        chosen_flags[_numpy(top.indices)] = True
-        return torch.from_numpy(np.compress(chosen_flags, _numpy(indices))), capacity
+        chosen_flags[numpy_view(top.indices)] = True
+        return torch.from_numpy(np.compress(chosen_flags, numpy_view(indices))), capacity
     return _in_position_order(indices.index_select(0, top.indices), _ranked(top.values), capacity)
 
 
@@ -400,19 +302,19 @@ def zero_at(tensor: torch.Tensor, indices: torch.Tensor, used: torch.Tensor | No
     tensor.index_add_(0, indices, found, alpha=-1)
 
 
-def _host_float(value: Threshold) -> float:
-    """A CPU threshold as a Python float (CPU memory: no device to wait for)."""
+def host_float(value: Threshold) -> float:
+    """A CPU threshold as a Python float (CPU memory: no device to wait for); the CPU branches' own."""
     if not isinstance(value, torch.Tensor):
         return float(value)
-    return float((value if _numpy_floats(value) else value.to(torch.float64)).numpy())
+    return float((value if numpy_floats(value) else value.to(torch.float64)).numpy())
 
 
-def _numpy_floats(values: torch.Tensor) -> bool:
+def numpy_floats(values: torch.Tensor) -> bool:
     """NumPy has the dtype (it has no bfloat16; float16 arithmetic there is slow): float32/float64 on CPU."""
     return uses_numpy(values) and values.dtype in (torch.float32, torch.float64)
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A zero-copy NumPy view (``detach`` only when needed: it is one more dispatched operator)."""
     return (tensor.detach() if tensor.requires_grad else tensor).numpy()
 

@@ -62,12 +62,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import (
-    CallingThreadOnly,
-    kept_or_value_with_above,
-    narrowed,
-    nonzero_first,
-)
+from gradsift.compressors.kernels import CallingThreadOnly, nonzero_first
 from gradsift.compressors.sidco_sample import (
     correction_of,
     device_threshold,
@@ -87,6 +82,7 @@ from gradsift.compressors.stats import (
     generalized_pareto_of,
     moments,
 )
+from gradsift.compressors.tail_kernels import kept_or_value_with_above, narrowed
 from gradsift.compressors.threshold import threshold_selection
 from gradsift.compressors.topk import top_k_selection
 from gradsift.core.errors import InvalidOptionError
@@ -195,7 +191,7 @@ class _SIDCo(Sparsifier):
     def _tail_threshold(self, sample: torch.Tensor, eta: torch.Tensor, stages: int) -> torch.Tensor:
         """Stages 2..M from ``eta_1 = eta``: each fits the excess of the exceedances of the
         previous threshold; a stage with fewer than 2 exceedances keeps the previous one.
-        Each stage looks only at the previous stage's tail (:func:`gradsift.compressors.kernels.narrowed`)."""
+        Each stage looks only at the previous stage's tail (:func:`gradsift.compressors.tail_kernels.narrowed`)."""
         stage_ratio = (self.ratio / self.first_ratio) ** (1.0 / (stages - 1))
         tail = sample
         for _ in range(stages - 1):

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.kernels import counts_above
 from gradsift.compressors.stats import MagnitudeFit, statistics_dtype
+from gradsift.compressors.tail_kernels import counts_above
 from gradsift.core.payload import Count
 
 _SLOPE_STEP = 0.1  # ln-eta offset at which the sample count is read for the slope
@@ -43,7 +43,7 @@ def max_stage_count(ratio: float) -> int:
 
 
 def sample_counts(sample: torch.Tensor, thresholds: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[#{s > t} for t in thresholds]`` as a float64 tensor (:func:`gradsift.compressors.kernels.counts_above`)."""
+    """``[#{s > t} for t in thresholds]`` as a float64 tensor (:func:`gradsift.compressors.tail_kernels.counts_above`)."""
     return counts_above(sample, list(thresholds))
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from gradsift.compressors.kernels import moment_sums
+from gradsift.compressors.tail_kernels import moment_sums
 from gradsift.core.validation import check_ratio
 
 #: Bound on ``m^2/v`` and ``1/r``: keeps the fits finite on (nearly) constant data,
@@ -224,7 +224,7 @@ class Moments:
 
 def moments(values: torch.Tensor, above: Number | None = None) -> Moments:
     """:class:`Moments` of the 1-D ``values`` (all of them, or those ``> above``), float64
-    accumulation, no host read of a device tensor (:func:`gradsift.compressors.kernels.moment_sums`).
+    accumulation, no host read of a device tensor (:func:`gradsift.compressors.tail_kernels.moment_sums`).
     An empty set has count 0 and mean 0."""
     count, total, squares, minimum = moment_sums(values.reshape(-1), above)
     denominator = count.clamp_min(1.0)
