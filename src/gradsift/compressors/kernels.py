@@ -5,7 +5,7 @@ Two jobs (the statistics of a sample's tail that the fitted thresholds need are
 
 * **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
   mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
-  and ``nonzero`` are 4-50x slower than NumPy's on the same memory (docs/decisions.md),
+  and ``nonzero`` are several times slower than NumPy's on the same memory (docs/decisions.md),
   and above 32768 elements each PyTorch kernel opens an OpenMP parallel region, which on
   an oversubscribed CPU waits for a descheduled worker thread. NumPy runs these on the
   calling thread, on a zero-copy view of the tensor, and the number of selected
@@ -25,8 +25,8 @@ can compare the two on the same bucket.
 
 :class:`CallingThreadOnly` runs a block with the intra-op pool at one thread (the
 remedy for the PyTorch kernels on CPU a caller cannot avoid). Gathers use
-``index_select``: advanced indexing ``x[indices]`` of 1% of a 2^19-element tensor took
-16 ms with two threads on the loaded machine (load ~20), ``index_select`` 7 us.
+``index_select``, far cheaper than advanced indexing ``x[indices]`` on a loaded machine
+(docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class CallingThreadOnly:
     Restores the previous count afterwards (also on error). A no-op on other devices,
     when the pool already has one thread, and when ``largest`` (the most elements any
     kernel of the block reads) is at most :data:`PARALLEL_GRAIN`: such kernels never
-    use the pool. Entering and leaving costs about 1 us, a no-op nothing measurable.
+    use the pool. Entering and leaving costs next to nothing; a no-op, nothing measurable.
     """
 
     def __init__(self, device: torch.device, largest: int | None = None) -> None:

@@ -26,12 +26,11 @@ def moment_sums(
 
     CPU: NumPy keeps the elements above the bound (``np.compress``, on the calling thread;
     no copy when all of them are, as in SIDCo's stages, whose values were already narrowed
-    to that bound: 0.07 ms for 60k elements) and sums that tail in float64 -- SIDCo's later
+    to that bound) and sums that tail in float64 -- SIDCo's later
     stages see a few percent of the sample.
     The sum of squares is ``np.einsum``, never ``np.dot``: NumPy hands a dot product to
-    BLAS, whose worker threads spin against the other ranks on a shared CPU (2 gloo ranks
-    on 2 cores: 6.6 ms per call on a 2^18-element sample, against 0.08 ms for einsum on
-    the calling thread; docs/decisions.md).
+    BLAS, whose worker threads spin against the other ranks on a shared CPU (einsum runs on
+    the calling thread; docs/decisions.md has the times).
     Other devices: masked sums over every element, no host read.
     """
     if numpy_floats(values):
