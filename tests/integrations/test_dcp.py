@@ -38,7 +38,9 @@ def worker(rank: int, world: int, directory: str) -> dict:
     model, optimizer, state = fresh()
     train(model, optimizer, range(SAVE_AT))
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, **hook_state_dict(state)}, checkpoint_id=f"{directory}/ckpt")
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd, **hook_state_dict(state)}, checkpoint_id=f"{directory}/ckpt"
+    )
     full = train(model, optimizer, range(SAVE_AT, STEPS))
     residuals = sum(float(r.abs().sum()) for r in state.store.table("residual").values())
 
