@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from pathlib import Path
 from typing import Any
 
 from claimmodel import Cell, Claim, Result, Table, ratio, spanned
@@ -1042,7 +1043,7 @@ AUTO_TABLE = Table(
     ),
 )  # fmt: skip
 AUTO_CLAIMS = tuple(
-    Claim(f"auto.{result.path}.{key}", result, (path,), fmt, compute=compute)
+    Claim(f"auto.{Path(result.path).stem}.{key}", result, (path,), fmt, compute=compute)
     for _, _, result, _ in AUTO_LINKS
     for key, path, fmt, compute in (
         ("commit", "provenance/commit", "{:.7}", None),

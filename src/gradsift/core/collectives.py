@@ -200,12 +200,18 @@ def started(work: Any, result: T, group: Any, what: str) -> Pending[T]:
         KEPT_WORKS.keep(work)
 
     def read() -> T:
-        timer = _WAIT_TIMER.get()
-        with contextlib.nullcontext() if timer is None else timer():
-            guarded(what, group, work.wait)
+        timed_wait(what, group, work.wait)
         return result
 
     return Pending(read)
+
+
+def timed_wait(what: str, group: Any, wait: Callable[[], Any]) -> Any:
+    """``wait()`` for collective ``what`` (its failure as :class:`PeerFailureError`), inside the
+    current context's wait timer (:func:`timing_waits`) if any; what ``wait`` returns."""
+    timer = _WAIT_TIMER.get()
+    with contextlib.nullcontext() if timer is None else timer():
+        return guarded(what, group, wait)
 
 
 def _needs_keeping(group: Any) -> bool:

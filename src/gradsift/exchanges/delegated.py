@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gradsift.core.collectives import Pending, guarded, ring_allreduce_received
+from gradsift.core.collectives import Pending, ring_allreduce_received, timed_wait
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import nonfinite
 from gradsift.core.trip import Context, Outcome, Part
@@ -80,5 +80,5 @@ class Delegated(Exchange):
                 view.copy_(mean)
             return Outcome.of(parts, [view if compressing else None], nonfinite=nonfinite(view))
 
-        result = Pending(lambda: guarded(f"{compressor.name} exchange", context.group, future.wait))
+        result = Pending(lambda: timed_wait(f"{compressor.name} exchange", context.group, future.wait))
         return result.then(finish)
