@@ -91,7 +91,7 @@ class GradsiftCallback(Callback):
     def _optimizer(self, trainer: Any) -> Any:
         """The trainer's one optimizer when the hook takes it (``strategy.setup`` made it before ``on_fit_start``)."""
         if not self.take_optimizer:
-            return None
+            return False  # none, and the hook does not look for one
         optimizers = list(getattr(trainer, "optimizers", []))
         if len(optimizers) > 1:
             raise InvalidOptionError(

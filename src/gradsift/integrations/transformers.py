@@ -121,7 +121,7 @@ class GradsiftTrainerCallback(TrainerCallback):
                 f"{type(ddp_model).__name__}"
             )
         if ddp_model is not self._ddp_model:  # a second train() reuses the wrapper and its hook
-            optimizer = self.trainers_optimizer(state) if self.take_optimizer else None
+            optimizer = self.trainers_optimizer(state) if self.take_optimizer else False  # none, not found
             register_comm_hook(ddp_model, self.state, optimizer=optimizer)
             self._ddp_model = ddp_model
         if state.global_step > 0:

@@ -125,7 +125,7 @@ class TrainConfig:
             raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
         if self.compressor not in (AUTO, *available_compressors()):
             raise UnknownCompressorError(
-                f"compressor must be {AUTO} or one of {', '.join(available_compressors())}; got {self.compressor!r}"
+                f"compressor must be one of {', '.join([AUTO, *available_compressors()])}; got {self.compressor!r}"
             )
         check_int(self.workers, "workers", low=1, high=256)
         check_int(self.batch_size, "batch_size", low=1)
