@@ -26,6 +26,7 @@ import gradsift
 from support.distributed import run_workers
 from support.doc_commands import EXAMPLES_GROUP
 from support.models import make_model
+from support.steps import refusal_messages
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -357,15 +358,7 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
             fully_sharded(0, mesh), "topk", process_group=mesh.get_group("replicate")
         ),
     }
-    messages = {}
-    for name, case in cases.items():
-        try:
-            case()
-        except gradsift.InvalidOptionError as error:
-            messages[name] = str(error)
-        else:
-            messages[name] = "no error"
-    return messages
+    return refusal_messages(cases)
 
 
 def test_unsupported_combinations_name_what_is_supported(runs):

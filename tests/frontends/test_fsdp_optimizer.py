@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from support.distributed import run_workers
 from support.models import make_model
+from support.steps import refusal_messages
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -115,15 +116,7 @@ def errors(rank: int, world: int) -> dict[str, str]:
         model = no_shard(use_orig_params=True)
         gradsift.register_comm_hook(model, "topk", optimizer=torch.optim.AdamW(model.parameters()))
 
-    messages = {}
-    for name, case in {"fsdp2": fsdp2, "full_shard": full_shard, "original_params": original_params}.items():
-        try:
-            case()
-        except gradsift.InvalidOptionError as error:
-            messages[name] = str(error)
-        else:
-            messages[name] = "no error"
-    return messages
+    return refusal_messages({"fsdp2": fsdp2, "full_shard": full_shard, "original_params": original_params})
 
 
 def worker(rank: int, world: int) -> dict:

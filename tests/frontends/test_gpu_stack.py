@@ -18,6 +18,7 @@ import gradsift
 import gradsift.frontends.ddp
 from support.distributed import run_workers
 from support.models import batch, flat_params, make_model
+from support.steps import backward_and_step
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -27,14 +28,7 @@ STEPS = 8
 def step(model, optimizer, rank: int, i: int, scaler=None) -> None:
     x, y = batch(rank, i)
     optimizer.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    backward_and_step(torch.nn.functional.mse_loss(model(x), y), optimizer, scaler)
 
 
 # --- static_graph --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook import discovery
+from support.steps import backward_and_step
 
 pytestmark = pytest.mark.distributed
 
@@ -44,14 +45,9 @@ def run(compressor: str, family: str, *, passed: bool, scaler_scale: float | Non
         warnings.simplefilter("error")  # adopted: no "not passed" warning
         for _ in range(6):
             optimizer.zero_grad()
-            loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            backward_and_step(
+                ddp(torch.randn(16, 32, generator=generator)).square().mean(), optimizer, scaler
+            )
     return [p.detach().clone() for p in ddp.parameters()], state
 
 

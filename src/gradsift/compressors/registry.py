@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 from gradsift.compressors.base import Compressor
@@ -81,6 +82,11 @@ def compressor_options(name: str) -> list[str]:
     ]
 
 
+def unknown_options(name: str, options: Iterable[str]) -> list[str]:
+    """The names in ``options`` that the compressor registered under ``name`` does not take, sorted."""
+    return sorted(set(options) - set(compressor_options(name)))
+
+
 def get_compressor(name: str, **options: Any) -> Compressor:
     """Build the compressor registered under ``name`` with the given options.
 
@@ -89,7 +95,7 @@ def get_compressor(name: str, **options: Any) -> Compressor:
     out-of-range values raise from the compressor's own checks.
     """
     accepted = compressor_options(name)
-    unknown = sorted(set(options) - set(accepted))
+    unknown = unknown_options(name, options)
     if unknown:
         raise InvalidOptionError(
             f"compressor {name!r} has no option(s) {', '.join(unknown)}; "

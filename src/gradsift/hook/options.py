@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from gradsift.compressors.base import Compressor
-from gradsift.compressors.registry import compressor_options, get_compressor
+from gradsift.compressors.registry import compressor_options, get_compressor, unknown_options
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_bool, check_choice, check_int, check_ratio, check_real
 from gradsift.core.wire import parse_value_dtype
@@ -166,12 +166,10 @@ def resolve_compressor(compressor: str | Compressor, options: dict[str, Any]) ->
     """``compressor`` built from its registry name and ``options`` (the non-hook keywords), or
     the instance as given (then ``options`` must be empty)."""
     if isinstance(compressor, str):
-        accepted = compressor_options(compressor)
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
+        if unknown := unknown_options(compressor, options):
             raise InvalidOptionError(
                 f"unknown option(s) {', '.join(unknown)}: the hook's options are {', '.join(HOOK_OPTIONS)}; "
-                f"compressor {compressor!r}'s are {', '.join(accepted) or '(none)'}"
+                f"compressor {compressor!r}'s are {', '.join(compressor_options(compressor)) or '(none)'}"
             )
         return get_compressor(compressor, **options)
     if options:
