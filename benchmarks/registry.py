@@ -982,7 +982,7 @@ AUTO_LINKS = (
         "localhost",
         "with 1-bit Adam",
         Result("results/auto/localhost.json", f"{_ONE_LINE} --json results/auto/localhost.json"),
-        ("none", "bf16", "auto"),
+        ("none", "bf16", "auto", "alone"),
     ),
     (
         "100 Mbit/s",
@@ -1003,7 +1003,12 @@ AUTO_LINKS = (
         ("none", "auto"),
     ),
 )
-AUTO_ARMS = {"none": "stock DDP (`none`)", "bf16": "`bf16`", "auto": "`auto` (the one line)"}
+AUTO_ARMS = {
+    "none": "stock DDP (`none`)",
+    "bf16": "`bf16`",
+    "auto": "`auto` (the one line)",
+    "alone": "one worker alone (no communication)",
+}
 
 
 def _auto_ratio(result: Result, arm: str, field: str) -> Claim | str:
@@ -1016,6 +1021,18 @@ def _auto_ratio(result: Result, arm: str, field: str) -> Claim | str:
         (f"ratios_to_none/{arm}/{field}",),
         "{:.3f}x [{:.3f}, {:.3f}]",
         compute=tuple,
+    )
+
+
+def _auto_bytes(result: Result, arm: str) -> Claim:
+    """``arm``'s bytes sent and received per step per worker, means over its seeds (MB)."""
+    fields = (f"runs/{{arm={arm}}}/bytes_sent_per_step", f"runs/{{arm={arm}}}/bytes_received_per_step")
+    return Claim(
+        f"auto.{Path(result.path).stem}.{arm}.bytes",
+        result,
+        fields,
+        "{:.3f} / {:.3f}",
+        compute=lambda sent, received: (statistics.mean(sent) / 1e6, statistics.mean(received) / 1e6),
     )
 
 
@@ -1033,11 +1050,13 @@ def _auto_choices(result: Result, arm: str) -> Claim | str:
 
 AUTO_TABLE = Table(
     "auto-one-line",
-    ("link", "auto's Adam candidates", "arm", "chose", "validation loss / stock", "median step / stock", "wall time / stock"),
-    ("---", "---", "---", "---", "---:", "---:", "---:"),
+    ("link", "auto's Adam candidates", "arm", "chose", "validation loss / stock", "median step / stock",
+     "wall time / stock", "MB sent / received per step per worker"),
+    ("---", "---", "---", "---", "---:", "---:", "---:", "---:"),
     tuple(
         (link, candidates, AUTO_ARMS[arm], _auto_choices(result, arm),
-         *(_auto_ratio(result, arm, field) for field in ("final_validation_loss", "step_time_median_s", "wall_time_s")))
+         *(_auto_ratio(result, arm, field) for field in ("final_validation_loss", "step_time_median_s", "wall_time_s")),
+         _auto_bytes(result, arm))
         for link, candidates, result, arms in AUTO_LINKS
         for arm in arms
     ),
