@@ -8,12 +8,16 @@ tensors of a GPU the peer does not have -- do not pickle.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 
+@functools.cache
 def lazy_device() -> torch.device:
-    """Start the lazy-tensor backend; its device."""
+    """Start the lazy-tensor backend, once per process (a second ``init`` raises "Tried to register
+    multiple backend fallbacks": two test modules in one worker process); its device."""
     import torch._lazy.ts_backend
 
     torch._lazy.ts_backend.init()
