@@ -112,11 +112,14 @@ def fresh_environment(prefix: Path) -> Environment:
                 (links / entry.name).symlink_to(entry)
     (own_site_packages,) = prefix.glob("lib/python*/site-packages")
     (own_site_packages / "test-dependencies.pth").write_text(f"{links}\n")
-    pip = environment.bin / "pip"
-    pip.write_text(
-        f"#!{environment.python}\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n"
-    )
-    pip.chmod(0o755)
+    # The console scripts a user's venv would hold for the packages it sees: without its own
+    # torchrun, PATH would reach a system torchrun whose python has no gradsift.
+    for script, module in (("pip", "pip._internal.cli.main"), ("torchrun", "torch.distributed.run")):
+        launcher = environment.bin / script
+        launcher.write_text(
+            f"#!{environment.python}\nimport sys\nfrom {module} import main\nsys.exit(main())\n"
+        )
+        launcher.chmod(0o755)
     return environment
 
 
