@@ -174,6 +174,49 @@ def test_lightning_callback_hands_the_hook_the_trainers_optimizer(one_process_gr
         GradsiftCallback("topk", ratio=0.1).on_fit_start(two, None)
 
 
+@pytest.mark.distributed
+def test_lightning_callback_defaults_to_auto_and_registers_it_itself(one_process_group: None) -> None:
+    """``GradsiftCallback()`` is ``auto``: nothing to offer DDPStrategy, its state from
+    on_fit_start, stock DDP's gradients while it measures, a decision at DECIDE_AT, and the
+    state (the choice with it) restored by a fresh callback; a ratio is refused, not ignored."""
+    pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
+    from gradsift.hook.auto import DECIDE_AT, AutoHookState
+    from gradsift.integrations.lightning import GradsiftCallback
+
+    callback = GradsiftCallback()
+    assert callback.strategy_kwargs() == {}
+    with pytest.raises(
+        InvalidOptionError, match="compressor='auto' builds its hook state from the DDP model"
+    ):
+        callback.state  # noqa: B018 -- the property raises
+    ddp_model, stock = _ddp_model(), _ddp_model()  # stock: DDP's own allreduce
+    callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=ddp_model)), None)
+    assert isinstance(callback.state, AutoHookState)
+    for step in range(DECIDE_AT + 1):
+        batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for model in (ddp_model, stock):
+            model.zero_grad(set_to_none=True)
+            model(batch).square().mean().backward()
+        if step < DECIDE_AT:
+            assert all(
+                torch.equal(a.grad, b.grad)
+                for a, b in zip(ddp_model.parameters(), stock.parameters(), strict=True)
+            )
+    chosen = callback.state.stats()["auto"]
+    assert chosen["decided_at"] == DECIDE_AT and chosen["choice"] in ("none", "bf16")  # no optimizer: "other"
+
+    restored = GradsiftCallback()
+    restored.load_state_dict(callback.state_dict())
+    restored.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model())), None)
+    assert restored.state.stats()["auto"]["choice"] == chosen["choice"]
+    assert restored.state.step == callback.state.step == DECIDE_AT + 1
+
+    with pytest.raises(InvalidOptionError, match="compressor='auto' picks the method and its options; ratio"):
+        GradsiftCallback(ratio=0.1).on_fit_start(
+            SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model())), None
+        )
+
+
 # -- Hugging Face Trainer callback, in a one-process gloo group ----------------------------
 def test_trainer_callback_without_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
@@ -185,10 +228,12 @@ def test_trainer_callback_without_transformers_names_the_extra(monkeypatch: pyte
         importlib.import_module("gradsift.integrations.transformers")
 
 
-def _trainer_events(tmp_path: Path, step: int, resume_from: str | None = None) -> tuple[SimpleNamespace, ...]:
+def _trainer_events(
+    tmp_path: Path, step: int, resume_from: str | None = None, max_steps: int = 40
+) -> tuple[SimpleNamespace, ...]:
     """``(args, state, control)`` as the Trainer passes them to a callback event."""
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=resume_from)
-    return args, SimpleNamespace(global_step=step), SimpleNamespace()
+    return args, SimpleNamespace(global_step=step, max_steps=max_steps), SimpleNamespace()
 
 
 @pytest.mark.distributed
@@ -260,6 +305,39 @@ def test_trainer_callback_refuses_what_would_not_continue_the_run(
     assert not marker.exists()  # the file's object was never built
     with pytest.raises(InvalidOptionError, match="not hook options"):
         GradsiftTrainerCallback(None, saver.state.compressor, ratio=0.1)
+
+
+@pytest.mark.distributed
+def test_trainer_callback_defaults_to_auto_told_the_runs_length(
+    one_process_group: None, tmp_path: Path
+) -> None:
+    """``GradsiftTrainerCallback(trainer)`` registers ``auto`` at on_train_begin with the
+    Trainer's ``max_steps`` as the run's length (an explicit ``steps`` wins), and its saved
+    state -- the choice in it -- restores into a resumed run's auto."""
+    pytest.importorskip("transformers", reason="pip install 'gradsift[transformers]'")
+    from gradsift.hook.auto import DECIDE_AT, AutoHookState
+    from gradsift.integrations.transformers import GradsiftTrainerCallback
+
+    def begin(callback: GradsiftTrainerCallback, step: int) -> None:
+        callback.on_train_begin(*_trainer_events(tmp_path, step, max_steps=5000))
+
+    ddp_model = _ddp_model()
+    callback = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=ddp_model))
+    begin(callback, 0)
+    assert isinstance(callback.state, AutoHookState) and callback.state.run_steps == 5000
+    for _ in range(DECIDE_AT + 1):
+        _train_step(ddp_model)
+    choice = callback.state.stats()["auto"]["choice"]
+    assert choice in ("none", "bf16")
+    callback.on_save(*_trainer_events(tmp_path, DECIDE_AT + 1))
+
+    resumed = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()))
+    begin(resumed, DECIDE_AT + 1)
+    assert resumed.state.stats()["auto"]["choice"] == choice and resumed.state.step == DECIDE_AT + 1
+
+    told = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()), steps=40)
+    begin(told, 0)
+    assert told.state.run_steps == 40
 
 
 class _MakesDirectory:

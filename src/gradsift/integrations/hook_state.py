@@ -1,25 +1,68 @@
-"""A hook state built before the DDP model exists (for trainers that wrap the model later).
+"""The hook a trainer's callback registers once the trainer has wrapped the model in DDP.
 
 Lightning and Hugging Face's ``Trainer`` create the ``DistributedDataParallel`` wrapper
-themselves, after the user has configured the callbacks. Their gradsift callbacks build
-the :class:`~gradsift.hook.state.GradsiftHookState` up front -- so a wrong option fails when the
-callback is made, not minutes later at the first step -- and bind it to the DDP model
-with :func:`gradsift.frontends.ddp.register_comm_hook` once the trainer has wrapped it.
+themselves, after the user has configured the callbacks. Their gradsift callbacks hold a
+:class:`PendingHook` from the arguments :func:`gradsift.register_comm_hook` takes and
+register it with :func:`gradsift.frontends.ddp.register_comm_hook` once the trainer has
+wrapped the model. A named method's :class:`~gradsift.hook.state.GradsiftHookState` is built
+up front, so a wrong option fails when the callback is made, not minutes later; the
+state of ``compressor="auto"`` (:class:`~gradsift.hook.auto.AutoHookState`) is built from
+the DDP model, so it -- and the check of its options -- waits for the registration.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from gradsift.compressors.base import Compressor
+from gradsift.core.errors import InvalidOptionError
+from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.state import GradsiftHookState
 
 
-def new_hook_state(compressor: str | Compressor, **options: Any) -> GradsiftHookState:
-    """An unattached hook state, from the arguments :func:`gradsift.register_comm_hook` takes.
+class PendingHook:
+    """A hook to register on a DDP model that does not exist yet (module docstring).
 
-    ``options`` holds hook options (:data:`gradsift.hook.options.HOOK_OPTIONS`: ``granularity``,
-    ``warmup_steps``, ...) and, when ``compressor`` is a registry name, the compressor's
-    options (``ratio``, ...).
+    Args:
+        compressor: ``"auto"``, a registry name or a built
+            :class:`~gradsift.compressors.base.Compressor`, as for :func:`gradsift.register_comm_hook`.
+        options: hook options (:data:`gradsift.hook.options.HOOK_OPTIONS`: ``granularity``,
+            ``warmup_steps``, ...) and, when ``compressor`` is a registry name, the compressor's
+            options (``ratio``, ...).
+
+    Attributes:
+        named: a named method's state, built here; None under ``"auto"``.
     """
-    return GradsiftHookState.build(compressor, **options)
+
+    def __init__(self, compressor: str | Compressor, options: dict[str, Any]) -> None:
+        is_auto = isinstance(compressor, str) and compressor == AUTO
+        self.named = None if is_auto else GradsiftHookState.build(compressor, **options)
+        self._auto_options = dict(options)  # what "auto" is registered with
+        self._state: GradsiftHookState | AutoHookState | None = self.named
+
+    @property
+    def state(self) -> GradsiftHookState | AutoHookState:
+        """The hook's state: a named method's from the start, ``"auto"``'s once registered."""
+        if self._state is None:
+            raise InvalidOptionError(
+                "compressor='auto' builds its hook state from the DDP model, so it exists once the trainer "
+                "has wrapped the model and the callback registered the hook (on_train_begin / on_fit_start); "
+                "name a method (e.g. 'sidco-exp') for a state to hand the trainer before that"
+            )
+        return self._state
+
+    def register(
+        self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, **auto_defaults: Any
+    ) -> GradsiftHookState | AutoHookState:
+        """Install the hook on ``ddp_model`` with ``optimizer`` (``False``: none, and none looked
+        for) and return its state. ``auto_defaults`` are options of ``"auto"`` the caller knows
+        (``steps``, the run's length); the options given to the constructor win over them."""
+        if self.named is not None:
+            return register_comm_hook(ddp_model, self.named, optimizer=optimizer)
+        self._state = register_comm_hook(
+            ddp_model, AUTO, optimizer=optimizer, **{**auto_defaults, **self._auto_options}
+        )
+        return self._state

@@ -1,13 +1,15 @@
 """PyTorch Lightning: gradsift's hook, its telemetry and its checkpoint state (extra ``lightning``).
 
-:class:`GradsiftCallback` holds one :class:`~gradsift.hook.state.GradsiftHookState` and
+:class:`GradsiftCallback` holds one hook (:class:`~gradsift.integrations.hook_state.PendingHook`) and
 
-1. offers it to Lightning's own mechanism, ``DDPStrategy(ddp_comm_state=cb.state,
+1. offers a named method's state to Lightning's own mechanism, ``DDPStrategy(ddp_comm_state=cb.state,
    ddp_comm_hook=cb.hook)`` (Lightning then calls ``model.register_comm_hook(state, hook)``);
+   ``compressor="auto"`` (the default, :mod:`gradsift.hook.auto`) builds its state from the
+   DDP model, so it offers nothing (:meth:`GradsiftCallback.strategy_kwargs` is empty);
 2. on ``on_fit_start`` -- after the model is wrapped in DDP, before the first backward --
    binds the state to the DDP model and, where Lightning did not register the hook
-   (Lightning registers comm hooks only on CUDA; on CPU/gloo it skips them, and a plain
-   ``strategy="ddp"`` never passes one), registers it itself;
+   (Lightning registers comm hooks only on CUDA; on CPU/gloo it skips them, a plain
+   ``strategy="ddp"`` never passes one, and ``"auto"`` has none to pass), registers it itself;
 3. logs ``state.stats()`` to every logger of the trainer each ``log_every_n_steps``
    (``gradsift/hook/ledger/bytes_sent``, ``gradsift/total/density``, ...);
 4. checkpoints the hook state of *every rank* (``state_dict`` gathers them to rank 0, which
@@ -23,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
-from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
+from gradsift.hook.state import GradsiftHookState
 from gradsift.integrations.checkpoint import gather_hook_states, rank_entry, restore_hook_state
-from gradsift.integrations.hook_state import new_hook_state
+from gradsift.integrations.hook_state import PendingHook
 from gradsift.integrations.telemetry import scalar_metrics
 
 if TYPE_CHECKING:
@@ -40,8 +43,8 @@ class GradsiftCallback(Callback):
     """Compress DDP gradients under Lightning, log the hook's statistics, checkpoint its state.
 
     Args:
-        compressor: a registry name (``"sidco-exp"``, ``"topk"``, ...) or a built
-            :class:`~gradsift.compressors.base.Compressor`.
+        compressor: ``"auto"`` (default; registered at ``on_fit_start``), a registry name
+            (``"sidco-exp"``, ``"topk"``, ...) or a built :class:`~gradsift.compressors.base.Compressor`.
         take_optimizer: hand the hook the trainer's optimizer as ``optimizer=`` (default
             True): SGD's momentum and weight decay, Adam's first moment, move into the
             exchange (DGC's momentum correction, :mod:`gradsift.hook.recipe`); a module with
@@ -51,25 +54,34 @@ class GradsiftCallback(Callback):
             :func:`gradsift.register_comm_hook`.
 
     Attributes:
-        state: the hook state (pass it as ``DDPStrategy(ddp_comm_state=...)``).
-        hook: the hook callable (pass it as ``DDPStrategy(ddp_comm_hook=...)``).
+        state: the hook state (a named method's: pass it as ``DDPStrategy(ddp_comm_state=...)``;
+            ``"auto"``'s exists from ``on_fit_start`` on).
+        hook: the hook callable of a named method (pass it as ``DDPStrategy(ddp_comm_hook=...)``).
     """
 
     hook = staticmethod(gradsift_hook)
 
     def __init__(
-        self, compressor: str | Compressor = "sidco-exp", take_optimizer: bool = True, **options: Any
+        self, compressor: str | Compressor = AUTO, take_optimizer: bool = True, **options: Any
     ) -> None:
         if not isinstance(take_optimizer, bool):
             raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
         self.take_optimizer = take_optimizer
-        self.state = new_hook_state(compressor, **options)
+        self._hook = PendingHook(compressor, options)
         self._ddp_model: Any = None
         self._restored: dict[str, Any] | None = None  # a checkpoint's entry until the model is placed
 
+    @property
+    def state(self) -> GradsiftHookState | AutoHookState:
+        """The hook's state (:attr:`gradsift.integrations.hook_state.PendingHook.state`)."""
+        return self._hook.state
+
     def strategy_kwargs(self) -> dict[str, Any]:
-        """``{"ddp_comm_state": state, "ddp_comm_hook": hook}`` for ``DDPStrategy(**...)``."""
-        return {"ddp_comm_state": self.state, "ddp_comm_hook": self.hook}
+        """``{"ddp_comm_state": state, "ddp_comm_hook": hook}`` for ``DDPStrategy(**...)``; ``{}``
+        under ``"auto"``, whose hook the callback registers at ``on_fit_start``."""
+        if self._hook.named is None:
+            return {}
+        return {"ddp_comm_state": self._hook.named, "ddp_comm_hook": self.hook}
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         ddp_model = trainer.strategy.model
@@ -79,11 +91,12 @@ class GradsiftCallback(Callback):
                 f"2 processes; the trainer's model is a {type(ddp_model).__name__}"
             )
         optimizer = self._optimizer(trainer)
-        if any(state is self.state for _, state in getattr(ddp_model, "_comm_hooks", ())):
-            self.state.attach(ddp_model, optimizer)  # Lightning registered it (CUDA): bind it only
-            check_hook_settings(self.state, "GradsiftCallback")  # collective: ranks that disagree stop
+        named = self._hook.named
+        if named is not None and any(state is named for _, state in getattr(ddp_model, "_comm_hooks", ())):
+            named.attach(ddp_model, optimizer)  # Lightning registered it (CUDA): bind it only
+            check_hook_settings(named, "GradsiftCallback")  # collective: ranks that disagree stop
         else:
-            register_comm_hook(ddp_model, self.state, optimizer=optimizer)
+            self._hook.register(ddp_model, optimizer)
         self._ddp_model = ddp_model
         if self._restored is not None:
             self._load(self._restored)

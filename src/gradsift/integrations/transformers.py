@@ -31,6 +31,10 @@ its source, transformers 5.24):
    method of :mod:`gradsift.hook.adam`, with a dense warm-up of a tenth of ``max_steps`` unless
    ``warmup_steps`` is given; SGD gets DGC's momentum correction. The Trainer's own
    gradient clipping (``max_grad_norm``, 1 by default) then clips Adam's first moment.
+6. ``compressor="auto"`` (the default, :mod:`gradsift.hook.auto`) builds its state from the
+   DDP model, so the callback registers it at ``on_train_begin``, where its options are
+   checked; it is told the run's length (``steps=max_steps``, unless given), which decides
+   whether the 1-bit Adam method is among its candidates, and keeps its own warm-up rule.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -48,12 +52,12 @@ from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
 from gradsift.core.plain import read_plain
-from gradsift.frontends.ddp import register_comm_hook
 from gradsift.hook.adam import default_warmup_steps, is_adam
+from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.handshake import hook_settings
 from gradsift.hook.state import GradsiftHookState
 from gradsift.integrations.checkpoint import check_same_world_size, restore_hook_state, to_cpu
-from gradsift.integrations.hook_state import new_hook_state
+from gradsift.integrations.hook_state import PendingHook
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -74,13 +78,13 @@ class GradsiftTrainerCallback(TrainerCallback):
     Usage::
 
         trainer = Trainer(model=model, args=training_args, train_dataset=train)
-        trainer.add_callback(GradsiftTrainerCallback(trainer, "sidco-exp", ratio=0.01))
+        trainer.add_callback(GradsiftTrainerCallback(trainer))  # "auto"; or e.g. "topk", ratio=0.01
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     Args:
         trainer: the ``transformers.Trainer`` this callback is added to.
-        compressor: a registry name (``"sidco-exp"``, ``"topk"``, ...) or a built
-            :class:`~gradsift.compressors.base.Compressor`.
+        compressor: ``"auto"`` (default; module docstring, 6.), a registry name (``"sidco-exp"``,
+            ``"topk"``, ...) or a built :class:`~gradsift.compressors.base.Compressor`.
         resume_from: the checkpoint folder a resumed run continues from, when it is
             neither ``TrainingArguments.resume_from_checkpoint`` nor
             ``OUTPUT_DIR/checkpoint-STEP``.
@@ -91,13 +95,14 @@ class GradsiftTrainerCallback(TrainerCallback):
 
     Attributes:
         state: the :class:`~gradsift.hook.state.GradsiftHookState` (``state.stats()`` for bytes,
-            density and timings).
+            density and timings); under ``"auto"`` the
+            :class:`~gradsift.hook.auto.AutoHookState`, from ``on_train_begin`` on.
     """
 
     def __init__(
         self,
         trainer: Any,
-        compressor: str | Compressor = "sidco-exp",
+        compressor: str | Compressor = AUTO,
         *,
         resume_from: str | os.PathLike[str] | None = None,
         take_optimizer: bool = True,
@@ -106,7 +111,7 @@ class GradsiftTrainerCallback(TrainerCallback):
         if not isinstance(take_optimizer, bool):
             raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
         self.trainer = trainer
-        self.state: GradsiftHookState = new_hook_state(compressor, **options)
+        self._hook = PendingHook(compressor, options)
         self.resume_from = resume_from
         self.take_optimizer = take_optimizer
         self.warmup_given = "warmup_steps" in options
@@ -122,21 +127,27 @@ class GradsiftTrainerCallback(TrainerCallback):
             )
         if ddp_model is not self._ddp_model:  # a second train() reuses the wrapper and its hook
             optimizer = self.trainers_optimizer(state) if self.take_optimizer else False  # none, not found
-            register_comm_hook(ddp_model, self.state, optimizer=optimizer)
+            self._hook.register(ddp_model, optimizer, steps=state.max_steps)
             self._ddp_model = ddp_model
         if state.global_step > 0:
             self.load(self.resume_folder(args, state.global_step), state.global_step)
 
     def trainers_optimizer(self, state: Any) -> torch.optim.Optimizer | None:
         """The ``torch.optim`` optimizer the Trainer steps (inside Accelerate's wrapper; None
-        before the Trainer made one); an Adam without an explicit ``warmup_steps`` gets a
-        tenth of the TrainerState's ``max_steps`` dense."""
+        before the Trainer made one); under a named method an Adam without an explicit
+        ``warmup_steps`` gets a tenth of the TrainerState's ``max_steps`` dense."""
         wrapped = getattr(self.trainer, "optimizer", None)
         optimizer: torch.optim.Optimizer | None = getattr(wrapped, "optimizer", wrapped)
-        if is_adam(optimizer) and not self.warmup_given:
+        named = self._hook.named
+        if is_adam(optimizer) and not self.warmup_given and named is not None:
             warmup = default_warmup_steps(state.max_steps)
-            self.state.options = dataclasses.replace(self.state.options, warmup_steps=warmup)
+            named.options = dataclasses.replace(named.options, warmup_steps=warmup)
         return optimizer
+
+    @property
+    def state(self) -> GradsiftHookState | AutoHookState:
+        """The hook's state (:attr:`gradsift.integrations.hook_state.PendingHook.state`)."""
+        return self._hook.state
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -158,7 +169,7 @@ class GradsiftTrainerCallback(TrainerCallback):
             "world_size": dist.get_world_size(),
             "global_step": global_step,
             "hook": self.state.state_dict(),
-            "settings": hook_settings(self.state),
+            "settings": hook_settings(cast(GradsiftHookState, self.state)),  # auto's reads as its method's
         }
         torch.save(to_cpu(saved), path)
         return path
