@@ -1,0 +1,284 @@
+"""Peak memory per rank of each method against stock DDP, measured and expected from the code.
+
+Two gloo ranks train an MLP of ``DEPTH`` x Linear(1024, 1024) + Linear(1024, 10)
+(9 446 666 fp32 parameters, 37.8 MB; batch 32 per rank, so the activations are small
+beside the per-parameter state) for ``--steps`` steps of SGD with momentum 0.9 and of
+AdamW, once per arm (:data:`ARMS`): stock DDP (no hook), the hook with ``none``,
+``bf16``, ``topk`` and ``sidco-exp`` (ratio 0.01), ``efsignsgd`` under AdamW (the
+1-bit Adam method), ``powersgd``, and ``gradsift.diloco`` (no DDP). The Adam methods'
+dense warm-up and PowerSGD's ``start_iter`` are ``DENSE_STEPS``, so most steps are
+compressed; DiLoCo's round is ``SYNC_EVERY`` steps.
+
+Measured: the peak resident set size of each rank (``getrusage``'s ``ru_maxrss``, which
+only grows, so every arm runs in two fresh spawned processes) minus the rank's RSS just
+before the arm's DDP model is built (after the imports, the process group and the bare
+model), so what the interpreter and torch occupy cancels; the same for the RSS after
+the last step (what stays between steps) and for malloc's in-use bytes after the last
+step (``mallinfo2``: the live tensors, without what the allocator keeps after a free).
+An arm's extra is its growth minus stock DDP's under the same optimizer, on the same
+rank; the larger of the two ranks' is reported.
+
+Expected: :data:`ARMS` lists, per arm, the per-parameter tensors it keeps over stock DDP,
+the stock ones it does without, and those alive only until the step commits (the
+transaction's old residual and velocity beside the new ones, a payload in flight);
+:func:`expected_bytes` counts them for a model. Usage (repository root, a clean checkout
+of a commit on main)::
+
+    flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py --json results/memory/peak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import resource
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, ranks, results
+import provenance
+from paths import results_dir
+from workers import run_ranks
+
+WIDTH, DEPTH, BATCH, WORLD = 1024, 9, 32, 2
+#: The Adam methods' dense warm-up (``warmup_steps``) and PowerSGD's ``start_iter``.
+DENSE_STEPS = 5
+#: DiLoCo's inner steps per round (``sync_every``).
+SYNC_EVERY = 5
+OPTIMIZERS = ("sgd", "adamw")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One measured configuration and what the code keeps for it per parameter, over stock DDP.
+
+    ``kept``: tensors alive between steps; ``dropped``: stock DDP's own that the arm does
+    without; ``in_step``: tensors alive only until the step commits or rolls back. Each is
+    ``(what, bytes per parameter element)``.
+    """
+
+    label: str
+    method: str | None  # a registry name for the hook, "diloco", or None (stock DDP)
+    optimizers: tuple[str, ...]
+    options: tuple[tuple[str, Any], ...] = ()
+    kept: tuple[tuple[str, int], ...] = ()
+    dropped: tuple[tuple[str, int], ...] = ()
+    in_step: tuple[tuple[str, int], ...] = ()
+    adamw_kept: tuple[tuple[str, int], ...] = ()  # added to ``kept`` under AdamW (the frozen-variance method)
+    sgd_dropped: tuple[tuple[str, int], ...] = ()  # added to ``dropped`` under SGD (momentum correction)
+
+    def tensors(self, optimizer: str) -> dict[str, tuple[tuple[str, int], ...]]:
+        """``kept``, ``dropped`` and ``in_step`` under ``optimizer``."""
+        adamw = optimizer == "adamw"
+        return {
+            "kept": self.kept + (self.adamw_kept if adamw else ()),
+            "dropped": self.dropped + (() if adamw else self.sgd_dropped),
+            "in_step": self.in_step,
+        }
+
+
+RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
+OLD = (("old residual", FP32), ("old velocity", FP32))
+MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
+PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
+COMPENSATED = ("compensated gradient beside the new residual", FP32)
+SPARSIFIER = {
+    "kept": (RESIDUAL, VELOCITY),
+    "in_step": OLD,
+    "adamw_kept": PRECONDITIONER,
+    "sgd_dropped": MOMENTUM_BUFFER,
+}
+ARMS = (
+    Arm("stock", None, OPTIMIZERS),
+    Arm("none", "none", OPTIMIZERS),
+    Arm("bf16", "bf16", OPTIMIZERS, in_step=(("bf16 payload", 2), ("its mean", 2))),
+    Arm("topk", "topk", OPTIMIZERS, (("ratio", 0.01),), **SPARSIFIER),
+    Arm("sidco-exp", "sidco-exp", OPTIMIZERS, (("ratio", 0.01),), **SPARSIFIER),
+    Arm("efsignsgd", "efsignsgd", ("adamw",), kept=(RESIDUAL, VELOCITY), in_step=(*OLD, COMPENSATED),
+        adamw_kept=PRECONDITIONER),
+    Arm("powersgd", "powersgd", OPTIMIZERS, (("start_iter", DENSE_STEPS),), kept=(RESIDUAL,),
+        in_step=(OLD[0], COMPENSATED), adamw_kept=(VELOCITY, *PRECONDITIONER)),
+    Arm("diloco", "diloco", OPTIMIZERS, (("sync_every", SYNC_EVERY),),
+        kept=(("shared parameters (the model's copy)", FP32), RESIDUAL),
+        dropped=(("DDP's gradient buckets", FP32),),
+        in_step=(("pseudo-gradient", FP32), COMPENSATED, OLD[0], ("outer gradient", FP32))),
+)  # fmt: skip
+
+
+def expected_bytes(arm: Arm, optimizer: str, model: torch.nn.Module) -> dict[str, int]:
+    """Bytes over stock DDP that ``arm`` keeps between steps (``kept``) and holds at its peak,
+    until the step commits (``peak``), for ``model``'s trainable parameters."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tensors = arm.tensors(optimizer)
+    per = {part: sum(size for _, size in tensors[part]) for part in tensors}
+    kept = numel * (per["kept"] - per["dropped"])
+    return {"kept": kept, "peak": kept + numel * per["in_step"]}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def rss_now() -> int:
+    """This process's resident set size now, in bytes."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def allocated_now() -> int:
+    """Bytes glibc's malloc has handed out and not had back (every arena and mmapped chunk):
+    the live tensors, without what the allocator keeps after a free."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def rss_peak() -> int:
+    """The largest resident set size this process has had, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build(
+    arm: Arm, optimizer_name: str, module: torch.nn.Module
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model the steps run on and its optimizer, with ``arm``'s method installed."""
+    if arm.method == "diloco":
+        optimizer = make_optimizer(optimizer_name, module)
+        gradsift.diloco(module, optimizer, **dict(arm.options))
+        return module, optimizer
+    model = DDP(module)
+    optimizer = make_optimizer(optimizer_name, module)
+    if arm.method is not None:
+        options = dict(arm.options, optimizer=optimizer)
+        if optimizer_name == "adamw":  # the frozen-variance method's warm-up (no-op without error feedback)
+            options["warmup_steps"] = DENSE_STEPS
+        gradsift.register_comm_hook(model, arm.method, **options)
+    return model, optimizer
+
+
+def worker(rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, store=dist.FileStore(store_path, WORLD))
+    module = make_model()
+    start, allocated = rss_now(), allocated_now()
+    model, optimizer = build(arm, optimizer_name, module)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = (
+            torch.randn(BATCH, WIDTH, generator=generator),
+            torch.randint(0, 10, (BATCH,), generator=generator),
+        )
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    mine = {"start": start, "peak": rss_peak(), "end": rss_now(), "allocated_start": allocated,
+            "allocated_end": allocated_now()}  # fmt: skip
+    ranks: list[Any] = [None] * WORLD
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        queue.put(ranks)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(arm: Arm, optimizer: str, steps: int) -> list[dict[str, int]]:
+    """Each rank's RSS at the start, its peak and its RSS at the end, and malloc's live bytes
+    at the start and the end, in fresh processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(worker, (os.path.join(tmp, "store"), arm, optimizer, steps), WORLD, timeout_s=600)
+
+
+def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list[dict[str, int]],
+              model: torch.nn.Module) -> dict[str, Any]:  # fmt: skip
+    """An arm's row: its ranks, its measured extra over stock (the larger rank's), the expectation."""
+    numel = sum(p.numel() for p in model.parameters())
+    extra = {
+        key: max((r[key] - r[start]) - (s[key] - s[start]) for r, s in zip(ranks, stock, strict=True))
+        for key, start in (("peak", "start"), ("end", "start"), ("allocated_end", "allocated_start"))
+    }
+    expected = expected_bytes(arm, optimizer, model)
+    return {
+        "arm": arm.label,
+        "optimizer": optimizer,
+        "options": dict(arm.options),
+        "ranks": ranks,
+        "extra_peak_bytes": extra["peak"],
+        "extra_end_bytes": extra["end"],
+        "extra_peak_per_parameter": extra["peak"] / numel,
+        "extra_peak_over_parameter_bytes": extra["peak"] / (FP32 * numel),
+        "extra_end_per_parameter": extra["end"] / numel,
+        "extra_allocated_end_per_parameter": extra["allocated_end"] / numel,
+        "expected_peak_per_parameter": expected["peak"] / numel,
+        "expected_kept_per_parameter": expected["kept"] / numel,
+        "expected": {part: [f"{what} ({size} B)" for what, size in tensors]
+                     for part, tensors in arm.tensors(optimizer).items()},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="training steps per arm (default: 20)")
+    parser.add_argument("--json", type=Path, default=results_dir(__file__) / "peak.json")
+    args = parser.parse_args(argv)
+    if args.steps <= max(DENSE_STEPS, SYNC_EVERY):
+        parser.error(
+            f"--steps must exceed the dense warm-up and DiLoCo's round ({max(DENSE_STEPS, SYNC_EVERY)})"
+        )
+    stamp = provenance.start(seeds=[0, *range(WORLD)])  # the model's seed, each rank's batches
+    model, rows = make_model(), []
+    for optimizer in OPTIMIZERS:
+        stock: list[dict[str, int]] = []
+        for arm in (a for a in ARMS if optimizer in a.optimizers):
+            ranks = measure(arm, optimizer, args.steps)
+            stock = stock or ranks
+            rows.append(summarise(arm, optimizer, ranks, stock, model))
+            row = rows[-1]
+            print(f"{optimizer:>5} {arm.label:>10}: peak +{row['extra_peak_per_parameter']:6.2f} B/param "
+                  f"(expected {row['expected_peak_per_parameter']:5.1f}), after the steps "
+                  f"+{row['extra_end_per_parameter']:6.2f}, allocated +{row['extra_allocated_end_per_parameter']:6.2f} (expected {row['expected_kept_per_parameter']:5.1f})",
+                  flush=True)  # fmt: skip
+    numel = sum(p.numel() for p in model.parameters())
+    stamp.write(
+        args.json,
+        args,
+        model=f"MLP {DEPTH} x Linear({WIDTH}, {WIDTH}) + Linear({WIDTH}, 10), batch {BATCH} per rank",
+        parameters=numel,
+        parameter_bytes=FP32 * numel,
+        world_size=WORLD,
+        dense_steps=DENSE_STEPS,
+        measured="per rank: ru_maxrss (peak) and /proc/self/statm (end) minus the RSS before DDP; "
+        "glibc mallinfo2 in-use bytes after the steps minus before DDP",
+        rows=rows,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/memory/peak.py: the bytes each method is expected to keep, against a hand count.
+
+Oracle: a Linear(3, 2) (8 parameters) counted by hand from docs/memory.md's rule. The
+measured table is checked against its JSON by tests/project/test_claims.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "memory"))
+import peak
+
+ARMS = {arm.label: arm for arm in peak.ARMS}
+
+
+@pytest.mark.parametrize(
+    ("label", "optimizer", "kept", "peak_bytes"),
+    [
+        ("stock", "sgd", 0, 0),
+        ("none", "adamw", 0, 0),
+        ("bf16", "sgd", 0, 8 * (2 + 2)),  # a bf16 payload and its mean in flight
+        (
+            "topk",
+            "sgd",
+            8 * (4 + 4 - 4),
+            8 * (4 + 4 - 4) + 8 * (4 + 4),
+        ),  # SGD's momentum buffer moves into the hook
+        ("sidco-exp", "adamw", 8 * (4 + 4 + 4), 8 * 12 + 8 * 8),  # residual, velocity, preconditioner
+        (
+            "efsignsgd",
+            "adamw",
+            8 * 12,
+            8 * 12 + 8 * (4 + 4 + 4),
+        ),  # the compensated gradient beside the new residual
+        ("powersgd", "sgd", 8 * 4, 8 * 4 + 8 * (4 + 4)),
+        ("powersgd", "adamw", 8 * 12, 8 * 12 + 8 * 8),
+        ("diloco", "sgd", 8 * (4 + 4 - 4), 8 * 4 + 8 * 16),  # model copy + residual, no DDP bucket
+    ],
+)
+def test_expected_bytes_equal_the_hand_count(label: str, optimizer: str, kept: int, peak_bytes: int) -> None:
+    expected = peak.expected_bytes(ARMS[label], optimizer, torch.nn.Linear(3, 2))
+    assert expected == {"kept": kept, "peak": peak_bytes}
+
+
+def test_frozen_parameters_keep_nothing() -> None:
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    assert peak.expected_bytes(ARMS["topk"], "sgd", model) == {"kept": 6 * 4, "peak": 6 * 12}
+
+
+def test_every_arm_runs_under_stock_ddp_first() -> None:
+    assert peak.ARMS[0].method is None
+    assert all(opt in peak.ARMS[0].optimizers for arm in peak.ARMS for opt in arm.optimizers)
