@@ -23,7 +23,12 @@ ARMS = {arm.label: arm for arm in peak.ARMS}
     [
         ("stock", "sgd", 0, 0),
         ("none", "adamw", 0, 0),
-        ("bf16", "sgd", 0, 8 * (2 + 2)),  # a bf16 payload and its mean in flight
+        (
+            "bf16",
+            "sgd",
+            8 * 2,
+            8 * (2 + 2),
+        ),  # the mean kept with its allreduce's handle, the payload in flight
         (
             "topk",
             "sgd",
