@@ -1072,6 +1072,46 @@ AUTO_CLAIMS = tuple(
 )
 
 
+# -- peak memory per rank against stock DDP (benchmarks/memory/peak.py, docs/memory.md) ------------
+MEMORY = Result(
+    "results/memory/peak.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py --json results/memory/peak.json",
+)
+MEMORY_ARMS = (("sgd", "SGD, momentum 0.9"), ("adamw", "AdamW"))
+MEMORY_METHODS = ("none", "bf16", "topk", "sidco-exp", "efsignsgd", "powersgd", "diloco")
+
+
+def _memory(optimizer: str, method: str, field: str, fmt: str = "{:.1f}") -> Claim:
+    return Claim(f"memory.{optimizer}.{method}.{field}", MEMORY,
+                 (f"rows/[arm={method},optimizer={optimizer}]/{field}",), fmt)  # fmt: skip
+
+
+MEMORY_TABLE = Table(
+    "memory-peak",
+    ("optimizer", "method", "kept, expected", "kept, measured (malloc)", "peak, expected", "peak, measured (RSS)",
+     "peak over the parameters' bytes"),
+    ("---", "---", "---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (label, f"`{method}`", _memory(optimizer, method, "expected_kept_per_parameter"),
+         _memory(optimizer, method, "extra_allocated_end_per_parameter"),
+         _memory(optimizer, method, "expected_peak_per_parameter"),
+         _memory(optimizer, method, "extra_peak_per_parameter"),
+         _memory(optimizer, method, "extra_peak_over_parameter_bytes", "{:.2f}x"))
+        for optimizer, label in MEMORY_ARMS
+        for method in MEMORY_METHODS
+        if (optimizer, method) != ("sgd", "efsignsgd")
+    ),
+)  # fmt: skip
+MEMORY_CLAIMS = (
+    Claim("memory.commit", MEMORY, ("provenance/commit",), "{:.7}"),
+    Claim("memory.load", MEMORY, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    Claim("memory.seeds", MEMORY, ("provenance/seeds",), compute=lambda seeds: ", ".join(map(str, seeds))),
+    Claim("memory.steps", MEMORY, ("args/steps",)),
+    Claim("memory.parameters", MEMORY, ("parameters",), "{:,}"),
+    Claim("memory.parameter_mb", MEMORY, ("parameter_bytes",), "{:.1f} MB", compute=lambda b: b / 1e6),
+)  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -1093,8 +1133,9 @@ TABLES = (
     EXIT_TABLE,
     PADDING_TABLE,
     AUTO_TABLE,
+    MEMORY_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
