@@ -3,6 +3,8 @@
 ``accelerator.prepare`` wraps the model in ``DistributedDataParallel`` when several
 processes run; gradsift's hook is registered on that prepared model. The main process
 saves one checkpoint holding the model, the optimizer and every rank's hook state.
+``--compressor`` defaults to ``auto``; name a method to compress, e.g. ``--compressor topk
+--ratio 0.01`` (docs/integrations.md).
 
 Two CPU processes, with Accelerate's multi-process launcher (which is torchrun: it needs
 no GPU; ``--cpu`` instead selects a one-process launcher that expects ``mpirun`` to start
@@ -44,8 +46,15 @@ def dataset(seed: int) -> TensorDataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--compressor", default="topk")
-    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument(
+        "--compressor",
+        default="auto",
+        help="gradsift registry name, or auto (default): stock DDP while it measures the link, then the "
+        "fastest method that keeps quality for the optimizer",
+    )
+    parser.add_argument(
+        "--ratio", type=float, help="target density of a named sparsifier (default: the compressor's own)"
+    )
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
     parser.add_argument(
         "--checkpoint-every", type=int, default=0, help="also save every N steps (0: at the end only)"
@@ -68,7 +77,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(dataset(0), batch_size=32, shuffle=False)  # prepare() shards it across ranks
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hook_state = gradsift.register_comm_hook(model, args.compressor, ratio=args.ratio, optimizer=optimizer)
+    ratio = {} if args.ratio is None else {"ratio": args.ratio}  # auto picks its own and refuses one
+    hook_state = gradsift.register_comm_hook(model, args.compressor, **ratio, optimizer=optimizer)
 
     def save(path: Path, step: int) -> None:
         hooks = gather_hook_states(hook_state)  # collective: every rank takes part
@@ -107,8 +117,8 @@ def main() -> None:
     agree = parameters_agree(accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         total = hook_state.stats()["total"]
-        summary = {"step": step, "bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"],
-                   "density": total["density"], "replicas_agree": agree}  # fmt: skip
+        summary = {"step": step, "compressor": hook_state.compressor.name, "bytes_sent": total["bytes_sent"],
+                   "dense_bytes": total["dense_bytes"], "density": total["density"], "replicas_agree": agree}  # fmt: skip
         print("gradsift-example", json.dumps(summary), flush=True)
     accelerator.end_training()
 

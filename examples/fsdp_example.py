@@ -5,11 +5,15 @@ Linear layer, trained on every rank's own batches. ``--sharding`` picks what gra
 takes over (``docs/integrations.md`` explains why these and no others):
 
 * ``no_shard`` -- FSDP1 ``NO_SHARD``: each unit's gradient is compressed (default
-  ``sidco-exp``, error feedback) instead of all-reduced;
+  ``sidco-exp`` at 5 %, error feedback) instead of all-reduced;
 * ``hybrid`` -- FSDP2 hybrid sharding: ``fully_shard`` within a node, gradsift on the
   all-reduce across nodes (``--ranks-per-node`` ranks form a node; 1 makes each local
   process a "node", so two processes show the inter-node exchange);
 * ``full_shard`` -- FSDP1 ``FULL_SHARD``: the reduce-scatter in ``fp16``/``bf16``.
+
+The method is a named one (``--compressor``; the defaults above): ``compressor="auto"``,
+the default of the DDP examples, switches methods on DDP's buckets, and gradsift refuses it
+on FSDP models.
 
 ``--stock`` trains the same setup with FSDP's own exchange (no gradsift), for comparison.
 ``--checkpoint PATH`` saves the model and every rank's hook state at the end (plain
@@ -43,15 +47,26 @@ import gradsift
 from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
 
 FEATURES, OUTPUTS = 16, 4
+#: The method without ``--compressor``, per ``--sharding``: the sharded reduce-scatter takes casts
+#: only. Not ``auto``: it switches methods on DDP's buckets, and gradsift refuses it on FSDP.
+DEFAULT_METHOD = {"no_shard": ("sidco-exp", {"ratio": 0.05}), "hybrid": ("sidco-exp", {"ratio": 0.05}),
+                  "full_shard": ("fp16", {})}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sharding", choices=("no_shard", "hybrid", "full_shard"), default="hybrid")
     parser.add_argument(
-        "--compressor", help="gradsift registry name (default: sidco-exp; fp16 for full_shard)"
+        "--compressor",
+        help="gradsift registry name (default: sidco-exp at ratio 0.05; fp16 for full_shard, whose "
+        "reduce-scatter takes casts only). Not auto, the DDP examples' default: it switches methods "
+        "on DDP's buckets, and gradsift refuses it on FSDP models",
     )
-    parser.add_argument("--ratio", type=float, default=0.05, help="target density of sparsifiers")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        help="target density of a sparsifier (default: 0.05, or the named compressor's own)",
+    )
     parser.add_argument(
         "--ranks-per-node", type=int, default=1, help="hybrid: ranks that shard one model copy"
     )
@@ -123,10 +138,13 @@ def main() -> None:
     model, hook_options = wrap(args)
     hook_state = None
     if not args.stock:
-        compressor = args.compressor or ("fp16" if args.sharding == "full_shard" else "sidco-exp")
-        ratio = {"ratio": args.ratio} if compressor not in ("none", "fp16", "bf16") else {}
+        compressor, options = (
+            DEFAULT_METHOD[args.sharding] if args.compressor is None else (args.compressor, {})
+        )
+        if args.ratio is not None:  # a cast refuses it
+            options = {**options, "ratio": args.ratio}
         # The one gradsift line.
-        hook_state = gradsift.register_comm_hook(model, compressor, **ratio, **hook_options)
+        hook_state = gradsift.register_comm_hook(model, compressor, **options, **hook_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)  # plain SGD: it keeps no state
     full = StateDictOptions(full_state_dict=True)  # full tensors on every rank
 

@@ -19,9 +19,12 @@ The same run without gradsift (the Trainer's own DDP allreduce), to compare the 
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 --without-gradsift --output-dir alone
 
-The callback hands the hook the Trainer's AdamW (its default optimizer): with a
-sparsifier, the frozen-variance method of ``gradsift.hook.adam`` after a dense warm-up of a
-tenth of the steps (docs/adam.md).
+``--compressor`` defaults to ``auto``: stock DDP while it measures the link, then the fastest
+of the methods that keep AdamW's quality (``none``, ``bf16``; the 1-bit Adam method too in
+runs of ``max_steps`` long enough, docs/auto.md). Name a method to compress, e.g.
+``--compressor topk --ratio 0.01`` (docs/integrations.md): the callback hands the hook the
+Trainer's AdamW (its default optimizer), and a sparsifier gets the frozen-variance method of
+``gradsift.hook.adam`` after a dense warm-up of a tenth of the steps (docs/adam.md).
 """
 
 from __future__ import annotations
@@ -71,8 +74,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all (max_steps)")
     parser.add_argument("--save-steps", type=int, default=20, help="a Trainer checkpoint every N steps")
-    parser.add_argument("--compressor", default="topk", help="gradsift registry name")
-    parser.add_argument("--ratio", type=float, default=0.01, help="target density of sparsifiers")
+    parser.add_argument(
+        "--compressor",
+        default="auto",
+        help="gradsift registry name, or auto (default): stock DDP while it measures the link, then the "
+        "fastest method that keeps quality for the optimizer",
+    )
+    parser.add_argument(
+        "--ratio", type=float, help="target density of a named sparsifier (default: the compressor's own)"
+    )
     parser.add_argument(
         "--output-dir", type=Path, default=Path("checkpoints"), help="the Trainer's output_dir"
     )
@@ -114,8 +124,9 @@ def main() -> None:
     # saves each rank's hook state into every checkpoint and restores it on resume.
     gradsift_callback = None
     if not args.without_gradsift:
+        ratio = {} if args.ratio is None else {"ratio": args.ratio}  # auto picks its own and refuses one
         gradsift_callback = GradsiftTrainerCallback(
-            trainer, args.compressor, ratio=args.ratio, take_optimizer=not args.plain_error_feedback
+            trainer, args.compressor, **ratio, take_optimizer=not args.plain_error_feedback
         )
         trainer.add_callback(gradsift_callback)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -131,8 +142,8 @@ def main() -> None:
         summary = {"step": trainer.state.global_step, "loss": loss, "replicas_agree": agree}
         if gradsift_callback is not None:
             total = gradsift_callback.state.stats()["total"]
-            summary |= {"bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"],
-                        "density": total["density"]}  # fmt: skip
+            summary |= {"compressor": gradsift_callback.state.compressor.name, "bytes_sent": total["bytes_sent"],
+                        "dense_bytes": total["dense_bytes"], "density": total["density"]}  # fmt: skip
         print("gradsift-example", json.dumps(summary), flush=True)
     dist.barrier()  # leave together, so no rank tears the group down under a peer
     dist.destroy_process_group()

@@ -2,16 +2,19 @@
 
 ``GradsiftCallback`` provides the hook state and callable for
 ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` (used by Lightning on CUDA), registers
-the hook itself where Lightning does not (CPU/gloo), logs the hook's statistics to the
-trainer's loggers and saves every rank's hook state in Lightning's checkpoints.
+the hook itself where Lightning does not (CPU/gloo, and always under ``auto``), logs the
+hook's statistics to the trainer's loggers and saves every rank's hook state in Lightning's
+checkpoints. ``--compressor`` defaults to ``auto``; name a method to compress, e.g.
+``--compressor topk --ratio 0.01`` (docs/integrations.md).
 
-Two CPU processes (Lightning launches them itself)::
+Two CPU processes (Lightning launches them itself), 8 steps an epoch::
 
-    python examples/lightning_example.py --epochs 2
+    python examples/lightning_example.py --epochs 3
 
-Resume from a checkpoint (model, optimizer, loops and the gradsift hook state)::
+Resume from a checkpoint (model, optimizer, loops and the gradsift hook state; after step
+10, where ``auto`` decided, so the choice resumes with it)::
 
-    python examples/lightning_example.py --epochs 2 --resume "checkpoints/epoch=0.ckpt" --checkpoint-dir resumed
+    python examples/lightning_example.py --epochs 3 --resume "checkpoints/epoch=1.ckpt" --checkpoint-dir resumed
 """
 
 from __future__ import annotations
@@ -63,15 +66,23 @@ def dataset(seed: int) -> TensorDataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--compressor", default="topk")
-    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument(
+        "--compressor",
+        default="auto",
+        help="gradsift registry name, or auto (default): stock DDP while it measures the link, then the "
+        "fastest method that keeps quality for the optimizer",
+    )
+    parser.add_argument(
+        "--ratio", type=float, help="target density of a named sparsifier (default: the compressor's own)"
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
     parser.add_argument("--resume", type=Path, help="a Lightning checkpoint to continue from")
     args = parser.parse_args()
 
     pl.seed_everything(0, verbose=False)
-    gradsift_callback = GradsiftCallback(args.compressor, ratio=args.ratio)
+    ratio = {} if args.ratio is None else {"ratio": args.ratio}  # auto picks its own and refuses one
+    gradsift_callback = GradsiftCallback(args.compressor, **ratio)
     trainer = pl.Trainer(
         accelerator="auto",  # one GPU per process with CUDA (NCCL), else CPU processes (gloo)
         devices=args.devices,
@@ -90,8 +101,9 @@ def main() -> None:
     agree = parameters_agree(model)  # the process group is still up after fit
     if trainer.is_global_zero:
         total = gradsift_callback.state.stats()["total"]
-        summary = {"step": trainer.global_step, "bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"],
-                   "density": total["density"], "replicas_agree": agree}  # fmt: skip
+        summary = {"step": trainer.global_step, "compressor": gradsift_callback.state.compressor.name,
+                   "bytes_sent": total["bytes_sent"], "dense_bytes": total["dense_bytes"], "density": total["density"],
+                   "replicas_agree": agree}  # fmt: skip
         print("gradsift-example", json.dumps(summary), flush=True)
     dist.barrier()
 

@@ -26,7 +26,8 @@ from paths import ROOT, results_dir
 
 SEEDS = (0, 1, 2)
 STEPS = 300
-VARIANTS = {"gradsift": [], "plain": ["--plain-error-feedback"], "alone": ["--without-gradsift"]}
+NAMED = ["--compressor", "topk", "--ratio", "0.01"]  # the example's default is auto
+VARIANTS = {"gradsift": NAMED, "plain": [*NAMED, "--plain-error-feedback"], "alone": ["--without-gradsift"]}
 
 
 def run(variant: str, seed: int, scratch: Path) -> dict:

@@ -1,12 +1,14 @@
 """The examples, run by their documented commands, compress for real and resume exactly.
 
-``docs/integrations.md`` documents each example as a pair of commands: train with a
-checkpoint half way, then resume from that checkpoint into another folder. The suite
-runs those pairs as written (``tests/support/doc_commands.py``; the runs are shared with
+``docs/integrations.md`` documents each example as a pair of commands that name the method
+(``--compressor topk --ratio 0.01``): train with a checkpoint half way, then resume from that
+checkpoint into another folder; each DDP script's docstring shows the same pair with the
+default, ``auto``. The suite runs those pairs as written (``tests/support/doc_commands.py``; the runs are shared with
 ``tests/project/test_docs.py``). Each run prints one ``gradsift-example {json}`` line on rank 0.
 The resumed run must print the same summary and land on bit-identical parameters,
 optimizer state and hook residuals -- which only holds when the saved hook state was
-really restored (the control with zeroed residuals shows that it matters).
+really restored (the control with zeroed residuals shows that it matters). Under ``auto``
+the summary names the method it ran, and the bytes sent must be that method's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from gradsift.hook.auto import CANDIDATES
 from support import ROOT
 from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns, summary_line
 
@@ -29,12 +32,15 @@ PAGE = "docs/integrations.md"
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group(EXAMPLES_GROUP)]
 
 
-def documented_pair(runs: DocumentedRuns, script: str) -> tuple[BlockRun, dict[str, Any], dict[str, Any]]:
-    """The documented train + resume block of ``script``: its run and the two summary lines."""
-    block = runs.find(f"examples/{script}", source=PAGE)
+def documented_pair(
+    runs: DocumentedRuns, script: str, source: str = PAGE, commands: int = 2
+) -> tuple[BlockRun, dict[str, Any], dict[str, Any]]:
+    """The documented train + resume block of ``script`` on ``source`` (a block of
+    ``commands`` commands, those two first): its run and the two summary lines."""
+    block = runs.find(f"examples/{script}", source=source)
     result = runs.run(block)
-    assert result.ok and len(result.runs) == 2, "\n\n".join(r.describe() for r in result.runs)
-    full, resumed = (summary_line(run.output) for run in result.runs)
+    assert result.ok and len(result.runs) == commands, "\n\n".join(r.describe() for r in result.runs)
+    full, resumed = (summary_line(run.output) for run in result.runs[:2])
     return result, full, resumed
 
 
@@ -102,7 +108,8 @@ def test_torchrun_example_compresses_and_resumes_exactly(documented_runs: Docume
     control.mkdir()
     torch.save(middle, control / "no-residuals.pt")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "40", "--resume", "no-residuals.pt"]  # fmt: skip
+               str(EXAMPLES / "ddp_torchrun.py"), "--compressor", "topk", "--ratio", "0.01", "--steps", "40",
+               "--resume", "no-residuals.pt"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, cwd=control, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
@@ -186,3 +193,34 @@ def test_hf_trainer_example_stays_within_its_measured_gap_to_the_trainer_alone(
     assert ratio <= measured["gradsift"]["ratio_mean"] + 3 * measured["gradsift"]["ratio_sd"]
     assert plain_ratio >= measured["plain"]["ratio_mean"] - 3 * measured["plain"]["ratio_sd"]
     assert gradsift["loss"] < plain["loss"]
+
+
+@pytest.mark.parametrize(
+    "script,family,commands",
+    [
+        ("ddp_torchrun.py", "sgd", 2),
+        ("accelerate_example.py", "sgd", 2),
+        ("lightning_example.py", "sgd", 2),
+        ("hf_trainer_example.py", "adam", 3),
+    ],
+)
+def test_example_defaults_to_auto_runs_what_it_chose_and_resumes_it(
+    documented_runs: DocumentedRuns, script: str, family: str, commands: int
+) -> None:
+    """The docstring's plain pair (no ``--compressor``): ``auto`` ran one of its candidates for
+    the script's optimizer (SGD with momentum; the Trainer's AdamW, a 40-step run: no 1-bit
+    method), the bytes sent are that method's (``none``: every step dense, as stock DDP sends;
+    otherwise fewer), and the resumed run -- from a checkpoint after the decision, which it
+    restores -- prints the same summary."""
+    if script == "hf_trainer_example.py":
+        pytest.importorskip("transformers", reason="pip install 'gradsift[transformers]'")
+    _, full, resumed = documented_pair(
+        documented_runs, script, source=f"examples/{script}", commands=commands
+    )
+    assert full["compressor"] in {name for name, _ in CANDIDATES[family]}
+    assert full["replicas_agree"] is True
+    if full["compressor"] == "none":
+        assert full["bytes_sent"] == full["dense_bytes"]
+    else:
+        assert 0 < full["bytes_sent"] < full["dense_bytes"]
+    assert resumed == full
