@@ -53,7 +53,10 @@ ARMS = {
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
-SCREEN, LONG = "gpt-adamw", "gpt-adamw-3k"
+SCREEN, LONG, LONGER = "gpt-adamw", "gpt-adamw-3k", "gpt-adamw-6k"
+#: At 6,000 steps, seed by seed: fp32, 4-bit averaging every 10 steps (the >= 30x mode), the
+#: 1-bit Adam anchor, one worker alone -- whether the 3,000-step gaps keep shrinking.
+LONGER_ARMS = ("none", "qavg-blockquant4-h10", "onebit-adam", "alone")
 LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
 
 
@@ -99,11 +102,13 @@ def screen_mean(arm: str, root: Path) -> float:
     return sum(losses) / len(losses) if losses else float("inf")
 
 
-def plan(root: Path = ISSUE44, extended: bool = False) -> list[Run]:
+def plan(root: Path = ISSUE44, extended: bool = False, longer: bool = False) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
     314-step mean (3 seeds); ``extended`` adds the other lr (3 seeds), beyond the ~75 min
-    this machine gave the campaign."""
+    this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`)."""
+    if longer:
+        return [Run(LONGER, arm, seed, root) for seed in SEEDS for arm in LONGER_ARMS]
     runs = [Run(SCREEN, arm, seed, root) for seed in SEEDS for arm in ("dense-fv", *LR_ARMS)]
     runs += [Run(SCREEN, "none", 0, root), Run(SCREEN, "onebit-adam", 0, root)]  # the reproduction checks
     runs += [Run(LONG, "dense-fv", seed, root) for seed in SEEDS]
@@ -121,16 +126,17 @@ def main() -> int:
     parser.add_argument("action", choices=("run", "status"))
     parser.add_argument("--root", type=Path, default=ISSUE44, help="where runs/ goes (default: %(default)s)")
     parser.add_argument("--extended", action="store_true", help="also the other lr at 3,000 steps")
+    parser.add_argument("--longer", action="store_true", help="only the 6,000-step phase (LONGER_ARMS)")
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended):
+        for run in plan(args.root, args.extended, args.longer):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
-        todo = [r for r in plan(args.root, args.extended) if not finished(r) and r not in failed]
+        todo = [r for r in plan(args.root, args.extended, args.longer) if not finished(r) and r not in failed]
         if not todo:
             break
         if not execute(todo[0]):

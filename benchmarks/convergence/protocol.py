@@ -75,7 +75,9 @@ class Workload:
 #: at 1,000 steps (0.955 epoch, the cosine rescaled): how the gaps move with run length;
 #: ``gpt-adamw-3k`` the same at 3,000 steps (2.865 epochs, 4 evaluations per epoch);
 #: ``gpt-adamw-w4-1k`` 1,000 steps on 4 workers (1.909 epochs): the gaps' slope at 4 workers;
-#: ``gpt-adamw-w4-3k`` 3,000 steps on 4 workers (5.725 epochs, 2 evaluations per epoch).
+#: ``gpt-adamw-w4-3k`` 3,000 steps on 4 workers (5.725 epochs, 2 evaluations per epoch);
+#: ``gpt-adamw-6k`` gpt-adamw at 6,000 steps (5.731 epochs, 2 evaluations per epoch): whether the
+#: gaps keep shrinking with length (issue 44).
 WORKLOADS = {
     "vgg": Workload("vgg", 32, 0.05, epochs=4, study_epochs=(2, 4, 8), evals_per_epoch=4, steps_per_epoch=469),
     "resnet20": Workload("resnet20", 32, 0.05, epochs=4, study_epochs=(2, 4), evals_per_epoch=4,
@@ -92,6 +94,9 @@ WORKLOADS = {
                              steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                              clip_grad_norm=1.0),
     "gpt-adamw-3k": Workload("gpt", 16, 3e-3, epochs=2.865, study_epochs=(), evals_per_epoch=4,
+                             steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
+                             clip_grad_norm=1.0),
+    "gpt-adamw-6k": Workload("gpt", 16, 3e-3, epochs=5.731, study_epochs=(), evals_per_epoch=2,
                              steps_per_epoch=1047, warmup_epochs=0.02, data_dir=None, workers=2, optimizer="adamw",
                              clip_grad_norm=1.0),
     "gpt-adamw-w4-1k": Workload("gpt", 16, 3e-3, epochs=1.909, study_epochs=(), evals_per_epoch=5,
