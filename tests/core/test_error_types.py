@@ -24,6 +24,7 @@ SOURCE = Path(gradsift.__file__).resolve().parent
 #: in gradsift, not a user's mistake (nothing a caller could fix, or catch on purpose).
 INTERNAL = {
     ("core/readout.py", "RuntimeError"),  # a readout slot read before the step's one host read: a code bug
+    ("hook/ledger.py", "RuntimeError"),  # a step opened before the last one settled: a code bug
     ("__init__.py", "AttributeError"),  # the module __getattr__ protocol (PEP 562) for unknown names
     ("tools/train/launcher.py", "SystemExit"),  # the launcher's exit status on a signal, not an error
 }

@@ -292,11 +292,12 @@ def nonfinite_worker(rank: int, world: int) -> dict:
             inputs[0, 0] = float("nan")
         ((model(inputs) - targets) ** 2).mean().backward()
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        step = hook.step  # a read of the state settles the step (as the optimizer's step would)
         after = hook.store.table("residual")
         out[name] = {
             "zero": bool((grads == 0).all()),
             "nan": bool(grads.isnan().all()),
-            "step": hook.step,
+            "step": step,
             "residuals_kept": before.keys() == after.keys()
             and all(torch.equal(before[k], after[k]) for k in before),
         }

@@ -8,9 +8,9 @@ through :func:`gradsift.hook.route.route_bucket` -- the DDP hook's bucket route 
 collectives stood in (``torch.distributed``'s functions, as :mod:`gradsift.core.collectives`
 and the exchanges call them: ``W`` workers that sent what this one sent). Per step:
 
-* no host read and no host-to-device copy while the buckets are routed
-  (``support/host_reads.HostReads``, and the fake mode itself, which raises on any);
-* exactly one readout when the step closes, of device tensors only (it is stood in: its
+* no host read and no host-to-device copy while the buckets are routed and the step
+  closes (``support/host_reads.HostReads``, and the fake mode itself, which raises on any);
+* exactly one readout when the step settles, of device tensors only (it is stood in: its
   one transfer is the step's permitted host read);
 * afterwards every tensor of the hook's state (store, compressor state) is on the device.
 
@@ -128,7 +128,8 @@ class Readouts:
         self.off_device: list[str] = []
 
     def read(self, readout: Readout) -> None:
-        pending, readout._pending = readout._pending, []
+        started = [entry for entries, _ in readout._copies for entry in entries]  # by Readout.start
+        pending, readout._pending, readout._copies = started + readout._pending, [], []
         if pending:
             self.reads += 1
         for slot, tensor in pending:
@@ -180,14 +181,12 @@ def run_case(monkeypatch, name: str, exchange: str, dtype: str, granularity: str
         layers = [list(model[2].parameters()), list(model[0].parameters())]  # DDP's order: last first
         for step in range(STEPS):
             reads = HostReads()
-            with reads:
+            with reads:  # the buckets' routes and the step's close
                 for index, params in enumerate(layers):
                     flat = torch.empty(sum(p.numel() for p in params), device="cuda", dtype=kind)
-                    last = index == len(layers) - 1
-                    if last:  # the close reads the step's one readout: counted apart
-                        reads.__exit__()
-                    route_bucket(state, _Bucket(flat, params, last, index))
+                    route_bucket(state, _Bucket(flat, params, index == len(layers) - 1, index))
             assert reads.count == 0, f"step {step}: host reads during the route: {dict(reads.sites)}"
+            state.settle()  # after backward: the step's one readout, counted apart
             # one readout per step (the identity's stock step has nothing to read)
             expected = step + 1 if not state.compressor.identity else 0
             assert readouts.reads == expected, f"step {step}: {readouts.reads} readouts"

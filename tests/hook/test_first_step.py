@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.first_step import WATCHERS
+from gradsift.hook.before_step import BEFORE_STEP
 
 pytestmark = pytest.mark.distributed
 
@@ -126,8 +126,7 @@ def test_several_hooked_models_step_side_by_side(one_process_group):
         for _, ddp, optimizer in runs:
             train(ddp, optimizer, steps=1)
     assert not any(state.first_step.watching for state, _, _ in runs)
-    watched = [ref() for ref in WATCHERS.watchers]
-    assert not any(state.first_step is w for state, _, _ in runs for w in watched)
+    assert not any(BEFORE_STEP.holds(state.first_step) for state, _, _ in runs)
 
 
 class Wrapped(torch.optim.Optimizer):

@@ -62,6 +62,8 @@ def run(
             out["before"] = hook_state(state)
         try:
             torch.nn.functional.mse_loss(model(x), y).backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in params])  # what DDP wrote at the close
+            skipped = state.last_step_skipped  # a read of the state settles the step
         except gradsift.NonFiniteGradientError as error:
             out["raised"] = str(error)
             out["after"] = hook_state(state)
@@ -71,9 +73,9 @@ def run(
                 handle.remove()
         if step == BAD_STEP:
             out["after"] = hook_state(state)
-            out["grads"] = torch.cat([p.grad.reshape(-1) for p in params])
-            out["skipped"] = state.last_step_skipped
-        if not state.last_step_skipped:
+            out["grads"] = grads
+            out["skipped"] = skipped
+        if not skipped:
             optimizer.step()
     out["params"] = flat_params(model)
     out["final"] = hook_state(state)

@@ -1,4 +1,4 @@
-"""What a step needs to know on the host, read in one transfer when the step closes.
+"""What a step needs to know on the host, brought there in one transfer per step.
 
 On a GPU every host read of a tensor (``.item()``, ``bool()``, ``.tolist()`` ...) waits
 for the device to catch up, and a read during backward serialises communication with
@@ -6,9 +6,11 @@ the computation still queued. So nothing on the hook's path reads a tensor: the 
 the host needs -- whether some rank's gradient was non-finite, whether a received
 message was malformed, how many elements were really sent, SIDCo's choice of stage
 count -- stay on the device as small tensors, each registered as a :class:`Slot` of the
-step's :class:`Readout`. When the step closes, :meth:`Readout.read` concatenates them
-and brings them to the host in one transfer (one per device), and every slot then holds
-its values as Python floats (exact for integers below 2^53).
+step's :class:`Readout`. When the step closes, :meth:`Readout.start` concatenates them
+and starts their transfer to the host (one per device; on a GPU a non-blocking copy into
+pinned host memory, so nothing waits); :meth:`Readout.read`, later and off the backward
+pass, waits for that copy and every slot then holds its values as Python floats (exact
+for integers below 2^53).
 
 Updates that must only happen if the step is kept (a compressor's adaptation decided
 from read values) are registered with :meth:`Readout.after_commit` and run by
@@ -50,6 +52,7 @@ class Readout:
 
     def __init__(self) -> None:
         self._pending: list[tuple[Slot, torch.Tensor]] = []
+        self._copies: list[tuple[list[tuple[Slot, torch.Tensor]], _HostCopy]] = []
         self._after_commit: list[Callable[[], None]] = []
 
     def slot(self, tensor: torch.Tensor) -> Slot:
@@ -62,16 +65,24 @@ class Readout:
         """Run ``update`` when the step is kept (after :meth:`read`)."""
         self._after_commit.append(update)
 
-    def read(self) -> None:
-        """Fill every registered slot: one device-to-host transfer per device."""
+    def start(self) -> None:
+        """Start bringing every slot registered so far to the host, one copy per device,
+        without waiting for it (no host read)."""
         pending, self._pending = self._pending, []
         by_device: dict[torch.device, list[tuple[Slot, torch.Tensor]]] = {}
         for slot, tensor in pending:
             by_device.setdefault(tensor.device, []).append((slot, tensor))
-        for device, entries in by_device.items():
+        for entries in by_device.values():
             joined = torch.cat([tensor.to(torch.float64) for _, tensor in entries])
-            # the one host read (the meta device, shapes without data, reads as zeros)
-            values = [0.0] * joined.numel() if device.type == "meta" else joined.tolist()
+            self._copies.append((entries, _HostCopy(joined)))
+
+    def read(self) -> None:
+        """Fill every registered slot: :meth:`start` for what is not on its way yet, then
+        wait for the copies -- the host read."""
+        self.start()
+        copies, self._copies = self._copies, []
+        for entries, copy in copies:
+            values = copy.values()
             start = 0
             for slot, tensor in entries:
                 slot._values = values[start : start + tensor.numel()]
@@ -85,4 +96,30 @@ class Readout:
 
     def discard(self) -> None:
         """Forget everything registered (a dropped step)."""
-        self._pending, self._after_commit = [], []
+        self._pending, self._copies, self._after_commit = [], [], []
+
+
+class _HostCopy:
+    """One device's joined values on their way to the host: on a GPU a non-blocking copy
+    into pinned memory and an event after it; on the CPU the tensor itself; on the meta
+    device (shapes without data) zeros."""
+
+    def __init__(self, joined: torch.Tensor) -> None:
+        self.numel = joined.numel()
+        self.event: torch.cuda.Event | None = None
+        self.host: torch.Tensor | None = joined
+        if joined.device.type == "meta":
+            self.host = None
+        elif joined.device.type == "cuda":
+            self.host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            self.host.copy_(joined, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def values(self) -> list[float]:
+        """The values, once the copy has landed (waits for it)."""
+        if self.host is None:
+            return [0.0] * self.numel
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

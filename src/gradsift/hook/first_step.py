@@ -27,63 +27,24 @@ comparison is computed on the device and read with one host read per check
 for the next step, at most :data:`UNDECIDED_CHECKS` checks: after that the scaler check
 gives up (a gradient that stays zero is no scaled gradient to refuse), so the watch costs
 a bounded number of host reads whatever the gradients. Once decided, the hook's watcher
-leaves the one process-wide optimizer hook (:class:`_Watchers`).
+leaves the one process-wide optimizer hook (:mod:`gradsift.hook.before_step`).
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.before_step import BEFORE_STEP
 
 #: Elements of the delivered gradient kept for the comparison.
 REFERENCE_ELEMENTS = 4096
 #: Checks whose reference said nothing (no finite non-zero element) before the scaler check
 #: gives up: each costs one host read.
 UNDECIDED_CHECKS = 8
-
-
-class _Watchers:
-    """The watchers of every hook in the process behind one global optimizer pre-hook.
-
-    The global hook is registered once and never removed: an optimizer's step iterates
-    over PyTorch's global hooks, and removing one while another thread's optimizer steps
-    (``gradsift.tools.simulate`` runs its workers as threads) raised "OrderedDict mutated
-    during iteration". Watchers come and go in this list under a lock instead; each is
-    held weakly, so a dropped hook state leaves nothing behind. Without watchers the
-    hook returns at once.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.watchers: list[weakref.ref[FirstOptimizerStep]] = []
-        self.registered = False
-
-    def add(self, watcher: FirstOptimizerStep) -> None:
-        with self.lock:
-            self.watchers.append(weakref.ref(watcher))
-            if not self.registered:
-                register_optimizer_step_pre_hook(self.before_step)
-                self.registered = True
-
-    def remove(self, watcher: FirstOptimizerStep) -> None:
-        with self.lock:
-            self.watchers = [ref for ref in self.watchers if ref() not in (None, watcher)]
-
-    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        with self.lock:
-            alive = [watcher for ref in self.watchers if (watcher := ref()) is not None]
-        for watcher in alive:
-            watcher.before_step(optimizer)
-
-
-WATCHERS = _Watchers()
 
 
 class FirstOptimizerStep:
@@ -108,7 +69,7 @@ class FirstOptimizerStep:
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self.undecided = 0
         if self.watching:
-            WATCHERS.add(self)
+            BEFORE_STEP.add(self)
 
     @property
     def watching(self) -> bool:
@@ -132,7 +93,7 @@ class FirstOptimizerStep:
         """Stop watching."""
         self.check_momentum = self.check_scaler = False
         self.candidate = self.reference = None
-        WATCHERS.remove(self)
+        BEFORE_STEP.remove(self)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The checks, when ``optimizer`` steps the hooked parameters (module docstring)."""

@@ -1,4 +1,4 @@
-"""One synchronised step of the hook as a transaction: open, collect buckets, close.
+"""One synchronised step of the hook as a transaction: open, collect buckets, close, settle.
 
 The first bucket of a backward opens the step: the state store begins a transaction,
 the compressor's (small) ``snapshot()`` is kept, a :class:`~gradsift.core.readout.Readout`
@@ -9,32 +9,36 @@ DDP waits for the hook's futures when its own end-of-backward work runs, which w
 ``static_graph=True`` is *inside* an engine callback queued before ours -- a future
 completed only by our callback would never complete.
 
-The hook hands DDP futures of its own; closing, on the thread that ran backward, waits
-for the buckets' exchanges (:class:`Pending`: no Python runs on the backend's threads),
-then reads the step's readout once -- every bucket's non-finite and malformed flags,
-the device-valued telemetry, the compressors' deferred facts, in one transfer, the only
-host read of the step -- completes those futures and, on every rank alike (every
-exchange delivers the same flags to all ranks):
+**Close, on the device (during backward, no host read).** The hook hands DDP futures of
+its own; closing waits for the buckets' exchanges (:class:`Pending`: no Python runs on
+the backend's threads; on NCCL a stream dependency), joins every bucket's non-finite and
+malformed flags into one device flag ``dropped`` (every exchange delivers the same flags
+to all ranks), fills the results where ``dropped`` holds -- ``result <- fill`` under
+``masked_fill_``, NaN (``nonfinite="propagate"``, also ``"raise"`` and a malformed
+message) or zeros (``"skip"``) -- completes the futures, and starts the readout's copy to
+the host. A collective that failed (its ``wait`` raised) raises here: state rolled back,
+:class:`PeerFailureError`.
 
-* a collective failed -> state rolled back, :class:`PeerFailureError` raised;
+**Settle, on the host (after backward returned).** The first of: an optimizer's step
+(:mod:`gradsift.hook.before_step`), the hooked module's next forward, the next step's
+open, or a read of the hook's state reads the step's readout once -- the only host read
+of the step -- and, on every rank alike:
+
 * a received message was malformed -> state rolled back, :class:`WireFormatError` raised;
-* (every raised step also sets the ``.grad`` of the step's parameters to None, so no rank
-  keeps its own, unsynchronised gradient; DDP runs no further backward after its hook
-  failed, so the job must stop: :data:`STOP`, said in the errors);
 * some rank's gradient held NaN/Inf -> state rolled back (residuals, velocities, VGC's
   accumulators, the compressor's adaptation and generators: as if the step never
-  happened; ``step`` does not advance), then the ``nonfinite`` policy:
-  ``"propagate"`` fills every bucket's result with NaN, so the gradients DDP writes are
-  non-finite on every rank, exactly what ``torch.amp.GradScaler`` looks for to skip the
-  optimizer step and back off its scale (and what stock DDP delivers);
-  ``"skip"`` fills them with zeros; ``"raise"`` raises :class:`NonFiniteGradientError`;
+  happened; ``step`` does not advance); under ``"raise"`` :class:`NonFiniteGradientError`;
+  under ``"propagate"`` the NaN gradients DDP wrote are what ``torch.amp.GradScaler``
+  looks for to skip the optimizer step and back off its scale (as stock DDP);
+* (every raised step also sets the ``.grad`` of the step's parameters to None, so the
+  optimizer step it was raised from cannot apply the filled gradients: :data:`STOP`);
 * otherwise the transaction commits, the readout's deferred updates run (SIDCo's stage
   choice, the adaptive capacities), state of keys no bucket used is dropped, and the
   step counter advances.
-DDP copies the bucket results into ``.grad`` after this. The step's collectives'
-``Work`` handles stay with :data:`~gradsift.core.collectives.KEPT_WORKS` until the
-next step opens (past interpreter exit for the last step), so a backend thread never
-drops the last reference to one (docs/decisions.md, "Clean exit").
+The step's collectives' ``Work`` handles stay with
+:data:`~gradsift.core.collectives.KEPT_WORKS` until the next step opens (past interpreter
+exit for the last step), so a backend thread never drops the last reference to one
+(docs/decisions.md, "Clean exit").
 """
 
 from __future__ import annotations
@@ -58,10 +62,11 @@ from gradsift.hook.capacity import CapacityPlan
 NONFINITE_POLICIES = ("propagate", "skip", "raise")
 #: What a raised step leaves, and what the caller can do (every rank raises alike).
 STOP = (
-    "Every rank raises this from backward(): the hook's state is rolled back and the .grad of "
-    "the step's parameters is None, so no rank can step on gradients of its own. The job must "
-    "stop: DDP runs no further backward once its communication hook failed (its reducer keeps "
-    "the failed step); restart from the last checkpoint."
+    "Every rank raises this at the same point, after backward (from optimizer.step(), the next "
+    "forward or backward, or a read of the hook's state): the step is dropped on every rank -- "
+    "the hook's state rolled back, the .grad of the step's parameters None, no optimizer step "
+    "taken on it. Catching it on every rank and taking the next batch goes on in step; stop "
+    "instead when the cause persists."
 )
 
 
@@ -79,25 +84,27 @@ class BucketInFlight:
 
 
 @dataclass
-class OpenStep:
-    """The step in progress: its transaction (store, compressor snapshot, readout), buckets and keys."""
-
-    transaction: Transaction
-    buckets: list[BucketInFlight] = field(default_factory=list)
-    keys: set[Hashable] = field(default_factory=set)
-
-    @property
-    def readout(self) -> Readout:
-        return self.transaction.readout
-
-
-@dataclass
 class _Checks:
     """The step's flags as registered with its readout."""
 
     nonfinite: list[Slot] = field(default_factory=list)
     malformed: list[Slot] = field(default_factory=list)
     demands: list[tuple[Hashable, int, Slot, Slot]] = field(default_factory=list)
+
+
+@dataclass
+class OpenStep:
+    """The step in progress (then closed, until settled): its transaction (store, compressor
+    snapshot, readout), buckets, keys, and the checks registered at its close."""
+
+    transaction: Transaction
+    buckets: list[BucketInFlight] = field(default_factory=list)
+    keys: set[Hashable] = field(default_factory=set)
+    checks: _Checks | None = None
+
+    @property
+    def readout(self) -> Readout:
+        return self.transaction.readout
 
 
 @dataclass
@@ -108,12 +115,14 @@ class StepLedger:
         step: synchronised steps applied so far (a dropped non-finite step does not count).
         last_step_skipped: the last step was dropped for a non-finite gradient.
         current: the step in progress, or None between steps.
+        closed: the step closed on the device and not yet settled on the host, or None.
     """
 
     nonfinite: str = "propagate"
     step: int = 0
     last_step_skipped: bool = False
     current: OpenStep | None = None
+    closed: OpenStep | None = None
 
     @property
     def fill_value(self) -> float:
@@ -122,6 +131,8 @@ class StepLedger:
 
     def open(self, compressor: Compressor, store: TensorStore, on_close: Callable[[], None]) -> OpenStep:
         """Open the step on its first bucket (later buckets get the same :class:`OpenStep`)."""
+        if self.closed is not None:
+            raise RuntimeError("gradsift: a step opened before the last one was settled")
         if self.current is None:
             KEPT_WORKS.next_step()
             self.current = OpenStep(Transaction(store, compressor))
@@ -136,9 +147,10 @@ class StepLedger:
             _refuse(self.current, RuntimeError("gradsift: the step was abandoned (a bucket raised)"))
             self.current = None
 
-    def close(self, telemetry: Telemetry, capacities: CapacityPlan) -> None:
-        """Wait for the step's buckets, read its checks once, apply the failure and
-        non-finite policies, commit (a no-op when no step is open)."""
+    def close(self) -> None:
+        """Wait for the step's buckets, fill their results where the step is dropped, complete
+        DDP's futures and start the readout's copy: no host read (a no-op when no step is
+        open). :meth:`settle` finishes the step."""
         step, self.current = self.current, None
         if step is None:
             return
@@ -153,7 +165,23 @@ class StepLedger:
             step.transaction.roll_back()
             _refuse(step, failure)
             raise
-        checks = _register(step, outcomes)
+        step.checks = _register(step, outcomes)
+        dropped = _dropped(outcomes)
+        for bucket in step.buckets:
+            if dropped is not None:
+                bucket.result.masked_fill_(dropped, self.fill_value)
+            bucket.future.set_result(bucket.result)
+        step.readout.start()
+        self.closed = step
+
+    def settle(self, telemetry: Telemetry, capacities: CapacityPlan) -> bool:
+        """Read the closed step's checks once, apply the malformed and non-finite policies,
+        commit or roll back; True when a step was settled and kept (False: none waiting,
+        or dropped)."""
+        step, self.closed = self.closed, None
+        if step is None or step.checks is None:
+            return False
+        checks = step.checks
         step.readout.read()  # the step's one host read
         running = [phase for bucket in step.buckets for phase in bucket.record.settle()]
         records = [bucket.record for bucket in step.buckets]
@@ -176,25 +204,29 @@ class StepLedger:
             if self.nonfinite == "raise":
                 refusal = NonFiniteGradientError(
                     f"step {self.step}: a gradient holds NaN or Inf on at least one rank. {STOP} To train on "
-                    "past such steps instead, register the hook with nonfinite='skip' (the step's gradients "
-                    "are zero on every rank) or 'propagate', the default (NaN gradients, as stock DDP hands "
-                    "them to torch.amp.GradScaler)"
+                    "past such steps without an error, register the hook with nonfinite='skip' (the step's "
+                    "gradients are zero on every rank) or 'propagate', the default (NaN gradients, as stock "
+                    "DDP hands them to torch.amp.GradScaler)"
                 )
                 _refuse(step, refusal)
                 raise refusal
-            for bucket in step.buckets:
-                bucket.result.fill_(self.fill_value)
         else:
             step.transaction.commit()
             for key, numel, demand, used in checks.demands:
                 capacities.follow(key, demand[0], used[0], numel)
             if step.keys:
                 step.transaction.store.retain(step.keys)
-        for bucket in step.buckets:
-            bucket.future.set_result(bucket.result)
         self.last_step_skipped = nonfinite
         telemetry.end_step(self.step, records, skipped=nonfinite, running=running)
         self.step += int(not nonfinite)
+        return not nonfinite
+
+
+def _dropped(outcomes: list[Outcome]) -> torch.Tensor | None:
+    """The step's device flag: some rank's input was non-finite or some message malformed
+    (None when no exchange of the step checks either)."""
+    flags = [flag.reshape(-1).bool() for o in outcomes for flag in (*o.nonfinite, *o.malformed)]
+    return torch.cat(flags).any() if flags else None
 
 
 def _register(step: OpenStep, outcomes: list[Outcome]) -> _Checks:
@@ -212,9 +244,9 @@ def _register(step: OpenStep, outcomes: list[Outcome]) -> _Checks:
 
 
 def _refuse(step: OpenStep, error: BaseException) -> None:
-    """A raised step: fail DDP's futures with ``error`` and set the ``.grad`` of every parameter
-    of the step's buckets to None, so that no rank keeps its own, unsynchronised gradient for
-    an optimizer step taken after catching the error."""
+    """A raised step: fail DDP's futures not yet completed with ``error`` and set the ``.grad``
+    of every parameter of the step's buckets to None, so that no optimizer step applies the
+    step's gradients."""
     _fail(step, error)
     for bucket in step.buckets:
         for param in bucket.params:

@@ -23,11 +23,14 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
    compresses the compressed parts' mean again with a server residual (1-bit Adam's second
    stage, :func:`~gradsift.hook.feedback.server_stage`); the mean is multiplied back by
    ``s`` (stock DDP's scaled mean) and, under Adam, by the first moment's scale.
-7. **close** -- on the last bucket (or when backward ends) the step closes on the thread
-   that ran backward: it waits for the exchanges, reads the step's checks in one host
-   transfer -- nothing before it reads a tensor on the host -- and every rank together
-   commits the step or rolls it back (a peer failure, a malformed message, a NaN/Inf on
-   any rank) and applies the ``nonfinite`` policy, then completes the futures.
+7. **close** -- on the last bucket (or when backward ends) the step closes on the device,
+   with no host read: it waits for the exchanges, fills the results where some rank's
+   input was non-finite or a message malformed (the ``nonfinite`` policy's fill) and
+   completes the futures; a peer failure raises here.
+8. **settle** -- after backward returned (the next optimizer step, forward, step, or a read
+   of the hook's state) the step's checks are read in one host transfer -- nothing before
+   it reads a tensor on the host -- and every rank together commits the step or rolls it
+   back (a malformed message, a NaN/Inf on any rank) and raises what the policy raises.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime
@@ -91,9 +94,9 @@ def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Te
     """:func:`route_bucket` for callers that need the bucket's mean before backward ends
     (FSDP's hooks consume it on return): the exchange is waited for at once.
 
-    The step still closes at the end of backward (the checks, the non-finite policy,
-    the commit or rollback); until then the mean of a step that turns out non-finite is
-    not filled (the caller can use the outcome's device flags).
+    The step still closes at the end of backward and settles after it (the checks, the
+    non-finite policy, the commit or rollback); the mean returned here is not filled for a
+    step that turns out non-finite (the caller can use the outcome's device flags).
     """
     route_bucket(state, bucket)
     assert state.ledger.current is not None  # the route opened the step

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor, Sparsifier
-from gradsift.compressors.registry import available_compressors, compressor_class
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
@@ -27,7 +26,9 @@ from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import FROZEN_METHODS, AdamStep, is_adam
+from gradsift.hook.before_step import BEFORE_STEP, settles_before_forward
 from gradsift.hook.capacity import CapacityPlan
+from gradsift.hook.compatibility import refuse_incompatible
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
@@ -90,16 +91,7 @@ class GradsiftHookState:
                 f"compressor must be a registry name or a Compressor, got {self.compressor!r}"
             )
         self.exchange = resolve_exchange(self.compressor, self.options.exchange)
-        if self.exchange.whole_bucket and self.options.granularity != "bucket":
-            raise InvalidOptionError(
-                f"{self.compressor.name} runs on whole buckets: use granularity='bucket'"
-            )
-        if self.options.density_warmup_steps and not isinstance(self.compressor, Sparsifier):
-            raise InvalidOptionError(
-                f"density_warmup_steps needs a sparsifier with a ratio; {self.compressor.name} has none"
-            )
-        if self.options.server_feedback:
-            self._check_server_feedback()
+        refuse_incompatible(self.compressor, self.exchange, self.options)
         uses_feedback = self.options.error_feedback
         if uses_feedback is None:
             uses_feedback = bool(self.compressor.error_feedback)
@@ -108,35 +100,12 @@ class GradsiftHookState:
             self.feedback = ErrorFeedback(
                 self.options.momentum, self.options.momentum_masking, self.store, decay
             )
-        if self.options.padding_target is not None and not self.compressor.adaptive_capacity:
-            adaptive = [n for n in available_compressors() if compressor_class(n).adaptive_capacity]
-            raise InvalidOptionError(
-                f"padding_target bounds the padding of a capacity that follows the demand "
-                f"({', '.join(adaptive)}); {self.compressor.name}'s capacity is fixed by its options"
-            )
         self.capacities = CapacityPlan(self.options.padding_target)
         self.compressor.bind_store(self.store)
         self.ledger.nonfinite = self.options.nonfinite
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
         self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
         self.codec = Codec(self.compressor, self.options.value_dtype)
-
-    def _check_server_feedback(self) -> None:
-        """Refuse ``server_feedback=True`` where the ranks could not apply it alike: a compressor
-        whose encode is not :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an
-        exchange that is not :attr:`~gradsift.exchanges.base.Exchange.replicated`."""
-        name = self.compressor.name
-        if not self.compressor.server_stage:
-            able = [n for n in available_compressors() if compressor_class(n).server_stage]
-            raise InvalidOptionError(
-                f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
-                f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
-            )
-        if not self.exchange.replicated:
-            raise InvalidOptionError(
-                f"server_feedback=True needs every rank to decode the same mean itself (exchange="
-                f"'allgather'); {name!r} travels by {self.exchange.name!r}, which does not promise that"
-            )
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
@@ -177,6 +146,8 @@ class GradsiftHookState:
         self.process_group = self.process_group or ddp_model.process_group
         self.watch(ddp_model.module.parameters(), optimizer)
         self.compressor.attach(ddp_model.module)
+        if isinstance(ddp_model, torch.nn.Module):  # the next forward settles the last step
+            ddp_model.register_forward_pre_hook(settles_before_forward(self))
 
     def watch(self, params: Any, optimizer: Any = None) -> None:
         """:meth:`attach`'s optimizer side, also FSDP1 ``NO_SHARD``'s (``params``: its flat parameters)."""
@@ -243,11 +214,13 @@ class GradsiftHookState:
     @property
     def step(self) -> int:
         """Synchronised steps applied so far (``no_sync`` passes and dropped steps do not count)."""
+        self.settle()
         return self.ledger.step
 
     @property
     def last_step_skipped(self) -> bool:
         """True when the last step was dropped for a NaN/Inf gradient on some rank."""
+        self.settle()
         return self.ledger.last_step_skipped
 
     @property
@@ -260,12 +233,14 @@ class GradsiftHookState:
         dense_bytes, density, compress_ms, communicate_ms, decompress_ms, dense/compressed
         tensor counts; the step dict also has ``step`` and ``skipped``, the totals ``steps``
         and ``skipped_steps``."""
+        self.settle()
         return self.telemetry.summary()
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Step, the state store (residuals, the server residual, ...), compressor state and
         telemetry totals (tensors cloned)."""
+        self.settle()
         return {
             "step": self.ledger.step,
             "feedback": None if self.feedback is None else {"momentum": self.feedback.momentum},
@@ -279,6 +254,7 @@ class GradsiftHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, an optimizer still to be found found first (:meth:`prepare_load`)."""
+        self.settle()
         self.prepare_load(state)
         if (state["feedback"] is None) != (self.feedback is None):
             raise InvalidOptionError(
@@ -305,7 +281,7 @@ class GradsiftHookState:
         """Pickle without the process group and the steps in flight (like ``PowerSGDState``)."""
         state = dict(self.__dict__)
         state["process_group"] = None
-        state["ledger"] = dataclasses.replace(self.ledger, current=None)
+        state["ledger"] = dataclasses.replace(self.ledger, current=None, closed=None)
         state["adam"] = None  # holds the optimizer: register again with optimizer=
         state["first_step"] = None  # a global optimizer hook: attach makes a new one
         return state
@@ -374,19 +350,32 @@ class GradsiftHookState:
         return getattr(scaler, "_scale", None)  # None until the scaler scaled a loss
 
     def close_step(self) -> None:
-        """Commit or roll back the step on every rank (:mod:`gradsift.hook.ledger`); a kept compressed
-        step of Adam hands the optimizer's next step to :mod:`gradsift.hook.adam`."""
-        closing, was_open = self.ledger.step, self.ledger.current is not None
-        self.ledger.close(self.telemetry, self.capacities)
+        """Close the step on the device (:mod:`gradsift.hook.ledger`: no host read); the first
+        optimizer step, forward, step or state read after it settles it (:meth:`settle`)."""
+        self.ledger.close()
         if self.first_step is not None:
             self.first_step.keep()
-        if self.adam is not None and was_open and not self.ledger.last_step_skipped:
-            self.adam.pending = self.adam.compressing(closing)
+        BEFORE_STEP.add(self)
+
+    def settle(self) -> None:
+        """Settle the closed step on the host (:mod:`gradsift.hook.ledger`): its one host read,
+        commit or roll back, the errors it raises; a kept compressed step of Adam hands the
+        optimizer's next step to :mod:`gradsift.hook.adam`. A no-op when no step waits."""
+        settling = self.ledger.step
+        if self.ledger.settle(self.telemetry, self.capacities) and self.adam is not None:
+            self.adam.pending = self.adam.compressing(settling)
+
+    def before_step(self, optimizer: Any) -> None:
+        """Every optimizer's step starts by settling the closed step (:mod:`gradsift.hook.before_step`)."""
+        del optimizer
+        self.settle()
 
     def open_step(self) -> Any:
-        """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), after the first
-        step's :meth:`discover`; while the density warms up, set the sparsifier's ratio for
-        this step (:func:`gradsift.hook.recipe.density_at`)."""
+        """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), the last one settled
+        first, after the first step's :meth:`discover`; while the density warms up, set the
+        sparsifier's ratio for this step (:func:`gradsift.hook.recipe.density_at`)."""
+        if self.ledger.current is None:
+            self.settle()
         if self.discovering and self.ledger.current is None:
             self.discover()
         warming = self.ledger.current is None and self.options.density_warmup_steps

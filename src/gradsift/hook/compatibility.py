@@ -1,0 +1,48 @@
+"""Which hook options a compressor and its exchange can honour: the others are refused.
+
+A setting the hook cannot apply as asked is refused when the state is built, with an
+:class:`~gradsift.core.errors.InvalidOptionError` naming what works instead:
+
+* ``granularity`` other than ``"bucket"`` with an exchange that runs on whole buckets;
+* ``density_warmup_steps`` without a sparsifier (no ratio to warm up);
+* ``server_feedback=True`` with a compressor whose encode is not a deterministic, stateless
+  :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an exchange that is not
+  :attr:`~gradsift.exchanges.base.Exchange.replicated` (every rank must decode the same mean);
+* ``padding_target`` with a capacity fixed by the compressor's options (it bounds the padding
+  of a capacity that follows the demand).
+"""
+
+from __future__ import annotations
+
+from gradsift.compressors.base import Compressor, Sparsifier
+from gradsift.compressors.registry import available_compressors, compressor_class
+from gradsift.core.errors import InvalidOptionError
+from gradsift.exchanges.base import Exchange
+from gradsift.hook.options import HookOptions
+
+
+def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: HookOptions) -> None:
+    """Raise for the first setting of the module docstring that ``compressor`` and
+    ``exchange`` cannot honour."""
+    name = compressor.name
+    if exchange.whole_bucket and options.granularity != "bucket":
+        raise InvalidOptionError(f"{name} runs on whole buckets: use granularity='bucket'")
+    if options.density_warmup_steps and not isinstance(compressor, Sparsifier):
+        raise InvalidOptionError(f"density_warmup_steps needs a sparsifier with a ratio; {name} has none")
+    if options.server_feedback and not compressor.server_stage:
+        able = [n for n in available_compressors() if compressor_class(n).server_stage]
+        raise InvalidOptionError(
+            f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
+            f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
+        )
+    if options.server_feedback and not exchange.replicated:
+        raise InvalidOptionError(
+            f"server_feedback=True needs every rank to decode the same mean itself (exchange="
+            f"'allgather'); {name!r} travels by {exchange.name!r}, which does not promise that"
+        )
+    if options.padding_target is not None and not compressor.adaptive_capacity:
+        adaptive = [n for n in available_compressors() if compressor_class(n).adaptive_capacity]
+        raise InvalidOptionError(
+            f"padding_target bounds the padding of a capacity that follows the demand "
+            f"({', '.join(adaptive)}); {name}'s capacity is fixed by its options"
+        )
