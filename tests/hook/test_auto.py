@@ -146,6 +146,13 @@ def test_a_checkpoint_resumes_the_choice_bit_for_bit(one_process_group, monkeypa
         assert torch.equal(a, b)
 
 
+def test_a_named_methods_checkpoint_is_refused_by_auto_naming_why(one_process_group):
+    named = model()
+    saved = gradsift.register_comm_hook(named, "topk", ratio=0.1, optimizer=False).state_dict()
+    with pytest.raises(InvalidOptionError, match="named compressor, not with compressor='auto'"):
+        gradsift.register_comm_hook(model()).load_state_dict(saved)
+
+
 def test_compressor_options_with_auto_are_refused(one_process_group):
     with pytest.raises(InvalidOptionError, match="ratio.*compressor=<name>"):
         gradsift.register_comm_hook(model(), ratio=0.01)

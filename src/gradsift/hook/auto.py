@@ -285,6 +285,12 @@ class AutoHookState:
     def prepare_load(self, entry: dict[str, Any]) -> GradsiftHookState:
         """The method state that loads ``entry`` (a :meth:`state_dict`): the optimizer found,
         and the method the saving run was running switched to."""
+        if "auto" not in entry:
+            raise InvalidOptionError(
+                "this hook state was saved by a hook registered with a named compressor, not with "
+                "compressor='auto': register the hook with the compressor the saving run named to "
+                "resume it (auto's choice is not in it)"
+            )
         self.dense.prepare_load(entry)
         auto = entry["auto"]
         if auto["running"] != self.current.compressor.name:
