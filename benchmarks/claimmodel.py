@@ -3,9 +3,9 @@
 A :class:`Claim` reads fields of committed JSON results (a :class:`Result` also names the
 command that produced it), optionally combines them with a small function (:func:`ratio`,
 :func:`spanned`, a lambda), and formats the value. A :class:`Table` is a Markdown table
-whose cells are literal text or claims. The registry (``registry.py``) holds every claim
-and table; ``claims.py`` writes them into the docs between markers and checks that what
-the docs say is what the files say.
+whose cells are literal text, claims, or a tuple of both joined in one cell. The registry
+(``registry.py``) holds every claim and table; ``claims.py`` writes them into the docs
+between markers and checks that what the docs say is what the files say.
 
 Field paths are ``/``-separated keys (``\\/`` is a slash inside a key). On a list, a
 segment is an index, ``[key=value]`` (the one element whose ``key`` is ``value``; several
@@ -140,7 +140,12 @@ class Claim:
         return self.fmt.format(*value) if isinstance(value, tuple) else self.fmt.format(value)
 
 
-Cell = str | Claim
+Piece = str | Claim
+Cell = Piece | tuple[Piece, ...]  # a tuple: its pieces joined, text and numbers in one cell
+
+
+def _pieces(cell: Cell) -> tuple[Piece, ...]:
+    return cell if isinstance(cell, tuple) else (cell,)
 
 
 @dataclass(frozen=True)
@@ -154,11 +159,14 @@ class Table:
     claims: tuple[Claim, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        cells = [c for row in (self.header, *self.rows) for c in row]
-        object.__setattr__(self, "claims", tuple(c for c in cells if isinstance(c, Claim)))
+        pieces = [p for row in (self.header, *self.rows) for cell in row for p in _pieces(cell)]
+        object.__setattr__(self, "claims", tuple(p for p in pieces if isinstance(p, Claim)))
 
     def render(self, root: Path = ROOT) -> str:
+        def text(cell: Cell) -> str:
+            return "".join(p if isinstance(p, str) else p.text(root) for p in _pieces(cell))
+
         def line(cells: tuple[Cell, ...]) -> str:
-            return "| " + " | ".join(c if isinstance(c, str) else c.text(root) for c in cells) + " |"
+            return "| " + " | ".join(map(text, cells)) + " |"
 
         return "\n".join([line(self.header), line(self.align), *map(line, self.rows)])

@@ -176,7 +176,7 @@ def time_to_077(compressor: str) -> str:
 
 
 TRAINING_TABLE = Table(
-    "readme-training",
+    "training-100mbit",
     (
         "method",
         "MB/step/worker",
@@ -326,16 +326,6 @@ VGC_HOOK_CLAIMS = (
         for model in HOOK_MODELS for kind in ("backward", "forward_backward") for rule in ("approx", "exact")
         if rule == "approx" or model == "vgg"  # the exact rule differs from the approximate one on convolutions only
     ),
-)  # fmt: skip
-
-# -- the hook against stock DDP (localhost gloo, 3.16M-parameter MLP) -------------------------------
-DDP_CLAIMS = (
-    *(Claim(f"ddp.none.{w}", DDP, (f"results/{w}/none/ratio_to_stock",), "{:.2f}x") for w in ("2", "4")),
-    Claim("ddp.none.verdict", DDP, ("results/2/none/ratio_to_stock", "results/4/none/ratio_to_stock"),
-          compute=lambda *r: "met" if max(r) <= 1.05 else "not met"),
-    Claim("ddp.stock.2", DDP, ("results/2/stock/median_step_ms",), "{:.1f} ms"),
-    Claim("ddp.none.extra.2", DDP, ("results/2/none/median_step_ms", "results/2/stock/median_step_ms"), "{:.1f} ms",
-          compute=lambda a, b: a - b),
 )  # fmt: skip
 
 HOOK_CONFIGS = (("stock DDP", "stock"), ("PyTorch's `allreduce_hook`", "torch-allreduce-hook"),
@@ -1112,6 +1102,59 @@ MEMORY_CLAIMS = (
     Claim("memory.parameter_mb", MEMORY, ("parameter_bytes",), "{:.1f} MB", compute=lambda b: b / 1e6),
 )  # fmt: skip
 
+
+# -- the README's verdict: one row per setting, its figures the claims its pages publish -----------
+_PUBLISHED = {c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)}
+AUTO_LOCALHOST = AUTO_LINKS[0][2]
+
+
+def _seeds(setting: str, result: Result, path: str) -> Claim:
+    """How many seeds the list at ``path`` names."""
+    return Claim(f"readme.{setting}.seeds", result, (path,), compute=len)
+
+
+VERDICT_TABLE = Table(
+    "readme-verdict",
+    ("your setting", "what to use", "what it buys", "measured on", "seeds"),
+    ("---", "---", "---", "---", "---"),
+    (
+        ("slow link + SGD",
+         "`sidco-exp` at ratio 0.01 with DGC's momentum correction: the one line's pick for SGD where it predicts "
+         "it faster",
+         (_PUBLISHED["train.tta.none_over_sidco"], " sooner than fp32 DDP and ", _PUBLISHED["train.tta.bf16_over_sidco"],
+          " sooner than `bf16` to fp32's final test accuracy minus one point, with ", _PUBLISHED["train.sidco.factor"],
+          " fewer bytes"),
+         "VGG-style CNN, 4 workers, 200 steps, emulated 100 Mbit/s ([benchmarks/training](benchmarks/training/README.md))",
+         _seeds("sgd", TRAINING, "provenance/seeds")),
+        ("slow link + AdamW",
+         "the 1-bit Adam method (`efsignsgd` under AdamW): a candidate of the one line in runs known to last "
+         "3,000 steps or more (`steps=`); in shorter ones it picks `bf16` or stock DDP",
+         (_PUBLISHED["verdict.adamw3k.onebit-adam.sooner.none"], " sooner than fp32 DDP and ",
+          _PUBLISHED["verdict.adamw3k.onebit-adam.sooner.bf16"], " sooner than `bf16` to fp32's final validation "
+          "loss + 1 %, with ", _PUBLISHED["verdict.adamw3k.onebit-adam.fewer"], " fewer bytes"),
+         "small GPT, 2 workers, 3,000 steps, times over emulated 100 Mbit/s ([docs/adam.md](docs/adam.md))",
+         _seeds("adamw", CONVERGENCE, "workloads/gpt-adamw-3k/methods/onebit-adam/seeds")),
+        ("fast link",
+         "the one line: it keeps stock DDP's allreduce",
+         ("nothing to buy: on localhost the one line kept stock DDP on ",
+          Claim("readme.fast.kept", AUTO_LOCALHOST, ("runs/{arm=auto}/auto/choice",), "{}/{}",
+                compute=lambda choices: (choices.count("none"), len(choices))),
+          " seeds, at stock's loss; a named compressor costs step time: `sidco-exp` ",
+          _PUBLISHED["hook.sidco-exp@0.01.ratio.plain"], " stock DDP's step, `none` ", _PUBLISHED["hook.none.ratio.plain"]),
+         "localhost gloo: a small GPT with AdamW, 2 workers ([docs/auto.md](docs/auto.md)); the hook's cost on an "
+         "MLP ([benchmarks/hook_overhead](benchmarks/hook_overhead/README.md))",
+         (_PUBLISHED["auto.localhost.seeds"], " (the one line); one run (the hook's cost)")),
+        ("GPU",
+         "the one line (stock DDP where the link is fast); the compressed methods run but are not tuned for GPUs",
+         "no speed gain measured yet: the device check passes (every compressor x exchange at one host read per "
+         "step at most, sums in rank order that repeat their bits); on one rank and a small MLP the hook's step is "
+         "slower than stock DDP's (its Python per bucket)",
+         "one H200, torch 2.11, CUDA 13.0, NCCL, one rank, commit b7ddd55 "
+         "([results/gpu](results/gpu/check-b7ddd55/README.md))",
+         "-"),
+    ),
+)  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -1134,8 +1177,9 @@ TABLES = (
     PADDING_TABLE,
     AUTO_TABLE,
     MEMORY_TABLE,
+    VERDICT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *DDP_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

@@ -234,3 +234,12 @@ def test_a_file_of_sessions_is_backed_when_every_session_is_stamped_validly() ->
         f"session 1: stamped with {'b' * 40}, not in this history"
     )
     assert claims.stamp_problem({"sessions": []}, commits) == "no provenance stamp"
+
+
+def test_a_table_cell_joins_text_and_claims(tmp_path: Path) -> None:
+    result = Result("r.json", "make it")
+    (tmp_path / "r.json").write_text(json.dumps({"a": 3.0, "b": 2.0}))
+    a, b = Claim("a", result, ("a",), "{:.1f}x"), Claim("b", result, ("b",), "{:.0f} s")
+    table = claimmodel.Table("t", ("setting", "buys"), ("---", "---"), (("slow", (a, " sooner, in ", b)),))
+    assert table.claims == (a, b)
+    assert table.render(tmp_path).splitlines()[-1] == "| slow | 3.0x sooner, in 2 s |"
