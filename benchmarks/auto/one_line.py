@@ -39,7 +39,7 @@ def run(
 ) -> dict[str, Any]:
     """One ``gradsift train`` run of the workload and what it measured."""
     workload = WORKLOADS[args.workload]
-    flags = workload.train_arguments(workload.epochs)
+    flags = workload.train_arguments(workload.epochs, steps=getattr(args, "steps", None))
     flags[flags.index("--workers") + 1] = str(workers)
     command = [sys.executable, "-m", "gradsift", "train", *flags, "--seed", str(seed), "--compressor", compressor,
                "--no-progress", "--out", str(out)]  # fmt: skip
