@@ -27,9 +27,10 @@ class UnknownCompressorError(GradsiftError, ValueError):
 class NonFiniteGradientError(GradsiftError, FloatingPointError):
     """A gradient holds NaN or +-Inf.
 
-    Raised instead of compressing (and, in the DDP hook, on every rank together),
-    because a non-finite element would otherwise be sent, summed and copied into
-    every worker's parameters.
+    Raised instead of compressing (and, in the DDP hook under ``nonfinite="raise"``, on
+    every rank together where the step settles, before the optimizer steps), because a
+    non-finite element would otherwise be sent, summed and copied into every worker's
+    parameters.
     """
 
 
