@@ -253,11 +253,10 @@ def test_frozen_variance_step_leaves_a_non_compressed_step_to_the_optimizer():
 
 
 @pytest.mark.distributed
-def test_the_one_line_with_adamw_takes_the_measured_dense_warm_up(one_process_group):
-    """``register_comm_hook(ddp, name, optimizer=adamw)`` and nothing else: it runs, with
-    ONE_LINE_WARMUP_STEPS dense steps, which are stock DDP + AdamW (same run, same data)."""
-    from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
-
+def test_the_one_line_with_adamw_measures_its_dense_warm_up(one_process_group):
+    """``register_comm_hook(ddp, name, optimizer=adamw)`` and nothing else: it runs, its warm-up
+    measured (tests/hook/test_adam_warmup.py), and the dense steps before the first possible
+    end (two windows) are stock DDP + AdamW (same run, same data)."""
     runs = {}
     for hooked in (False, True):
         torch.manual_seed(0)
@@ -265,7 +264,7 @@ def test_the_one_line_with_adamw_takes_the_measured_dense_warm_up(one_process_gr
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if hooked:
             state = gradsift.register_comm_hook(model, "topk", ratio=0.1, optimizer=optimizer)
-            assert state.options.warmup_steps == ONE_LINE_WARMUP_STEPS
+            assert state.options.warmup_steps is None and state.adam.warmup_end is None
         generator = torch.Generator().manual_seed(5)
         for _ in range(3):
             optimizer.zero_grad()

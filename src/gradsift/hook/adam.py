@@ -8,8 +8,10 @@ of ``1/density`` of them, and training slows by about the density.
 What ``register_comm_hook(ddp, compressor, optimizer=adam)`` does instead (after 1-bit
 Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
 
-1. **Warm-up** -- the first ``warmup_steps`` steps are stock DDP + the optimizer as built:
-   dense allreduce of the gradients, Adam's own ``exp_avg`` ``m`` and ``exp_avg_sq`` ``v``.
+1. **Warm-up** -- the first steps are stock DDP + the optimizer as built: dense allreduce
+   of the gradients, Adam's own ``exp_avg`` ``m`` and ``exp_avg_sq`` ``v``. It lasts
+   ``warmup_steps`` steps where given, else until ``v`` has settled, measured on the run
+   (:mod:`gradsift.hook.adam_warmup`).
 2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
    preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant, and the update
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction
 from gradsift.hook.feedback import VELOCITY
 from gradsift.hook.param_groups import model_groups
 
@@ -64,13 +67,9 @@ ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 WARMUP_FRACTION = 0.1
 
 
-#: Dense steps before the second moment is frozen when nothing says how long the run is
-#: (``register_comm_hook(..., optimizer=adam)`` without ``warmup_steps``). Measured on the
-#: convergence protocol's gpt-adamw (2 workers, 314 steps, 3 seeds, mean validation loss;
-#: docs/adam.md): 16 dense steps end far behind (2.82 against fp32's 2.14 and one worker
-#: alone's 2.40), 31 at 2.29, 64 at 2.29 (4.6x fewer bytes), 128 at 2.25 but with only
-#: 2.4x fewer bytes: the frozen variance needs some tens of dense steps; 64 is past the
-#: failure at 16 with margin on short runs and a small share of a long one.
+#: The fixed dense warm-up ``compressor="auto"`` gives the 1-bit Adam method it switches to
+#: when no ``warmup_steps`` is given (``register_comm_hook(..., optimizer=adam)`` itself
+#: measures its warm-up: :mod:`gradsift.hook.adam_warmup`).
 ONE_LINE_WARMUP_STEPS = 64
 
 
@@ -140,6 +139,10 @@ class AdamStep:
         """Stop taking over the optimizer's steps."""
         self._handle.remove()
 
+    def stats(self) -> dict[str, Any]:
+        """What the method reports in the hook's ``stats()`` (by default nothing)."""
+        return {}
+
     def compressing(self, step: int) -> bool:
         """Whether hook step ``step`` (0-based) is a compressed one."""
         del step
@@ -186,21 +189,46 @@ class FrozenVarianceStep(AdamStep):
     moment as a momentum-corrected velocity with error feedback; direction ``m / D``.
 
     Args:
-        warmup_steps: dense steps before the variance is frozen (>= 1).
+        warmup_steps: dense steps before the variance is frozen (>= 1); None: until the
+            second moment has settled (:class:`~gradsift.hook.adam_warmup.SettledWarmup`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int) -> None:
-        if warmup_steps < 1:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int | None
+    ) -> None:
+        if warmup_steps is not None and warmup_steps < 1:
             raise InvalidOptionError(
                 "compressed Adam with a frozen second moment (adam='frozen-variance' or 'onebit') needs a dense warm-up that gives the second "
-                "moment its values: pass warmup_steps >= 1 (docs/choosing.md has what was measured here)"
+                "moment its values: pass warmup_steps >= 1, or leave it unset to end the warm-up when the second moment has settled"
             )
         super().__init__(optimizer, numbers)
         self.warmup_steps = warmup_steps
+        self.settled = None if warmup_steps is not None else SettledWarmup(optimizer, numbers)
         self._preconditioners: dict[int, torch.Tensor] = {}
 
+    def detach(self) -> None:
+        super().detach()
+        if self.settled is not None:
+            self.settled.detach()
+
+    @property
+    def warmup_end(self) -> int | None:
+        """The first compressed step: ``warmup_steps``, or the measured end (None: not yet)."""
+        return self.warmup_steps if self.settled is None else self.settled.end
+
     def compressing(self, step: int) -> bool:
-        return step >= self.warmup_steps
+        end = self.warmup_end
+        return end is not None and step >= end
+
+    def stats(self) -> dict[str, Any]:
+        """``{"adam_warmup": {...}}``: the first compressed step ``end`` (None: still dense),
+        ``reason`` (``"settled"``, ``"cap"`` or ``"warmup_steps"``), the optimizer ``steps``
+        counted, the last relative change ``change`` and the ``cap``."""
+        if self.settled is None:
+            return {"adam_warmup": {"end": self.warmup_steps, "reason": GIVEN_REASON}}
+        record = self.settled.record
+        fields = {k: record[k] for k in ("end", "reason", "steps", "change")}
+        return {"adam_warmup": {**fields, "cap": self.settled.cap}}
 
     def moment_scale(self) -> float:
         """The exchange's mean is in velocity units: Adam's first moment is ``1 - beta1`` of it."""
@@ -267,11 +295,12 @@ FROZEN_METHODS = ("frozen-variance", "onebit")
 
 
 def adam_step(
-    optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int, method: str
+    optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int | None, method: str
 ) -> AdamStep:
-    """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``."""
+    """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``; the frozen
+    methods measure their warm-up when ``warmup_steps`` is None, ``"update"`` has none then."""
     if method == "update":
-        return LocalUpdateStep(optimizer, numbers, warmup_steps)
+        return LocalUpdateStep(optimizer, numbers, warmup_steps or 0)
     if method == "onebit":
         return OneBitAdamStep(optimizer, numbers, warmup_steps)
     return FrozenVarianceStep(optimizer, numbers, warmup_steps)
@@ -317,13 +346,3 @@ class LocalUpdateStep(AdamStep):
         t = step - self.warmup_steps + 1  # the moments start after the dense warm-up
         denominator = (second / (1.0 - self.beta2**t)).sqrt_().add_(self.eps)
         return first / (1.0 - self.beta1**t) / denominator
-
-
-def bias_correction(beta: float, step: Any) -> torch.Tensor:
-    """Adam's ``1 - beta^t`` for its step count ``t`` (``state["step"]``: a CPU tensor, or one on the
-    parameters' device under ``capturable``/``fused``), as a 0-dim float64 tensor where ``t`` lives:
-    computed by the device, never read on the host, so neither the backward (the first compressed
-    step's velocity) nor the optimizer's step waits for the device. In float64, as Python's own
-    ``1 - beta ** float(t)``: the same bits."""
-    t = torch.as_tensor(step).double()
-    return 1.0 - torch.pow(torch.full_like(t, beta), t)

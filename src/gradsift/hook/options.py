@@ -19,7 +19,6 @@ from gradsift.core.validation import check_bool, check_choice, check_int, check_
 from gradsift.core.wire import parse_value_dtype
 from gradsift.exchanges import AUTO, available_exchanges
 from gradsift.hook.adam import METHODS as ADAM_METHODS
-from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
 from gradsift.hook.layout import GRANULARITIES
 from gradsift.hook.ledger import NONFINITE_POLICIES
 
@@ -35,9 +34,10 @@ class HookOptions:
         warmup_steps: the first this many steps are dense, like PowerSGD's
             ``start_powerSGD_iter``. None (default): none, except under an Adam/AdamW optimizer
             (given or found) with ``adam="frozen-variance"`` or ``"onebit"``, whose frozen
-            second moment needs dense steps first: then
-            :data:`gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`. ``0`` means no dense step (refused
-            under those Adam methods, which would have no second moment to freeze).
+            second moment needs dense steps first: then the warm-up lasts until Adam's second
+            moment has settled, measured on the run (:mod:`gradsift.hook.adam_warmup`; the
+            hook's ``stats()["adam_warmup"]`` says when and why it ended). ``0`` means no dense
+            step (refused under those Adam methods, which would have no second moment to freeze).
         value_dtype: dtype of sent values: None (default) keeps the compressor's, or
             ``"fp32"``/``"fp16"``/``"bf16"``. Dense parts travel in the gradient's dtype.
         nonfinite: what a step with NaN/Inf on any rank becomes, on every rank:
@@ -138,15 +138,15 @@ class HookOptions:
 
     def with_frozen_variance_warmup(self) -> HookOptions:
         """These options under a frozen-variance Adam method, whose second moment needs dense
-        steps: ``warmup_steps`` unset becomes :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`;
-        ``0`` is refused."""
+        steps: ``warmup_steps=0`` is refused; unset, it stays unset (the method ends its warm-up
+        when the second moment has settled, :mod:`gradsift.hook.adam_warmup`)."""
         if self.warmup_steps == 0:
             raise InvalidOptionError(
                 f"warmup_steps=0 with adam={self.adam!r}: the method freezes Adam's second moment after "
-                "dense steps, and with none there is no second moment to freeze; pass warmup_steps >= 1 "
-                f"or leave it unset ({ONE_LINE_WARMUP_STEPS} dense steps)"
+                "dense steps, and with none there is no second moment to freeze; pass warmup_steps >= 1, "
+                "or leave it unset to end the warm-up when the second moment has settled"
             )
-        return self if self.warmup_steps else dataclasses.replace(self, warmup_steps=ONE_LINE_WARMUP_STEPS)
+        return self
 
     def feedback_decay(self, compressor: Compressor) -> float:
         """Error feedback's ``beta``: ``residual_decay``, or ``compressor``'s own when unset."""
@@ -154,7 +154,8 @@ class HookOptions:
 
     @property
     def dense_steps(self) -> int:
-        """The dense warm-up's length: ``warmup_steps``, 0 when unset."""
+        """The dense warm-up's length: ``warmup_steps``, 0 when unset (under a frozen Adam method
+        the method's own measured end applies instead: :mod:`gradsift.hook.adam_warmup`)."""
         return self.warmup_steps or 0
 
 

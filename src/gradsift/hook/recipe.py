@@ -70,7 +70,7 @@ def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def take_over(
     optimizer: Any,
     numbers: dict[int, int],
-    warmup_steps: int = 0,
+    warmup_steps: int | None = None,
     adam: str = "frozen-variance",
     compressor: Compressor | None = None,
 ) -> Takeover:
@@ -78,8 +78,9 @@ def take_over(
 
     SGD: its ``momentum`` and ``weight_decay`` (module docstring). Adam/AdamW: the method
     ``adam`` of :mod:`gradsift.hook.adam` takes the optimizer's steps after ``warmup_steps`` dense
-    ones (``"frozen-variance"``, ``"onebit"``: ``beta1`` becomes the velocity's momentum; ``"update"``:
-    each worker's own Adam update travels, with no momentum in the exchange).
+    ones (None: a frozen method's measured warm-up, none for ``"update"``; ``"frozen-variance"``,
+    ``"onebit"``: ``beta1`` becomes the velocity's momentum; ``"update"``: each worker's own Adam
+    update travels, with no momentum in the exchange).
     ``numbers`` maps ``id(parameter)`` to the parameter's number. A ``compressor`` whose
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
     nothing from an optimizer outside the Adam family: it keeps its momentum. Raises

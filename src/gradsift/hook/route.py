@@ -137,7 +137,7 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     for part in large:  # 4
         part.compensated = _compensate(state, part, context.world, loss_scale)
     trips = []  # 5
-    warming = state.ledger.step < state.options.dense_steps  # the warm-up with momentum correction
+    warming = state.warming()  # the warm-up with momentum correction
     if large:
         exchange, codec = (STOCK_ALLREDUCE, IDENTITY) if warming else (state.exchange, state.codec)
         trips.append(exchange.start(large, codec, context))

@@ -167,7 +167,7 @@ class GradsiftHookState:
             if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
                 self.options = self.options.with_frozen_variance_warmup()
             taken = recipe.take_over(
-                optimizer, self.layout.numbers, self.options.dense_steps, self.options.adam, self.compressor
+                optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam, self.compressor
             )
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
@@ -232,9 +232,9 @@ class GradsiftHookState:
         """``{"step": {...}, "total": {...}}``: bytes_sent, bytes_padded, bytes_received,
         dense_bytes, density, compress_ms, communicate_ms, decompress_ms, dense/compressed
         tensor counts; the step dict also has ``step`` and ``skipped``, the totals ``steps``
-        and ``skipped_steps``."""
+        and ``skipped_steps``; under a frozen Adam method ``adam_warmup`` (:mod:`gradsift.hook.adam`)."""
         self.settle()
-        return self.telemetry.summary()
+        return {**self.telemetry.summary(), **(self.adam.stats() if self.adam is not None else {})}
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -291,9 +291,15 @@ class GradsiftHookState:
         """Stock DDP's in-place allreduce this step: ``none``, or warm-up without momentum correction."""
         if self.compressor.identity:
             return True
-        warming = self.ledger.step < self.options.dense_steps
+        warming = self.warming()
         # Adam's warm-up is the optimizer as built: its moments come from dense gradients
         return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
+
+    def warming(self) -> bool:
+        """Whether this step is dense warm-up: under Adam the method's (given or measured), else ``dense_steps``."""
+        if self.adam is not None:
+            return not self.adam.compressing(self.ledger.step)
+        return self.ledger.step < self.options.dense_steps
 
     def context(
         self,

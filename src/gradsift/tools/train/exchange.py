@@ -100,8 +100,9 @@ def install_exchange(
 
     def stats() -> dict[str, float]:
         numbers = state.stats()
-        if "auto" in numbers:  # what compressor="auto" measured and chose, for summary.json
-            in_use["auto"] = numbers["auto"]
+        for chosen in ("auto", "adam_warmup"):  # what auto chose, when Adam's warm-up ended: summary.json
+            if chosen in numbers:
+                in_use[chosen] = numbers[chosen]
         return step_exchange_stats(numbers["step"])
 
     return stats, in_use
@@ -156,6 +157,7 @@ def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -
     """What the run applies, for ``summary.json``: whether the recipe is on, the momentum
     inside the exchange (momentum correction; None without error feedback) and the one
     left in the optimizer, momentum factor masking (None without momentum correction),
+    Adam's dense warm-up (the steps given; None: measured, then ``adam_warmup`` holds its end)
     and the density warm-up (steps; start density, None without a warm-up)."""
     feedback = state.feedback
     correcting = feedback is not None and feedback.momentum > 0
@@ -165,7 +167,7 @@ def recipe_in_use(state: Any, optimizer: torch.optim.Optimizer, enabled: bool) -
         "hook_momentum": None if feedback is None else feedback.momentum,
         "optimizer": type(optimizer).__name__,
         "optimizer_momentum": optimizer.param_groups[0].get("momentum"),
-        "adam_warmup_steps": state.options.dense_steps if state.adam is not None else None,
+        "adam_warmup_steps": state.options.warmup_steps if state.adam is not None else None,
         "momentum_masking": feedback.momentum_masking if correcting else None,
         "density_warmup_steps": warmup,
         "density_warmup_start": state.options.density_warmup_start if warmup else None,

@@ -1,0 +1,139 @@
+"""The end of a frozen-variance Adam method's dense warm-up, measured on the run.
+
+The frozen methods of :mod:`gradsift.hook.adam` freeze Adam's bias-corrected second moment
+``v_hat = v / (1 - beta2^t)`` when their dense warm-up ends. Without ``warmup_steps`` it ends
+when ``v_hat`` has settled. After every :data:`WINDOW` optimizer steps, ``t = k WINDOW``,
+each of the model's parameters ``p`` gives its total ``S_p(t) = sum_i v_hat_{p,i}(t)`` and
+
+    rho(t) = sum_p |S_p(t) - S_p(t - WINDOW)| / sum_p S_p(t),
+
+the relative change of the second moment over the window (the quantity 1-bit Adam's
+observation is about: the variance stabilises early in training, Tang et al. 2021). It is
+taken per tensor: summing a tensor's elements first averages out the per-element noise of
+the squared gradients, which never settles, and keeps the drift of each layer's gradient
+scale, which does. The warm-up ends after the first step ``t`` with ``rho(t) < SETTLED``
+(so at the earliest after two windows: the first has nothing to compare with), and at the
+latest after ``round(1 / (1 - beta2))`` steps (the largest ``beta2`` of the model's groups):
+the second moment's memory, past which ``v_hat`` is an average of a fixed length whose
+change over a window no longer shrinks. The hook's steps from ``t`` on are compressed (the
+hook counts the steps it committed, the rule the optimizer's steps since the hook took it
+over: the same count when every committed step is followed by one optimizer step).
+
+The check runs in the optimizer's step post-hook, outside backward, and reads the host
+once (the totals, computed on the device); between checks it reads nothing. ``rho`` is
+summed on the host with :func:`math.fsum` (exact, in any order). Every rank holds the same
+``v`` -- the warm-up's gradients are the allreduced mean, and every rank's optimizer steps
+the same parameters with them, which is what keeps DDP's replicas equal -- so every rank
+computes the same totals and ends at the same step. The record (steps counted, the last
+totals, the end and its reason, the last ``rho``) is kept in the optimizer's first
+parameter group that holds the model's parameters, under :data:`RECORD_KEY`: it travels in
+``optimizer.state_dict()``, and a resumed run ends where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gradsift.hook.param_groups import model_groups
+
+#: Optimizer steps between two checks: the window of ``rho``.
+WINDOW = 8
+#: ``v_hat`` has settled when its relative change over a window is below this.
+SETTLED = 0.05
+#: The parameter-group entry that holds the record (an optimizer checkpoint carries it).
+RECORD_KEY = "gradsift_adam_warmup"
+#: Why a warm-up ended: ``rho`` below :data:`SETTLED`, the memory cap, or ``warmup_steps``.
+SETTLED_REASON, CAP_REASON, GIVEN_REASON = "settled", "cap", "warmup_steps"
+FRESH: dict[str, Any] = {"steps": 0, "totals": None, "end": None, "reason": None, "change": None}
+
+
+def relative_change(totals: list[float], previous: list[float]) -> float:
+    """``rho = sum_p |S_p - S'_p| / sum_p S_p`` (module docstring); infinite when every
+    total is zero (no second moment yet: nothing has settled)."""
+    whole = math.fsum(totals)
+    if whole <= 0.0:
+        return math.inf
+    return math.fsum(abs(a - b) for a, b in zip(totals, previous, strict=True)) / whole
+
+
+class SettledWarmup:
+    """The measured end of the dense warm-up (module docstring), as an optimizer step post-hook.
+
+    Args:
+        optimizer: the Adam or AdamW the hook took over.
+        numbers: ``id(parameter) -> number`` of the model's parameters.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> None:
+        self.optimizer = optimizer
+        self.numbers = numbers
+        betas = [float(group["betas"][1]) for _, group, _ in model_groups(optimizer, numbers)]
+        self.cap = max(1, round(1.0 / (1.0 - max(betas))))
+        self._handle = optimizer.register_step_post_hook(self)
+
+    def detach(self) -> None:
+        """Stop counting the optimizer's steps."""
+        self._handle.remove()
+
+    @property
+    def _group(self) -> dict[str, Any]:
+        return next(model_groups(self.optimizer, self.numbers))[1]
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record (module docstring): ``steps``, ``totals``, ``end``, ``reason``, ``change``."""
+        return self._group.get(RECORD_KEY, FRESH)
+
+    @property
+    def end(self) -> int | None:
+        """The first compressed step, once decided."""
+        return self.record["end"]
+
+    def totals(self) -> list[float]:
+        """``S_p`` of every model parameter in the optimizer's order (0 before its first
+        step), computed on the device in float64 and read in one transfer."""
+        sums = []
+        for _, group, _ in model_groups(self.optimizer, self.numbers):
+            beta2 = float(group["betas"][1])
+            for param in group["params"]:
+                if id(param) not in self.numbers:
+                    continue
+                state = self.optimizer.state.get(param, {})
+                if "exp_avg_sq" in state:
+                    correction = bias_correction(beta2, state["step"])
+                    sums.append(state["exp_avg_sq"].sum(dtype=torch.float64) / correction)
+                else:
+                    sums.append(torch.zeros((), dtype=torch.float64, device=param.device))
+        return torch.stack(sums).tolist()
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step post-hook: count the step; at a window's end, check ``rho`` (module docstring)."""
+        record = self.record
+        if record["end"] is not None:
+            return
+        steps = record["steps"] + 1
+        update: dict[str, Any] = {"steps": steps}
+        if steps >= self.cap:
+            update.update(end=steps, reason=CAP_REASON)
+        elif steps % WINDOW == 0:
+            totals = self.totals()
+            if record["totals"] is not None:
+                change = relative_change(totals, record["totals"])
+                update["change"] = change
+                if change < SETTLED:
+                    update.update(end=steps, reason=SETTLED_REASON)
+            update["totals"] = totals
+        self._group[RECORD_KEY] = {**record, **update}  # a new dict: a saved state_dict keeps its own
+
+
+def bias_correction(beta: float, step: Any) -> torch.Tensor:
+    """Adam's ``1 - beta^t`` for its step count ``t`` (``state["step"]``: a CPU tensor, or one on the
+    parameters' device under ``capturable``/``fused``), as a 0-dim float64 tensor where ``t`` lives:
+    computed by the device, never read on the host, so neither the backward (the first compressed
+    step's velocity) nor the optimizer's step waits for the device. In float64, as Python's own
+    ``1 - beta ** float(t)``: the same bits."""
+    t = torch.as_tensor(step).double()
+    return 1.0 - torch.pow(torch.full_like(t, beta), t)
