@@ -227,3 +227,26 @@ def test_under_adam_the_one_bit_method_is_a_candidate_only_in_a_long_run(one_pro
         assert set(state.stats()["auto"]["predicted_ms"]) == expected, steps
     with pytest.raises(InvalidOptionError, match="steps"):
         gradsift.register_comm_hook(model(), steps=0)
+
+
+def probe_worker(rank: int, world: int) -> list[float]:
+    """The real probes on two ranks whose buckets differ (SIDCo's payload size follows the
+    data above its exact top-k's crossover): a Gaussian bucket on rank 0, a heavy-tailed one
+    on rank 1, of 2^21 elements."""
+    generator = torch.Generator().manual_seed(rank)
+    sample = torch.randn(2**21, generator=generator)
+    if rank == 1:
+        sample = sample / torch.rand(2**21, generator=generator).clamp_min(1e-3)
+    return auto._costs(auto.CANDIDATES["sgd"], sample, 2**21, world, None)
+
+
+@pytest.mark.slow
+def test_the_real_probes_agree_on_sizes_when_the_ranks_data_differ():
+    """Sizes from each rank's own payload made the allgather's sizes differ and gloo abort a
+    rank (SIGABRT), on 4 VGG workers; every probe must run and time on every rank."""
+    from support.distributed import run_workers
+
+    results = run_workers(__file__, "probe_worker", 2, timeout=120)
+    for costs in results:
+        assert len(costs) == 2 * len(auto.CANDIDATES["sgd"])
+        assert all(seconds > 0 for seconds in costs[::2])  # every message timed

@@ -347,7 +347,7 @@ def _costs(
 ) -> list[float]:
     """``[message seconds, codec seconds]`` per candidate, flattened, for the model's ``numel``
     gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32 /
-    bf16 values; otherwise an allgather of the payload's wire bytes) and its encode + decode
+    bf16 values; otherwise an allgather of the payload's wire bytes, the largest rank's) and its encode + decode
     of ``sample`` (the step's first bucket), scaled from at most :data:`PROBE_ELEMENTS`
     elements. Every probe runs once untimed, then :data:`PROBES` rounds time each probe in
     turn (each round starting one later), so load that comes and goes hits them alike."""
@@ -376,8 +376,12 @@ def _probes(
         return [(lambda: dist.all_reduce(message, group=group), numel / size), (cast, numel / sample.numel())]
     compressor = get_compressor(name, **options)
     flat = sample.detach().reshape(-1).float().clone()
-    per_element = compressor.compress(flat).nbytes / flat.numel()
-    wire = torch.zeros(max(1, round(per_element * size)), dtype=torch.uint8, device=device)
+    # a payload's size follows each rank's data: the allgather moves the largest, on every rank
+    per_element = torch.tensor(
+        [compressor.compress(flat).nbytes / flat.numel()], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(per_element, op=dist.ReduceOp.MAX, group=group)
+    wire = torch.zeros(max(1, round(per_element.item() * size)), dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(wire) for _ in range(world)]
 
     def codec() -> None:
