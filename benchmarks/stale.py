@@ -49,7 +49,7 @@ MOVED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
         (f"{SRC}/compressors/terngrad.py", f"{SRC}/compressors/quantization.py"),
     ),
     ("results/vgc/hook_overhead.json", (f"{SRC}/compressors/variance.py",)),
-    ("results/scaling/predictions.json", (f"{SRC}/exchanges/costmodel.py",)),
+    ("results/scaling/predictions.json", (f"{SRC}/exchanges/costmodel.py", f"{SRC}/tools/predictions.py")),
     ("results/*", (SRC,)),  # the hook, the exchanges, the trainer: everything
 )
 

@@ -5,7 +5,8 @@ Scenario (change with the flags): a 25.6M-parameter model (ResNet-50's size) in 
 density 0.01 (k = 256 000 entries of fp32 value + int32 index), 10 us per message,
 compression time left out (the tables compare the wire only). PowerSGD: the same
 elements as 2048 x 2048 matrices at rank 10 (0.98 % of the elements on the wire).
-Everything comes from gradsift.exchanges.costmodel; see its docstring for the formulas. When
+The traffic comes from gradsift.exchanges.costmodel (its docstring has the formulas), the
+crossovers from gradsift.tools.predictions. When
 ``analysis.json`` (analyze.py, the measured runs) holds the balanced exchange's traffic
 at 16 workers in units of ``k (P-1)/P`` entries, one more line predicts the balanced
 exchange at that measured traffic (its measured slice imbalance and headers included).
@@ -26,12 +27,12 @@ import numpy as np
 from gradsift.exchanges.costmodel import (
     Traffic,
     allgather_traffic,
-    crossover_workers,
     dense_allreduce_traffic,
     powersgd_traffic,
     shared_mask_traffic,
     sparse_reduce_scatter_traffic,
 )
+from gradsift.tools.predictions import crossover_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 import provenance

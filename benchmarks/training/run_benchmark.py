@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from gradsift.core.errors import GradsiftError
-from gradsift.exchanges.costmodel import allgather_crossover_workers, predict_step_time
 from gradsift.tools.commands import train as train_command
+from gradsift.tools.predictions import allgather_crossover_workers, predict_step_time
 from gradsift.tools.report import comparison_rows, find_runs, plot_runs
 from gradsift.tools.train.netem import parse_rate
 from gradsift.tools.train.summary import time_to_accuracy
@@ -143,12 +143,12 @@ def _ratios(table: dict) -> dict:
 def _scaling(by_name: dict) -> dict:
     """Measured step time at 2/4/8 workers beside the cost model's prediction.
 
-    The prediction (gradsift.exchanges.costmodel.predict_step_time) takes the bytes and the
+    The prediction (gradsift.tools.predictions.predict_step_time) takes the bytes and the
     compression time of the 4-worker runs and the compute time of the 4-worker
     sidco-exp run (its compute is least hidden by communication), scaled for this
     machine: N single-threaded workers share CORES cores, so one step's compute grows
     as ``max(N, CORES) / max(4, CORES)``. ``crossover_workers`` is where the sparse
-    allgather stops paying (gradsift.exchanges.costmodel.allgather_crossover_workers).
+    allgather stops paying (gradsift.tools.predictions.allgather_crossover_workers).
     """
     bandwidth = SCALING["bandwidth"]
     bytes_per_s = parse_rate(bandwidth) / 8

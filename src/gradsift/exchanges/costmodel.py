@@ -1,10 +1,9 @@
-"""When does compression pay? Communication cost of every exchange, and step-time predictions.
+"""The communication cost of every exchange: bytes and message latencies per worker.
 
 Symbols (SI units: bytes, bytes per second, seconds): ``n`` gradient elements, ``b``
 bytes per dense value (4 fp32, 2 bf16), ``P`` workers, ``k = delta n`` entries a
 worker selects, ``e = b_v + b_i`` bytes per sparse entry (fp32 value + int32 index:
-8), ``bw`` link bandwidth, ``L`` latency per message, ``T_c`` compute time of one step
-(forward + backward), ``T_s`` time to compress and decompress.
+8), ``bw`` link bandwidth, ``L`` latency per message.
 
 Every host has its own full-duplex link of rate ``bw`` to a switch (what
 :mod:`gradsift.tools.train.netem` emulates). A collective is described by its :class:`Traffic`
@@ -42,21 +41,17 @@ The exchanges (one step's bucket, per worker), built from them:
         three ring allreduces per bucket: the ``v`` elements of 1-D tensors sent dense,
         the P factors (rows x r per matrix), the Q factors (cols x r).
 
-Step time (no overlap with compute): ``T = T_c + T_s + C / bw + H L``. The dense
-allreduce's bytes per worker are bounded (``< 2 n b``) while the allgather's grow
-linearly with ``P``: against fp32 (``b = 4``) with 8-byte entries,
-``(P-1) 8 k < 2 (P-1)/P 4 n`` holds only while ``P < n/k = 1/delta`` -- 100 workers at
-1 % (the latencies cancel: both take 2 (P-1) of them, and the header is negligible).
-The reduce-scatter and shared-mask exchanges receive ``O(k)`` bytes whatever ``P``
-(plus 4 bytes of counts per peer, and ``log2 P`` broadcast rounds on the path). :func:`crossover_workers` finds the worker
-count from which an exchange stops paying against another (:func:`allgather_crossover_workers`
-for the allgather in closed form).
+The dense allreduce's bytes per worker are bounded (``< 2 n b``) while the allgather's grow
+linearly with ``P``; the reduce-scatter and shared-mask exchanges receive ``O(k)`` bytes
+whatever ``P`` (plus 4 bytes of counts per peer, and ``log2 P`` broadcast rounds on the
+path). The step times these costs predict, and the worker count from which an exchange
+stops paying, are :mod:`gradsift.tools.predictions`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +63,6 @@ from gradsift.core.validation import check_int, check_real
 Workers = int | np.ndarray
 #: A size in bytes or a count as a Python real or a numpy array (every traffic formula accepts both).
 Amount = float | np.ndarray
-CROSSOVER_LIMIT = 2**20
 
 
 @dataclass(frozen=True)
@@ -224,124 +218,3 @@ def powersgd_traffic(
         + ring_allreduce(rows * rank * value_bytes, workers)
         + ring_allreduce(cols * rank * value_bytes, workers)
     )
-
-
-def crossover_workers(
-    exchange: Callable[[np.ndarray], Traffic],
-    baseline: Callable[[np.ndarray], Traffic],
-    *,
-    bandwidth: float,
-    latency: float = 0.0,
-    compress_seconds: float = 0.0,
-    limit: int = CROSSOVER_LIMIT,
-) -> int | None:
-    """Smallest ``P >= 2`` from which on ``exchange`` (plus ``T_s``) is never faster than
-    ``baseline``, checked for every ``P`` up to ``limit``; None when it still pays at ``limit``.
-
-    ``exchange`` and ``baseline`` map an array of worker counts to their :class:`Traffic`.
-    The compute time is common to both and cancels out.
-    """
-    compress_seconds = check_real(compress_seconds, "compress_seconds", low=0.0)
-    limit = check_int(limit, "limit", low=2)
-    workers = np.arange(2, limit + 1)
-    mine = exchange(workers).seconds(bandwidth, latency) + compress_seconds
-    pays = np.asarray(mine < baseline(workers).seconds(bandwidth, latency))
-    if pays[-1]:
-        return None
-    paying = np.nonzero(pays)[0]
-    return 2 if paying.size == 0 else int(workers[paying[-1]]) + 1
-
-
-# --- step times (dense allreduce vs one sparse allgather) -------------------------------------
-
-
-def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth: float, latency: float = 0.0) -> float:
-    """``2 (N-1)/N * S / bw + 2 (N-1) L``: reduce-scatter then allgather of ``N`` chunks."""
-    return float(ring_allreduce(nbytes, workers).seconds(bandwidth, latency))
-
-
-def allgather_seconds(message_nbytes: float, workers: int, bandwidth: float, latency: float = 0.0) -> float:
-    """``(N-1) * m / bw + (N-1) L``: every worker receives the other ``N-1`` messages."""
-    return float(ring_allgather(message_nbytes, workers).seconds(bandwidth, latency))
-
-
-@dataclass(frozen=True)
-class StepTimePrediction:
-    """Predicted seconds per step; ``speedup = dense / sparse`` (> 1: compression pays)."""
-
-    dense: float
-    sparse: float
-
-    @property
-    def speedup(self) -> float:
-        return self.dense / self.sparse if self.sparse > 0 else math.inf
-
-
-def predict_step_time(
-    *,
-    model_nbytes: float,
-    message_nbytes: float,
-    workers: int,
-    bandwidth: float,
-    latency: float = 0.0,
-    compute_seconds: float = 0.0,
-    compress_seconds: float = 0.0,
-) -> StepTimePrediction:
-    """``T_dense = T_c + T_ar(N)`` and ``T_sparse = T_c + T_s + T_ag(N)`` with one ring
-    allreduce of the model and one ring allgather of the message."""
-    compute_seconds = check_real(compute_seconds, "compute_seconds", low=0.0)
-    compress_seconds = check_real(compress_seconds, "compress_seconds", low=0.0)
-    return StepTimePrediction(
-        dense=compute_seconds + ring_allreduce_seconds(model_nbytes, workers, bandwidth, latency),
-        sparse=compute_seconds
-        + compress_seconds
-        + allgather_seconds(message_nbytes, workers, bandwidth, latency),
-    )
-
-
-def allgather_crossover_workers(
-    *,
-    model_nbytes: float,
-    message_nbytes: float,
-    bandwidth: float,
-    latency: float = 0.0,
-    compress_seconds: float = 0.0,
-) -> int | None:
-    """Smallest ``N >= 2`` from which on one sparse allgather is never faster than the
-    allreduce (closed form of :func:`crossover_workers` for this pair, no limit).
-
-    ``T_sparse(N) >= T_dense(N)`` is, after multiplying by ``N``, the quadratic
-    ``g(N) = a N^2 - (a + b - c) N + b >= 0`` with ``a = m/bw - L``, ``b = 2 S / bw`` and
-    ``c = T_s``. For ``a > 0`` it holds for every ``N`` at or above the larger root
-    (the answer is its ceiling, at least 2; 2 also when compression never pays). For
-    ``a <= 0`` a message costs no more than the latency it saves, and sparse stays
-    cheaper for every ``N`` once it is: the answer is None (it never stops paying), or
-    2 when it never pays at all (``a = 0`` and ``c >= b``). The compute time cancels out.
-    """
-    model_nbytes = check_real(model_nbytes, "model_nbytes", low=0.0)
-    bandwidth = check_real(bandwidth, "bandwidth", low=0.0, low_open=True)
-    latency = check_real(latency, "latency", low=0.0)
-    message_nbytes = check_real(message_nbytes, "message_nbytes", low=0.0)
-    compress_seconds = check_real(compress_seconds, "compress_seconds", low=0.0)
-    a = message_nbytes / bandwidth - latency
-    b = 2 * model_nbytes / bandwidth
-    c = compress_seconds
-
-    def stops_paying(n: int) -> bool:  # g(n) >= 0, evaluated as predicted times
-        dense = ring_allreduce_seconds(model_nbytes, n, bandwidth, latency)
-        return c + allgather_seconds(message_nbytes, n, bandwidth, latency) >= dense
-
-    if a <= 0:
-        # g is concave (a < 0, so it ends negative) or linear with slope c - b: once
-        # negative it stays negative.
-        return None if a < 0 or b > c else 2
-    discriminant = (a + b - c) ** 2 - 4 * a * b
-    if discriminant <= 0:
-        return 2  # g >= 0 everywhere: the allgather never pays
-    n = max(2, math.ceil(((a + b - c) + math.sqrt(discriminant)) / (2 * a)))
-    # Guard the float root: step to the exact integer boundary.
-    while n > 2 and stops_paying(n - 1):
-        n -= 1
-    while not stops_paying(n):
-        n += 1
-    return n

@@ -107,7 +107,7 @@ def default_target(runs: Sequence[Run]) -> float | None:
 
 def predicted_step_seconds(summary: dict[str, Any], bandwidth: float, workers: int | None = None,
                            latency: float = 0.0) -> float:  # fmt: skip
-    """Step time :mod:`gradsift.exchanges.costmodel` predicts for a run's method at ``bandwidth``
+    """Step time :mod:`gradsift.tools.predictions` predicts for a run's method at ``bandwidth``
     (bytes/s) and ``workers`` (default: the run's), from its measured medians.
 
     ``T = T_c + T_s + T_comm`` with ``T_c`` the compute median, ``T_s`` the compress +
@@ -117,7 +117,7 @@ def predicted_step_seconds(summary: dict[str, Any], bandwidth: float, workers: i
     """
     from gradsift.compressors.registry import compressor_class
     from gradsift.exchanges.choice import exchange_class
-    from gradsift.exchanges.costmodel import allgather_seconds, ring_allreduce_seconds
+    from gradsift.tools.predictions import allgather_seconds, ring_allreduce_seconds
 
     workers = workers or summary["workers"]
     message = summary["bytes_sent_per_step"]

@@ -4,7 +4,7 @@ fp32 dense (``none``), ``bf16``, ``sidco-exp`` and ``topk`` at ratio 0.01, and `
 (default alpha=1, zeta=0.999) each train the MLP on the embedded Fashion-MNIST
 subset with 2 workers, same seed and steps. As root with iproute2 the workers talk
 over emulated links (default 100 Mbit/s); otherwise over localhost, and the table
-adds the step times :mod:`gradsift.exchanges.costmodel` predicts at 1 Gbit/s and 100 Mbit/s,
+adds the step times :mod:`gradsift.tools.predictions` predicts at 1 Gbit/s and 100 Mbit/s,
 labelled "predicted". With CUDA and a GPU for each worker the workers train on the GPUs
 with NCCL; otherwise (no CUDA, or fewer GPUs than workers) on the CPU with gloo.
 """
