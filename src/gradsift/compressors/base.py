@@ -131,21 +131,21 @@ class Compressor(abc.ABC):
         selection beyond the payload's capacity is cut to its largest entries).
 
         Raises :class:`NonFiniteGradientError` when ``tensor`` holds NaN or Inf (the
-        compressor's state then stays as it was).
+        compressor's state then stays as it was, as it does when encoding raises). One
+        :class:`~gradsift.core.transaction.Transaction`, ended by its ``settle``.
         """
         flat = as_flat_gradient(tensor)
         transaction = Transaction(self.store, self)
-        readout = transaction.readout
-        payload = self.encode(flat, key=key, capacity=None, readout=readout, **extra)
+        try:
+            payload = self.encode(flat, key=key, capacity=None, readout=transaction.readout, **extra)
+        except BaseException:
+            transaction.roll_back()
+            raise
         flag = payload.nonfinite
         if flag is None and payload.values is not None:
             flag = nonfinite(payload.values)
-        checked = None if flag is None else readout.slot(flag)
-        readout.read()
-        if checked is not None and checked[0]:
-            transaction.roll_back()
+        if not transaction.settle(None if flag is None else transaction.readout.slot(flag)):
             raise NonFiniteGradientError("gradient contains NaN or Inf values")
-        transaction.commit()
         return payload.trimmed()
 
     @abc.abstractmethod

@@ -5,16 +5,18 @@ velocities, accumulators: :mod:`gradsift.core.store`), a compressor's small host
 (SIDCo's stage counts, generators: its ``snapshot()``), and the host updates decided
 from what the step reads (:class:`~gradsift.core.readout.Readout`'s deferred updates).
 A :class:`Transaction` opens all three together and then either commits them all or
-rolls them all back. The hook's step (:mod:`gradsift.hook.ledger`) is one; so is a
-compressor's public ``compress`` call, which joins the store's open transaction when
-there is one instead of opening its own.
+rolls them all back. The hook's step (:mod:`gradsift.hook.ledger`) is one, settled by its
+own policies; a compressor's public ``compress`` call is another, which joins the store's
+open transaction when there is one instead of opening its own, and ends in
+:meth:`Transaction.settle` (the one host read, then commit, or roll back on a dropped
+flag), as the benchmarks' step does (:mod:`gradsift.tools.benchmarking.hook_encoder`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from gradsift.core.readout import Readout
+from gradsift.core.readout import Readout, Slot
 from gradsift.core.store import TensorStore
 
 
@@ -52,3 +54,13 @@ class Transaction:
             self.store.rollback()
         self.participant.restore(self.snapshot)
         self.readout.discard()
+
+    def settle(self, dropped: Slot | None = None) -> bool:
+        """Read the readout (the step's one host read), then roll back when ``dropped`` -- a
+        flag registered with it -- holds, else commit; True when the step is kept."""
+        self.readout.read()
+        if dropped is not None and dropped[0]:
+            self.roll_back()
+            return False
+        self.commit()
+        return True

@@ -32,11 +32,11 @@ class HookEncoder:
     part's capacity from a :class:`~gradsift.hook.capacity.CapacityPlan` (``compressor.capacity(n)``;
     for an adaptive-capacity compressor, the demand of the last kept step) and the readout
     of the step's :class:`~gradsift.core.transaction.Transaction`; no host read.
-    :meth:`close` is the step's close: the readout's one host read, the commit of the
-    transaction (the store, then the compressor's deferred updates such as SIDCo's stage
-    choice), the capacity following the demand; then the next step opens, as the hook
-    opens one per step and not per bucket. Time :meth:`encode` alone and :meth:`close`
-    between timings. From construction on, the compressor's store is in the open step's
+    :meth:`close` is the step's close, the transaction's ``settle`` as in the public
+    ``Compressor.compress``: the readout's one host read, the commit (the store, then the
+    compressor's deferred updates such as SIDCo's stage choice); then the capacity follows
+    the demand and the next step opens, as the hook opens one per step and not per
+    bucket. Time :meth:`encode` alone and :meth:`close` between timings. From construction on, the compressor's store is in the open step's
     transaction.
     """
 
@@ -74,7 +74,6 @@ class HookEncoder:
         (demand, entries, numel), self._encoded = self._encoded, None
         wanted = self._step.readout.slot(torch.as_tensor(demand))  # a host count stays on the host
         used = self._step.readout.slot(torch.as_tensor(entries))
-        self._step.readout.read()  # the step's one host read
-        self._step.commit()
+        self._step.settle()  # the step's one host read, then the commit (nothing here drops it)
         self.capacities.follow(self.key, wanted[0], used[0], numel)
         self._step = Transaction(self.compressor.store, self.compressor)
