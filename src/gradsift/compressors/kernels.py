@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.finite import nonfinite
 
 #: Elements per chunk of the CPU selection: its two temporaries (the masked words and
 #: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache
@@ -112,8 +113,8 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
       and NaN (exponent all ones, mantissa non-zero) lies above every finite
       ``eta``. NumPy evaluates that and ``flatnonzero`` over
       :data:`SELECTION_CHUNK`-element chunks on the calling thread.
-    * device: the mask ``not (|x| <= eta)`` (true for NaN), the sum of the selected values
-      (finite exactly when every selected element is) and :func:`select_mask`'s device branch.
+    * device: the mask ``not (|x| <= eta)`` (true for NaN), :func:`~gradsift.core.finite.nonfinite`
+      of the selected values and :func:`select_mask`'s device branch.
     """
     if uses_numpy(flat):
         found = _select_above_numpy(flat, eta)
@@ -124,9 +125,8 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
     if isinstance(eta, float) and eta < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {eta}")
     mask = ~(flat.abs() <= eta)
-    total = torch.where(mask, flat, 0).sum(dtype=torch.promote_types(flat.dtype, torch.float32))
     candidates = select_mask(mask, capacity, flat)
-    return candidates._replace(nonfinite=~torch.isfinite(total))
+    return candidates._replace(nonfinite=nonfinite(torch.where(mask, flat, 0)))
 
 
 def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
@@ -147,9 +147,9 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
             piece += start
         pieces.append(piece)
     positions = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    nonfinite = largest >= _infinity_bits(flat.dtype)
+    flagged = largest >= _infinity_bits(flat.dtype)
     indices = torch.from_numpy(positions.astype(np.int64, copy=False))
-    return Candidates(indices, None, int(positions.size), torch.tensor(nonfinite, device="cpu"))
+    return Candidates(indices, None, int(positions.size), torch.tensor(flagged, device="cpu"))
 
 
 def select_mask(
