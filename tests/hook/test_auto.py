@@ -62,13 +62,13 @@ def slow_link(monkeypatch, compressed: str) -> None:
     def costs(candidates, sample, numel, world, group):
         return [cost for name, _ in candidates for cost in (1e-3 if name == compressed else 1.0, 0.0)]
 
-    monkeypatch.setattr(auto, "_costs", costs)
+    monkeypatch.setattr(auto.probes, "costs", costs)
     monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
 
 
 def test_a_fast_link_keeps_stock_ddp(one_process_group, monkeypatch):
     """Every probe 1 us (a fast link without its machine-dependent noise), the step timed for real."""
-    monkeypatch.setattr(auto, "_costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
+    monkeypatch.setattr(auto.probes, "costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = gradsift.register_comm_hook(ddp)
@@ -173,7 +173,7 @@ def two_rank_worker(rank: int, world: int) -> dict:
             for c in ((1e-3 if name == "sidco-exp" else 1.0) if slow else 1e-6, 0.0)
         ]
 
-    patch.setattr(auto, "_costs", costs)
+    patch.setattr(auto.probes, "costs", costs)
     patch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2 if slow else 1e-3)
     data = torch.Generator().manual_seed(10 + rank)
     ddp = model()
@@ -185,7 +185,7 @@ def two_rank_worker(rank: int, world: int) -> dict:
         "params": [p.detach().clone() for p in ddp.parameters()],
     }
     patch.undo()
-    patch.setattr(auto, "_costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
+    patch.setattr(auto.probes, "costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
 
     runs = {}
     for hooked in (True, False):
@@ -237,7 +237,7 @@ def probe_worker(rank: int, world: int) -> list[float]:
     sample = torch.randn(2**21, generator=generator)
     if rank == 1:
         sample = sample / torch.rand(2**21, generator=generator).clamp_min(1e-3)
-    return auto._costs(auto.CANDIDATES["sgd"], sample, 2**21, world, None)
+    return auto.probes.costs(auto.CANDIDATES["sgd"], sample, 2**21, world, None)
 
 
 @pytest.mark.slow

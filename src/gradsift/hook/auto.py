@@ -9,7 +9,7 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
    each candidate's encode + decode time on it (scaled to the model's size), and the time
    its message takes on this group's link -- a real collective of the candidate's size and
    kind (allreduce for ``none`` and ``bf16``, allgather of the payload's wire bytes for the
-   compressed one), once untimed, then :data:`PROBES` rounds of every probe in turn, the
+   compressed one), once untimed, then :data:`~gradsift.hook.probes.PROBES` rounds of every probe in turn (:mod:`gradsift.hook.probes`), the
    median. The probes run after the optimizer's step (a step post-hook), outside backward;
    with no optimizer found, at the step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
@@ -39,12 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.compressors.registry import get_compressor
 from gradsift.core.collectives import ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
-from gradsift.hook import recipe
+from gradsift.hook import probes, recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -53,12 +52,8 @@ AUTO = "auto"
 #: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
 SKIP = 2
 DECIDE_AT = 10
-#: Timed calls per probe, after one untimed (the median is kept).
-PROBES = 5
 #: A compressed candidate must be predicted this much faster than the dense step.
 MARGIN = 0.9
-#: Elements of the probe messages and codec runs at most (larger models scale linearly).
-PROBE_ELEMENTS = 1 << 24
 #: The candidates per optimizer family: registry name and compressor options.
 CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
     "sgd": (("none", {}), ("bf16", {}), ("sidco-exp", {"ratio": 0.01})),
@@ -196,7 +191,7 @@ class AutoHookState:
         numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
         candidates = self.candidates()
         names = [name for name, _ in candidates]
-        local = [self._step_seconds(), *_costs(candidates, sample, numel, world, group)]
+        local = [self._step_seconds(), *probes.costs(candidates, sample, numel, world, group)]
         agreed = torch.tensor(local, dtype=torch.float64, device=sample.device)  # NCCL: on the GPU
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         step_s, *parts = agreed.tolist()
@@ -336,69 +331,3 @@ def choose(step: float, message: dict[str, float], codec: dict[str, float]) -> t
 def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of ``compressor="auto"``."""
     return state.route(bucket)
-
-
-def _costs(
-    candidates: tuple[tuple[str, dict[str, Any]], ...],
-    sample: torch.Tensor,
-    numel: int,
-    world: int,
-    group: Any,
-) -> list[float]:
-    """``[message seconds, codec seconds]`` per candidate, flattened, for the model's ``numel``
-    gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32 /
-    bf16 values; otherwise an allgather of the payload's wire bytes, the largest rank's) and its encode + decode
-    of ``sample`` (the step's first bucket), scaled from at most :data:`PROBE_ELEMENTS`
-    elements. Every probe runs once untimed, then :data:`PROBES` rounds time each probe in
-    turn (each round starting one later), so load that comes and goes hits them alike."""
-    probes: list[tuple[Any, float]] = []
-    for name, options in candidates:
-        probes += _probes(name, options, sample, numel, world, group)
-    for run, _ in probes:
-        run()
-    times: list[list[float]] = [[] for _ in probes]
-    for round_ in range(PROBES):
-        for offset in range(len(probes)):
-            index = (round_ + offset) % len(probes)
-            times[index].append(_seconds(probes[index][0], sample.device))
-    return [statistics.median(seconds) * scale for seconds, (_, scale) in zip(times, probes, strict=True)]
-
-
-def _probes(
-    name: str, options: dict[str, Any], sample: torch.Tensor, numel: int, world: int, group: Any
-) -> list[tuple[Any, float]]:
-    """Candidate ``name``'s two probes, each a call and the factor from its time to the model's."""
-    size = min(numel, PROBE_ELEMENTS)
-    device = sample.device
-    if name in ("none", "bf16"):
-        message = torch.zeros(size, dtype=torch.float32 if name == "none" else torch.bfloat16, device=device)
-        cast = (lambda: None) if name == "none" else (lambda: sample.to(torch.bfloat16).float())
-        return [(lambda: dist.all_reduce(message, group=group), numel / size), (cast, numel / sample.numel())]
-    compressor = get_compressor(name, **options)
-    flat = sample.detach().reshape(-1).float().clone()
-    # a payload's size follows each rank's data: the allgather moves the largest, on every rank
-    per_element = torch.tensor(
-        [compressor.compress(flat).nbytes / flat.numel()], dtype=torch.float64, device=device
-    )
-    dist.all_reduce(per_element, op=dist.ReduceOp.MAX, group=group)
-    wire = torch.zeros(max(1, round(per_element.item() * size)), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(wire) for _ in range(world)]
-
-    def codec() -> None:
-        compressor.decompress([compressor.compress(flat)] * world, flat.numel())
-
-    return [
-        (lambda: dist.all_gather(gathered, wire, group=group), numel / size),
-        (codec, numel / flat.numel()),
-    ]
-
-
-def _seconds(run: Any, device: torch.device) -> float:
-    """The wall time of one call of ``run`` (the device synchronised around it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
