@@ -1155,6 +1155,54 @@ VERDICT_TABLE = Table(
     ),
 )  # fmt: skip
 
+# -- auto against every fixed candidate per link: 40-step timings (issue 42's link matrix) ----------
+AUTO_MATRIX = Result(
+    "results/auto/links.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/auto/links.py --json results/auto/links.json",
+)
+AUTO_MATRIX_ROWS = tuple(
+    (link, workload)
+    for link in ("localhost", "1gbit", "100mbit", "10mbit")
+    for workload in ("vgg", "gpt-adamw")
+)
+
+
+def _matrix(index: int, path: str, fmt: str = "{:.3f}x") -> Claim:
+    link, workload = AUTO_MATRIX_ROWS[index]
+    return Claim(
+        f"autolinks.{link}.{workload}.{path.replace('/', '.')}", AUTO_MATRIX, (f"rows/{index}/{path}",), fmt
+    )
+
+
+def _median_ms(index: int, arm: str) -> Claim:
+    link, workload = AUTO_MATRIX_ROWS[index]
+    return Claim(f"autolinks.{link}.{workload}.{arm}_ms", AUTO_MATRIX, (f"rows/{index}/runs/{arm}/step_time_median_s",),
+                 "{:.0f} ms", compute=lambda seconds: 1e3 * seconds)  # fmt: skip
+
+
+AUTO_MATRIX_TABLE = Table(
+    "auto-links",
+    ("link", "workload", "fastest fixed candidate", "its median step", "auto chose", "auto's median step",
+     "auto / fastest", "auto / fp32"),
+    ("---", "---", "---", "---:", "---", "---:", "---:", "---:"),
+    tuple(
+        (link, {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}[workload],
+         _matrix(i, "summary/fastest_fixed", "`{}`"),
+         Claim(f"autolinks.{link}.{workload}.fastest_ms", AUTO_MATRIX,
+               (f"rows/{i}/summary/fastest_fixed", f"rows/{i}/runs"),
+               "{:.0f} ms", compute=lambda name, runs: 1e3 * runs[name]["step_time_median_s"]),
+         _matrix(i, "summary/auto_choice", "`{}`"), _median_ms(i, "auto"),
+         _matrix(i, "summary/auto_over_fastest"), _matrix(i, "summary/auto_over_none"))
+        for i, (link, workload) in enumerate(AUTO_MATRIX_ROWS)
+    ),
+)  # fmt: skip
+AUTO_MATRIX_CLAIMS = (
+    Claim("autolinks.commit", AUTO_MATRIX, ("provenance/commit",), "{:.7}"),
+    Claim("autolinks.load", AUTO_MATRIX, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    Claim("autolinks.steps", AUTO_MATRIX, ("steps",)),
+)  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -1178,8 +1226,9 @@ TABLES = (
     AUTO_TABLE,
     MEMORY_TABLE,
     VERDICT_TABLE,
+    AUTO_MATRIX_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
