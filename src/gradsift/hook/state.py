@@ -372,9 +372,12 @@ class GradsiftHookState:
             self.adam.pending = self.adam.compressing(settling)
 
     def before_step(self, optimizer: Any) -> None:
-        """Every optimizer's step starts by settling the closed step (:mod:`gradsift.hook.before_step`)."""
-        del optimizer
-        self.settle()
+        """An optimizer that steps the hooked parameters settles the closed step first
+        (:mod:`gradsift.hook.before_step`); another model's optimizer leaves it alone."""
+        if self.ledger.closed is not None:
+            hooked = {id(p) for p in self.hooked}
+            if any(id(p) in hooked for group in optimizer.param_groups for p in group["params"]):
+                self.settle()
 
     def open_step(self) -> Any:
         """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), the last one settled
