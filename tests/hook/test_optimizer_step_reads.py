@@ -119,3 +119,22 @@ def test_bias_corrections_on_the_device_are_the_host_formula_to_the_bit(beta):
         assert correction.item() == host
         assert torch.equal(values / correction, values / host)
         assert torch.equal(values / ((1.0 - beta) * correction), values / ((1.0 - beta) * host))
+
+
+def test_an_optimizer_settles_only_the_hook_of_the_parameters_it_steps(one_process_group):
+    """Two hooked models in one process (``gradsift.tools.simulate`` runs its ranks as threads):
+    the first model's optimizer step settles the first hook's closed step and leaves the
+    second's for its own optimizer."""
+    models = [model(), model()]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    states = [
+        gradsift.register_comm_hook(m, "topk", ratio=0.5, optimizer=o)
+        for m, o in zip(models, optimizers, strict=True)
+    ]
+    for m in models:
+        m(torch.randn(4, 16)).square().mean().backward()
+    assert all(state.ledger.closed is not None for state in states)
+    optimizers[0].step()
+    assert states[0].ledger.closed is None and states[1].ledger.closed is not None
+    optimizers[1].step()
+    assert states[1].ledger.closed is None

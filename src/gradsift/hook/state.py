@@ -152,6 +152,7 @@ class GradsiftHookState:
     def watch(self, params: Any, optimizer: Any = None) -> None:
         """:meth:`attach`'s optimizer side, also FSDP1 ``NO_SHARD``'s (``params``: its flat parameters)."""
         self.hooked = list(params)
+        BEFORE_STEP.add(self)  # an optimizer stepping these parameters settles the closed step first
         self.find_optimizer = optimizer is None and not self.options.momentum  # momentum= by hand: none
         optimizer = None if optimizer is False else optimizer
         self.discovering = self.find_optimizer or self.options.scaler is None
@@ -361,7 +362,6 @@ class GradsiftHookState:
         self.ledger.close()
         if self.first_step is not None:
             self.first_step.keep()
-        BEFORE_STEP.add(self)
 
     def settle(self) -> None:
         """Settle the closed step on the host (:mod:`gradsift.hook.ledger`): its one host read,
