@@ -1,5 +1,5 @@
 """``compressor="auto"`` (gradsift.hook.auto): the prediction's arithmetic against hand-worked
-numbers; on a 1-rank gloo group, a fast link keeps stock DDP (bit for bit), a link made slow
+numbers; the probes route every kept bucket and touch neither the model nor the optimizer; on a 1-rank gloo group, a fast link keeps stock DDP (bit for bit), a link made slow
 picks the family's compressed method, which then trains exactly as the method registered by
 hand with the measured steps as its warm-up, and a checkpoint resumes the choice bit for bit."""
 
@@ -18,24 +18,22 @@ from gradsift.hook import auto
 pytestmark = pytest.mark.distributed
 
 
-def test_the_prediction_is_compute_plus_message_plus_codec():
-    # dense step 1.0 s of which the fp32 message 0.8 s: compute 0.2 s
-    best, predicted = auto.choose(
-        1.0, {"none": 0.8, "bf16": 0.4, "sidco-exp": 0.01}, {"none": 0.0, "bf16": 0.02, "sidco-exp": 0.05}
-    )
+def test_the_prediction_exchanges_the_dense_allreduce_for_the_candidates_route():
+    # dense step 1.0 s of which stock DDP's allreduce 0.8 s: compute 0.2 s
+    best, predicted = auto.choose(1.0, {"none": 0.8, "bf16": 0.42, "sidco-exp": 0.06})
     assert predicted == pytest.approx({"none": 1.0, "bf16": 0.62, "sidco-exp": 0.26})
     assert best == "sidco-exp"
 
 
 def test_a_near_tie_stays_dense():
     # compressed predicted at 0.95 of the dense step: inside the margin, dense is kept
-    best, predicted = auto.choose(1.0, {"none": 0.1, "bf16": 0.05}, {"none": 0.0, "bf16": 0.0})
+    best, predicted = auto.choose(1.0, {"none": 0.1, "bf16": 0.05})
     assert predicted["bf16"] == pytest.approx(0.95)
     assert best == "none"
 
 
-def test_a_slow_codec_loses_to_the_dense_step():
-    best, _ = auto.choose(1.0, {"none": 0.5, "sidco-exp": 0.01}, {"none": 0.0, "sidco-exp": 0.6})
+def test_a_slow_route_loses_to_the_dense_step():
+    best, _ = auto.choose(1.0, {"none": 0.5, "sidco-exp": 0.61})
     assert best == "none"
 
 
@@ -56,19 +54,19 @@ def train(ddp: DDP, optimizer, steps: int, generator: torch.Generator) -> list[f
 
 
 def slow_link(monkeypatch, compressed: str) -> None:
-    """A dense step of 1.2 s, 1 s of it the fp32 message; every candidate's message costs
-    1 s except ``compressed``'s, 1 ms; codecs free."""
+    """A dense step of 1.2 s, 1 s of it stock DDP's allreduce; every candidate's route costs
+    1 s except ``compressed``'s, 1 ms."""
 
-    def costs(candidates, sample, numel, world, group):
-        return [cost for name, _ in candidates for cost in (1e-3 if name == compressed else 1.0, 0.0)]
+    def route_costs(candidates, kept, numel, setting):
+        return [1e-3 if name == compressed else 1.0 for name, _ in candidates]
 
-    monkeypatch.setattr(auto.probes, "costs", costs)
+    monkeypatch.setattr(auto.probes, "route_costs", route_costs)
     monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
 
 
 def test_a_fast_link_keeps_stock_ddp(one_process_group, monkeypatch):
     """Every probe 1 us (a fast link without its machine-dependent noise), the step timed for real."""
-    monkeypatch.setattr(auto.probes, "costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
+    monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = gradsift.register_comm_hook(ddp)
@@ -166,14 +164,10 @@ def two_rank_worker(rank: int, world: int) -> dict:
     patch = pytest.MonkeyPatch()
     slow = rank == 0
 
-    def costs(candidates, sample, numel, world, group):
-        return [
-            c
-            for name, _ in candidates
-            for c in ((1e-3 if name == "sidco-exp" else 1.0) if slow else 1e-6, 0.0)
-        ]
+    def route_costs(candidates, kept, numel, setting):
+        return [(1e-3 if name == "sidco-exp" else 1.0) if slow else 1e-6 for name, _ in candidates]
 
-    patch.setattr(auto.probes, "costs", costs)
+    patch.setattr(auto.probes, "route_costs", route_costs)
     patch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2 if slow else 1e-3)
     data = torch.Generator().manual_seed(10 + rank)
     ddp = model()
@@ -185,7 +179,7 @@ def two_rank_worker(rank: int, world: int) -> dict:
         "params": [p.detach().clone() for p in ddp.parameters()],
     }
     patch.undo()
-    patch.setattr(auto.probes, "costs", lambda candidates, *args: [1e-6] * (2 * len(candidates)))
+    patch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
 
     runs = {}
     for hooked in (True, False):
@@ -232,21 +226,84 @@ def test_under_adam_the_one_bit_method_is_a_candidate_only_in_a_long_run(one_pro
 def probe_worker(rank: int, world: int) -> list[float]:
     """The real probes on two ranks whose buckets differ (SIDCo's payload size follows the
     data above its exact top-k's crossover): a Gaussian bucket on rank 0, a heavy-tailed one
-    on rank 1, of 2^21 elements."""
+    on rank 1, of 2^21 elements, the gradient of a 2048 x 1024 weight."""
     generator = torch.Generator().manual_seed(rank)
     sample = torch.randn(2**21, generator=generator)
     if rank == 1:
         sample = sample / torch.rand(2**21, generator=generator).clamp_min(1e-3)
-    return auto.probes.costs(auto.CANDIDATES["sgd"], sample, 2**21, world, None)
+    layer = torch.nn.Linear(1024, 2048, bias=False)
+    kept = [auto.probes.KeptBucket(sample, [layer.weight])]
+    setting = auto.probes.Setting(layer, None, {}, momentum=0.9)
+    return auto.probes.route_costs(auto.CANDIDATES["sgd"], kept, 2**21, setting)
 
 
 @pytest.mark.slow
-def test_the_real_probes_agree_on_sizes_when_the_ranks_data_differ():
-    """Sizes from each rank's own payload made the allgather's sizes differ and gloo abort a
-    rank (SIGABRT), on 4 VGG workers; every probe must run and time on every rank."""
+def test_the_real_probes_run_every_route_when_the_ranks_data_differ():
+    """Payload sizes that differ between ranks made a probe's allgather sizes differ and gloo
+    abort a rank (SIGABRT), on 4 VGG workers; every route must run and time on every rank."""
     from support.distributed import run_workers
 
     results = run_workers(__file__, "probe_worker", 2, timeout=120)
     for costs in results:
-        assert len(costs) == 2 * len(auto.CANDIDATES["sgd"])
-        assert all(seconds > 0 for seconds in costs[::2])  # every message timed
+        assert len(costs) == len(auto.CANDIDATES["sgd"])
+        assert all(seconds > 0 for seconds in costs)
+
+
+def test_the_probe_routes_every_kept_bucket_of_the_deciding_step(one_process_group, monkeypatch):
+    """Each bucket's route costs 20 ms more (a sleep): a candidate's probe, scaled to the
+    model, must count it once per bucket -- a probe of the first bucket alone, scaled by size,
+    counts it once (the wrong pick at 1 Gbit/s, docs/auto.md)."""
+    import time
+
+    from gradsift.hook import probes
+
+    routed = probes.route_bucket
+
+    def slow_route(state, bucket):
+        time.sleep(0.02)
+        return routed(state, bucket)
+
+    monkeypatch.setattr(probes, "route_bucket", slow_route)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(3)))
+    kept = [probes.KeptBucket(torch.randn(64 * 64), [layer.weight]) for layer in layers]
+    setting = probes.Setting(layers, None, {})
+    none, bf16 = probes.route_costs((("none", {}), ("bf16", {})), kept, 3 * 64 * 64, setting)
+    assert bf16 >= 3 * 0.02 > none  # three routed buckets; stock DDP's allreduce routes none
+
+
+def test_the_real_probes_leave_the_model_and_the_optimizer_as_stock_ddp_has_them(one_process_group):
+    """With the real probes on one rank (an allreduce of one rank is a copy; every compressed
+    route costs more), auto keeps stock DDP: the parameters equal stock DDP's bit for bit after
+    the decision, and SGD's momentum is the optimizer's own (the probe of the momentum-corrected
+    candidate took nothing over)."""
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = gradsift.register_comm_hook(ddp)
+    train(ddp, optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
+    stock = model()
+    stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
+    train(stock, stock_optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
+    measured = state.stats()["auto"]["measured_ms"]
+    assert state.stats()["auto"]["choice"] == "none"
+    assert {"route none", "route bf16", "route sidco-exp"} <= set(measured)
+    assert measured["route sidco-exp"] > measured["route none"]
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+    for a, b in zip(ddp.parameters(), stock.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_without_an_optimizer_the_choice_is_made_at_the_next_steps_first_bucket(
+    one_process_group, monkeypatch
+):
+    """No optimizer to hook after (``optimizer=False``): the deciding step's buckets are all
+    kept, and the next step's first bucket decides, before its exchanges."""
+    slow_link(monkeypatch, "bf16")
+    ddp = model()
+    state = gradsift.register_comm_hook(ddp, optimizer=False)
+    for _ in range(auto.DECIDE_AT + 1):
+        ddp(torch.randn(16, 32)).square().mean().backward()
+    assert state.stats()["auto"]["choice"] == "measuring"
+    ddp(torch.randn(16, 32)).square().mean().backward()
+    auto_stats = state.stats()["auto"]
+    assert auto_stats["choice"] == "bf16" and auto_stats["decided_at"] == auto.DECIDE_AT + 1
+    assert state.current.compressor.name == "bf16"  # switched at once: this step ran bf16

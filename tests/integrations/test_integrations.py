@@ -177,7 +177,8 @@ def test_lightning_callback_hands_the_hook_the_trainers_optimizer(one_process_gr
 @pytest.mark.distributed
 def test_lightning_callback_defaults_to_auto_and_registers_it_itself(one_process_group: None) -> None:
     """``GradsiftCallback()`` is ``auto``: nothing to offer DDPStrategy, its state from
-    on_fit_start, stock DDP's gradients while it measures, a decision at DECIDE_AT, and the
+    on_fit_start, stock DDP's gradients while it measures, a decision at the first bucket after
+    the deciding step (no optimizer to decide after), and the
     state (the choice with it) restored by a fresh callback; a ratio is refused, not ignored."""
     pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
     from gradsift.hook.auto import DECIDE_AT, AutoHookState
@@ -192,24 +193,27 @@ def test_lightning_callback_defaults_to_auto_and_registers_it_itself(one_process
     ddp_model, stock = _ddp_model(), _ddp_model()  # stock: DDP's own allreduce
     callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=ddp_model)), None)
     assert isinstance(callback.state, AutoHookState)
-    for step in range(DECIDE_AT + 1):
+    for step in range(DECIDE_AT + 2):
         batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         for model in (ddp_model, stock):
             model.zero_grad(set_to_none=True)
             model(batch).square().mean().backward()
-        if step < DECIDE_AT:
+        if step <= DECIDE_AT:
             assert all(
                 torch.equal(a.grad, b.grad)
                 for a, b in zip(ddp_model.parameters(), stock.parameters(), strict=True)
             )
     chosen = callback.state.stats()["auto"]
-    assert chosen["decided_at"] == DECIDE_AT and chosen["choice"] in ("none", "bf16")  # no optimizer: "other"
+    assert chosen["decided_at"] == DECIDE_AT + 1 and chosen["choice"] in (
+        "none",
+        "bf16",
+    )  # no optimizer: "other"
 
     restored = GradsiftCallback()
     restored.load_state_dict(callback.state_dict())
     restored.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model())), None)
     assert restored.state.stats()["auto"]["choice"] == chosen["choice"]
-    assert restored.state.step == callback.state.step == DECIDE_AT + 1
+    assert restored.state.step == callback.state.step == DECIDE_AT + 2
 
     with pytest.raises(InvalidOptionError, match="compressor='auto' picks the method and its options; ratio"):
         GradsiftCallback(ratio=0.1).on_fit_start(
@@ -325,15 +329,15 @@ def test_trainer_callback_defaults_to_auto_told_the_runs_length(
     callback = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=ddp_model))
     begin(callback, 0)
     assert isinstance(callback.state, AutoHookState) and callback.state.run_steps == 5000
-    for _ in range(DECIDE_AT + 1):
+    for _ in range(DECIDE_AT + 2):
         _train_step(ddp_model)
     choice = callback.state.stats()["auto"]["choice"]
     assert choice in ("none", "bf16")
-    callback.on_save(*_trainer_events(tmp_path, DECIDE_AT + 1))
+    callback.on_save(*_trainer_events(tmp_path, DECIDE_AT + 2))
 
     resumed = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()))
-    begin(resumed, DECIDE_AT + 1)
-    assert resumed.state.stats()["auto"]["choice"] == choice and resumed.state.step == DECIDE_AT + 1
+    begin(resumed, DECIDE_AT + 2)
+    assert resumed.state.stats()["auto"]["choice"] == choice and resumed.state.step == DECIDE_AT + 2
 
     told = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=_ddp_model()), steps=40)
     begin(told, 0)

@@ -5,18 +5,19 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
 
 1. **Measure** -- the step time ``T`` of the dense steps (median of the intervals between
    the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`; on CUDA each of those steps
-   synchronises once, so host clocks see device time), and, with the step's first bucket:
-   each candidate's encode + decode time on it (scaled to the model's size), and the time
-   its message takes on this group's link -- a real collective of the candidate's size and
-   kind (allreduce for ``none`` and ``bf16``, allgather of the payload's wire bytes for the
-   compressed one), once untimed, then :data:`~gradsift.hook.probes.PROBES` rounds of every probe in turn (:mod:`gradsift.hook.probes`), the
-   median. The probes run after the optimizer's step (a step post-hook), outside backward;
-   with no optimizer found, at the step's first bucket.
+   synchronises once, so host clocks see device time), and each candidate's route time: the
+   deciding step's buckets, copied before their exchange, through the candidate's whole
+   route -- its real collectives on this group included -- or, for ``none``, stock DDP's
+   allreduce of them (:mod:`gradsift.hook.probes`: once untimed, then the median of
+   :data:`~gradsift.hook.probes.PROBES` rounds of every probe in turn). The probes run after
+   the optimizer's step (a step post-hook), outside backward; with no optimizer found, at
+   the next step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
    rank predicts from the same numbers and picks the same candidate.
-3. **Predict** -- compute ``T_c = T - t_none`` (the dense step without its message; the
-   message's overlap with backward makes this a lower bound, which errs towards dense),
-   then ``T(c) = T_c + t(c) + codec(c)`` per candidate; ``none`` keeps ``T`` as measured.
+3. **Predict** -- ``T(c) = T - r(none) + r(c)`` per candidate, ``r`` its route time: the
+   dense step with its allreduce exchanged for the candidate's route (the allreduce's
+   overlap with backward makes ``T - r(none)`` a lower bound of the compute, which errs
+   towards dense); ``none`` keeps ``T`` as measured.
 4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat ``T``
    by :data:`MARGIN`, so a near tie stays dense (the hook is never the reason a run is slower).
 
@@ -65,6 +66,9 @@ LONG_RUN_STEPS = 3000
 ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
 #: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
+#: The hook options the probe states take (the others log or time the method's warm-up; the
+#: scaler is the dense state's, given or found).
+PROBED = ("nonfinite", "granularity")
 
 
 def family(optimizer: Any) -> str:
@@ -119,7 +123,11 @@ class AutoHookState:
         self.predicted_ms: dict[str, float] = {}
         self.measured_ms: dict[str, float] = {}
         self._starts: list[float] = []
-        self._sample: torch.Tensor | None = None  # the deciding step's first bucket
+        #: The deciding step's buckets, copied before their exchange (up to
+        #: :data:`~gradsift.hook.probes.PROBE_ELEMENTS` elements), and whether they are complete.
+        self._kept: list[probes.KeptBucket] = []
+        self._keeping = False
+        self._kept_all = False
         self._after_step: Any = None  # the optimizer step post-hook that decides
         #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
         #: (:meth:`_stock_allreduce`), unless a ``nonfinite`` policy needs the route's checks.
@@ -135,6 +143,8 @@ class AutoHookState:
         if not self._open:
             self._open = True
             self._at_step_start(bucket)
+        if self._keeping:
+            self._keep(bucket)
         if bucket.is_last():
             self._open = False
         if self.lean and self.current is self.dense:
@@ -160,7 +170,9 @@ class AutoHookState:
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
-        if self.choice == "measuring" and self._sample is None:
+        if self.choice == "measuring" and self._kept_all and self._after_step is None:
+            self._decide()  # no optimizer found: decide before this step's exchanges
+        elif self.choice == "measuring" and not self._kept:
             if self.dense.discovering:
                 self.dense.discover()
                 if self.dense.optimizer is not None:  # decide after its step, outside backward
@@ -170,44 +182,66 @@ class AutoHookState:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
                 self._starts.append(time.perf_counter())
-            if step >= DECIDE_AT:
-                self._sample = bucket.buffer().detach().clone()
-                if self._after_step is None:  # no optimizer found: decide here
-                    self._decide(self._sample)
+            self._keeping = step >= DECIDE_AT
         elif self._after_step is not None and self.choice != "measuring":
             self._after_step.remove()  # not from inside the optimizer's own hook loop
             self._after_step = None
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
+    def _keep(self, bucket: dist.GradBucket) -> None:
+        """Copy the deciding step's ``bucket`` for the probes, while the copies stay within
+        :data:`~gradsift.hook.probes.PROBE_ELEMENTS` (the first bucket always)."""
+        buffer = bucket.buffer()
+        kept = sum(k.flat.numel() for k in self._kept)
+        if not self._kept or kept + buffer.numel() <= probes.PROBE_ELEMENTS:
+            self._kept.append(probes.KeptBucket(buffer.detach().clone(), list(bucket.parameters())))
+        if bucket.is_last():
+            self._keeping, self._kept_all = False, True
+
     # -- deciding ------------------------------------------------------------------------
     def _decide_after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post-hook: decide once the deciding step's sample is kept."""
-        if self._sample is not None and self.choice == "measuring":
-            self._decide(self._sample)
+        """The optimizer's step post-hook: decide once the deciding step's buckets are kept."""
+        if self._kept_all and self.choice == "measuring":
+            self._decide()
 
-    def _decide(self, sample: torch.Tensor) -> None:
-        group, world = self.dense.process_group, dist.get_world_size(self.dense.process_group)
+    def _decide(self) -> None:
+        group = self.dense.process_group
         numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
         candidates = self.candidates()
         names = [name for name, _ in candidates]
-        local = [self._step_seconds(), *probes.costs(candidates, sample, numel, world, group)]
-        agreed = torch.tensor(local, dtype=torch.float64, device=sample.device)  # NCCL: on the GPU
+        setting = probes.Setting(
+            self.ddp_model.module,
+            group,
+            {
+                **{k: v for k, v in self.hook_options.items() if k in PROBED},
+                "scaler": self.dense.options.scaler,
+            },
+            self._sgd_momentum(),
+        )
+        local = [self._step_seconds(), *probes.route_costs(candidates, self._kept, numel, setting)]
+        device = self._kept[0].flat.device
+        agreed = torch.tensor(local, dtype=torch.float64, device=device)  # NCCL: on the GPU
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        step_s, *parts = agreed.tolist()
-        message = dict(zip(names, parts[0::2], strict=True))
-        codec = dict(zip(names, parts[1::2], strict=True))
-        best, predicted = choose(step_s, message, codec)
+        step_s, *routes = agreed.tolist()
+        route = dict(zip(names, routes, strict=True))
+        best, predicted = choose(step_s, route)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
-        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - message["none"], 0.0)}
-        self.measured_ms.update({f"message {n}": 1e3 * message[n] for n in names})
-        self.measured_ms.update({f"codec {n}": 1e3 * codec[n] for n in names if n != "none"})
+        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route["none"], 0.0)}
+        self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
         self.decided_at = self.current.step
         self.choice = best
-        self._sample = None
+        self._kept, self._kept_all = [], False
         if best != "none":
             self.pending = best
             self.switch_at = max(self.decided_at, self._dense_steps(best))
+
+    def _sgd_momentum(self) -> float:
+        """The found SGD's momentum (0 for another optimizer or none), which the probe of a
+        momentum-corrected candidate runs at."""
+        if family(self.dense.optimizer) != "sgd":
+            return 0.0
+        return float(recipe.unwrapped(self.dense.optimizer).param_groups[0].get("momentum", 0.0))
 
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The candidates for the optimizer found (module docstring), with their options."""
@@ -314,14 +348,14 @@ class AutoHookState:
     process_group = _running("process_group")
 
 
-def choose(step: float, message: dict[str, float], codec: dict[str, float]) -> tuple[str, dict[str, float]]:
+def choose(step: float, route: dict[str, float]) -> tuple[str, dict[str, float]]:
     """Steps 3-4 of the module docstring: the candidate to run and every candidate's predicted
-    step time (seconds), from the dense step time ``step`` and per candidate (``"none"``
-    first) its message and codec seconds."""
-    compute = max(step - message["none"], 0.0)
-    predicted = {name: compute + message[name] + codec[name] for name in message}
+    step time (seconds), from the dense step time ``step`` and each candidate's route time
+    (seconds; ``"none"`` first: stock DDP's allreduce)."""
+    compute = max(step - route["none"], 0.0)
+    predicted = {name: compute + seconds for name, seconds in route.items()}
     predicted["none"] = step
-    names = list(message)
+    names = list(route)
     best = min(names, key=lambda name: (predicted[name], names.index(name)))
     if best != "none" and predicted[best] > MARGIN * step:
         best = "none"

@@ -1,87 +1,134 @@
-"""What ``compressor="auto"`` measures of each candidate: its message on this group's link
-and its codec on the step's first bucket (:mod:`gradsift.hook.auto`, step 1).
+"""What ``compressor="auto"`` measures of each candidate: its whole route, on the deciding
+step's own buckets (:mod:`gradsift.hook.auto`, step 1).
 
-Each candidate has two probes: a real collective of its message's size and kind (an
-allreduce of fp32 or bf16 values for ``none`` and ``bf16``; for a compressed candidate an
-allgather of its payload's wire bytes -- the largest rank's, agreed by one ``max``
-allreduce, since a payload's size may follow each rank's data) and its encode + decode of
-the sample. Every probe runs once untimed, then :data:`PROBES` rounds time each probe in
-turn (each round starting one later), so load that comes and goes hits them alike; the
-median of each is scaled linearly from at most :data:`PROBE_ELEMENTS` elements to the
-model's size. Probes run outside backward (after the optimizer's step).
+A candidate's probe is what its hook would do with the step's gradients, end to end: every
+kept bucket (:class:`KeptBucket`, copied before its exchange) through
+:func:`gradsift.hook.route.route_bucket` of a probe state of that method -- its parts,
+compensation, encode, the real collectives on this group, validation, decode, the step's
+close on the device and its settle on the host -- and, for ``none``, stock DDP's
+``allreduce(g / W)`` of each bucket, as auto's dense steps run it. So the time includes what
+a codec probe on one bucket misses: the route's Python per bucket and part, error feedback,
+the payloads' padding to the largest rank's, and the contention of every rank running it on
+shared cores (measured: a codec probe predicted ``sidco-exp`` 18 % faster than stock DDP on 4
+VGG ranks at 1 Gbit/s, where it ran 32 % slower; docs/decisions.md).
+
+A probe state is built as the method would be registered (its compressor options, the hook
+options auto passes on), without the optimizer: it takes no optimizer over and never steps
+one; under SGD with momentum, its error feedback runs the momentum correction at the
+optimizer's momentum, as the method would. It is thrown away after the probes (its
+residuals with it); the model's parameters and the run's state are never touched.
+
+Every probe runs once untimed, then :data:`PROBES` rounds time each probe in turn (each
+round starting one later), so load that comes and goes hits them alike; each timing starts
+from the kept gradients (copied in, untimed). The median of each is scaled linearly from
+the kept buckets' elements to the model's. Probes run outside backward (after the
+optimizer's step); every rank runs the same probes, collectives included.
 """
 
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsift.compressors.registry import get_compressor
+from gradsift.hook.layout import FlatBucket
+from gradsift.hook.route import route_bucket
+from gradsift.hook.state import GradsiftHookState
 
 #: Timed calls per probe, after one untimed (the median is kept).
 PROBES = 5
-#: Elements of the probe messages and codec runs at most (larger models scale linearly).
+#: Elements of the deciding step's buckets kept for the probes at most (the first buckets
+#: of the step up to this many; a larger model's times are scaled linearly).
 PROBE_ELEMENTS = 1 << 24
 
 
-def costs(
+@dataclass
+class KeptBucket:
+    """A bucket of the deciding step, copied before its exchange: its flat gradient and
+    parameters, as DDP's ``GradBucket`` gave them."""
+
+    flat: torch.Tensor
+    params: list[torch.Tensor]
+
+
+@dataclass
+class Setting:
+    """What the probes run in: the wrapped module (its parameter numbers), the process group,
+    the hook options auto passes on, and the optimizer's SGD momentum (0: none or another
+    optimizer), which a momentum-corrected candidate's error feedback runs at."""
+
+    module: torch.nn.Module
+    group: Any
+    hook_options: dict[str, Any]
+    momentum: float = 0.0
+
+
+def route_costs(
     candidates: tuple[tuple[str, dict[str, Any]], ...],
-    sample: torch.Tensor,
+    kept: list[KeptBucket],
     numel: int,
-    world: int,
-    group: Any,
+    setting: Setting,
 ) -> list[float]:
-    """``[message seconds, codec seconds]`` per candidate, flattened, for the model's ``numel``
-    gradient elements: its collective on this group (``none``/``bf16``: an allreduce of fp32 /
-    bf16 values; otherwise an allgather of the payload's wire bytes, the largest rank's) and its encode + decode
-    of ``sample`` (the step's first bucket), scaled from at most :data:`PROBE_ELEMENTS`
-    elements. Every probe runs once untimed, then :data:`PROBES` rounds time each probe in
-    turn (each round starting one later), so load that comes and goes hits them alike."""
-    probes: list[tuple[Any, float]] = []
-    for name, options in candidates:
-        probes += _probes(name, options, sample, numel, world, group)
-    for run, _ in probes:
+    """Seconds of each candidate's route over the model's ``numel`` gradient elements: its
+    route over the ``kept`` buckets (module docstring), the median of :data:`PROBES` timed
+    rounds, scaled by ``numel`` over the kept buckets' elements."""
+    work = [bucket.flat.clone() for bucket in kept]
+
+    def reset() -> None:
+        for buffer, bucket in zip(work, kept, strict=True):
+            buffer.copy_(bucket.flat)
+
+    runs = [_route(name, options, work, kept, setting) for name, options in candidates]
+    device = kept[0].flat.device
+    for run in runs:
+        reset()
         run()
-    times: list[list[float]] = [[] for _ in probes]
+    times: list[list[float]] = [[] for _ in runs]
     for round_ in range(PROBES):
-        for offset in range(len(probes)):
-            index = (round_ + offset) % len(probes)
-            times[index].append(_seconds(probes[index][0], sample.device))
-    return [statistics.median(seconds) * scale for seconds, (_, scale) in zip(times, probes, strict=True)]
+        for offset in range(len(runs)):
+            index = (round_ + offset) % len(runs)
+            reset()
+            times[index].append(_seconds(runs[index], device))
+    scale = numel / sum(bucket.flat.numel() for bucket in kept)
+    return [statistics.median(seconds) * scale for seconds in times]
 
 
-def _probes(
-    name: str, options: dict[str, Any], sample: torch.Tensor, numel: int, world: int, group: Any
-) -> list[tuple[Any, float]]:
-    """Candidate ``name``'s two probes, each a call and the factor from its time to the model's."""
-    size = min(numel, PROBE_ELEMENTS)
-    device = sample.device
-    if name in ("none", "bf16"):
-        message = torch.zeros(size, dtype=torch.float32 if name == "none" else torch.bfloat16, device=device)
-        cast = (lambda: None) if name == "none" else (lambda: sample.to(torch.bfloat16).float())
-        return [(lambda: dist.all_reduce(message, group=group), numel / size), (cast, numel / sample.numel())]
-    compressor = get_compressor(name, **options)
-    flat = sample.detach().reshape(-1).float().clone()
-    # a payload's size follows each rank's data: the allgather moves the largest, on every rank
-    per_element = torch.tensor(
-        [compressor.compress(flat).nbytes / flat.numel()], dtype=torch.float64, device=device
+def _route(
+    name: str, options: dict[str, Any], work: list[torch.Tensor], kept: list[KeptBucket], setting: Setting
+) -> Callable[[], None]:
+    """Candidate ``name``'s route over the buffers ``work`` (the kept buckets' gradients)."""
+    if name == "none":
+        world = dist.get_world_size(setting.group)
+
+        def stock() -> None:
+            pending = [dist.all_reduce(b.div_(world), group=setting.group, async_op=True) for b in work]
+            for handle in pending:
+                handle.wait()
+
+        return stock
+    state = GradsiftHookState.build(
+        name, **options, **setting.hook_options, warmup_steps=0, process_group=setting.group
     )
-    dist.all_reduce(per_element, op=dist.ReduceOp.MAX, group=group)
-    wire = torch.zeros(max(1, round(per_element.item() * size)), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(wire) for _ in range(world)]
+    state.layout.bind(setting.module)
+    if state.feedback is not None and state.compressor.momentum_correction:
+        state.feedback.momentum = setting.momentum
 
-    def codec() -> None:
-        compressor.decompress([compressor.compress(flat)] * world, flat.numel())
+    def route() -> None:
+        last = len(work) - 1
+        futures = [
+            route_bucket(state, FlatBucket(buffer, bucket.params, last=index == last))
+            for index, (buffer, bucket) in enumerate(zip(work, kept, strict=True))
+        ]
+        torch.futures.wait_all(futures)
+        state.settle()
 
-    return [
-        (lambda: dist.all_gather(gathered, wire, group=group), numel / size),
-        (codec, numel / flat.numel()),
-    ]
+    return route
 
 
-def _seconds(run: Any, device: torch.device) -> float:
+def _seconds(run: Callable[[], None], device: torch.device) -> float:
     """The wall time of one call of ``run`` (the device synchronised around it)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
