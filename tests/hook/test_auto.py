@@ -13,27 +13,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook import auto
+from gradsift.hook import auto, choice
 
 pytestmark = pytest.mark.distributed
 
 
 def test_the_prediction_exchanges_the_dense_allreduce_for_the_candidates_route():
     # dense step 1.0 s of which stock DDP's allreduce 0.8 s: compute 0.2 s
-    best, predicted = auto.choose(1.0, {"none": 0.8, "bf16": 0.42, "sidco-exp": 0.06})
+    best, predicted = choice.choose(1.0, {"none": 0.8, "bf16": 0.42, "sidco-exp": 0.06})
     assert predicted == pytest.approx({"none": 1.0, "bf16": 0.62, "sidco-exp": 0.26})
     assert best == "sidco-exp"
 
 
 def test_a_near_tie_stays_dense():
     # compressed predicted at 0.95 of the dense step: inside the margin, dense is kept
-    best, predicted = auto.choose(1.0, {"none": 0.1, "bf16": 0.05})
+    best, predicted = choice.choose(1.0, {"none": 0.1, "bf16": 0.05})
     assert predicted["bf16"] == pytest.approx(0.95)
     assert best == "none"
 
 
 def test_a_slow_route_loses_to_the_dense_step():
-    best, _ = auto.choose(1.0, {"none": 0.5, "sidco-exp": 0.61})
+    best, _ = choice.choose(1.0, {"none": 0.5, "sidco-exp": 0.61})
     assert best == "none"
 
 
@@ -88,7 +88,7 @@ def test_a_slow_link_under_adamw_runs_the_one_bit_method_as_registered_by_hand(
     warmup = auto.DECIDE_AT + 3
     ddp = model()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
-    state = gradsift.register_comm_hook(ddp, warmup_steps=warmup, steps=auto.LONG_RUN_STEPS)
+    state = gradsift.register_comm_hook(ddp, warmup_steps=warmup, steps=choice.LONG_RUN_STEPS)
     train(ddp, optimizer, warmup + 6, torch.Generator().manual_seed(1))
     assert state.stats()["auto"]["choice"] == "efsignsgd"
     assert state.current.compressor.name == "efsignsgd" and state.current.adam is not None
@@ -123,7 +123,7 @@ def test_a_checkpoint_resumes_the_choice_bit_for_bit(one_process_group, monkeypa
         return (
             ddp,
             optimizer,
-            gradsift.register_comm_hook(ddp, warmup_steps=warmup, steps=auto.LONG_RUN_STEPS),
+            gradsift.register_comm_hook(ddp, warmup_steps=warmup, steps=choice.LONG_RUN_STEPS),
         )
 
     ddp, optimizer, state = start()
@@ -213,7 +213,7 @@ def test_under_adam_the_one_bit_method_is_a_candidate_only_in_a_long_run(one_pro
     +7.5 % at 314 steps over 100 Mbit/s, results/auto/)."""
     slow_link(monkeypatch, "efsignsgd")
     for steps, expected in ((None, {"none", "bf16"}), (300, {"none", "bf16"}),
-                            (auto.LONG_RUN_STEPS, {"none", "bf16", "efsignsgd"})):  # fmt: skip
+                            (choice.LONG_RUN_STEPS, {"none", "bf16", "efsignsgd"})):  # fmt: skip
         ddp = model()
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         state = gradsift.register_comm_hook(ddp, **({} if steps is None else {"steps": steps}))
@@ -234,7 +234,7 @@ def probe_worker(rank: int, world: int) -> list[float]:
     layer = torch.nn.Linear(1024, 2048, bias=False)
     kept = [auto.probes.KeptBucket(sample, [layer.weight])]
     setting = auto.probes.Setting(layer, None, {}, momentum=0.9)
-    return auto.probes.route_costs(auto.CANDIDATES["sgd"], kept, 2**21, setting)
+    return auto.probes.route_costs(choice.CANDIDATES["sgd"], kept, 2**21, setting)
 
 
 @pytest.mark.slow
@@ -245,7 +245,7 @@ def test_the_real_probes_run_every_route_when_the_ranks_data_differ():
 
     results = run_workers(__file__, "probe_worker", 2, timeout=120)
     for costs in results:
-        assert len(costs) == len(auto.CANDIDATES["sgd"])
+        assert len(costs) == len(choice.CANDIDATES["sgd"])
         assert all(seconds > 0 for seconds in costs)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradsift.hook.auto import CANDIDATES
+from gradsift.hook.choice import CANDIDATES
 from support import ROOT
 from support.doc_commands import EXAMPLES_GROUP, BlockRun, DocumentedRuns, summary_line
 

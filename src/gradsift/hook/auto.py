@@ -1,7 +1,7 @@
 """``compressor="auto"``: measure the run, then run what is fastest among the methods that keep quality.
 
 The hook starts as stock DDP (``none``: dense fp32 allreduce, the optimizer as built) and
-decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike:
+decides after step :data:`DECIDE_AT`, on every rank alike:
 
 1. **Measure** -- the step time ``T`` of the dense steps (median of the intervals between
    the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`; on CUDA each of those steps
@@ -19,17 +19,21 @@ decides once, at the first bucket of step :data:`DECIDE_AT`, on every rank alike
    overlap with backward makes ``T - r(none)`` a lower bound of the compute, which errs
    towards dense); ``none`` keeps ``T`` as measured.
 4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat ``T``
-   by :data:`MARGIN`, so a near tie stays dense (the hook is never the reason a run is slower).
+   by :data:`~gradsift.hook.choice.MARGIN`, so a near tie stays dense (the hook is never
+   the reason a run is slower).
+5. **Watch** -- the step time of the running choice, in windows (:mod:`gradsift.hook.drift`);
+   when it drifts from what the choice was made on, the next step's buckets are kept and
+   probed again (1-4, with the running method's step in place of ``T``), if the running method
+   holds no state another method would not continue (``none``, ``bf16``; a method with error
+   feedback or Adam's moments runs on, and ``stats()["auto"]["held"]`` says so). Needs the
+   optimizer found: without one, the first choice stays.
 
-Candidates keep the optimizer family's quality (docs/decisions.md, "compressor='auto'"):
-SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction; Adam / AdamW
--- ``none``, ``bf16``, and, when the run is known to last at least :data:`LONG_RUN_STEPS`
-(``steps=``), the 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step), which
-starts only after Adam's dense warm-up (``warmup_steps``, unset:
-:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`): it reaches the dense loss in long runs
-and not in short ones; another or no optimizer -- ``none``, ``bf16``. The chosen method runs as ``register_comm_hook(ddp, name, optimizer=...)`` would,
-continuing the step count; its state, the choice and the predictions are in ``stats()`` and
-the checkpoint.
+The candidates (:mod:`gradsift.hook.choice`) keep the optimizer family's quality; the 1-bit
+Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
+:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`). The chosen method runs as
+``register_comm_hook(ddp, name, optimizer=...)`` would, continuing the step count; its state,
+the choice and the predictions are in ``stats()`` and the checkpoint (the drift windows are
+not: a resumed run starts a new window).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -45,7 +49,9 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
 from gradsift.hook import probes, recipe
-from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
+from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
+from gradsift.hook.choice import CANDIDATES, LONG_RUN_STEPS, ONE_BIT_ADAM, choose, family
+from gradsift.hook.drift import DriftWatch
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
@@ -53,32 +59,11 @@ AUTO = "auto"
 #: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
 SKIP = 2
 DECIDE_AT = 10
-#: A compressed candidate must be predicted this much faster than the dense step.
-MARGIN = 0.9
-#: The candidates per optimizer family: registry name and compressor options.
-CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
-    "sgd": (("none", {}), ("bf16", {}), ("sidco-exp", {"ratio": 0.01})),
-    "adam": (("none", {}), ("bf16", {})),
-    "other": (("none", {}), ("bf16", {})),
-}
-#: Under Adam, a run at least this long (``steps=``) also has the 1-bit Adam method.
-LONG_RUN_STEPS = 3000
-ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
 #: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
 #: The hook options the probe states take (the others log or time the method's warm-up; the
 #: scaler is the dense state's, given or found).
 PROBED = ("nonfinite", "granularity")
-
-
-def family(optimizer: Any) -> str:
-    """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found too)."""
-    if optimizer is None:
-        return "other"
-    inner = recipe.unwrapped(optimizer)
-    if is_adam(inner):
-        return "adam"
-    return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
 
 
 def _running(name: str) -> Any:
@@ -128,6 +113,13 @@ class AutoHookState:
         self._kept: list[probes.KeptBucket] = []
         self._keeping = False
         self._kept_all = False
+        self._keep_next = False  # a re-measure keeps the next step's buckets
+        #: The running choice's step-time windows (:mod:`gradsift.hook.drift`), re-measures
+        #: made, and why a due re-measure kept the running method (None: none held).
+        self.watch: DriftWatch | None = None
+        self.remeasures = 0
+        self.held: str | None = None
+        self.clock = time.perf_counter
         self._after_step: Any = None  # the optimizer step post-hook that decides
         #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
         #: (:meth:`_stock_allreduce`), unless a ``nonfinite`` policy needs the route's checks.
@@ -171,21 +163,20 @@ class AutoHookState:
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
         if self.choice == "measuring" and self._kept_all and self._after_step is None:
-            self._decide()  # no optimizer found: decide before this step's exchanges
+            self._decide(self._step_seconds())  # no optimizer found: decide before this step's exchanges
         elif self.choice == "measuring" and not self._kept:
             if self.dense.discovering:
                 self.dense.discover()
                 if self.dense.optimizer is not None:  # decide after its step, outside backward
                     inner = recipe.unwrapped(self.dense.optimizer)
-                    self._after_step = inner.register_step_post_hook(self._decide_after_step)
+                    self._after_step = inner.register_step_post_hook(self._after_optimizer_step)
             if step >= SKIP:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
-                self._starts.append(time.perf_counter())
+                self._starts.append(self.clock())
             self._keeping = step >= DECIDE_AT
-        elif self._after_step is not None and self.choice != "measuring":
-            self._after_step.remove()  # not from inside the optimizer's own hook loop
-            self._after_step = None
+        elif self._keep_next:
+            self._keeping, self._keep_next = True, False
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
@@ -200,39 +191,70 @@ class AutoHookState:
             self._keeping, self._kept_all = False, True
 
     # -- deciding ------------------------------------------------------------------------
-    def _decide_after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post-hook: decide once the deciding step's buckets are kept."""
-        if self._kept_all and self.choice == "measuring":
-            self._decide()
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post-hook (outside backward): decide once the deciding step's
+        buckets are kept; then watch the step time and re-measure when it drifts
+        (:mod:`gradsift.hook.drift`) -- the next step's buckets kept, decided after its step."""
+        if self._kept_all:
+            measuring = self.choice == "measuring"
+            self._decide(self._step_seconds() if measuring else self._watch().last or 0.0, measuring)
+            return
+        if self.choice == "measuring" or self.pending is not None:
+            return
+        median = self._watch().tick(self.clock())
+        if median is None or not self._watch().due(self._agreed([median])[0]):
+            return
+        if self.current.feedback is None and self.current.adam is None:
+            self._keep_next = True
+        else:
+            self.held = (
+                f"step {self.current.step}: the step time drifted, but {self.choice} keeps state "
+                "(error feedback, Adam's moments) that another method would not continue; it runs on"
+            )
 
-    def _decide(self) -> None:
-        group = self.dense.process_group
+    def _watch(self) -> DriftWatch:
+        """The running choice's :class:`~gradsift.hook.drift.DriftWatch`, from its predicted step."""
+        if self.watch is None:
+            self.watch = DriftWatch(self.predicted_ms[self.choice] / 1e3)
+        return self.watch
+
+    def _agreed(self, values: list[float]) -> list[float]:
+        """Every rank's ``values``, reduced by ``max`` over the group (one collective)."""
+        device = self.dense.hooked[0].device if self.dense.hooked else torch.device("cpu")
+        agreed = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL: on the GPU
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.dense.process_group)
+        return agreed.tolist()
+
+    def _decide(self, step_s: float, first: bool = True) -> None:
+        """Steps 1-4 of the module docstring from the dense step time ``step_s`` (``first``), or
+        a re-measure's from the running method's drifted step time: the kept buckets probed,
+        the numbers agreed, the choice made (a switch from the next step or after Adam's
+        warm-up)."""
         numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
         candidates = self.candidates()
         names = [name for name, _ in candidates]
         setting = probes.Setting(
             self.ddp_model.module,
-            group,
+            self.dense.process_group,
             {
                 **{k: v for k, v in self.hook_options.items() if k in PROBED},
                 "scaler": self.dense.options.scaler,
             },
             self._sgd_momentum(),
         )
-        local = [self._step_seconds(), *probes.route_costs(candidates, self._kept, numel, setting)]
-        device = self._kept[0].flat.device
-        agreed = torch.tensor(local, dtype=torch.float64, device=device)  # NCCL: on the GPU
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        step_s, *routes = agreed.tolist()
+        step_s, *routes = self._agreed([step_s, *probes.route_costs(candidates, self._kept, numel, setting)])
         route = dict(zip(names, routes, strict=True))
-        best, predicted = choose(step_s, route)
+        running = "none" if first else self.choice
+        best, predicted = choose(step_s, route, running)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
-        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route["none"], 0.0)}
+        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route[running], 0.0)}
         self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
         self.decided_at = self.current.step
+        self.remeasures += not first
+        self.watch = None  # the next window is expected at the new choice's predicted step
         self.choice = best
         self._kept, self._kept_all = [], False
-        if best != "none":
+        if best != running:
             self.pending = best
             self.switch_at = max(self.decided_at, self._dense_steps(best))
 
@@ -275,9 +297,9 @@ class AutoHookState:
         state.find_optimizer = False  # the dense state's, adopted above
         state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
         state.ledger.step = step
-        state.telemetry.load_state_dict(self.dense.telemetry.state_dict())
-        if self.dense.first_step is not None:
-            self.dense.first_step.close()
+        state.telemetry.load_state_dict(self.current.telemetry.state_dict())
+        if self.current.first_step is not None:
+            self.current.first_step.close()
         self.current, self.pending, self.switched_at = state, None, step
 
     # -- read-outs and checkpoints -------------------------------------------------------
@@ -291,6 +313,9 @@ class AutoHookState:
             "decided_at": self.decided_at,
             "predicted_ms": dict(self.predicted_ms),
             "measured_ms": dict(self.measured_ms),
+            "remeasures": self.remeasures,
+            "drift": None if self.watch is None else self.watch.stats(),
+            "held": self.held,
         }
         return stats
 
@@ -346,20 +371,6 @@ class AutoHookState:
     layout = _running("layout")
     telemetry = _running("telemetry")
     process_group = _running("process_group")
-
-
-def choose(step: float, route: dict[str, float]) -> tuple[str, dict[str, float]]:
-    """Steps 3-4 of the module docstring: the candidate to run and every candidate's predicted
-    step time (seconds), from the dense step time ``step`` and each candidate's route time
-    (seconds; ``"none"`` first: stock DDP's allreduce)."""
-    compute = max(step - route["none"], 0.0)
-    predicted = {name: compute + seconds for name, seconds in route.items()}
-    predicted["none"] = step
-    names = list(route)
-    best = min(names, key=lambda name: (predicted[name], names.index(name)))
-    if best != "none" and predicted[best] > MARGIN * step:
-        best = "none"
-    return best, predicted
 
 
 def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

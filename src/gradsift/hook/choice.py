@@ -1,0 +1,54 @@
+"""What ``compressor="auto"`` chooses among, and the rule it chooses by (:mod:`gradsift.hook.auto`).
+
+The candidates keep the optimizer family's quality (docs/decisions.md, "compressor='auto'"):
+SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction; Adam / AdamW
+-- ``none``, ``bf16``, and, in a run known to last at least :data:`LONG_RUN_STEPS` steps, the
+1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
+-- ``none``, ``bf16``. The rule (:func:`choose`): each candidate's predicted step is the
+running method's measured step with its route exchanged for the candidate's, and another
+method runs only when predicted :data:`MARGIN` faster.
+"""
+
+from typing import Any
+
+import torch
+
+from gradsift.hook import recipe
+from gradsift.hook.adam import is_adam
+
+#: A compressed candidate must be predicted this much faster than the dense step.
+MARGIN = 0.9
+#: The candidates per optimizer family: registry name and compressor options.
+CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "sgd": (("none", {}), ("bf16", {}), ("sidco-exp", {"ratio": 0.01})),
+    "adam": (("none", {}), ("bf16", {})),
+    "other": (("none", {}), ("bf16", {})),
+}
+#: Under Adam, a run at least this long (``steps=``) also has the 1-bit Adam method.
+LONG_RUN_STEPS = 3000
+ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
+
+
+def family(optimizer: Any) -> str:
+    """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found too)."""
+    if optimizer is None:
+        return "other"
+    inner = recipe.unwrapped(optimizer)
+    if is_adam(inner):
+        return "adam"
+    return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+
+
+def choose(step: float, route: dict[str, float], running: str = "none") -> tuple[str, dict[str, float]]:
+    """Steps 3-4 of :mod:`gradsift.hook.auto`: the candidate to run and every candidate's predicted
+    step time (seconds), from the ``running`` method's measured step time ``step`` (the first
+    decision: ``"none"``, stock DDP) and each candidate's route time (seconds):
+    ``T(c) = step - r(running) + r(c)``; another method must beat ``step`` by :data:`MARGIN`."""
+    compute = max(step - route[running], 0.0)
+    predicted = {name: compute + seconds for name, seconds in route.items()}
+    predicted[running] = step
+    names = list(route)
+    best = min(names, key=lambda name: (predicted[name], names.index(name)))
+    if best != running and predicted[best] > MARGIN * step:
+        best = running
+    return best, predicted

@@ -1,0 +1,131 @@
+"""``compressor="auto"`` measures again when the step time drifts (gradsift.hook.drift): the
+window rule and its hysteresis against hand-worked windows; on a 1-rank gloo group, a run
+whose step time drifts from stock DDP's switches to the method that the new probes favour,
+and then trains exactly as that method registered by hand with the steps before as its dense
+warm-up; a method that holds error feedback runs on and says why."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from gradsift.hook import auto, drift
+
+pytestmark = pytest.mark.distributed
+
+
+def windows(watch: drift.DriftWatch, step_seconds: list[float]) -> list[bool]:
+    """Feed ``watch`` one window per entry (every step of it ``step_seconds[i]`` long); per
+    window whether a re-measure came due."""
+    now, due = 0.0, []
+    watch.tick(now)
+    for seconds in step_seconds:
+        median = None
+        for _ in range(drift.WINDOW):
+            now += seconds
+            median = watch.tick(now)
+        assert median == pytest.approx(seconds)  # the window ends with its last step
+        due.append(watch.due(median))
+    return due
+
+
+def test_two_drifting_windows_in_a_row_make_a_re_measure_due():
+    # expected 1.0 s: 1.1 is inside the 20 % band, 1.3 and 0.7 outside it
+    assert windows(drift.DriftWatch(1.0), [1.1, 1.3, 1.3]) == [False, False, True]
+    assert windows(drift.DriftWatch(1.0), [0.7, 0.7]) == [False, True]
+
+
+def test_a_window_back_in_the_band_starts_the_count_over():
+    assert windows(drift.DriftWatch(1.0), [1.3, 1.0, 1.3, 1.0, 1.3, 1.3]) == [False] * 5 + [True]
+    watch = drift.DriftWatch(1.0)
+    assert windows(watch, [1.3, 1.3, 1.3]) == [False, True, False]  # due resets the count
+    assert watch.stats() == {"expected_ms": 1000.0, "window_ms": pytest.approx(1300.0), "strikes": 1}
+
+
+def model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)))
+
+
+def train(ddp: DDP, optimizer, steps: int, generator: torch.Generator) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ddp(torch.randn(16, 32, generator=generator)).square().mean().backward()
+        optimizer.step()
+
+
+def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_kind=torch.optim.SGD):
+    """A run whose first decision sees ``first_fast``'s route at 1 ms and every other 1 s (a
+    dense step of 1.2 s), whose steps then take 2 s each on the host clock (+67 %: drifted),
+    and whose re-measure sees ``then_fast``'s route at 1 ms."""
+    fast = {"name": first_fast}
+    monkeypatch.setattr(
+        auto.probes,
+        "route_costs",
+        lambda candidates, *args: [1e-3 if name == fast["name"] else 1.0 for name, _ in candidates],
+    )
+    monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
+    ddp = model()
+    optimizer = optimizer_kind(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = gradsift.register_comm_hook(ddp)
+    clock = itertools.count(step=2.0)
+    state.clock = lambda: float(next(clock))
+    data = torch.Generator().manual_seed(1)
+    train(ddp, optimizer, auto.DECIDE_AT + 2, data)
+    assert state.stats()["auto"]["choice"] == first_fast
+    fast["name"] = then_fast
+    train(ddp, optimizer, 2 * drift.WINDOW + 6, data)
+    return ddp, state
+
+
+def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(one_process_group, monkeypatch):
+    """Stock DDP first (its probe fastest); the step time drifts; the re-measure finds bf16's
+    route fastest and switches: the run then equals bf16 registered by hand with the steps
+    before the switch as its dense warm-up (bit for bit; bf16's rounding makes it differ from
+    stock DDP's)."""
+    ddp, state = drifting_run(monkeypatch, "none", "bf16")
+    stats = state.stats()["auto"]
+    assert stats["choice"] == "bf16" and stats["running"] == "bf16" and stats["remeasures"] == 1
+    switched = state.switched_at
+    assert auto.DECIDE_AT + 2 * drift.WINDOW < switched < auto.DECIDE_AT + 2 * drift.WINDOW + 6
+    assert stats["predicted_ms"]["none"] == pytest.approx(2000.0)  # the drifted window's median
+    steps = auto.DECIDE_AT + 2 + 2 * drift.WINDOW + 6
+    by_hand = model()
+    hand_optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.05, momentum=0.9)
+    gradsift.register_comm_hook(by_hand, "bf16", optimizer=hand_optimizer, warmup_steps=switched)
+    train(by_hand, hand_optimizer, steps, torch.Generator().manual_seed(1))
+    stock = model()
+    stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
+    train(stock, stock_optimizer, steps, torch.Generator().manual_seed(1))
+    for a, b in zip(ddp.parameters(), by_hand.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(ddp.parameters(), stock.parameters(), strict=True))
+
+
+def test_a_method_with_error_feedback_runs_on_when_the_step_drifts(one_process_group, monkeypatch):
+    """sidco-exp holds residuals and velocities that stock DDP would not continue: the drift
+    is reported, the method kept, nothing re-measured."""
+    _, state = drifting_run(monkeypatch, "sidco-exp", "none")
+    stats = state.stats()["auto"]
+    assert stats["running"] == "sidco-exp" and stats["remeasures"] == 0
+    assert "sidco-exp keeps state" in stats["held"]
+    assert stats["drift"]["window_ms"] == pytest.approx(2000.0)
+
+
+def test_a_steady_step_time_is_never_re_measured(one_process_group, monkeypatch):
+    """Steps exactly as predicted (1.2 s of the dense step): no window drifts."""
+    monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1.0] * len(candidates))
+    monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = gradsift.register_comm_hook(ddp)
+    clock = itertools.count(step=1.2)
+    state.clock = lambda: float(next(clock))
+    train(ddp, optimizer, auto.DECIDE_AT + 2 + 3 * drift.WINDOW, torch.Generator().manual_seed(1))
+    stats = state.stats()["auto"]
+    assert stats["choice"] == "none" and stats["remeasures"] == 0 and stats["held"] is None
+    assert stats["drift"]["window_ms"] == pytest.approx(1200.0) and stats["drift"]["strikes"] == 0
