@@ -64,6 +64,18 @@ def exit_handler_worker(rank: int, world: int) -> None:
     atexit.register(os._exit, 7)
 
 
+def heap_worker(rank: int, world: int) -> dict:
+    """How many objects of the heap are frozen here, and whether the hook's discovery finds an
+    optimizer built in this rank (it walks ``gc.get_objects()``)."""
+    import gc
+
+    from gradsift.hook.discovery import find_optimizer
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {"frozen": gc.get_freeze_count(), "found": find_optimizer(model.parameters()) is optimizer}
+
+
 def hang_worker(rank: int, world: int) -> None:
     print(f"rank {rank} hangs", flush=True)
     time.sleep(600)
@@ -124,6 +136,16 @@ def test_finalize_ends_the_ranks_through_the_interpreters_exit(launcher: str, mo
         None,
     ]
     assert run_workers(__file__, "exit_handler_worker", 2) == [None, None]
+
+
+def test_the_preloaded_heap_is_frozen_and_a_finalizing_rank_unfreezes_it() -> None:
+    """A rank's ``gc.get_objects()`` leaves out the server's preloaded heap, and still lists
+    what the rank builds (the optimizer the hook discovers); a rank that exits through the
+    interpreter's finalization walks the whole heap, as a fresh interpreter does."""
+    for rank in run_workers(__file__, "heap_worker", 2):
+        assert rank["frozen"] > 100_000 and rank["found"], rank
+    for rank in run_workers(__file__, "heap_worker", 2, finalize=True):
+        assert rank["frozen"] == 0 and rank["found"], rank
 
 
 def test_the_subprocess_fallback_gives_the_same_results(tmp_path, monkeypatch) -> None:
