@@ -330,8 +330,10 @@ VGC_HOOK_CLAIMS = (
 
 HOOK_CONFIGS = (("stock DDP", "stock"), ("PyTorch's `allreduce_hook`", "torch-allreduce-hook"),
                 ("PyTorch's C++ built-in `ALLREDUCE` hook", "torch-builtin-hook"), ("`none`", "none"),
-                ("`sidco-exp@0.01`", "sidco-exp@0.01"), ("`topk@0.01`", "topk@0.01"))  # fmt: skip
-HOOK_TARGETS = {"none": 1.03, "sidco-exp@0.01": 1.3}  # issue 13, fixed before the runs
+                ("`sidco-exp@0.01`", "sidco-exp@0.01"), ("`topk@0.01`", "topk@0.01"),
+                ("`auto` (the one line)", "auto"))  # fmt: skip
+#: Issue 13's targets, and issue 42's for the one line on a fast link; fixed before the runs.
+HOOK_TARGETS = {"none": 1.03, "sidco-exp@0.01": 1.3, "auto": 1.05}
 
 
 def hook_ratio(config: str) -> Claim:

@@ -63,6 +63,7 @@ CONFIGS: list[tuple[str, str | None, dict[str, Any]]] = [
     ("none", "none", {}),
     ("sidco-exp@0.01", "sidco-exp", {"ratio": 0.01}),
     ("topk@0.01", "topk", {"ratio": 0.01}),
+    ("auto", "auto", {}),  # the one line: measures for 10 steps, then runs its choice
 ]
 PHASES = ("forward", "backward", "optimizer")
 _BOUND_METHOD = re.compile(r"^<built-in method (\w+) of .*>$")

@@ -124,7 +124,7 @@ def test_hook_overhead_without_profile_steps_finishes(tmp_path):
     assert process.returncode == 0, output
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"stock", "torch-allreduce-hook", "torch-builtin-hook", "none", "sidco-exp@0.01",
-                            "topk@0.01"}  # fmt: skip
+                            "topk@0.01", "auto"}  # fmt: skip
     for entry in results.values():
         assert len(entry["step_ms"]) == 1 and "profile" not in entry
         assert entry["ratio_to_stock"] == entry["median_step_ms"] / results["stock"]["median_step_ms"]
