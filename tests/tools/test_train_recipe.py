@@ -112,8 +112,9 @@ def test_clip_grad_norm_bounds_each_step_and_leaves_small_gradients_alone(tmp_pa
     """Plain SGD (no momentum, constant lr 0.5) over the same batches: clipped to 1e-9 the
     parameters move at most 5e-10 a step, so its losses are those of a run at lr 1e-12 (the
     parameters as initialised); clipped to 1e9 nothing is clipped, and the run is the
-    unclipped one exactly."""
-    sgd = ("--compressor", "none", "--optimizer", "sgd", "--momentum", "0", "--steps", "3")
+    unclipped one exactly. One worker: every rank clips the same averaged gradients after
+    the exchange, so one rank's losses say all of it, at half the processes of two."""
+    sgd = ("--compressor", "none", "--optimizer", "sgd", "--momentum", "0", "--steps", "3", "--workers", "1")
     losses = {
         name: [r["loss"] for r in _train(tmp_path, name, *sgd, *flags)[1]]
         for name, flags in {
