@@ -2,7 +2,8 @@
 window rule and its hysteresis against hand-worked windows; on a 1-rank gloo group, a run
 whose step time drifts from stock DDP's switches to the method that the new probes favour,
 and then trains exactly as that method registered by hand with the steps before as its dense
-warm-up; a method that holds error feedback runs on and says why."""
+warm-up; leaving error feedback gives SGD its momentum back (a dense exchange given back is
+stock DDP); the 1-bit Adam method runs on and says why."""
 
 from __future__ import annotations
 
@@ -58,7 +59,11 @@ def train(ddp: DDP, optimizer, steps: int, generator: torch.Generator) -> None:
         optimizer.step()
 
 
-def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_kind=torch.optim.SGD):
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd, **hook_options):
     """A run whose first decision sees ``first_fast``'s route at 1 ms and every other 1 s (a
     dense step of 1.2 s), whose steps then take 2 s each on the host clock (+67 %: drifted),
     and whose re-measure sees ``then_fast``'s route at 1 ms."""
@@ -70,16 +75,25 @@ def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_kind=to
     )
     monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
     ddp = model()
-    optimizer = optimizer_kind(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = gradsift.register_comm_hook(ddp)
+    optimizer = optimizer_of(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp, **hook_options)
     clock = itertools.count(step=2.0)
     state.clock = lambda: float(next(clock))
     data = torch.Generator().manual_seed(1)
     train(ddp, optimizer, auto.DECIDE_AT + 2, data)
     assert state.stats()["auto"]["choice"] == first_fast
     fast["name"] = then_fast
-    train(ddp, optimizer, 2 * drift.WINDOW + 6, data)
-    return ddp, state
+    train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
+    return ddp, optimizer, state
+
+
+STEPS = auto.DECIDE_AT + 2 + 2 * drift.WINDOW + 6
+
+
+def stock_run(optimizer_of=sgd) -> DDP:
+    stock = model()
+    train(stock, optimizer_of(stock.parameters()), STEPS, torch.Generator().manual_seed(1))
+    return stock
 
 
 def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(one_process_group, monkeypatch):
@@ -87,32 +101,66 @@ def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(one_
     route fastest and switches: the run then equals bf16 registered by hand with the steps
     before the switch as its dense warm-up (bit for bit; bf16's rounding makes it differ from
     stock DDP's)."""
-    ddp, state = drifting_run(monkeypatch, "none", "bf16")
+    ddp, _, state = drifting_run(monkeypatch, "none", "bf16")
     stats = state.stats()["auto"]
     assert stats["choice"] == "bf16" and stats["running"] == "bf16" and stats["remeasures"] == 1
     switched = state.switched_at
-    assert auto.DECIDE_AT + 2 * drift.WINDOW < switched < auto.DECIDE_AT + 2 * drift.WINDOW + 6
+    assert auto.DECIDE_AT + 2 * drift.WINDOW < switched < STEPS
     assert stats["predicted_ms"]["none"] == pytest.approx(2000.0)  # the drifted window's median
-    steps = auto.DECIDE_AT + 2 + 2 * drift.WINDOW + 6
     by_hand = model()
-    hand_optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.05, momentum=0.9)
+    hand_optimizer = sgd(by_hand.parameters())
     gradsift.register_comm_hook(by_hand, "bf16", optimizer=hand_optimizer, warmup_steps=switched)
-    train(by_hand, hand_optimizer, steps, torch.Generator().manual_seed(1))
-    stock = model()
-    stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
-    train(stock, stock_optimizer, steps, torch.Generator().manual_seed(1))
+    train(by_hand, hand_optimizer, STEPS, torch.Generator().manual_seed(1))
     for a, b in zip(ddp.parameters(), by_hand.parameters(), strict=True):
         assert torch.equal(a, b)
+    stock = stock_run()
     assert any(not torch.equal(a, b) for a, b in zip(ddp.parameters(), stock.parameters(), strict=True))
 
 
-def test_a_method_with_error_feedback_runs_on_when_the_step_drifts(one_process_group, monkeypatch):
-    """sidco-exp holds residuals and velocities that stock DDP would not continue: the drift
-    is reported, the method kept, nothing re-measured."""
-    _, state = drifting_run(monkeypatch, "sidco-exp", "none")
+def test_leaving_error_feedback_gives_the_optimizer_its_momentum_back(one_process_group, monkeypatch):
+    """A dense exchange with momentum correction (top-k at ratio 1, no momentum masking) is
+    stock DDP + SGD momentum and weight decay rearranged; when the drift re-measure leaves it
+    for stock DDP, the optimizer gets its momentum, weight decay and a buffer equal to the
+    workers' velocity back, and the run goes on as stock DDP throughout (to rounding)."""
+    monkeypatch.setitem(
+        auto.CANDIDATES, "sgd", (("none", {}), ("topk", {"ratio": 1.0, "momentum_masking": False}))
+    )
+    ddp, optimizer, state = drifting_run(monkeypatch, "topk", "none")
     stats = state.stats()["auto"]
-    assert stats["running"] == "sidco-exp" and stats["remeasures"] == 0
-    assert "sidco-exp keeps state" in stats["held"]
+    assert stats["running"] == "none" and stats["remeasures"] == 1 and state.switched_at > auto.DECIDE_AT + 2
+    group = optimizer.param_groups[0]
+    assert group["momentum"] == 0.9 and group["weight_decay"] == 1e-3
+    assert "gradsift_momentum" not in group and "gradsift_weight_decay" not in group
+    stock = stock_run()
+    for a, b in zip(ddp.parameters(), stock.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_leaving_sidco_flushes_what_was_never_sent(one_process_group, monkeypatch):
+    """sidco-exp at 1 %: the residual holds most of each step's velocity; after leaving it the
+    parameters moved by the flush (lr times the workers' mean residual), and training goes on
+    with the optimizer's own momentum."""
+    ddp, optimizer, state = drifting_run(monkeypatch, "sidco-exp", "none")
+    assert state.stats()["auto"]["running"] == "none"
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+    assert all("momentum_buffer" in optimizer.state[p] for p in ddp.parameters())
+    assert all(torch.isfinite(p).all() for p in ddp.parameters())
+
+
+def test_the_one_bit_adam_method_runs_on_when_the_step_drifts(one_process_group, monkeypatch):
+    """The 1-bit Adam method holds Adam's first moment and a frozen second one that stock
+    DDP's AdamW would not continue: the drift is reported, the method kept, nothing re-measured."""
+    _, _, state = drifting_run(
+        monkeypatch,
+        "efsignsgd",
+        "none",
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
+        steps=auto.LONG_RUN_STEPS,
+        warmup_steps=auto.DECIDE_AT + 1,
+    )
+    stats = state.stats()["auto"]
+    assert stats["running"] == "efsignsgd" and stats["remeasures"] == 0
+    assert "efsignsgd keeps Adam's first moment" in stats["held"]
     assert stats["drift"]["window_ms"] == pytest.approx(2000.0)
 
 

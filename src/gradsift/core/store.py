@@ -136,7 +136,7 @@ class TensorStore:
         previous = self.layouts.get(key)
         if previous == order:
             return
-        sources = self._chunk_sources(numels, exclude=key)
+        sources = self._chunk_sources(exclude=key)
         self.layouts[key] = order
         total = sum(numels[i] for i in order)
         for tables in (self.tables, self._overlay or {}):
@@ -168,9 +168,30 @@ class TensorStore:
             canonical = self._canonical[order] = Canonical(order, self.numels)
         return canonical
 
-    def _chunk_sources(
-        self, numels: Mapping[int, int], exclude: Key
-    ) -> dict[int, dict[tuple[str, int], torch.Tensor]]:
+    def per_parameter(self, name: str) -> dict[int, torch.Tensor]:
+        """Table ``name``'s committed per-element tensors cut into each parameter's chunk (flat
+        views): a key with a layout by its layout, a parameter number's key whole; per-key
+        scalars are left out."""
+        return {
+            i: chunk
+            for key, tensor in self.tables.get(name, {}).items()
+            for i, chunk in self._cut(key, tensor)
+        }
+
+    def _cut(self, key: Key, tensor: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
+        """``tensor`` of ``key`` as ``(parameter, chunk)`` pairs; none for a per-key scalar."""
+        layout = self.layouts.get(key)
+        if tensor is None:
+            return []
+        if layout is None:
+            whole = isinstance(key, int) and tensor.numel() == self.numels.get(key, tensor.numel())
+            return [(key, tensor)] if whole else []
+        sizes = [self.numels[i] for i in layout]
+        if tensor.numel() != sum(sizes):
+            return []
+        return list(zip(layout, tensor.split(sizes), strict=True))
+
+    def _chunk_sources(self, exclude: Key) -> dict[int, dict[tuple[str, int], torch.Tensor]]:
         """Per tables-dict (committed, overlay): ``(table, parameter) -> that parameter's chunk``,
         cut from every other key with a known layout and a per-element tensor."""
         found: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
@@ -178,14 +199,9 @@ class TensorStore:
             chunks = found.setdefault(id(tables), {})
             for name, table in tables.items():
                 for other, tensor in table.items():
-                    layout = self.layouts.get(other)
-                    if other == exclude or tensor is None or layout is None:
+                    if other == exclude or other not in self.layouts:
                         continue
-                    sizes = [numels[i] for i in layout]
-                    if tensor.numel() != sum(sizes):
-                        continue
-                    for i, chunk in zip(layout, tensor.split(sizes), strict=True):
-                        chunks[(name, i)] = chunk
+                    chunks.update(((name, i), chunk) for i, chunk in self._cut(other, tensor))
         return found
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -23,10 +23,13 @@ decides after step :data:`DECIDE_AT`, on every rank alike:
    the reason a run is slower).
 5. **Watch** -- the step time of the running choice, in windows (:mod:`gradsift.hook.drift`);
    when it drifts from what the choice was made on, the next step's buckets are kept and
-   probed again (1-4, with the running method's step in place of ``T``), if the running method
-   holds no state another method would not continue (``none``, ``bf16``; a method with error
-   feedback or Adam's moments runs on, and ``stats()["auto"]["held"]`` says so). Needs the
-   optimizer found: without one, the first choice stays.
+   probed again (1-4, with the running method's step in place of ``T``). Leaving a method
+   with error feedback under SGD gives the optimizer its momentum back, with the workers'
+   mean velocity as its buffer and their mean residual applied once
+   (:func:`gradsift.hook.recipe.give_back`); entering one starts the velocity from SGD's
+   momentum buffer. The 1-bit Adam method holds Adam's moments that stock AdamW would not
+   continue: it runs on, and ``stats()["auto"]["held"]`` says so. Needs the optimizer found:
+   without one, the first choice stays.
 
 The candidates (:mod:`gradsift.hook.choice`) keep the optimizer family's quality; the 1-bit
 Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
@@ -204,12 +207,12 @@ class AutoHookState:
         median = self._watch().tick(self.clock())
         if median is None or not self._watch().due(self._agreed([median])[0]):
             return
-        if self.current.feedback is None and self.current.adam is None:
+        if self.current.adam is None:
             self._keep_next = True
         else:
             self.held = (
-                f"step {self.current.step}: the step time drifted, but {self.choice} keeps state "
-                "(error feedback, Adam's moments) that another method would not continue; it runs on"
+                f"step {self.current.step}: the step time drifted, but {self.choice} keeps Adam's first "
+                "moment and a frozen second one that another method would not continue; it runs on"
             )
 
     def _watch(self) -> DriftWatch:
@@ -255,8 +258,17 @@ class AutoHookState:
         self.choice = best
         self._kept, self._kept_all = [], False
         if best != running:
+            if self.current.feedback is not None:
+                self._hand_back()
             self.pending = best
             self.switch_at = max(self.decided_at, self._dense_steps(best))
+
+    def _hand_back(self) -> None:
+        """Give the running method's error feedback back to the optimizer before a stateless
+        method runs (:func:`gradsift.hook.recipe.give_back`), the workers' means of it."""
+        assert self.current.feedback is not None
+        means = self.current.feedback.workers_mean(self.dense.layout.numels, self.dense.process_group)
+        recipe.give_back(self.dense.optimizer, self.dense.layout.numbers, *means)
 
     def _sgd_momentum(self) -> float:
         """The found SGD's momentum (0 for another optimizer or none), which the probe of a
@@ -294,6 +306,9 @@ class AutoHookState:
             name, **options, **hook_options, process_group=self.dense.process_group
         )
         state.attach(self.ddp_model, self.dense.optimizer)
+        if state.feedback is not None and state.feedback.momentum and state.adam is None:
+            buffers = recipe.momentum_buffers(self.dense.optimizer, self.dense.layout.numbers)
+            state.feedback.seed_velocity(buffers, self.dense.layout.numels)  # SGD's momentum so far
         state.find_optimizer = False  # the dense state's, adopted above
         state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
         state.ledger.step = step

@@ -38,6 +38,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor, in_use
 from gradsift.compressors.kernels import zero_at
@@ -106,6 +107,45 @@ class ErrorFeedback:
     def velocities(self) -> dict[Hashable, torch.Tensor]:
         """The DGC velocity per key (a snapshot dict; empty without momentum correction)."""
         return self.store.table(VELOCITY)
+
+    def seed_velocity(self, start: dict[int, torch.Tensor], numels: dict[int, int]) -> None:
+        """Start parameter ``i``'s velocity at ``start[i]`` (SGD's momentum buffer, when the
+        hook takes momentum over from an optimizer that already stepped): stored under the
+        parameter's own key, which the store cuts into the key of whichever part holds the
+        parameter at its first step (:meth:`~gradsift.core.store.TensorStore.follow`); the
+        step's commit then drops the per-parameter keys."""
+        for number, tensor in start.items():
+            self.store.follow(number, (number,), numels)
+            self.store.put(VELOCITY, number, tensor.reshape(-1).float().clone())
+
+    def workers_mean(
+        self, numels: dict[int, int], group: Any
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The velocity and the residual per parameter number, each the mean over the workers
+        of ``group`` (one allreduce of both: twice the model's ``numels``, a collective every
+        rank makes); parameters without one are left out."""
+        tables = [self.store.per_parameter(table) for table in (VELOCITY, RESIDUAL)]
+        order = sorted(numels)
+        like = next((t for table in tables for t in table.values()), None)
+        device = like.device if like is not None else torch.device("cpu")
+        flat = torch.cat(
+            [
+                table[n].reshape(-1).float() if n in table else torch.zeros(numels[n], device=device)
+                for table in tables
+                for n in order
+            ]
+        )
+        dist.all_reduce(flat, group=group)
+        chunks = flat.div_(dist.get_world_size(group)).split([numels[n] for n in order] * 2)
+        velocity, residual = (
+            {
+                n: chunk
+                for n, chunk in zip(order, chunks[k * len(order) : (k + 1) * len(order)], strict=True)
+                if n in table
+            }
+            for k, table in enumerate(tables)
+        )
+        return velocity, residual
 
     def compensate(self, key: Hashable, gradient: torch.Tensor) -> torch.Tensor:
         """Return the compensated gradient ``c`` (a new tensor, float32 or wider; ``gradient``

@@ -130,6 +130,54 @@ def take_over(
     return taken
 
 
+def momentum_buffers(optimizer: Any, numbers: dict[int, int]) -> dict[int, torch.Tensor]:
+    """SGD's momentum buffer per parameter number of the model, where it has one: the velocity
+    momentum correction starts from when it takes over a run that already stepped (the
+    hook's ``u <- m u + g`` then continues ``buf <- m buf + g``)."""
+    optimizer = unwrapped(optimizer)
+    return {
+        numbers[id(param)]: optimizer.state[param]["momentum_buffer"]
+        for _, group, _ in model_groups(optimizer, numbers)
+        for param in group["params"]
+        if id(param) in numbers and optimizer.state.get(param, {}).get("momentum_buffer") is not None
+    }
+
+
+def give_back(
+    optimizer: Any,
+    numbers: dict[int, int],
+    velocity: dict[int, torch.Tensor],
+    residual: dict[int, torch.Tensor],
+) -> None:
+    """The inverse of :func:`take_over` for SGD, when the exchange goes back to a dense one.
+
+    The groups get their ``momentum`` and ``weight_decay`` back; parameter ``i``'s momentum
+    buffer becomes ``velocity[i]``, and what was never sent is applied once,
+    ``x <- x - lr * residual[i]`` (both given as the mean over the workers). Why: with
+    momentum correction the optimizer applied ``lr * sent`` each step, and every velocity a
+    worker accumulated is either sent or still in its residual, so stock SGD momentum, which
+    applies ``lr * mean_w(u_w)`` through its buffer, is ``mean_w(r_w)`` ahead; from here on
+    ``buf <- m buf + g`` continues ``mean_w(u_w <- m u_w + g_w)``. Exact without momentum
+    factor masking and at a constant learning rate (tests/hook/test_auto_drift.py: a dense
+    exchange given back equals stock DDP); masking zeroes the sent elements' velocity, DGC's
+    approximation, which the buffer then keeps.
+    """
+    optimizer = unwrapped(optimizer)
+    with torch.no_grad():
+        for _, group, _ in model_groups(optimizer, numbers):
+            if MOMENTUM_KEY in group:
+                group["momentum"] = group.pop(MOMENTUM_KEY)
+            if WEIGHT_DECAY_KEY in group:
+                group["weight_decay"] = group.pop(WEIGHT_DECAY_KEY)
+            for param in group["params"]:
+                number = numbers.get(id(param))
+                if number in velocity and group["momentum"]:
+                    buffer = velocity[number].reshape(param.shape).to(param.dtype, copy=True)
+                    optimizer.state[param]["momentum_buffer"] = buffer
+                if number in residual:
+                    param.sub_(residual[number].reshape(param.shape).to(param.dtype), alpha=group["lr"])
+
+
 def add_weight_decay(
     flat: torch.Tensor, params: Sequence[torch.Tensor], numbers: Sequence[int], decay: dict[int, float]
 ) -> None:
