@@ -177,3 +177,46 @@ def test_a_steady_step_time_is_never_re_measured(one_process_group, monkeypatch)
     stats = state.stats()["auto"]
     assert stats["choice"] == "none" and stats["remeasures"] == 0 and stats["held"] is None
     assert stats["drift"]["window_ms"] == pytest.approx(1200.0) and stats["drift"]["strikes"] == 0
+
+
+def two_rank_drift_worker(rank: int, world: int) -> dict:
+    """Rank 0's host clock drifts (+67 %), rank 1's holds steady: the window's agreed (max)
+    median makes both re-measure, leave sidco-exp for stock DDP and hand SGD its momentum back
+    together, on different data."""
+    patch = pytest.MonkeyPatch()
+    fast = {"name": "sidco-exp"}
+    patch.setattr(
+        auto.probes,
+        "route_costs",
+        lambda candidates, *args: [1e-3 if name == fast["name"] else 1.0 for name, _ in candidates],
+    )
+    patch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    clock = itertools.count(step=2.0 if rank == 0 else 1.2)
+    state.clock = lambda: float(next(clock))
+    data = torch.Generator().manual_seed(30 + rank)
+    train(ddp, optimizer, auto.DECIDE_AT + 2, data)
+    fast["name"] = "none"
+    train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
+    patch.undo()
+    stats = state.stats()["auto"]
+    return {
+        "running": stats["running"],
+        "switched_at": state.switched_at,
+        "params": [p.detach().clone() for p in ddp.parameters()],
+        "buffers": [optimizer.state[p]["momentum_buffer"].clone() for p in ddp.parameters()],
+    }
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_drift_and_leave_error_feedback_together():
+    from support.distributed import run_workers
+
+    results = run_workers(__file__, "two_rank_drift_worker", 2, timeout=120)
+    assert [r["running"] for r in results] == ["none", "none"]
+    assert results[0]["switched_at"] == results[1]["switched_at"]
+    for key in ("params", "buffers"):  # replicas and momentum buffers equal after the hand-back
+        for a, b in zip(results[0][key], results[1][key], strict=True):
+            assert torch.equal(a, b)
