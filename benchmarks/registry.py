@@ -1205,6 +1205,77 @@ AUTO_MATRIX_CLAIMS = (
     Claim("autolinks.steps", AUTO_MATRIX, ("steps",)),
 )  # fmt: skip
 
+# -- auto's time to the target per link, composed from curves and step times (issue 42) -------------
+AUTO_TTA = Result("results/auto/time_to_target.json", "python benchmarks/auto/time_to_target.py")
+AUTO_TTA_WORKLOADS = {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}
+
+
+def _tta_seconds(mean: float | None, reached: int, seeds: list[int]) -> str:
+    """A mean time to the target over the seeds that reached it, ``(k/n seeds)`` where not all did."""
+    count = "" if reached == len(seeds) else f" ({reached}/{len(seeds)} seeds)"
+    return "not reached" if mean is None else f"{mean:.1f} s{count}"
+
+
+def _tta_ratio(summary: dict[str, Any]) -> str:
+    """A paired ratio's mean, with its 95 % t-interval where two seeds or more reached the target."""
+    if summary["mean"] is None:
+        return "not reached"
+    interval = "" if summary["low"] is None else f" [{summary['low']:.3f}, {summary['high']:.3f}]"
+    return f"{summary['mean']:.3f}x{interval}"
+
+
+def _tta_steps(*per_seed: list[int | None]) -> str:
+    """Steps to the target (mean over the seeds that reached it), joined by `` / ``."""
+    means = [[n for n in steps if n is not None] for steps in per_seed]
+    return " / ".join(f"{statistics.fmean(m):.0f}" if m else "not reached" for m in means)
+
+
+def _tta(link: str, workload: str, key: str, paths: tuple[str, ...], compute: Any, fmt: str = "{}") -> Claim:
+    row = f"rows/[link={link},workload={workload}]"
+    return Claim(f"autotta.{link}.{workload}.{key}", AUTO_TTA, tuple(f"{row}/{p}" for p in paths), fmt,
+                 compute=compute)  # fmt: skip
+
+
+def _tta_links(commit: str, composed_from: str, measured: str) -> str:
+    """The commit of the links.json the composition read -- or, once links.json is re-measured
+    and the composition not re-run, a line that says so in its place."""
+    return f"{commit:.7}" if composed_from == measured else "STALE: re-run benchmarks/auto/time_to_target.py"
+
+
+AUTO_TTA_TABLE = Table(
+    "auto-time-to-target",
+    ("link", "workload", "fastest fixed to the target", "steps to the target: fastest / fp32 / auto",
+     "fastest's time", "fp32's time", "auto chose", "auto's time", "auto's one-off: dense steps + probes",
+     "auto / fastest", "auto / fp32"),
+    ("---", "---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:"),
+    tuple(
+        (link, AUTO_TTA_WORKLOADS[workload],
+         _tta(link, workload, "fastest", ("best_fixed/names",), lambda names: ", ".join(f"`{n}`" for n in names)),
+         _tta(link, workload, "steps", ("best_fixed/steps_to_target", "fixed/none/steps_to_target",
+                                        "auto/steps_to_target"), _tta_steps),
+         *(_tta(link, workload, f"{part}_s", (f"{path}/mean_s", f"{path}/reached", "seeds"), _tta_seconds)
+           for part, path in (("fastest", "best_fixed"), ("fp32", "fixed/none"))),
+         _tta(link, workload, "choice", ("auto/choice",), None, "`{}`"),
+         _tta(link, workload, "auto_s", ("auto/mean_s", "auto/reached", "seeds"), _tta_seconds),
+         _tta(link, workload, "one_off", ("auto/one_off_s", "auto/probe_s"),
+              lambda one_off, probes: (statistics.fmean(v for v in one_off if v is not None), probes),
+              "{:.2f} s (probes {:.2f} s)"),
+         _tta(link, workload, "over_fastest", ("auto_over_best_fixed",), _tta_ratio),
+         _tta(link, workload, "over_fp32", ("auto_over_none",), _tta_ratio))
+        for link, workload in AUTO_MATRIX_ROWS
+    ),
+)  # fmt: skip
+AUTO_TTA_CLAIMS = (
+    Claim("autotta.links", AUTO_TTA, ("inputs/links/commit", "inputs/links/started", (AUTO_MATRIX, "provenance/started")),
+          compute=_tta_links),
+    Claim("autotta.vgg.same", AUTO_TTA, ("inputs/vgg_curves/link_independent",),
+          compute=lambda same: "the same, evaluation for evaluation" if same else "NOT the same"),
+    Claim("autotta.vgg.target", AUTO_TTA, ("targets/vgg/target",), "{:.2f}%", compute=lambda a: 100 * a),
+    Claim("autotta.gpt.target", AUTO_TTA, ("targets/gpt-adamw/target",), "{:.3f}"),
+    Claim("autotta.probe_calls", AUTO_TTA, ("rules/probe_calls_per_candidate",)),
+    Claim("autotta.decided_at", AUTO_TTA, ("rows/*/auto/decided_at",), compute=spanned(".0f")),
+)  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -1229,8 +1300,9 @@ TABLES = (
     MEMORY_TABLE,
     VERDICT_TABLE,
     AUTO_MATRIX_TABLE,
+    AUTO_TTA_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
