@@ -1273,6 +1273,9 @@ AUTO_TTA_CLAIMS = (
     Claim("autotta.vgg.target", AUTO_TTA, ("targets/vgg/target",), "{:.2f}%", compute=lambda a: 100 * a),
     Claim("autotta.gpt.target", AUTO_TTA, ("targets/gpt-adamw/target",), "{:.3f}"),
     Claim("autotta.probe_calls", AUTO_TTA, ("rules/probe_calls_per_candidate",)),
+    Claim("autotta.probe_format", AUTO_TTA, ("inputs/links/probe_format",),
+          compute=lambda formats: " or ".join({"route": "each candidate's whole route",
+                                               "message+codec": "message plus codec"}[f] for f in formats)),
     Claim("autotta.decided_at", AUTO_TTA, ("rows/*/auto/decided_at",), compute=spanned(".0f")),
 )  # fmt: skip
 
