@@ -3,20 +3,48 @@
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
+from gradsift.tools.cli import main as cli_main
 from support import ROOT
+
+
+def padding_module():
+    """benchmarks/vgc/padding.py as a module (its folder first on the path, as when it runs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "vgc"))
+    try:
+        import padding
+    finally:
+        sys.path.pop(0)
+    return padding
+
+
+def gradsift_here(command, check, timeout):
+    """``subprocess.run`` of one ``python -m gradsift ...`` command, run by gradsift's command
+    line in this process: the same arguments parsed the same way, the same exit status
+    checked; the launcher still starts the run's gloo workers as their own processes."""
+    assert command[:3] == [sys.executable, "-m", "gradsift"] and check and timeout > 0, command
+    returncode = cli_main(command[3:])
+    if returncode:
+        raise subprocess.CalledProcessError(returncode, command)
+    return subprocess.CompletedProcess(command, returncode)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed  # gradsift train starts two gloo workers
-def test_padding_benchmark_reads_each_runs_telemetry(tmp_path):
+def test_padding_benchmark_reads_each_runs_telemetry(tmp_path, monkeypatch):
+    """The benchmark's main on its command line, here, and each of its seven ``gradsift
+    train`` runs through gradsift's command line here too (:func:`gradsift_here`): the runs
+    train for real and the benchmark reads the telemetry they leave, without an interpreter
+    start and a torch import for the benchmark and for each run's launcher."""
     out = tmp_path / "padding.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "vgc" / "padding.py"), "--steps", "8", "--skip", "2",
-               "--seeds", "0", "--json", str(out)]  # fmt: skip
-    process = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert process.returncode == 0, process.stdout + process.stderr
+    padding = padding_module()
+    monkeypatch.setattr(padding, "subprocess", types.SimpleNamespace(run=gradsift_here))
+    monkeypatch.setattr(sys, "argv", ["padding.py", "--steps", "8", "--skip", "2", "--seeds", "0",
+                                      "--json", str(out)])  # fmt: skip
+    padding.main()
     report = json.loads(out.read_text())
     results = report["results"]
     assert set(results) == {"fp32", "bf16", "alone", "vgc-alpha4", "threshold-0.1", "vgc-alpha4-padding1.1",
@@ -47,11 +75,7 @@ def test_padding_benchmark_reads_each_runs_telemetry(tmp_path):
 
 
 def test_padding_is_the_ratio_of_the_sums_after_the_skipped_steps():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "vgc"))
-    try:
-        from padding import padding
-    finally:
-        sys.path.pop(0)
+    padding = padding_module().padding
     steps = [{"bytes_padded": 100, "bytes_sent": 1}, {"bytes_padded": 30, "bytes_sent": 20},
              {"bytes_padded": 10, "bytes_sent": 5}]  # fmt: skip
     assert padding(steps, 1) == 40 / 25
