@@ -193,9 +193,11 @@ def test_gpu_check_dry_run_runs_every_check_on_cpu(tmp_path):
     in agreement, the GradScaler run within 1e-4 of stock, the counter counting a read in a
     comm hook, the same bits twice, the same selection on both branches), a line per check
     in $OUT/check.jsonl, and the device command's shape (under 2,000 characters, $OUT as the
-    default folder, at most 4 files)."""
+    default folder, at most 4 files). One thread per process, as every process the suite
+    starts (a second thread's barrier, with the other core busy, made each toy-sized
+    operation wait milliseconds for it: 62 s against 43 s)."""
     script = ROOT / "benchmarks" / "gpu" / "check.sh"
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=600,
                           env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -265,7 +267,8 @@ def test_gpu_check_fails_when_a_check_fails(tmp_path):
         "check.BUDGET = check.BALANCED_BUDGET = 0; check.AMP_TARGET = -1.0; "
         f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--jsonl', '{tmp_path}/c.jsonl']))"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
