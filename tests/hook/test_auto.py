@@ -307,3 +307,25 @@ def test_without_an_optimizer_the_choice_is_made_at_the_next_steps_first_bucket(
     auto_stats = state.stats()["auto"]
     assert auto_stats["choice"] == "bf16" and auto_stats["decided_at"] == auto.DECIDE_AT + 1
     assert state.current.compressor.name == "bf16"  # switched at once: this step ran bf16
+
+
+@pytest.mark.parametrize(("step_seconds", "decided_at"), [(0.6, 5), (0.01, auto.DECIDE_AT + 1)])
+def test_slow_dense_steps_end_the_measuring_sooner(one_process_group, monkeypatch, step_seconds, decided_at):
+    """Dense steps of 0.6 s: after steps 2-3 (1.2 s >= MEASURE_SECONDS) step 4 is the deciding
+    one, decided after its optimizer step; steps of 10 ms measure up to DECIDE_AT."""
+    monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = gradsift.register_comm_hook(ddp)
+    state.clock = lambda: step_seconds * state.step  # a step's start at its number's time
+    train(ddp, optimizer, auto.DECIDE_AT + 2, torch.Generator().manual_seed(1))
+    stats = state.stats()["auto"]
+    assert stats["decided_at"] == decided_at
+    assert stats["measured_ms"]["step"] == pytest.approx(1e3 * step_seconds)
+
+
+def test_a_slow_probe_is_timed_as_often_as_fits_in_its_budget():
+    assert auto.probes.timed_calls(1e-3) == auto.probes.PROBES
+    assert auto.probes.timed_calls(0.3) == 2  # 0.3 untimed + 2 x 0.3 within 1 s
+    assert auto.probes.timed_calls(0.6) == 1  # at least one timed call
+    assert auto.probes.timed_calls(1.5) == 0  # the untimed call's time stands

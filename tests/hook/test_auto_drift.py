@@ -77,11 +77,11 @@ def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd,
     ddp = model()
     optimizer = optimizer_of(ddp.parameters())
     state = gradsift.register_comm_hook(ddp, **hook_options)
-    clock = itertools.count(step=2.0)
-    state.clock = lambda: float(next(clock))
     data = torch.Generator().manual_seed(1)
     train(ddp, optimizer, auto.DECIDE_AT + 2, data)
     assert state.stats()["auto"]["choice"] == first_fast
+    clock = itertools.count(step=2.0)
+    state.clock = lambda: float(next(clock))
     fast["name"] = then_fast
     train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
     return ddp, optimizer, state
@@ -171,9 +171,11 @@ def test_a_steady_step_time_is_never_re_measured(one_process_group, monkeypatch)
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = gradsift.register_comm_hook(ddp)
+    data = torch.Generator().manual_seed(1)
+    train(ddp, optimizer, auto.DECIDE_AT + 2, data)
     clock = itertools.count(step=1.2)
     state.clock = lambda: float(next(clock))
-    train(ddp, optimizer, auto.DECIDE_AT + 2 + 3 * drift.WINDOW, torch.Generator().manual_seed(1))
+    train(ddp, optimizer, 3 * drift.WINDOW, data)
     stats = state.stats()["auto"]
     assert stats["choice"] == "none" and stats["remeasures"] == 0 and stats["held"] is None
     assert stats["drift"]["window_ms"] == pytest.approx(1200.0) and stats["drift"]["strikes"] == 0
@@ -194,10 +196,10 @@ def two_rank_drift_worker(rank: int, world: int) -> dict:
     ddp = model()
     optimizer = sgd(ddp.parameters())
     state = gradsift.register_comm_hook(ddp)
-    clock = itertools.count(step=2.0 if rank == 0 else 1.2)
-    state.clock = lambda: float(next(clock))
     data = torch.Generator().manual_seed(30 + rank)
     train(ddp, optimizer, auto.DECIDE_AT + 2, data)
+    clock = itertools.count(step=2.0 if rank == 0 else 1.2)
+    state.clock = lambda: float(next(clock))
     fast["name"] = "none"
     train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
     patch.undo()

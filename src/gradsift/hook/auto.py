@@ -1,7 +1,8 @@
 """``compressor="auto"``: measure the run, then run what is fastest among the methods that keep quality.
 
 The hook starts as stock DDP (``none``: dense fp32 allreduce, the optimizer as built) and
-decides after step :data:`DECIDE_AT`, on every rank alike:
+decides after step :data:`DECIDE_AT` (sooner when the steps are slow: :data:`MEASURE_SECONDS`),
+on every rank alike:
 
 1. **Measure** -- the step time ``T`` of the dense steps (median of the intervals between
    the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`; on CUDA each of those steps
@@ -62,6 +63,11 @@ AUTO = "auto"
 #: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
 SKIP = 2
 DECIDE_AT = 10
+#: The dense steps end sooner on a slow step: the next step is the deciding one once
+#: :data:`MIN_INTERVALS` timed steps add up to :data:`MEASURE_SECONDS` on the slowest rank
+#: (agreed after each optimizer step; a link so slow that each dense step is costly).
+MIN_INTERVALS = 2
+MEASURE_SECONDS = 1.0
 #: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
 #: The hook options the probe states take (the others log or time the method's warm-up; the
@@ -177,7 +183,7 @@ class AutoHookState:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
                 self._starts.append(self.clock())
-            self._keeping = step >= DECIDE_AT
+            self._keeping, self._keep_next = step >= DECIDE_AT or self._keep_next, False
         elif self._keep_next:
             self._keeping, self._keep_next = True, False
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
@@ -202,7 +208,12 @@ class AutoHookState:
             measuring = self.choice == "measuring"
             self._decide(self._step_seconds() if measuring else self._watch().last or 0.0, measuring)
             return
-        if self.choice == "measuring" or self.pending is not None:
+        if self.choice == "measuring":
+            if not self._keeping and len(self._starts) >= MIN_INTERVALS:  # slow steps: measured enough?
+                (timed,) = self._agreed([self.clock() - self._starts[0]])
+                self._keep_next = timed >= MEASURE_SECONDS
+            return
+        if self.pending is not None:
             return
         median = self._watch().tick(self.clock())
         if median is None or not self._watch().due(self._agreed([median])[0]):
@@ -245,13 +256,16 @@ class AutoHookState:
             },
             self._sgd_momentum(),
         )
-        step_s, *routes = self._agreed([step_s, *probes.route_costs(candidates, self._kept, numel, setting)])
+        started = time.perf_counter()
+        costs = probes.route_costs(candidates, self._kept, numel, setting)
+        step_s, probing, *routes = self._agreed([step_s, time.perf_counter() - started, *costs])
         route = dict(zip(names, routes, strict=True))
         running = "none" if first else self.choice
         best, predicted = choose(step_s, route, running)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
         self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route[running], 0.0)}
         self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
+        self.measured_ms["probing"] = 1e3 * probing  # the probes' own wall time, once
         self.decided_at = self.current.step
         self.remeasures += not first
         self.watch = None  # the next window is expected at the new choice's predicted step

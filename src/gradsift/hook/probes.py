@@ -20,7 +20,11 @@ residuals with it); the model's parameters and the run's state are never touched
 
 Every probe runs once untimed, then :data:`PROBES` rounds time each probe in turn (each
 round starting one later), so load that comes and goes hits them alike; each timing starts
-from the kept gradients (copied in, untimed). The median of each is scaled linearly from
+from the kept gradients (copied in, untimed). A slow probe is timed fewer times: as many
+calls as fit in :data:`PROBE_SECONDS` with its untimed one (at least one), none when that
+one alone took longer (its time stands), so that on a slow link the probes cost a few dense
+steps, not a dozen; the ranks agree on the untimed calls' times first (one ``max``), so
+every rank makes the same calls. The median of each is scaled linearly from
 the kept buckets' elements to the model's. Probes run outside backward (after the
 optimizer's step); every rank runs the same probes, collectives included.
 """
@@ -38,8 +42,10 @@ from gradsift.hook.layout import FlatBucket
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
-#: Timed calls per probe, after one untimed (the median is kept).
+#: Timed calls per probe, after one untimed (the median is kept), at most ...
 PROBES = 5
+#: ... and as many as fit in this many seconds with the untimed one (:func:`timed_calls`).
+PROBE_SECONDS = 1.0
 #: Elements of the deciding step's buckets kept for the probes at most (the first buckets
 #: of the step up to this many; a larger model's times are scaled linearly).
 PROBE_ELEMENTS = 1 << 24
@@ -83,17 +89,31 @@ def route_costs(
 
     runs = [_route(name, options, work, kept, setting) for name, options in candidates]
     device = kept[0].flat.device
+    first = []
     for run in runs:
         reset()
-        run()
+        first.append(_seconds(run, device))
+    agreed = torch.tensor(first, dtype=torch.float64, device=device)  # every rank makes the same calls
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=setting.group)
+    counts = [timed_calls(seconds) for seconds in agreed.tolist()]
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(PROBES):
         for offset in range(len(runs)):
             index = (round_ + offset) % len(runs)
-            reset()
-            times[index].append(_seconds(runs[index], device))
+            if round_ < counts[index]:
+                reset()
+                times[index].append(_seconds(runs[index], device))
     scale = numel / sum(bucket.flat.numel() for bucket in kept)
-    return [statistics.median(seconds) * scale for seconds in times]
+    return [statistics.median(seconds or [once]) * scale for seconds, once in zip(times, first, strict=True)]
+
+
+def timed_calls(first: float) -> int:
+    """Timed calls of a probe whose untimed call took ``first`` seconds (the ranks' largest):
+    :data:`PROBES`, or as many as fit in :data:`PROBE_SECONDS` with the untimed one (at least
+    one), or none when the untimed call alone took that long (its time then stands)."""
+    if first >= PROBE_SECONDS:
+        return 0
+    return max(1, min(PROBES, int((PROBE_SECONDS - first) / max(first, 1e-9))))
 
 
 def _route(
