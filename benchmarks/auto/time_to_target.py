@@ -131,7 +131,11 @@ def probe_ms(measured: dict[str, float]) -> tuple[str, dict[str, float]]:
     return "message+codec", {n: ms + measured.get(f"codec {n}", 0.0) for n, ms in messages.items()}
 
 
-def probe_seconds(per_candidate_ms: dict[str, float]) -> float:
+def probe_seconds(measured: dict[str, float], per_candidate_ms: dict[str, float]) -> float:
+    """The probes' one-off cost: the wall time auto measured (``"probing"``, newer runs), or
+    the estimate :data:`PROBE_CALLS` calls of each candidate's measured time."""
+    if "probing" in measured:
+        return measured["probing"] / 1e3
     return PROBE_CALLS * sum(per_candidate_ms.values()) / 1e3
 
 
@@ -190,7 +194,9 @@ def compose(
     if choice not in curves:
         raise ValueError(f"{link} {workload}: auto chose {choice!r}, which has no curve")
     probe_format, per_candidate = probe_ms(decision["measured_ms"])
-    probe_s = probe_seconds(per_candidate)
+    probe_s = probe_seconds(decision["measured_ms"], per_candidate)
+    if "probing" in decision["measured_ms"]:
+        probe_format += ", probes' wall time measured"
     auto_steps = [step_to_target(workload, curves[choice][s], goal) for s in seeds]
     auto_times = [auto_time(n, decided_at, step_s["none"], probe_s, step_s[choice]) for n in auto_steps]
 

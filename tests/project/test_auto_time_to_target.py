@@ -116,3 +116,11 @@ def test_vgg_curves_are_checked_across_links_and_gzipped_evals_read(tmp_path: Pa
     assert curves["none"] == {0: [(25, 0.5), (50, 0.8)]}
     assert check["same_per_arm"] == {"none": True, "bf16": False}
     assert check["link_independent"] is False
+
+
+def test_the_probes_measured_wall_time_replaces_the_estimate():
+    # new runs record the probes' wall time: 500 ms is 0.5 s, whatever the routes' times;
+    # older runs: 6 calls x (10 + 30) ms = 0.24 s
+    routes = {"route none": 10.0, "route bf16": 30.0}
+    assert tta.probe_seconds({**routes, "probing": 500.0}, {"none": 10.0, "bf16": 30.0}) == pytest.approx(0.5)
+    assert tta.probe_seconds(routes, {"none": 10.0, "bf16": 30.0}) == pytest.approx(0.24)
