@@ -141,3 +141,13 @@ def test_the_summary_of_one_worker_alone_says_nothing_was_sent():
 def test_the_summary_without_evaluation_keeps_its_headline():
     quiet = format_summary({**_summary(sent=10_000, padded=10_000), "final_test_accuracy": None}, "runs/x")
     assert quiet.splitlines()[0] == "vgc on 2 workers (mlp, 10 steps): no evaluation"
+
+
+def test_the_summary_names_autos_choice_and_its_re_measures():
+    auto = {"choice": "bf16", "predicted_ms": {"none": 300.0, "bf16": 200.0}, "remeasures": 0}
+    summary = {**_summary(sent=10_000, padded=10_000), "recipe": {"auto": auto}}
+    assert format_summary(summary, "runs/x").startswith(
+        "auto -> bf16 (predicted ms per step: none 300.0, bf16 200.0) on 2 workers"
+    )
+    summary["recipe"]["auto"] = {**auto, "remeasures": 2}
+    assert "bf16 200.0, measured again 2 times) on" in format_summary(summary, "runs/x")

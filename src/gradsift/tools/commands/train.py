@@ -329,7 +329,9 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
     method = "DeMo" if demo else summary["compressor"]
     if auto is not None:  # what auto chose, and the predicted step times it chose from
         predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
-        method = f"auto -> {auto['choice']} (predicted ms per step: {predicted})"
+        again = auto.get("remeasures", 0)
+        remeasured = f", measured again {again} time{'' if again == 1 else 's'}" if again else ""
+        method = f"auto -> {auto['choice']} (predicted ms per step: {predicted}{remeasured})"
     lines = [
         f"{method} on {workers} worker{'' if workers == 1 else 's'} "
         f"({summary['model']}, {summary['steps']} steps): "
