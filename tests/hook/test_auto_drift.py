@@ -63,10 +63,12 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
 
 
-def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd, **hook_options):
+def drifting_run(
+    monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd, step_s=2.0, seed=1, **hook_options
+):
     """A run whose first decision sees ``first_fast``'s route at 1 ms and every other 1 s (a
-    dense step of 1.2 s), whose steps then take 2 s each on the host clock (+67 %: drifted),
-    and whose re-measure sees ``then_fast``'s route at 1 ms."""
+    dense step of 1.2 s), whose steps then take ``step_s`` each on the host clock (2 s: +67 %,
+    drifted), and whose re-measure sees ``then_fast``'s route at 1 ms; data from ``seed``."""
     fast = {"name": first_fast}
     monkeypatch.setattr(
         auto.probes,
@@ -77,10 +79,10 @@ def drifting_run(monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd,
     ddp = model()
     optimizer = optimizer_of(ddp.parameters())
     state = gradsift.register_comm_hook(ddp, **hook_options)
-    data = torch.Generator().manual_seed(1)
+    data = torch.Generator().manual_seed(seed)
     train(ddp, optimizer, auto.DECIDE_AT + 2, data)
     assert state.stats()["auto"]["choice"] == first_fast
-    clock = itertools.count(step=2.0)
+    clock = itertools.count(step=step_s)
     state.clock = lambda: float(next(clock))
     fast["name"] = then_fast
     train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
@@ -186,22 +188,9 @@ def two_rank_drift_worker(rank: int, world: int) -> dict:
     median makes both re-measure, leave sidco-exp for stock DDP and hand SGD its momentum back
     together, on different data."""
     patch = pytest.MonkeyPatch()
-    fast = {"name": "sidco-exp"}
-    patch.setattr(
-        auto.probes,
-        "route_costs",
-        lambda candidates, *args: [1e-3 if name == fast["name"] else 1.0 for name, _ in candidates],
+    ddp, optimizer, state = drifting_run(
+        patch, "sidco-exp", "none", step_s=2.0 if rank == 0 else 1.2, seed=30 + rank
     )
-    patch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
-    ddp = model()
-    optimizer = sgd(ddp.parameters())
-    state = gradsift.register_comm_hook(ddp)
-    data = torch.Generator().manual_seed(30 + rank)
-    train(ddp, optimizer, auto.DECIDE_AT + 2, data)
-    clock = itertools.count(step=2.0 if rank == 0 else 1.2)
-    state.clock = lambda: float(next(clock))
-    fast["name"] = "none"
-    train(ddp, optimizer, STEPS - auto.DECIDE_AT - 2, data)
     patch.undo()
     stats = state.stats()["auto"]
     return {
