@@ -2,6 +2,7 @@
 package fixtures, the rule that a test that starts a process is marked ``slow``, and the
 real dataset's presence said at the start and the end of a run."""
 
+import gc
 import multiprocessing.util
 import os
 import sys
@@ -22,6 +23,15 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # One torch thread per xdist worker (two workers share the 2 cores ./dev test is sized for;
 # two threads each would spin against each other), at most two in one process.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
+# The processes tests start get one OpenMP thread too, unless the test sets it (with the
+# other core busy, a second thread makes every small operation wait on it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection built (modules, parameters: about 200,000 objects) out of the
+    garbage collector's and the hook's discovery scans, which would walk it again each time."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
