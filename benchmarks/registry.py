@@ -490,7 +490,7 @@ HOOK_CLAIMS = (
             "{:.2f} ms ({:.1f} % of stock DDP's step)", compute=lambda ms, step: (ms, 100 * ms / step))
       for config, op in (("none", "aten::mul_"), ("torch-allreduce-hook", "aten::div_"))),
     *(Claim(f"hook.{c}.ratio.plain", HOOK, (f"results/{c}/ratio_to_stock",), "{:.3f}x" if c in HOOK_TARGETS else "{:.2f}x")
-      for c in ("none", "sidco-exp@0.01", "topk@0.01")),
+      for c in ("none", "sidco-exp@0.01", "topk@0.01", "auto")),
 )  # fmt: skip
 
 # -- the smaller model: quantizers beside SIDCo and VGC (MLP, 300 steps, 100 Mbit/s) -----------
@@ -1275,6 +1275,8 @@ AUTO_TTA_CLAIMS = (
     Claim("autotta.probe_calls", AUTO_TTA, ("rules/probe_calls_per_candidate",)),
     Claim("autotta.probe_format", AUTO_TTA, ("inputs/links/probe_format",),
           compute=lambda formats: " or ".join({"route": "each candidate's whole route",
+                                               "route, probes' wall time measured":
+                                                   "each candidate's whole route, the probes' wall time measured",
                                                "message+codec": "message plus codec"}[f] for f in formats)),
     Claim("autotta.decided_at", AUTO_TTA, ("rows/*/auto/decided_at",), compute=spanned(".0f")),
 )  # fmt: skip
