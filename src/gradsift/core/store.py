@@ -184,8 +184,9 @@ class TensorStore:
         if tensor is None:
             return []
         if layout is None:
-            whole = isinstance(key, int) and tensor.numel() == self.numels.get(key, tensor.numel())
-            return [(key, tensor)] if whole else []
+            if isinstance(key, int) and tensor.numel() == self.numels.get(key, tensor.numel()):
+                return [(key, tensor)]
+            return []
         sizes = [self.numels[i] for i in layout]
         if tensor.numel() != sum(sizes):
             return []
