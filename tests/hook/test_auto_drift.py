@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from gradsift.hook import auto, drift
+from gradsift.hook import auto, choice, drift
 
 pytestmark = pytest.mark.distributed
 
@@ -125,7 +125,7 @@ def test_leaving_error_feedback_gives_the_optimizer_its_momentum_back(one_proces
     for stock DDP, the optimizer gets its momentum, weight decay and a buffer equal to the
     workers' velocity back, and the run goes on as stock DDP throughout (to rounding)."""
     monkeypatch.setitem(
-        auto.CANDIDATES, "sgd", (("none", {}), ("topk", {"ratio": 1.0, "momentum_masking": False}))
+        choice.CANDIDATES, "sgd", (("none", {}), ("topk", {"ratio": 1.0, "momentum_masking": False}))
     )
     ddp, optimizer, state = drifting_run(monkeypatch, "topk", "none")
     stats = state.stats()["auto"]
@@ -157,7 +157,7 @@ def test_the_one_bit_adam_method_runs_on_when_the_step_drifts(one_process_group,
         "efsignsgd",
         "none",
         lambda params: torch.optim.AdamW(params, lr=1e-3),
-        steps=auto.LONG_RUN_STEPS,
+        steps=choice.LONG_RUN_STEPS,
         warmup_steps=auto.DECIDE_AT + 1,
     )
     stats = state.stats()["auto"]

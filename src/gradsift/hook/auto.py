@@ -52,9 +52,7 @@ from gradsift.core.collectives import ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
-from gradsift.hook import probes, recipe
-from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS
-from gradsift.hook.choice import CANDIDATES, LONG_RUN_STEPS, ONE_BIT_ADAM, choose, family
+from gradsift.hook import choice, probes, recipe
 from gradsift.hook.drift import DriftWatch
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -254,14 +252,14 @@ class AutoHookState:
                 **{k: v for k, v in self.hook_options.items() if k in PROBED},
                 "scaler": self.dense.options.scaler,
             },
-            self._sgd_momentum(),
+            choice.sgd_momentum(self.dense.optimizer),
         )
         started = time.perf_counter()
         costs = probes.route_costs(candidates, self._kept, numel, setting)
         step_s, probing, *routes = self._agreed([step_s, time.perf_counter() - started, *costs])
         route = dict(zip(names, routes, strict=True))
         running = "none" if first else self.choice
-        best, predicted = choose(step_s, route, running)
+        best, predicted = choice.choose(step_s, route, running)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
         self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route[running], 0.0)}
         self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
@@ -275,7 +273,9 @@ class AutoHookState:
             if self.current.feedback is not None:
                 self._hand_back()
             self.pending = best
-            self.switch_at = max(self.decided_at, self._dense_steps(best))
+            self.switch_at = max(
+                self.decided_at, choice.dense_steps(self.dense.optimizer, best, self.hook_options)
+            )
 
     def _hand_back(self) -> None:
         """Give the running method's error feedback back to the optimizer before a stateless
@@ -284,29 +284,15 @@ class AutoHookState:
         means = self.current.feedback.workers_mean(self.dense.layout.numels, self.dense.process_group)
         recipe.give_back(self.dense.optimizer, self.dense.layout.numbers, *means)
 
-    def _sgd_momentum(self) -> float:
-        """The found SGD's momentum (0 for another optimizer or none), which the probe of a
-        momentum-corrected candidate runs at."""
-        if family(self.dense.optimizer) != "sgd":
-            return 0.0
-        return float(recipe.unwrapped(self.dense.optimizer).param_groups[0].get("momentum", 0.0))
-
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The candidates for the optimizer found (module docstring), with their options."""
-        kind = family(self.dense.optimizer)
-        long_run = self.run_steps is not None and self.run_steps >= LONG_RUN_STEPS
-        return CANDIDATES[kind] + ((ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
+        kind = choice.family(self.dense.optimizer)
+        long_run = self.run_steps is not None and self.run_steps >= choice.LONG_RUN_STEPS
+        return choice.CANDIDATES[kind] + ((choice.ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
 
     def _step_seconds(self) -> float:
         """The median interval between the timed steps' first buckets."""
         return statistics.median(b - a for a, b in zip(self._starts, self._starts[1:], strict=False))
-
-    def _dense_steps(self, name: str) -> int:
-        """Steps the method needs dense before it starts: Adam's warm-up for the 1-bit method."""
-        if family(self.dense.optimizer) != "adam" or name != "efsignsgd":
-            return 0
-        given = self.hook_options.get("warmup_steps")
-        return ONE_LINE_WARMUP_STEPS if given is None else int(given)
 
     def _switch(self, name: str, step: int) -> None:
         """Run ``name`` from ``step`` on, as ``register_comm_hook(ddp, name, optimizer=...)``

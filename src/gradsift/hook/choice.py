@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradsift.hook import recipe
-from gradsift.hook.adam import is_adam
+from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
 
 #: A compressed candidate must be predicted this much faster than the dense step.
 MARGIN = 0.9
@@ -37,6 +37,23 @@ def family(optimizer: Any) -> str:
     if is_adam(inner):
         return "adam"
     return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+
+
+def sgd_momentum(optimizer: Any) -> float:
+    """The found SGD's momentum (0 for another optimizer or none), which the probe of a
+    momentum-corrected candidate runs at."""
+    if family(optimizer) != "sgd":
+        return 0.0
+    return float(recipe.unwrapped(optimizer).param_groups[0].get("momentum", 0.0))
+
+
+def dense_steps(optimizer: Any, name: str, hook_options: dict[str, Any]) -> int:
+    """Steps candidate ``name`` needs dense before it starts: Adam's warm-up for the 1-bit
+    method (``warmup_steps`` of ``hook_options``, unset: :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`)."""
+    if family(optimizer) != "adam" or name != "efsignsgd":
+        return 0
+    given = hook_options.get("warmup_steps")
+    return ONE_LINE_WARMUP_STEPS if given is None else int(given)
 
 
 def choose(step: float, route: dict[str, float], running: str = "none") -> tuple[str, dict[str, float]]:

@@ -8,7 +8,7 @@ every rank sees the same numbers. A window *drifts* when its median ``m`` is off
 expected step ``e`` (the running method's predicted step, then the last re-measure's window)
 by more than :data:`DRIFT`: ``|m / e - 1| > DRIFT``. Hysteresis: a re-measure is due after
 :data:`PERSIST` drifting windows in a row (a window back in the band resets the count), and
-the re-measure itself switches only to a method predicted :data:`~gradsift.hook.auto.MARGIN`
+the re-measure itself switches only to a method predicted :data:`~gradsift.hook.choice.MARGIN`
 faster than the running one, so noise of a window or two, and near ties, change nothing.
 
 On CUDA the host clock between optimizer steps is not synchronised with the device: the
