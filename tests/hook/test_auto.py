@@ -329,3 +329,39 @@ def test_a_slow_probe_is_timed_as_often_as_fits_in_its_budget():
     assert auto.probes.timed_calls(0.3) == 2  # 0.3 untimed + 2 x 0.3 within 1 s
     assert auto.probes.timed_calls(0.6) == 1  # at least one timed call
     assert auto.probes.timed_calls(1.5) == 0  # the untimed call's time stands
+
+
+def test_the_kept_share_follows_the_step_time():
+    assert auto.probes.kept_elements(1000, 4.0) == 250  # a quarter: about PROBE_SECONDS of a 4 s step
+    assert auto.probes.kept_elements(1000, 0.5) == 1000
+    assert auto.probes.kept_elements(2**30, 0.1) == auto.probes.PROBE_ELEMENTS
+
+
+@pytest.mark.parametrize(("step_seconds", "share"), [(4.0, 0.25), (0.01, 1.0)])
+def test_a_slow_step_keeps_a_share_of_the_buckets_for_the_probes(
+    one_process_group, monkeypatch, step_seconds, share
+):
+    """Dense steps of 4 s: the probes get about PROBE_SECONDS / 4 s of the model (a quarter;
+    its first bucket whatever its size), so the dense probe costs about a second, not a step;
+    steps of 10 ms keep every bucket."""
+    kept = []
+
+    def route_costs(candidates, buckets, numel, setting):
+        kept.append((sum(b.flat.numel() for b in buckets), buckets[0].flat.numel(), numel))
+        return [1e-6] * len(candidates)
+
+    monkeypatch.setattr(auto.probes, "route_costs", route_costs)
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4))), bucket_cap_mb=0.25)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    state = gradsift.register_comm_hook(ddp)
+    state.clock = lambda: step_seconds * state.step
+    for _ in range(auto.DECIDE_AT + 2):
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 256)).square().mean().backward()
+        optimizer.step()
+    ((elements, first, numel),) = kept
+    if share < 1:
+        assert first < numel and elements <= max(first, int(share * numel)) < numel
+    else:
+        assert elements == numel

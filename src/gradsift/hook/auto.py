@@ -115,9 +115,10 @@ class AutoHookState:
         self.predicted_ms: dict[str, float] = {}
         self.measured_ms: dict[str, float] = {}
         self._starts: list[float] = []
-        #: The deciding step's buckets, copied before their exchange (up to
-        #: :data:`~gradsift.hook.probes.PROBE_ELEMENTS` elements), and whether they are complete.
+        #: The deciding step's buckets, copied before their exchange (up to ``_kept_limit``
+        #: elements, :func:`~gradsift.hook.probes.kept_elements`), and whether they are complete.
         self._kept: list[probes.KeptBucket] = []
+        self._kept_limit = probes.PROBE_ELEMENTS
         self._keeping = False
         self._kept_all = False
         self._keep_next = False  # a re-measure keeps the next step's buckets
@@ -188,11 +189,11 @@ class AutoHookState:
             self._switch(self.pending, step)
 
     def _keep(self, bucket: dist.GradBucket) -> None:
-        """Copy the deciding step's ``bucket`` for the probes, while the copies stay within
-        :data:`~gradsift.hook.probes.PROBE_ELEMENTS` (the first bucket always)."""
+        """Copy the deciding step's ``bucket`` for the probes, while the copies stay within the
+        agreed limit (the first bucket always)."""
         buffer = bucket.buffer()
         kept = sum(k.flat.numel() for k in self._kept)
-        if not self._kept or kept + buffer.numel() <= probes.PROBE_ELEMENTS:
+        if not self._kept or kept + buffer.numel() <= self._kept_limit:
             self._kept.append(probes.KeptBucket(buffer.detach().clone(), list(bucket.parameters())))
         if bucket.is_last():
             self._keeping, self._kept_all = False, True
@@ -210,6 +211,7 @@ class AutoHookState:
             if not self._keeping and len(self._starts) >= MIN_INTERVALS:  # slow steps: measured enough?
                 (timed,) = self._agreed([self.clock() - self._starts[0]])
                 self._keep_next = timed >= MEASURE_SECONDS
+                self._kept_limit = probes.kept_elements(self._numel(), timed / len(self._starts))
             return
         if self.pending is not None:
             return
@@ -218,6 +220,7 @@ class AutoHookState:
             return
         if self.current.adam is None:
             self._keep_next = True
+            self._kept_limit = probes.kept_elements(self._numel(), self._watch().last or 0.0)
         else:
             self.held = (
                 f"step {self.current.step}: the step time drifted, but {self.choice} keeps Adam's first "
@@ -242,7 +245,7 @@ class AutoHookState:
         a re-measure's from the running method's drifted step time: the kept buckets probed,
         the numbers agreed, the choice made (a switch from the next step or after Adam's
         warm-up)."""
-        numel = sum(p.numel() for p in self.dense.hooked if p.requires_grad)
+        numel = self._numel()
         candidates = self.candidates()
         names = [name for name, _ in candidates]
         setting = probes.Setting(
@@ -276,6 +279,9 @@ class AutoHookState:
             self.switch_at = max(
                 self.decided_at, choice.dense_steps(self.dense.optimizer, best, self.hook_options)
             )
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self.dense.hooked if p.requires_grad)
 
     def _hand_back(self) -> None:
         """Give the running method's error feedback back to the optimizer before a stateless

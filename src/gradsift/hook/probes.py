@@ -51,6 +51,17 @@ PROBE_SECONDS = 1.0
 PROBE_ELEMENTS = 1 << 24
 
 
+def kept_elements(numel: int, step_s: float) -> int:
+    """How many elements of a step's buckets to keep for the probes, for a model of ``numel``
+    and a step of ``step_s`` seconds (the ranks' agreed): at most :data:`PROBE_ELEMENTS`, and
+    on a step longer than :data:`PROBE_SECONDS` the share ``PROBE_SECONDS / step_s`` of the
+    model, so that the dense probe -- a step's time at most, for the whole model -- takes
+    about :data:`PROBE_SECONDS` (times scale linearly to the model; the step's first bucket is
+    kept whatever its size)."""
+    share = min(1.0, PROBE_SECONDS / step_s) if step_s > 0 else 1.0
+    return min(PROBE_ELEMENTS, max(1, int(numel * share)))
+
+
 @dataclass
 class KeptBucket:
     """A bucket of the deciding step, copied before its exchange: its flat gradient and
