@@ -53,6 +53,19 @@ def train(ddp: DDP, optimizer, steps: int, generator: torch.Generator) -> list[f
     return losses
 
 
+def auto_beside_stock(steps: int):
+    """The one line and stock DDP, each with SGD momentum, trained ``steps`` on the same data."""
+    runs = []
+    for hooked in (True, False):
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        state = gradsift.register_comm_hook(ddp) if hooked else None
+        train(ddp, optimizer, steps, torch.Generator().manual_seed(1))
+        runs.append((ddp, optimizer, state))
+    (ddp, optimizer, state), (stock, _, _) = runs
+    return ddp, optimizer, state, stock
+
+
 def slow_link(monkeypatch, compressed: str) -> None:
     """A dense step of 1.2 s, 1 s of it stock DDP's allreduce; every candidate's route costs
     1 s except ``compressed``'s, 1 ms."""
@@ -67,13 +80,7 @@ def slow_link(monkeypatch, compressed: str) -> None:
 def test_a_fast_link_keeps_stock_ddp(one_process_group, monkeypatch):
     """Every probe 1 us (a fast link without its machine-dependent noise), the step timed for real."""
     monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
-    ddp = model()
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = gradsift.register_comm_hook(ddp)
-    train(ddp, optimizer, auto.DECIDE_AT + 4, torch.Generator().manual_seed(1))
-    stock = model()
-    stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
-    train(stock, stock_optimizer, auto.DECIDE_AT + 4, torch.Generator().manual_seed(1))
+    ddp, _, state, stock = auto_beside_stock(auto.DECIDE_AT + 4)
     stats = state.stats()["auto"]
     assert stats["choice"] == "none" and stats["decided_at"] == auto.DECIDE_AT + 1  # after its optimizer step
     assert set(stats["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
@@ -276,13 +283,7 @@ def test_the_real_probes_leave_the_model_and_the_optimizer_as_stock_ddp_has_them
     route costs more), auto keeps stock DDP: the parameters equal stock DDP's bit for bit after
     the decision, and SGD's momentum is the optimizer's own (the probe of the momentum-corrected
     candidate took nothing over)."""
-    ddp = model()
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = gradsift.register_comm_hook(ddp)
-    train(ddp, optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
-    stock = model()
-    stock_optimizer = torch.optim.SGD(stock.parameters(), lr=0.05, momentum=0.9)
-    train(stock, stock_optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
+    ddp, optimizer, state, stock = auto_beside_stock(auto.DECIDE_AT + 3)
     measured = state.stats()["auto"]["measured_ms"]
     assert state.stats()["auto"]["choice"] == "none"
     assert {"route none", "route bf16", "route sidco-exp"} <= set(measured)

@@ -237,6 +237,15 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def agreed_max(values: Sequence[float], group: Any, what: str) -> list[float]:
+    """Every rank's ``values``, reduced element-wise by ``max`` over the group: one blocking
+    allreduce on the group's device (:func:`collective_device`), a peer's failure raised as
+    :class:`PeerFailureError`; the numbers every rank then decides from alike."""
+    agreed = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    blocking(what, group, lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    return agreed.tolist()
+
+
 def broadcast_from_first(tensors: Sequence[torch.Tensor], group: Any, what: str = "start broadcast") -> None:
     """Set every tensor of ``tensors``, in place, to the group's first rank's (one broadcast
     each, in order): what a frontend that does not wrap the model in DDP does to start its

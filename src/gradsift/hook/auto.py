@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.core.collectives import ring_allreduce_received
+from gradsift.core.collectives import agreed_max, ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
@@ -235,10 +235,7 @@ class AutoHookState:
 
     def _agreed(self, values: list[float]) -> list[float]:
         """Every rank's ``values``, reduced by ``max`` over the group (one collective)."""
-        device = self.dense.hooked[0].device if self.dense.hooked else torch.device("cpu")
-        agreed = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL: on the GPU
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.dense.process_group)
-        return agreed.tolist()
+        return agreed_max(values, self.dense.process_group, "auto's agreement")
 
     def _decide(self, step_s: float, first: bool = True) -> None:
         """Steps 1-4 of the module docstring from the dense step time ``step_s`` (``first``), or

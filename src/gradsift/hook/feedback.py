@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor, in_use
 from gradsift.compressors.kernels import zero_at
+from gradsift.core.collectives import blocking, collective_device
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
@@ -126,16 +127,17 @@ class ErrorFeedback:
         rank makes); parameters without one are left out."""
         tables = [self.store.per_parameter(table) for table in (VELOCITY, RESIDUAL)]
         order = sorted(numels)
-        like = next((t for table in tables for t in table.values()), None)
-        device = like.device if like is not None else torch.device("cpu")
+        device = collective_device(group)
         flat = torch.cat(
             [
-                table[n].reshape(-1).float() if n in table else torch.zeros(numels[n], device=device)
+                table[n].reshape(-1).to(device, torch.float32)
+                if n in table
+                else torch.zeros(numels[n], device=device)
                 for table in tables
                 for n in order
             ]
         )
-        dist.all_reduce(flat, group=group)
+        blocking("hand-back allreduce", group, lambda: dist.all_reduce(flat, group=group, async_op=True))
         chunks = flat.div_(dist.get_world_size(group)).split([numels[n] for n in order] * 2)
         velocity, residual = (
             {

@@ -9,8 +9,7 @@ close on the device and its settle on the host -- and, for ``none``, stock DDP's
 ``allreduce(g / W)`` of each bucket, as auto's dense steps run it. So the time includes what
 a codec probe on one bucket misses: the route's Python per bucket and part, error feedback,
 the payloads' padding to the largest rank's, and the contention of every rank running it on
-shared cores (measured: a codec probe predicted ``sidco-exp`` 18 % faster than stock DDP on 4
-VGG ranks at 1 Gbit/s, where it ran 32 % slower; docs/decisions.md).
+shared cores (docs/decisions.md has the case a codec probe got wrong).
 
 A probe state is built as the method would be registered (its compressor options, the hook
 options auto passes on), without the optimizer: it takes no optimizer over and never steps
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsift.core.collectives import agreed_max
 from gradsift.hook.layout import FlatBucket
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -104,9 +104,8 @@ def route_costs(
     for run in runs:
         reset()
         first.append(_seconds(run, device))
-    agreed = torch.tensor(first, dtype=torch.float64, device=device)  # every rank makes the same calls
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=setting.group)
-    counts = [timed_calls(seconds) for seconds in agreed.tolist()]
+    agreed = agreed_max(first, setting.group, "probe agreement")  # every rank makes the same calls
+    counts = [timed_calls(seconds) for seconds in agreed]
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(PROBES):
         for offset in range(len(runs)):
