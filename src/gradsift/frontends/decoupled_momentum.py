@@ -45,6 +45,12 @@ worker that dies makes the others raise :class:`PeerFailureError` within the pro
 group's timeout. Every parameter with ``requires_grad`` takes part in every step (a missing
 ``.grad`` counts as zero), so the messages of all workers have one layout.
 
+DeMo is an optimizer, not a gradient hook, so it does not take the hook's bucket route; it
+shares the route's one implementation of each idea they have in common: the non-finite check
+(:func:`gradsift.core.finite.nonfinite`), the telemetry record (:mod:`gradsift.core.telemetry`),
+the settings agreement, the collectives and the value dtype's parsing (docs/architecture.md
+says what differs and why).
+
 Against the reference code (bloc97/DeMo) this follows the paper's and the spec's formulas:
 the momentum accumulates ``g_k``, not ``lr g_k``; the mean is over all workers, not over
 those that sent a coefficient; the remainder of a dimension is padded instead of the chunk
@@ -69,6 +75,7 @@ from gradsift.core.errors import (
     NonFiniteGradientError,
     WireFormatError,
 )
+from gradsift.core.finite import nonfinite
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.core.wire import parse_value_dtype
@@ -254,7 +261,7 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        record = BucketRecord()
+        record = BucketRecord(dense_bytes=self.dense_bytes, elements=self.numel)
         device = self.params[0].device
         KEPT_WORKS.next_step()  # the last step's all-gather is done: release its work and buffers
         with record.timed("compress_ms", device):
@@ -269,9 +276,8 @@ class DeMo(torch.optim.Optimizer):
                 self.state[param]["delta"] = delta
         record.add_bytes(sent=self.message_bytes, padded=self.message_bytes,
                          received=(self.world - 1) * self.message_bytes)  # fmt: skip
-        for name, value in (("dense_bytes", self.dense_bytes), ("elements_sent", self.entries),
-                            ("elements", self.numel), ("compressed_tensors", len(self.params))):  # fmt: skip
-            record.add(name, value)
+        for tiling in self.tilings.values():
+            record.add_tensor(tiling.entries, dense=False)
         self.telemetry.end_step(self.steps, [record], skipped=False, running=record.settle())
         self.steps += 1
         return loss
@@ -328,7 +334,7 @@ class DeMo(torch.optim.Optimizer):
         indices = torch.stack([row[self.values_bytes :].clone().view(self.index_dtype) for row in rows]).int()
         in_range = (indices >= 0) & (indices < self._index_bounds)
         if self.options.nonfinite == "raise":
-            flags = torch.stack([in_range.all(dim=1), values.isfinite().all(dim=1)])
+            flags = torch.stack([in_range.all(dim=1), ~torch.stack([nonfinite(row) for row in values])])
             valid, finite = flags.tolist()  # the step's one host read
             kept = "no parameter and no momentum moved, on any rank"
             if not all(valid):

@@ -74,26 +74,15 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_compress(args: argparse.Namespace) -> int:
-    import torch
+    from dataclasses import fields
 
     from gradsift.tools.benchmarking import CompressBenchConfig, format_table, run_compress_benchmark
+    from gradsift.tools.train.devices import resolve_device
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    config = CompressBenchConfig(
-        sizes=args.sizes,
-        ratios=args.ratios,
-        compressors=args.compressors,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        threads=args.threads,
-        device=device,
-        dtype=args.dtype,
-        seed=args.seed,
-        processes=args.processes,
-    )
+    # The parser's destinations are the config's field names, so the config takes them by name.
+    settings = {field.name: getattr(args, field.name) for field in fields(CompressBenchConfig)}
+    settings["device"] = resolve_device(args.device, 1)  # "auto" made "cpu" or "cuda"
+    config = CompressBenchConfig(**settings)
     result = run_compress_benchmark(config, progress=not args.no_progress)
     print(format_table(result))
     if args.json:

@@ -14,16 +14,18 @@ DEFAULT_OUT = "gradsift-demo"
 FULL_STEPS, QUICK_STEPS = 400, 8
 
 
+HELP = "the main job on an embedded default, a few minutes on 2 CPU cores"
+DESCRIPTION = (
+    "Train the same model with fp32 dense (none), bf16, sidco-exp, topk and vgc on 2 workers "
+    "and compare bytes per step, compression overhead, achieved density, step time and test accuracy. "
+    "As root with iproute2 the workers talk over emulated 100 Mbit/s links; otherwise over localhost, "
+    "with the cost model's predicted step times at 1 Gbit/s and 100 Mbit/s beside the measured ones. "
+    "Writes OUT/demo.json (the table's numbers), one run directory per method and OUT/plots."
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "demo", help="the main job on an embedded default, a few minutes on 2 CPU cores",
-        description="Train the same model with fp32 dense (none), bf16, sidco-exp, topk and vgc on 2 workers "
-        "and compare bytes per step, compression overhead, achieved density, step time and test accuracy. "
-        "As root with iproute2 the workers talk over emulated 100 Mbit/s links; otherwise over localhost, "
-        "with the cost model's predicted step times at 1 Gbit/s and 100 Mbit/s beside the measured ones. "
-        "Writes OUT/demo.json (the table's numbers), one run directory per method and OUT/plots.",
-        formatter_class=HelpFormatter,
-    )  # fmt: skip
+    parser = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output directory")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_STEPS} steps per method instead of {FULL_STEPS} (a smoke test)")  # fmt: skip

@@ -27,6 +27,13 @@ MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
 LR_SCHEDULES = ("step", "cosine")
 OPTIMIZERS = ("sgd", "adamw", "demo")
 
+HELP = "one distributed training run (model, compressor, workers, bandwidth, steps)"
+DESCRIPTION = (
+    "Train on Fashion-MNIST with data-parallel workers exchanging compressed gradients. "
+    "Starts --workers processes on this machine (NCCL, one GPU each, with CUDA; gloo on the CPU "
+    "without it or with --device cpu), or runs as one rank when started by torchrun. "
+    "Writes config.json, steps.jsonl, evals.jsonl and summary.json to --out."
+)
 EPILOG = """\
 examples:
   gradsift train --model vgg --compressor sidco-exp --ratio 0.01 --workers 4 --steps 500
@@ -244,13 +251,8 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "train", help="one distributed training run (model, compressor, workers, bandwidth, steps)",
-        description="Train on Fashion-MNIST with data-parallel workers exchanging compressed gradients. "
-        "Starts --workers processes on this machine (NCCL, one GPU each, with CUDA; gloo on the CPU "
-        "without it or with --device cpu), or runs as one rank "
-        "when started by torchrun. Writes config.json, steps.jsonl, evals.jsonl and summary.json to --out.",
-        epilog=EPILOG, formatter_class=ExamplesHelpFormatter,
-    )  # fmt: skip
+        "train", help=HELP, description=DESCRIPTION, epilog=EPILOG, formatter_class=ExamplesHelpFormatter
+    )
     add_training_arguments(parser)
     parser.add_argument("--out", help="run directory (default: runs/<compressor>-w<workers>[-<bandwidth>])")
     parser.add_argument("--json", type=Path, metavar="PATH",
