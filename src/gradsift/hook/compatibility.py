@@ -20,6 +20,14 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.exchanges.base import Exchange
 from gradsift.hook.options import HookOptions
 
+#: Why compiled autograd's Python reducer is refused.
+PYTHON_REDUCER = (
+    "gradsift's hook takes DDP's buckets, but torch._dynamo.config.optimize_ddp='python_reducer' "
+    "(which compiled autograd needs) calls communication hooks once per parameter with "
+    "(param.grad, param); compile the forward pass only (the default optimize_ddp=True keeps "
+    "DDP's buckets and gradsift's hook), or use granularity='layer' with the default reducer"
+)
+
 
 def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: HookOptions) -> None:
     """Raise for the first setting of the module docstring that ``compressor`` and

@@ -65,6 +65,11 @@ class HookOptions:
             ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``), ``"onebit"``
             (the same with 1-bit Adam's momentum, restarted every step from the exchanged one)
             or ``"update"``.
+        warmup_compressor: None (default) -- a frozen-variance Adam method's warm-up is stock
+            DDP's fp32 allreduce; a deterministic quantizer (a registry name with its default
+            options, e.g. ``"blockquant"``'s 4-bit codes, or an instance) -- the warm-up's
+            gradients travel in its codes with error feedback instead
+            (:mod:`gradsift.hook.warmup_code`). Refused without such a method.
         residual_decay: error feedback's ``beta`` in ``c = g + beta r``; None (default): the
             compressor's own :attr:`~gradsift.compressors.base.Compressor.residual_decay`
             (1, plain error feedback, except random-k's 0.95).
@@ -99,6 +104,7 @@ class HookOptions:
     exchange: str = AUTO
     scaler: Any = None
     adam: str = "frozen-variance"
+    warmup_compressor: str | Compressor | None = None
     residual_decay: float | None = None
     server_feedback: bool = False
     padding_target: float | None = None
@@ -125,6 +131,10 @@ class HookOptions:
         check_ratio(self.density_warmup_start, "density_warmup_start")
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
         check_choice(self.adam, "adam", ADAM_METHODS)
+        if self.warmup_compressor is not None and not isinstance(self.warmup_compressor, (str, Compressor)):
+            raise InvalidOptionError(
+                f"warmup_compressor must be a registry name or a Compressor, got {self.warmup_compressor!r}"
+            )
         if self.residual_decay is not None:
             check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
         check_bool(self.server_feedback, "server_feedback")

@@ -49,10 +49,12 @@ from gradsift.exchanges.allreduce import any_nonfinite, summed
 from gradsift.exchanges.base import IDENTITY, waited
 from gradsift.hook import recipe
 from gradsift.hook.adam import LocalUpdateStep
+from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
 from gradsift.hook.layout import BucketLike
 from gradsift.hook.ledger import BucketInFlight
-from gradsift.hook.state import PYTHON_REDUCER, STOCK_ALLREDUCE, GradsiftHookState
+from gradsift.hook.state import STOCK_ALLREDUCE, GradsiftHookState
+from gradsift.hook.warmup_code import CodedWarmup
 
 
 def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,26 +136,35 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
     loss_scale = state.loss_scale()
+    warming = state.warming()  # SGD's warm-up with momentum correction, or Adam's in a code
+    coded = state.coded_warmup if warming and state.adam is not None else None
     for part in large:  # 4
-        part.compensated = _compensate(state, part, context.world, loss_scale)
+        part.compensated = _compensate(state, part, context.world, loss_scale, coded)
     trips = []  # 5
-    warming = state.warming()  # the warm-up with momentum correction
     if large:
-        exchange, codec = (STOCK_ALLREDUCE, IDENTITY) if warming else (state.exchange, state.codec)
+        exchange, codec = (state.exchange, state.codec) if not warming else (STOCK_ALLREDUCE, IDENTITY)
+        if coded is not None:
+            exchange, codec = coded.exchange, coded.codec
         trips.append(exchange.start(large, codec, context))
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
+    scale = loss_scale if coded is not None else _mean_scale(state, loss_scale)
     return Pending.gather(trips).then(
-        _update(state, context, large, _mean_scale(state, loss_scale), compressed=not warming)
+        _update(state, context, large, scale, compressed=not warming, coded=coded)
     )  # 6
 
 
-def _compensate(state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None) -> torch.Tensor:
+def _compensate(
+    state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None, coded: CodedWarmup | None
+) -> torch.Tensor:
     """Unscaled (under a loss scaler), the recipe's weight decay and local clipping, then
-    error feedback: ``c = g / s + wd x + r``."""
+    error feedback: ``c = g / s + wd x + r``; in Adam's ``coded`` warm-up ``c = g / s + r``
+    (the optimizer as built applies its own decay)."""
     flat = part.flat
     if scale is not None:
         flat = flat * scale.double().reciprocal().float()  # GradScaler's own inverse, fp32
+    if coded is not None:
+        return coded.feedback.compensate(part.key, flat)
     if state.weight_decay:
         numbers = [state.layout.numbers[id(p)] for p in part.params]
         recipe.add_weight_decay(flat, part.params, numbers, state.weight_decay)
@@ -186,18 +197,21 @@ def _update(
     large: list[Part],
     scale: torch.Tensor | float | None,
     compressed: bool = True,
+    coded: CodedWarmup | None = None,
 ) -> Callable[[list[Outcome]], Outcome]:
     """Step 6, once the bucket's trips delivered (the compressed parts' first): error
-    feedback's ``r <- c - sent``; when ``large`` travelled ``compressed``, the server stage
-    on their mean and what the Adam method keeps of it (both in the residuals' units, before
-    the scale); the scale put back into the mean; one outcome for the close."""
+    feedback's ``r <- c - sent`` (the ``coded`` warm-up's own, with its code); when ``large``
+    travelled ``compressed``, the server stage on their mean and what the Adam method keeps
+    of it (both in the residuals' units, before the scale); the scale put back into the
+    mean; one outcome for the close."""
+    feedback, compressor = (
+        (state.feedback, state.compressor) if coded is None else (coded.feedback, coded.compressor)
+    )
 
     def finish(outcomes: list[Outcome]) -> Outcome:
-        if large and state.feedback is not None:  # before the scale: ``sent`` may be the result itself
+        if large and feedback is not None:  # before the scale: ``sent`` may be the result itself
             for part, sent in zip(large, outcomes[0].sent, strict=True):
-                state.feedback.update(
-                    part.key, part.input, part.input if sent is None else sent, state.compressor
-                )
+                feedback.update(part.key, part.input, part.input if sent is None else sent, compressor)
         if large and compressed and state.options.server_feedback:
             with context.record.timed("compress_ms", context.result.device):
                 for part in large:

@@ -28,23 +28,16 @@ from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import FROZEN_METHODS, AdamStep, is_adam
 from gradsift.hook.before_step import BEFORE_STEP, settles_before_forward
 from gradsift.hook.capacity import CapacityPlan
-from gradsift.hook.compatibility import refuse_incompatible
+from gradsift.hook.compatibility import PYTHON_REDUCER, refuse_incompatible
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
 from gradsift.hook.ledger import StepLedger
 from gradsift.hook.options import HookOptions, resolve_compressor
+from gradsift.hook.warmup_code import CodedWarmup, refuse_without_frozen_adam
 
 #: Stock DDP's exchange: the in-place ``allreduce(g / W)`` of a stock step and of small parts.
 STOCK_ALLREDUCE = Allreduce()
-
-#: Why compiled autograd's Python reducer is refused.
-PYTHON_REDUCER = (
-    "gradsift's hook takes DDP's buckets, but torch._dynamo.config.optimize_ddp='python_reducer' "
-    "(which compiled autograd needs) calls communication hooks once per parameter with "
-    "(param.grad, param); compile the forward pass only (the default optimize_ddp=True keeps "
-    "DDP's buckets and gradsift's hook), or use granularity='layer' with the default reducer"
-)
 
 
 @dataclasses.dataclass
@@ -77,6 +70,7 @@ class GradsiftHookState:
     telemetry: Telemetry = dataclasses.field(init=False)
     codec: Codec = dataclasses.field(init=False)
     target_ratio: float | None = dataclasses.field(init=False)
+    coded_warmup: CodedWarmup | None = dataclasses.field(init=False)
     first_step: FirstOptimizerStep | None = None
     #: The model's parameters, the optimizer adopted (given or found), and whether the next
     #: step's first bucket still looks for an optimizer or a scaler (:meth:`discover`).
@@ -106,6 +100,8 @@ class GradsiftHookState:
         self.telemetry = Telemetry(self.options.log_every, self.options.jsonl_path)
         self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
         self.codec = Codec(self.compressor, self.options.value_dtype)
+        code = self.options.warmup_compressor
+        self.coded_warmup = None if code is None else CodedWarmup.build(code, self.store)
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":
@@ -290,11 +286,13 @@ class GradsiftHookState:
     # -- per-step ---------------------------------------------------------------------------
     def stock_step(self) -> bool:
         """Stock DDP's in-place allreduce this step: ``none``, or warm-up without momentum correction."""
+        if self.coded_warmup is not None:
+            refuse_without_frozen_adam(self.adam, self.compressor)
         if self.compressor.identity:
             return True
-        warming = self.warming()
-        # Adam's warm-up is the optimizer as built: its moments come from dense gradients
-        return warming and (self.feedback is None or self.feedback.momentum == 0 or self.adam is not None)
+        if self.adam is not None:  # Adam's warm-up is the optimizer as built, on fp32 or coded means
+            return self.warming() and self.coded_warmup is None
+        return self.warming() and (self.feedback is None or self.feedback.momentum == 0)
 
     def warming(self) -> bool:
         """Whether this step is dense warm-up: under Adam the method's (given or measured), else ``dense_steps``."""

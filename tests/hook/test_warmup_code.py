@@ -1,0 +1,216 @@
+"""``warmup_compressor=``: a frozen-variance Adam method's warm-up in a quantizer's codes
+(gradsift.hook.warmup_code) instead of stock DDP's fp32 allreduce.
+
+The oracle is the method written out here from its definition, for two workers simulated in
+one process (no hook, no DDP):
+
+* steps ``< T``: each worker ``k`` codes ``c_k = g_k + r_k`` per layer in 4-bit block codes
+  (blocks of 64, absmax scale ``s``, ``q = round(7 c / s)``, decoded ``q s / 7``), keeps
+  ``r_k <- c_k - Q(c_k)``, and AdamW steps on the workers' mean of ``Q(c_k)`` after
+  ``clip_grad_norm_``;
+* from ``T``: the frozen-variance method (tests/hook/test_adam.py's oracle) with every
+  coordinate sent (top-k at ratio 1, no masking), where the first compressed step also sends
+  the residuals the warm-up left: ``m = (1 - beta1)(mean_k u_k + mean_k r_k)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError
+from support.distributed import run_workers
+from support.models import batch, flat_params, make_model
+
+STEPS, WARMUP, LR, WD, BETAS, WORLD = 9, 4, 0.01, 0.1, (0.9, 0.99), 2
+EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
+
+
+def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def block_code(x: torch.Tensor, bits: int = 4, block: int = 64) -> torch.Tensor:
+    """What a worker's 4-bit block code of ``x`` stands for (blockquant's definition)."""
+    levels = 2 ** (bits - 1) - 1
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), block):
+        piece = x[start : start + block]
+        scale = piece.abs().max()
+        out[start : start + block] = (
+            0.0 if scale == 0 else torch.round(levels * piece / scale) * scale / levels
+        )
+    return out
+
+
+def gradients(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss_of(model, rank, step).backward()
+    return [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
+
+
+def reference_run() -> torch.Tensor:
+    """The method by hand (module docstring), both workers in this process."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    params = list(model.parameters())
+    beta1, beta2 = BETAS
+    residual = {(k, i): torch.zeros(p.numel()) for k in range(WORLD) for i, p in enumerate(params)}
+    velocity, preconditioner = {}, {}
+    for step in range(STEPS):
+        per_worker = [gradients(model, k, step) for k in range(WORLD)]
+        with torch.no_grad():
+            if step < WARMUP:
+                for i, p in enumerate(params):
+                    sent = []
+                    for k in range(WORLD):
+                        c = per_worker[k][i] + residual[k, i]
+                        sent.append(block_code(c))
+                        residual[k, i] = c - sent[-1]
+                    p.grad = (sum(sent) / WORLD).reshape(p.shape)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                continue
+            if not velocity:
+                for p in params:
+                    state = optimizer.state[p]
+                    t = float(state["step"])
+                    velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
+                    preconditioner[p] = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + 1e-8
+                left = [sum(residual[k, i] for k in range(WORLD)) / WORLD for i in range(len(params))]
+            else:
+                left = [torch.zeros(p.numel()) for p in params]
+            for i, p in enumerate(params):
+                g = (sum(per_worker[k][i] for k in range(WORLD)) / WORLD).reshape(p.shape)
+                velocity[p] = beta1 * velocity[p] + g
+                p.grad = (1 - beta1) * (velocity[p] + left[i].reshape(p.shape))
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            for p in params:
+                p.mul_(1 - LR * WD)
+                p.sub_(LR * p.grad / preconditioner[p])
+    return flat_params(model)
+
+
+def hooked_run(
+    rank: int, name: str, options: dict, resume_at: int | None = None
+) -> tuple[torch.Tensor, dict]:
+    """The user's loop with the one line (and a checkpoint and a restart into fresh objects
+    at ``resume_at``); the hook's stats after the first step and at the end."""
+
+    def fresh():
+        model = DDP(make_model())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        state = gradsift.register_comm_hook(
+            model, name, optimizer=optimizer, warmup_steps=WARMUP, warmup_compressor="blockquant", **options
+        )
+        return model, optimizer, state
+
+    model, optimizer, state = fresh()
+    seen = {}
+    for step in range(STEPS):
+        if step == resume_at:
+            saved = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "hook": state.state_dict(),
+            }
+            model, optimizer, state = fresh()
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            state.load_state_dict(saved["hook"])
+        optimizer.zero_grad()
+        loss_of(model, rank, step).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step == 0:
+            seen["first"] = state.stats()["step"]
+    seen["last"] = state.stats()["step"]
+    return flat_params(model), seen
+
+
+def worker(rank: int, world: int) -> dict:
+    exact, stats = hooked_run(rank, "topk", EXACT)
+    whole, _ = hooked_run(rank, "efsignsgd", {})
+    resumed = {at: hooked_run(rank, "efsignsgd", {}, resume_at=at)[0] for at in (1, WARMUP - 1, WARMUP)}
+    return {"exact": exact, "stats": stats, "whole": whole, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_workers(__file__, "worker", WORLD, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_coded_warm_up_equals_the_method_written_out(runs):
+    reference = reference_run()
+    for result in runs:
+        torch.testing.assert_close(result["exact"], reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_warm_up_step_sends_the_codes_bytes(runs):
+    """Per layer (granularity='layer'): 4-bit codes, one fp32 scale per 64 elements and the
+    one-byte non-finite flag every payload carries."""
+    numels = [p.numel() for p in make_model().parameters()]
+    codes = sum(math.ceil(n * 4 / 8) + 4 * math.ceil(n / 64) + 1 for n in numels)
+    for result in runs:
+        first = result["stats"]["first"]
+        assert first["bytes_sent"] == codes
+        assert first["dense_bytes"] == 4 * sum(numels)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_is_bit_for_bit_in_the_warm_up_and_at_the_switch(runs):
+    """Restarts into a fresh DDP model, whose first step has DDP's initial bucket layout: after
+    the first step, in the warm-up's last step, at the first compressed step."""
+    for result in runs:
+        for at, resumed in result["resumed"].items():
+            assert torch.equal(resumed, result["whole"]), at
+    assert torch.equal(runs[0]["whole"], runs[1]["whole"])  # the replicas agree
+
+
+def refusal(optimizer_of, compressor: str = "efsignsgd", **options) -> str:
+    """The error the one line, or its first step, raises (a 1-rank gloo group in this process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29641", rank=0, world_size=1)
+    model = DDP(make_model())
+    optimizer = optimizer_of(model)
+    with pytest.raises(InvalidOptionError) as raised:
+        gradsift.register_comm_hook(model, compressor, optimizer=optimizer, **options)
+        loss_of(model, 0, 0).backward()
+    return str(raised.value)
+
+
+def refusals_worker(rank: int, world: int) -> dict:
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=LR)  # noqa: E731
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)  # noqa: E731
+    return {
+        "sparsifier": refusal(adamw, warmup_compressor="topk"),
+        "stochastic": refusal(adamw, warmup_compressor="qsgd"),
+        "sgd": refusal(sgd, warmup_compressor="blockquant"),
+        "update": refusal(adamw, warmup_compressor="blockquant", adam="update"),
+        "type": refusal(adamw, warmup_compressor=4),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_what_cannot_code_a_warm_up_is_refused_by_name():
+    (result,) = run_workers(__file__, "refusals_worker", 1)
+    for kind in ("sparsifier", "stochastic"):
+        assert "deterministic quantizer" in result[kind] and "blockquant" in result[kind]
+    assert "'topk'" in result["sparsifier"] and "'qsgd'" in result["stochastic"]
+    for kind in ("sgd", "update"):
+        assert "frozen-variance Adam method" in result[kind] and "drop warmup_compressor=" in result[kind]
+    assert "'efsignsgd' without an Adam optimizer" in result["sgd"] and "adam='update'" in result["update"]
+    assert "registry name or a Compressor" in result["type"]
