@@ -50,6 +50,12 @@ ARMS = {
     "dense-fv": Method("topk", {"ratio": 1.0, "momentum_masking": False},
                        setting="the hook's frozen-variance AdamW, dense exchange (topk ratio 1, no momentum "
                                "masking): the 1-bit arm's optimizer without its compression"),
+    "fp32-repro": Method("none", setting="stock DDP, fp32, lr 3e-3: the protocol's none again, on this commit"),
+    "onebit-adam-w50": Method("efsignsgd", {"warmup_steps": 50},
+                              setting="the 1-bit arm with a 50-step fp32 warm-up: the control of a short freeze"),
+    "onebit-adam-q4w50": Method("efsignsgd", {"warmup_steps": 50, "warmup_compressor": "blockquant"},
+                                setting="the 1-bit arm with a 50-step warm-up in 4-bit block codes with error "
+                                        "feedback (warmup_compressor='blockquant')"),
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
@@ -58,6 +64,10 @@ SCREEN, LONG, LONGER = "gpt-adamw", "gpt-adamw-3k", "gpt-adamw-6k"
 #: 1-bit Adam anchor, one worker alone -- whether the 3,000-step gaps keep shrinking.
 LONGER_ARMS = ("none", "qavg-blockquant4-h10", "onebit-adam", "alone")
 LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
+#: The coded warm-up (issue 44, item 3): the 1-bit arm whose 50-step warm-up travels in 4-bit
+#: codes (>= 30x fewer bytes at 3,000 steps), beside the same 50 steps in fp32 (the short
+#: freeze's own effect), paired with the 3,000-step fp32 runs of the same seeds.
+CODED_ARMS = ("onebit-adam-q4w50", "onebit-adam-w50")
 
 
 def method(name: str) -> Method:
@@ -102,11 +112,19 @@ def screen_mean(arm: str, root: Path) -> float:
     return sum(losses) / len(losses) if losses else float("inf")
 
 
-def plan(root: Path = ISSUE44, extended: bool = False, longer: bool = False) -> list[Run]:
+def plan(
+    root: Path = ISSUE44, extended: bool = False, longer: bool = False, coded: bool = False
+) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
     314-step mean (3 seeds); ``extended`` adds the other lr (3 seeds), beyond the ~75 min
-    this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`)."""
+    this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`),
+    ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
+    this commit, seed 0, then seed by seed at 3,000 steps)."""
+    if coded:
+        return [Run(SCREEN, "fp32-repro", 0, root)] + [
+            Run(LONG, arm, seed, root) for seed in SEEDS for arm in CODED_ARMS
+        ]
     if longer:
         return [Run(LONGER, arm, seed, root) for seed in SEEDS for arm in LONGER_ARMS]
     runs = [Run(SCREEN, arm, seed, root) for seed in SEEDS for arm in ("dense-fv", *LR_ARMS)]
@@ -127,16 +145,21 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=ISSUE44, help="where runs/ goes (default: %(default)s)")
     parser.add_argument("--extended", action="store_true", help="also the other lr at 3,000 steps")
     parser.add_argument("--longer", action="store_true", help="only the 6,000-step phase (LONGER_ARMS)")
+    parser.add_argument("--coded", action="store_true", help="only the coded warm-up's phase (CODED_ARMS)")
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended, args.longer):
+        for run in plan(args.root, args.extended, args.longer, args.coded):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
-        todo = [r for r in plan(args.root, args.extended, args.longer) if not finished(r) and r not in failed]
+        todo = [
+            r
+            for r in plan(args.root, args.extended, args.longer, args.coded)
+            if not finished(r) and r not in failed
+        ]
         if not todo:
             break
         if not execute(todo[0]):
