@@ -201,3 +201,20 @@ def test_kept_or_value_with_above_is_the_where_of_both_on_either_branch():
         assert tail_kernels.kept_or_value_with_above(flag, eta, values, 40).item() == expected.item()
         with kernels.device_branch():
             assert tail_kernels.kept_or_value_with_above(flag, eta, values, 40).item() == expected.item()
+
+
+@pytest.mark.parametrize("k", [1, 37, 300])
+def test_the_cpu_top_k_in_chunks_picks_the_elements_of_one_topk(monkeypatch, k):
+    """Oracle: one ``torch.topk`` of ``|x|`` (distinct magnitudes, so no ties): the chunked
+    CPU branch finds the same set, with the largest ones all in one chunk, NaN and Inf kept."""
+    monkeypatch.setattr(kernels, "TOP_K_CHUNK", 1000)
+    x = torch.randn(10_250, generator=torch.Generator().manual_seed(3))
+    x[2000 : 2000 + k] = 50.0 + torch.arange(k, dtype=torch.float32)  # the k largest, all in one chunk
+    x[9999], x[10_200] = math.nan, -math.inf
+    magnitudes, indices = kernels.largest_magnitudes(x, k)
+    oracle = torch.topk(x.abs(), k, sorted=False)
+    assert sorted(indices.tolist()) == sorted(oracle.indices.tolist())
+    torch.testing.assert_close(magnitudes, x.abs().index_select(0, indices), rtol=0, atol=0, equal_nan=True)
+    with kernels.device_branch():
+        _, device = kernels.largest_magnitudes(x, k)
+    assert sorted(device.tolist()) == sorted(indices.tolist())

@@ -109,3 +109,26 @@ def test_canonical_lays_a_key_out_in_parameter_number_order():
     assert canonical.flat_positions(torch.tensor([5, 0, 4, 1, 2])).tolist() == [0, 1, 5, 2, 3]
     store.follow((0, 1, 2), (0, 1, 2), NUMELS)
     assert store.canonical((0, 1, 2)).identity
+
+
+def test_a_rebuild_holds_the_old_buckets_state_once_and_rolls_back_to_the_same_values():
+    """Oracle: the values written by hand. The old bucket is cut per parameter when a new
+    bucket first takes from it, each parameter's key goes once re-laid, and a rolled-back
+    step leaves every parameter's state where the next step finds it."""
+    store = TensorStore()
+    store.follow((0, 1, 2), (0, 1, 2), NUMELS)
+    store.put("residual", (0, 1, 2), torch.tensor([0.0, 1.0, 10.0, 11.0, 12.0, 20.0]))
+    store.put("threshold", (0, 1, 2), torch.tensor([9.0]))  # a per-key scalar stays with its key
+    store.begin()
+    store.follow((2,), (2,), NUMELS)  # DDP rebuilt: parameter 2 alone, then 1 and 0
+    assert (0, 1, 2) not in store.tables["residual"] and (0, 1, 2) not in store.layouts
+    assert store.tables["residual"].keys() == {0, 1, (2,)}  # nothing held twice
+    assert store.get("threshold", (0, 1, 2)).tolist() == [9.0]
+    store.put("residual", (2,), torch.tensor([21.0]))  # the step's new state
+    store.follow((0, 1), (1, 0), NUMELS)
+    assert store.tables["residual"].keys() == {(2,), (0, 1)}
+    assert store.get("residual", (0, 1)).tolist() == [10.0, 11.0, 12.0, 0.0, 1.0]
+    store.rollback()
+    assert store.get("residual", (2,)).tolist() == [20.0] and store.get("residual", (0, 1)) is not None
+    store.follow((0, 1, 2), (0, 1, 2), NUMELS)  # back to the first layout: every value found
+    assert store.get("residual", (0, 1, 2)).tolist() == [0.0, 1.0, 10.0, 11.0, 12.0, 20.0]

@@ -47,6 +47,12 @@ from gradsift.core.finite import nonfinite
 #: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
 SELECTION_CHUNK = 1 << 18
 
+#: Elements per chunk of the CPU top-k (:func:`largest_magnitudes`): PyTorch's CPU ``topk``
+#: holds a (value, position) pair per element it reads while it runs, so on a whole bucket
+#: it would hold several times the bucket's bytes (docs/decisions.md, "The CPU top-k runs
+#: on chunks"); a chunk bounds that to the chunk's.
+TOP_K_CHUNK = 1 << 20
+
 #: PyTorch's CPU kernels split their work over the intra-op pool only above this many
 #: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
 #: read pass took 0.036 ms at 32768 elements and 16 ms at 65536, waiting for a thread.
@@ -185,6 +191,34 @@ def select_mask(
     top = torch.topk(keys, min(capacity, keys.numel()), sorted=False)
     chosen, used = _in_position_order(top.indices, _ranked(top.values), capacity)
     return Candidates(chosen, used, mask.sum())
+
+
+def largest_magnitudes(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(magnitudes, indices)`` of the ``k`` largest ``|flat|`` (NaN above every number), in
+    no particular order (``0 < k <= flat.numel()``).
+
+    Device: one ``topk`` of ``|flat|``. CPU: a running top-k over chunks of at least
+    :data:`TOP_K_CHUNK` (and ``4 k``) elements -- each chunk's ``k`` largest merged with the
+    ``k`` largest so far by one ``topk`` of the ``2 k`` candidates -- the same elements up to
+    ties, since each of the ``k`` largest is among the ``k`` largest of its own chunk. Each
+    element is read once; the temporaries are a chunk's and the candidates', not the input's.
+    """
+    chunk = max(TOP_K_CHUNK, 4 * k)
+    if not uses_numpy(flat) or flat.numel() <= chunk:
+        found = torch.topk(flat.abs(), k, sorted=False)
+        return found.values, found.indices
+    best: tuple[torch.Tensor, torch.Tensor] | None = None
+    for start in range(0, flat.numel(), chunk):
+        piece = flat[start : start + chunk].abs()
+        values, indices = torch.topk(piece, min(k, piece.numel()), sorted=False)
+        indices += start
+        if best is not None:
+            values, indices = torch.cat([best[0], values]), torch.cat([best[1], indices])
+            values, picked = torch.topk(values, k, sorted=False)
+            indices = indices.index_select(0, picked)
+        best = values, indices
+    assert best is not None
+    return best
 
 
 def candidate_positions(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -129,13 +129,17 @@ class TensorStore:
 
         Re-lays every per-element tensor whose parameters moved (see the module
         docstring); ``numels[i]`` is parameter ``i``'s element count. Re-laying changes
-        no value, so it applies to committed and pending state alike.
+        no value, so it applies to committed and pending state alike; the keys it takes
+        chunks from are first cut per parameter (:meth:`_loosen`) and each parameter's
+        key dropped once re-laid, so the moved state is not held twice until the commit.
         """
         order = tuple(order)
         self.numels.update((i, numels[i]) for i in order)
         previous = self.layouts.get(key)
         if previous == order:
             return
+        if order != (key,):  # a per-parameter key (a seeded velocity) loosens nothing
+            self._loosen(key, order)
         sources = self._chunk_sources(exclude=key)
         self.layouts[key] = order
         total = sum(numels[i] for i in order)
@@ -156,6 +160,44 @@ class TensorStore:
                 table[key] = torch.cat(
                     [chunks[i] if i in chunks else like.new_zeros(numels[i]) for i in order]
                 )
+        self._drop_loose(key, order)
+
+    def _loosen(self, key: Key, order: Sequence[int]) -> None:
+        """Cut every other multi-parameter key holding some of ``order``'s parameters into one
+        key per parameter (its number, laid out alone; one that exists is kept): copies of
+        the key's per-element chunks, its own tensors and layout dropped (a pending discard
+        inside a transaction), its per-key scalars kept. Its state then goes parameter by
+        parameter as they are re-laid (:meth:`_drop_loose`), not all at the step's commit: a
+        rebuild holds the old layout's state once, not beside the new layout's."""
+        wanted = set(order)
+        for other, layout in list(self.layouts.items()):
+            if other == key or len(layout) < 2 or wanted.isdisjoint(layout):
+                continue
+            for committed, tables in ((True, self.tables), (False, self._overlay or {})):
+                for name, table in tables.items():
+                    pieces = self._cut(other, table.get(other))
+                    if not pieces:
+                        continue
+                    for i, piece in pieces:
+                        if i not in table:
+                            table[i] = piece.clone()
+                        self.layouts.setdefault(i, (i,))
+                    if committed:
+                        del table[other]
+                    else:
+                        assert self._overlay is not None
+                        self._overlay[name][other] = None
+            del self.layouts[other]
+
+    def _drop_loose(self, key: Key, order: Sequence[int]) -> None:
+        """Drop the per-parameter keys (:meth:`_loosen`'s, a seeded velocity's) of ``order``'s
+        parameters other than ``key``: their state now lies in ``key``'s tensors."""
+        for i in order:
+            if i == key or self.layouts.get(i) != (i,):
+                continue
+            for tables in (self.tables, self._overlay or {}):
+                for table in tables.values():
+                    table.pop(i, None)
 
     def canonical(self, key: Key) -> Canonical | None:
         """``key``'s flat layout against parameter-number order; None for a key with no

@@ -113,8 +113,8 @@ class ErrorFeedback:
         """Start parameter ``i``'s velocity at ``start[i]`` (SGD's momentum buffer, when the
         hook takes momentum over from an optimizer that already stepped): stored under the
         parameter's own key, which the store cuts into the key of whichever part holds the
-        parameter at its first step (:meth:`~gradsift.core.store.TensorStore.follow`); the
-        step's commit then drops the per-parameter keys."""
+        parameter at its first step (:meth:`~gradsift.core.store.TensorStore.follow`), which
+        drops the per-parameter key once its state lies in the part's."""
         for number, tensor in start.items():
             self.store.follow(number, (number,), numels)
             self.store.put(VELOCITY, number, tensor.reshape(-1).float().clone())
