@@ -13,8 +13,10 @@ Measured: the peak resident set size of each rank (``getrusage``'s ``ru_maxrss``
 only grows, so every arm runs in two fresh spawned processes) minus the rank's RSS just
 before the arm's DDP model is built (after the imports, the process group and the bare
 model), so what the interpreter and torch occupy cancels; the same for the RSS after
-the last step (what stays between steps) and for malloc's in-use bytes after the last
-step (``mallinfo2``: the live tensors, without what the allocator keeps after a free).
+the last step (what stays between steps), for malloc's in-use bytes after the last
+step (``mallinfo2``: the live tensors, without what the allocator keeps after a free),
+and for the largest in-use bytes polled during the steps (:class:`AllocatedPeak`: the
+live tensors' peak; the RSS peak above it is what glibc kept after frees).
 An arm's extra is its growth minus stock DDP's under the same optimizer, on the same
 rank; the larger of the two ranks' is reported.
 
@@ -35,6 +37,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,13 +155,40 @@ class _MallInfo2(ctypes.Structure):
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
 
 
+_LIBC = ctypes.CDLL(None)
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
 def allocated_now() -> int:
     """Bytes glibc's malloc has handed out and not had back (every arena and mmapped chunk):
     the live tensors, without what the allocator keeps after a free."""
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    info = _LIBC.mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+class AllocatedPeak:
+    """The largest :func:`allocated_now` seen while the ``with`` block runs, polled every
+    ``period_s`` on a thread of its own (PyTorch's kernels release the GIL, so it polls
+    inside them too; an allocation shorter than the period can be missed)."""
+
+    def __init__(self, period_s: float = 0.0005) -> None:
+        self.period_s = period_s
+        self.peak = allocated_now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, allocated_now())
+
+    def __enter__(self) -> AllocatedPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, allocated_now())
 
 
 def rss_peak() -> int:
@@ -191,16 +221,17 @@ def worker(rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int
     start, allocated = rss_now(), allocated_now()
     model, optimizer = build(arm, optimizer_name, module)
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        x, y = (
-            torch.randn(BATCH, WIDTH, generator=generator),
-            torch.randint(0, 10, (BATCH,), generator=generator),
-        )
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    with AllocatedPeak() as allocated_peak:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = (
+                torch.randn(BATCH, WIDTH, generator=generator),
+                torch.randint(0, 10, (BATCH,), generator=generator),
+            )
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
     mine = {"start": start, "peak": rss_peak(), "end": rss_now(), "allocated_start": allocated,
-            "allocated_end": allocated_now()}  # fmt: skip
+            "allocated_end": allocated_now(), "allocated_peak": allocated_peak.peak}  # fmt: skip
     ranks: list[Any] = [None] * WORLD
     dist.all_gather_object(ranks, mine)
     if rank == 0:
@@ -222,8 +253,9 @@ def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list
     numel = sum(p.numel() for p in model.parameters())
     extra = {
         key: max((r[key] - r[start]) - (s[key] - s[start]) for r, s in zip(ranks, stock, strict=True))
-        for key, start in (("peak", "start"), ("end", "start"), ("allocated_end", "allocated_start"))
-    }
+        for key, start in (("peak", "start"), ("end", "start"), ("allocated_end", "allocated_start"),
+                           ("allocated_peak", "allocated_start"))
+    }  # fmt: skip
     expected = expected_bytes(arm, optimizer, model)
     return {
         "arm": arm.label,
@@ -236,6 +268,8 @@ def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list
         "extra_peak_over_parameter_bytes": extra["peak"] / (FP32 * numel),
         "extra_end_per_parameter": extra["end"] / numel,
         "extra_allocated_end_per_parameter": extra["allocated_end"] / numel,
+        "extra_allocated_peak_per_parameter": extra["allocated_peak"] / numel,
+        "extra_allocated_peak_over_parameter_bytes": extra["allocated_peak"] / (FP32 * numel),
         "expected_peak_per_parameter": expected["peak"] / numel,
         "expected_kept_per_parameter": expected["kept"] / numel,
         "expected": {part: [f"{what} ({size} B)" for what, size in tensors]
@@ -262,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarise(arm, optimizer, ranks, stock, model))
             row = rows[-1]
             print(f"{optimizer:>5} {arm.label:>10}: peak +{row['extra_peak_per_parameter']:6.2f} B/param "
-                  f"(expected {row['expected_peak_per_parameter']:5.1f}), after the steps "
+                  f"(expected {row['expected_peak_per_parameter']:5.1f}; live tensors "
+                  f"+{row['extra_allocated_peak_per_parameter']:6.2f}), after the steps "
                   f"+{row['extra_end_per_parameter']:6.2f}, allocated +{row['extra_allocated_end_per_parameter']:6.2f} (expected {row['expected_kept_per_parameter']:5.1f})",
                   flush=True)  # fmt: skip
     numel = sum(p.numel() for p in model.parameters())
@@ -275,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         world_size=WORLD,
         dense_steps=DENSE_STEPS,
         measured="per rank: ru_maxrss (peak) and /proc/self/statm (end) minus the RSS before DDP; "
-        "glibc mallinfo2 in-use bytes after the steps minus before DDP",
+        "glibc mallinfo2 in-use bytes after the steps, and their largest value polled every 0.5 ms "
+        "during the steps, minus before DDP",
         rows=rows,
     )
     return 0

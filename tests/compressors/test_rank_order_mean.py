@@ -137,3 +137,21 @@ def test_the_balanced_slice_sums_its_senders_in_rank_order(world):
     assert used > 0
     for position, value in zip(reduced.indices[:used].tolist(), reduced.values[:used].tolist(), strict=True):
         assert np.float32(value) == reference[position]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_a_cast_decodes_into_the_bucket_bit_for_bit_as_its_decompress(name, dtype):
+    """Oracle: ``decompress`` (a widened copy per payload, summed, divided). Writing into the
+    bucket gives the same bits for every wire and bucket dtype, 1 to 3 payloads."""
+    from gradsift.compressors import get_compressor
+    from gradsift.core.readout import Readout
+
+    compressor = get_compressor(name)
+    generator = torch.Generator().manual_seed(5)
+    flats = [(torch.randn(1000, generator=generator) * 1e3).to(dtype) for _ in range(3)]
+    payloads = [compressor.encode(f, key=0, capacity=None, readout=Readout()) for f in flats]
+    for world in (1, 2, 3):
+        out = torch.full((1000,), float("nan"), dtype=dtype)
+        assert compressor.decompress_into(payloads[:world], out) is None
+        assert torch.equal(out, compressor.decompress(payloads[:world], 1000))

@@ -51,6 +51,24 @@ class Cast(Compressor):
             total /= len(payloads)
         return total
 
+    def decompress_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`decompress` written straight into ``out``: the same sum in the same order,
+        the values cast as they are read (no widened copy of a payload, no separate total).
+        Only where that cast is exact (into float32 or float64); else :meth:`decompress`."""
+        if not payloads or out.dtype != payloads[0].dtype or out.dtype not in (torch.float32, torch.float64):
+            return super().decompress_into(payloads, out)
+        for i, payload in enumerate(payloads):
+            if payload.values is None or payload.values.numel() != out.numel():
+                count = None if payload.values is None else payload.values.numel()
+                raise InvalidOptionError(f"payload holds {count} values, expected numel={out.numel()}")
+            if i == 0:
+                out.copy_(payload.values)
+            else:
+                out.add_(payload.values)
+        if len(payloads) > 1:
+            out /= len(payloads)
+        return None
+
 
 class NoCompression(Cast):
     """``none``: the gradient as it is (fp32 allreduce for fp32 models)."""
