@@ -20,13 +20,13 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.exchanges import available_exchanges
 from support.distributed import record_sparse_payloads, run_workers
 from support.models import batch, flat_params, make_model
+from support.tally import Tally
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -36,52 +36,6 @@ CASES = {
     "layer": {"ratio": 0.1, "granularity": "layer"},
     "bf16-values": {"ratio": 0.1, "value_dtype": "bf16"},
 }
-
-
-class Tally:
-    """Bytes each collective delivers to this rank, counted from the calls themselves."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        self._saved = {}
-
-    def __enter__(self) -> Tally:
-        rank, world = dist.get_rank(), dist.get_world_size()
-
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        def wrap(name, count):
-            original = getattr(dist, name)
-            self._saved[name] = original
-
-            def call(*args, **kwargs):
-                self.received += count(*args, **kwargs)
-                return original(*args, **kwargs)
-
-            setattr(dist, name, call)
-
-        def all_to_all(out, inp, output_split_sizes=None, input_split_sizes=None, **_):
-            splits = output_split_sizes or [out.numel() // world] * world
-            return sum(s for r, s in enumerate(splits) if r != rank) * out.element_size()
-
-        wrap("all_to_all_single", all_to_all)
-        wrap("broadcast", lambda t, src, **_: 0 if src == rank else size(t))
-        wrap("all_reduce", lambda t, **_: 2 * (world - 1) * size(t) // world)
-        gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-        wrap(gather, lambda out, inp, **_: (world - 1) * size(inp))
-        import gradsift.core.collectives as collectives
-
-        self._gather = collectives.all_gather_into
-        collectives.all_gather_into = getattr(dist, gather)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import gradsift.core.collectives as collectives
-
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        collectives.all_gather_into = self._gather
 
 
 def recording_compensated(state) -> dict:
@@ -259,9 +213,14 @@ def test_exchange_delivers_the_mean_of_what_was_sent(exchange, case, exchange_ru
 
 
 # --- a dead peer inside each exchange ----------------------------------------------------------
+#: What each exchange carries in the dead-peer test (top-k at 0.1 unless named here).
+CARRIED = {"two-stage": ("efsignsgd", {})}
+
+
 def dying_worker(rank: int, world: int, exchange: str) -> dict:
     model = DDP(make_model())
-    state = gradsift.register_comm_hook(model, "topk", ratio=0.1, exchange=exchange)
+    name, options = CARRIED.get(exchange, ("topk", {"ratio": 0.1}))
+    state = gradsift.register_comm_hook(model, name, exchange=exchange, **options)
     for step in range(2):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(batch(rank, step)[0]), batch(rank, step)[1]).backward()
@@ -281,7 +240,7 @@ def dying_worker(rank: int, world: int, exchange: str) -> dict:
         return {"error": str(error), "seconds": time.monotonic() - started}
 
 
-@pytest.mark.parametrize("exchange", SPARSE)
+@pytest.mark.parametrize("exchange", [*SPARSE, "two-stage"])
 def test_a_peer_dying_inside_the_exchange_gives_peer_failure(exchange):
     results = run_workers(
         __file__, "dying_worker", 2, exchange=exchange, group_timeout=5.0, timeout=120, expect_exit={1: 3}
@@ -293,12 +252,14 @@ def test_a_peer_dying_inside_the_exchange_gives_peer_failure(exchange):
 # --- checkpoint and resume with each exchange -------------------------------------------------
 def resume_worker(rank: int, world: int) -> dict:
     """Top-k (its selection does not depend on the bucket's flat order: the resumed DDP model's
-    first step uses the initial bucket layout, the uninterrupted one the rebuilt layout)."""
+    first step uses the initial bucket layout, the uninterrupted one the rebuilt layout); the
+    two-stage exchange's chunks, cut in parameter-number order, do not depend on it either."""
     out = {}
-    for exchange in SPARSE:
+    for exchange in [*SPARSE, "two-stage"]:
         model = DDP(make_model())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        state = gradsift.register_comm_hook(model, "topk", ratio=0.1, exchange=exchange, optimizer=optimizer)
+        name, options = CARRIED.get(exchange, ("topk", {"ratio": 0.1}))
+        state = gradsift.register_comm_hook(model, name, exchange=exchange, optimizer=optimizer, **options)
 
         def run(model, optimizer, steps):
             for step in steps:
@@ -322,7 +283,7 @@ def resume_worker(rank: int, world: int) -> dict:
         resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
         resumed_optimizer.load_state_dict(saved["optimizer"])
         resumed_state = gradsift.register_comm_hook(
-            resumed, "topk", ratio=0.1, exchange=exchange, optimizer=resumed_optimizer
+            resumed, name, exchange=exchange, optimizer=resumed_optimizer, **options
         )
         resumed_state.load_state_dict(saved["hook"])
         run(resumed, resumed_optimizer, range(3, 6))
@@ -332,13 +293,14 @@ def resume_worker(rank: int, world: int) -> dict:
 
 def test_checkpoint_resumes_bit_for_bit_with_every_exchange():
     for out in run_workers(__file__, "resume_worker", 2, timeout=120):
-        for exchange in SPARSE:
+        for exchange in [*SPARSE, "two-stage"]:
             uninterrupted, resumed = out[exchange]
             assert torch.equal(uninterrupted, resumed), exchange
 
 
 def test_every_exchange_is_tested_here():
-    assert set(available_exchanges()) == {*SPARSE, "allreduce", "delegated"}
+    """The sparse ones here; the two-stage compressed allreduce in test_two_stage.py."""
+    assert set(available_exchanges()) == {*SPARSE, "allreduce", "delegated", "two-stage"}
 
 
 # --- canonical positions (the balanced exchange's slices) --------------------------------------

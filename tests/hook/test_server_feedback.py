@@ -285,7 +285,7 @@ class ReplicableCast(Float16):
     ("compressor", "options", "message"),
     [
         ("topk", {"ratio": 0.1}, "'topk' is not one"),
-        ("qsgd", {}, "deterministic, stateless compressor (signsgd, efsignsgd, onebit)"),
+        ("qsgd", {}, "deterministic, stateless compressor (blockquant, signsgd, efsignsgd, onebit)"),
         ("powersgd", {}, "'powersgd' is not one"),
         (ReplicableCast(), {}, "travels by 'allreduce'"),
     ],

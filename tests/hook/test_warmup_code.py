@@ -177,6 +177,36 @@ def test_resume_is_bit_for_bit_in_the_warm_up_and_at_the_switch(runs):
     assert torch.equal(runs[0]["whole"], runs[1]["whole"])  # the replicas agree
 
 
+def two_stage_worker(rank: int, world: int) -> dict:
+    model = DDP(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    state = gradsift.register_comm_hook(
+        model,
+        "efsignsgd",
+        optimizer=optimizer,
+        warmup_steps=WARMUP,
+        warmup_compressor="blockquant",
+        exchange="two-stage",
+    )
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, rank, step).backward()
+        optimizer.step()
+    return {
+        "params": flat_params(model),
+        "exchanges": (state.exchange.name, state.coded_warmup.exchange.name),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_with_the_two_stage_exchange_the_warm_up_code_takes_it_too_and_the_replicas_agree():
+    results = run_workers(__file__, "two_stage_worker", 4, timeout=120)
+    assert all(r["exchanges"] == ("two-stage", "two-stage") for r in results)
+    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+    assert torch.isfinite(results[0]["params"]).all()
+
+
 def refusal(optimizer_of, compressor: str = "efsignsgd", **options) -> str:
     """The error the one line, or its first step, raises (a 1-rank gloo group in this process)."""
     import torch.distributed as dist

@@ -39,6 +39,8 @@ class BlockQuantizer(Quantizer):
 
     name = "blockquant"
     error_feedback = True
+    server_stage = True  # deterministic, stateless, the same on every rank
+    exchanges = ("allgather", "two-stage")
 
     def __init__(self, bits: int = 4, block_size: int = 64) -> None:
         if bits not in BITS or isinstance(bits, bool):

@@ -22,6 +22,7 @@ class SignSGD(Quantizer):
     name = "signsgd"
     code_bits = 1
     server_stage = True  # deterministic, stateless, the same on every rank
+    exchanges = ("allgather", "two-stage")
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (flat < 0).to(torch.uint8), self.scale(flat)

@@ -272,6 +272,13 @@ def allgather(out: torch.Tensor, local: torch.Tensor, group: Any, what: str) -> 
     return started(work, out, group, what)
 
 
+def all_to_all(out: torch.Tensor, local: torch.Tensor, group: Any, what: str) -> Pending[torch.Tensor]:
+    """Start ``all_to_all_single(out, local)`` in equal splits: worker ``j`` receives row ``j`` of
+    every worker's ``local`` (``W`` rows), in rank order; the result is ``out``."""
+    work = guarded(what, group, lambda: dist.all_to_all_single(out, local, group=group, async_op=True))
+    return started(work, out, group, what)
+
+
 def ring_allreduce_received(nbytes: int, world: int) -> int:
     """Bytes one worker receives in a ring allreduce of an ``nbytes`` message: ``2 (W-1)/W nbytes``."""
     return 2 * (world - 1) * nbytes // world

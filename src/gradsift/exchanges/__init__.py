@@ -9,7 +9,9 @@ the delegated exchange), its default when it has none. No compressor supports tw
 exchanges, so there is nothing to choose between per bucket. The balanced reduce-scatter
 and the shared mask move ``O(k)`` bytes instead of the allgather's ``(W-1) k`` but deliver
 an approximation of the mean that costs accuracy at equal steps, so ``"auto"`` never takes
-them; ``exchange="balanced"`` or ``"shared-mask"`` still does.
+them; ``exchange="balanced"`` or ``"shared-mask"`` still does. The two-stage compressed
+allreduce (1-bit Adam's) codes the workers' mean again on its way back, so it is not exact
+either: a name to ask for.
 
 This module is the registry alone and imports no torch, so the command line can offer
 the names without loading it: a new exchange is one module plus one line here.
@@ -23,6 +25,7 @@ EXCHANGES: dict[str, str] = {
     "delegated": "gradsift.exchanges.delegated:Delegated",
     "balanced": "gradsift.exchanges.balanced:Balanced",
     "shared-mask": "gradsift.exchanges.shared_mask:SharedMask",
+    "two-stage": "gradsift.exchanges.two_stage:TwoStage",
 }
 
 AUTO = "auto"

@@ -8,6 +8,7 @@ A setting the hook cannot apply as asked is refused when the state is built, wit
 * ``server_feedback=True`` with a compressor whose encode is not a deterministic, stateless
   :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an exchange that is not
   :attr:`~gradsift.exchanges.base.Exchange.replicated` (every rank must decode the same mean);
+* ``server_feedback=True`` with the two-stage exchange, which runs its own server stage;
 * ``padding_target`` with a capacity fixed by the compressor's options (it bounds the padding
   of a capacity that follows the demand).
 """
@@ -42,6 +43,11 @@ def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: Hoo
         raise InvalidOptionError(
             f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
             f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
+        )
+    if options.server_feedback and exchange.name == "two-stage":
+        raise InvalidOptionError(
+            "server_feedback=True codes the workers' mean again after an allgather; the two-stage "
+            "exchange runs that server stage itself, per chunk: drop server_feedback="
         )
     if options.server_feedback and not exchange.replicated:
         raise InvalidOptionError(

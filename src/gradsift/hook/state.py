@@ -101,7 +101,9 @@ class GradsiftHookState:
         self.target_ratio = self.compressor.ratio if isinstance(self.compressor, Sparsifier) else None
         self.codec = Codec(self.compressor, self.options.value_dtype)
         code = self.options.warmup_compressor
-        self.coded_warmup = None if code is None else CodedWarmup.build(code, self.store)
+        self.coded_warmup = (
+            None if code is None else CodedWarmup.build(code, self.store, self.options.exchange)
+        )
 
     @classmethod
     def build(cls, compressor: str | Compressor, **options: Any) -> "GradsiftHookState":

@@ -25,6 +25,7 @@ from gradsift.compressors.quantization import Quantizer, StochasticQuantizer
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.store import TensorStore
+from gradsift.exchanges import AUTO
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook.adam import AdamStep, FrozenVarianceStep
@@ -69,13 +70,14 @@ class CodedWarmup:
     feedback: ErrorFeedback
 
     @classmethod
-    def build(cls, code: str | Compressor, store: TensorStore) -> CodedWarmup:
+    def build(cls, code: str | Compressor, store: TensorStore, exchange: str = AUTO) -> CodedWarmup:
         """The warm-up for ``code`` (a registry name with its default options, or an instance),
-        its residuals in ``store``; refused unless :func:`is_code`."""
+        its residuals in ``store``, travelling by the hook's ``exchange`` (``"auto"``: the
+        code's own); refused unless :func:`is_code`."""
         compressor = get_compressor(code) if isinstance(code, str) else code
         if not isinstance(compressor, Compressor) or not is_code(type(compressor)):
             able = ", ".join(n for n in available_compressors() if is_code(compressor_class(n)))
             raise InvalidOptionError(NOT_A_CODE.format(able=able, name=getattr(compressor, "name", code)))
         compressor.bind_store(store)  # codes in the parameters' order, whatever DDP's layout
         feedback = ErrorFeedback(0.0, False, store)
-        return cls(compressor, resolve_exchange(compressor), Codec(compressor), feedback)
+        return cls(compressor, resolve_exchange(compressor, exchange), Codec(compressor), feedback)
