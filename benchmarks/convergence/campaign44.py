@@ -56,6 +56,12 @@ ARMS = {
     "onebit-adam-q4w50": Method("efsignsgd", {"warmup_steps": 50, "warmup_compressor": "blockquant"},
                                 setting="the 1-bit arm with a 50-step warm-up in 4-bit block codes with error "
                                         "feedback (warmup_compressor='blockquant')"),
+    "fp32-repro-w4": Method("none", setting="stock DDP, fp32, lr 3e-3, 4 workers: the protocol's none again, on this commit"),
+    "onebit-adam-q4w50-2s": Method("efsignsgd", {"warmup_steps": 50, "warmup_compressor": "blockquant",
+                                                 "exchange": "two-stage"},
+                                   setting="the coded warm-up's 1-bit arm through the two-stage compressed allreduce "
+                                           "(1-bit Adam's: all-to-all of coded chunks, a server residual per chunk, "
+                                           "allgather), warm-up codes included"),
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
@@ -68,6 +74,9 @@ LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
 #: codes (>= 30x fewer bytes at 3,000 steps), beside the same 50 steps in fp32 (the short
 #: freeze's own effect), paired with the 3,000-step fp32 runs of the same seeds.
 CODED_ARMS = ("onebit-adam-q4w50", "onebit-adam-w50")
+#: The same at 4 workers, where the allgather's received bytes grow with W: through the
+#: two-stage exchange, paired with the protocol's 4-worker, 3,000-step fp32 runs.
+WIDE, WIDE_SCREEN = "gpt-adamw-w4-3k", "gpt-adamw-w4"
 
 
 def method(name: str) -> Method:
@@ -113,14 +122,23 @@ def screen_mean(arm: str, root: Path) -> float:
 
 
 def plan(
-    root: Path = ISSUE44, extended: bool = False, longer: bool = False, coded: bool = False
+    root: Path = ISSUE44,
+    extended: bool = False,
+    longer: bool = False,
+    coded: bool = False,
+    wide: bool = False,
 ) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
     314-step mean (3 seeds); ``extended`` adds the other lr (3 seeds), beyond the ~75 min
     this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`),
     ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
-    this commit, seed 0, then seed by seed at 3,000 steps)."""
+    this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
+    two-stage arm, after fp32's 4-worker reproduction)."""
+    if wide:
+        return [Run(WIDE_SCREEN, "fp32-repro-w4", 0, root)] + [
+            Run(WIDE, "onebit-adam-q4w50-2s", seed, root) for seed in SEEDS
+        ]
     if coded:
         return [Run(SCREEN, "fp32-repro", 0, root)] + [
             Run(LONG, arm, seed, root) for seed in SEEDS for arm in CODED_ARMS
@@ -146,18 +164,21 @@ def main() -> int:
     parser.add_argument("--extended", action="store_true", help="also the other lr at 3,000 steps")
     parser.add_argument("--longer", action="store_true", help="only the 6,000-step phase (LONGER_ARMS)")
     parser.add_argument("--coded", action="store_true", help="only the coded warm-up's phase (CODED_ARMS)")
+    parser.add_argument(
+        "--wide", action="store_true", help="only the coded warm-up's 4-worker phase (two-stage)"
+    )
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended, args.longer, args.coded):
+        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
         todo = [
             r
-            for r in plan(args.root, args.extended, args.longer, args.coded)
+            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide)
             if not finished(r) and r not in failed
         ]
         if not todo:
