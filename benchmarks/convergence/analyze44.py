@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import math
 import statistics
@@ -116,8 +117,19 @@ ROWS = (
     Row("dense-fv", "issue44", "frozen-variance AdamW, dense exchange (topk ratio 1: values + indices)"),
     Row("onebit-adam", "protocol", "frozen-variance AdamW + efsignsgd (the 1-bit arm)"),
     Row("onebit-adam-server", "protocol", "1-bit Adam as written (onebit, server feedback)"),
+    Row("onebit-adam-w50", "issue44", "the 1-bit arm, a 50-step fp32 warm-up (the short freeze's control)"),
+    Row(
+        "onebit-adam-q4w50",
+        "issue44",
+        "the 1-bit arm, its 50-step warm-up in 4-bit codes with error feedback",
+    ),
+    Row(
+        "onebit-adam-q4w50-2s",
+        "issue44",
+        "the same through the two-stage compressed allreduce (1-bit Adam's)",
+    ),
 )
-WORKLOAD_LABELS = {"gpt-adamw": "314 steps", "gpt-adamw-3k": "3,000 steps"}
+WORKLOAD_LABELS = {"gpt-adamw": "314 steps", "gpt-adamw-3k": "3,000 steps", "gpt-adamw-w4-3k": "3,000 steps"}
 
 
 def run_directory(workload: str, arm: str, seed: int, source: str, issue44: Path) -> Path:
@@ -268,7 +280,14 @@ EFFECTS = (
                                                "optimizer, 1-bit codes with error feedback)"),
     ("compression-server", "onebit-adam-server", "dense-fv", "1-bit Adam as written - dense-fv (its momentum "
                                                              "restart and server residual as well as the codes)"),
+    ("short-freeze", "onebit-adam-w50", "onebit-adam", "a 50-step warm-up instead of the trainer's 10 % "
+                                                       "(onebit-adam-w50 - onebit-adam, both in fp32)"),
+    ("coded-warmup", "onebit-adam-q4w50", "onebit-adam-w50", "the warm-up's code (onebit-adam-q4w50 - "
+                                                             "onebit-adam-w50: the same 50 steps in 4-bit codes)"),
 )  # fmt: skip
+
+#: Reruns on a campaign's own commit of a protocol run: (workload, the rerun's arm, the protocol's arm).
+RERUNS = (("gpt-adamw", "fp32-repro", REFERENCE), ("gpt-adamw-w4", "fp32-repro-w4", REFERENCE))
 
 
 def split(arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, tuple[str, Interval, Interval]]:
@@ -286,25 +305,24 @@ def split(arms: dict[str, dict[int, dict[str, Any]]]) -> dict[str, tuple[str, In
 def reproduction(issue44: Path) -> list[dict[str, Any]]:
     """The campaign's reruns of protocol runs on its own commit, against the protocol's runs."""
     checks = []
-    for workload in WORKLOAD_LABELS:
-        for arm in (REFERENCE, "onebit-adam"):
-            for seed in campaign44.SEEDS:
-                new = load_run(run_directory(workload, arm, seed, "issue44", issue44))
-                old = load_run(run_directory(workload, arm, seed, "protocol", issue44))
-                if new is None or old is None:
-                    continue
-                curve = max(
-                    (abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"], strict=False)),
-                    default=None,
-                )
-                checks.append({
-                    "workload": workload, "arm": arm, "seed": seed,
-                    "old": {"commit": old["commit"], "final_val_loss": old["final_val_loss"]},
-                    "new": {"commit": new["commit"], "final_val_loss": new["final_val_loss"]},
-                    "final_val_loss_difference": new["final_val_loss"] - old["final_val_loss"],
-                    "max_training_loss_difference_over_steps": curve,
-                    "bitwise_equal_curve": new["loss_curve"] == old["loss_curve"],
-                })  # fmt: skip
+    pairs = [(w, arm, arm) for w in WORKLOAD_LABELS for arm in (REFERENCE, "onebit-adam")] + list(RERUNS)
+    for (workload, rerun, original), seed in itertools.product(pairs, campaign44.SEEDS):
+        new = load_run(run_directory(workload, rerun, seed, "issue44", issue44))
+        old = load_run(run_directory(workload, original, seed, "protocol", issue44))
+        if new is None or old is None:
+            continue
+        curve = max(
+            (abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"], strict=False)),
+            default=None,
+        )
+        checks.append({
+            "workload": workload, "arm": rerun, "protocol_arm": original, "seed": seed,
+            "old": {"commit": old["commit"], "final_val_loss": old["final_val_loss"]},
+            "new": {"commit": new["commit"], "final_val_loss": new["final_val_loss"]},
+            "final_val_loss_difference": new["final_val_loss"] - old["final_val_loss"],
+            "max_training_loss_difference_over_steps": curve,
+            "bitwise_equal_curve": new["loss_curve"] == old["loss_curve"],
+        })  # fmt: skip
     return checks
 
 
