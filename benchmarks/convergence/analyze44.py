@@ -129,12 +129,22 @@ ROWS = (
         "the same through the two-stage compressed allreduce (1-bit Adam's)",
     ),
 )
-WORKLOAD_LABELS = {"gpt-adamw": "314 steps", "gpt-adamw-3k": "3,000 steps", "gpt-adamw-w4-3k": "3,000 steps"}
+WORKLOAD_LABELS = {
+    "gpt-adamw": "314 steps",
+    "gpt-adamw-3k": "3,000 steps",
+    "gpt-adamw-6k": "6,000 steps",
+    "gpt-adamw-w4-3k": "3,000 steps",
+}
 
 
 def run_directory(workload: str, arm: str, seed: int, source: str, issue44: Path) -> Path:
+    """Where a run lies: the protocol's runs, or this campaign's (the protocol's arms at lengths
+    the protocol never ran, 6,000 steps, were run by ``campaign44.py --longer``)."""
     name = f"{arm}-e{WORKLOADS[workload].epochs:g}-s{seed}"
-    return (RUNS if source == "protocol" else issue44 / "runs") / workload / name
+    protocol, campaign = RUNS / workload / name, issue44 / "runs" / workload / name
+    if source == "protocol":
+        return protocol if protocol.exists() or not campaign.exists() else campaign
+    return campaign
 
 
 def load_run(directory: Path) -> dict[str, Any] | None:

@@ -134,7 +134,10 @@ def plan(
     this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`),
     ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
     this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
-    two-stage arm, after fp32's 4-worker reproduction)."""
+    two-stage arm, after fp32's 4-worker reproduction); ``longer`` with ``coded`` the coded
+    warm-up's arm at 6,000 steps."""
+    if longer and coded:
+        return [Run(LONGER, "onebit-adam-q4w50", seed, root) for seed in SEEDS]
     if wide:
         return [Run(WIDE_SCREEN, "fp32-repro-w4", 0, root)] + [
             Run(WIDE, "onebit-adam-q4w50-2s", seed, root) for seed in SEEDS
@@ -162,7 +165,11 @@ def main() -> int:
     parser.add_argument("action", choices=("run", "status"))
     parser.add_argument("--root", type=Path, default=ISSUE44, help="where runs/ goes (default: %(default)s)")
     parser.add_argument("--extended", action="store_true", help="also the other lr at 3,000 steps")
-    parser.add_argument("--longer", action="store_true", help="only the 6,000-step phase (LONGER_ARMS)")
+    parser.add_argument(
+        "--longer",
+        action="store_true",
+        help="only the 6,000-step phase (LONGER_ARMS; with --coded, the coded warm-up's arm)",
+    )
     parser.add_argument("--coded", action="store_true", help="only the coded warm-up's phase (CODED_ARMS)")
     parser.add_argument(
         "--wide", action="store_true", help="only the coded warm-up's 4-worker phase (two-stage)"
