@@ -28,3 +28,18 @@ def test_finite_values_whose_own_dtype_sum_overflows_are_not_flagged():
     assert not torch.isfinite(large.sum())  # fp32's own sum overflows too
     assert not bool(nonfinite(large))
     assert not bool(nonfinite(torch.full((8,), 3.0e38, dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_tensor_beyond_one_chunk_is_checked_in_every_chunk(monkeypatch, dtype):
+    """The partial sums (a chunk's widened copy, not the tensor's) find a NaN or Inf in any
+    chunk, the short last one included, and flag no finite values whose sum overflows."""
+    from gradsift.core import finite
+
+    monkeypatch.setattr(finite, "CHUNK", 64)
+    for at in (0, 63, 64, 200, 249):
+        for bad in (float("nan"), float("-inf")):
+            values = torch.ones(250, dtype=dtype)
+            values[at] = bad
+            assert bool(nonfinite(values)) and bool(nonfinite(values.view(10, 25)))
+    assert not bool(nonfinite(torch.full((250,), 40000.0 if dtype == torch.float16 else 3.0e38, dtype=dtype)))

@@ -5,16 +5,29 @@ this tensor hold a NaN or an Inf? -- and answers it here, the same way: one sum 
 accumulated in float64, and ``~isfinite`` of the sums. NaN and Inf propagate through a sum
 (``Inf - Inf`` is NaN), and in float64 finite fp16, bf16 or fp32 values cannot overflow: for
 ``n < 2^53`` elements ``|sum| <= n * 3.4e38 < 1.8e308``. A sum in the input's own dtype
-could (fp16's 65504 is reached by two elements of 40000), flagging a good step. The flag
-stays on the device: nothing is read on the host (the step's readout reads it once).
+could (fp16's 65504 is reached by two elements of 40000), flagging a good step. PyTorch
+widens a tensor to the sum's dtype before it reduces, so a tensor of more than :data:`CHUNK`
+elements is summed in float64 partial sums of that many, then their sum: the widened copy is
+a chunk's, never the whole tensor's. The flag stays on the device: nothing is read on the
+host (the step's readout reads it once).
 """
 
 from __future__ import annotations
 
 import torch
 
+#: Elements per float64 partial sum (the widened copy a sum makes is this many elements at most).
+CHUNK = 1 << 20
+
 
 def nonfinite(*tensors: torch.Tensor) -> torch.Tensor:
     """0-d bool on the tensors' device: some element of ``tensors`` is NaN or +-Inf."""
-    flags = [~torch.isfinite(tensor.sum(dtype=torch.float64)) for tensor in tensors]
+    flags = []
+    for tensor in tensors:
+        if tensor.numel() <= CHUNK:
+            total = tensor.sum(dtype=torch.float64)
+        else:  # partial sums of at most CHUNK elements, then their sum
+            chunks = tensor.reshape(-1).split(CHUNK)
+            total = torch.stack([chunk.sum(dtype=torch.float64) for chunk in chunks]).sum()
+        flags.append(~torch.isfinite(total))
     return flags[0] if len(flags) == 1 else torch.stack(flags).any()
