@@ -149,21 +149,65 @@ def test_leaving_sidco_flushes_what_was_never_sent(one_process_group, monkeypatc
     assert all(torch.isfinite(p).all() for p in ddp.parameters())
 
 
-def test_the_one_bit_adam_method_runs_on_when_the_step_drifts(one_process_group, monkeypatch):
-    """The 1-bit Adam method holds Adam's first moment and a frozen second one that stock
-    DDP's AdamW would not continue: the drift is reported, the method kept, nothing re-measured."""
-    _, _, state = drifting_run(
-        monkeypatch,
-        "efsignsgd",
-        "none",
-        lambda params: torch.optim.AdamW(params, lr=1e-3),
-        steps=choice.LONG_RUN_STEPS,
-        warmup_steps=auto.DECIDE_AT + 1,
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+def adam_method_then_stock(entered: int, left: int) -> DDP:
+    """The oracle: stock DDP + AdamW before step ``entered``; from it the frozen-variance method
+    written out (tests/hook/test_adam.py: ``u <- beta1 u + g`` from the bias-corrected first
+    moment, ``x <- x (1 - lr wd) - lr (1 - beta1) u / D`` with ``D`` frozen); from ``left``
+    stock AdamW again, with Adam's state at ``t = t_0 + (left - entered)``: ``m = (1 - beta1)
+    (1 - beta1^t) u`` and ``v = v_0 (1 - beta2^t) / (1 - beta2^t_0)``."""
+    ddp = model()
+    optimizer = adamw(ddp.parameters())
+    data = torch.Generator().manual_seed(1)
+    (beta1, beta2), lr, decay = ADAMW["betas"], ADAMW["lr"], ADAMW["weight_decay"]
+    params = list(ddp.parameters())
+    velocity, frozen = {}, {}
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        ddp(torch.randn(16, 32, generator=data)).square().mean().backward()
+        if not entered <= step < left:
+            optimizer.step()
+            continue
+        with torch.no_grad():
+            for p in params:
+                state = optimizer.state[p]
+                if p not in velocity:
+                    t0 = float(state["step"])
+                    velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t0))
+                    frozen[p] = (state["exp_avg_sq"] / (1 - beta2**t0)).sqrt() + 1e-8
+                velocity[p] = beta1 * velocity[p] + p.grad
+                p.mul_(1 - lr * decay).sub_(lr * (1 - beta1) * velocity[p] / frozen[p])
+            if step == left - 1:  # hand AdamW its state back
+                for p in params:
+                    state = optimizer.state[p]
+                    t0 = float(state["step"])
+                    t = t0 + (left - entered)
+                    state["exp_avg"] = (1 - beta1) * (1 - beta1**t) * velocity[p]
+                    state["exp_avg_sq"] = state["exp_avg_sq"] * (1 - beta2**t) / (1 - beta2**t0)
+                    state["step"] = torch.tensor(t)
+    return ddp
+
+
+def test_leaving_the_one_bit_adam_method_gives_adamw_its_moments_back(one_process_group, monkeypatch):
+    """The 1-bit Adam method with a dense exchange (top-k at ratio 1, no momentum masking) is
+    the frozen-variance method written out; when the drift re-measure leaves it for stock DDP,
+    AdamW steps on from the moments the method kept (the oracle above), to rounding."""
+    monkeypatch.setattr(choice, "ONE_BIT_ADAM", ("topk", {"ratio": 1.0, "momentum_masking": False}))
+    ddp, optimizer, state = drifting_run(
+        monkeypatch, "topk", "none", adamw, steps=choice.LONG_RUN_STEPS, warmup_steps=auto.DECIDE_AT + 1
     )
     stats = state.stats()["auto"]
-    assert stats["running"] == "efsignsgd" and stats["remeasures"] == 0
-    assert "efsignsgd keeps Adam's first moment" in stats["held"]
-    assert stats["drift"]["window_ms"] == pytest.approx(2000.0)
+    assert stats["running"] == "none" and stats["remeasures"] == 1
+    assert not optimizer._optimizer_step_pre_hooks  # the method's takeover is gone
+    oracle = adam_method_then_stock(auto.DECIDE_AT + 1, state.switched_at)
+    for a, b in zip(ddp.parameters(), oracle.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_steady_step_time_is_never_re_measured(one_process_group, monkeypatch):
@@ -179,7 +223,7 @@ def test_a_steady_step_time_is_never_re_measured(one_process_group, monkeypatch)
     state.clock = lambda: float(next(clock))
     train(ddp, optimizer, 3 * drift.WINDOW, data)
     stats = state.stats()["auto"]
-    assert stats["choice"] == "none" and stats["remeasures"] == 0 and stats["held"] is None
+    assert stats["choice"] == "none" and stats["remeasures"] == 0
     assert stats["drift"]["window_ms"] == pytest.approx(1200.0) and stats["drift"]["strikes"] == 0
 
 

@@ -253,6 +253,42 @@ class FrozenVarianceStep(AdamStep):
             self._preconditioners[id(param)] = cached
         return cached
 
+    def give_back(
+        self, velocity: dict[int, torch.Tensor], residual: dict[int, torch.Tensor], steps: int
+    ) -> None:
+        """The inverse of the takeover, when the exchange goes back to a dense one after ``steps``
+        compressed steps (``velocity`` and ``residual``: the workers' means, per parameter number).
+
+        The optimizer steps the parameters again, each with Adam's state at ``t = t_0 + steps``:
+        ``m = (1 - beta1)(1 - beta1^t) u``, so its bias-corrected first moment is the method's
+        ``(1 - beta1) u``; ``v = v_0 (1 - beta2^t) / (1 - beta2^t_0)``, so its bias-corrected
+        second moment is the frozen one. What was never sent is applied once,
+        ``x <- x - lr (1 - beta1) r / D``, as the method would have applied it on its way out.
+        """
+        self.detach()
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                beta1, beta2 = (float(b) for b in group["betas"])
+                for param in group["params"]:
+                    number, state = self.numbers.get(id(param)), self.optimizer.state.get(param, {})
+                    if number is None or "exp_avg_sq" not in state:
+                        continue
+                    if number in residual:
+                        flush = residual[number].reshape(param.shape) * (1.0 - beta1)
+                        param.sub_(
+                            (flush / self._preconditioner(param, group)).to(param.dtype), alpha=group["lr"]
+                        )
+                    start = state["step"]
+                    now = start + steps  # where the step count lives: no host read
+                    if number in velocity:
+                        moment = velocity[number].reshape(param.shape) * (
+                            (1.0 - beta1) * bias_correction(beta1, now)
+                        )
+                        state["exp_avg"].copy_(moment)
+                    state["exp_avg_sq"].mul_(bias_correction(beta2, now) / bias_correction(beta2, start))
+                    state["step"] = now
+        self._preconditioners.clear()
+
     def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The warm-up's bias-corrected first moment ``m / (1 - beta1^t)`` in velocity units
         (``/ (1 - beta1)``), flattened in ``params``' order (zeros for a parameter Adam never

@@ -28,9 +28,10 @@ on every rank alike:
    with error feedback under SGD gives the optimizer its momentum back, with the workers'
    mean velocity as its buffer and their mean residual applied once
    (:func:`gradsift.hook.recipe.give_back`); entering one starts the velocity from SGD's
-   momentum buffer. The 1-bit Adam method holds Adam's moments that stock AdamW would not
-   continue: it runs on, and ``stats()["auto"]["held"]`` says so. Needs the optimizer found:
-   without one, the first choice stays.
+   momentum buffer. Leaving the 1-bit Adam method gives AdamW its moments back at the steps
+   it missed (:meth:`~gradsift.hook.adam.FrozenVarianceStep.give_back`: the workers' mean
+   velocity as the first moment, the frozen second one, the residual applied once). Needs
+   the optimizer found: without one, the first choice stays.
 
 The candidates (:mod:`gradsift.hook.choice`) keep the optimizer family's quality; the 1-bit
 Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
@@ -53,6 +54,7 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
 from gradsift.hook import choice, probes, recipe
+from gradsift.hook.adam import FrozenVarianceStep
 from gradsift.hook.drift import DriftWatch
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -122,11 +124,9 @@ class AutoHookState:
         self._keeping = False
         self._kept_all = False
         self._keep_next = False  # a re-measure keeps the next step's buckets
-        #: The running choice's step-time windows (:mod:`gradsift.hook.drift`), re-measures
-        #: made, and why a due re-measure kept the running method (None: none held).
+        #: The running choice's step-time windows (:mod:`gradsift.hook.drift`) and re-measures made.
         self.watch: DriftWatch | None = None
         self.remeasures = 0
-        self.held: str | None = None
         self.clock = time.perf_counter
         self._after_step: Any = None  # the optimizer step post-hook that decides
         #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
@@ -218,14 +218,8 @@ class AutoHookState:
         median = self._watch().tick(self.clock())
         if median is None or not self._watch().due(self._agreed([median])[0]):
             return
-        if self.current.adam is None:
-            self._keep_next = True
-            self._kept_limit = probes.kept_elements(self._numel(), self._watch().last or 0.0)
-        else:
-            self.held = (
-                f"step {self.current.step}: the step time drifted, but {self.choice} keeps Adam's first "
-                "moment and a frozen second one that another method would not continue; it runs on"
-            )
+        self._keep_next = True
+        self._kept_limit = probes.kept_elements(self._numel(), self._watch().last or 0.0)
 
     def _watch(self) -> DriftWatch:
         """The running choice's :class:`~gradsift.hook.drift.DriftWatch`, from its predicted step."""
@@ -285,7 +279,11 @@ class AutoHookState:
         method runs (:func:`gradsift.hook.recipe.give_back`), the workers' means of it."""
         assert self.current.feedback is not None
         means = self.current.feedback.workers_mean(self.dense.layout.numels, self.dense.process_group)
-        recipe.give_back(self.dense.optimizer, self.dense.layout.numbers, *means)
+        adam = self.current.adam
+        if isinstance(adam, FrozenVarianceStep):  # Adam's moments, at the steps it missed
+            adam.give_back(*means, steps=self.current.ledger.step - (adam.warmup_end or 0))
+        else:
+            recipe.give_back(self.dense.optimizer, self.dense.layout.numbers, *means)
 
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The candidates for the optimizer found (module docstring), with their options."""
@@ -333,7 +331,6 @@ class AutoHookState:
             "measured_ms": dict(self.measured_ms),
             "remeasures": self.remeasures,
             "drift": None if self.watch is None else self.watch.stats(),
-            "held": self.held,
         }
         return stats
 
