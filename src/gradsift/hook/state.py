@@ -42,38 +42,38 @@ STOCK_ALLREDUCE = Allreduce()
 
 @dataclasses.dataclass
 class GradsiftHookState:
-    """Everything the hook keeps between calls, as plain data (see :class:`HookOptions`).
-
-    Attributes:
-        compressor: the compressor; ``exchange`` the exchange its buckets travel by.
-        options: the validated :class:`HookOptions`.
-        store: the one keyed store of per-tensor state (residuals, velocities, VGC's
-            accumulators), shared by error feedback and the compressor.
-        feedback: error feedback (None when the compressor runs without it).
-        layout: parameter numbers of the wrapped module and the parts of its buckets.
-        ledger: step counting and the per-step transaction.
-        weight_decay: per parameter number, weight decay taken over from the optimizer.
-        telemetry: per-step and total bytes and phase times (``stats()``).
+    """Everything the hook keeps between calls, as plain data, grouped by role: **what was
+    asked** (``compressor``, validated ``options``, ``process_group``); **how a bucket travels**,
+    built from those (``exchange``, ``codec``: the compressor as the exchange sees it, Adam's
+    warm-up code ``coded_warmup``, adaptive payloads' ``capacities``, a sparsifier's
+    ``target_ratio``); **what persists across steps**, checkpointed (the keyed ``store`` of
+    per-tensor state, error ``feedback``, the parameters' ``layout``, the ``ledger``: step count
+    and per-step transaction, the ``telemetry`` of ``stats()``); **the optimizer taken over**
+    (:meth:`adopt`, :meth:`discover`: the ``weight_decay`` moved into the exchange, the
+    ``adam`` takeover, the ``first_step`` check, the ``hooked`` parameters, the ``optimizer``,
+    and whether the next first bucket still looks for one or a scaler).
     """
 
+    # what was asked
     compressor: Compressor
     options: HookOptions = dataclasses.field(default_factory=HookOptions)
     process_group: Any = None
+    # how a bucket travels
+    exchange: Exchange = dataclasses.field(init=False)
+    codec: Codec = dataclasses.field(init=False)
+    coded_warmup: CodedWarmup | None = dataclasses.field(init=False)
+    capacities: CapacityPlan = dataclasses.field(init=False)
+    target_ratio: float | None = dataclasses.field(init=False)
+    # what persists across steps
     store: TensorStore = dataclasses.field(default_factory=TensorStore)
     feedback: ErrorFeedback | None = None
     layout: ParameterLayout = dataclasses.field(default_factory=ParameterLayout)
     ledger: StepLedger = dataclasses.field(default_factory=StepLedger)
-    weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
-    capacities: CapacityPlan = dataclasses.field(init=False)
-    adam: AdamStep | None = None
-    exchange: Exchange = dataclasses.field(init=False)
     telemetry: Telemetry = dataclasses.field(init=False)
-    codec: Codec = dataclasses.field(init=False)
-    target_ratio: float | None = dataclasses.field(init=False)
-    coded_warmup: CodedWarmup | None = dataclasses.field(init=False)
+    # the optimizer taken over
+    weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
+    adam: AdamStep | None = None
     first_step: FirstOptimizerStep | None = None
-    #: The model's parameters, the optimizer adopted (given or found), and whether the next
-    #: step's first bucket still looks for an optimizer or a scaler (:meth:`discover`).
     hooked: list[torch.nn.Parameter] = dataclasses.field(default_factory=list, repr=False)
     optimizer: Any = dataclasses.field(default=None, repr=False)
     discovering: bool = False
