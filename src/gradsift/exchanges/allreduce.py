@@ -61,7 +61,7 @@ class Allreduce(Exchange):
             poison = _poison([encoded[i] for i in members])
             if poison is not None:
                 message = message.add_(poison)
-            reductions.append(summed(message, context.world, context.group, context.record))
+            reductions.append(start_mean_allreduce(message, context.world, context.group, context.record))
 
         def finish(means: list[torch.Tensor]) -> Outcome:
             if not in_place:
@@ -76,7 +76,9 @@ class Allreduce(Exchange):
         return Pending.gather(reductions).then(finish)
 
 
-def summed(message: torch.Tensor, world: int, group: Any, record: BucketRecord) -> Pending[torch.Tensor]:
+def start_mean_allreduce(
+    message: torch.Tensor, world: int, group: Any, record: BucketRecord
+) -> Pending[torch.Tensor]:
     """Start the in-place sum of ``message`` over the group's ``world`` workers, its bytes in
     ``record``: sent ``|m|``, no padding, received ``2 (W-1)/W |m|`` (ring)."""
     nbytes = message.numel() * message.element_size()

@@ -111,7 +111,7 @@ class Codec:
 IDENTITY = Codec(NoCompression())
 
 
-def waited(record: BucketRecord, pending: Pending[T], device: torch.device) -> T:
+def wait_timed(record: BucketRecord, pending: Pending[T], device: torch.device) -> T:
     """``pending.wait()``; the time spent waiting for its collectives -- and only that: not the
     decoding and updates that run once they are done, timed as their own phases -- adds to
     ``record.communicate_ms`` (the communication that the rest of backward did not hide)."""

@@ -61,7 +61,7 @@ from gradsift.compressors.casts import Cast
 from gradsift.core.collectives import ready
 from gradsift.core.errors import GradsiftError, InvalidOptionError
 from gradsift.core.trip import Outcome, Part
-from gradsift.exchanges.base import waited
+from gradsift.exchanges.base import wait_timed
 from gradsift.exchanges.choice import exchange_class
 from gradsift.exchanges.reduce_scatter import ReduceScatter
 from gradsift.hook.handshake import check_hook_settings
@@ -221,7 +221,7 @@ def _reduce_scatter_hook(binding: Binding, grad: torch.Tensor, output: torch.Ten
     step = state.open_step()
     parts = [Part(0, 0, grad, [])]
     context = state.context(output, parts, step.readout, source=grad)
-    outcome = waited(context.record, _REDUCE_SCATTER.start(parts, state.codec, context), output.device)
+    outcome = wait_timed(context.record, _REDUCE_SCATTER.start(parts, state.codec, context), output.device)
     _fill_if_nonfinite(state, output, outcome)
     step.buckets.append(BucketInFlight(torch.futures.Future(), ready(outcome), output, context.record))
 

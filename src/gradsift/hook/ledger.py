@@ -56,7 +56,7 @@ from gradsift.core.store import TensorStore
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.transaction import Transaction
 from gradsift.core.trip import Outcome
-from gradsift.exchanges.base import waited
+from gradsift.exchanges.base import wait_timed
 from gradsift.hook.capacity import CapacityPlan
 
 NONFINITE_POLICIES = ("propagate", "skip", "raise")
@@ -157,7 +157,7 @@ class StepLedger:
         outcomes = []
         try:
             for bucket in step.buckets:
-                outcome = waited(bucket.record, bucket.pending, bucket.result.device)
+                outcome = wait_timed(bucket.record, bucket.pending, bucket.result.device)
                 outcomes.append(outcome)
                 if outcome.error is not None:
                     raise outcome.error

@@ -45,8 +45,8 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.core.mean import divide_
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.trip import Context, Outcome, Part
-from gradsift.exchanges.allreduce import any_nonfinite, summed
-from gradsift.exchanges.base import IDENTITY, waited
+from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
+from gradsift.exchanges.base import IDENTITY, wait_timed
 from gradsift.hook import recipe
 from gradsift.hook.adam import LocalUpdateStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
@@ -104,7 +104,7 @@ def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Te
     assert state.ledger.current is not None  # the route opened the step
     in_flight = state.ledger.current.buckets[-1]
     try:
-        outcome = waited(in_flight.record, in_flight.pending, in_flight.result.device)
+        outcome = wait_timed(in_flight.record, in_flight.pending, in_flight.result.device)
     except BaseException:
         state.ledger.abort()
         raise
@@ -126,7 +126,7 @@ def _stock_allreduce(
     world = dist.get_world_size(state.process_group)
     checks = state.stock_checks
     record.add_tensor(buffer.numel(), dense=True)
-    return summed(divide_(buffer, world), world, state.process_group, record).then(
+    return start_mean_allreduce(divide_(buffer, world), world, state.process_group, record).then(
         lambda mean: Outcome.of([], [], nonfinite=any_nonfinite([mean]) if checks else None)
     )
 
