@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
-from gradsift.tools.train.summary import alone, bytes_sent
+from gradsift.tools.train.summary import bytes_sent, single_worker
 
 #: (label, compressor, its options, workers): the controls -- fp32, bf16 and one worker alone with no
 #: communication -- then VGC at the paper's alpha, a fixed threshold at about 2 % density on the MLP, VGC
@@ -64,7 +64,7 @@ def run(
     subprocess.run(command, check=True, timeout=args.timeout)
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    lone = alone(summary)
+    lone = single_worker(summary)
     return {
         "seed": seed,
         "padded_over_sent": None if lone else padding(steps, args.skip),

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gradsift.tools.train.summary import alone, bytes_sent
+from gradsift.tools.train.summary import bytes_sent, single_worker
 
 #: The PNG the frontier is drawn into.
 FRONTIER_PLOT = "loss_gap_vs_bytes.png"
@@ -57,7 +57,7 @@ def _demo(run: RunLike) -> bool:
 
 
 def _family(run: RunLike) -> str:
-    if alone(run.summary):
+    if single_worker(run.summary):
         return "one worker alone (no communication)"
     if _demo(run):
         return "every step: DeMo"

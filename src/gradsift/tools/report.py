@@ -21,7 +21,7 @@ from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.frontier import FRONTIER_PLOT, frontier_points, group_by_family
-from gradsift.tools.train.summary import PHASES, alone, bytes_sent, time_to_accuracy, wire_factor
+from gradsift.tools.train.summary import PHASES, bytes_sent, single_worker, time_to_accuracy, wire_factor
 
 #: The PNG files :func:`plot_runs` always writes (and :data:`FRONTIER_PLOT` when it has points).
 PLOTS = ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "density.png", "time_per_phase.png")
@@ -51,7 +51,7 @@ class Run:
 
     def cumulative_bytes_at(self, step: int) -> float:
         """Bytes this worker sent during the first ``step`` steps (none for a worker alone)."""
-        if alone(self.summary):
+        if single_worker(self.summary):
             return 0.0
         totals = list(accumulate(r["bytes_sent"] for r in self.steps))
         return totals[min(step, len(totals)) - 1] if step > 0 and totals else 0.0
@@ -142,8 +142,8 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             "run": run.label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
             "bandwidth": s.get("bandwidth"), "steps": s["steps"],
             # a worker alone sends nothing: no factor below fp32 to give
-            "bytes_per_step": bytes_sent(s), "compression_factor": None if alone(s) else s["compression_factor"],
-            "wire_factor": None if alone(s) else wire_factor(s),
+            "bytes_per_step": bytes_sent(s), "compression_factor": None if single_worker(s) else s["compression_factor"],
+            "wire_factor": None if single_worker(s) else wire_factor(s),
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,

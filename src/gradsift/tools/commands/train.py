@@ -309,7 +309,7 @@ PADDING_SHOWN = 1.01
 
 def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
-    from gradsift.tools.train.summary import alone, wire_factor
+    from gradsift.tools.train.summary import single_worker, wire_factor
 
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
@@ -324,7 +324,7 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
     workers = summary["workers"]
     traffic = (
         "nothing sent (one worker alone)"
-        if alone(summary)
+        if single_worker(summary)
         else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
     )
     auto = (summary.get("recipe") or {}).get("auto")

@@ -43,7 +43,7 @@ def time_to_loss(evals: Sequence[dict[str, Any]], target: float | None) -> float
     return next((e["train_time_s"] for e in evals if e["loss"] <= target), None)
 
 
-def alone(summary: dict[str, Any]) -> bool:
+def single_worker(summary: dict[str, Any]) -> bool:
     """One worker alone: its hook counts the dense message DDP would send, but nothing
     leaves the process (the zero-communication control)."""
     return bool(summary["workers"] == 1)
@@ -51,7 +51,7 @@ def alone(summary: dict[str, Any]) -> bool:
 
 def bytes_sent(summary: dict[str, Any]) -> float:
     """Bytes each worker sends per step: ``bytes_sent_per_step``, and 0 for a worker alone."""
-    return 0.0 if alone(summary) else float(summary["bytes_sent_per_step"])
+    return 0.0 if single_worker(summary) else float(summary["bytes_sent_per_step"])
 
 
 def wire_factor(summary: dict[str, Any]) -> float:
