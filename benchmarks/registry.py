@@ -1080,15 +1080,17 @@ def _memory(optimizer: str, method: str, field: str, fmt: str = "{:.1f}") -> Cla
 
 MEMORY_TABLE = Table(
     "memory-peak",
-    ("optimizer", "method", "kept, expected", "kept, measured (malloc)", "peak, expected", "peak, measured (RSS)",
-     "peak over the parameters' bytes"),
-    ("---", "---", "---:", "---:", "---:", "---:", "---:"),
+    ("optimizer", "method", "kept, expected", "kept, measured (malloc)", "peak, expected", "peak, measured (malloc)",
+     "peak, measured (RSS)", "peak over the parameters' bytes (malloc / RSS)"),
+    ("---", "---", "---:", "---:", "---:", "---:", "---:", "---:"),
     tuple(
         (label, f"`{method}`", _memory(optimizer, method, "expected_kept_per_parameter"),
          _memory(optimizer, method, "extra_allocated_end_per_parameter"),
          _memory(optimizer, method, "expected_peak_per_parameter"),
+         _memory(optimizer, method, "extra_allocated_peak_per_parameter"),
          _memory(optimizer, method, "extra_peak_per_parameter"),
-         _memory(optimizer, method, "extra_peak_over_parameter_bytes", "{:.2f}x"))
+         (_memory(optimizer, method, "extra_allocated_peak_over_parameter_bytes", "{:.2f}x"), " / ",
+          _memory(optimizer, method, "extra_peak_over_parameter_bytes", "{:.2f}x")))
         for optimizer, label in MEMORY_ARMS
         for method in MEMORY_METHODS
         if (optimizer, method) != ("sgd", "efsignsgd")
