@@ -56,6 +56,9 @@ ARMS = {
     "onebit-adam-q4w50": Method("efsignsgd", {"warmup_steps": 50, "warmup_compressor": "blockquant"},
                                 setting="the 1-bit arm with a 50-step warm-up in 4-bit block codes with error "
                                         "feedback (warmup_compressor='blockquant')"),
+    "onebit-adam-q4w100": Method("efsignsgd", {"warmup_steps": 100, "warmup_compressor": "blockquant"},
+                                 setting="the 1-bit arm with a 100-step warm-up in 4-bit block codes with error "
+                                         "feedback: the longest coded warm-up that keeps >= 30x at 6,000 steps"),
     "fp32-repro-w4": Method("none", setting="stock DDP, fp32, lr 3e-3, 4 workers: the protocol's none again, on this commit"),
     "onebit-adam-q4w50-2s": Method("efsignsgd", {"warmup_steps": 50, "warmup_compressor": "blockquant",
                                                  "exchange": "two-stage"},
@@ -135,9 +138,9 @@ def plan(
     ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
     this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
     two-stage arm, after fp32's 4-worker reproduction); ``longer`` with ``coded`` the coded
-    warm-up's arm at 6,000 steps."""
+    warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x)."""
     if longer and coded:
-        return [Run(LONGER, "onebit-adam-q4w50", seed, root) for seed in SEEDS]
+        return [Run(LONGER, "onebit-adam-q4w100", seed, root) for seed in SEEDS]
     if wide:
         return [Run(WIDE_SCREEN, "fp32-repro-w4", 0, root)] + [
             Run(WIDE, "onebit-adam-q4w50-2s", seed, root) for seed in SEEDS
