@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import gradsift
 from gradsift.compressors.base import Compressor
 from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_received
-from gradsift.core.trip import Context, Outcome, Part
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.exchanges import EXCHANGES
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.delegated import DelegatingCompressor

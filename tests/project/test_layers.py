@@ -1,6 +1,6 @@
 """The package's folders are its layers: no import climbs, no import cycle, small route modules.
 
-``core`` (the trip's vocabulary) < ``compressors`` < ``exchanges`` < ``hook`` (the bucket's
+``core`` (a bucket's parts, collectives, the store) < ``compressors`` < ``exchanges`` < ``hook`` (the bucket's
 route) < ``frontends`` (who hands buckets in) < ``integrations`` < ``tools`` (off the hot
 path) < the package root (the public facade). A module may import from its own layer
 and the ones below. Every import counts, at module level or inside a function.
@@ -111,7 +111,7 @@ def test_no_import_cycle() -> None:
 
 def test_the_probe_sees_a_climb_and_a_cycle() -> None:
     """Positive control: the checks above do find what they look for."""
-    assert layer("gradsift.core.trip") < layer("gradsift.hook.route") < layer("gradsift.tools.cli")
+    assert layer("gradsift.core.parts") < layer("gradsift.hook.route") < layer("gradsift.tools.cli")
     assert ("gradsift.core.payload", "Payload") in imports("gradsift.compressors.base")
     assert "gradsift.hook.state" in GRAPH["gradsift.hook.route"]
     assert "gradsift.hook.route" in GRAPH["gradsift.frontends.ddp"]

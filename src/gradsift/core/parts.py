@@ -1,4 +1,4 @@
-"""The trip's vocabulary: a bucket's parts, the context of their trip, and its outcome.
+"""A bucket's parts on their way: the parts, the context they travel in, and the outcome.
 
 One bucket of one step travels as *parts* (:class:`Part`: the whole bucket, or one per
 layer) in one frozen :class:`Context` (who the workers are, where the means go, the

@@ -6,7 +6,7 @@ the same size on every worker, so it travels in one ``all_gather_into_tensor`` t
 overlaps the rest of backward, with no size exchange before it. When it arrives, each
 worker's message is checked on the device (:meth:`wire.MessageLayout.unpack`) and
 ``decompress([p_1, ..., p_W])`` of each part is written into the result; the non-finite
-flags in the headers and the malformed-sender flags go to the :class:`~gradsift.core.trip.Outcome`.
+flags in the headers and the malformed-sender flags go to the :class:`~gradsift.core.parts.Outcome`.
 
 Bytes: ``bytes_sent`` is what the entries in use and the headers take (the payloads'
 ``used_nbytes`` and the flag word), ``bytes_padded`` the whole fixed message (capacity,
@@ -21,8 +21,8 @@ import torch
 
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, allgather
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.costmodel import Traffic, allgather_traffic
 

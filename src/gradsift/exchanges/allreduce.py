@@ -11,7 +11,7 @@ part that is the bucket itself is reduced in place, as stock DDP does.
 Non-finite flag: a NaN/Inf in dense values travels in the values and makes the mean
 non-finite on every rank; a payload that carries only some elements (random-k) and
 flags its input non-finite adds NaN to its message (``k`` elements). Every rank then
-sums the mean on the device and reports the flag in its :class:`~gradsift.core.trip.Outcome` (no host
+sums the mean on the device and reports the flag in its :class:`~gradsift.core.parts.Outcome` (no host
 read); the identity codec of stock DDP's own exchange skips that sum
 (``checks_values=False``), exactly like stock DDP. Bytes: ``bytes_sent = |m|``, no
 padding, received ``2 (W-1)/W |m|`` (ring).
@@ -28,9 +28,9 @@ from gradsift.core.collectives import Pending, allreduce_sum, ring_allreduce_rec
 from gradsift.core.errors import GradsiftError
 from gradsift.core.finite import nonfinite
 from gradsift.core.mean import divide_, divided
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Encoded, Exchange
 
 

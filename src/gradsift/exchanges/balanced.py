@@ -48,9 +48,9 @@ import torch.distributed as dist
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, blocking
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload, index_dtype
 from gradsift.core.store import Canonical
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import gather_payloads
 from gradsift.exchanges.base import Codec, Encoded, Exchange
 

@@ -1,6 +1,6 @@
 """The exchange protocol: the one-way trip of a DDP bucket's parts between the workers.
 
-The hook builds one complete, frozen :class:`~gradsift.core.trip.Context` per bucket and step (who
+The hook builds one complete, frozen :class:`~gradsift.core.parts.Context` per bucket and step (who
 the workers are, where the means go, the state store, the step's readout, each part's
 payload capacity); an exchange receives the bucket's *parts* (the whole bucket, or one
 part per layer), each already compensated by error feedback, and a :class:`Codec` (the
@@ -9,7 +9,7 @@ into a dense mean). It owns everything between the two: the collectives, the fra
 validation of what arrives, the byte counts (sent, padded, received) and the transport
 of the non-finite flag, so that every rank learns together whether any rank's input
 held NaN/Inf. It writes each part's mean over the workers into the bucket's result and
-returns an :class:`~gradsift.core.trip.Outcome` -- the only outcome of the trip: per part what this
+returns an :class:`~gradsift.core.parts.Outcome` -- the only outcome of the trip: per part what this
 worker's contribution stood for (error feedback keeps the rest), and as device flags
 whether some input was non-finite and whether some sender's message was malformed, read
 by the hook once, when the step closes. An exchange never reads a tensor on the host
@@ -34,9 +34,9 @@ from gradsift.compressors.casts import NoCompression
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, timing_waits
 from gradsift.core.finite import nonfinite
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.costmodel import Traffic
 
 T = TypeVar("T")
@@ -179,7 +179,7 @@ class Exchange(abc.ABC):
     @abc.abstractmethod
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         """Start the exchange of ``parts``; waiting for the result writes every part's mean
-        into ``context.result`` and gives the :class:`~gradsift.core.trip.Outcome`."""
+        into ``context.result`` and gives the :class:`~gradsift.core.parts.Outcome`."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

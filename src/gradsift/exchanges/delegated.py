@@ -31,7 +31,7 @@ import torch
 from gradsift.core.collectives import Pending, ring_allreduce_received, timed_wait
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import nonfinite
-from gradsift.core.trip import Context, Outcome, Part
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Exchange
 
 

@@ -7,7 +7,7 @@ exchange carries the dense casts (``none``, ``fp16``, ``bf16``): the message is
 allreduce exchange does), one ``reduce_scatter`` writes this worker's shard of the sum
 into ``context.result`` (the shard), back in the gradient's dtype. A NaN/Inf in any
 worker's gradient reaches every shard (it travels in the values); every worker sums its
-shard on the device for the flag of its :class:`~gradsift.core.trip.Outcome`. Bytes: sent ``|m|`` (the
+shard on the device for the flag of its :class:`~gradsift.core.parts.Outcome`. Bytes: sent ``|m|`` (the
 message, as the allreduce exchange counts it), received ``(W-1)/W |m|`` (ring).
 
 Not in the registry: DDP has no shards, so no DDP compressor travels by it.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gradsift.core.collectives import Pending, guarded, started
 from gradsift.core.errors import GradsiftError
 from gradsift.core.finite import nonfinite
-from gradsift.core.trip import Context, Outcome, Part
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.exchanges.base import Codec, Exchange
 
 # torch >= 2.13 renames reduce_scatter_tensor (same signature) and deprecates the old name.

@@ -34,8 +34,8 @@ from gradsift.core import wire
 from gradsift.core.collectives import Pending, allreduce_sum, blocking, ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import nonfinite
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload, index_dtype
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import sum_counts
 from gradsift.exchanges.base import Codec, Exchange
 

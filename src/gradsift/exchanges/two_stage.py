@@ -43,9 +43,9 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, all_to_all, allgather
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload
 from gradsift.core.store import Canonical, TensorStore
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allgather import FLAG_NBYTES, sum_counts
 from gradsift.exchanges.base import Codec, Exchange
 

@@ -60,7 +60,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.compressors.casts import Cast
 from gradsift.core.collectives import ready
 from gradsift.core.errors import GradsiftError, InvalidOptionError
-from gradsift.core.trip import Outcome, Part
+from gradsift.core.parts import Outcome, Part
 from gradsift.exchanges.base import wait_timed
 from gradsift.exchanges.choice import exchange_class
 from gradsift.exchanges.reduce_scatter import ReduceScatter

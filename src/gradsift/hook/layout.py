@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.parts import Part
 from gradsift.core.store import TensorStore
-from gradsift.core.trip import Part
 
 GRANULARITIES = ("bucket", "layer")
 

@@ -51,11 +51,11 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.collectives import KEPT_WORKS, Pending
 from gradsift.core.errors import NonFiniteGradientError, WireFormatError
+from gradsift.core.parts import Outcome
 from gradsift.core.readout import Readout, Slot
 from gradsift.core.store import TensorStore
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.transaction import Transaction
-from gradsift.core.trip import Outcome
 from gradsift.exchanges.base import wait_timed
 from gradsift.hook.capacity import CapacityPlan
 

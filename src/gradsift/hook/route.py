@@ -9,7 +9,7 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
    steps without momentum correction, run stock DDP's in-place ``allreduce(g / W)`` of the
    whole bucket and skip 3-6 (no parts, no codec, no state: the least Python per bucket).
 3. **cut** -- the bucket becomes parts (:mod:`gradsift.hook.layout`): the whole bucket or
-   one per layer, and one :class:`~gradsift.core.trip.Context` for their trip; parts below
+   one per layer, and one :class:`~gradsift.core.parts.Context` for their trip; parts below
    ``min_numel`` elements are *small* and travel by the stock allreduce.
 4. **compensate** -- with ``scaler=`` the gradient divided by the loss scale ``s``; the
    recipe's weight decay and local clipping; then error feedback ``c = g + r`` (with
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.mean import divide_
+from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.telemetry import BucketRecord
-from gradsift.core.trip import Context, Outcome, Part
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
 from gradsift.hook import recipe

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.parts import Context, Part
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.core.telemetry import BucketRecord, Telemetry
-from gradsift.core.trip import Context, Part
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
