@@ -59,7 +59,8 @@ def run(
     alone sends nothing: no ratio, no bytes)."""
     command = [sys.executable, "-m", "gradsift", "train", "--model", args.model, "--workers", str(workers),
                "--steps", str(args.steps), "--seed", str(seed), "--compressor", compressor, "--no-progress",
-               "--out", str(out), *(f"--option={option}" for option in options)]  # fmt: skip
+               "--out", str(out), *(f"--option={option}" for option in options),
+               *(["--data-dir", args.data_dir] if args.data_dir else [])]  # fmt: skip
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, timeout=args.timeout)
     summary = json.loads((out / "summary.json").read_text())
@@ -84,6 +85,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="mlp", help="gradsift train's --model (default: mlp)")
+    parser.add_argument("--data-dir", help="gradsift train's --data-dir (default: its search path)")
     parser.add_argument("--steps", type=int, default=600, help="steps per run (default: 600)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default: 0 1 2)")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the ratio (default: 5)")

@@ -7,6 +7,7 @@ launcher reports the first failing rank's error from there) and exits with statu
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -38,6 +39,10 @@ def main(argv: list[str]) -> int:
             return 130
         traceback.print_exc()
         return 1
+    # The run is over and its process group destroyed: what is alive now dies with the
+    # process, so the interpreter's collections at exit skip it (torch's and its compiler's
+    # modules: the largest part of a short run's exit) -- gc.freeze, as in tests/conftest.py.
+    gc.freeze()
     return 0
 
 
