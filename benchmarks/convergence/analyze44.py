@@ -123,10 +123,11 @@ ROWS = (
         "issue44",
         "the 1-bit arm, its 50-step warm-up in 4-bit codes with error feedback",
     ),
+    Row("onebit-adam-q4w100", "issue44", "the 1-bit arm, its 100-step warm-up in 4-bit codes"),
     Row(
-        "onebit-adam-q4w50-2s",
+        "onebit-adam-q4w150-2s",
         "issue44",
-        "the same through the two-stage compressed allreduce (1-bit Adam's)",
+        "the 1-bit arm, 150 warm-up steps in 4-bit codes, two-stage exchange",
     ),
 )
 WORKLOAD_LABELS = {
