@@ -9,6 +9,7 @@ Public API (stable)::
     state = gradsift.register_comm_hook(ddp_model, "sidco-exp", ratio=0.01)
     state = gradsift.diloco(model, optimizer)   # every 10 steps, the delta in 4-bit codes
     optimizer = gradsift.DeMo(model.parameters(), lr=1e-3)   # DeMo: DCT top-k, sign steps
+    optimizer = gradsift.DistributedLion(model.parameters())   # Lion's signs, 1 bit each
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     )
     from gradsift.frontends.decoupled_momentum import DeMo
     from gradsift.frontends.diloco import DiLoCoState
+    from gradsift.frontends.distributed_lion import DistributedLion
     from gradsift.hook.auto import AutoHookState
     from gradsift.hook.state import GradsiftHookState
 
@@ -59,10 +61,12 @@ _FROM_COMPRESSORS = (
     "get_compressor",
     "register_compressor",
 )
-#: Every lazily imported public name and its module (``DeMo`` is DeMo's optimizer).
+#: Every lazily imported public name and its module (``DeMo`` is DeMo's optimizer,
+#: ``DistributedLion`` Distributed Lion's).
 _LAZY = {
     **dict.fromkeys(_FROM_COMPRESSORS, "gradsift.compressors"),
     "DeMo": "gradsift.frontends.decoupled_momentum",
+    "DistributedLion": "gradsift.frontends.distributed_lion",
     "DiLoCoState": "gradsift.frontends.diloco",
     "GradsiftHookState": "gradsift.hook.state",
     "AutoHookState": "gradsift.hook.auto",
@@ -128,6 +132,7 @@ __all__ = [
     "Compressor",
     "DeMo",
     "DiLoCoState",
+    "DistributedLion",
     "GradsiftError",
     "GradsiftHookState",
     "InvalidOptionError",

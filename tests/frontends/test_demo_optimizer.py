@@ -11,43 +11,32 @@ bit, a dead peer must raise within seconds and bad arguments must say what is wr
 
 from __future__ import annotations
 
-import io
-import os
-import time
-
 import numpy as np
 import pytest
 import scipy.fft
 import torch
 
 import gradsift
-from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, PeerFailureError, WireFormatError
-from gradsift.tools.train.config import TrainConfig
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, WireFormatError
 from support.distributed import run_workers
+from support.exchanging import (
+    SHAPES,
+    assert_a_dead_peer_raises,
+    assert_resumes_bit_for_bit,
+    gradients,
+    poisoned,
+    start,
+    trained,
+)
+from support.exchanging import dying_worker as dying_worker  # the ranks look it up by name
 
-SHAPES = [(6, 10), (7,), (2, 3, 5)]  # a matrix with padded tiles, a vector, a tensor cut into runs
+# support.exchanging's SHAPES: a matrix with padded tiles, a vector, a tensor cut into runs
 CHUNK, TOPK, LR, DECAY, BETA, STEPS = 4, 3, 0.01, 0.1, 0.9, 3
-
-
-def start(seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, dtype=torch.float64, generator=generator) for shape in SHAPES]
-
-
-def gradients(rank: int, step: int) -> list[torch.Tensor]:
-    return start(1000 + 100 * rank + step)
+SETTINGS = {"lr": LR, "weight_decay": DECAY, "beta": BETA, "chunk": CHUNK, "topk": TOPK}
 
 
 def demo(params: list[torch.Tensor], **options) -> gradsift.DeMo:
-    settings = {"lr": LR, "weight_decay": DECAY, "beta": BETA, "chunk": CHUNK, "topk": TOPK, **options}
-    return gradsift.DeMo(params, **settings)
-
-
-def trained(params: list[torch.nn.Parameter], optimizer, rank: int, steps: range) -> None:
-    for step in steps:
-        for param, grad in zip(params, gradients(rank, step), strict=True):
-            param.grad = grad
-        optimizer.step()
+    return gradsift.DeMo(params, **{**SETTINGS, **options})
 
 
 # -- the oracle ---------------------------------------------------------------------------------
@@ -156,57 +145,17 @@ def test_two_ranks_follow_the_definition_and_agree_bit_for_bit() -> None:
 
 
 def test_a_run_resumes_bit_for_bit() -> None:
-    params = [torch.nn.Parameter(p) for p in start(0)]
-    optimizer = demo(params)
-    trained(params, optimizer, 0, range(5))
-
-    params_b = [torch.nn.Parameter(p) for p in start(0)]
-    first = demo(params_b)
-    trained(params_b, first, 0, range(2))
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params_b], "optimizer": first.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
-    second = demo(resumed, lr=1.0)  # the checkpoint's groups win
-    second.load_state_dict(saved["optimizer"])
-    trained(resumed, second, 0, range(2, 5))
-    for a, b in zip(params, resumed, strict=True):
-        assert torch.equal(a, b) and torch.equal(optimizer.state[a]["delta"], second.state[b]["delta"])
-    assert second.stats()["total"] == optimizer.stats()["total"] | {
-        name: second.stats()["total"][name] for name in ("compress_ms", "communicate_ms", "decompress_ms")
-    }
-
-
-def dying_worker(rank: int, world: int) -> dict:
-    params = [torch.nn.Parameter(p) for p in start(0)]
-    optimizer = demo(params)
-    trained(params, optimizer, rank, range(1))
-    if rank == 1:
-        os._exit(3)
-    began = time.monotonic()
-    try:
-        trained(params, optimizer, rank, range(1, 3))
-    except PeerFailureError as error:
-        return {"error": str(error), "seconds": time.monotonic() - began}
-    return {"error": None}
+    assert_resumes_bit_for_bit(demo, {"lr": 1.0}, steps=5, cut=2)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_dead_peer_raises_instead_of_hanging() -> None:
-    results = run_workers(__file__, "dying_worker", 2, group_timeout=10.0, timeout=60, expect_exit={1: 3})
-    assert results[0]["error"] is not None and "DeMo all-gather" in results[0]["error"]
-    assert results[0]["seconds"] < 15
+    assert_a_dead_peer_raises(__file__, "DeMo", SETTINGS)
 
 
 def test_a_non_finite_gradient_raises_before_any_parameter_moves() -> None:
-    params = [torch.nn.Parameter(p) for p in start(0)]
-    optimizer = demo(params)
-    before = [p.detach().clone() for p in params]
-    for param, grad in zip(params, gradients(0, 0), strict=True):
-        param.grad = grad
-    params[1].grad[3] = float("nan")
+    params, optimizer, before = poisoned(demo, float("nan"))
     with pytest.raises(NonFiniteGradientError, match="NaN or Inf"):
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
@@ -320,16 +269,3 @@ def test_under_propagate_an_index_outside_its_chunk_is_dropped() -> None:
 def test_bad_arguments_say_what_is_wrong(options, message) -> None:
     with pytest.raises(InvalidOptionError, match=message):
         demo([torch.nn.Parameter(p) for p in start(0)], **options)
-
-
-def test_the_trainer_refuses_what_does_not_apply_to_demo(tmp_path) -> None:
-    def config(**settings):
-        return TrainConfig(out=str(tmp_path), model="gpt", optimizer="demo", **settings)
-
-    assert config(options={"topk": 16}).lr == 1e-3  # DeMo's own default
-    with pytest.raises(InvalidOptionError, match="--compressor must be none"):
-        config(compressor="topk", options={"ratio": 0.01})
-    with pytest.raises(InvalidOptionError, match="--sync-every"):
-        config(sync_every=10)
-    with pytest.raises(InvalidOptionError, match="DeMo has no option warmup_steps"):
-        config(options={"warmup_steps": 10})

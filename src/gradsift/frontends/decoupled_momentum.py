@@ -60,23 +60,17 @@ shrunk to a divisor of it; indices travel in 16 bits, not 64.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gradsift.core.agreement import check_agreement, setting_text, tensors_text
-from gradsift.core.collectives import KEPT_WORKS, allgather, broadcast_from_first
-from gradsift.core.errors import (
-    InvalidOptionError,
-    InvalidTensorError,
-    NonFiniteGradientError,
-    WireFormatError,
-)
+from gradsift.core.agreement import setting_text
+from gradsift.core.errors import InvalidTensorError, NonFiniteGradientError, WireFormatError
+from gradsift.core.exchanging import ExchangingOptimizer, parse_options
 from gradsift.core.finite import nonfinite
-from gradsift.core.telemetry import BucketRecord, Telemetry
+from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.core.wire import parse_value_dtype
 
@@ -115,12 +109,7 @@ class DeMoOptions:
     @classmethod
     def parse(cls, options: dict[str, Any]) -> DeMoOptions:
         """The settings from keyword ``options``; an unknown name raises, listing the known ones."""
-        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise InvalidOptionError(
-                f"DeMo has no option {', '.join(unknown)}; its options are: {', '.join(cls.__dataclass_fields__)}"
-            )
-        return cls(**options)
+        return parse_options(cls, options, "DeMo")
 
     def describe(self) -> dict[str, Any]:
         """The settings as plain JSON types."""
@@ -173,11 +162,13 @@ def dct_basis(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return basis.to(dtype=dtype, device=device)
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(ExchangingOptimizer, method="DeMo", key="demo"):
     """DeMo's optimizer (see the module docstring); ``lr`` and ``weight_decay`` per parameter
     group, the settings of :class:`DeMoOptions` for all (``beta``, ``chunk``, ``topk``,
     ``value_dtype``, ``nonfinite``). ``process_group``: the workers (default: the world when
     ``torch.distributed`` is initialised, else this process alone, which needs no collective).
+    What every optimizer whose step is its exchange shares (the parameters, the agreement,
+    the all-gather, the telemetry, the checkpoint) is :class:`gradsift.core.exchanging.ExchangingOptimizer`'s.
 
     Example::
 
@@ -195,27 +186,15 @@ class DeMo(torch.optim.Optimizer):
         **options: Any,
     ) -> None:
         self.options = DeMoOptions.parse(options)
-        check_real(lr, "lr", low=0.0, low_open=True)
-        check_real(weight_decay, "weight_decay", low=0.0)
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        if process_group is not None and not dist.is_initialized():
-            raise InvalidOptionError("process_group needs an initialised torch.distributed")
-        self.process_group = process_group
-        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.params = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel()]
-        if not self.params:
-            raise InvalidOptionError("DeMo needs at least one trainable parameter with elements")
-        if len({p.device for p in self.params}) > 1:
-            raise InvalidTensorError("DeMo's parameters must share one device (its exchange is one message)")
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, process_group)
         dtypes = {p.dtype for p in self.params}
         self.value_dtype = self.options.value_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
         self.index_dtype = torch.int16 if self.options.chunk**2 <= 2**15 else torch.int32
         self.tilings = {p: Tiling.of(p.shape, self.options.chunk, self.options.topk) for p in self.params}
         self.entries = sum(t.entries for t in self.tilings.values())
         self.message_bytes = self.entries * (self.value_dtype.itemsize + self.index_dtype.itemsize)
+        self.elements_sent = [tiling.entries for tiling in self.tilings.values()]
         self.values_bytes = self.entries * self.value_dtype.itemsize
-        self.numel = sum(p.numel() for p in self.params)
-        self.dense_bytes = sum(p.numel() * p.element_size() for p in self.params)
         #: Per entry of a message, the size of its chunk: every index must lie below it.
         self._index_bounds = torch.cat(
             [
@@ -223,64 +202,33 @@ class DeMo(torch.optim.Optimizer):
                 for t in self.tilings.values()
             ]
         ).to(self.params[0].device)
-        self.steps = 0
-        self.telemetry = Telemetry()
         self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         #: Per parameter, the buffer the next step's momentum is written into (double buffering).
         self._spare: dict[torch.Tensor, torch.Tensor | None] = {}
-        if self.world > 1:
-            check_agreement(self._settings(), process_group, "DeMo")  # collective: before anything moves
-            broadcast_from_first(self.params, process_group)
+        self.start()  # collective: the ranks agree and take rank 0's parameters
 
-    def _settings(self) -> dict[str, str]:
-        """What every rank's DeMo must share (:mod:`gradsift.core.agreement`): its options (the
-        values' dtype as resolved), each group's ``lr`` and ``weight_decay``, the parameters' layout."""
+    def settings(self) -> dict[str, str]:
+        """What every rank's DeMo must share: its options (the values' dtype as resolved),
+        the groups and the parameters' layout."""
         settings = {name: setting_text(value) for name, value in self.options.describe().items()}
         settings["value_dtype"] = setting_text(self.value_dtype)
-        groups = [(group["lr"], group["weight_decay"]) for group in self.param_groups]
-        settings["lr and weight_decay by group"] = setting_text(groups)
-        settings["parameters"] = setting_text(tensors_text(self.params))
-        return settings
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group while the optimizer is built; afterwards the layout of the message is fixed."""
-        if hasattr(self, "tilings"):
-            raise InvalidOptionError(
-                "DeMo's parameters are fixed at construction (every worker's message has one layout)"
-            )
-        for name in ("lr", "weight_decay"):
-            if name in param_group:
-                check_real(param_group[name], name, low=0.0, low_open=name == "lr")
-        super().add_param_group(param_group)
+        return {**settings, **super().settings()}
 
     # -- the step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One DeMo step on every parameter (steps 1-5 of the module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        record = BucketRecord(dense_bytes=self.dense_bytes, elements=self.numel)
-        device = self.params[0].device
-        KEPT_WORKS.next_step()  # the last step's all-gather is done: release its work and buffers
+    def exchange(self, record: BucketRecord, device: torch.device) -> bool:
+        """One DeMo step on every parameter (steps 1-5 of the module docstring); never skipped
+        (a refused step raises)."""
         with record.timed("compress_ms", device):
             message, deltas = self._compress()
         with record.timed("communicate_ms", device):
-            rows = self._gather(message)
+            rows = self.gather(message)
         with record.timed("decompress_ms", device):
             values, indices = self._received(rows)
             self._update(values, indices)
             for param, delta in zip(self.params, deltas, strict=True):  # the momentum moves with them
                 self._spare[param] = self.state[param].get("delta")
                 self.state[param]["delta"] = delta
-        record.add_bytes(sent=self.message_bytes, padded=self.message_bytes,
-                         received=(self.world - 1) * self.message_bytes)  # fmt: skip
-        for tiling in self.tilings.values():
-            record.add_tensor(tiling.entries, dense=False)
-        self.telemetry.end_step(self.steps, [record], skipped=False, running=record.settle())
-        self.steps += 1
-        return loss
+        return False
 
     def _compress(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Momentum, DCT, top-k per chunk, error feedback: this worker's message as bytes, and
@@ -312,14 +260,6 @@ class DeMo(torch.optim.Optimizer):
             deltas.append(delta)
         message = torch.cat([torch.cat(values).view(torch.uint8), torch.cat(indices).view(torch.uint8)])
         return message, deltas
-
-    def _gather(self, message: torch.Tensor) -> list[torch.Tensor]:
-        """Every worker's message, in rank order (one all-gather; none for one worker)."""
-        if self.world == 1:
-            return [message]
-        out = torch.empty(self.world * message.numel(), dtype=torch.uint8, device=message.device)
-        allgather(out, message, self.process_group, "DeMo all-gather").wait()
-        return list(out.view(self.world, -1).unbind(0))
 
     def _received(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The workers' values and indices, ``(W, entries)`` each, checked before anything moves.
@@ -407,32 +347,13 @@ class DeMo(torch.optim.Optimizer):
         padded = torch.einsum("abkl,ki,lj->aibj", tiles, rows, cols).reshape(grid_rows * tr, grid_cols * tc)
         return padded[: tiling.rows, : tiling.cols].reshape(tiling.shape)
 
-    # -- read-outs and checkpoints ------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """``{"step": {...}, "total": {...}}`` as the DDP hook's ``stats()``: bytes_sent,
-        bytes_padded (= sent), bytes_received, dense_bytes (an fp32 allreduce's message),
-        density (coefficients sent per element), compress/communicate/decompress_ms."""
-        return self.telemetry.summary()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's (every ``delta``, the groups), the step count and the byte totals."""
-        state = super().state_dict()
-        state["demo"] = {"steps": self.steps, "chunk": self.options.chunk, "topk": self.options.topk,
-                         "telemetry": self.telemetry.state_dict()}  # fmt: skip
-        return state
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint_settings(self) -> dict[str, Any]:
+        """A checkpoint's momentum is laid out by ``chunk`` and ``topk``: it loads only with the same."""
+        return {"chunk": self.options.chunk, "topk": self.options.topk}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (made with the same ``chunk`` and ``topk``)."""
-        state_dict = dict(state_dict)
-        demo = state_dict.pop("demo", None)
-        if demo is None:
-            raise InvalidOptionError("not a DeMo state dict: it has no 'demo' entry")
-        if (demo["chunk"], demo["topk"]) != (self.options.chunk, self.options.topk):
-            raise InvalidOptionError(
-                f"the checkpoint was made with chunk={demo['chunk']}, topk={demo['topk']}; "
-                f"this optimizer has chunk={self.options.chunk}, topk={self.options.topk}"
-            )
+        """Restore :meth:`state_dict` (every ``delta``, the groups, the step count and the byte
+        totals; made with the same ``chunk`` and ``topk``)."""
         super().load_state_dict(state_dict)
         self._spare = {}  # never write into a tensor the loaded state may share
-        self.steps = int(demo["steps"])
-        self.telemetry.load_state_dict(demo["telemetry"])

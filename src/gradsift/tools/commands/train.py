@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # checks the values again.
 MODEL_NAMES = ("gpt", "lstm", "mlp", "mlp-wide", "resnet20", "vgg")
 LR_SCHEDULES = ("step", "cosine")
-OPTIMIZERS = ("sgd", "adamw", "demo")
+OPTIMIZERS = ("sgd", "adamw", "demo", "lion")
 
 HELP = "one distributed training run (model, compressor, workers, bandwidth, steps)"
 DESCRIPTION = (
@@ -105,17 +105,21 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--workers", type=int, default=2, help="ranks to start on this machine")
     run.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
     run.add_argument("--optimizer", choices=OPTIMIZERS,
-                     help="sgd (with --momentum), adamw (with --betas), or demo (gradsift.DeMo: no DDP, DCT top-k "
+                     help="sgd (with --momentum), adamw (with --betas), demo (gradsift.DeMo: no DDP, DCT top-k "
                      "of the local momentum exchanged, sign steps; --compressor none; its beta, chunk, topk, "
-                     "value_dtype, nonfinite by --option); default: adamw for --model gpt, sgd for the image "
-                     "models")  # fmt: skip
+                     "value_dtype, nonfinite by --option), or lion (gradsift.DistributedLion: no DDP, each worker's "
+                     "Lion sign update sent in 1 bit per element; --compressor none; --betas are Lion's; "
+                     "--option aggregate=vote (majority, the default) or aggregate=average); default: adamw for "
+                     "--model gpt, sgd for the image models")  # fmt: skip
     run.add_argument("--lr", type=float,
-                     help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw, 0.001 for demo)")  # fmt: skip
+                     help="peak learning rate (default: 0.05 for sgd, 0.003 for adamw, 0.001 for demo, 0.0003 "
+                     "for lion)")  # fmt: skip
     run.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     run.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.99], metavar=("BETA1", "BETA2"),
-                     help="AdamW's betas")  # fmt: skip
+                     help="AdamW's betas, or Lion's with --optimizer lion")  # fmt: skip
     run.add_argument("--weight-decay", type=float,
-                     help="weight decay (default: 0 for sgd and demo; 0.1 for adamw; decoupled for adamw and demo)")  # fmt: skip
+                     help="weight decay (default: 0 for sgd and demo; 0.1 for adamw; 1.0 for lion; decoupled for "
+                     "adamw, demo and lion)")  # fmt: skip
     run.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
                      help="clip the gradients' total norm to C before each optimizer step, as GPT recipes do "
                      "(torch.nn.utils.clip_grad_norm_; with the AdamW recipe it clips the first moment the hook "
@@ -313,7 +317,8 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
 
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
-    demo = (summary.get("recipe") or {}).get("optimizer") == "DeMo"  # its own exchange, compressor none
+    optimizer = (summary.get("recipe") or {}).get("optimizer")
+    own = optimizer in ("DeMo", "DistributedLion")  # its own exchange, compressor none
     sent, wire = summary["bytes_sent_per_step"], summary["bytes_padded_per_step"]
     # a payload padded to its capacity travels whole: say so when the padding is more than rounding
     padded = (
@@ -328,7 +333,7 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
     )
     auto = (summary.get("recipe") or {}).get("auto")
-    method = "DeMo" if demo else summary["compressor"]
+    method = optimizer if own else summary["compressor"]
     if auto is not None:  # what auto chose, and the predicted step times it chose from
         predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
         again = auto.get("remeasures", 0)

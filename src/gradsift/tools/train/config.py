@@ -20,6 +20,7 @@ from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.frontends.decoupled_momentum import DeMo, DeMoOptions
 from gradsift.frontends.diloco import OUTER_OPTIONS
+from gradsift.frontends.distributed_lion import DistributedLion, LionOptions
 from gradsift.hook.auto import AUTO, PASSED_ON
 from gradsift.hook.options import HOOK_OPTIONS
 from gradsift.hook.state import GradsiftHookState
@@ -29,12 +30,17 @@ from gradsift.tools.train.models import MODELS
 #: Learning-rate schedules after the warm-up (see :func:`learning_rate`).
 LR_SCHEDULES = ("step", "cosine")
 
-#: Optimizers of the trainer: SGD with momentum, AdamW (decoupled weight decay), or DeMo
-#: (``gradsift.DeMo``: its own exchange, no DDP).
-OPTIMIZERS = ("sgd", "adamw", "demo")
+#: Optimizers of the trainer: SGD with momentum, AdamW (decoupled weight decay), DeMo
+#: (``gradsift.DeMo``) or Distributed Lion (``gradsift.DistributedLion``), each of the last
+#: two with its own exchange, no DDP.
+OPTIMIZERS = ("sgd", "adamw", "demo", "lion")
 #: Per optimizer, the defaults of the settings left unset: (lr, weight decay). DeMo's sign
 #: step moves every coordinate by ``lr``: a third of AdamW's here; no decay, as the paper's runs.
-OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1), "demo": (1e-3, 0.0)}
+#: Lion's, as its paper advises: a tenth of AdamW's lr and ten times its decay (the decay per
+#: step, ``lr * weight_decay``, stays AdamW's).
+OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1), "demo": (1e-3, 0.0), "lion": (3e-4, 1.0)}
+#: The optimizers whose step is their exchange (no DDP, no compressor): their options' parser.
+OWN_EXCHANGE = {"demo": DeMoOptions.parse, "lion": LionOptions.parse}
 
 
 def default_optimizer(model: str) -> str:
@@ -55,11 +61,13 @@ class TrainConfig:
         model: a key of :data:`gradsift.tools.train.models.MODELS`.
         compressor: a registry name; ``options`` are its keyword options (and the
             DDP hook's, e.g. ``warmup_steps``), passed to ``register_comm_hook``.
-        optimizer: ``sgd`` (momentum ``momentum``), ``adamw`` (``betas``) or ``demo``
+        optimizer: ``sgd`` (momentum ``momentum``), ``adamw`` (``betas``), ``demo``
             (:class:`gradsift.DeMo`: no DDP, DeMo's step exchanges; ``options`` are its
             ``beta``, ``chunk``, ``topk``, ``value_dtype``, ``nonfinite``; ``compressor`` stays
-            ``none``); None picks :func:`default_optimizer`. ``lr`` and ``weight_decay`` left
-            None take the optimizer's defaults (:data:`OPTIMIZER_DEFAULTS`).
+            ``none``) or ``lion`` (:class:`gradsift.DistributedLion`, the same way; ``betas``
+            are Lion's, ``options`` its ``aggregate``); None picks :func:`default_optimizer`.
+            ``lr`` and ``weight_decay`` left None take the optimizer's defaults
+            (:data:`OPTIMIZER_DEFAULTS`).
         clip_grad_norm: ``C > 0`` clips the gradients' total norm to ``C`` before every
             optimizer step (``torch.nn.utils.clip_grad_norm_``); 0 (default): no clipping.
         sync_every: 0 (default): DDP with gradsift's hook; ``H > 0``: no DDP, DiLoCo's outer
@@ -159,8 +167,8 @@ class TrainConfig:
             check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
         if self.target_loss is not None:
             check_real(self.target_loss, "target_loss", low=0.0, low_open=True)
-        if self.optimizer == "demo":
-            check_demo_options(self.compressor, self.options, self.sync_every)
+        if self.optimizer in OWN_EXCHANGE:
+            check_own_exchange_options(self.optimizer, self.compressor, self.options, self.sync_every)
         else:
             check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0)
 
@@ -238,28 +246,35 @@ def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
         )
 
 
-def check_demo_options(compressor: str, options: dict[str, Any], sync_every: int) -> None:
-    """``--optimizer demo``: DeMo exchanges by itself, so no compressor, no DiLoCo, and only
-    DeMo's own options (:class:`gradsift.frontends.decoupled_momentum.DeMoOptions`)."""
+def check_own_exchange_options(
+    optimizer: str, compressor: str, options: dict[str, Any], sync_every: int
+) -> None:
+    """``--optimizer demo`` or ``lion``: the optimizer exchanges by itself, so no compressor,
+    no DiLoCo, and only its own options (:data:`OWN_EXCHANGE`)."""
     if compressor not in ("none", AUTO):
         raise InvalidOptionError(
-            f"--optimizer demo sends its own DCT coefficients: --compressor must be none, got {compressor!r}"
+            f"--optimizer {optimizer} sends its own messages: --compressor must be none, got {compressor!r}"
         )
     if sync_every:
         raise InvalidOptionError(
-            "--optimizer demo exchanges every step: --sync-every (DiLoCo) does not apply"
+            f"--optimizer {optimizer} exchanges every step: --sync-every (DiLoCo) does not apply"
         )
-    DeMoOptions.parse(options)
+    OWN_EXCHANGE[optimizer](options)
 
 
 def build_optimizer(config: TrainConfig, parameters: Any) -> torch.optim.Optimizer:
     """The run's optimizer over ``parameters`` (its lr is set every step by :func:`learning_rate`);
-    DeMo's needs the process group initialised (it starts every rank from rank 0's parameters)."""
+    DeMo and Distributed Lion need the process group initialised (they start every rank from
+    rank 0's parameters)."""
     assert config.lr is not None and config.weight_decay is not None  # resolved in __post_init__
     if config.optimizer == "demo":
         return DeMo(parameters, lr=config.lr, weight_decay=config.weight_decay, **config.options)
+    beta1, beta2 = config.betas
+    if config.optimizer == "lion":
+        return DistributedLion(
+            parameters, lr=config.lr, betas=(beta1, beta2), weight_decay=config.weight_decay, **config.options
+        )
     if config.optimizer == "adamw":
-        beta1, beta2 = config.betas
         return torch.optim.AdamW(
             parameters, lr=config.lr, betas=(beta1, beta2), weight_decay=config.weight_decay
         )

@@ -139,9 +139,11 @@ def install_diloco(
     return stats, recipe, finish_round
 
 
-def install_demo(optimizer: Any) -> tuple[Callable[[], dict[str, float]], dict[str, Any]]:
-    """Train with :class:`gradsift.DeMo` (no DDP: its step is the exchange). Returns the
-    per-step exchange numbers (its ``stats()``, as the hook's) and what runs (for ``summary.json``)."""
+def install_own_exchange(optimizer: Any) -> tuple[Callable[[], dict[str, float]], dict[str, Any]]:
+    """Train with an optimizer whose step is the exchange (:class:`gradsift.DeMo`,
+    :class:`gradsift.DistributedLion`; no DDP). Returns the per-step exchange numbers (its
+    ``stats()``, as the hook's) and what runs (for ``summary.json``: its options under its key,
+    ``demo`` or ``lion``)."""
 
     def stats() -> dict[str, float]:
         return step_exchange_stats(optimizer.stats()["step"])
@@ -149,7 +151,7 @@ def install_demo(optimizer: Any) -> tuple[Callable[[], dict[str, float]], dict[s
     return stats, {
         "enabled": False,
         "optimizer": type(optimizer).__name__,
-        "demo": optimizer.options.describe(),
+        optimizer.key: optimizer.options.describe(),
     }
 
 

@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from gradsift.core.collectives import blocking
-from gradsift.tools.train.config import TrainConfig, build_optimizer, learning_rate
+from gradsift.tools.train.config import OWN_EXCHANGE, TrainConfig, build_optimizer, learning_rate
 from gradsift.tools.train.data import batches, shard_indices
 from gradsift.tools.train.datasets import is_language_model, load_for_model
 from gradsift.tools.train.devices import backend_for, resolve_device
-from gradsift.tools.train.exchange import install_demo, install_diloco, install_exchange
+from gradsift.tools.train.exchange import install_diloco, install_exchange, install_own_exchange
 from gradsift.tools.train.models import build_model, parameter_count
 from gradsift.tools.train.records import JsonlRecords
 from gradsift.tools.train.summary import summarize
@@ -176,12 +176,12 @@ def train_rank(
     )
     model = build_model(config.model, config.seed).to(device)
     optimizer = build_optimizer(config, model.parameters())
-    forward: torch.nn.Module = model  # DiLoCo and DeMo: no DDP, each worker's gradients stay its own
+    forward: torch.nn.Module = model  # DiLoCo, DeMo, Lion: no DDP, each worker's gradients stay its own
     finish_round = None
     if config.sync_every:  # DiLoCo: an outer step every sync_every steps
         exchange_stats, recipe, finish_round = install_diloco(model, optimizer, config)
-    elif config.optimizer == "demo":  # DeMo: its step is the exchange
-        exchange_stats, recipe = install_demo(optimizer)
+    elif config.optimizer in OWN_EXCHANGE:  # DeMo, Distributed Lion: the step is the exchange
+        exchange_stats, recipe = install_own_exchange(optimizer)
     else:
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         exchange_stats, recipe = install_exchange(
@@ -191,7 +191,7 @@ def train_rank(
     progress = tqdm(
         total=config.steps,
         disable=rank != 0 or not config.progress,
-        desc="demo" if config.optimizer == "demo" else config.compressor,
+        desc=config.optimizer if config.optimizer in OWN_EXCHANGE else config.compressor,
         unit="step",
     )
     step, epoch, train_time = 0, 0, 0.0
