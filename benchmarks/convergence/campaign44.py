@@ -59,6 +59,12 @@ ARMS = {
     "onebit-adam-q4w100": Method("efsignsgd", {"warmup_steps": 100, "warmup_compressor": "blockquant"},
                                  setting="the 1-bit arm with a 100-step warm-up in 4-bit block codes with error "
                                          "feedback: the longest coded warm-up that keeps >= 30x at 6,000 steps"),
+    **{
+        f"lion-lr{lr}": Method("none", flags=("--optimizer", "lion", "--lr", lr),
+                               setting=f"gradsift.DistributedLion (sign updates majority-voted, 1 bit per parameter "
+                                       f"per step, no warm-up), lr {lr}, weight decay 1.0 (the trainer's)")
+        for lr in ("1e-4", "3e-4", "1e-3")
+    },
     "fp32-repro-w4": Method("none", setting="stock DDP, fp32, lr 3e-3, 4 workers: the protocol's none again, on this commit"),
     "onebit-adam-q4w150-2s": Method("efsignsgd", {"warmup_steps": 150, "warmup_compressor": "blockquant",
                                                   "exchange": "two-stage"},
@@ -78,6 +84,8 @@ LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
 #: codes (>= 30x fewer bytes at 3,000 steps), beside the same 50 steps in fp32 (the short
 #: freeze's own effect), paired with the 3,000-step fp32 runs of the same seeds.
 CODED_ARMS = ("onebit-adam-q4w50", "onebit-adam-w50")
+#: Distributed Lion's learning-rate screen (314 steps, seed 0; the weight decay the trainer's 1.0).
+LION_ARMS = ("lion-lr3e-4", "lion-lr1e-3", "lion-lr1e-4")
 #: The same at 4 workers, where the allgather's received bytes grow with W: through the
 #: two-stage exchange, paired with the protocol's 4-worker, 3,000-step fp32 runs.
 WIDE, WIDE_SCREEN = "gpt-adamw-w4-3k", "gpt-adamw-w4"
@@ -131,6 +139,7 @@ def plan(
     longer: bool = False,
     coded: bool = False,
     wide: bool = False,
+    lion: bool = False,
 ) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
@@ -138,8 +147,10 @@ def plan(
     this machine gave the campaign; ``longer`` runs only the 6,000-step phase (:data:`LONGER_ARMS`),
     ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
     this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
-    two-stage arm, after fp32's 4-worker reproduction); ``longer`` with ``coded`` the coded
+    two-stage arm, after fp32's 4-worker reproduction); ``lion`` Distributed Lion's lr screen; ``longer`` with ``coded`` the coded
     warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x)."""
+    if lion:
+        return [Run(SCREEN, arm, 0, root) for arm in LION_ARMS]
     if longer and coded:
         return [Run(LONGER, "onebit-adam-q4w100", seed, root) for seed in SEEDS]
     if wide:
@@ -178,18 +189,21 @@ def main() -> int:
     parser.add_argument(
         "--wide", action="store_true", help="only the coded warm-up's 4-worker phase (two-stage)"
     )
+    parser.add_argument(
+        "--lion", action="store_true", help="only Distributed Lion's lr screen (314 steps, seed 0)"
+    )
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide):
+        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
         todo = [
             r
-            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide)
+            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion)
             if not finished(r) and r not in failed
         ]
         if not todo:
