@@ -65,6 +65,11 @@ ARMS = {
                                        f"per step, no warm-up), lr {lr}, weight decay 1.0 (the trainer's)")
         for lr in ("1e-4", "3e-4", "1e-3")
     },
+    **{
+        f"lion-lr{lr}-wd0.1": Method("none", flags=("--optimizer", "lion", "--lr", lr, "--weight-decay", "0.1"),
+                                     setting=f"gradsift.DistributedLion, lr {lr}, weight decay 0.1 (AdamW's)")
+        for lr in ("3e-4", "1e-3")
+    },
     "fp32-repro-w4": Method("none", setting="stock DDP, fp32, lr 3e-3, 4 workers: the protocol's none again, on this commit"),
     "onebit-adam-q4w150-2s": Method("efsignsgd", {"warmup_steps": 150, "warmup_compressor": "blockquant",
                                                   "exchange": "two-stage"},
@@ -84,8 +89,8 @@ LR_ARMS = ("fp32-lr1.5e-3", "fp32-lr6e-3")
 #: codes (>= 30x fewer bytes at 3,000 steps), beside the same 50 steps in fp32 (the short
 #: freeze's own effect), paired with the 3,000-step fp32 runs of the same seeds.
 CODED_ARMS = ("onebit-adam-q4w50", "onebit-adam-w50")
-#: Distributed Lion's learning-rate screen (314 steps, seed 0; the weight decay the trainer's 1.0).
-LION_ARMS = ("lion-lr3e-4", "lion-lr1e-3", "lion-lr1e-4")
+#: Distributed Lion's learning-rate screen (314 steps, seed 0): weight decay the trainer's 1.0, then AdamW's 0.1.
+LION_ARMS = ("lion-lr3e-4", "lion-lr1e-3", "lion-lr1e-4", "lion-lr3e-4-wd0.1", "lion-lr1e-3-wd0.1")
 #: The same at 4 workers, where the allgather's received bytes grow with W: through the
 #: two-stage exchange, paired with the protocol's 4-worker, 3,000-step fp32 runs.
 WIDE, WIDE_SCREEN = "gpt-adamw-w4-3k", "gpt-adamw-w4"
