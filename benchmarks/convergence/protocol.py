@@ -426,8 +426,12 @@ class ValidationRun:
                 "--bandwidth", self.link]  # fmt: skip
 
 
-#: One full emulated run per headline pair (sidco-exp against fp32 and against bf16) on VGG.
-VALIDATION_RUNS = [ValidationRun("vgg", m, "100mbit") for m in ("sidco-exp-0.01", "none", "bf16")]
+#: One full emulated run per headline pair (sidco-exp against fp32 and against bf16) on VGG;
+#: then issue 44's check of its composed times: fp32 and the 1-bit Adam arm, 3,000 steps of the
+#: AdamW GPT, over each link (docs/adam.md publishes a composed time only within 10 % of these).
+VALIDATION_RUNS = [ValidationRun("vgg", m, "100mbit") for m in ("sidco-exp-0.01", "none", "bf16")] + [
+    ValidationRun("gpt-adamw-3k", m, link) for link in LINKS for m in ("none", "onebit-adam")
+]
 
 
 @dataclass(frozen=True)
