@@ -323,9 +323,10 @@ def reproduction(issue44: Path) -> list[dict[str, Any]]:
     checks = []
     pairs = [(w, arm, arm) for w in WORKLOAD_LABELS for arm in (REFERENCE, "onebit-adam")] + list(RERUNS)
     for (workload, rerun, original), seed in itertools.product(pairs, campaign44.SEEDS):
-        new = load_run(run_directory(workload, rerun, seed, "issue44", issue44))
-        old = load_run(run_directory(workload, original, seed, "protocol", issue44))
-        if new is None or old is None:
+        rerun_at = run_directory(workload, rerun, seed, "issue44", issue44)
+        original_at = run_directory(workload, original, seed, "protocol", issue44)
+        new, old = load_run(rerun_at), load_run(original_at)
+        if new is None or old is None or rerun_at == original_at:  # not a rerun: the run itself
             continue
         curve = max(
             (abs(a - b) for a, b in zip(new["loss_curve"], old["loss_curve"], strict=False)),
