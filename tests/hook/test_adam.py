@@ -29,6 +29,7 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import FrozenVarianceStep
 from support.distributed import run_workers
 from support.models import IN, batch, flat_params, make_model
+from support.oracles import frozen_variance_start
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)
 
@@ -53,7 +54,7 @@ def reference_run(rank: int, kind: str) -> torch.Tensor:
     optimizer = build(kind, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     params = list(model.parameters())
-    beta1, beta2 = BETAS
+    beta1 = BETAS[0]
     velocity, preconditioner = {}, {}
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -64,11 +65,7 @@ def reference_run(rank: int, kind: str) -> torch.Tensor:
         else:
             with torch.no_grad():
                 if not velocity:
-                    for p in params:
-                        state = optimizer.state[p]
-                        t = float(state["step"])
-                        velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
-                        preconditioner[p] = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + 1e-8
+                    velocity, preconditioner = frozen_variance_start(optimizer, params, BETAS)
                 for p in params:
                     g = p.grad + (WD * p if kind == "adam" else 0)
                     velocity[p] = beta1 * velocity[p] + g

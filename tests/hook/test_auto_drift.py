@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.hook import auto, choice, drift
+from support.oracles import frozen_variance_start
 
 pytestmark = pytest.mark.distributed
 
@@ -167,7 +168,8 @@ def adam_method_then_stock(entered: int, left: int) -> DDP:
     data = torch.Generator().manual_seed(1)
     (beta1, beta2), lr, decay = ADAMW["betas"], ADAMW["lr"], ADAMW["weight_decay"]
     params = list(ddp.parameters())
-    velocity, frozen = {}, {}
+    velocity: dict = {}
+    frozen: dict = {}
     for step in range(STEPS):
         optimizer.zero_grad()
         ddp(torch.randn(16, 32, generator=data)).square().mean().backward()
@@ -175,12 +177,9 @@ def adam_method_then_stock(entered: int, left: int) -> DDP:
             optimizer.step()
             continue
         with torch.no_grad():
+            if not velocity:
+                velocity, frozen = frozen_variance_start(optimizer, params, ADAMW["betas"])
             for p in params:
-                state = optimizer.state[p]
-                if p not in velocity:
-                    t0 = float(state["step"])
-                    velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t0))
-                    frozen[p] = (state["exp_avg_sq"] / (1 - beta2**t0)).sqrt() + 1e-8
                 velocity[p] = beta1 * velocity[p] + p.grad
                 p.mul_(1 - lr * decay).sub_(lr * (1 - beta1) * velocity[p] / frozen[p])
             if step == left - 1:  # hand AdamW its state back

@@ -25,6 +25,7 @@ import gradsift
 from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
 from support.models import batch, flat_params, make_model
+from support.oracles import frozen_variance_start, quantized_by_definition
 
 STEPS, WARMUP, LR, WD, BETAS, WORLD = 9, 4, 0.01, 0.1, (0.9, 0.99), 2
 EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
@@ -33,19 +34,6 @@ EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
 def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
     x, y = batch(rank, step)
     return torch.nn.functional.mse_loss(model(x), y)
-
-
-def block_code(x: torch.Tensor, bits: int = 4, block: int = 64) -> torch.Tensor:
-    """What a worker's 4-bit block code of ``x`` stands for (blockquant's definition)."""
-    levels = 2 ** (bits - 1) - 1
-    out = torch.empty_like(x)
-    for start in range(0, x.numel(), block):
-        piece = x[start : start + block]
-        scale = piece.abs().max()
-        out[start : start + block] = (
-            0.0 if scale == 0 else torch.round(levels * piece / scale) * scale / levels
-        )
-    return out
 
 
 def gradients(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
@@ -59,7 +47,7 @@ def reference_run() -> torch.Tensor:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     params = list(model.parameters())
-    beta1, beta2 = BETAS
+    beta1 = BETAS[0]
     residual = {(k, i): torch.zeros(p.numel()) for k in range(WORLD) for i, p in enumerate(params)}
     velocity, preconditioner = {}, {}
     for step in range(STEPS):
@@ -70,18 +58,14 @@ def reference_run() -> torch.Tensor:
                     sent = []
                     for k in range(WORLD):
                         c = per_worker[k][i] + residual[k, i]
-                        sent.append(block_code(c))
+                        sent.append(quantized_by_definition(c, bits=4, block=64))
                         residual[k, i] = c - sent[-1]
                     p.grad = (sum(sent) / WORLD).reshape(p.shape)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 continue
             if not velocity:
-                for p in params:
-                    state = optimizer.state[p]
-                    t = float(state["step"])
-                    velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
-                    preconditioner[p] = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + 1e-8
+                velocity, preconditioner = frozen_variance_start(optimizer, params, BETAS)
                 left = [sum(residual[k, i] for k in range(WORLD)) / WORLD for i in range(len(params))]
             else:
                 left = [torch.zeros(p.numel()) for p in params]
