@@ -22,6 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from gradsift.exchanges.two_stage import SERVER_CHUNK
 from support.distributed import run_workers
 from support.models import batch, make_model
 from support.tally import Tally
@@ -173,3 +174,36 @@ def test_what_it_cannot_carry_is_refused_by_name():
     (result,) = run_workers(__file__, "refusal_worker", 1)
     assert "cannot travel by exchange 'two-stage'" in result["topk"]
     assert "runs that server stage itself" in result["server"]
+
+
+def nonfinite_worker(rank: int, world: int) -> dict:
+    """A NaN in rank 1's gradient at step 2, after DDP's bucket rebuild (one chunk's owner
+    learns of it in stage 1 and tells every rank in stage 2)."""
+    model = DDP(make_model())
+    state = gradsift.register_comm_hook(
+        model, "efsignsgd", exchange="two-stage", optimizer=False, nonfinite="skip"
+    )
+    out = {}
+    for step in range(4):
+        model.zero_grad()
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (loss * float("nan") if step == 2 and rank == 1 else loss).backward()
+        out[step] = {
+            "skipped": state.last_step_skipped,
+            "grad": torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]),
+            "store": {
+                t: {k: v.clone() for k, v in state.store.table(t).items()} for t in ("residual", SERVER_CHUNK)
+            },
+        }
+    return out
+
+
+def test_a_non_finite_gradient_on_one_rank_drops_the_step_on_every_rank():
+    results = run_workers(__file__, "nonfinite_worker", 4, timeout=120)
+    for result in results:
+        assert [result[step]["skipped"] for step in range(4)] == [False, False, True, False]
+        assert torch.equal(result[2]["grad"], torch.zeros_like(result[2]["grad"]))  # the "skip" policy's fill
+        for table in ("residual", SERVER_CHUNK):  # rolled back: as after step 1
+            before, after = result[1]["store"][table], result[2]["store"][table]
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
