@@ -300,6 +300,8 @@ EFFECTS = (
                                                        "(onebit-adam-w50 - onebit-adam, both in fp32)"),
     ("coded-warmup", "onebit-adam-q4w50", "onebit-adam-w50", "the warm-up's code (onebit-adam-q4w50 - "
                                                              "onebit-adam-w50: the same 50 steps in 4-bit codes)"),
+    ("coded-freeze", "onebit-adam-q4w100", "onebit-adam", "a 100-step warm-up in 4-bit codes instead of the "
+                                                         "trainer's 10 % in fp32 (onebit-adam-q4w100 - onebit-adam)"),
 )  # fmt: skip
 
 #: Reruns on a campaign's own commit of a protocol run: (workload, the rerun's arm, the protocol's arm).
