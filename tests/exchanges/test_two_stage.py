@@ -46,7 +46,10 @@ def big_step(rank: int) -> dict:
     with Tally() as tally:
         model(torch.randn(8, 128, generator=gen)).square().mean().backward()
     stats = state.stats()["step"]
-    return {"tallied": tally.received, "received": stats["bytes_received"], "dense": stats["dense_bytes"]}
+    return {
+        "tallied": tally.received, "received": stats["bytes_received"], "dense": stats["dense_bytes"],
+        "density": stats["density"], "tensors": stats["compressed_tensors"],
+    }  # fmt: skip
 
 
 def worker(rank: int, world: int) -> dict:
@@ -130,6 +133,8 @@ def test_bytes_received_are_a_ring_share_of_one_message_and_as_tallied(results):
             assert record["received"] == record["tallied"]
         big = result["big"]
         assert big["received"] <= 1.05 * 2 * (world - 1) / world * big["dense"] / 32
+        # every element coded once, counted once per bucket (the chunks' padding not among them)
+        assert big["density"] == 1.0 and big["tensors"] == 1
 
 
 def blockquant_worker(rank: int, world: int) -> dict:

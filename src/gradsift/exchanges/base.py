@@ -71,8 +71,9 @@ class Codec:
         self.value_dtype = value_dtype
         self.checks_values = checks_values
 
-    def encode(self, part: Part, context: Context) -> Encoded:
-        """Compress ``part.input`` into its wire payload (no host read).
+    def encode(self, part: Part, context: Context, counted: bool = True) -> Encoded:
+        """Compress ``part.input`` into its wire payload (no host read); ``counted``: count it as
+        one tensor sent (an exchange that codes a part in pieces counts the part once itself).
 
         With a narrower ``value_dtype`` the sent values are checked for overflow on the
         device (``k`` values, not the ``n`` gradient elements): an Inf there flags the
@@ -95,7 +96,8 @@ class Codec:
                 and payload.nonfinite is not None
             ):
                 sent = wire.flagged(sent, payload.nonfinite | nonfinite(sent.values))
-        context.record.add_tensor(payload.entries(), dense=self.compressor.identity)
+        if counted:
+            context.record.add_tensor(payload.entries(), dense=self.compressor.identity)
         return Encoded(payload, sent)
 
     def decompress_into(

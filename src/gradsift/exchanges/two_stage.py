@@ -66,7 +66,9 @@ class TwoStage(Exchange):
         layouts = [_Chunked(part, context.store, world) for part in parts]
         chunks = [[Part((part.key, j), 0, chunk, part.params) for j, chunk in enumerate(c.chunks)]
                   for part, c in zip(parts, layouts, strict=True)]  # fmt: skip
-        encoded = [[codec.encode(chunk, context) for chunk in row] for row in chunks]
+        encoded = [[codec.encode(chunk, context, counted=False) for chunk in row] for row in chunks]
+        for part in parts:  # one tensor of its own elements each, the padding not among them
+            context.record.add_tensor(part.numel, dense=False)
         compressor = codec.compressor
         sent = [c.to_flat(torch.cat([compressor.sent_dense(e.wire).to(torch.float32) for e in row]))
                 for c, row in zip(layouts, encoded, strict=True)]  # fmt: skip
