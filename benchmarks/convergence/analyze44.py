@@ -124,11 +124,7 @@ ROWS = (
         "the 1-bit arm, its 50-step warm-up in 4-bit codes with error feedback",
     ),
     Row("onebit-adam-q4w100", "issue44", "the 1-bit arm, its 100-step warm-up in 4-bit codes"),
-    Row("lion-lr3e-4", "issue44", "Distributed Lion (majority vote, 1 bit per parameter), lr 3e-4, wd 1.0"),
-    Row("lion-lr1e-3", "issue44", "Distributed Lion, lr 1e-3, wd 1.0"),
-    Row("lion-lr1e-4", "issue44", "Distributed Lion, lr 1e-4, wd 1.0"),
-    Row("lion-lr3e-4-wd0.1", "issue44", "Distributed Lion, lr 3e-4, wd 0.1"),
-    Row("lion-lr1e-3-wd0.1", "issue44", "Distributed Lion, lr 1e-3, wd 0.1"),
+    *(Row(arm, "issue44", campaign44.ARMS[arm].setting) for arm in campaign44.LION_ARMS),
     Row(
         "onebit-adam-q4w150-2s",
         "issue44",

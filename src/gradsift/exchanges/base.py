@@ -158,6 +158,11 @@ class Exchange(abc.ABC):
     #: is left to the backend, which does not promise the same bits on every rank.
     replicated: ClassVar[bool] = False
 
+    #: Whether the exchange itself codes the workers' mean again with a server residual (1-bit
+    #: Adam's second stage, inside the two-stage exchange), so the hook's ``server_feedback``
+    #: would code it a second time and is refused.
+    serves: ClassVar[bool] = False
+
     #: Whether the workers' messages add up on the way (each worker moves about one
     #: message's bytes, as in a ring allreduce) rather than each reaching every other
     #: worker (``W - 1`` messages, as in an allgather): the report's cost model uses it.

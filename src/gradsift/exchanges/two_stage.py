@@ -5,8 +5,8 @@ Tang et al. 2021's compressed allreduce, for codes that are deterministic and st
 ``exchanges``: the sign codes and ``blockquant``.
 Per part of ``n`` elements, taken in canonical order (the bucket's parameters by number,
 :meth:`~gradsift.core.store.TensorStore.canonical`, so the chunks hold the same elements
-whatever layout DDP hands in), padded with zeros to ``W m`` (``m = ceil(n / W)``) and cut into
-``W`` chunks of ``m``:
+whatever layout DDP hands in) and cut into ``W`` chunks of ``m = ceil(n / W)``, the last
+padded with zeros (the padding's codes are dropped on the way back):
 
 1. **scatter** -- worker ``k`` codes each chunk ``j`` of its input, ``C(x_k^j)``; one
    all-to-all hands worker ``j`` chunk ``j`` of every worker, and it decodes their mean
@@ -60,6 +60,7 @@ class TwoStage(Exchange):
     exact = False
     replicated = True
     reduces = True
+    serves = True
 
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         world = context.world
@@ -87,38 +88,46 @@ class TwoStage(Exchange):
 
         def server_and_gather() -> Outcome:
             received = first.unpack(scattered.wait(), world)
-            own, flags = [], [received.malformed]
+            own, stage_one = [], received.malformed  # [W] sender flags, a decoder's flag on all
             for p, (part, layout) in enumerate(zip(parts, layouts, strict=True)):
                 mean = torch.empty(layout.size, dtype=torch.float32, device=part.flat.device)
                 flag = codec.decompress_into(
                     [worker[p] for worker in received.payloads], mean, context.record
                 )
                 if flag is not None:
-                    flags.append(flag)
+                    stage_one = stage_one | flag
                 own.append(_server_stage(context, part.key, layout, mean, compressor))
-            stage_one = torch.stack(flags).any(dim=0) if len(flags) > 1 else flags[0]
             return _gather(parts, layouts, own, codec, context, received.nonfinite, stage_one, sent)
 
         return Pending(server_and_gather)
 
 
 class _Chunked:
-    """A part's elements in canonical order, padded to ``W m`` and cut into ``W`` chunks of ``m``."""
+    """A part's elements in canonical order, cut into ``W`` chunks of ``m``; the last ones padded
+    with zeros to ``m`` (only they are copied: the others are views)."""
 
     def __init__(self, part: Part, store: TensorStore, world: int) -> None:
-        canonical = store.canonical(part.key)
-        self.canonical: Canonical | None = None if canonical is None or canonical.identity else canonical
+        self.canonical: Canonical | None = store.canonical(part.key)
         self.numel, self.world = part.numel, world
         self.size = max(1, math.ceil(part.numel / world))
-        self.chunks = self.padded(part.input).split(self.size)
+        ordered = self.ordered(part.input)
+        self.chunks = [self.chunk(ordered, j) for j in range(world)]
 
-    def padded(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` (the part's layout) in canonical order, zeros up to ``W m``."""
-        ordered = flat if self.canonical is None else self.canonical.to_canonical(flat)
-        return torch.nn.functional.pad(ordered, (0, self.world * self.size - self.numel))
+    def ordered(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (the part's layout) in canonical order."""
+        return flat if self.canonical is None else self.canonical.to_canonical(flat)
+
+    def chunk(self, ordered: torch.Tensor, j: int) -> torch.Tensor:
+        """Chunk ``j`` of the canonically ``ordered`` elements, zeros past the part's end."""
+        piece = ordered[j * self.size : (j + 1) * self.size]
+        return (
+            piece
+            if piece.numel() == self.size
+            else torch.nn.functional.pad(piece, (0, self.size - piece.numel()))
+        )
 
     def to_flat(self, padded: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The inverse of :meth:`padded` (into ``out`` where given)."""
+        """The ``W m`` chunks laid back into the part's layout (into ``out`` where given)."""
         ordered = padded[: self.numel]
         if self.canonical is not None:
             return self.canonical.to_flat(ordered, out=out)
@@ -131,12 +140,13 @@ def _server_stage(
     """Step 2 on this worker's chunk of part ``key``: the payload of ``C(s + e)``, and
     ``e <- s + e - D(C(s + e))`` put new into the store (zero outside the chunk)."""
     residual = context.store.get(SERVER_CHUNK, key)
-    lo = context.rank * layout.size
-    target = mean if residual is None else mean + layout.padded(residual)[lo : lo + layout.size]
+    rank = context.rank
+    target = mean if residual is None else mean + layout.chunk(layout.ordered(residual), rank)
     payload = compressor.encode(target, key=(key, "server"), capacity=None, readout=context.readout)
-    kept = torch.zeros(layout.world * layout.size, dtype=torch.float32, device=mean.device)
-    kept[lo : lo + layout.size] = target - compressor.sent_dense(payload).to(torch.float32)
-    context.store.put(SERVER_CHUNK, key, layout.to_flat(kept).clone())
+    kept = torch.zeros(layout.numel, dtype=torch.float32, device=mean.device)  # canonical order
+    lo, hi = min(rank * layout.size, layout.numel), min((rank + 1) * layout.size, layout.numel)
+    kept[lo:hi] = (target - compressor.sent_dense(payload).to(torch.float32))[: hi - lo]
+    context.store.put(SERVER_CHUNK, key, kept if layout.canonical is None else layout.canonical.to_flat(kept))
     return payload
 
 

@@ -8,7 +8,8 @@ A setting the hook cannot apply as asked is refused when the state is built, wit
 * ``server_feedback=True`` with a compressor whose encode is not a deterministic, stateless
   :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an exchange that is not
   :attr:`~gradsift.exchanges.base.Exchange.replicated` (every rank must decode the same mean);
-* ``server_feedback=True`` with the two-stage exchange, which runs its own server stage;
+* ``server_feedback=True`` with an exchange that runs its own server stage
+  (:attr:`~gradsift.exchanges.base.Exchange.serves`: the two-stage exchange);
 * ``padding_target`` with a capacity fixed by the compressor's options (it bounds the padding
   of a capacity that follows the demand).
 """
@@ -44,9 +45,9 @@ def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: Hoo
             f"server_feedback=True compresses the workers' mean again on every rank, which needs a "
             f"deterministic, stateless compressor ({', '.join(able)}); {name!r} is not one"
         )
-    if options.server_feedback and exchange.name == "two-stage":
+    if options.server_feedback and exchange.serves:
         raise InvalidOptionError(
-            "server_feedback=True codes the workers' mean again after an allgather; the two-stage "
+            f"server_feedback=True codes the workers' mean again after an allgather; the {exchange.name} "
             "exchange runs that server stage itself, per chunk: drop server_feedback="
         )
     if options.server_feedback and not exchange.replicated:

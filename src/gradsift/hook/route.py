@@ -142,9 +142,12 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
         part.compensated = _compensate(state, part, context.world, loss_scale, coded)
     trips = []  # 5
     if large:
-        exchange, codec = (state.exchange, state.codec) if not warming else (STOCK_ALLREDUCE, IDENTITY)
         if coded is not None:
             exchange, codec = coded.exchange, coded.codec
+        elif warming:
+            exchange, codec = STOCK_ALLREDUCE, IDENTITY
+        else:
+            exchange, codec = state.exchange, state.codec
         trips.append(exchange.start(large, codec, context))
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))

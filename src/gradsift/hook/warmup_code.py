@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradsift.compressors.base import Compressor
-from gradsift.compressors.quantization import Quantizer, StochasticQuantizer
+from gradsift.compressors.quantization import Quantizer
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.store import TensorStore
@@ -54,8 +54,9 @@ def refuse_without_frozen_adam(adam: AdamStep | None, compressor: Compressor) ->
 
 
 def is_code(kind: type) -> bool:
-    """Whether compressors of class ``kind`` may code a warm-up: quantizers that draw no random numbers."""
-    return issubclass(kind, Quantizer) and not issubclass(kind, StochasticQuantizer)
+    """Whether compressors of class ``kind`` may code a warm-up: quantizers (every coordinate)
+    whose encode is deterministic and stateless (:attr:`Compressor.server_stage`)."""
+    return issubclass(kind, Quantizer) and kind.server_stage
 
 
 @dataclass
