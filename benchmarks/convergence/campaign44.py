@@ -77,6 +77,12 @@ ARMS = {
                                             "(1-bit Adam's: all-to-all of coded chunks, a server residual per chunk, "
                                             "allgather); 150 warm-up steps in 4-bit codes, the most that keep >= 26x "
                                             "received at 4 workers"),
+    "onebit-adam-q4w25-r280": Method("efsignsgd", {"warmup_steps": 25, "warmup_compressor": "blockquant",
+                                                   "variance_refresh": [[280, 20]]},
+                                     setting="the 1-bit arm with a 25-step warm-up in 4-bit codes whose frozen "
+                                             "second moment is estimated again from the 4-bit codes of steps "
+                                             "280-299 (variance_refresh): the 300-step freeze's variance at the "
+                                             "byte budget of a 50-step coded warm-up"),
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
@@ -94,6 +100,10 @@ LION_ARMS = ("lion-lr3e-4", "lion-lr1e-3", "lion-lr1e-4", "lion-lr3e-4-wd0.1", "
 #: The same at 4 workers, where the allgather's received bytes grow with W: through the
 #: two-stage exchange, paired with the protocol's 4-worker, 3,000-step fp32 runs.
 WIDE, WIDE_SCREEN = "gpt-adamw-w4-3k", "gpt-adamw-w4"
+#: The variance refresh (issue 44): the early freeze's cost is the early variance, so the
+#: 1-bit arm freezes at step 25 and estimates the variance again over steps 280-299, paired
+#: with the 3,000-step fp32 runs and comparable with the 50-step coded warm-up at the same bytes.
+REFRESH_ARM = "onebit-adam-q4w25-r280"
 
 
 def method(name: str) -> Method:
@@ -145,6 +155,7 @@ def plan(
     coded: bool = False,
     wide: bool = False,
     lion: bool = False,
+    refresh: bool = False,
 ) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
@@ -153,7 +164,10 @@ def plan(
     ``coded`` only the coded warm-up's (:data:`CODED_ARMS`: fp32's reproduction at 314 steps on
     this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
     two-stage arm, after fp32's 4-worker reproduction); ``lion`` Distributed Lion's lr screen; ``longer`` with ``coded`` the coded
-    warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x)."""
+    warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x);
+    ``refresh`` only the variance refresh's arm (:data:`REFRESH_ARM`, 3,000 steps, seed by seed)."""
+    if refresh:
+        return [Run(LONG, REFRESH_ARM, seed, root) for seed in SEEDS]
     if lion:
         return [Run(SCREEN, arm, 0, root) for arm in LION_ARMS]
     if longer and coded:
@@ -197,18 +211,19 @@ def main() -> int:
     parser.add_argument(
         "--lion", action="store_true", help="only Distributed Lion's lr screen (314 steps, seed 0)"
     )
+    parser.add_argument("--refresh", action="store_true", help="only the variance refresh's arm (3,000 steps)")
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion):
+        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
         todo = [
             r
-            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion)
+            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh)
             if not finished(r) and r not in failed
         ]
         if not todo:

@@ -253,6 +253,21 @@ class FrozenVarianceStep(AdamStep):
             self._preconditioners[id(param)] = cached
         return cached
 
+    def renew_second_moment(self, estimate: dict[int, torch.Tensor]) -> None:
+        """The bias-corrected second moment becomes ``estimate`` (flat, per parameter number) where
+        it is positive (:mod:`gradsift.hook.variance_refresh`), kept as ``exp_avg_sq`` at the
+        optimizer's frozen ``t`` for the preconditioner, a checkpoint and :meth:`give_back`."""
+        with torch.no_grad():
+            for _, group, _ in model_groups(self.optimizer, self.numbers):
+                beta2 = float(group["betas"][1])
+                for param in group["params"]:
+                    state = self.optimizer.state.get(param, {})
+                    new = estimate.get(self.numbers.get(id(param), -1))
+                    if new is not None and "exp_avg_sq" in state:
+                        new = new.reshape(param.shape) * bias_correction(beta2, state["step"])
+                        state["exp_avg_sq"].copy_(torch.where(new > 0, new, state["exp_avg_sq"]))
+        self._preconditioners.clear()
+
     def give_back(
         self, velocity: dict[int, torch.Tensor], residual: dict[int, torch.Tensor], steps: int
     ) -> None:

@@ -21,6 +21,7 @@ from gradsift.exchanges import AUTO, available_exchanges
 from gradsift.hook.adam import METHODS as ADAM_METHODS
 from gradsift.hook.layout import GRANULARITIES
 from gradsift.hook.ledger import NONFINITE_POLICIES
+from gradsift.hook.variance_refresh import parse_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,11 @@ class HookOptions:
             options, e.g. ``"blockquant"``'s 4-bit codes, or an instance) -- the warm-up's
             gradients travel in its codes with error feedback instead
             (:mod:`gradsift.hook.warmup_code`). Refused without such a method.
+        variance_refresh: ``()`` (default) -- a frozen-variance Adam method's second moment stays
+            as its warm-up left it; ``((start, steps), ...)`` -- over each window of hook
+            steps the gradients also travel as in the warm-up and the second moment becomes
+            the mean of their means' squares (:mod:`gradsift.hook.variance_refresh`). Needs
+            ``warmup_steps=``; refused without such a method.
         residual_decay: error feedback's ``beta`` in ``c = g + beta r``; None (default): the
             compressor's own :attr:`~gradsift.compressors.base.Compressor.residual_decay`
             (1, plain error feedback, except random-k's 0.95).
@@ -105,6 +111,7 @@ class HookOptions:
     scaler: Any = None
     adam: str = "frozen-variance"
     warmup_compressor: str | Compressor | None = None
+    variance_refresh: tuple[tuple[int, int], ...] = ()
     residual_decay: float | None = None
     server_feedback: bool = False
     padding_target: float | None = None
@@ -135,6 +142,7 @@ class HookOptions:
             raise InvalidOptionError(
                 f"warmup_compressor must be a registry name or a Compressor, got {self.warmup_compressor!r}"
             )
+        object.__setattr__(self, "variance_refresh", parse_windows(self.variance_refresh))
         if self.residual_decay is not None:
             check_real(self.residual_decay, "residual_decay", low=0.0, high=1.0)
         check_bool(self.server_feedback, "server_feedback")

@@ -18,7 +18,8 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
 5. **exchange** -- the bucket's exchange (:mod:`gradsift.exchanges`) encodes each part
    into its fixed-capacity payload, moves it, validates what arrives and writes each
    part's mean over the workers into the bucket's result; the collectives overlap the
-   rest of backward.
+   rest of backward. In a window of ``variance_refresh`` the gradients also travel as in
+   Adam's warm-up, beside the method's message (:mod:`gradsift.hook.variance_refresh`).
 6. **update** -- error feedback keeps ``r <- c - sent``; with ``server_feedback`` every rank
    compresses the compressed parts' mean again with a server residual (1-bit Adam's second
    stage, :func:`~gradsift.hook.feedback.server_stage`); the mean is multiplied back by
@@ -47,7 +48,7 @@ from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
-from gradsift.hook import recipe
+from gradsift.hook import recipe, variance_refresh
 from gradsift.hook.adam import LocalUpdateStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
@@ -138,7 +139,10 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     loss_scale = state.loss_scale()
     warming = state.warming()  # SGD's warm-up with momentum correction, or Adam's in a code
     coded = state.coded_warmup if warming and state.adam is not None else None
-    for part in large:  # 4
+    refresh = (
+        None if warming else variance_refresh.start_trip(state, large, context, loss_scale, STOCK_ALLREDUCE)
+    )
+    for part in large:  # 4 (after the refresh's trip read the gradients)
         part.compensated = _compensate(state, part, context.world, loss_scale, coded)
     trips = []  # 5
     if large:
@@ -151,6 +155,8 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
         trips.append(exchange.start(large, codec, context))
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
+    if refresh is not None:  # after the compressed parts' outcome, which the update reads first
+        trips.append(refresh)
     scale = loss_scale if coded is not None else _mean_scale(state, loss_scale)
     return Pending.gather(trips).then(
         _update(state, context, large, scale, compressed=not warming, coded=coded)

@@ -24,7 +24,7 @@ from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
-from gradsift.hook import discovery, recipe
+from gradsift.hook import discovery, recipe, variance_refresh
 from gradsift.hook.adam import FROZEN_METHODS, AdamStep, is_adam
 from gradsift.hook.before_step import BEFORE_STEP, settles_before_forward
 from gradsift.hook.capacity import CapacityPlan
@@ -288,8 +288,7 @@ class GradsiftHookState:
     # -- per-step ---------------------------------------------------------------------------
     def stock_step(self) -> bool:
         """Stock DDP's in-place allreduce this step: ``none``, or warm-up without momentum correction."""
-        if self.coded_warmup is not None:
-            refuse_without_frozen_adam(self.adam, self.compressor)
+        refuse_without_frozen_adam(self.adam, self.compressor, self.options)
         if self.compressor.identity:
             return True
         if self.adam is not None:  # Adam's warm-up is the optimizer as built, on fp32 or coded means
@@ -370,6 +369,7 @@ class GradsiftHookState:
         settling = self.ledger.step
         if self.ledger.settle(self.telemetry, self.capacities) and self.adam is not None:
             self.adam.pending = self.adam.compressing(settling)
+            variance_refresh.settled(self, settling)
 
     def before_step(self, optimizer: Any) -> None:
         """An optimizer that steps the hooked parameters settles the closed step first

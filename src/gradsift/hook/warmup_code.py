@@ -19,6 +19,7 @@ method, sends ``(w b + (n - w) q) / (32 n)`` of fp32's bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.quantization import Quantizer
@@ -30,6 +31,10 @@ from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook.adam import AdamStep, FrozenVarianceStep
 from gradsift.hook.feedback import ErrorFeedback
+from gradsift.hook.variance_refresh import refuse_unsupported
+
+if TYPE_CHECKING:
+    from gradsift.hook.options import HookOptions
 
 #: Why the code must be a deterministic quantizer.
 NOT_A_CODE = (
@@ -46,9 +51,11 @@ NEEDS_FROZEN_ADAM = (
 )
 
 
-def refuse_without_frozen_adam(adam: AdamStep | None, compressor: Compressor) -> None:
-    """Raise :data:`NEEDS_FROZEN_ADAM` unless ``adam`` is a frozen-variance method."""
-    if not isinstance(adam, FrozenVarianceStep):
+def refuse_without_frozen_adam(adam: AdamStep | None, compressor: Compressor, options: HookOptions) -> None:
+    """Raise :data:`NEEDS_FROZEN_ADAM` where ``options`` code a warm-up without a frozen-variance
+    method, and what :func:`~gradsift.hook.variance_refresh.refuse_unsupported` raises."""
+    refuse_unsupported(adam, options.variance_refresh)
+    if options.warmup_compressor is not None and not isinstance(adam, FrozenVarianceStep):
         running = f"{compressor.name!r} without an Adam optimizer" if adam is None else "adam='update'"
         raise InvalidOptionError(NEEDS_FROZEN_ADAM.format(running=running))
 
@@ -69,6 +76,11 @@ class CodedWarmup:
     exchange: Exchange
     codec: Codec
     feedback: ErrorFeedback
+
+    @property
+    def route(self) -> tuple[Exchange, Codec]:
+        """How the warm-up's gradients travel: the code's exchange and codec."""
+        return self.exchange, self.codec
 
     @classmethod
     def build(cls, code: str | Compressor, store: TensorStore, exchange: str = AUTO) -> CodedWarmup:
