@@ -124,6 +124,11 @@ ROWS = (
         "the 1-bit arm, its 50-step warm-up in 4-bit codes with error feedback",
     ),
     Row("onebit-adam-q4w100", "issue44", "the 1-bit arm, its 100-step warm-up in 4-bit codes"),
+    Row(
+        campaign44.REFRESH_ARM,
+        "issue44",
+        "the 1-bit arm, a 25-step warm-up in 4-bit codes, its variance estimated again over steps 280-299",
+    ),
     *(Row(arm, "issue44", campaign44.ARMS[arm].setting) for arm in campaign44.LION_ARMS),
     Row(
         "onebit-adam-q4w150-2s",
@@ -296,6 +301,9 @@ EFFECTS = (
                                                        "(onebit-adam-w50 - onebit-adam, both in fp32)"),
     ("coded-warmup", "onebit-adam-q4w50", "onebit-adam-w50", "the warm-up's code (onebit-adam-q4w50 - "
                                                              "onebit-adam-w50: the same 50 steps in 4-bit codes)"),
+    ("variance-refresh", campaign44.REFRESH_ARM, "onebit-adam-q4w50", "the variance estimated again at steps "
+                                                                     "280-299 (onebit-adam-q4w25-r280 - "
+                                                                     "onebit-adam-q4w50: about the same bytes)"),
     ("coded-freeze", "onebit-adam-q4w100", "onebit-adam", "a 100-step warm-up in 4-bit codes instead of the "
                                                          "trainer's 10 % in fp32 (onebit-adam-q4w100 - onebit-adam)"),
 )  # fmt: skip
