@@ -22,7 +22,8 @@ rank; the larger of the two ranks' is reported.
 
 Expected: :data:`ARMS` lists, per arm, the per-parameter tensors it keeps over stock DDP,
 the stock ones it does without, and those alive only until the step commits (the
-transaction's old residual and velocity beside the new ones, a payload in flight);
+transaction's old state beside the new -- for the sparsifiers under momentum correction the
+old velocity only, their residual being made in place at the commit -- a payload in flight);
 :func:`expected_bytes` counts them for a model. Usage (repository root, a clean checkout
 of a commit on main)::
 
@@ -93,12 +94,15 @@ class Arm:
 
 RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
 OLD = (("old residual", FP32), ("old velocity", FP32))
+#: The sparsifiers' residual under momentum correction is made in place at the commit, and
+#: their compensated gradient lives in the bucket's own memory (hook.feedback, step 3).
+LAZY = (("old velocity (the residual changes in place at the commit)", FP32),)
 MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
 PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
 COMPENSATED = ("compensated gradient beside the new residual", FP32)
 SPARSIFIER = {
     "kept": (RESIDUAL, VELOCITY),
-    "in_step": OLD,
+    "in_step": LAZY,
     "adamw_kept": PRECONDITIONER,
     "sgd_dropped": MOMENTUM_BUFFER,
 }

@@ -31,6 +31,28 @@ def test_transaction_commits_or_leaves_no_trace():
         store.begin()
 
 
+def test_an_in_place_change_waits_for_the_commit_and_a_rollback_forgets_it():
+    store, seen = TensorStore(), []
+    kept = torch.tensor([1.0])
+    store.put("residual", "a", kept)
+    store.on_commit(lambda: kept.add_(1.0))  # no transaction: at once
+    assert kept.item() == 2.0
+    for end in (store.rollback, store.commit):
+        store.begin()
+        store.put("velocity", "a", torch.tensor([5.0]))
+        store.on_commit(lambda: seen.append(store.get("velocity", "a").item()))  # after the writes
+        store.on_commit(lambda: kept.mul_(store.get("velocity", "a")))
+        store.on_commit(lambda: seen.append(kept.item()))  # in order
+        assert kept.item() == 2.0 and not seen
+        end()
+    assert seen == [5.0, 10.0] and kept.item() == 10.0  # the rolled-back changes never ran
+    store.begin()
+    store.on_commit(lambda: seen.append("cleared"))
+    store.clear()
+    store.commit()
+    assert seen == [5.0, 10.0]
+
+
 def test_discard_limited_to_tables_and_retain():
     store = TensorStore()
     store.put("residual", 1, torch.ones(1))

@@ -44,8 +44,8 @@ def recording_compensated(state) -> dict:
     seen: dict = {}
     original = state.feedback.compensate
 
-    def recording(key, gradient):
-        c = original(key, gradient)
+    def recording(key, gradient, out=None):
+        c = original(key, gradient, out)
         seen[key] = c.clone()
         return c
 

@@ -60,8 +60,8 @@ def worker(rank: int, world: int) -> dict:
     seen: dict = {}
     compensate = state.feedback.compensate
 
-    def recording(key, gradient):
-        seen[key] = compensate(key, gradient).clone()
+    def recording(key, gradient, out=None):
+        seen[key] = compensate(key, gradient, out).clone()
         return seen[key].clone()
 
     state.feedback.compensate = recording

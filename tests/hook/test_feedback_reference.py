@@ -158,6 +158,60 @@ def test_state_lives_in_the_given_store_and_follows_its_transactions():
     assert ErrorFeedback().store is not ErrorFeedback().store
 
 
+@pytest.mark.parametrize(
+    ("decay", "masking", "values"),
+    [(1.0, True, True), (0.9, True, True), (1.0, False, True), (1.0, True, False)],
+)
+def test_a_residual_kept_lazily_has_the_bits_of_one_kept_from_the_compensated_gradient(
+    decay, masking, values
+):
+    """Without ``c`` the residual is made at the commit, in place in the old one (a new one on
+    the first step): the same bits as ``c - s`` (values rounded to bf16, padding entries,
+    positions only), the same velocity; a rolled-back step leaves both as they were."""
+    generator = torch.Generator().manual_seed(3)
+    n, k, padding = 1000, 37, 3
+    kept, lazy = (ErrorFeedback(momentum=0.9, momentum_masking=masking, decay=decay) for _ in range(2))
+    for step in range(5):
+        gradient = torch.randn(n, generator=generator) * 3
+        c = kept.compensate("w", gradient)
+        indices = torch.sort(torch.randperm(n, generator=generator)[:k]).values
+        indices = torch.cat([indices, torch.zeros(padding, dtype=torch.long)])
+        used = torch.arange(k + padding) < k
+        sent = torch.where(used, c[indices], 0).to(torch.bfloat16) if values else None
+        payload = Payload(numel=n, dtype=torch.float32, values=sent, indices=indices, length=torch.tensor(k))
+        kept.update("w", c, payload)
+        before = {
+            name: table.get("w")
+            for name, table in (("residual", lazy.residuals), ("velocity", lazy.velocities))
+        }
+        old = {name: None if t is None else t.clone() for name, t in before.items()}
+        lazy.store.begin()
+        lazy.compensate("w", gradient)
+        lazy.update("w", None, payload)
+        assert lazy.store.get("residual", "w") is before["residual"]  # nothing until the commit
+        if step == 2:  # dropped on some rank
+            lazy.store.rollback()
+            for name, table in (("residual", lazy.residuals), ("velocity", lazy.velocities)):
+                assert table["w"] is before[name] and torch.equal(table["w"], old[name])
+            kept.load_state_dict(lazy.state_dict())
+            continue
+        lazy.store.commit()
+        assert torch.equal(lazy.residuals["w"], kept.residuals["w"]), step
+        assert torch.equal(lazy.velocities["w"], kept.velocities["w"]), step
+        if step > 0:
+            assert lazy.residuals["w"] is before["residual"]  # changed in place
+
+
+def test_update_without_the_compensated_gradient_needs_what_makes_it_again():
+    payload = sparse([1.0], [0], 2)
+    for feedback, sent in ((ErrorFeedback(), payload), (ErrorFeedback(momentum=0.5), torch.ones(2))):
+        assert not feedback.keeps_lazily(gradsift.get_compressor("qsgd")) and (
+            feedback.keeps_lazily(gradsift.get_compressor("topk")) == (feedback.momentum > 0)
+        )
+        with pytest.raises(InvalidOptionError, match="needs momentum correction and a sparse payload"):
+            feedback.update(0, None, sent)
+
+
 def test_a_payload_of_positions_only_zeroes_them():
     feedback = ErrorFeedback()
     c = feedback.compensate(0, torch.tensor([1.0, 2.0, 3.0]))

@@ -72,6 +72,9 @@ class Compressor(abc.ABC):
             keeps it and applies it to the exchanged mean (PowerSGD, whose paper does so).
         residual_decay: error feedback's ``beta`` in ``c = g + beta r`` when the hook option
             ``residual_decay`` is unset (1: plain error feedback; random-k's is below 1).
+        sparse: the payload is selected values at their positions (``values`` and
+            ``indices``, no codes), so error feedback subtracts it from the residual without
+            the compensated gradient (:meth:`gradsift.hook.feedback.ErrorFeedback.keeps_lazily`).
 
     Example (docs/extending.md writes a new one, end to end)::
 
@@ -95,6 +98,7 @@ class Compressor(abc.ABC):
     server_stage: ClassVar[bool] = False
     momentum_correction: ClassVar[bool] = True
     residual_decay: ClassVar[float] = 1.0
+    sparse: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).
@@ -267,6 +271,7 @@ class Sparsifier(Compressor):
 
     exchanges: ClassVar[tuple[str, ...]] = ("allgather", "balanced", "shared-mask")
     density_option: ClassVar[str | None] = "ratio"
+    sparse: ClassVar[bool] = True
     ratio: float
 
     def __init__(self, ratio: float = 0.01) -> None:

@@ -64,6 +64,7 @@ class Cocktail(Sparsifier):
     name = "cocktail"
     exchanges: ClassVar[tuple[str, ...]] = ("allgather",)
     density_option: ClassVar[str | None] = None
+    sparse: ClassVar[bool] = False  # its values travel as codes
 
     def __init__(
         self, subset: float = 0.1, topk: float = 0.2, bits: int = 4, block_size: int = 128, seed: int = 0

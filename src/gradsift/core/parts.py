@@ -31,7 +31,8 @@ class Part:
         offset: where the part starts in the bucket's flat gradient.
         flat: the local gradient of the part (a view into the bucket).
         params: the parameters it holds, in flattening order.
-        compensated: the gradient with error feedback applied (``flat`` without it).
+        compensated: the gradient with error feedback applied (``flat`` without it); None
+            again once the exchange has copied what a lazily kept residual needs of it.
     """
 
     key: Hashable

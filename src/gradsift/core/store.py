@@ -10,7 +10,9 @@ of the parameter numbers of a DDP bucket. Three things make the store more than 
   first. The DDP hook opens one transaction per step and commits it only when every
   rank's gradient was finite, so a step that a ``GradScaler`` skips leaves no trace
   (rolling back drops the overlay: no copy is made either way, because writers put new
-  tensors instead of modifying stored ones).
+  tensors instead of modifying stored ones). A writer that changes a stored tensor in
+  place hands the change to :meth:`on_commit` instead: it runs after the overlay is
+  applied, and a rollback forgets it, so a stored tensor changes only at a commit.
 * **Layouts.** :meth:`follow` records, per key, the order in which its parameters lie
   in the key's flat tensors. When DDP rebuilds its buckets after the first step (or a
   resumed run starts with the initial layout) a key's parameters may come in another
@@ -27,7 +29,7 @@ of the parameter numbers of a DDP bucket. Three things make the store more than 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +48,7 @@ class TensorStore:
         self.numels: dict[int, int] = {}
         self._canonical: dict[tuple[int, ...], Canonical] = {}
         self._overlay: dict[str, dict[Key, torch.Tensor | None]] | None = None
+        self._on_commit: list[Callable[[], None]] = []
 
     # -- reading and writing --------------------------------------------------------------
     def get(self, table: str, key: Key) -> torch.Tensor | None:
@@ -74,6 +77,7 @@ class TensorStore:
         self.tables.clear()
         self.layouts.clear()
         self._overlay = None if self._overlay is None else {}
+        self._on_commit.clear()
 
     def table(self, name: str) -> dict[Key, torch.Tensor]:
         """A read-only snapshot of one table as a dict (committed and pending merged)."""
@@ -100,8 +104,17 @@ class TensorStore:
             raise InvalidOptionError("a TensorStore transaction is already open")
         self._overlay = {}
 
+    def on_commit(self, change: Callable[[], None]) -> None:
+        """Run ``change`` -- an in-place change of stored tensors -- when the open transaction
+        commits, after its writes and the changes handed over before it (at once outside a
+        transaction); a rollback forgets it."""
+        if self._overlay is None:
+            change()
+        else:
+            self._on_commit.append(change)
+
     def commit(self) -> None:
-        """Apply the open transaction's writes."""
+        """Apply the open transaction's writes, then its :meth:`on_commit` changes in order."""
         overlay, self._overlay = self._overlay or {}, None
         for name, writes in overlay.items():
             table = self.tables.setdefault(name, {})
@@ -110,10 +123,14 @@ class TensorStore:
                     table.pop(key, None)
                 else:
                     table[key] = tensor
+        changes, self._on_commit = self._on_commit, []
+        for change in changes:
+            change()
 
     def rollback(self) -> None:
-        """Drop the open transaction's writes: the store is as it was at :meth:`begin`."""
+        """Drop the open transaction's writes and changes: the store is as it was at :meth:`begin`."""
         self._overlay = None
+        self._on_commit.clear()
 
     def retain(self, keys: Iterable[Key]) -> None:
         """Drop every key not in ``keys`` (state of tensors no bucket holds any more)."""
@@ -267,6 +284,7 @@ class TensorStore:
         }
         self.layouts = {k: tuple(v) for k, v in state["layouts"].items()}
         self._overlay = None if self._overlay is None else {}
+        self._on_commit.clear()
 
 
 class Canonical:

@@ -35,6 +35,7 @@ class Allgather(Exchange):
 
     name = "allgather"
     replicated = True
+    copies_input = True
 
     @classmethod
     def traffic(cls, k: int, world: int) -> Traffic:

@@ -67,6 +67,7 @@ class Balanced(Exchange):
 
     name = "balanced"
     exact = False  # the summed slices are re-sparsified to k entries (step 2)
+    copies_input = True
 
     def __init__(self) -> None:
         self._canonical: dict[tuple[int, ...], Canonical] = {}

@@ -163,6 +163,12 @@ class Exchange(abc.ABC):
     #: would code it a second time and is refused.
     serves: ClassVar[bool] = False
 
+    #: Whether :meth:`start` has read all it uses of each part's input before it returns (the
+    #: payloads encoded and packed into the message; the means are written only when the
+    #: trip finishes), so the hook may drop the input or let the bucket's own memory hold it:
+    #: the allgather and the balanced exchange. The shared mask reads it again later.
+    copies_input: ClassVar[bool] = False
+
     #: Whether the workers' messages add up on the way (each worker moves about one
     #: message's bytes, as in a ring allreduce) rather than each reaching every other
     #: worker (``W - 1`` messages, as in an allgather): the report's cost model uses it.

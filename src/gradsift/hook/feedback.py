@@ -16,6 +16,14 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
    masked too (``u[sent] = 0``, DGC's momentum factor masking), unless
    ``momentum_masking=False``.
 
+   *Kept lazily* (momentum correction, a sparse payload, ``update`` without ``c``): the
+   caller drops ``c`` once its payload is encoded, and the new residual is made when the
+   store's transaction commits, in place in the old one: ``r += u; r[sent] -= v;
+   u[sent] = 0`` -- the float operations that made ``c = r + u`` and then ``c - s``, on the
+   same operands in the same order, so the same bits. A step then holds the old velocity
+   beside the new one, not the old residual beside the new, and ``c`` only while its part
+   is encoded; a rolled-back step never runs the change, so ``r`` stays as it was.
+
 Residuals and velocities are kept in float32 at least: a bf16/fp16 gradient is widened
 before it is accumulated (``value_dtype`` may still send bf16), so that small updates do
 not round away over the steps they wait. Under mixed precision they are kept *unscaled*
@@ -25,7 +33,9 @@ the scale between steps leaves them right.
 State lives in a :class:`gradsift.core.store.TensorStore` (tables ``"residual"`` and
 ``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
 step a transaction and follows DDP's bucket rebuilds. ``compensate`` and ``update`` put
-new tensors and never modify a stored one, so a rolled-back step costs nothing.
+new tensors and never modify a stored one before the commit (the residual kept lazily
+changes at the commit, :meth:`TensorStore.on_commit <gradsift.core.store.TensorStore.on_commit>`),
+so a rolled-back step costs nothing.
 
 1-bit Adam's *server* error feedback (the hook option ``server_feedback``) is
 :func:`server_stage`: a second residual, table ``"server_residual"``, on the exchange's
@@ -149,9 +159,13 @@ class ErrorFeedback:
         )
         return velocity, residual
 
-    def compensate(self, key: Hashable, gradient: torch.Tensor) -> torch.Tensor:
-        """Return the compensated gradient ``c`` (a new tensor, float32 or wider; ``gradient``
-        is not modified)."""
+    def compensate(
+        self, key: Hashable, gradient: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return the compensated gradient ``c``: a new tensor (float32 or wider), or ``out``
+        with ``c`` written into it -- a flat tensor of ``c``'s dtype that the caller no longer
+        needs, which may be ``gradient``'s own memory (read before ``c`` is written); else
+        ``gradient`` is not modified."""
         flat = gradient.reshape(-1)
         if flat.dtype in (torch.float16, torch.bfloat16):
             flat = flat.float()
@@ -163,14 +177,29 @@ class ErrorFeedback:
             flat = velocity
         residual = self.store.get(RESIDUAL, key)
         self._check_like(key, residual, flat)
+        return self._accumulated(residual, flat, out)
+
+    def _accumulated(
+        self, residual: torch.Tensor | None, flat: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``r + flat`` (``flat + beta r`` with a ``decay`` below 1; a copy of ``flat`` without a
+        residual), into ``out`` when given: one kernel whatever ``out`` is, so the same bits."""
         if residual is None:
-            return flat.clone()
-        return residual + flat if self.decay == 1.0 else torch.add(flat, residual, alpha=self.decay)
+            return flat.clone() if out is None else out.copy_(flat)
+        if self.decay == 1.0:
+            return torch.add(residual, flat, out=out)
+        return torch.add(flat, residual, alpha=self.decay, out=out)
+
+    def keeps_lazily(self, compressor: Compressor) -> bool:
+        """Whether :meth:`update` can keep ``compressor``'s residual without the compensated
+        gradient (module docstring, step 3): with momentum correction (``c = r + u``, ``u``
+        stored) and a sparse payload (what was sent is its values at its positions)."""
+        return self.momentum > 0 and compressor.sparse
 
     def update(
         self,
         key: Hashable,
-        compensated: torch.Tensor,
+        compensated: torch.Tensor | None,
         sent: Payload | torch.Tensor,
         compressor: Compressor | None = None,
     ) -> None:
@@ -179,20 +208,23 @@ class ErrorFeedback:
         ``sent`` is what this worker's contribution stands for: a payload with
         ``indices`` and ``values`` (``compensated``, which is consumed, keeps ``c - v``
         at those positions), another payload -- codes at positions included (decoded
-        with ``compressor.sent_dense``) -- or a dense tensor.
+        with ``compressor.sent_dense``) -- or a dense tensor. ``compensated`` None: the
+        residual is kept lazily (module docstring, step 3; :meth:`keeps_lazily`), made from
+        the stored residual and velocity and ``sent`` when the store's transaction commits.
         """
-        if isinstance(sent, Payload) and sent.indices is not None and sent.codes is None:
+        sparse = (
+            sent if isinstance(sent, Payload) and sent.indices is not None and sent.codes is None else None
+        )
+        if compensated is None:
+            if sparse is None or self.momentum == 0:
+                raise InvalidOptionError(
+                    "update() without the compensated gradient needs momentum correction and a sparse payload"
+                )
+            self._keep_lazily(key, sparse)
+            return
+        if sparse is not None:
             residual = compensated  # compensate() returned a fresh tensor: reuse its memory
-            indices = sent.indices
-            used = in_use(indices.numel(), sent.length, indices.device)
-            if sent.values is None:  # positions only: everything there was sent
-                zero_at(residual, indices, used)
-            else:
-                residual.index_add_(0, indices, sent.values.to(residual.dtype), alpha=-1)
-            if self.momentum > 0 and self.momentum_masking:
-                velocity = self.store.get(VELOCITY, key)
-                if velocity is not None:  # the velocity compensate() put this step: ours to modify
-                    zero_at(velocity, indices, used)
+            self._subtract_sent(residual, self.store.get(VELOCITY, key), sparse)
         elif isinstance(sent, torch.Tensor):
             residual = compensated - sent.reshape(-1).to(compensated.dtype)
         else:
@@ -200,6 +232,34 @@ class ErrorFeedback:
                 raise InvalidOptionError("update() needs the compressor to decode a payload without indices")
             residual = compensated - compressor.sent_dense(sent).to(compensated.dtype)
         self.store.put(RESIDUAL, key, residual)
+
+    def _keep_lazily(self, key: Hashable, sent: Payload) -> None:
+        """At the store's commit: ``r <- r + u`` in the stored residual (a copy of ``u`` without
+        one), then :meth:`_subtract_sent`, with this step's velocity ``u`` -- the operands
+        :meth:`compensate` added, whatever replaces the velocity before the commit."""
+        residual, velocity = self.store.get(RESIDUAL, key), self.store.get(VELOCITY, key)
+        assert velocity is not None  # compensate() put it this step
+
+        def keep() -> None:
+            kept = self._accumulated(residual, velocity, residual)
+            self._subtract_sent(kept, velocity, sent)
+            self.store.put(RESIDUAL, key, kept)
+
+        self.store.on_commit(keep)
+
+    def _subtract_sent(self, residual: torch.Tensor, velocity: torch.Tensor | None, sent: Payload) -> None:
+        """``residual[i] -= v`` at the sparse payload's positions (``= 0`` for positions only:
+        everything there was sent); with momentum masking, ``velocity[i] = 0`` there (the
+        velocity :meth:`compensate` put this step: ours to modify)."""
+        indices = sent.indices
+        assert indices is not None
+        used = in_use(indices.numel(), sent.length, indices.device)
+        if sent.values is None:
+            zero_at(residual, indices, used)
+        else:
+            residual.index_add_(0, indices, sent.values.to(residual.dtype), alpha=-1)
+        if velocity is not None and self.momentum > 0 and self.momentum_masking:
+            zero_at(velocity, indices, used)
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget the state of one key, or of every key."""

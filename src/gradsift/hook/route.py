@@ -20,10 +20,13 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
    part's mean over the workers into the bucket's result; the collectives overlap the
    rest of backward. In a window of ``variance_refresh`` the gradients also travel as in
    Adam's warm-up, beside the method's message (:mod:`gradsift.hook.variance_refresh`).
-6. **update** -- error feedback keeps ``r <- c - sent``; with ``server_feedback`` every rank
-   compresses the compressed parts' mean again with a server residual (1-bit Adam's second
-   stage, :func:`~gradsift.hook.feedback.server_stage`); the mean is multiplied back by
-   ``s`` (stock DDP's scaled mean) and, under Adam, by the first moment's scale.
+6. **update** -- error feedback keeps ``r <- c - sent`` (with momentum correction and a
+   sparse payload on an exchange that copies its input, lazily: ``c`` is written over the
+   gradient and dropped once encoded, the residual made in place at the commit); with
+   ``server_feedback`` every rank compresses the compressed parts' mean again with a server
+   residual (1-bit Adam's second stage, :func:`~gradsift.hook.feedback.server_stage`); the
+   mean is multiplied back by ``s`` (stock DDP's scaled mean) and, under Adam, by the first
+   moment's scale.
 7. **close** -- on the last bucket (or when backward ends) the step closes on the device,
    with no host read: it waits for the exchanges, fills the results where some rank's
    input was non-finite or a message malformed (the ``nonfinite`` policy's fill) and
@@ -139,20 +142,25 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     loss_scale = state.loss_scale()
     warming = state.warming()  # SGD's warm-up with momentum correction, or Adam's in a code
     coded = state.coded_warmup if warming and state.adam is not None else None
+    if coded is not None:
+        exchange, codec = coded.exchange, coded.codec
+    elif warming:
+        exchange, codec = STOCK_ALLREDUCE, IDENTITY
+    else:
+        exchange, codec = state.exchange, state.codec
+    feedback = state.feedback if coded is None else coded.feedback
+    lazy = exchange.copies_input and feedback is not None and feedback.keeps_lazily(codec.compressor)
     refresh = (
         None if warming else variance_refresh.start_trip(state, large, context, loss_scale, STOCK_ALLREDUCE)
     )
     for part in large:  # 4 (after the refresh's trip read the gradients)
-        part.compensated = _compensate(state, part, context.world, loss_scale, coded)
+        part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy)
     trips = []  # 5
     if large:
-        if coded is not None:
-            exchange, codec = coded.exchange, coded.codec
-        elif warming:
-            exchange, codec = STOCK_ALLREDUCE, IDENTITY
-        else:
-            exchange, codec = state.exchange, state.codec
         trips.append(exchange.start(large, codec, context))
+        if lazy:  # the payloads hold what error feedback needs of ``c``: it lived only for them
+            for part in large:
+                part.compensated = None
     if small:
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
     if refresh is not None:  # after the compressed parts' outcome, which the update reads first
@@ -164,11 +172,19 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
 
 
 def _compensate(
-    state: GradsiftHookState, part: Part, world: int, scale: torch.Tensor | None, coded: CodedWarmup | None
+    state: GradsiftHookState,
+    part: Part,
+    world: int,
+    scale: torch.Tensor | None,
+    coded: CodedWarmup | None,
+    lazy: bool,
 ) -> torch.Tensor:
     """Unscaled (under a loss scaler), the recipe's weight decay and local clipping, then
     error feedback: ``c = g / s + wd x + r``; in Adam's ``coded`` warm-up ``c = g / s + r``
-    (the optimizer as built applies its own decay)."""
+    (the optimizer as built applies its own decay). When error feedback keeps the residual
+    lazily (``lazy``), ``c`` is written over the part's gradient where the dtypes agree (the
+    velocity has taken ``g`` in; the mean is written there after the exchange read ``c``),
+    so the step allocates no ``c`` of its own."""
     flat = part.flat
     if scale is not None:
         flat = flat * scale.double().reciprocal().float()  # GradScaler's own inverse, fp32
@@ -188,7 +204,8 @@ def _compensate(
         start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
         if start is not None:
             state.store.put(VELOCITY, part.key, start)
-    return state.feedback.compensate(part.key, flat)
+    widened = part.flat.dtype in (torch.float16, torch.bfloat16)  # ``c`` is float32: no room in ``g``
+    return state.feedback.compensate(part.key, flat, out=part.flat if lazy and not widened else None)
 
 
 def _mean_scale(state: GradsiftHookState, loss_scale: torch.Tensor | None) -> torch.Tensor | float | None:
@@ -220,7 +237,7 @@ def _update(
     def finish(outcomes: list[Outcome]) -> Outcome:
         if large and feedback is not None:  # before the scale: ``sent`` may be the result itself
             for part, sent in zip(large, outcomes[0].sent, strict=True):
-                feedback.update(part.key, part.input, part.input if sent is None else sent, compressor)
+                feedback.update(part.key, part.compensated, part.input if sent is None else sent, compressor)
         if large and compressed and state.options.server_feedback:
             with context.record.timed("compress_ms", context.result.device):
                 for part in large:
