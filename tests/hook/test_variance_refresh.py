@@ -7,8 +7,9 @@ process (no hook, no DDP): AdamW dense for ``WARMUP`` steps, then the frozen-var
 over the window's steps the workers' gradients also travel -- exactly (fp32) or each in
 4-bit block codes without error feedback (blocks of 64 per layer, absmax scale ``s``,
 ``q = round(7 g / s)``, decoded ``q s / 7``) -- and the squares of their means are summed;
-at the window's last step, before its update, the preconditioner becomes
-``sqrt(sum / L) + eps`` where the sum is positive and stays where it is zero.
+at the window's last step, before its update, the bias-corrected second moment becomes
+``beta2^e v + (1 - beta2^e) sum / L`` (``e``: the steps from the freeze to the window's end)
+where the sum is positive and stays where it is zero.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def reference_run(coded: bool) -> torch.Tensor:
                 for p in params:
                     state = optimizer.state[p]
                     old = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-                    estimate = squares[p] / length
-                    preconditioner[p] = torch.where(estimate > 0, estimate, old).sqrt() + EPS
+                    estimate, keep = squares[p] / length, beta2 ** (start + length - WARMUP)
+                    moved = keep * old + (1 - keep) * estimate
+                    preconditioner[p] = torch.where(estimate > 0, moved, old).sqrt() + EPS
             for i, p in enumerate(params):
                 g = (sum(per_worker[k][i] for k in range(WORLD)) / WORLD).reshape(p.shape)
                 velocity[p] = beta1 * velocity[p] + g

@@ -253,10 +253,10 @@ class FrozenVarianceStep(AdamStep):
             self._preconditioners[id(param)] = cached
         return cached
 
-    def renew_second_moment(self, estimate: dict[int, torch.Tensor]) -> None:
-        """The bias-corrected second moment becomes ``estimate`` (flat, per parameter number) where
-        it is positive (:mod:`gradsift.hook.variance_refresh`), kept as ``exp_avg_sq`` at the
-        optimizer's frozen ``t`` for the preconditioner, a checkpoint and :meth:`give_back`."""
+    def renew_second_moment(self, estimate: dict[int, torch.Tensor], elapsed: int) -> None:
+        """Adam's bias-corrected second moment moved ``e = elapsed`` steps on, each as if it saw
+        ``estimate`` (flat, per parameter number) where positive: ``v <- beta2^e v + (1 - beta2^e)
+        estimate`` (:mod:`gradsift.hook.variance_refresh`), in ``exp_avg_sq`` at its frozen ``t``."""
         with torch.no_grad():
             for _, group, _ in model_groups(self.optimizer, self.numbers):
                 beta2 = float(group["betas"][1])
@@ -265,7 +265,8 @@ class FrozenVarianceStep(AdamStep):
                     new = estimate.get(self.numbers.get(id(param), -1))
                     if new is not None and "exp_avg_sq" in state:
                         new = new.reshape(param.shape) * bias_correction(beta2, state["step"])
-                        state["exp_avg_sq"].copy_(torch.where(new > 0, new, state["exp_avg_sq"]))
+                        moved = torch.lerp(state["exp_avg_sq"], new, 1.0 - beta2**elapsed)
+                        state["exp_avg_sq"].copy_(torch.where(new > 0, moved, state["exp_avg_sq"]))
         self._preconditioners.clear()
 
     def give_back(

@@ -11,12 +11,13 @@ by the loss scale) the way the warm-up sent it -- in the warm-up's code
 rank sums the squares of the delivered means ``gbar``. From the window's last step on, per
 element,
 
-    v <- sum(gbar^2) / steps    where that sum is positive, else v as it was,
+    v <- beta2^e v + (1 - beta2^e) sum(gbar^2) / steps    where that sum is positive,
 
-the mean over the window rather than Adam's exponential average: a window stands for the
-whole interval since the last estimate. The code travels without error feedback (the
-estimate is a statistic, not gradient mass to deliver later): an element a code rounded to
-zero throughout the window keeps its old ``v`` instead of a zero that would make ``D = eps``.
+with ``e`` the steps since the last estimate (the freeze, or the previous window's end): Adam's
+own exponential average over those steps, the window's mean standing for each of them, so the
+estimate keeps the history Adam's ``v`` keeps (``beta2^e`` of it) instead of replacing it.
+The code travels without error feedback (the estimate is a statistic, not gradient mass to
+deliver later); an element a code rounded to zero throughout the window keeps its ``v``.
 
 Bytes: each window step sends the code's message on top of the method's.
 """
@@ -139,8 +140,10 @@ def settled(state: Any, step: int) -> None:
     window = window_of(state.options.variance_refresh, step)
     if window is None or step != sum(window) - 1 or not isinstance(state.adam, FrozenVarianceStep):
         return
+    earlier = [s + n for s, n in state.options.variance_refresh if s + n <= window[0]]
+    elapsed = step + 1 - max(earlier, default=state.adam.warmup_steps or 0)  # given: refused otherwise
     sums = state.store.per_parameter(SQUARES)
-    state.adam.renew_second_moment({n: s / window[1] for n, s in sums.items()})
+    state.adam.renew_second_moment({n: s / window[1] for n, s in sums.items()}, elapsed)
     for key in list(state.store.table(SQUARES)):
         state.store.discard(key, [SQUARES])
     logger.info("second moment estimated again from hook steps %d-%d", window[0], step)
