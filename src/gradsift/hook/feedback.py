@@ -34,7 +34,7 @@ State lives in a :class:`gradsift.core.store.TensorStore` (tables ``"residual"``
 ``"velocity"``): the instance's own, or one shared with the DDP hook, which makes every
 step a transaction and follows DDP's bucket rebuilds. ``compensate`` and ``update`` put
 new tensors and never modify a stored one before the commit (the residual kept lazily
-changes at the commit, :meth:`TensorStore.on_commit <gradsift.core.store.TensorStore.on_commit>`),
+changes at the commit, :meth:`~gradsift.core.store.TensorStore.on_commit`),
 so a rolled-back step costs nothing.
 
 1-bit Adam's *server* error feedback (the hook option ``server_feedback``) is
