@@ -211,19 +211,25 @@ def main() -> int:
     parser.add_argument(
         "--lion", action="store_true", help="only Distributed Lion's lr screen (314 steps, seed 0)"
     )
-    parser.add_argument("--refresh", action="store_true", help="only the variance refresh's arm (3,000 steps)")
+    parser.add_argument(
+        "--refresh", action="store_true", help="only the variance refresh's arm (3,000 steps)"
+    )
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
-        for run in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh):
+        for run in plan(
+            args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh
+        ):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
         todo = [
             r
-            for r in plan(args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh)
+            for r in plan(
+                args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh
+            )
             if not finished(r) and r not in failed
         ]
         if not todo:
