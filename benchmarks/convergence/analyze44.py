@@ -131,6 +131,11 @@ ROWS = (
     ),
     *(Row(arm, "issue44", campaign44.ARMS[arm].setting) for arm in campaign44.LION_ARMS),
     Row(
+        f"{campaign44.REFRESH_ARM}-2s",
+        "issue44",
+        "the variance refresh's arm (25 coded warm-up steps, steps 280-299 estimate the variance), two-stage exchange",
+    ),
+    Row(
         "onebit-adam-q4w150-2s",
         "issue44",
         "the 1-bit arm, 150 warm-up steps in 4-bit codes, two-stage exchange",

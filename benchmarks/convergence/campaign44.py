@@ -83,6 +83,10 @@ ARMS = {
                                              "second moment is estimated again from the 4-bit codes of steps "
                                              "280-299 (variance_refresh): the 300-step freeze's variance at the "
                                              "byte budget of a 50-step coded warm-up"),
+    "onebit-adam-q4w25-r280-2s": Method("efsignsgd", {"warmup_steps": 25, "warmup_compressor": "blockquant",
+                                                      "variance_refresh": [[280, 20]], "exchange": "two-stage"},
+                                        setting="the variance refresh's arm through the two-stage exchange (4 "
+                                                "workers: about 30x received)"),
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
@@ -165,7 +169,12 @@ def plan(
     this commit, seed 0, then seed by seed at 3,000 steps); ``wide`` its 4-worker phase (the
     two-stage arm, after fp32's 4-worker reproduction); ``lion`` Distributed Lion's lr screen; ``longer`` with ``coded`` the coded
     warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x);
-    ``refresh`` only the variance refresh's arm (:data:`REFRESH_ARM`, 3,000 steps, seed by seed)."""
+    ``refresh`` only the variance refresh's arm (:data:`REFRESH_ARM`, 3,000 steps, seed by seed;
+    with ``longer`` at 6,000 steps, with ``wide`` at 4 workers through the two-stage exchange)."""
+    if refresh and longer:
+        return [Run(LONGER, REFRESH_ARM, seed, root) for seed in SEEDS]
+    if refresh and wide:
+        return [Run(WIDE, f"{REFRESH_ARM}-2s", seed, root) for seed in SEEDS]
     if refresh:
         return [Run(LONG, REFRESH_ARM, seed, root) for seed in SEEDS]
     if lion:

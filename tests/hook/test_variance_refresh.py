@@ -220,3 +220,18 @@ def test_a_refresh_the_hook_cannot_run_is_refused_by_name():
         assert "(start, steps) pairs" in result[kind]
     for kind in ("update", "sgd"):
         assert "frozen-variance Adam method" in result[kind]
+
+
+def two_stage_worker(rank: int, world: int) -> dict:
+    params, _ = hooked_run(rank, "efsignsgd", {"warmup_compressor": "blockquant", "exchange": "two-stage"})
+    return {"params": params}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_through_the_two_stage_exchange_every_rank_estimates_the_same_variance():
+    """The window's code travels by the warm-up's exchange, here 1-bit Adam's two-stage one,
+    whose mean every rank holds the same: the replicas agree on 4 ranks."""
+    results = run_workers(__file__, "two_stage_worker", 4, timeout=120)
+    assert all(torch.equal(r["params"], results[0]["params"]) for r in results)
+    assert torch.isfinite(results[0]["params"]).all()
