@@ -1,6 +1,7 @@
 """gradsift.compressors.kernels: the selection kernels (NumPy on CPU, PyTorch without host reads elsewhere),
 keeping the largest, zeroing in place, and the one-thread section."""
 
+import contextlib
 import math
 
 import pytest
@@ -55,6 +56,26 @@ def test_selection_of_a_short_strided_tensor_a_tensor_threshold_and_bad_eta():
     assert select_above(x, torch.tensor(0.25, dtype=torch.float64)).indices.tolist() == [2]
     with pytest.raises(InvalidOptionError, match="eta must be >= 0"):
         select_above(x, -1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("eta", [math.nan, -math.nan, math.inf, 1e39])  # 1e39: Inf below float64
+def test_a_threshold_that_is_not_finite_in_the_dtype_selects_exactly_the_nan_and_inf(dtype, eta):
+    """A threshold estimated from data that held a NaN or an Inf (DGC's sampled quantile,
+    SIDCo's fit) is NaN or Inf: NaN and Inf still pass the test on both branches, so the
+    check of the selected values still sees them -- and no finite element passes."""
+    x = hard_input(dtype)
+    bad = torch.nonzero(~x.isfinite()).view(-1)  # the -Inf at 11 and the NaN
+    for branch in (contextlib.nullcontext, kernels.device_branch):
+        with branch():
+            found = select_above(x, eta)
+            capped = select_above(x, torch.tensor(eta, dtype=torch.float64), 1)
+            clean = select_above(torch.ones(10, dtype=dtype), eta)
+        where = f"{eta} on the {branch.__name__} branch"
+        assert torch.equal(found.indices, bad) and found.selected == bad.numel(), where
+        assert bool(found.nonfinite) and bool(capped.nonfinite), where
+        assert capped.indices.tolist() == [SELECTION_CHUNK + 5], where  # the NaN is the largest
+        assert clean.indices.numel() == 0 and not bool(clean.nonfinite), where
 
 
 def largest_by_brute_force(x: torch.Tensor, positions: torch.Tensor, capacity: int) -> list[int]:

@@ -4,6 +4,7 @@ Selection rules on hand-made inputs (exact indices), statistical behaviour with
 fixed seeds (tolerances), state round trips and bad input.
 """
 
+import contextlib
 import copy
 import math
 import subprocess
@@ -15,7 +16,7 @@ import torch
 from scipy import stats
 
 import gradsift
-from gradsift.compressors import scatter_mean
+from gradsift.compressors import kernels, scatter_mean
 from gradsift.compressors.randomk import SharedIndexPayload, first_distinct, stream_seed
 from gradsift.core.errors import InvalidOptionError
 from support import models
@@ -329,6 +330,20 @@ def test_nonfinite_gradient_raises(name, bad, position):
     x[position] = bad
     with pytest.raises(gradsift.NonFiniteGradientError):
         build(name).compress(x)
+
+
+@pytest.mark.parametrize(("name", "options"), [("dgc", {}), ("sidco-exp", {"adapt": False})])
+@pytest.mark.parametrize("bad", [math.nan, -math.nan, math.inf])
+@pytest.mark.parametrize("branch", ["cpu", "device"])
+def test_a_bad_element_in_the_sample_the_threshold_comes_from_raises(name, options, bad, branch):
+    """Every tenth element bad: DGC's sample of 1024 draws holds about a hundred, so its
+    sampled quantile is NaN or Inf; SIDCo's fixed fit samples all of a tensor this small."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 0.01
+    x[::10] = bad
+    compressor = gradsift.get_compressor(name, ratio=0.01, **options)
+    branch_of = kernels.device_branch if branch == "device" else contextlib.nullcontext
+    with branch_of(), pytest.raises(gradsift.NonFiniteGradientError):
+        compressor.compress(x)
 
 
 @pytest.mark.parametrize("name", BASELINES)

@@ -10,11 +10,17 @@ the bad step at all.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from gradsift.compressors import draws
+from gradsift.compressors.dgc import DGC
+from gradsift.hook.options import HOOK_OPTIONS
 from support.distributed import run_workers
 from support.models import batch, flat_params, hook_state, make_model, same
 
@@ -35,19 +41,54 @@ CASES = {
     "value-dtype-overflow": ("topk", {"ratio": 0.1, "value_dtype": "fp16"}, 0, 1e6),
     "sidco": ("sidco-exp", {"ratio": 0.1}, 0, float("nan")),
     "dgc": ("dgc", {"ratio": 0.1}, 0, float("inf")),
+    # DGC's threshold comes from a random sample of the bucket (259 draws over its 259
+    # elements; seed 0, call BAD_STEP): parameter 2's column 0 (positions 3, 19, 35) is in it
+    # (eta is NaN), parameter 1's first element (position 51) is not; at ratio 0.01 the
+    # sample's 3 largest are Infs of parameter 0's column 0 (eta is Inf) -- SAMPLED checks
+    "dgc-nan-in-sample": ("dgc", {"ratio": 0.1, "momentum": 0.9}, 2, float("nan")),
+    "dgc-nan-out-of-sample": ("dgc", {"ratio": 0.1, "momentum": 0.9}, 1, float("nan")),
+    "dgc-inf-threshold": ("dgc", {"ratio": 0.01}, 0, float("inf")),
+    # the fixed fit samples every element of a small bucket: its threshold is NaN
+    "sidco-fixed-fit": ("sidco-exp", {"ratio": 0.1, "adapt": False}, 0, float("nan")),
     "vgc": ("vgc", {}, 2, float("nan")),
     "qsgd": ("qsgd", {}, 0, float("nan")),
     "powersgd": ("powersgd", {"start_iter": 2}, 0, float("nan")),
 }
 POLICIES = ("propagate", "skip", "raise")
+#: Whether rank 1's poison falls in DGC's sample at BAD_STEP, per DGC case.
+SAMPLED = {"dgc": True, "dgc-nan-in-sample": True, "dgc-nan-out-of-sample": False, "dgc-inf-threshold": True}
+
+
+class SampleWatch(DGC):
+    """DGC that records, per call, whether its sample holds a NaN or an Inf."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.sampled: list[bool] = []
+
+    def select(self, flat: torch.Tensor, key: Hashable, capacity, readout):
+        n, call = flat.numel(), self.calls.get(key, 0)
+        size = min(n, max(self.min_sample, math.ceil(n * self.sample_ratio)))
+        positions = draws.below(n, draws.stream_seed(self.seed, key, call), size, flat.device)
+        self.sampled.append(not bool(flat.index_select(0, positions).isfinite().all()))
+        return super().select(flat, key, capacity, readout)
+
+
+def hooked(name: str, options: dict) -> tuple[DDP, gradsift.hook.state.GradsiftHookState]:
+    """The model and its hook; DGC as a :class:`SampleWatch`."""
+    model = DDP(make_model())
+    if name != "dgc":
+        return model, gradsift.register_comm_hook(model, name, **options)
+    hook = {key: value for key, value in options.items() if key in HOOK_OPTIONS}
+    compressor = SampleWatch(**{key: value for key, value in options.items() if key not in hook})
+    return model, gradsift.register_comm_hook(model, compressor, **hook)
 
 
 def run(
     name: str, options: dict, rank: int, steps: list[int], poison: tuple[int, float] | None = None
 ) -> dict:
     """Train on ``steps`` (batch numbers); poison rank 1's gradient at step BAD_STEP."""
-    model = DDP(make_model())
-    state = gradsift.register_comm_hook(model, name, **options)
+    model, state = hooked(name, options)
     params = list(model.module.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
@@ -67,6 +108,7 @@ def run(
         except gradsift.NonFiniteGradientError as error:
             out["raised"] = str(error)
             out["after"] = hook_state(state)
+            out["sampled"] = sampled(state)
             return out
         finally:
             if handle is not None:
@@ -80,7 +122,13 @@ def run(
     out["params"] = flat_params(model)
     out["final"] = hook_state(state)
     out["stats"] = state.stats()["total"]
+    out["sampled"] = sampled(state)
     return out
+
+
+def sampled(state) -> bool | None:
+    """Whether some call of DGC's sampled a NaN or an Inf (None: not DGC)."""
+    return any(state.compressor.sampled) if isinstance(state.compressor, SampleWatch) else None
 
 
 def nonfinite_worker(rank: int, world: int, cases: list[str]) -> dict:
@@ -141,6 +189,14 @@ def four_ranks():
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_step_on_one_rank_leaves_no_trace_on_two_ranks(case, two_ranks):
     check(two_ranks, case)
+
+
+@pytest.mark.parametrize("case", list(SAMPLED))
+def test_the_dgc_cases_poison_in_and_out_of_the_sample(case, two_ranks):
+    for rank, result in enumerate(two_ranks):
+        assert result[case]["reference"]["sampled"] is False
+        for policy in POLICIES:
+            assert result[case][policy]["sampled"] is (SAMPLED[case] and rank == 1), f"{case}/{policy}/{rank}"
 
 
 @pytest.mark.parametrize("case", ["allgather-momentum", "allreduce-randomk", "vgc"])

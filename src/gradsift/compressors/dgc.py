@@ -54,7 +54,8 @@ class DGC(Sparsifier):
 
     Cost: one comparison pass over ``n`` (:func:`gradsift.compressors.kernels.select_above`), a
     top-k over the sample (and over ``c`` elements when trimming); the non-finite check
-    reads only the selected values (the comparison selects NaN).
+    reads only the selected values: the comparison selects every NaN and Inf, also when one
+    fell in the sample and made ``eta`` NaN or Inf (then it selects only those).
     """
 
     name = "dgc"

@@ -107,20 +107,26 @@ def device_branch() -> Iterator[None]:
 
 
 def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None) -> Candidates:
-    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN (``eta >= 0``), ascending;
+    """Positions ``i`` with ``|flat[i]| > eta`` or ``flat[i]`` NaN or Inf (``eta >= 0``), ascending;
     with ``capacity``, the at most ``capacity`` largest of them (:func:`select_mask`).
 
     The comparison runs in ``flat``'s dtype (``eta`` is rounded to it). NaN and Inf always
-    pass the test, so ``nonfinite`` -- read from the selected elements only -- checks all
-    of them; ``selected`` counts every element that passed, whatever the capacity.
+    pass the test, whatever ``eta`` is: an ``eta`` that is NaN or Inf in the dtype -- a
+    threshold estimated from data that held a NaN or an Inf, such as a sampled quantile or a
+    fit -- is compared as the dtype's largest finite value, so the NaN and Inf elements pass
+    and no finite one does. So ``nonfinite`` -- read from the selected elements only --
+    checks all of them; ``selected`` counts every element that passed, whatever the capacity.
 
     * CPU: the IEEE bit patterns of non-negative floats are ordered like the floats,
-      so ``|x| > eta`` is ``(bits(x) & ~sign) > bits(eta)`` on the integer view --
-      and NaN (exponent all ones, mantissa non-zero) lies above every finite
-      ``eta``. NumPy evaluates that and ``flatnonzero`` over
+      so ``|x| > eta`` is ``(bits(x) & ~sign) > (bits(eta) & ~sign)`` on the integer view --
+      and NaN (exponent all ones, mantissa non-zero) and Inf lie above the largest finite
+      pattern, at which the bound is capped. NumPy evaluates that and ``flatnonzero`` over
       :data:`SELECTION_CHUNK`-element chunks on the calling thread.
-    * device: the mask ``not (|x| <= eta)`` (true for NaN), :func:`~gradsift.core.finite.nonfinite`
-      of the selected values and :func:`select_mask`'s device branch.
+    * device: the mask ``not (|x| <= eta)`` (true for NaN) against ``eta`` in the dtype, NaN or
+      Inf replaced by the largest finite value (on the host for a number; for a tensor, one
+      operation on it where it is: no host read, no copy to the device),
+      :func:`~gradsift.core.finite.nonfinite` of the selected values and :func:`select_mask`'s
+      device branch.
     """
     if uses_numpy(flat):
         found = _select_above_numpy(flat, eta)
@@ -130,7 +136,13 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
         return found._replace(indices=indices, length=length)
     if isinstance(eta, float) and eta < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {eta}")
-    mask = ~(flat.abs() <= eta)
+    largest = torch.finfo(flat.dtype).max
+    bound: Threshold  # eta, NaN or Inf in the dtype made the largest: where eta is, never copied
+    if isinstance(eta, torch.Tensor):
+        bound = torch.nan_to_num(eta.to(flat.dtype), nan=largest, posinf=largest)
+    else:  # a number above the largest rounds to it or to Inf; NaN fails the test too
+        bound = eta if eta <= largest else largest
+    mask = ~(flat.abs() <= bound)
     candidates = select_mask(mask, capacity, flat)
     return candidates._replace(nonfinite=nonfinite(torch.where(mask, flat, 0)))
 
@@ -140,9 +152,10 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
     threshold = host_float(eta)
     if threshold < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {threshold}")
-    bound = int(
+    bits = int(
         torch.tensor(threshold, dtype=flat.dtype, device="cpu").view(integer).numpy()
     )  # eta in the dtype
+    bound = min(bits & magnitude, _infinity_bits(flat.dtype) - 1)  # NaN and Inf above it, whatever eta is
     words = numpy_view(flat.view(integer))
     pieces, largest = [], -1  # largest selected magnitude pattern (-1: none selected)
     for start in range(0, words.size, SELECTION_CHUNK):

@@ -32,8 +32,9 @@ target count ``k = max(1, floor(n delta))``:
    the count many-fold (docs/decisions.md).
 5. **Select** ``|g| > eta`` over the full tensor
    (:func:`gradsift.compressors.threshold.threshold_selection`: one read of memory;
-   NaN is selected, so checking the selected values checks all ``n``); with a
-   capacity (the DDP hook's ``k``), the ``k`` largest of them when there are more.
+   NaN and Inf are selected, a non-finite ``eta`` included, so checking the selected
+   values checks all ``n``); with a capacity (the DDP hook's ``k``), the ``k`` largest
+   of them when there are more.
 6. **Adapt** (``adapt=True``): with ``L = ln(achieved/k)`` and ``s`` the local
    log-log slope ``d ln(count)/d ln(eta)`` measured on the sample, the next
    correction is ``c = ln(eta/eta_M) - 0.5 L/s`` (damped Newton step in log space,

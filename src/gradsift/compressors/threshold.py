@@ -21,7 +21,8 @@ from gradsift.core.validation import check_ratio, check_real
 
 
 def threshold_selection(flat: torch.Tensor, eta: Threshold, capacity: int | None) -> Selection:
-    """``{i : |flat_i| > eta}`` (NaN included), cut to the ``capacity`` largest when over it."""
+    """``{i : |flat_i| > eta}`` (NaN and Inf included, whatever ``eta`` is), cut to the
+    ``capacity`` largest when over it."""
     candidates = select_above(flat, eta, capacity)
     assert candidates.nonfinite is not None  # select_above always checks
     return _selection(candidates, candidates.nonfinite)
