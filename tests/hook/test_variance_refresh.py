@@ -23,23 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
-from support.models import batch, flat_params, make_model
-from support.oracles import frozen_variance_start, quantized_by_definition
+from support.models import flat_gradients, flat_params, loss_of, make_model
+from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start, frozen_variance_step
+from support.steps import train_with_restart
 
 STEPS, WARMUP, LR, WD, BETAS, WORLD, EPS = 10, 3, 0.01, 0.1, (0.9, 0.99), 2, 1e-8
 WINDOW = (5, 3)  # hook steps 5, 6, 7; the new second moment from step 7 on
 EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def gradients(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
-    model.zero_grad()
-    loss_of(model, rank, step).backward()
-    return [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
 
 
 def reference_run(coded: bool) -> torch.Tensor:
@@ -48,53 +38,37 @@ def reference_run(coded: bool) -> torch.Tensor:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     params = list(model.parameters())
-    beta1, beta2 = BETAS
+    code = four_bit_blocks if coded else torch.clone
     start, length = WINDOW
     velocity, preconditioner, squares = {}, {}, {}
-    residual = {(k, i): torch.zeros(p.numel()) for k in range(WORLD) for i, p in enumerate(params)}
+    residual = [[torch.zeros(p.numel()) for p in params] for _ in range(WORLD)]
     for step in range(STEPS):
-        per_worker = [gradients(model, k, step) for k in range(WORLD)]
+        per_worker = [flat_gradients(model, k, step) for k in range(WORLD)]
         with torch.no_grad():
-            if step < WARMUP:  # coded: tests/hook/test_warmup_code.py's warm-up, error feedback
+            if step < WARMUP:  # tests/hook/test_warmup_code.py's warm-up, with error feedback
                 for i, p in enumerate(params):
-                    sent = []
-                    for k in range(WORLD):
-                        c = per_worker[k][i] + residual[k, i]
-                        sent.append(quantized_by_definition(c, bits=4, block=64) if coded else c)
-                        residual[k, i] = c - sent[-1]
-                    p.grad = (sum(sent) / WORLD).reshape(p.shape)
+                    g = [per_worker[k][i] for k in range(WORLD)]
+                    p.grad = error_feedback_mean(g, [r[i] for r in residual], code).reshape(p.shape)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 continue
             left = [torch.zeros(p.numel()) for p in params]
             if not velocity:  # the first compressed step also sends what the warm-up left
                 velocity, preconditioner = frozen_variance_start(optimizer, params, BETAS)
-                left = [sum(residual[k, i] for k in range(WORLD)) / WORLD for i in range(len(params))]
-            if start <= step < start + length:
+                left = [sum(r[i] for r in residual) / WORLD for i in range(len(params))]
+            if start <= step < start + length:  # the window: each worker's code, no error feedback
                 for i, p in enumerate(params):
-                    sent = [
-                        quantized_by_definition(per_worker[k][i], bits=4, block=64)
-                        if coded
-                        else per_worker[k][i]
-                        for k in range(WORLD)
-                    ]
-                    mean = (sum(sent) / WORLD).reshape(p.shape)
+                    mean = (sum(code(per_worker[k][i]) for k in range(WORLD)) / WORLD).reshape(p.shape)
                     squares[p] = squares.get(p, torch.zeros_like(p)) + mean * mean
             if step == start + length - 1:
                 for p in params:
                     state = optimizer.state[p]
-                    old = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-                    estimate, keep = squares[p] / length, beta2 ** (start + length - WARMUP)
+                    old = state["exp_avg_sq"] / (1 - BETAS[1] ** float(state["step"]))
+                    estimate, keep = squares[p] / length, BETAS[1] ** (start + length - WARMUP)
                     moved = keep * old + (1 - keep) * estimate
                     preconditioner[p] = torch.where(estimate > 0, moved, old).sqrt() + EPS
-            for i, p in enumerate(params):
-                g = (sum(per_worker[k][i] for k in range(WORLD)) / WORLD).reshape(p.shape)
-                velocity[p] = beta1 * velocity[p] + g
-                p.grad = (1 - beta1) * (velocity[p] + left[i].reshape(p.shape))
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            for p in params:
-                p.mul_(1 - LR * WD)
-                p.sub_(LR * p.grad / preconditioner[p])
+            means = [sum(per_worker[k][i] for k in range(WORLD)) / WORLD for i in range(len(params))]
+            frozen_variance_step(params, means, velocity, preconditioner, left, BETAS[0], LR, WD)
     return flat_params(model)
 
 
@@ -112,24 +86,14 @@ def hooked_run(
         )
         return model, optimizer, state
 
-    model, optimizer, state = fresh()
-    seen = []
-    for step in range(STEPS):
-        if step == resume_at:
-            saved = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "hook": state.state_dict(),
-            }
-            model, optimizer, state = fresh()
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            state.load_state_dict(saved["hook"])
-        optimizer.zero_grad()
-        loss_of(model, rank, step).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        seen.append(state.stats()["step"])
+    seen: list[dict] = []
+    model = train_with_restart(
+        fresh,
+        STEPS,
+        lambda m, step: loss_of(m, rank, step),
+        resume_at,
+        lambda _, s: seen.append(s.stats()["step"]),
+    )
     return flat_params(model), seen
 
 

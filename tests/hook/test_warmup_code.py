@@ -24,22 +24,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
-from support.models import batch, flat_params, make_model
-from support.oracles import frozen_variance_start, quantized_by_definition
+from support.models import flat_gradients, flat_params, loss_of, make_model
+from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start, frozen_variance_step
+from support.steps import train_with_restart
 
 STEPS, WARMUP, LR, WD, BETAS, WORLD = 9, 4, 0.01, 0.1, (0.9, 0.99), 2
 EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def gradients(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
-    model.zero_grad()
-    loss_of(model, rank, step).backward()
-    return [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
 
 
 def reference_run() -> torch.Tensor:
@@ -47,36 +37,26 @@ def reference_run() -> torch.Tensor:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     params = list(model.parameters())
-    beta1 = BETAS[0]
-    residual = {(k, i): torch.zeros(p.numel()) for k in range(WORLD) for i, p in enumerate(params)}
+    residual = [[torch.zeros(p.numel()) for p in params] for _ in range(WORLD)]
     velocity, preconditioner = {}, {}
     for step in range(STEPS):
-        per_worker = [gradients(model, k, step) for k in range(WORLD)]
+        per_worker = [flat_gradients(model, k, step) for k in range(WORLD)]
         with torch.no_grad():
             if step < WARMUP:
                 for i, p in enumerate(params):
-                    sent = []
-                    for k in range(WORLD):
-                        c = per_worker[k][i] + residual[k, i]
-                        sent.append(quantized_by_definition(c, bits=4, block=64))
-                        residual[k, i] = c - sent[-1]
-                    p.grad = (sum(sent) / WORLD).reshape(p.shape)
+                    g = [per_worker[k][i] for k in range(WORLD)]
+                    p.grad = error_feedback_mean(g, [r[i] for r in residual], four_bit_blocks).reshape(
+                        p.shape
+                    )
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 continue
-            if not velocity:
+            left = [torch.zeros(p.numel()) for p in params]
+            if not velocity:  # the first compressed step also sends what the warm-up left
                 velocity, preconditioner = frozen_variance_start(optimizer, params, BETAS)
-                left = [sum(residual[k, i] for k in range(WORLD)) / WORLD for i in range(len(params))]
-            else:
-                left = [torch.zeros(p.numel()) for p in params]
-            for i, p in enumerate(params):
-                g = (sum(per_worker[k][i] for k in range(WORLD)) / WORLD).reshape(p.shape)
-                velocity[p] = beta1 * velocity[p] + g
-                p.grad = (1 - beta1) * (velocity[p] + left[i].reshape(p.shape))
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            for p in params:
-                p.mul_(1 - LR * WD)
-                p.sub_(LR * p.grad / preconditioner[p])
+                left = [sum(r[i] for r in residual) / WORLD for i in range(len(params))]
+            means = [sum(per_worker[k][i] for k in range(WORLD)) / WORLD for i in range(len(params))]
+            frozen_variance_step(params, means, velocity, preconditioner, left, BETAS[0], LR, WD)
     return flat_params(model)
 
 
@@ -94,26 +74,14 @@ def hooked_run(
         )
         return model, optimizer, state
 
-    model, optimizer, state = fresh()
     seen = {}
-    for step in range(STEPS):
-        if step == resume_at:
-            saved = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "hook": state.state_dict(),
-            }
-            model, optimizer, state = fresh()
-            model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            state.load_state_dict(saved["hook"])
-        optimizer.zero_grad()
-        loss_of(model, rank, step).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+
+    def after_step(step: int, state) -> None:
         if step == 0:
             seen["first"] = state.stats()["step"]
-    seen["last"] = state.stats()["step"]
+        seen["last"] = state.stats()["step"]
+
+    model = train_with_restart(fresh, STEPS, lambda m, step: loss_of(m, rank, step), resume_at, after_step)
     return flat_params(model), seen
 
 

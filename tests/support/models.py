@@ -42,6 +42,19 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=gen), torch.randn(BATCH, OUT, generator=gen)
 
 
+def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The tests' loss: mean squared error on worker ``rank``'s batch of ``step``."""
+    x, y = batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def flat_gradients(model: torch.nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    """Each parameter's flat gradient of :func:`loss_of` (the model's gradients zeroed first)."""
+    model.zero_grad()
+    loss_of(model, rank, step).backward()
+    return [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
+
+
 def train(model: DDP, rank: int, steps: range, lr: float = 0.1, micro: int = 1) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in steps:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -38,3 +40,44 @@ def frozen_variance_start(
         velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
         preconditioner[p] = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + eps
     return velocity, preconditioner
+
+
+def four_bit_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``blockquant``'s default code by definition: 4 bits, blocks of 64."""
+    return quantized_by_definition(x, bits=4, block=64)
+
+
+def error_feedback_mean(
+    gradients: list[torch.Tensor], residuals: list[torch.Tensor], code: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Plain error feedback over the workers, written out: worker ``k`` sends ``code(c_k)`` of
+    ``c_k = g_k + r_k`` and keeps ``r_k <- c_k - code(c_k)`` (``residuals`` updated in place);
+    returns the workers' mean of what they sent."""
+    sent = []
+    for gradient, residual in zip(gradients, residuals, strict=True):
+        compensated = gradient + residual
+        sent.append(code(compensated))
+        residual.copy_(compensated - sent[-1])
+    return sum(sent) / len(sent)
+
+
+def frozen_variance_step(
+    params: list[torch.Tensor],
+    means: list[torch.Tensor],
+    velocity: dict[torch.Tensor, torch.Tensor],
+    preconditioner: dict[torch.Tensor, torch.Tensor],
+    left: list[torch.Tensor],
+    beta1: float,
+    lr: float,
+    weight_decay: float,
+) -> None:
+    """One compressed step of the frozen-variance AdamW with every coordinate sent, written out:
+    ``u <- beta1 u + mean g``, ``m = (1 - beta1)(u + left)`` (what a warm-up's code left), the
+    norm of ``m`` clipped to 1, ``x <- x (1 - lr wd) - lr m / D``."""
+    for p, mean, rest in zip(params, means, left, strict=True):
+        velocity[p] = beta1 * velocity[p] + mean.reshape(p.shape)
+        p.grad = (1 - beta1) * (velocity[p] + rest.reshape(p.shape))
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for p in params:
+        p.mul_(1 - lr * weight_decay)
+        p.sub_(lr * p.grad / preconditioner[p])

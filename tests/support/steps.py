@@ -32,3 +32,35 @@ def refusal_messages(cases: dict[str, Callable[[], Any]]) -> dict[str, str]:
         else:
             messages[name] = "no error"
     return messages
+
+
+def train_with_restart(
+    fresh: Callable[[], tuple[Any, Any, Any]],
+    steps: int,
+    loss_at: Callable[[Any, int], torch.Tensor],
+    resume_at: int | None = None,
+    after_step: Callable[[int, Any], None] | None = None,
+) -> Any:
+    """The user's loop over ``(model, optimizer, hook state) = fresh()``: per step zero the
+    gradients, ``loss_at(model, step).backward()``, clip the norm to 1, step; at ``resume_at``
+    first save the three state dicts and go on in fresh objects loaded from them (a checkpoint
+    and a restart). ``after_step(step, state)`` after each step; returns the last model."""
+    model, optimizer, state = fresh()
+    for step in range(steps):
+        if step == resume_at:
+            saved = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "hook": state.state_dict(),
+            }
+            model, optimizer, state = fresh()
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            state.load_state_dict(saved["hook"])
+        optimizer.zero_grad()
+        loss_at(model, step).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if after_step is not None:
+            after_step(step, state)
+    return model
