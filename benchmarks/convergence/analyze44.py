@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import analyze
 import campaign44
 from protocol import RUNS, WORKLOADS
 
@@ -360,6 +361,28 @@ def unfinished(issue44: Path) -> list[str]:
     return [str(r.directory.relative_to(issue44)) for r in campaign44.plan(issue44) if not finished(r)]
 
 
+def whole_runs() -> tuple[str, list[dict[str, Any]]]:
+    """Item 5's check: each whole emulated run of ``run.py validation`` on the AdamW GPT against
+    the time composed for the localhost run of its seed (``analyze.composed_times``)."""
+    rows = [r for r in analyze.validation(analyze.load_results()) if r["workload"] == "gpt-adamw-3k"]
+    if not rows:
+        return "", rows
+    lines = [
+        "**Whole emulated runs** (`run.py validation`: seed 0, 3,000 steps, 2 workers, each link emulated "
+        "between network namespaces) against the training time composed for the localhost run of the "
+        "same seed from 40-step shaped timings:",
+        "",
+        "| arm | link | measured training time | composed | composed / measured |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['link']} | {r['measured_train_time_s']:.0f} s | {r['composed_train_time_s']:.0f} s "
+            f"| {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines) + "\n", rows
+
+
 def analyse(issue44: Path) -> tuple[str, dict[str, Any]]:
     found = collect(issue44)
     parts, numbers = [], {}
@@ -367,6 +390,9 @@ def analyse(issue44: Path) -> tuple[str, dict[str, Any]]:
         if workload in found:
             text, numbers[workload] = table(workload, found[workload])
             parts.append(text)
+    measured, validation = whole_runs()
+    if measured:
+        parts.append(measured)
     runs = [
         {"workload": w, "arm": a, **{k: v for k, v in r.items() if k != "loss_curve"}}
         for w, arms in found.items() for a, seeds in arms.items() for r in seeds.values()
@@ -380,6 +406,7 @@ def analyse(issue44: Path) -> tuple[str, dict[str, Any]]:
         "tables": numbers,
         "reproduction": reproduction(issue44),
         "planned_not_finished": unfinished(issue44),
+        "whole_emulated_runs": validation,
         "runs": runs,
     }
     return "\n".join(parts), report
