@@ -194,7 +194,7 @@ def collect(issue44: Path) -> dict[str, dict[str, dict[int, dict[str, Any]]]]:
     found: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     for workload in WORKLOAD_LABELS:
         for row in ROWS:
-            for seed in campaign44.SEEDS:
+            for seed in campaign44.SEEDS + campaign44.EXTRA_SEEDS:
                 run = load_run(run_directory(workload, row.arm, seed, row.source, issue44))
                 if run is not None:
                     found.setdefault(workload, {}).setdefault(row.arm, {})[seed] = run
