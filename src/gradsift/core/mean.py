@@ -1,5 +1,6 @@
 """A sum over ``W`` workers made their mean as ``sum * (1 / W)``: the hook's stock step, the
-allreduce exchange and the sparse decode (``scatter_mean``, float32 and wider) use it.
+allreduce exchange and the sparse decode (``scatter_mean``, float32 and wider) use it; and a
+gradient divided by a loss scale the way ``GradScaler`` unscales it (:func:`unscaled`).
 
 Stock DDP's reducer multiplies each gradient by ``1 / W`` as it copies it into the bucket
 (``mul_out`` with the reciprocal), so a mean computed the same way equals stock DDP's bit
@@ -22,3 +23,9 @@ def divide_(tensor: torch.Tensor, count: int) -> torch.Tensor:
 def divided(tensor: torch.Tensor, count: int) -> torch.Tensor:
     """``tensor * (1 / count)`` in a new tensor."""
     return torch.mul(tensor, 1.0 / count)
+
+
+def unscaled(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``tensor`` divided by the loss ``scale`` as ``GradScaler`` unscales: times the scale's
+    inverse computed in float64 and rounded to float32, in a new tensor."""
+    return tensor * scale.double().reciprocal().float()

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
-from gradsift.core.mean import divide_
+from gradsift.core.mean import divide_, unscaled
 from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
@@ -142,17 +142,11 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     loss_scale = state.loss_scale()
     warming = state.warming()  # SGD's warm-up with momentum correction, or Adam's in a code
     coded = state.coded_warmup if warming and state.adam is not None else None
-    if coded is not None:
-        exchange, codec = coded.exchange, coded.codec
-    elif warming:
-        exchange, codec = STOCK_ALLREDUCE, IDENTITY
-    else:
-        exchange, codec = state.exchange, state.codec
+    warmup = (STOCK_ALLREDUCE, IDENTITY) if state.coded_warmup is None else state.coded_warmup.route
+    exchange, codec = warmup if warming else (state.exchange, state.codec)
     feedback = state.feedback if coded is None else coded.feedback
     lazy = exchange.copies_input and feedback is not None and feedback.keeps_lazily(codec.compressor)
-    refresh = (
-        None if warming else variance_refresh.start_trip(state, large, context, loss_scale, STOCK_ALLREDUCE)
-    )
+    refresh = None if warming else variance_refresh.start_trip(state, large, context, loss_scale, warmup)
     for part in large:  # 4 (after the refresh's trip read the gradients)
         part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy)
     trips = []  # 5
@@ -187,7 +181,7 @@ def _compensate(
     so the step allocates no ``c`` of its own."""
     flat = part.flat
     if scale is not None:
-        flat = flat * scale.double().reciprocal().float()  # GradScaler's own inverse, fp32
+        flat = unscaled(flat, scale)
     if coded is not None:
         return coded.feedback.compensate(part.key, flat)
     if state.weight_decay:

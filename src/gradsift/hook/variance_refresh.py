@@ -34,8 +34,9 @@ import torch
 
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.mean import unscaled
 from gradsift.core.parts import Context, Outcome, Part
-from gradsift.exchanges.base import IDENTITY, Exchange
+from gradsift.exchanges.base import Codec, Exchange
 from gradsift.hook.adam import AdamStep, FrozenVarianceStep
 
 #: The state-store table of the window's summed squared means.
@@ -104,11 +105,11 @@ def start_trip(
     large: list[Part],
     context: Context,
     loss_scale: torch.Tensor | None,
-    dense: Exchange,
+    warmup: tuple[Exchange, Codec],
 ) -> Pending[Outcome] | None:
     """In a window, start the side trip of ``large``'s gradients (divided by ``loss_scale``)
-    the way the warm-up sent them -- the warm-up's code, or the ``dense`` exchange -- into a
-    bucket-sized result of its own, its bytes in the bucket's record; its outcome adds each
+    by the ``warmup``'s exchange and codec (the warm-up's code, or stock DDP's allreduce) into
+    a bucket-sized result of its own, its bytes in the bucket's record; its outcome adds each
     part's squared mean to :data:`SQUARES` (fresh at the window's first step). None outside
     a window. Start it before the method's compensation, which may write ``c`` over the
     gradient, and before its trip, which may write the mean there."""
@@ -116,10 +117,11 @@ def start_trip(
     if window is None or not large:
         return None
     side = dataclasses.replace(context, result=torch.empty_like(context.result))
-    inverse = None if loss_scale is None else loss_scale.double().reciprocal().float()
-    parts = [Part(p.key, p.offset, p.flat if inverse is None else p.flat * inverse, p.params) for p in large]
-    coded = state.coded_warmup
-    exchange, codec = (dense, IDENTITY) if coded is None else coded.route
+    parts = [
+        Part(p.key, p.offset, p.flat if loss_scale is None else unscaled(p.flat, loss_scale), p.params)
+        for p in large
+    ]
+    exchange, codec = warmup
     first = context.step == window[0]
 
     def accumulate(outcome: Outcome) -> Outcome:
