@@ -87,6 +87,15 @@ ARMS = {
                                                       "variance_refresh": [[280, 20]], "exchange": "two-stage"},
                                         setting="the variance refresh's arm through the two-stage exchange (4 "
                                                 "workers: about 30x received)"),
+    **{
+        f"zero-one-q4w300-l{every}x{longest}": Method(
+            "efsignsgd", {"warmup_steps": 300, "warmup_compressor": "blockquant", "adam": "zero-one",
+                          "local_steps": [every, longest]},
+            setting=f"0/1 Adam's local steps (adam='zero-one'): a 300-step warm-up in 4-bit codes, then the "
+                    f"1-bit message once per interval, the interval doubling every {every} compressed steps "
+                    f"up to {longest}")
+        for every, longest in ((500, 2), (250, 4))
+    },
 }  # fmt: skip
 
 SEEDS = (0, 1, 2)
@@ -112,6 +121,9 @@ WIDE, WIDE_SCREEN = "gpt-adamw-w4-3k", "gpt-adamw-w4"
 #: 1-bit arm freezes at step 25 and estimates the variance again over steps 280-299, paired
 #: with the 3,000-step fp32 runs and comparable with the 50-step coded warm-up at the same bytes.
 REFRESH_ARM = "onebit-adam-q4w25-r280"
+#: 0/1 Adam's local steps (issue 44, item 3): syncing the 1-bit message once per interval frees
+#: the byte budget for a 300-step coded warm-up (the freeze the 1 % target needs) at >= 30x.
+ZERO_ONE_ARMS = ("zero-one-q4w300-l500x2", "zero-one-q4w300-l250x4")
 
 
 def method(name: str) -> Method:
@@ -165,6 +177,7 @@ def plan(
     lion: bool = False,
     refresh: bool = False,
     five: bool = False,
+    zero_one: bool = False,
 ) -> list[Run]:
     """The campaign in priority order (recomputed after every run). At 3,000 steps: the dense
     frozen-variance arm (3 seeds), then the lr of the screen's two new ones with the lower
@@ -176,7 +189,10 @@ def plan(
     warm-up's arm at 6,000 steps (100 warm-up steps there: the most that keep >= 30x);
     ``refresh`` only the variance refresh's arm (:data:`REFRESH_ARM`, 3,000 steps, seed by seed;
     with ``longer`` at 6,000 steps, with ``wide`` at 4 workers through the two-stage exchange);
-    ``five`` seeds 3 and 4 of :data:`FIVE_ARMS` at 3,000 steps."""
+    ``five`` seeds 3 and 4 of :data:`FIVE_ARMS` at 3,000 steps; ``zero_one`` :data:`ZERO_ONE_ARMS`
+    at 3,000 steps, seed by seed."""
+    if zero_one:
+        return [Run(LONG, arm, seed, root) for seed in SEEDS for arm in ZERO_ONE_ARMS]
     if five:
         return [Run(LONG, arm, seed, root) for seed in EXTRA_SEEDS for arm in FIVE_ARMS]
     if refresh and longer:
@@ -232,12 +248,23 @@ def main() -> int:
         "--refresh", action="store_true", help="only the variance refresh's arm (3,000 steps)"
     )
     parser.add_argument("--five", action="store_true", help="seeds 3 and 4 of FIVE_ARMS (3,000 steps)")
+    parser.add_argument(
+        "--zero-one", action="store_true", help="0/1 Adam's local steps (ZERO_ONE_ARMS, 3,000 steps)"
+    )
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
     if args.action == "status":
         for run in plan(
-            args.root, args.extended, args.longer, args.coded, args.wide, args.lion, args.refresh, args.five
+            args.root,
+            args.extended,
+            args.longer,
+            args.coded,
+            args.wide,
+            args.lion,
+            args.refresh,
+            args.five,
+            args.zero_one,
         ):
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
@@ -254,6 +281,7 @@ def main() -> int:
                 args.lion,
                 args.refresh,
                 args.five,
+                args.zero_one,
             )
             if not finished(r) and r not in failed
         ]

@@ -116,7 +116,14 @@ def errors(rank: int, world: int) -> dict[str, str]:
         model = no_shard(use_orig_params=True)
         gradsift.register_comm_hook(model, "topk", optimizer=torch.optim.AdamW(model.parameters()))
 
-    return refusal_messages({"fsdp2": fsdp2, "full_shard": full_shard, "original_params": original_params})
+    def zero_one() -> None:
+        model = no_shard()
+        optimizer = torch.optim.AdamW(model.parameters())
+        gradsift.register_comm_hook(model, "efsignsgd", optimizer=optimizer, adam="zero-one", warmup_steps=2)
+
+    return refusal_messages(
+        {"fsdp2": fsdp2, "full_shard": full_shard, "original_params": original_params, "zero_one": zero_one}
+    )
 
 
 def worker(rank: int, world: int) -> dict:
@@ -172,3 +179,4 @@ def test_where_the_optimizer_cannot_apply_it_is_refused_naming_where_it_can(runs
     for name, fragment in expected.items():
         assert fragment in messages[name], (name, messages[name])
         assert "FSDP1 NO_SHARD with use_orig_params=False" in messages[name], name
+    assert "on FSDP models use adam='frozen-variance' or 'onebit'" in messages["zero_one"]

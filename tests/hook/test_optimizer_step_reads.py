@@ -81,7 +81,10 @@ def test_zero_gradients_end_the_scaler_watch_within_its_bound(one_process_group)
 def adam_run(rank: int, compressor: str, method: str, steps: int = 5, warmup: int = 2) -> dict:
     ddp = model()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1)
-    gradsift.register_comm_hook(ddp, compressor, optimizer=optimizer, warmup_steps=warmup, adam=method)
+    local = {"local_steps": (1, 2)} if method == "zero-one" else {}  # steps 2 and 4 sync, 3 is local
+    gradsift.register_comm_hook(
+        ddp, compressor, optimizer=optimizer, warmup_steps=warmup, adam=method, **local
+    )
     generator = torch.Generator().manual_seed(rank)
     backward, step = [], []
     for _ in range(steps):
@@ -96,7 +99,7 @@ def adam_run(rank: int, compressor: str, method: str, steps: int = 5, warmup: in
     return {"backward": backward, "step": step}
 
 
-@pytest.mark.parametrize("method", ["frozen-variance", "onebit"])
+@pytest.mark.parametrize("method", ["frozen-variance", "onebit", "zero-one"])
 def test_adam_reads_no_step_count_when_it_starts_compressing(one_process_group, method):
     """Step 2 is the first compressed one: its backward starts the velocities from Adam's
     first moments and its optimizer step computes the frozen preconditioners; neither may

@@ -142,6 +142,11 @@ def register_fsdp_comm_hook(
         raise InvalidOptionError(
             f"granularity must be 'bucket' on FSDP models (one part per FSDP unit); {_SUPPORTED}"
         )
+    if state.options.adam == "zero-one":
+        raise InvalidOptionError(
+            "adam='zero-one' lets DDP replicas step apart between synchronisations; on FSDP models use "
+            f"adam='frozen-variance' or 'onebit'; {_SUPPORTED}"
+        )
     if isinstance(model, FSDP):
         _register_fsdp1(model, state, optimizer)
     else:

@@ -148,8 +148,8 @@ class AdamStep:
         del step
         return True
 
-    def moment_scale(self) -> float:
-        """What the exchange's mean is multiplied by before it becomes ``.grad``."""
+    def moment_scale(self, step: int) -> float:
+        """What hook step ``step``'s exchanged mean is multiplied by before it becomes ``.grad``."""
         return 1.0
 
     def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -230,7 +230,7 @@ class FrozenVarianceStep(AdamStep):
         fields = {k: record[k] for k in ("end", "reason", "steps", "change")}
         return {"adam_warmup": {**fields, "cap": self.settled.cap}}
 
-    def moment_scale(self) -> float:
+    def moment_scale(self, step: int) -> float:
         """The exchange's mean is in velocity units: Adam's first moment is ``1 - beta1`` of it."""
         return 1.0 - self.beta1
 
@@ -341,9 +341,9 @@ FIRST, SECOND = "adam.exp_avg", "adam.exp_avg_sq"
 
 
 #: The methods ``optimizer=`` offers for the Adam family (the hook option ``adam``).
-METHODS = ("frozen-variance", "update", "onebit")
+METHODS = ("frozen-variance", "update", "onebit", "zero-one")
 #: Those that freeze the second moment after a dense warm-up (which they cannot do without).
-FROZEN_METHODS = ("frozen-variance", "onebit")
+FROZEN_METHODS = ("frozen-variance", "onebit", "zero-one")
 
 
 def adam_step(

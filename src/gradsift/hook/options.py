@@ -22,6 +22,7 @@ from gradsift.hook.adam import METHODS as ADAM_METHODS
 from gradsift.hook.layout import GRANULARITIES
 from gradsift.hook.ledger import NONFINITE_POLICIES
 from gradsift.hook.variance_refresh import parse_windows
+from gradsift.hook.zero_one import parse_local_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,13 @@ class HookOptions:
             the hook then works on unscaled gradients (see the module docstring).
         adam: with ``optimizer=`` Adam/AdamW, the method of :mod:`gradsift.hook.adam`:
             ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``), ``"onebit"``
-            (the same with 1-bit Adam's momentum, restarted every step from the exchanged one)
-            or ``"update"``.
+            (the same with 1-bit Adam's momentum, restarted every step from the exchanged one),
+            ``"zero-one"`` (the frozen variance with 0/1 Adam's local steps between
+            synchronisations, :mod:`gradsift.hook.zero_one`) or ``"update"``.
+        local_steps: with ``adam="zero-one"``, ``(double_every, longest)``: one step between
+            synchronisations over the first ``double_every`` compressed steps, then 2, 4, ... up
+            to ``longest``; None (default): :data:`gradsift.hook.zero_one.DEFAULT_LOCAL_STEPS`.
+            Refused with another method.
         warmup_compressor: None (default) -- a frozen-variance Adam method's warm-up is stock
             DDP's fp32 allreduce; a deterministic quantizer (a registry name with its default
             options, e.g. ``"blockquant"``'s 4-bit codes, or an instance) -- the warm-up's
@@ -110,6 +116,7 @@ class HookOptions:
     exchange: str = AUTO
     scaler: Any = None
     adam: str = "frozen-variance"
+    local_steps: tuple[int, int] | None = None
     warmup_compressor: str | Compressor | None = None
     variance_refresh: tuple[tuple[int, int], ...] = ()
     residual_decay: float | None = None
@@ -138,6 +145,13 @@ class HookOptions:
         check_ratio(self.density_warmup_start, "density_warmup_start")
         check_choice(self.exchange, "exchange", (AUTO, *available_exchanges()))
         check_choice(self.adam, "adam", ADAM_METHODS)
+        if self.local_steps is not None:
+            if self.adam != "zero-one":
+                raise InvalidOptionError(
+                    f"local_steps= sets 0/1 Adam's synchronisation intervals: it needs adam='zero-one' "
+                    f"(this hook has adam={self.adam!r})"
+                )
+            object.__setattr__(self, "local_steps", parse_local_steps(self.local_steps))
         if self.warmup_compressor is not None and not isinstance(self.warmup_compressor, (str, Compressor)):
             raise InvalidOptionError(
                 f"warmup_compressor must be a registry name or a Compressor, got {self.warmup_compressor!r}"

@@ -38,6 +38,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import ADAM_FAMILY, AdamStep, LocalUpdateStep, adam_step, is_adam, l2_decay
 from gradsift.hook.param_groups import model_groups
+from gradsift.hook.zero_one import DEFAULT_LOCAL_STEPS, LocalSteps, ZeroOneAdamStep
 
 MOMENTUM_KEY = "gradsift_momentum"
 WEIGHT_DECAY_KEY = "gradsift_weight_decay"
@@ -73,6 +74,7 @@ def take_over(
     warmup_steps: int | None = None,
     adam: str = "frozen-variance",
     compressor: Compressor | None = None,
+    local_steps: LocalSteps | None = None,
 ) -> Takeover:
     """Move the optimizer's first moment (and the weight decay that enters it) into the hook.
 
@@ -80,7 +82,8 @@ def take_over(
     ``adam`` of :mod:`gradsift.hook.adam` takes the optimizer's steps after ``warmup_steps`` dense
     ones (None: a frozen method's measured warm-up, none for ``"update"``; ``"frozen-variance"``,
     ``"onebit"``: ``beta1`` becomes the velocity's momentum; ``"update"``: each worker's own Adam
-    update travels, with no momentum in the exchange).
+    update travels, with no momentum in the exchange; ``"zero-one"``: the frozen variance with
+    0/1 Adam's ``local_steps`` (:mod:`gradsift.hook.zero_one`), its velocity its own).
     ``numbers`` maps ``id(parameter)`` to the parameter's number. A ``compressor`` whose
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
     nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
@@ -91,8 +94,13 @@ def take_over(
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     optimizer = unwrapped(optimizer)
     if is_adam(optimizer):
-        step = adam_step(optimizer, numbers, warmup_steps, adam)
-        momentum = 0.0 if isinstance(step, LocalUpdateStep) else step.beta1
+        if adam == "zero-one":
+            step: AdamStep = ZeroOneAdamStep(
+                optimizer, numbers, warmup_steps, local_steps or DEFAULT_LOCAL_STEPS
+            )
+        else:
+            step = adam_step(optimizer, numbers, warmup_steps, adam)
+        momentum = 0.0 if isinstance(step, (LocalUpdateStep, ZeroOneAdamStep)) else step.beta1
         return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
     if compressor is not None and not compressor.momentum_correction:
         return Takeover()

@@ -51,7 +51,7 @@ from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
-from gradsift.hook import recipe, variance_refresh
+from gradsift.hook import recipe, variance_refresh, zero_one
 from gradsift.hook.adam import LocalUpdateStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
@@ -59,6 +59,7 @@ from gradsift.hook.layout import BucketLike
 from gradsift.hook.ledger import BucketInFlight
 from gradsift.hook.state import STOCK_ALLREDUCE, GradsiftHookState
 from gradsift.hook.warmup_code import CodedWarmup
+from gradsift.hook.zero_one import ZeroOneAdamStep
 
 
 def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -149,9 +150,12 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     refresh = None if warming else variance_refresh.start_trip(state, large, context, loss_scale, warmup)
     for part in large:  # 4 (after the refresh's trip read the gradients)
         part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy)
+    local = isinstance(state.adam, ZeroOneAdamStep) and not warming and not state.adam.syncs(context.step)
     trips = []  # 5
     if large:
-        trips.append(exchange.start(large, codec, context))
+        trips.append(
+            zero_one.start_local_trip(large, context) if local else exchange.start(large, codec, context)
+        )
         if lazy:  # the payloads hold what error feedback needs of ``c``: it lived only for them
             for part in large:
                 part.compensated = None
@@ -159,9 +163,9 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
         trips.append(STOCK_ALLREDUCE.start(small, IDENTITY, context))
     if refresh is not None:  # after the compressed parts' outcome, which the update reads first
         trips.append(refresh)
-    scale = loss_scale if coded is not None else _mean_scale(state, loss_scale)
+    scale = loss_scale if coded is not None else _mean_scale(state, loss_scale, context.step)
     return Pending.gather(trips).then(
-        _update(state, context, large, scale, compressed=not warming, coded=coded)
+        _update(state, context, large, scale, compressed=not warming, coded=coded, local=local)
     )  # 6
 
 
@@ -194,6 +198,10 @@ def _compensate(
         return flat
     if isinstance(state.adam, LocalUpdateStep):  # the worker's own Adam update travels
         return state.feedback.compensate(part.key, state.adam.update(state.store, part.key, flat, state.step))
+    if isinstance(state.adam, ZeroOneAdamStep):  # the interval's accumulated update travels at its end
+        syncing = state.adam.syncs(state.step)
+        travelling = state.adam.accumulate(state.store, part.key, flat, part.params, syncing)
+        return state.feedback.compensate(part.key, travelling) if syncing else travelling
     if state.adam is not None and state.store.get(VELOCITY, part.key) is None:
         start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
         if start is not None:
@@ -202,12 +210,14 @@ def _compensate(
     return state.feedback.compensate(part.key, flat, out=part.flat if lazy and not widened else None)
 
 
-def _mean_scale(state: GradsiftHookState, loss_scale: torch.Tensor | None) -> torch.Tensor | float | None:
+def _mean_scale(
+    state: GradsiftHookState, loss_scale: torch.Tensor | None, step: int
+) -> torch.Tensor | float | None:
     """What the compensated parts' mean is multiplied by: the loss scale ``s`` (stock DDP's
-    scaled mean) and, under Adam, the first moment's ``1 - beta1`` (the mean is the velocity's)."""
+    scaled mean) and, under Adam, the first moment's share of it (``1 - beta1`` of a velocity)."""
     if state.adam is None:
         return loss_scale
-    moment = state.adam.moment_scale()
+    moment = state.adam.moment_scale(step)
     return moment if loss_scale is None else loss_scale * moment
 
 
@@ -218,15 +228,18 @@ def _update(
     scale: torch.Tensor | float | None,
     compressed: bool = True,
     coded: CodedWarmup | None = None,
+    local: bool = False,
 ) -> Callable[[list[Outcome]], Outcome]:
     """Step 6, once the bucket's trips delivered (the compressed parts' first): error
     feedback's ``r <- c - sent`` (the ``coded`` warm-up's own, with its code); when ``large``
     travelled ``compressed``, the server stage on their mean and what the Adam method keeps
     of it (both in the residuals' units, before the scale); the scale put back into the
-    mean; one outcome for the close."""
+    mean; one outcome for the close. A ``local`` step (0/1 Adam's) only scales."""
     feedback, compressor = (
         (state.feedback, state.compressor) if coded is None else (coded.feedback, coded.compressor)
     )
+    compressed = compressed and not local
+    feedback = None if local else feedback
 
     def finish(outcomes: list[Outcome]) -> Outcome:
         if large and feedback is not None:  # before the scale: ``sent`` may be the result itself

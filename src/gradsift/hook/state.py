@@ -165,9 +165,8 @@ class GradsiftHookState:
         if take_over and optimizer is not None and self.feedback is not None:
             if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
                 self.options = self.options.with_frozen_variance_warmup()
-            taken = recipe.take_over(
-                optimizer, self.layout.numbers, self.options.warmup_steps, self.options.adam, self.compressor
-            )
+            method = (self.options.warmup_steps, self.options.adam, self.compressor, self.options.local_steps)
+            taken = recipe.take_over(optimizer, self.layout.numbers, *method)
             if self.options.momentum and self.options.momentum != taken.momentum:
                 raise InvalidOptionError(
                     f"momentum={self.options.momentum} disagrees with the optimizer's momentum {taken.momentum}; "
