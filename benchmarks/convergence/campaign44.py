@@ -254,37 +254,18 @@ def main() -> int:
     args = parser.parse_args()
     from run import execute, finished  # run.py's machinery: provenance, gzip, skip-if-done
 
+    phases = {name: value for name, value in vars(args).items() if name not in ("action", "root")}
+
+    def planned() -> list[Run]:
+        return plan(args.root, **phases)
+
     if args.action == "status":
-        for run in plan(
-            args.root,
-            args.extended,
-            args.longer,
-            args.coded,
-            args.wide,
-            args.lion,
-            args.refresh,
-            args.five,
-            args.zero_one,
-        ):
+        for run in planned():
             print(f"{'done' if finished(run) else 'todo'}  {run.directory.relative_to(args.root)}")
         return 0
     failed: set[Run] = set()
     while True:
-        todo = [
-            r
-            for r in plan(
-                args.root,
-                args.extended,
-                args.longer,
-                args.coded,
-                args.wide,
-                args.lion,
-                args.refresh,
-                args.five,
-                args.zero_one,
-            )
-            if not finished(r) and r not in failed
-        ]
+        todo = [r for r in planned() if not finished(r) and r not in failed]
         if not todo:
             break
         if not execute(todo[0]):

@@ -20,7 +20,6 @@ peer dies, and refuse what it cannot honour.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.compressors.casts import Float16
-from gradsift.core.errors import InvalidOptionError, PeerFailureError
+from gradsift.core.errors import InvalidOptionError
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.hook.feedback import SERVER_RESIDUAL, server_stage
@@ -37,7 +36,8 @@ from gradsift.hook.state import GradsiftHookState
 from gradsift.integrations.checkpoint import gather_hook_states, load_hook_state
 from support.distributed import run_workers
 from support.host_reads import HostReads
-from support.models import batch, flat_params, make_model
+from support.models import flat_params, loss_of, make_model
+from support.steps import assert_the_survivor_raised, train_until_peer_failure
 
 STEPS, WARMUP, LR, WD, BETAS, EPS = 10, 3, 0.01, 0.1, (0.9, 0.99), 1e-8
 #: 1-bit Adam's line (with ``optimizer=`` the AdamW).
@@ -48,11 +48,6 @@ def onebit_by_definition(x: torch.Tensor) -> torch.Tensor:
     """``(||x||_2 / sqrt(d)) sign(x)``, ``sign(0) = +1``."""
     scale = torch.linalg.vector_norm(x) / math.sqrt(x.numel())
     return torch.where(x < 0, -scale, scale)
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def reference_run(per_layer: bool, workers: int = 2) -> torch.Tensor:
@@ -238,23 +233,16 @@ def dying_worker(rank: int, world: int) -> dict:
             os._exit(3)
 
         state.compressor.encode = dying  # what the hook calls, on the worker and on the server
-    started = time.monotonic()
-    try:
-        for step in range(WARMUP + 1, WARMUP + 4):
-            optimizer.zero_grad()
-            loss_of(model, rank, step).backward()
-            optimizer.step()
-        return {"error": None}
-    except PeerFailureError as error:
-        return {"error": str(error), "seconds": time.monotonic() - started}
+    return train_until_peer_failure(
+        model, optimizer, lambda m, step: loss_of(m, rank, step), range(WARMUP + 1, WARMUP + 4)
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_dead_peer_raises_instead_of_hanging():
     results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=120, expect_exit={1: 3})
-    assert results[0]["error"] is not None and "a peer process is gone" in results[0]["error"]
-    assert results[0]["seconds"] < 20
+    assert_the_survivor_raised(results[0])
 
 
 # --- the pieces, in one process ------------------------------------------------------------------

@@ -13,19 +13,21 @@ The intervals for ``local_steps=(2, 4)``: 1, 1, 2, 4, 4, ... compressed steps.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
-from gradsift.core.errors import PeerFailureError
 from gradsift.hook.zero_one import ZeroOneAdamStep
 from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
 from support.oracles import frozen_variance_start
-from support.steps import refusal_messages, train_with_restart
+from support.steps import (
+    assert_the_survivor_raised,
+    refusal_messages,
+    train_until_peer_failure,
+    train_with_restart,
+)
 
 WARMUP, STEPS, LR, WD, BETAS, WORLD, EPS = 3, 18, 0.01, 0.1, (0.9, 0.99), 2, 1e-8
 LOCAL_STEPS = (2, 4)
@@ -233,27 +235,22 @@ def dying_worker(rank: int, world: int) -> dict:
     gradsift.register_comm_hook(
         model, "efsignsgd", optimizer=optimizer, warmup_steps=WARMUP, adam="zero-one", local_steps=LOCAL_STEPS
     )
-    started = time.monotonic()
-    try:
-        for step in range(STEPS):
-            if rank == 1 and step == WARMUP + 5:  # a local step
-                import os
 
-                os._exit(3)
-            optimizer.zero_grad()
-            loss_of(model, rank, step).backward()
-            optimizer.step()
-        return {"error": None}
-    except PeerFailureError as error:
-        return {"error": str(error), "seconds": time.monotonic() - started}
+    def loss_at(model: DDP, step: int) -> torch.Tensor:
+        if rank == 1 and step == WARMUP + 5:  # a local step
+            import os
+
+            os._exit(3)
+        return loss_of(model, rank, step)
+
+    return train_until_peer_failure(model, optimizer, loss_at, range(STEPS))
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_dead_peer_at_a_local_step_raises_instead_of_hanging():
     results = run_workers(__file__, "dying_worker", 2, group_timeout=5.0, timeout=120, expect_exit={1: 3})
-    assert results[0]["error"] is not None and "a peer process is gone" in results[0]["error"]
-    assert results[0]["seconds"] < 20
+    assert_the_survivor_raised(results[0])
 
 
 def refusals_worker(rank: int, world: int) -> dict:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from gradsift.core.errors import InvalidOptionError
+from gradsift.core.errors import InvalidOptionError, PeerFailureError
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
@@ -64,3 +65,30 @@ def train_with_restart(
         if after_step is not None:
             after_step(step, state)
     return model
+
+
+def train_until_peer_failure(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss_at: Callable[[Any, int], torch.Tensor],
+    steps: Iterable[int],
+) -> dict[str, Any]:
+    """Train over ``steps`` (zero the gradients, ``loss_at(model, step).backward()``, step) until
+    a :class:`PeerFailureError`: ``{"error": its text, "seconds": how long after the first of
+    these steps it came}``, or ``{"error": None}`` when none came."""
+    started = time.monotonic()
+    try:
+        for step in steps:
+            optimizer.zero_grad()
+            loss_at(model, step).backward()
+            optimizer.step()
+    except PeerFailureError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def assert_the_survivor_raised(result: dict[str, Any], within_s: float = 20.0) -> None:
+    """What :func:`train_until_peer_failure` returned on a rank whose peer died: the peer's end
+    named, within ``within_s`` seconds."""
+    assert result["error"] is not None and "a peer process is gone" in result["error"], result
+    assert result["seconds"] < within_s, result
