@@ -8,7 +8,8 @@ velocity units), ``a_k <- a_k + lr u_k``; a local step clips ``(1 - beta1) u_k``
 ``x_k <- x_k (1 - lr wd) - lr m / D``; an interval's last step averages ``a_k`` exactly
 (every coordinate sent: top-k at ratio 1), clips ``(1 - beta1) abar / Gamma`` and sets every
 worker to ``xhat prod(1 - lr wd) - Gamma m / D``, ``u_k = abar / Gamma``, ``a_k = 0``.
-The intervals for ``local_steps=(2, 4)``: 1, 1, 2, 4, 4, ... compressed steps.
+With the warm-up in 4-bit codes, what it left in the workers' residuals travels with the first
+synchronisation, times that step's learning rate. The intervals for ``local_steps=(2, 4)``: 1, 1, 2, 4, 4, ... compressed steps.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import gradsift
 from gradsift.hook.zero_one import ZeroOneAdamStep
 from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
-from support.oracles import frozen_variance_start
+from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start
 from support.steps import (
     assert_the_survivor_raised,
     refusal_messages,
@@ -49,15 +50,22 @@ def clipped(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [g * factor for g in grads]
 
 
-def reference_run() -> list[torch.Tensor]:
-    """0/1 Adam by hand (module docstring); each worker's final parameters."""
+def reference_run(coded: bool = False) -> list[torch.Tensor]:
+    """0/1 Adam by hand (module docstring); each worker's final parameters. ``coded``: the
+    warm-up in 4-bit block codes with error feedback (tests/hook/test_warmup_code.py's), whose
+    last residuals travel with the first synchronisation, times its learning rate."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     params = list(model.parameters())
+    residual = [[torch.zeros(p.numel()) for p in params] for _ in range(WORLD)]
     for step in range(WARMUP):
         per_worker = [flat_gradients(model, k, step) for k in range(WORLD)]
         for i, p in enumerate(params):
-            p.grad = (sum(g[i] for g in per_worker) / WORLD).reshape(p.shape)
+            g = [per_worker[k][i] for k in range(WORLD)]
+            mean = (
+                error_feedback_mean(g, [r[i] for r in residual], four_bit_blocks) if coded else sum(g) / WORLD
+            )
+            p.grad = mean.reshape(p.shape)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.param_groups[0]["lr"] = lr_at(step)
         optimizer.step()
@@ -83,7 +91,11 @@ def reference_run() -> list[torch.Tensor]:
         anchor = [a * (1 - lr * WD) for a in anchor]
         with torch.no_grad():
             if j in SYNCS:
-                mean = [sum(accumulated[k][i] for k in range(WORLD)) / WORLD for i in range(len(shapes))]
+                left = [lr * sum(r[i] for r in residual).reshape(shapes[i]) / WORLD if j == 0 else 0.0
+                        for i in range(len(shapes))]  # fmt: skip
+                mean = [
+                    sum(accumulated[k][i] for k in range(WORLD)) / WORLD + left[i] for i in range(len(shapes))
+                ]
                 moment = clipped([(1 - BETAS[0]) * m / span for m in mean])
                 anchor = [
                     a - span * m / preconditioner[p] for a, m, p in zip(anchor, moment, params, strict=True)
@@ -143,11 +155,12 @@ def hooked_run(
 
 def worker(rank: int, world: int) -> dict:
     exact, _ = hooked_run(rank, "topk", EXACT)
+    coded, _ = hooked_run(rank, "topk", {**EXACT, "warmup_compressor": "blockquant"})
     whole, steps = hooked_run(rank, "efsignsgd", {"granularity": "layer"})
     resumed = {
         at: hooked_run(rank, "efsignsgd", {"granularity": "layer"}, at)[0] for at in (WARMUP + 5, WARMUP + 6)
     }
-    return {"exact": exact, "whole": whole, "steps": steps, "resumed": resumed}
+    return {"exact": exact, "coded": coded, "whole": whole, "steps": steps, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +171,12 @@ def runs():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_zero_one_equals_the_method_written_out(runs):
-    expected = reference_run()
+    expected, coded = reference_run(), reference_run(coded=True)
     assert not torch.allclose(expected[0], expected[1])  # the local steps show
+    assert not torch.allclose(expected[0], coded[0], rtol=1e-5, atol=1e-6)  # and the code
     for rank, result in enumerate(runs):
         torch.testing.assert_close(result["exact"], expected[rank], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["coded"], coded[rank], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

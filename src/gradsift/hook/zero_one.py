@@ -10,7 +10,9 @@ velocity units) and an accumulated update ``a_k`` (from zero); every compressed 
 
     u_k <- beta1 u_k + g_k            a_k <- a_k + gamma_t u_k
 
-(Adam's L2 decay in ``g_k`` as the method adds it). A step that is not the last of its
+(Adam's L2 decay in ``g_k`` as the method adds it); what a coded warm-up left in the residual
+``r_k`` is gradient mass, so it enters at the first compressed step as ``gamma_t r_k``, in the
+accumulated update's units. A step that is not the last of its
 interval is **local**: nothing but a one-element non-finite flag is exchanged, the hook
 hands DDP the worker's own first moment ``(1 - beta1) u_k``, and the optimizer's step moves
 the worker's parameters as the frozen-variance method does,
@@ -55,6 +57,7 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.core.parts import Context, Outcome, Part
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.hook.adam import FrozenVarianceStep
+from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.param_groups import model_groups
 
 #: State-store tables: each worker's velocity ``u_k`` and accumulated update ``a_k`` per part.
@@ -144,11 +147,14 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         self.syncing = syncing  # for the optimizer's step after this one settles
         g = gradient.reshape(-1).float()
         velocity = store.get(VELOCITY, key)
-        if velocity is None:
+        rate = self.learning_rate()
+        if velocity is None:  # the first compressed step
             velocity = self.initial_velocity(params)
+            left = store.get(RESIDUAL, key)  # what a coded warm-up has not delivered, gradient mass
+            if left is not None:
+                store.put(RESIDUAL, key, left * rate)  # in the accumulated update's units from here
         velocity = g.clone() if velocity is None else torch.add(g, velocity, alpha=self.beta1)
         held = store.get(ACCUMULATED, key)
-        rate = self.learning_rate()
         accumulated = velocity * rate if held is None else torch.add(held, velocity, alpha=rate)
         store.put(VELOCITY, key, velocity)
         store.put(ACCUMULATED, key, accumulated)
