@@ -318,3 +318,20 @@ def test_the_intervals_double_where_they_start_and_stop_at_the_longest():
     )  # a resume asks late first
     method.detach()
     late_first.detach()
+
+
+def two_stage_worker(rank: int, world: int) -> dict:
+    params, seen = hooked_run(rank, "efsignsgd", {"warmup_compressor": "blockquant", "exchange": "two-stage"})
+    return {"params": params, "seen": seen}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_through_the_two_stage_exchange_the_replicas_agree_after_every_synchronisation():
+    """1-bit Adam's compressed allreduce on 4 ranks (a server residual per chunk): every rank
+    holds the same mean, so the same parameters after each interval's last step."""
+    results = run_workers(__file__, "two_stage_worker", 4, timeout=120)
+    for j in SYNCS:
+        step = WARMUP + j
+        assert all(torch.equal(r["seen"][step][1], results[0]["seen"][step][1]) for r in results), j
+    assert not torch.equal(results[0]["seen"][WARMUP + 2][1], results[1]["seen"][WARMUP + 2][1])
