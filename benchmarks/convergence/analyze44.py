@@ -141,16 +141,7 @@ ROWS = (
         "issue44",
         "the 1-bit arm, 150 warm-up steps in 4-bit codes, two-stage exchange",
     ),
-    *(
-        Row(
-            arm,
-            "issue44",
-            f"0/1 Adam's local steps: 300 warm-up steps in 4-bit codes, then the 1-bit message once "
-            f"per interval, doubling every {every} steps up to {longest}",
-        )
-        for arm in campaign44.ZERO_ONE_ARMS
-        for every, longest in [arm.rsplit("-l", 1)[1].split("x")]
-    ),
+    *(Row(arm, "issue44", m.setting) for arm, m in campaign44.ARMS.items() if arm.startswith("zero-one-")),
 )
 WORKLOAD_LABELS = {
     "gpt-adamw": "314 steps",
@@ -323,8 +314,8 @@ EFFECTS = (
     ("coded-freeze", "onebit-adam-q4w100", "onebit-adam", "a 100-step warm-up in 4-bit codes instead of the "
                                                          "trainer's 10 % in fp32 (onebit-adam-q4w100 - onebit-adam)"),
     *((f"local-steps-{arm}", arm, "onebit-adam", f"0/1 Adam's local steps and the warm-up's code ({arm} - "
-                                                 "onebit-adam: both freeze the variance at step 300)")
-      for arm in campaign44.ZERO_ONE_ARMS),
+                                                 "onebit-adam: both freeze the variance at the same step)")
+      for arm in campaign44.ARMS if arm.startswith("zero-one-")),
 )  # fmt: skip
 
 #: Reruns on a campaign's own commit of a protocol run: (workload, the rerun's arm, the protocol's arm).

@@ -88,13 +88,18 @@ ARMS = {
                                         setting="the variance refresh's arm through the two-stage exchange (4 "
                                                 "workers: about 30x received)"),
     **{
-        f"zero-one-q4w300-l{every}x{longest}": Method(
-            "efsignsgd", {"warmup_steps": 300, "warmup_compressor": "blockquant", "adam": "zero-one",
-                          "local_steps": [every, longest]},
-            setting=f"0/1 Adam's local steps (adam='zero-one'): a 300-step warm-up in 4-bit codes, then the "
+        f"zero-one-q4w{warmup}-l{every}x{longest}{tail}": Method(
+            "efsignsgd", {"warmup_steps": warmup, "warmup_compressor": "blockquant", "adam": "zero-one",
+                          "local_steps": [every, longest], **extra},
+            setting=f"0/1 Adam's local steps (adam='zero-one'): a {warmup}-step warm-up in 4-bit codes, then the "
                     f"1-bit message once per interval, the interval doubling every {every} compressed steps "
-                    f"up to {longest}")
+                    f"up to {longest}{where}")
         for every, longest in ((500, 2), (250, 4))
+        for warmup, tail, extra, where in (
+            (300, "", {}, ""),
+            (300, "-2s", {"exchange": "two-stage"}, "; the two-stage exchange (4 workers)"),
+            (600, "", {}, " (6,000 steps: the trainer's 10 % warm-up length, coded)"),
+        )
     },
 }  # fmt: skip
 
@@ -190,9 +195,18 @@ def plan(
     ``refresh`` only the variance refresh's arm (:data:`REFRESH_ARM`, 3,000 steps, seed by seed;
     with ``longer`` at 6,000 steps, with ``wide`` at 4 workers through the two-stage exchange);
     ``five`` seeds 3 and 4 of :data:`FIVE_ARMS` at 3,000 steps; ``zero_one`` :data:`ZERO_ONE_ARMS`
-    at 3,000 steps, seed by seed."""
+    at 3,000 steps (seed 0), then the better of them: seeds 1 and 2, 4 workers through the
+    two-stage exchange, 6,000 steps with a 600-step coded warm-up (the trainer's 10 %); then the
+    other's seeds 1 and 2."""
     if zero_one:
-        return [Run(LONG, arm, seed, root) for seed in SEEDS for arm in ZERO_ONE_ARMS]
+        runs = [Run(LONG, arm, 0, root) for arm in ZERO_ONE_ARMS]
+        better, other = sorted(
+            ZERO_ONE_ARMS, key=lambda arm: final_loss(Run(LONG, arm, 0, root)) or float("inf")
+        )
+        runs += [Run(LONG, better, seed, root) for seed in SEEDS[1:]]
+        runs += [Run(WIDE, f"{better}-2s", seed, root) for seed in SEEDS]
+        runs += [Run(LONGER, better.replace("q4w300", "q4w600"), seed, root) for seed in SEEDS]
+        return runs + [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
     if five:
         return [Run(LONG, arm, seed, root) for seed in EXTRA_SEEDS for arm in FIVE_ARMS]
     if refresh and longer:
