@@ -1,5 +1,6 @@
 """gradsift.compressors.kernels: the selection kernels (NumPy on CPU, PyTorch without host reads elsewhere),
-keeping the largest, zeroing in place, and the one-thread section."""
+keeping the largest, the top-k's radix select (gradsift.compressors.largest), zeroing in place, and the
+one-thread section."""
 
 import contextlib
 import math
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradsift.compressors import kernels, tail_kernels
+from gradsift.compressors import kernels, largest, tail_kernels
 from gradsift.compressors.kernels import (
     PARALLEL_GRAIN,
     SELECTION_CHUNK,
@@ -224,18 +225,51 @@ def test_kept_or_value_with_above_is_the_where_of_both_on_either_branch():
             assert tail_kernels.kept_or_value_with_above(flag, eta, values, 40).item() == expected.item()
 
 
-@pytest.mark.parametrize("k", [1, 37, 300])
-def test_the_cpu_top_k_in_chunks_picks_the_elements_of_one_topk(monkeypatch, k):
-    """Oracle: one ``torch.topk`` of ``|x|`` (distinct magnitudes, so no ties): the chunked
-    CPU branch finds the same set, with the largest ones all in one chunk, NaN and Inf kept."""
-    monkeypatch.setattr(kernels, "TOP_K_CHUNK", 1000)
-    x = torch.randn(10_250, generator=torch.Generator().manual_seed(3))
-    x[2000 : 2000 + k] = 50.0 + torch.arange(k, dtype=torch.float32)  # the k largest, all in one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 37, 300, 5000])
+def test_the_cpu_radix_select_picks_the_elements_of_one_topk(monkeypatch, dtype, k):
+    """Oracle: one ``torch.topk`` of ``|x|`` (distinct magnitudes, so no ties): the radix select
+    over several chunks finds the same set, ascending, with the largest all in one chunk and
+    NaN and Inf kept (fp16/bf16: one digit pass; fp32: two; fp64: four)."""
+    monkeypatch.setattr(largest, "RADIX_CHUNK", 1000)
+    monkeypatch.setattr(largest, "ONE_TOPK_BELOW", 100)
+    n, top, generator = 10_250, min(k, 300), torch.Generator().manual_seed(3)
+    if dtype.itemsize == 2:  # distinct finite magnitude patterns, below fp16's and bf16's Inf
+        x = (torch.randperm(0x7BFF, generator=generator)[:n] + 1).to(torch.int16).view(dtype).clone()
+    else:
+        x = torch.randn(n, generator=generator, dtype=dtype)
+    x[torch.rand(n, generator=generator) < 0.5] *= -1
+    ranked = x[x.abs().argsort(descending=True)]
+    x = torch.cat([ranked[top : top + 2000], ranked[:top], ranked[top + 2000 :]])  # the largest in one chunk
     x[9999], x[10_200] = math.nan, -math.inf
-    magnitudes, indices = kernels.largest_magnitudes(x, k)
+    assert x.abs().unique().numel() == n  # no two magnitudes tie
+    magnitudes, indices = largest.largest_magnitudes(x, k)
     oracle = torch.topk(x.abs(), k, sorted=False)
-    assert sorted(indices.tolist()) == sorted(oracle.indices.tolist())
+    assert indices.tolist() == sorted(oracle.indices.tolist())
     torch.testing.assert_close(magnitudes, x.abs().index_select(0, indices), rtol=0, atol=0, equal_nan=True)
     with kernels.device_branch():
-        _, device = kernels.largest_magnitudes(x, k)
-    assert sorted(device.tolist()) == sorted(indices.tolist())
+        _, device = largest.largest_magnitudes(x, k)
+    assert sorted(device.tolist()) == indices.tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3, 250, 999, 1000])
+def test_the_cpu_radix_select_breaks_ties_to_the_lower_position(monkeypatch, k):
+    """Equal magnitudes (zeros, and +-1 in both signs) are taken in position order, across
+    chunks: the order of :func:`kernels.ranking_keys`, whose ``topk`` is the oracle."""
+    monkeypatch.setattr(largest, "RADIX_CHUNK", 64)
+    monkeypatch.setattr(largest, "ONE_TOPK_BELOW", 10)
+    x = torch.zeros(1000)
+    x[100:400:3] = 1.0
+    x[101:400:3] = -1.0
+    x[700] = 2.0
+    _, indices = largest.largest_magnitudes(x, k)
+    oracle = torch.topk(kernels.ranking_keys(x), k).indices
+    assert indices.tolist() == sorted(oracle.tolist())
+
+
+def test_small_tensors_take_one_topk():
+    """Below ``ONE_TOPK_BELOW`` elements the CPU takes one ``topk``, as the device does."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    magnitudes, indices = largest.largest_magnitudes(x, 10)
+    assert sorted(indices.tolist()) == sorted(torch.topk(x.abs(), 10).indices.tolist())
+    torch.testing.assert_close(magnitudes, x.abs().index_select(0, indices), rtol=0, atol=0)

@@ -93,6 +93,35 @@ def test_follow_regroups_parameters_into_new_buckets_with_zeros_for_newcomers():
     assert store.keys() == {0, (1, 2)}
 
 
+def test_a_rebuild_holds_the_moved_state_twice_for_one_table_at_most(monkeypatch):
+    """When a table's tensor of the new key is re-laid, the per-parameter pieces it was made
+    from have left the tables re-laid before it: the old layout's state and the new one's
+    lie side by side for one table's tensor, not for every table's until the end."""
+    store = TensorStore()
+    store.follow((0, 1, 2), (0, 1, 2), NUMELS)
+    for name in ("residual", "velocity", "server_residual"):
+        store.put(name, (0, 1, 2), torch.arange(6.0))
+    relaid, held = TensorStore._relaid, []
+
+    def watched(own, previous, order, numels, name, found):
+        held.append((name, {t: sorted(k for k in table if k != (1, 2)) for t, table in store.tables.items()}))
+        return relaid(own, previous, order, numels, name, found)
+
+    monkeypatch.setattr(TensorStore, "_relaid", staticmethod(watched))
+    store.follow((1, 2), (2, 1), NUMELS)  # DDP rebuilt: (0, 1, 2) is cut per parameter first
+    assert held == [
+        ("residual", {"residual": [0, 1, 2], "velocity": [0, 1, 2], "server_residual": [0, 1, 2]}),
+        ("velocity", {"residual": [0], "velocity": [0, 1, 2], "server_residual": [0, 1, 2]}),
+        ("server_residual", {"residual": [0], "velocity": [0], "server_residual": [0, 1, 2]}),
+    ]
+    assert store.get("velocity", (1, 2)).tolist() == [5.0, 2.0, 3.0, 4.0]
+    assert {t: sorted(k for k in table if k != (1, 2)) for t, table in store.tables.items()} == {
+        "residual": [0],
+        "velocity": [0],
+        "server_residual": [0],
+    }
+
+
 def test_follow_regroups_pending_state_inside_a_transaction():
     store = TensorStore()
     store.follow((0, 1), (0, 1), NUMELS)

@@ -1,7 +1,8 @@
 """Selection kernels of the sparsifiers: NumPy on CPU, PyTorch (without host reads) elsewhere.
 
 Two jobs (the statistics of a sample's tail that the fitted thresholds need are
-:mod:`gradsift.compressors.tail_kernels`', on the same two branches):
+:mod:`gradsift.compressors.tail_kernels`', on the same two branches; the top-k's ``k``
+largest magnitudes of a whole tensor :mod:`gradsift.compressors.largest`'s):
 
 * **Selecting** the elements of a gradient that pass a test (``|g| > eta``, or any boolean
   mask) as positions. On CPU, PyTorch's comparison kernels that produce a boolean tensor
@@ -47,19 +48,13 @@ from gradsift.core.finite import nonfinite
 #: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
 SELECTION_CHUNK = 1 << 18
 
-#: Elements per chunk of the CPU top-k (:func:`largest_magnitudes`): PyTorch's CPU ``topk``
-#: holds a (value, position) pair per element it reads while it runs, so on a whole bucket
-#: it would hold several times the bucket's bytes (docs/decisions.md, "The CPU top-k runs
-#: on chunks"); a chunk bounds that to the chunk's.
-TOP_K_CHUNK = 1 << 20
-
 #: PyTorch's CPU kernels split their work over the intra-op pool only above this many
 #: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
 #: read pass took 0.036 ms at 32768 elements and 16 ms at 65536, waiting for a thread.
 PARALLEL_GRAIN = 32768
 
 #: Integer dtype of the same width and the mask that clears the sign bit, per float dtype.
-_MAGNITUDE_BITS = {
+MAGNITUDE_BITS = {
     torch.float16: (torch.int16, 0x7FFF),
     torch.bfloat16: (torch.int16, 0x7FFF),
     torch.float32: (torch.int32, 0x7FFF_FFFF),
@@ -148,7 +143,7 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
 
 
 def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
-    integer, magnitude = _MAGNITUDE_BITS[flat.dtype]
+    integer, magnitude = MAGNITUDE_BITS[flat.dtype]
     threshold = host_float(eta)
     if threshold < 0:
         raise InvalidOptionError(f"eta must be >= 0, got {threshold}")
@@ -206,34 +201,6 @@ def select_mask(
     return Candidates(chosen, used, mask.sum())
 
 
-def largest_magnitudes(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(magnitudes, indices)`` of the ``k`` largest ``|flat|`` (NaN above every number), in
-    no particular order (``0 < k <= flat.numel()``).
-
-    Device: one ``topk`` of ``|flat|``. CPU: a running top-k over chunks of at least
-    :data:`TOP_K_CHUNK` (and ``4 k``) elements -- each chunk's ``k`` largest merged with the
-    ``k`` largest so far by one ``topk`` of the ``2 k`` candidates -- the same elements up to
-    ties, since each of the ``k`` largest is among the ``k`` largest of its own chunk. Each
-    element is read once; the temporaries are a chunk's and the candidates', not the input's.
-    """
-    chunk = max(TOP_K_CHUNK, 4 * k)
-    if not uses_numpy(flat) or flat.numel() <= chunk:
-        found = torch.topk(flat.abs(), k, sorted=False)
-        return found.values, found.indices
-    best: tuple[torch.Tensor, torch.Tensor] | None = None
-    for start in range(0, flat.numel(), chunk):
-        piece = flat[start : start + chunk].abs()
-        values, indices = torch.topk(piece, min(k, piece.numel()), sorted=False)
-        indices += start
-        if best is not None:
-            values, indices = torch.cat([best[0], values]), torch.cat([best[1], indices])
-            values, picked = torch.topk(values, k, sorted=False)
-            indices = indices.index_select(0, picked)
-        best = values, indices
-    assert best is not None
-    return best
-
-
 def candidate_positions(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(positions, live)`` of the True elements of the 1-D ``mask``, for work on just those.
 
@@ -264,7 +231,7 @@ def ranking_keys(values: torch.Tensor, positions: torch.Tensor | None = None) ->
         positions = torch.arange(count, device=values.device)
     if values.dtype not in (torch.float16, torch.bfloat16, torch.float32) or count >= 1 << _POSITION_BITS:
         return values.abs()
-    integer, magnitude = _MAGNITUDE_BITS[values.dtype]
+    integer, magnitude = MAGNITUDE_BITS[values.dtype]
     bits = (values.view(integer) & magnitude).to(torch.int64)
     return (bits << _POSITION_BITS) | ((1 << _POSITION_BITS) - 1 - positions)
 
@@ -368,7 +335,7 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
 
 def _infinity_bits(dtype: torch.dtype) -> int:
     """The bit pattern of +Inf in ``dtype``: every magnitude pattern at or above it is Inf or NaN."""
-    integer, _ = _MAGNITUDE_BITS[dtype]
+    integer, _ = MAGNITUDE_BITS[dtype]
     return int(torch.tensor(float("inf"), dtype=dtype, device="cpu").view(integer).numpy())
 
 

@@ -40,7 +40,6 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
-from scipy import stats
 
 from gradsift.compressors.tail_kernels import moment_sums
 from gradsift.core.validation import check_ratio
@@ -64,6 +63,14 @@ def _tensor(value: Number) -> torch.Tensor:
 def _like(reference: Number, value: torch.Tensor) -> Number:
     """``value`` as a float when ``reference`` is one (the host API), else the tensor."""
     return value if isinstance(reference, torch.Tensor) else float(value)
+
+
+def _scipy_stats() -> Any:
+    """``scipy.stats``, imported on the first :meth:`MagnitudeFit.distribution` call: the fits
+    and thresholds never need it, and importing it loads hundreds of modules."""
+    from scipy import stats
+
+    return stats
 
 
 def on_host(fit: F) -> F:
@@ -97,7 +104,7 @@ class ExponentialFit:
         return _like(self.scale, _tensor(self.scale) * -math.log(ratio))
 
     def distribution(self) -> Any:
-        return stats.expon(scale=float(self.scale))
+        return _scipy_stats().expon(scale=float(self.scale))
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ class GeneralizedParetoFit:
         return _like(self.scale, torch.where(negligible, limit, general))
 
     def distribution(self) -> Any:
-        return stats.genpareto(c=float(self.shape), scale=float(self.scale))
+        return _scipy_stats().genpareto(c=float(self.shape), scale=float(self.scale))
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ class GammaFit:
 
     def distribution(self) -> Any:
         """The non-zero part (zeros are the point mass ``1 - nonzero_fraction`` at 0)."""
-        return stats.gamma(a=float(self.shape), scale=float(self.scale))
+        return _scipy_stats().gamma(a=float(self.shape), scale=float(self.scale))
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,7 @@ class NormalFit:
         return normal_two_sided_threshold(self.mean, self.std, ratio)
 
     def distribution(self) -> Any:
-        return stats.norm(loc=float(self.mean), scale=float(self.std))
+        return _scipy_stats().norm(loc=float(self.mean), scale=float(self.std))
 
 
 def normal_two_sided_threshold(mean: Number, std: Number, ratio: float) -> Number:

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import largest_magnitudes
+from gradsift.compressors.largest import largest_magnitudes
 from gradsift.core.readout import Readout
 
 
@@ -16,9 +16,9 @@ def top_k_selection(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices, magnitudes, kth, nonfinite)`` of the ``k`` largest ``|flat|``, in position order.
 
-    :func:`~gradsift.compressors.kernels.largest_magnitudes` (``torch.topk``, in chunks on
-    CPU), then the ``k`` positions sorted (the wire sends them
-    ascending) with their magnitudes; ``kth`` is the k-th largest magnitude (the smallest
+    :func:`~gradsift.compressors.largest.largest_magnitudes` (``torch.topk``; a radix select
+    on CPU), then the ``k`` positions sorted (the wire sends them ascending) with their
+    magnitudes; ``kth`` is the k-th largest magnitude (the smallest
     selected one). NaN sorts above every number and Inf is the largest value, so a
     non-finite input always reaches the selection: the ``aminmax`` of the ``k`` selected
     magnitudes (one kernel) gives both ``kth`` and the check of all ``n`` elements,

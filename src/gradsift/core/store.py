@@ -147,8 +147,9 @@ class TensorStore:
         Re-lays every per-element tensor whose parameters moved (see the module
         docstring); ``numels[i]`` is parameter ``i``'s element count. Re-laying changes
         no value, so it applies to committed and pending state alike; the keys it takes
-        chunks from are first cut per parameter (:meth:`_loosen`) and each parameter's
-        key dropped once re-laid, so the moved state is not held twice until the commit.
+        chunks from are first cut per parameter (:meth:`_loosen`), and once a table's tensor
+        of ``key`` is re-laid those per-parameter keys leave that table, before the next
+        table is re-laid: the moved state is held twice for one table's tensor at most.
         """
         order = tuple(order)
         self.numels.update((i, numels[i]) for i in order)
@@ -159,32 +160,49 @@ class TensorStore:
             self._loosen(key, order)
         sources = self._chunk_sources(exclude=key)
         self.layouts[key] = order
-        total = sum(numels[i] for i in order)
+        loose = [i for i in order if i != key and self.layouts.get(i) == (i,)]
         for tables in (self.tables, self._overlay or {}):
+            found = sources.get(id(tables), {})
             for name, table in tables.items():
-                own = table.get(key)
-                chunks: dict[int, torch.Tensor] = {}
-                if own is not None:
-                    if previous is None or own.numel() != total:
-                        continue  # declared now (was in this order), or a per-key scalar: stays
-                    chunks = dict(zip(previous, own.split([numels[i] for i in previous]), strict=True))
-                for i in order:
-                    if i not in chunks and (name, i) in sources.get(id(tables), {}):
-                        chunks[i] = sources[id(tables)][(name, i)]
-                if not chunks:
-                    continue
-                like = next(iter(chunks.values()))
-                table[key] = torch.cat(
-                    [chunks[i] if i in chunks else like.new_zeros(numels[i]) for i in order]
-                )
-        self._drop_loose(key, order)
+                relaid = self._relaid(table.get(key), previous, order, numels, name, found)
+                if relaid is not None:
+                    table[key] = relaid
+                for i in loose:  # its state now lies in ``key``'s tensor
+                    table.pop(i, None)
+                    found.pop((name, i), None)
+
+    @staticmethod
+    def _relaid(
+        own: torch.Tensor | None,
+        previous: tuple[int, ...] | None,
+        order: tuple[int, ...],
+        numels: Mapping[int, int],
+        name: str,
+        found: dict[tuple[str, int], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Table ``name``'s tensor of a key laid out as ``order``: its own chunks (laid out as
+        ``previous``), the other keys' (``found``), zeros for a parameter nobody held; None
+        when it stays as it is (declared now, a per-key scalar) or has nothing to re-lay."""
+        total = sum(numels[i] for i in order)
+        chunks: dict[int, torch.Tensor] = {}
+        if own is not None:
+            if previous is None or own.numel() != total:
+                return None
+            chunks = dict(zip(previous, own.split([numels[i] for i in previous]), strict=True))
+        for i in order:
+            if i not in chunks and (name, i) in found:
+                chunks[i] = found[(name, i)]
+        if not chunks:
+            return None
+        like = next(iter(chunks.values()))
+        return torch.cat([chunks[i] if i in chunks else like.new_zeros(numels[i]) for i in order])
 
     def _loosen(self, key: Key, order: Sequence[int]) -> None:
         """Cut every other multi-parameter key holding some of ``order``'s parameters into one
         key per parameter (its number, laid out alone; one that exists is kept): copies of
         the key's per-element chunks, its own tensors and layout dropped (a pending discard
         inside a transaction), its per-key scalars kept. Its state then goes parameter by
-        parameter as they are re-laid (:meth:`_drop_loose`), not all at the step's commit: a
+        parameter as they are re-laid (:meth:`follow`), not all at the step's commit: a
         rebuild holds the old layout's state once, not beside the new layout's."""
         wanted = set(order)
         for other, layout in list(self.layouts.items()):
@@ -205,16 +223,6 @@ class TensorStore:
                         assert self._overlay is not None
                         self._overlay[name][other] = None
             del self.layouts[other]
-
-    def _drop_loose(self, key: Key, order: Sequence[int]) -> None:
-        """Drop the per-parameter keys (:meth:`_loosen`'s, a seeded velocity's) of ``order``'s
-        parameters other than ``key``: their state now lies in ``key``'s tensors."""
-        for i in order:
-            if i == key or self.layouts.get(i) != (i,):
-                continue
-            for tables in (self.tables, self._overlay or {}):
-                for table in tables.values():
-                    table.pop(i, None)
 
     def canonical(self, key: Key) -> Canonical | None:
         """``key``'s flat layout against parameter-number order; None for a key with no
