@@ -7,6 +7,7 @@ within the process group's timeout with PeerFailureError; delegation to PowerSGD
 
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,7 +169,7 @@ def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_metho
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------
-def failing_worker(rank: int, world: int, how: str) -> dict:
+def failing_worker(rank: int, world: int, how: str, survivor_done: str, patience: float) -> dict:
     model, state = hooked("topk", ratio=0.1)
     train(model, rank, range(2))
     if rank == 1:
@@ -184,9 +185,11 @@ def failing_worker(rank: int, world: int, how: str) -> dict:
         try:
             train(model, rank, range(2, 3))
         except RuntimeError:
-            time.sleep(
-                12
-            )  # stay alive (> the 5 s group timeout) without taking part: the peer must time out, not hang
+            # Stay alive without taking part until the survivor has ended (at most
+            # ``patience``): it must time out on the group, not see this rank exit, nor hang.
+            deadline = time.monotonic() + patience
+            while not Path(survivor_done).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return {}
     started = time.monotonic()
     try:
@@ -194,16 +197,20 @@ def failing_worker(rank: int, world: int, how: str) -> dict:
         return {"error": None}
     except gradsift.core.errors.PeerFailureError as error:
         return {"error": str(error), "seconds": time.monotonic() - started}
+    finally:
+        Path(survivor_done).touch()
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
-def test_surviving_rank_fails_with_clear_error_instead_of_hanging(how):
+def test_surviving_rank_fails_with_clear_error_instead_of_hanging(how, tmp_path):
     timeout = 5.0
     results = run_workers(
         __file__,
         "failing_worker",
         2,
         how=how,
+        survivor_done=str(tmp_path / "survivor-done"),
+        patience=4 * timeout,
         group_timeout=timeout,
         timeout=120,
         expect_exit={1: 3} if how == "exit" else None,
