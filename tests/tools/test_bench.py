@@ -261,10 +261,13 @@ def registry_pairs() -> list[tuple[str, str]]:
 def test_gpu_check_fails_when_a_check_fails(tmp_path):
     """check.py's exit status follows its checks: the same run under a sync budget of 0 (every
     hooked pair makes its step close's read) and an AMP target below any difference exits 1
-    and names what failed."""
+    and names what failed. One pair stands for them all: the sweep over every pair is the
+    dry run's (test_gpu_check_dry_run_runs_every_check_on_cpu), and a failure is judged
+    pair by pair by the same lines."""
     program = (
         "import sys; import check; "
         "check.BUDGET = check.BALANCED_BUDGET = 0; check.AMP_TARGET = -1.0; "
+        "check.pairs = lambda: [('topk', 'allgather')]; "
         f"sys.exit(check.main(['--device', 'cpu', '--only', 'exchanges', 'amp', '--jsonl', '{tmp_path}/c.jsonl']))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks" / "gpu")]),
