@@ -215,6 +215,11 @@ METHODS = {
                                  setting="1-bit Adam as written (Tang et al. 2021): frozen-variance AdamW after the trainer's "
                                          "dense warm-up, (||x||_2/sqrt(d)) sign(x) per bucket, worker and server error "
                                          "feedback, each worker's momentum restarted from the exchanged one"),
+    "zero-one-q4w300-l500x2": Method("efsignsgd", {"warmup_steps": 300, "warmup_compressor": "blockquant",
+                                                   "adam": "zero-one", "local_steps": [500, 2]},
+                                     setting="0/1 Adam's local steps (adam='zero-one'): a 300-step warm-up in 4-bit "
+                                             "codes, then the 1-bit message once per interval, the interval doubling "
+                                             "every 500 compressed steps up to 2"),
     "demo": Method("none", flags=("--optimizer", "demo", "--lr", "0.001"),
                    setting="DeMo's anchor (gradsift.DeMo in AdamW's place, no DDP): momentum 0.999 as the error-feedback "
                            "buffer, DCT of 64x64 tiles, top 32 coefficients each (fp32 values, int16 indices: 85x fewer "
@@ -430,7 +435,9 @@ class ValidationRun:
 #: then issue 44's check of its composed times: fp32 and the 1-bit Adam arm, 3,000 steps of the
 #: AdamW GPT, over each link (docs/adam.md publishes a composed time only within 10 % of these).
 VALIDATION_RUNS = [ValidationRun("vgg", m, "100mbit") for m in ("sidco-exp-0.01", "none", "bf16")] + [
-    ValidationRun("gpt-adamw-3k", m, link) for link in LINKS for m in ("none", "onebit-adam")
+    ValidationRun("gpt-adamw-3k", m, link)
+    for link in LINKS
+    for m in ("none", "onebit-adam", "zero-one-q4w300-l500x2")
 ]
 
 
