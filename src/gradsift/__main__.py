@@ -2,6 +2,6 @@
 
 import sys
 
-from gradsift.tools.cli import main
+from gradsift.tools.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -7,6 +7,7 @@ parser and sets ``func`` (called with the parsed namespace, returning an exit co
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -43,5 +44,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> int:
+    """``gradsift`` as a program (its console script and ``python -m gradsift``): :func:`main`,
+    then the heap frozen (:func:`gc.freeze`), so the interpreter's exit does not walk what the
+    command left alive (torch's modules, and its compiler's under torchrun: most of a short
+    command's exit), as :mod:`gradsift.tools.train.worker` ends. :func:`main` alone, as a
+    caller in the same process uses it, leaves the heap as it is."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
