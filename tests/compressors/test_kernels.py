@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradsift.compressors import kernels, largest, tail_kernels
+from gradsift.compressors import kernels, largest, radix, tail_kernels
 from gradsift.compressors.kernels import (
     PARALLEL_GRAIN,
     SELECTION_CHUNK,
@@ -231,7 +231,7 @@ def test_the_cpu_radix_select_picks_the_elements_of_one_topk(monkeypatch, dtype,
     """Oracle: one ``torch.topk`` of ``|x|`` (distinct magnitudes, so no ties): the radix select
     over several chunks finds the same set, ascending, with the largest all in one chunk and
     NaN and Inf kept (fp16/bf16: one digit pass; fp32: two; fp64: four)."""
-    monkeypatch.setattr(largest, "RADIX_CHUNK", 1000)
+    monkeypatch.setattr(radix, "RADIX_CHUNK", 1000)
     monkeypatch.setattr(largest, "ONE_TOPK_BELOW", 100)
     n, top, generator = 10_250, min(k, 300), torch.Generator().manual_seed(3)
     if dtype.itemsize == 2:  # distinct finite magnitude patterns, below fp16's and bf16's Inf
@@ -256,7 +256,7 @@ def test_the_cpu_radix_select_picks_the_elements_of_one_topk(monkeypatch, dtype,
 def test_the_cpu_radix_select_breaks_ties_to_the_lower_position(monkeypatch, k):
     """Equal magnitudes (zeros, and +-1 in both signs) are taken in position order, across
     chunks: the order of :func:`kernels.ranking_keys`, whose ``topk`` is the oracle."""
-    monkeypatch.setattr(largest, "RADIX_CHUNK", 64)
+    monkeypatch.setattr(radix, "RADIX_CHUNK", 64)
     monkeypatch.setattr(largest, "ONE_TOPK_BELOW", 10)
     x = torch.zeros(1000)
     x[100:400:3] = 1.0
@@ -273,3 +273,29 @@ def test_small_tensors_take_one_topk():
     magnitudes, indices = largest.largest_magnitudes(x, 10)
     assert sorted(indices.tolist()) == sorted(torch.topk(x.abs(), 10).indices.tolist())
     torch.testing.assert_close(magnitudes, x.abs().index_select(0, indices), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("eta", [0.0, 0.5, 2.5])
+def test_a_selection_far_over_its_capacity_takes_the_largest_of_the_whole_tensor(monkeypatch, dtype, eta):
+    """Oracle: the same selection collected whole, then cut by :func:`keep_largest`. Past
+    ``COLLECTED_PER_CAPACITY`` times the capacity the CPU stops collecting and takes the
+    capacity largest of the whole tensor by the radix select: the same positions (ties --
+    the zeros, the rounded values -- to the lower position), every passing element counted,
+    the NaN flagged."""
+    monkeypatch.setattr(kernels, "SELECTION_CHUNK", 500)
+    monkeypatch.setattr(radix, "RADIX_CHUNK", 300)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(6)).mul(2).round().div(2).to(dtype)
+    x[4321] = math.nan
+    overflowed = 0
+    for capacity in (1, 40, 400):
+        capped = select_above(x, eta, capacity)
+        overflowed += capped.selected > 2 * capacity
+        with monkeypatch.context() as whole:
+            whole.setattr(kernels, "COLLECTED_PER_CAPACITY", 10**9)
+            oracle = select_above(x, eta, capacity)
+        assert capped.indices.tolist() == oracle.indices.tolist(), capacity
+        assert capped.length == oracle.length
+        assert capped.selected == oracle.selected == int((~(x.abs() <= eta)).sum())
+        assert bool(capped.nonfinite) and bool(oracle.nonfinite)
+    assert overflowed  # the radix path ran

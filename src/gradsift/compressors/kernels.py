@@ -40,6 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gradsift.compressors.radix import largest_positions
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import nonfinite
 
@@ -47,6 +48,10 @@ from gradsift.core.finite import nonfinite
 #: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache
 #: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
 SELECTION_CHUNK = 1 << 18
+
+#: With a capacity, the CPU selection collects the positions of at most this many times the
+#: capacity (:func:`select_above`); past that it counts, then takes the largest by a radix select.
+COLLECTED_PER_CAPACITY = 2
 
 #: PyTorch's CPU kernels split their work over the intra-op pool only above this many
 #: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
@@ -116,7 +121,12 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
       so ``|x| > eta`` is ``(bits(x) & ~sign) > (bits(eta) & ~sign)`` on the integer view --
       and NaN (exponent all ones, mantissa non-zero) and Inf lie above the largest finite
       pattern, at which the bound is capped. NumPy evaluates that and ``flatnonzero`` over
-      :data:`SELECTION_CHUNK`-element chunks on the calling thread.
+      :data:`SELECTION_CHUNK`-element chunks on the calling thread. With a capacity, once
+      more than :data:`COLLECTED_PER_CAPACITY` times it passed, the rest is only counted,
+      and the capacity largest are those of the whole tensor
+      (:func:`~gradsift.compressors.radix.largest_positions`: everything that passed lies
+      above everything that did not, and the order is :func:`keep_largest`'s), so the
+      positions held stay a multiple of the capacity whatever ``eta`` lets through.
     * device: the mask ``not (|x| <= eta)`` (true for NaN) against ``eta`` in the dtype, NaN or
       Inf replaced by the largest finite value (on the host for a number; for a tensor, one
       operation on it where it is: no host read, no copy to the device),
@@ -124,8 +134,8 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
       device branch.
     """
     if uses_numpy(flat):
-        found = _select_above_numpy(flat, eta)
-        if capacity is None:
+        found = _select_above_numpy(flat, eta, capacity)
+        if capacity is None or found.length is not None:  # no capacity, or cut to it already
             return found
         indices, length = keep_largest(flat, found, capacity)
         return found._replace(indices=indices, length=length)
@@ -142,7 +152,7 @@ def select_above(flat: torch.Tensor, eta: Threshold, capacity: int | None = None
     return candidates._replace(nonfinite=nonfinite(torch.where(mask, flat, 0)))
 
 
-def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
+def _select_above_numpy(flat: torch.Tensor, eta: Threshold, capacity: int | None) -> Candidates:
     integer, magnitude = MAGNITUDE_BITS[flat.dtype]
     threshold = host_float(eta)
     if threshold < 0:
@@ -152,18 +162,27 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold) -> Candidates:
     )  # eta in the dtype
     bound = min(bits & magnitude, _infinity_bits(flat.dtype) - 1)  # NaN and Inf above it, whatever eta is
     words = numpy_view(flat.view(integer))
-    pieces, largest = [], -1  # largest selected magnitude pattern (-1: none selected)
+    limit = None if capacity is None else COLLECTED_PER_CAPACITY * capacity
+    pieces, largest, count = [], -1, 0  # largest selected magnitude pattern (-1: none selected)
     for start in range(0, words.size, SELECTION_CHUNK):
         magnitudes = words[start : start + SELECTION_CHUNK] & magnitude
+        if limit is not None and count > limit:  # past the limit: counted, not collected
+            passed = int(np.count_nonzero(magnitudes > bound))
+            largest = max(largest, int(magnitudes.max())) if passed else largest
+            count += passed
+            continue
         piece = np.flatnonzero(magnitudes > bound)
         if piece.size:  # read while the chunk is in cache, not gathered from the tensor later
             largest = max(largest, int(magnitudes[piece].max()))
             piece += start
         pieces.append(piece)
+        count += piece.size
+    flagged = torch.tensor(largest >= _infinity_bits(flat.dtype), device="cpu")
+    if capacity is not None and limit is not None and count > limit:  # all that passed lie above the rest
+        indices = torch.from_numpy(largest_positions(words, magnitude, capacity))
+        return Candidates(indices, capacity, count, flagged)
     positions = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    flagged = largest >= _infinity_bits(flat.dtype)
-    indices = torch.from_numpy(positions.astype(np.int64, copy=False))
-    return Candidates(indices, None, int(positions.size), torch.tensor(flagged, device="cpu"))
+    return Candidates(torch.from_numpy(positions.astype(np.int64, copy=False)), None, count, flagged)
 
 
 def select_mask(
