@@ -20,6 +20,9 @@ live tensors' peak; the RSS peak above it is what glibc kept after frees).
 An arm's extra is its growth minus stock DDP's under the same optimizer, on the same
 rank; the larger of the two ranks' is reported.
 
+glibc's tunables set in the environment (``MALLOC_MMAP_THRESHOLD_=131072`` for docs/memory.md's
+allocator note) are recorded with the result as ``allocator``.
+
 Expected: :data:`ARMS` lists, per arm, the per-parameter tensors it keeps over stock DDP,
 the stock ones it does without, and those alive only until the step commits (the
 transaction's old state beside the new -- for the sparsifiers under momentum correction the
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         measured="per rank: ru_maxrss (peak) and /proc/self/statm (end) minus the RSS before DDP; "
         "glibc mallinfo2 in-use bytes after the steps, and their largest value polled every 0.5 ms "
         "during the steps, minus before DDP",
+        allocator={name: value for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_")},
         rows=rows,
     )
     return 0
