@@ -97,29 +97,33 @@ def test_a_found_optimizer_is_the_inner_one_of_a_wrapper():
 
     outer = Wrapper(inner)
     params = inner.param_groups[0]["params"]
-    assert discovery.find_optimizer(params) is inner
+    assert discovery.find(params, scaler=False)[0] is inner
     del outer
 
 
 def test_nothing_is_adopted_when_two_optimizers_hold_the_parameters():
     layer = torch.nn.Linear(2, 2)
     first = torch.optim.SGD(layer.parameters(), lr=0.1)
-    assert discovery.find_optimizer(layer.parameters()) is first
+    assert discovery.find(layer.parameters(), scaler=False)[0] is first
     second = torch.optim.Adam(layer.parameters(), lr=0.1)
-    assert discovery.find_optimizer(layer.parameters()) is None
-    assert discovery.find_optimizer(torch.nn.Linear(2, 2).parameters()) is None  # holds none of them
+    assert discovery.find(layer.parameters(), scaler=False)[0] is None
+    assert discovery.find(torch.nn.Linear(2, 2).parameters(), scaler=False)[0] is None  # holds none of them
     del second
 
 
 def test_a_scaler_that_scaled_nothing_or_is_disabled_is_not_adopted():
     gc.collect()  # scalers of earlier tests
-    assert discovery.find_scaler() is None
+    assert discovery.find(None, scaler=True)[1] is None
     idle = torch.amp.GradScaler("cpu")
     off = torch.amp.GradScaler("cpu", enabled=False)
     off.scale(torch.ones(()))
-    assert discovery.find_scaler() is None
+    assert discovery.find(None, scaler=True)[1] is None
     idle.scale(torch.ones(()))
-    assert discovery.find_scaler() is idle
+    assert discovery.find(None, scaler=True)[1] is idle
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert discovery.find(model.parameters(), scaler=True) == (optimizer, idle)  # both in one walk
+    assert discovery.find(model.parameters(), scaler=False) == (optimizer, None)
 
 
 def test_an_explicit_warmup_of_zero_under_frozen_adam_is_refused(one_process_group):

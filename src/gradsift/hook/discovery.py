@@ -4,7 +4,7 @@
 first bucket of the first backward, when a training script has built both (the hook is
 usually registered before the optimizer exists). The search reads the live objects once
 (:func:`gc.get_objects`, by exact type so no object's attributes are touched), on the host,
-before any tensor of the step is touched:
+before any tensor of the step is touched (:func:`find`):
 
 * **the optimizer**: the one ``torch.optim.Optimizer`` whose parameter groups hold the
   hooked model's parameters. An optimizer a wrapper holds (Accelerate's, Hugging Face's)
@@ -28,35 +28,33 @@ from typing import Any
 import torch
 
 
-def live_optimizers(params: Iterable[torch.Tensor]) -> list[torch.optim.Optimizer]:
-    """The live optimizers whose parameter groups hold any of ``params``, in creation order
-    where known (the order of :func:`gc.get_objects`)."""
-    wanted = {id(p) for p in params}
-    found: dict[int, torch.optim.Optimizer] = {}  # one per parameter-group list: a wrapper shares its inner's
+def find(params: Iterable[torch.Tensor] | None, scaler: bool) -> tuple[torch.optim.Optimizer | None, Any]:
+    """One walk over the live objects: the one optimizer whose parameter groups hold any of
+    ``params`` (not looked for when ``params`` is None) and, with ``scaler``, the one enabled
+    ``GradScaler`` that has scaled a loss; each None where there is none or more than one (an
+    optimizer a wrapper holds counts once, as the inner one)."""
+    wanted = None if params is None else {id(p) for p in params}
+    optimizers: dict[
+        int, torch.optim.Optimizer
+    ] = {}  # one per parameter-group list: a wrapper shares its inner's
+    scalers = []
     for candidate in gc.get_objects():
-        if issubclass(type(candidate), torch.optim.Optimizer) and _holds(candidate, wanted):
+        kind = type(candidate)
+        if wanted is not None and issubclass(kind, torch.optim.Optimizer) and _holds(candidate, wanted):
             groups = id(candidate.param_groups)
-            if groups not in found or _wraps(found[groups], candidate):
-                found[groups] = candidate
-    return list(found.values())
+            if groups not in optimizers or _wraps(optimizers[groups], candidate):
+                optimizers[groups] = candidate
+        elif scaler and issubclass(kind, torch.amp.GradScaler) and _has_scaled(candidate):
+            scalers.append(candidate)
+    return _the_one(list(optimizers.values())), _the_one(scalers)
 
 
-def find_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer | None:
-    """The one live optimizer stepping ``params``; None when there is none or more than one."""
-    found = live_optimizers(params)
+def _the_one(found: list[Any]) -> Any:
     return found[0] if len(found) == 1 else None
 
 
-def find_scaler() -> Any:
-    """The one enabled ``GradScaler`` that has scaled a loss; None when there is none or several."""
-    found = [
-        candidate
-        for candidate in gc.get_objects()
-        if issubclass(type(candidate), torch.amp.GradScaler)
-        and candidate.is_enabled()
-        and getattr(candidate, "_scale", None) is not None
-    ]
-    return found[0] if len(found) == 1 else None
+def _has_scaled(scaler: Any) -> bool:
+    return bool(scaler.is_enabled()) and getattr(scaler, "_scale", None) is not None
 
 
 def _holds(optimizer: torch.optim.Optimizer, wanted: set[int]) -> bool:

@@ -190,14 +190,16 @@ class GradsiftHookState:
         the one enabled ``GradScaler`` that scaled a loss, as ``scaler=``. Each is looked for
         once: the optimizer at the first of the first step's first bucket and a checkpoint's
         load (:meth:`prepare_load`), the scaler at that bucket (before it, no loss was scaled)."""
-        if self.find_optimizer:
-            self.find_optimizer = False
-            found = discovery.find_optimizer(self.hooked)
-            if found is not None:
-                self.adopt(found)
+        look_for_scaler = scaler and self.options.scaler is None
+        params, self.find_optimizer = (self.hooked if self.find_optimizer else None), False
+        found, found_scaler = (None, None)
+        if params is not None or look_for_scaler:  # one walk over the live objects for both
+            found, found_scaler = discovery.find(params, look_for_scaler)
+        if found is not None:
+            self.adopt(found)
         if scaler:
             self.discovering = False
-            if self.options.scaler is None and (found_scaler := discovery.find_scaler()) is not None:
+            if found_scaler is not None:
                 self.options = dataclasses.replace(self.options, scaler=found_scaler)
                 self.adopt(self.optimizer, take_over=False)
 
