@@ -1096,7 +1096,24 @@ MEMORY_TABLE = Table(
         if (optimizer, method) != ("sgd", "efsignsgd")
     ),
 )  # fmt: skip
+#: The same runs with glibc's mmap threshold fixed (docs/memory.md, the allocator note).
+MEMORY_MMAP = Result(
+    "results/memory/peak-mmap-threshold.json",
+    "MALLOC_MMAP_THRESHOLD_=131072 flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py "
+    "--json results/memory/peak-mmap-threshold.json",
+)
+
+
+def _memory_mmap(method: str, field: str) -> Claim:
+    return Claim(f"memory.mmap.sgd.{method}.{field}", MEMORY_MMAP,
+                 (f"rows/[arm={method},optimizer=sgd]/{field}",), "{:.2f}x")  # fmt: skip
+
+
 MEMORY_CLAIMS = (
+    Claim("memory.mmap.threshold", MEMORY_MMAP, ("allocator/MALLOC_MMAP_THRESHOLD_",)),
+    Claim("memory.mmap.commit", MEMORY_MMAP, ("provenance/commit",), "{:.7}"),
+    *(_memory_mmap(method, field) for method in ("topk", "sidco-exp")
+      for field in ("extra_allocated_peak_over_parameter_bytes", "extra_peak_over_parameter_bytes")),
     Claim("memory.commit", MEMORY, ("provenance/commit",), "{:.7}"),
     Claim("memory.load", MEMORY, ("provenance/load_before/0", "provenance/load_after/0"),
           "{:.1f} before / {:.1f} after", compute=lambda *v: v),
