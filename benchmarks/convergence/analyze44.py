@@ -141,8 +141,7 @@ ROWS = (
         "issue44",
         "the 1-bit arm, 150 warm-up steps in 4-bit codes, two-stage exchange",
     ),
-    *(Row(arm, "issue44", campaign44.method(arm).setting) for arm in campaign44.ZERO_ONE_ARMS),
-    *(Row(arm, "issue44", m.setting) for arm, m in campaign44.ARMS.items() if arm.startswith("zero-one-")),
+    *(Row(arm, "issue44", campaign44.method(arm).setting) for arm in campaign44.ZERO_ONE),
 )
 WORKLOAD_LABELS = {
     "gpt-adamw": "314 steps",
@@ -316,7 +315,7 @@ EFFECTS = (
                                                          "trainer's 10 % in fp32 (onebit-adam-q4w100 - onebit-adam)"),
     *((f"local-steps-{arm}", arm, "onebit-adam", f"0/1 Adam's local steps and the warm-up's code ({arm} - "
                                                  "onebit-adam: both freeze the variance at the same step)")
-      for arm in dict.fromkeys([*campaign44.ZERO_ONE_ARMS, *campaign44.ARMS]) if arm.startswith("zero-one-")),
+      for arm in campaign44.ZERO_ONE),
 )  # fmt: skip
 
 #: Reruns on a campaign's own commit of a protocol run: (workload, the rerun's arm, the protocol's arm).

@@ -130,6 +130,8 @@ REFRESH_ARM = "onebit-adam-q4w25-r280"
 #: 0/1 Adam's local steps (issue 44, item 3): syncing the 1-bit message once per interval frees
 #: the byte budget for a 300-step coded warm-up (the freeze the 1 % target needs) at >= 30x.
 ZERO_ONE_ARMS = ("zero-one-q4w300-l500x2", "zero-one-q4w300-l250x4")
+#: Every 0/1 Adam arm: these two and their 4-worker and 6,000-step variants.
+ZERO_ONE = tuple(dict.fromkeys([*ZERO_ONE_ARMS, *(arm for arm in ARMS if arm.startswith("zero-one-"))]))
 
 
 def method(name: str) -> Method:

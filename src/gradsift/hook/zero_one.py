@@ -67,7 +67,7 @@ ANCHOR, RATES = "gradsift_anchor", "gradsift_interval_lr_sum"
 
 LocalSteps = tuple[int, int]
 #: ``local_steps`` when ``adam="zero-one"`` is given without it (docs/decisions.md).
-DEFAULT_LOCAL_STEPS: LocalSteps = (500, 4)
+DEFAULT_LOCAL_STEPS: LocalSteps = (500, 2)
 
 
 def parse_local_steps(value: Any) -> LocalSteps:
