@@ -19,6 +19,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from gradsift.core.store import TensorStore
+from gradsift.exchanges.two_stage import SERVER_CHUNK
+from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.zero_one import ZeroOneAdamStep
 from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
@@ -36,6 +39,8 @@ LOCAL_STEPS = (2, 4)
 #: intervals start at s = 0, 1, 2, 4, 8, 12 with lengths min(4, 2^(s // 2)) = 1, 1, 2, 4, 4, 4.
 SYNCS = {0, 1, 3, 7, 11}
 EXACT = {"ratio": 1.0, "granularity": "layer"}
+#: The residual tables a coded warm-up leaves (the workers', the two-stage exchange's server chunks).
+LEFT = (RESIDUAL, SERVER_CHUNK)
 
 
 def lr_at(step: int) -> float:
@@ -335,3 +340,26 @@ def test_through_the_two_stage_exchange_the_replicas_agree_after_every_synchroni
         step = WARMUP + j
         assert all(torch.equal(r["seen"][step][1], results[0]["seen"][step][1]) for r in results), j
     assert not torch.equal(results[0]["seen"][WARMUP + 2][1], results[1]["seen"][WARMUP + 2][1])
+
+
+def test_what_a_coded_warm_up_left_enters_the_first_synchronisation_times_its_rate():
+    """The workers' residual and the two-stage exchange's server chunks hold gradient mass in a
+    coded warm-up; at the first compressed step both become ``gamma r`` (the accumulated
+    update's units), once: a later step leaves them to error feedback."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)
+    params = list(model.parameters())
+    numbers = {id(p): i for i, p in enumerate(params)}
+    method = ZeroOneAdamStep(optimizer, numbers, warmup_steps=1, local_steps=(2, 4))
+    store, key, n = TensorStore(), (0, 1, 2, 3), sum(p.numel() for p in params)
+    left = {table: torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, table in enumerate(LEFT)}
+    for table, tensor in left.items():
+        store.put(table, key, tensor.clone())
+    gradient = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    method.accumulate(store, key, gradient, params, syncing=True)
+    for table, tensor in left.items():
+        assert torch.equal(store.get(table, key), tensor * 0.003), table
+    method.accumulate(store, key, gradient, params, syncing=True)
+    for table, tensor in left.items():
+        assert torch.equal(store.get(table, key), tensor * 0.003), table
+    method.detach()

@@ -10,9 +10,9 @@ velocity units) and an accumulated update ``a_k`` (from zero); every compressed 
 
     u_k <- beta1 u_k + g_k            a_k <- a_k + gamma_t u_k
 
-(Adam's L2 decay in ``g_k`` as the method adds it); what a coded warm-up left in the residual
-``r_k`` is gradient mass, so it enters at the first compressed step as ``gamma_t r_k``, in the
-accumulated update's units. A step that is not the last of its
+(Adam's L2 decay in ``g_k`` as the method adds it); what a coded warm-up left in the residuals
+(the worker's ``r_k``, the two-stage exchange's server chunks) is gradient mass, so it enters
+at the first compressed step times ``gamma_t``, in the accumulated update's units. A step that is not the last of its
 interval is **local**: nothing but a one-element non-finite flag is exchanged, the hook
 hands DDP the worker's own first moment ``(1 - beta1) u_k``, and the optimizer's step moves
 the worker's parameters as the frozen-variance method does,
@@ -56,6 +56,7 @@ from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.parts import Context, Outcome, Part
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
+from gradsift.exchanges.two_stage import SERVER_CHUNK
 from gradsift.hook.adam import FrozenVarianceStep
 from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.param_groups import model_groups
@@ -64,6 +65,10 @@ from gradsift.hook.param_groups import model_groups
 VELOCITY, ACCUMULATED = "adam.zero_one_velocity", "adam.zero_one_accumulated"
 #: Optimizer-state keys: the anchor ``xhat`` and the interval's sum of learning rates so far.
 ANCHOR, RATES = "gradsift_anchor", "gradsift_interval_lr_sum"
+
+#: Residual tables a coded warm-up leaves in gradient units: the workers' and the two-stage
+#: exchange's server chunks.
+LEFT_BY_THE_WARMUP = (RESIDUAL, SERVER_CHUNK)
 
 LocalSteps = tuple[int, int]
 #: ``local_steps`` when ``adam="zero-one"`` is given without it (docs/decisions.md).
@@ -150,9 +155,10 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         rate = self.learning_rate()
         if velocity is None:  # the first compressed step
             velocity = self.initial_velocity(params)
-            left = store.get(RESIDUAL, key)  # what a coded warm-up has not delivered, gradient mass
-            if left is not None:
-                store.put(RESIDUAL, key, left * rate)  # in the accumulated update's units from here
+            for table in LEFT_BY_THE_WARMUP:  # what a coded warm-up has not delivered, gradient mass
+                left = store.get(table, key)
+                if left is not None:
+                    store.put(table, key, left * rate)  # in the accumulated update's units from here
         velocity = g.clone() if velocity is None else torch.add(g, velocity, alpha=self.beta1)
         held = store.get(ACCUMULATED, key)
         accumulated = velocity * rate if held is None else torch.add(held, velocity, alpha=rate)
