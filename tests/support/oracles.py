@@ -31,14 +31,16 @@ def frozen_variance_start(
     eps: float = 1e-8,
 ) -> tuple[dict[torch.Tensor, torch.Tensor], dict[torch.Tensor, torch.Tensor]]:
     """1-bit Adam's freeze, from Adam's state at its step ``t``: per parameter the velocity
-    ``u = m / ((1 - beta1)(1 - beta1^t))`` and the preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps``."""
+    ``u = m / ((1 - beta1)(1 - beta1^t))`` and the preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps``
+    (where ``v = 0``, the largest ``sqrt`` of the parameter's tensor)."""
     beta1, beta2 = betas
     velocity, preconditioner = {}, {}
     for p in params:
         state = optimizer.state[p]
         t = float(state["step"])
         velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
-        preconditioner[p] = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt() + eps
+        root = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
+        preconditioner[p] = torch.where(root > 0, root, root.max()) + eps  # v = 0: the tensor's largest
     return velocity, preconditioner
 
 

@@ -14,8 +14,9 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    (:mod:`gradsift.hook.adam_warmup`).
 2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
-   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant, and the update
-   ``m / D`` is linear in ``m``.
+   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, a
+   coordinate the warm-up never moved, the largest ``sqrt`` of its tensor: a code may send
+   it a value ``eps`` would blow up), and the update ``m / D`` is linear in ``m``.
 3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
    the warm-up's ``m / ((1 - beta1)(1 - beta1^t))``, Adam's bias-corrected first moment
    in velocity units), sends ``u + r`` through the compressor with error feedback
@@ -42,10 +43,9 @@ optimizer's step only when the gradients are finite) and parameters outside the 
 work as usual. Nothing is kept outside the optimizer's own state and the hook's state
 store, so ``optimizer.state_dict()`` plus the hook's ``state_dict()`` resume bit for bit.
 
-Supported: ``torch.optim.Adam`` and ``torch.optim.AdamW`` without ``amsgrad`` and
-``maximize``. Others (LAMB, Adafactor, Lion, ...) are refused with a clear error: their
-updates are not linear in a first moment once a statistic is frozen, or they keep no
-first moment at all.
+Supported: ``torch.optim.Adam`` and ``AdamW`` without ``amsgrad`` and ``maximize``. Others
+(LAMB, Adafactor, Lion, ...) are refused: their updates are not linear in a first moment
+once a statistic is frozen, or they keep no first moment at all.
 """
 
 from __future__ import annotations
@@ -116,10 +116,9 @@ def l2_decay(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> dict[
 class AdamStep:
     """What both methods share: the optimizer's step of a compressed step, as a step pre-hook.
 
-    The hook sets :attr:`pending` when it committed a compressed step; the optimizer's next
-    step then applies ``theta <- theta (1 - lr wd) - lr direction`` (AdamW's decoupled decay;
-    Adam's L2 decay went into the gradient) to the model's parameters and clears their
-    ``.grad``, so the optimizer's own step skips them. Subclasses give the direction.
+    The hook sets :attr:`pending` when it committed a compressed step; the optimizer's next step
+    then applies ``theta <- theta (1 - lr wd) - lr direction`` (AdamW's decoupled decay; Adam's
+    L2 decay went into the gradient) and clears ``.grad``, so the optimizer's own step skips them.
 
     Args:
         optimizer: the Adam or AdamW the user built.
@@ -239,7 +238,7 @@ class FrozenVarianceStep(AdamStep):
         return param.grad / self._preconditioner(param, group)
 
     def _preconditioner(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """``sqrt(v / (1 - beta2^t)) + eps`` of the warm-up's last step (cached: it is frozen)."""
+        """``D`` of the module docstring, of the warm-up's last step (cached: it is frozen)."""
         cached = self._preconditioners.get(id(param))
         if cached is None:
             state = self.optimizer.state.get(param, {})
@@ -249,7 +248,8 @@ class FrozenVarianceStep(AdamStep):
                     "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
                 )
             beta2, eps = float(group["betas"][1]), float(group["eps"])
-            cached = (state["exp_avg_sq"] / bias_correction(beta2, state["step"])).sqrt_().add_(eps)
+            root = (state["exp_avg_sq"] / bias_correction(beta2, state["step"])).sqrt_()
+            cached = torch.where(root > 0, root, root.max()).add_(eps)  # v = 0: the tensor's largest
             self._preconditioners[id(param)] = cached
         return cached
 
