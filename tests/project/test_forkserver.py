@@ -69,11 +69,11 @@ def heap_worker(rank: int, world: int) -> dict:
     optimizer built in this rank (it walks ``gc.get_objects()``)."""
     import gc
 
-    from gradsift.hook.discovery import find_optimizer
+    from gradsift.hook.discovery import find
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return {"frozen": gc.get_freeze_count(), "found": find_optimizer(model.parameters()) is optimizer}
+    return {"frozen": gc.get_freeze_count(), "found": find(model.parameters(), scaler=False)[0] is optimizer}
 
 
 def hang_worker(rank: int, world: int) -> None:
