@@ -25,7 +25,7 @@ from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
 from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start, frozen_variance_step
-from support.steps import train_with_restart
+from support.steps import assert_every_resume_is_the_whole_run, train_with_restart
 
 STEPS, WARMUP, LR, WD, BETAS, WORLD, EPS = 10, 3, 0.01, 0.1, (0.9, 0.99), 2, 1e-8
 WINDOW = (5, 3)  # hook steps 5, 6, 7; the new second moment from step 7 on
@@ -140,9 +140,7 @@ def test_a_window_step_sends_the_code_beside_the_method(runs):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_resume_is_bit_for_bit_inside_the_window_at_its_end_and_after(runs):
-    for result in runs:
-        for at, resumed in result["resumed"].items():
-            assert torch.equal(resumed, result["whole"]), at
+    assert_every_resume_is_the_whole_run(runs)
     assert torch.equal(runs[0]["whole"], runs[1]["whole"])  # the replicas agree
 
 

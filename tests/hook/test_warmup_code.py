@@ -26,7 +26,7 @@ from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
 from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start, frozen_variance_step
-from support.steps import train_with_restart
+from support.steps import assert_every_resume_is_the_whole_run, train_with_restart
 
 STEPS, WARMUP, LR, WD, BETAS, WORLD = 9, 4, 0.01, 0.1, (0.9, 0.99), 2
 EXACT = {"ratio": 1.0, "momentum_masking": False, "granularity": "layer"}
@@ -123,9 +123,7 @@ def test_a_warm_up_step_sends_the_codes_bytes(runs):
 def test_resume_is_bit_for_bit_in_the_warm_up_and_at_the_switch(runs):
     """Restarts into a fresh DDP model, whose first step has DDP's initial bucket layout: after
     the first step, in the warm-up's last step, at the first compressed step."""
-    for result in runs:
-        for at, resumed in result["resumed"].items():
-            assert torch.equal(resumed, result["whole"]), at
+    assert_every_resume_is_the_whole_run(runs)
     assert torch.equal(runs[0]["whole"], runs[1]["whole"])  # the replicas agree
 
 

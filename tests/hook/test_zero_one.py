@@ -27,6 +27,7 @@ from support.distributed import run_workers
 from support.models import flat_gradients, flat_params, loss_of, make_model
 from support.oracles import error_feedback_mean, four_bit_blocks, frozen_variance_start
 from support.steps import (
+    assert_every_resume_is_the_whole_run,
     assert_the_survivor_raised,
     refusal_messages,
     train_until_peer_failure,
@@ -119,6 +120,22 @@ def reference_run(coded: bool = False) -> list[torch.Tensor]:
     return [flat_params(worker) for worker in workers]
 
 
+def zero_one_hooked(name: str, **options) -> tuple[DDP, torch.optim.AdamW, object]:
+    """The tests' model in DDP, its AdamW, and the one line with ``adam="zero-one"``."""
+    model = DDP(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    state = gradsift.register_comm_hook(
+        model,
+        name,
+        optimizer=optimizer,
+        warmup_steps=WARMUP,
+        adam="zero-one",
+        local_steps=LOCAL_STEPS,
+        **options,
+    )
+    return model, optimizer, state
+
+
 def hooked_run(
     rank: int, name: str, options: dict, resume_at: int | None = None
 ) -> tuple[torch.Tensor, list]:
@@ -128,18 +145,8 @@ def hooked_run(
     optimizers: list = []
 
     def fresh():
-        model = DDP(make_model())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        model, optimizer, state = zero_one_hooked(name, **options)
         optimizers.append(optimizer)
-        state = gradsift.register_comm_hook(
-            model,
-            name,
-            optimizer=optimizer,
-            warmup_steps=WARMUP,
-            adam="zero-one",
-            local_steps=LOCAL_STEPS,
-            **options,
-        )
         models.append(model)
         return model, optimizer, state
 
@@ -205,24 +212,12 @@ def test_only_an_interval_s_last_step_sends_the_message_and_the_replicas_agree_a
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_resume_is_bit_for_bit_inside_an_interval_and_at_its_end(runs):
-    for result in runs:
-        for at, resumed in result["resumed"].items():
-            assert torch.equal(resumed, result["whole"]), at
+    assert_every_resume_is_the_whole_run(runs)
 
 
 def nonfinite_worker(rank: int, world: int) -> list:
     """Rank 1's loss is NaN at a local step; ``nonfinite="skip"``: every rank drops that step."""
-    model = DDP(make_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    state = gradsift.register_comm_hook(
-        model,
-        "efsignsgd",
-        optimizer=optimizer,
-        warmup_steps=WARMUP,
-        adam="zero-one",
-        local_steps=LOCAL_STEPS,
-        nonfinite="skip",
-    )
+    model, optimizer, state = zero_one_hooked("efsignsgd", nonfinite="skip")
     seen = []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -250,11 +245,7 @@ def test_a_nan_at_a_local_step_drops_it_on_every_rank_and_the_schedule_stays_agr
 
 
 def dying_worker(rank: int, world: int) -> dict:
-    model = DDP(make_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    gradsift.register_comm_hook(
-        model, "efsignsgd", optimizer=optimizer, warmup_steps=WARMUP, adam="zero-one", local_steps=LOCAL_STEPS
-    )
+    model, optimizer, _ = zero_one_hooked("efsignsgd")
 
     def loss_at(model: DDP, step: int) -> torch.Tensor:
         if rank == 1 and step == WARMUP + 5:  # a local step

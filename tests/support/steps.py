@@ -92,3 +92,11 @@ def assert_the_survivor_raised(result: dict[str, Any], within_s: float = 20.0) -
     named, within ``within_s`` seconds."""
     assert result["error"] is not None and "a peer process is gone" in result["error"], result
     assert result["seconds"] < within_s, result
+
+
+def assert_every_resume_is_the_whole_run(runs: list[dict[str, Any]]) -> None:
+    """Per rank, each run restarted at a step (``result["resumed"][step]``) ends with the same
+    parameters, to the bit, as the run without a restart (``result["whole"]``)."""
+    for result in runs:
+        for at, resumed in result["resumed"].items():
+            assert torch.equal(resumed, result["whole"]), at
