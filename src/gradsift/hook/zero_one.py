@@ -3,19 +3,21 @@
 ``register_comm_hook(ddp, "efsignsgd", optimizer=adamw, adam="zero-one", warmup_steps=...)``
 runs the frozen-variance method's warm-up (:mod:`gradsift.hook.adam`: dense, or in a code
 with ``warmup_compressor=``) and then, after 0/1 Adam (Lu et al. 2022), lets the workers
-step on their own between synchronisations. With ``D = sqrt(v) + eps`` frozen at the warm-up's
-end, a single learning rate ``gamma_t`` over the model's parameter groups and ``beta1``
-Adam's, each worker ``k`` keeps a velocity ``u_k`` (started from the warm-up's first moment in
-velocity units) and an accumulated update ``a_k`` (from zero); every compressed step
+step on their own between synchronisations. With ``D`` frozen at the warm-up's end (the
+method's ``sqrt(v) + eps``), a single learning rate ``gamma_t`` over the model's parameter
+groups and ``beta1`` Adam's, each worker ``k`` keeps a velocity ``u_k`` (started from the
+warm-up's first moment in velocity units) and an accumulated update ``a_k`` (from zero);
+every compressed step
 
     u_k <- beta1 u_k + g_k            a_k <- a_k + gamma_t u_k
 
-(Adam's L2 decay in ``g_k`` as the method adds it); what a coded warm-up left in the residuals
-(the worker's ``r_k``, the two-stage exchange's server chunks) is gradient mass, so it enters
-at the first compressed step times ``gamma_t``, in the accumulated update's units. A step that is not the last of its
-interval is **local**: nothing but a one-element non-finite flag is exchanged, the hook
-hands DDP the worker's own first moment ``(1 - beta1) u_k``, and the optimizer's step moves
-the worker's parameters as the frozen-variance method does,
+(Adam's L2 decay in ``g_k`` as the method adds it); what a coded warm-up left in the
+residuals (the worker's ``r_k``, the two-stage exchange's server chunks) is gradient mass, so
+it enters at the first compressed step times ``gamma_t``, in the accumulated update's units.
+A step that is not the last of its interval is **local**: nothing but a one-element
+non-finite flag is exchanged, the hook hands DDP the worker's own first moment
+``(1 - beta1) u_k``, and the optimizer's step moves the worker's parameters as the
+frozen-variance method does,
 ``x_k <- x_k (1 - gamma_t wd) - gamma_t (1 - beta1) u_k / D``. The interval's last step
 **synchronises**: ``a_k`` travels through the compressor with error feedback
 (``c = a_k + r_k``), the exchange delivers the mean ``abar``, and with ``Gamma`` the sum of
