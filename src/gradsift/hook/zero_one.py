@@ -108,10 +108,14 @@ class ZeroOneAdamStep(FrozenVarianceStep):
     ) -> None:
         super().__init__(optimizer, numbers, warmup_steps)
         self.double_every, self.longest = parse_local_steps(local_steps)
+        #: The indices of the groups holding the model's parameters (``load_state_dict`` makes
+        #: new group dicts, in the same order: read them through the optimizer each time).
+        self._groups = [index for index, _, _ in model_groups(optimizer, numbers)]
         self.learning_rate()  # one rate over the model's groups, or refused here already
         #: The step in progress ends an interval (read by the optimizer's step that follows it).
         self.syncing = False
         self._anchored: set[int] = set()
+        self._sample: torch.Tensor | None = None  # an anchored parameter: its state holds RATES
         self._ends: tuple[int, list[int]] | None = None
 
     def syncs(self, step: int) -> bool:
@@ -129,7 +133,7 @@ class ZeroOneAdamStep(FrozenVarianceStep):
 
     def learning_rate(self) -> float:
         """The one learning rate of the model's parameter groups now (host floats only)."""
-        rates = {float(group["lr"]) for _, group, _ in model_groups(self.optimizer, self.numbers)}
+        rates = {float(self.optimizer.param_groups[index]["lr"]) for index in self._groups}
         if len(rates) != 1:
             raise InvalidOptionError(
                 f"adam='zero-one' accumulates the update at one learning rate; the model's parameter groups "
@@ -139,11 +143,8 @@ class ZeroOneAdamStep(FrozenVarianceStep):
 
     def span(self) -> float:
         """``Gamma``: the learning rates of the interval's steps so far and of this one."""
-        for param in self._params():
-            rates = self.optimizer.state.get(param, {}).get(RATES)
-            if rates is not None:
-                return float(rates) + self.learning_rate()
-        return self.learning_rate()
+        state = {} if self._sample is None else self.optimizer.state.get(self._sample, {})
+        return float(state.get(RATES, 0.0)) + self.learning_rate()
 
     def accumulate(
         self, store: Any, key: Any, gradient: torch.Tensor, params: Sequence[torch.Tensor], syncing: bool
@@ -151,6 +152,8 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         """``u <- beta1 u + g``, ``a <- a + gamma u`` for part ``key`` (put into ``store``, which
         rolls them back with a dropped step); what the step hands on: ``a`` when ``syncing``, else ``u``."""
         self._anchored.update(id(p) for p in params)
+        if self._sample is None:
+            self._sample = params[0]
         self.syncing = syncing  # for the optimizer's step after this one settles
         g = gradient.reshape(-1).float()
         velocity = store.get(VELOCITY, key)
@@ -220,9 +223,6 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         else:
             param.mul_(keep).sub_(direction, alpha=rate)
             state[RATES] = float(state[RATES]) + rate
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for _, group, _ in model_groups(self.optimizer, self.numbers) for p in group["params"]]
 
 
 def start_local_trip(parts: list[Part], context: Context) -> Pending[Outcome]:
