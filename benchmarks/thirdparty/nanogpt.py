@@ -110,8 +110,13 @@ ARMS = {
     "stock": Arm(None),
     "one-line": Arm("gradsift_hook = gradsift.register_comm_hook(model)"),
     "bf16": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'bf16')"),
+    "onebit": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer)"),
+    "onebit-w40": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                      "warmup_steps=40)"),
     "zero-one": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
-                    "adam='zero-one', warmup_steps=40, warmup_compressor='blockquant', local_steps=(100, 2))"),
+                    "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(100, 2))"),
+    "zero-one-l50x4": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                          "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(50, 4))"),
     "alone": Arm(None, workers=1),
 }  # fmt: skip
 
@@ -199,7 +204,8 @@ def run(label: str, seed: int, args: argparse.Namespace, corpus: Path) -> dict[s
         accumulation = GRADIENT_ACCUMULATION * arm.workers // WORKERS
         command = [sys.executable, "train.py", *CONFIG, f"--gradient_accumulation_steps={accumulation}",
                    f"--max_iters={args.iterations}", f"--eval_interval={args.iterations // 2}",
-                   f"--lr_decay_iters={args.iterations}", f"--out_dir={workdir / 'out'}"]  # fmt: skip
+                   f"--lr_decay_iters={args.iterations}", f"--out_dir={workdir / 'out'}",
+                   *(f"--{setting}" for setting in args.set)]  # fmt: skip
         print(f"+ [{label}, seed {seed}]", " ".join(command), flush=True)
         with link(args.bandwidth, arm.workers) as network:
             ranks = []
@@ -252,7 +258,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return {r["seed"]: r[field] for r in runs if r["arm"] == label}
 
     summary = {}
-    for label in sorted({r["arm"] for r in runs} - {"stock"}):
+    for label in sorted(
+        {r["arm"] for r in runs} - {"stock"} if any(r["arm"] == "stock" for r in runs) else ()
+    ):
         gap = paired_gap(
             by_seed(label, "final_validation_loss"), by_seed("stock", "final_validation_loss"), True
         )
@@ -275,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--iterations", type=int, default=400, help="max_iters and lr_decay_iters (default: 400)"
     )
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more of the script's settings, e.g. grad_clip=0.0 (default: none)")  # fmt: skip
     parser.add_argument("--bandwidth", default=None, help="emulated link between the ranks, e.g. 100mbit")
     parser.add_argument("--nanogpt", type=Path, default=DEFAULT_NANOGPT,
                         help=f"nanoGPT's git directory (default: {DEFAULT_NANOGPT})")  # fmt: skip
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run(label, seed, args, Path(data) / DATASET))
                 print(json.dumps({k: runs[-1][k] for k in ("arm", "seed", "final_validation_loss",
                                   "step_time_median_s", "wall_time_s", "bytes_received_per_step")}), flush=True)  # fmt: skip
-    report = {"script": f"karpathy/nanoGPT@{NANOGPT_COMMIT}:train.py", "config": [*CONFIG], "iterations": args.iterations,
+    report = {"script": f"karpathy/nanoGPT@{NANOGPT_COMMIT}:train.py", "config": [*CONFIG], "iterations": args.iterations, "set": args.set,
               "gradient_accumulation_steps": GRADIENT_ACCUMULATION, "bandwidth": args.bandwidth,
               "corpus": corpus, "summary": summarise(runs), "runs": runs, "provenance": stamp.finish()}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
