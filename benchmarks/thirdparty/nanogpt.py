@@ -246,6 +246,7 @@ def measure(label: str, seed: int, arm: Arm, output: str, written: dict[str, Any
         "bytes_received_per_step": received,
         "parameters": written["parameters"],
         "auto": None if stats is None else stats.get("auto"),
+        "adam_warmup": None if stats is None else stats.get("adam_warmup"),
         "said": [line for line in output.splitlines() if "gradsift" in line or "Warning" in line][:20],
     }
 

@@ -4,7 +4,8 @@ The oracle is the rule computed by hand on the second moments the run recorded: 
 optimizer step the per-tensor totals ``S_p = sum(v_p) / (1 - beta2^t)`` are read here, in
 Python floats and Python's own bias correction; the expected end is the first ``t``, a
 multiple of WINDOW with a previous window, where ``sum_p |S_p(t) - S_p(t - WINDOW)| /
-sum_p S_p(t) < SETTLED``, or the cap ``round(1 / (1 - beta2))``. On a 1-rank gloo group.
+sum_p S_p(t) < SETTLED``, or the cap ``round(1 / (1 - beta2))`` -- but no step whose learning
+rate is above the previous step's. On a 1-rank gloo group.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def hooked(**options):
     return model, optimizer, state
 
 
-def step(model, optimizer, t: int) -> None:
+def step(model, optimizer, t: int, lr: float | None = None) -> None:
+    if lr is not None:
+        optimizer.param_groups[0]["lr"] = lr
     optimizer.zero_grad()
     x, y = batch(0, t)
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -49,9 +52,11 @@ def totals_by_hand(optimizer) -> list[float]:
     return out
 
 
-def expected_end(recorded: list[list[float]]) -> tuple[int, str]:
+def expected_end(recorded: list[list[float]], rates: list[float] | None = None) -> tuple[int, str]:
     cap = round(1 / (1 - BETAS[1]))
     for t in range(1, len(recorded) + 1):
+        if rates is not None and t >= 2 and rates[t - 1] > rates[t - 2]:
+            continue  # the learning rate rose at step t
         if t >= cap:
             return t, "cap"
         if t % WINDOW == 0 and t >= 2 * WINDOW:
@@ -84,6 +89,23 @@ def test_the_warm_up_ends_where_the_rule_says_on_the_recorded_moments(one_proces
         and state.adam.compressing(end)
         and not state.adam.compressing(end - 1)
     )
+
+
+def test_no_end_while_the_learning_rate_rises(one_process_group):
+    """A linear learning-rate warm-up over RISING steps (set by hand, as scripts do): the rule
+    on the recorded moments alone would end inside it; the warm-up ends after it."""
+    rising, steps = 45, 90
+    rates = [3e-3 * min(1.0, (t + 1) / rising) for t in range(steps)]
+    model, optimizer, state = hooked()
+    recorded = []
+    for t in range(steps):
+        step(model, optimizer, t, lr=rates[t])
+        recorded.append(totals_by_hand(optimizer))
+    end, reason = expected_end(recorded, rates)
+    assert expected_end(recorded)[0] < rising < end  # the rising rate is what moved it
+    report = state.stats()["adam_warmup"]
+    assert (report["end"], report["reason"]) == (end, reason)
+    state.adam.detach()
 
 
 def test_warmup_steps_given_overrides_the_measure(one_process_group):

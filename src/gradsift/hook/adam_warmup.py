@@ -15,7 +15,11 @@ scale, which does. The warm-up ends after the first step ``t`` with ``rho(t) < S
 (so at the earliest after two windows: the first has nothing to compare with), and at the
 latest after ``round(1 / (1 - beta2))`` steps (the largest ``beta2`` of the model's groups):
 the second moment's memory, past which ``v_hat`` is an average of a fixed length whose
-change over a window no longer shrinks. The hook's steps from ``t`` on are compressed (the
+change over a window no longer shrinks. Neither ends it while the learning rate still rises
+(a step whose largest group ``lr`` is above the previous step's): 0/1 Adam freezes the variance
+at the end of the learning-rate warm-up (Lu et al. 2022), since the steps the warm-up keeps
+small leave gradients whose scale is still moving, and a variance frozen before the full
+rate divides every later step by it. The hook's steps from ``t`` on are compressed (the
 hook counts the steps it committed, the rule the optimizer's steps since the hook took it
 over: the same count when every committed step is followed by one optimizer step).
 
@@ -25,7 +29,7 @@ summed on the host with :func:`math.fsum` (exact, in any order). Every rank hold
 ``v`` -- the warm-up's gradients are the allreduced mean, and every rank's optimizer steps
 the same parameters with them, which is what keeps DDP's replicas equal -- so every rank
 computes the same totals and ends at the same step. The record (steps counted, the last
-totals, the end and its reason, the last ``rho``) is kept in the optimizer's first
+totals, the last step's learning rate, the end and its reason, the last ``rho``) is kept in the optimizer's first
 parameter group that holds the model's parameters, under :data:`RECORD_KEY`: it travels in
 ``optimizer.state_dict()``, and a resumed run ends where the uninterrupted one does.
 """
@@ -47,7 +51,7 @@ SETTLED = 0.05
 RECORD_KEY = "gradsift_adam_warmup"
 #: Why a warm-up ended: ``rho`` below :data:`SETTLED`, the memory cap, or ``warmup_steps``.
 SETTLED_REASON, CAP_REASON, GIVEN_REASON = "settled", "cap", "warmup_steps"
-FRESH: dict[str, Any] = {"steps": 0, "totals": None, "end": None, "reason": None, "change": None}
+FRESH: dict[str, Any] = {"steps": 0, "totals": None, "lr": None, "end": None, "reason": None, "change": None}
 
 
 def relative_change(totals: list[float], previous: list[float]) -> float:
@@ -109,23 +113,30 @@ class SettledWarmup:
                     sums.append(torch.zeros((), dtype=torch.float64, device=param.device))
         return torch.stack(sums).tolist()
 
+    def learning_rate(self) -> float:
+        """The largest ``lr`` of the groups holding the model's parameters."""
+        return max(float(group["lr"]) for _, group, _ in model_groups(self.optimizer, self.numbers))
+
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step post-hook: count the step; at a window's end, check ``rho`` (module docstring)."""
+        """Step post-hook: count the step; at a window's end, check ``rho``; end the warm-up
+        by the cap or a settled ``rho`` unless the learning rate rose (module docstring)."""
         record = self.record
         if record["end"] is not None:
             return
-        steps = record["steps"] + 1
-        update: dict[str, Any] = {"steps": steps}
-        if steps >= self.cap:
-            update.update(end=steps, reason=CAP_REASON)
-        elif steps % WINDOW == 0:
+        steps, rate = record["steps"] + 1, self.learning_rate()
+        rising = record.get("lr") is not None and rate > record["lr"]
+        update: dict[str, Any] = {"steps": steps, "lr": rate}
+        settled = False
+        if steps % WINDOW == 0:
             totals = self.totals()
             if record["totals"] is not None:
-                change = relative_change(totals, record["totals"])
-                update["change"] = change
-                if change < SETTLED:
-                    update.update(end=steps, reason=SETTLED_REASON)
+                update["change"] = relative_change(totals, record["totals"])
+                settled = update["change"] < SETTLED
             update["totals"] = totals
+        if not rising and steps >= self.cap:
+            update.update(end=steps, reason=CAP_REASON)
+        elif not rising and settled:
+            update.update(end=steps, reason=SETTLED_REASON)
         self._group[RECORD_KEY] = {**record, **update}  # a new dict: a saved state_dict keeps its own
 
 
