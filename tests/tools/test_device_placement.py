@@ -140,20 +140,19 @@ def test_demo_with_fewer_gpus_than_workers_trains_on_the_cpu_and_says_so(
 ) -> None:
     configs: list[TrainConfig] = []
 
-    def run_training(config: TrainConfig) -> None:
-        configs.append(config)
-        if len(configs) == 2:
-            raise _Stop
+    def run_trainings(launched: list[TrainConfig], home: Path) -> None:
+        configs.extend(launched)
+        raise _Stop
 
-    monkeypatch.setattr(gradsift.tools.train.demo, "run_training", run_training)
+    monkeypatch.setattr(gradsift.tools.train.demo, "run_trainings", run_trainings)
     gpus(1)
     with pytest.raises(_Stop):
         gradsift.tools.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
     printed = capsys.readouterr().out
-    assert [c.device for c in configs] == ["cpu", "cpu"]
+    assert [c.device for c in configs] == ["cpu"] * 5
     assert printed.count("1 GPU(s) for 2 workers") == 1 and "on the CPU (gloo)" in printed
     configs.clear()
     gpus(2)
     with pytest.raises(_Stop):
         gradsift.tools.train.demo.run_demo(tmp_path, quick=True, emulate=False, progress=False)
-    assert [c.device for c in configs] == ["cuda", "cuda"] and "on CUDA (NCCL)" in capsys.readouterr().out
+    assert [c.device for c in configs] == ["cuda"] * 5 and "on CUDA (NCCL)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from gradsift.tools.cli import main as cli_main
 from gradsift.tools.commands.train import parse_option
 from gradsift.tools.train.config import TrainConfig, learning_rate
 from gradsift.tools.train.data import EMBEDDED_DIR
+from gradsift.tools.train.launcher import TrainingFailedError, run_trainings
 from gradsift.tools.train.summary import summarize, time_to_accuracy
 from support.train import TINY, rank_pid, wait_for
 
@@ -141,6 +142,42 @@ def test_worker_error_ends_the_run_with_that_error(
     )
     rank = int(message.split("rank ")[1][0])
     assert "IDX data holds" in (tmp_path / "run" / "logs" / f"rank{rank}.err").read_text()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_runs_of_one_launch_train_as_in_processes_of_their_own(tmp_path: Path) -> None:
+    """run_trainings: the same workers train each run in turn. The second run, the first's
+    config in another directory, repeats its losses and bytes bit for bit (the first ran in
+    fresh processes: nothing a run leaves behind changes the next); the third fails, its
+    traceback in its own directory, and the launch reports it."""
+    tiny = {"model": "mlp", "workers": 2, "batch_size": 16, "steps": 3, "progress": False,
+            "compressor": "topk", "options": {"ratio": 0.01}}  # fmt: skip
+    first = TrainConfig(out=str(tmp_path / "first"), synthetic=True, **tiny)
+    again = TrainConfig(out=str(tmp_path / "again"), synthetic=True, **tiny)
+    data = truncated_dataset(tmp_path / "data")
+    failing = TrainConfig(out=str(tmp_path / "failing"), data_dir=str(data), **tiny)
+    failed = r"rank [01] of 2 failed: .*IDX data holds .*failing/logs/rank"
+    with pytest.raises(TrainingFailedError, match=failed):
+        run_trainings([first, again, failing], tmp_path)
+    records = [
+        [(r["loss"], r["bytes_sent"]) for r in read_jsonl(Path(c.out) / "steps.jsonl")]
+        for c in (first, again)
+    ]
+    assert len(records[0]) == 3 and records[1] == records[0]
+    assert (tmp_path / "logs" / "rank1.log").exists() and not list(
+        (tmp_path / "first" / "logs").glob("*.err")
+    )
+
+
+def test_the_runs_of_one_launch_agree_on_what_it_fixes(tmp_path: Path) -> None:
+    configs = [
+        TrainConfig(out=str(tmp_path / "a")),
+        TrainConfig(out=str(tmp_path / "b"), workers=4, timeout_s=9),
+    ]
+    with pytest.raises(InvalidOptionError, match="must agree on workers, timeout_s"):
+        run_trainings(configs, tmp_path)
+    assert not (tmp_path / "a").exists()
 
 
 def start_long_run(out: Path, *extra: str) -> subprocess.Popen:

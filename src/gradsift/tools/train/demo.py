@@ -2,8 +2,9 @@
 
 fp32 dense (``none``), ``bf16``, ``sidco-exp`` and ``topk`` at ratio 0.01, and ``vgc``
 (default alpha=1, zeta=0.999) each train the MLP on the embedded Fashion-MNIST
-subset with 2 workers, same seed and steps. As root with iproute2 the workers talk
-over emulated links (default 100 Mbit/s); otherwise over localhost, and the table
+subset with 2 workers, same seed and steps, one after another in one launch of the
+workers (:func:`~gradsift.tools.train.launcher.run_trainings`). As root with iproute2 the
+workers talk over emulated links (default 100 Mbit/s); otherwise over localhost, and the table
 adds the step times :mod:`gradsift.tools.predictions` predicts at 1 Gbit/s and 100 Mbit/s,
 labelled "predicted". With CUDA and a GPU for each worker the workers train on the GPUs
 with NCCL; otherwise (no CUDA, or fewer GPUs than workers) on the CPU with gloo.
@@ -27,7 +28,7 @@ from gradsift.tools.report import (
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.data import EMBEDDED_DIR
 from gradsift.tools.train.devices import fallback_device
-from gradsift.tools.train.launcher import run_training
+from gradsift.tools.train.launcher import run_trainings
 from gradsift.tools.train.netem import missing_prerequisites, parse_rate
 
 DEMO_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -79,16 +80,17 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
     if missing:
         print(f"  NOTE: compressor(s) {', '.join(missing)} are not available in this installation; skipped")
     started = time.perf_counter()
+    configs = []
     for name, options in DEMO_RUNS:
         if name in missing:
             continue
-        config = TrainConfig(
+        configs.append(TrainConfig(
             out=str(out / name), model=DEMO_MODEL, compressor=name, options=options, workers=DEMO_WORKERS,
             batch_size=32, lr=0.05, warmup_steps=min(10, steps // 4), steps=steps, eval_every=eval_every,
             seed=0, data_dir=str(EMBEDDED_DIR), bandwidth=bandwidth if emulated else None,
             bandwidth_bps=parse_rate(bandwidth) if emulated else None, device=device, progress=progress,
-        )  # fmt: skip
-        run_training(config)
+        ))  # fmt: skip
+    run_trainings(configs, out)  # one launch: the workers train the runs in turn
     runs = find_runs([out / name for name, _ in DEMO_RUNS if name not in missing])
     rows = comparison_rows(runs, default_target(runs))
     print()

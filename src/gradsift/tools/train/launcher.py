@@ -3,7 +3,8 @@
 Two launchers, one supervision:
 
 - ``local`` (default): one worker process per rank, ``python -m gradsift.tools.train.worker
-  <out>/config.json``, with the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
+  <out>/config.json`` (several runs' configs for :func:`run_trainings`, trained in turn by
+  the same processes), with the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
   ``GLOO_SOCKET_IFNAME``) set here and by a *network*: :class:`Localhost`, or
   :class:`gradsift.tools.train.netem.EmulatedNetwork` (one emulated host per rank), which also
@@ -35,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,6 +49,8 @@ POLL_S = 0.1
 GRACE_S = 10.0
 LAUNCHERS = ("local", "torchrun")
 RENDEZVOUS_PORT = 29400
+#: What one launch fixes for every run it trains (:func:`run_trainings`).
+LAUNCH_FIELDS = ("workers", "device", "bandwidth_bps", "latency_s", "timeout_s")
 
 
 class TrainingFailedError(GradsiftError, RuntimeError):
@@ -130,15 +133,20 @@ def _stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def _earliest_worker_error(config: TrainConfig) -> tuple[int, Path] | None:
-    """``(rank, traceback file)`` of the rank that failed first, if any rank left one."""
-    files = [error_file(config.out, rank) for rank in range(config.workers)]
-    written = [(path.stat().st_mtime, rank, path) for rank, path in enumerate(files) if path.exists()]
+def _earliest_worker_error(configs: list[TrainConfig]) -> tuple[int, Path] | None:
+    """``(rank, traceback file)`` of the rank that failed first in any of the runs, if any
+    rank left one."""
+    written = [
+        (path.stat().st_mtime, rank, path)
+        for config in configs
+        for rank in range(config.workers)
+        if (path := error_file(config.out, rank)).exists()
+    ]
     return min(written)[1:] if written else None
 
 
 def _failure_message(
-    config: TrainConfig, failed: list[int], specs: list[ProcessSpec], processes: list[subprocess.Popen]
+    configs: list[TrainConfig], failed: list[int], specs: list[ProcessSpec], processes: list[subprocess.Popen]
 ) -> str:
     """Describe the root failure: a process killed by a signal first, else the earliest
     worker traceback, else the first failed process's exit status."""
@@ -146,12 +154,12 @@ def _failure_message(
     if killed:
         index = killed[0]
         return f"{specs[index].name} was killed by signal {signal.Signals(-processes[index].returncode).name}"
-    error = _earliest_worker_error(config)
+    error = _earliest_worker_error(configs)
     if error is not None:
         rank, path = error
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         last = lines[-1] if lines else "(empty traceback)"
-        return f"rank {rank} of {config.workers} failed: {last} (traceback: {path})"
+        return f"rank {rank} of {configs[0].workers} failed: {last} (traceback: {path})"
     index = failed[0]
     log = specs[index].log
     return f"{specs[index].name} exited with status {processes[index].returncode}" + (
@@ -172,18 +180,21 @@ def _prepare(config: TrainConfig) -> Path:
     return config_path
 
 
-def _worker_command(config_path: Path) -> list[str]:
-    return [sys.executable, "-m", "gradsift.tools.train.worker", str(config_path)]
+def _worker_command(config_paths: list[Path]) -> list[str]:
+    return [sys.executable, "-m", "gradsift.tools.train.worker", *map(str, config_paths)]
 
 
-def rank_processes(config: TrainConfig, network: Network, config_path: Path) -> list[ProcessSpec]:
-    """The local launcher: rank ``r`` on host ``r``, its environment set here."""
+def rank_processes(
+    config: TrainConfig, network: Network, config_paths: list[Path], home: Path
+) -> list[ProcessSpec]:
+    """The local launcher: rank ``r`` on host ``r``, its environment set here, training the
+    runs of ``config_paths`` in turn; the ranks above 0 write ``home/logs/rank<r>.log``."""
     specs = []
     for rank in range(config.workers):
         env = {**network.environment(rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(config.workers), "LOCAL_WORLD_SIZE": str(config.workers)}  # fmt: skip
-        log = Path(config.out) / "logs" / f"rank{rank}.log" if rank > 0 else None
-        command = [*network.command_prefix(rank), *_worker_command(config_path)]
+        log = home / "logs" / f"rank{rank}.log" if rank > 0 else None
+        command = [*network.command_prefix(rank), *_worker_command(config_paths)]
         specs.append(ProcessSpec(f"rank {rank} of {config.workers}", command, env, log))
     return specs
 
@@ -208,10 +219,12 @@ def agent_processes(config: TrainConfig, network: Any, nodes: int, config_path: 
     return specs
 
 
-def supervise(config: TrainConfig, specs: list[ProcessSpec], network: Network) -> dict[str, Any]:
-    """Start ``specs``, wait for all to succeed (or stop all at the first failure), write
-    ``<out>/network.json`` from ``network``'s link counters; return rank 0's summary."""
-    out = Path(config.out)
+def supervise(
+    configs: list[TrainConfig], specs: list[ProcessSpec], network: Network, home: Path
+) -> list[dict[str, Any]]:
+    """Start ``specs``, which train ``configs``; wait for all to succeed (or stop all at the
+    first failure), write ``home/network.json`` from ``network``'s link counters; return
+    rank 0's summary of each run."""
     processes: list[subprocess.Popen] = []
     log_files = []
     with _sigterm_as_exit():
@@ -226,23 +239,18 @@ def supervise(config: TrainConfig, specs: list[ProcessSpec], network: Network) -
                         spec.command, env={**os.environ, **spec.env}, stdout=output, stderr=output
                     )
                 )
-            _watch(config, specs, processes)
+            _watch(configs, specs, processes)
             counters = network.link_counters()
             if counters:
-                (out / "network.json").write_text(json.dumps({"hosts": counters}, indent=2) + "\n")
+                (home / "network.json").write_text(json.dumps({"hosts": counters}, indent=2) + "\n")
         finally:
             _stop(processes)
             for handle in log_files:
                 handle.close()
-    return json.loads((out / "summary.json").read_text())
+    return [json.loads((Path(config.out) / "summary.json").read_text()) for config in configs]
 
 
-def launch(config: TrainConfig, network: Network) -> dict[str, Any]:
-    """Run ``config`` with one process per rank; return rank 0's summary."""
-    return supervise(config, rank_processes(config, network, _prepare(config)), network)
-
-
-def _watch(config: TrainConfig, specs: list[ProcessSpec], processes: list[subprocess.Popen]) -> None:
+def _watch(configs: list[TrainConfig], specs: list[ProcessSpec], processes: list[subprocess.Popen]) -> None:
     """Wait until every process succeeded; raise as soon as one failed."""
     while True:
         codes = [p.poll() for p in processes]
@@ -250,7 +258,7 @@ def _watch(config: TrainConfig, specs: list[ProcessSpec], processes: list[subpro
         if failed:
             time.sleep(POLL_S)  # let the first failure's error file land
             failed = [index for index, p in enumerate(processes) if p.poll() not in (None, 0)]
-            raise TrainingFailedError(_failure_message(config, failed, specs, processes))
+            raise TrainingFailedError(_failure_message(configs, failed, specs, processes))
         if all(code == 0 for code in codes):
             return
         time.sleep(POLL_S)
@@ -284,19 +292,40 @@ def run_training(config: TrainConfig, *, launcher: str = "local", nodes: int | N
     """Run ``config`` on this machine: over emulated links when ``config.bandwidth_bps``
     is set (see :mod:`gradsift.tools.train.netem`), else on localhost. ``launcher="torchrun"``
     starts one torchrun agent in each of ``nodes`` emulated hosts instead of the ranks."""
-    hosts = emulated_hosts(config, launcher, nodes)
-    if config.bandwidth_bps is None:
-        return launch(config, Localhost())
+    hosts = emulated_hosts(config, launcher, nodes)  # torchrun: over emulated links only
+    if launcher == "local" or config.bandwidth_bps is None:
+        return run_trainings([config], Path(config.out))[0]
     from gradsift.tools.train.netem import EmulatedNetwork
 
     # SIGTERM while the network is being built unwinds through its cleanup too.
     with _sigterm_as_exit(), EmulatedNetwork(hosts, config.bandwidth_bps, config.latency_s) as network:
-        config_path = _prepare(config)
-        if launcher == "local":
-            specs = rank_processes(config, network, config_path)
-        else:
-            specs = agent_processes(config, network, hosts, config_path)
-        return supervise(config, specs, network)
+        specs = agent_processes(config, network, hosts, _prepare(config))
+        return supervise([config], specs, network, Path(config.out))[0]
+
+
+def run_trainings(configs: list[TrainConfig], home: Path) -> list[dict[str, Any]]:
+    """Run ``configs`` one after another in one launch of the local launcher: each rank's
+    process trains them in turn in one process group, so a run after the first starts no
+    interpreter, imports no torch and joins no group. The runs must agree on what a launch
+    fixes (:data:`LAUNCH_FIELDS`); each keeps its own directory (config, records, summary, a
+    failing rank's traceback), and the launch's ranks above 0 log to ``home/logs`` and its
+    link counters go to ``home/network.json``. Returns rank 0's summary of each run."""
+    first = configs[0]
+    differing = [
+        name for name in LAUNCH_FIELDS if any(getattr(c, name) != getattr(first, name) for c in configs)
+    ]
+    if differing:
+        raise InvalidOptionError(f"the runs of one launch must agree on {', '.join(differing)}")
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    network: Any = nullcontext(Localhost())
+    if (bandwidth := first.bandwidth_bps) is not None:
+        from gradsift.tools.train.netem import EmulatedNetwork
+
+        network = EmulatedNetwork(first.workers, bandwidth, first.latency_s)
+    # SIGTERM while the network is being built unwinds through its cleanup too.
+    with _sigterm_as_exit(), network as hosts:
+        specs = rank_processes(first, hosts, [_prepare(config) for config in configs], home)
+        return supervise(configs, specs, hosts, home)
 
 
 def under_torchrun() -> bool:

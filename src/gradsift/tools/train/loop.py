@@ -13,6 +13,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,15 @@ def flush_subnormals(device: torch.device) -> None:
 
 def run_worker(config: TrainConfig) -> dict[str, Any] | None:
     """Train on this rank's shard; returns the summary on rank 0 (None elsewhere)."""
+    with process_group(config) as (device, backend):
+        return run_in_group(config, device, backend)
+
+
+@contextmanager
+def process_group(config: TrainConfig) -> Iterator[tuple[torch.device, str]]:
+    """This rank's process group on ``config``'s device, with its timeout; yields the device
+    and the backend, and destroys the group on the way out. Several runs may share it
+    (:func:`gradsift.tools.train.launcher.run_trainings`)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads_per_worker(local_world))
     device, backend = rank_device(config)
@@ -147,11 +158,18 @@ def run_worker(config: TrainConfig) -> dict[str, Any] | None:
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        result, _ = train_rank(config, device, backend)
-        dist.barrier()  # leave together: an early teardown can abort a peer still closing its pairs
-        return result
+        yield device, backend
     finally:
         dist.destroy_process_group()
+
+
+def run_in_group(config: TrainConfig, device: torch.device, backend: str) -> dict[str, Any] | None:
+    """One run in an initialised process group; returns once every rank has finished it (the
+    summary on rank 0, None elsewhere). The run seeds its own model and data order, so a run
+    after another in the same group trains as it would in a process of its own."""
+    result, _ = train_rank(config, device, backend)
+    dist.barrier()  # leave together: an early teardown can abort a peer still closing its pairs
+    return result
 
 
 def _run_facts(config: TrainConfig, model: torch.nn.Module, world: int, backend: str, device: torch.device,

@@ -1,8 +1,10 @@
-"""Worker process entry point: ``python -m gradsift.tools.train.worker CONFIG_JSON``.
+"""Worker process entry point: ``python -m gradsift.tools.train.worker CONFIG_JSON [CONFIG_JSON ...]``.
 
-Runs :func:`gradsift.tools.train.loop.run_worker` with rank and world size from the
-environment. On failure it writes the traceback to ``<out>/logs/rank<R>.err`` (the
-launcher reports the first failing rank's error from there) and exits with status 1.
+Runs each config in turn (:func:`gradsift.tools.train.loop.run_in_group`) in one process
+group (the first config's device and timeout), with rank and world size from the
+environment. On failure it writes the traceback to ``<out>/logs/rank<R>.err`` of the run
+that failed (the launcher reports the first failing rank's error from there) and exits
+with status 1.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ def error_file(out: str | Path, rank: int) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m gradsift.tools.train.worker CONFIG_JSON", file=sys.stderr)
+    if not argv:
+        print("usage: python -m gradsift.tools.train.worker CONFIG_JSON [CONFIG_JSON ...]", file=sys.stderr)
         return 2
-    config = TrainConfig.load(Path(argv[0]))
+    configs = [TrainConfig.load(Path(path)) for path in argv]
     rank = int(os.environ.get("RANK", "0"))
+    config = configs[0]
     try:
-        from gradsift.tools.train.loop import run_worker
+        from gradsift.tools.train.loop import process_group, run_in_group
 
-        run_worker(config)
+        with process_group(config) as (device, backend):
+            for config in configs:
+                run_in_group(config, device, backend)
     except BaseException as error:
         path = error_file(config.out, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,7 +44,7 @@ def main(argv: list[str]) -> int:
             return 130
         traceback.print_exc()
         return 1
-    # The run is over and its process group destroyed: what is alive now dies with the
+    # The runs are over and their process group destroyed: what is alive now dies with the
     # process, so the interpreter's collections at exit skip it (torch's and its compiler's
     # modules: the largest part of a short run's exit) -- gc.freeze, as in tests/conftest.py.
     gc.freeze()
