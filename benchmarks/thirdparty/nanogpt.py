@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, the statistics
 import provenance
-from convergence.analyze44 import paired_gap, ring_received
+from convergence.analyze44 import Interval, interval, paired_gap, ring_received
 
 from gradsift.tools.train.launcher import Localhost
 from gradsift.tools.train.netem import EmulatedNetwork, parse_rate
@@ -117,6 +117,13 @@ ARMS = {
                     "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(100, 2))"),
     "zero-one-l50x4": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
                           "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(50, 4))"),
+    "zero-one-q2": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                       "adam='zero-one', warmup_steps=100, warmup_compressor=gradsift.get_compressor('blockquant', "
+                       "bits=2), local_steps=(100, 2))"),
+    "onebit-q4w100": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                         "warmup_steps=100, warmup_compressor='blockquant')"),
+    "dense-fv": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'topk', ratio=1.0, momentum_masking=False, "
+                    "optimizer=optimizer, warmup_steps=100)"),
     "alone": Arm(None, workers=1),
 }  # fmt: skip
 
@@ -251,27 +258,30 @@ def measure(label: str, seed: int, arm: Arm, output: str, written: dict[str, Any
     }
 
 
+def as_dict(values: Interval) -> dict[str, Any]:
+    return {"n": values.n, "mean": values.mean, "low": values.low, "high": values.high}
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per arm, paired with stock DDP per seed: the loss gap (%), the step- and wall-time ratios,
-    and bytes received per step over stock's."""
-
-    def by_seed(label: str, field: str) -> dict[int, float]:
-        return {r["seed"]: r[field] for r in runs if r["arm"] == label}
-
+    """Per arm, paired per seed with stock DDP (95 % t-intervals): the validation loss's gap in
+    % of stock's, the median step's and the wall time's ratios to stock's; stock's bytes
+    received per step over the arm's (the factor fewer); what ``auto`` chose."""
+    stock = {r["seed"]: r for r in runs if r["arm"] == "stock"}
     summary = {}
-    for label in sorted(
-        {r["arm"] for r in runs} - {"stock"} if any(r["arm"] == "stock" for r in runs) else ()
-    ):
-        gap = paired_gap(
-            by_seed(label, "final_validation_loss"), by_seed("stock", "final_validation_loss"), True
-        )
-        entry: dict[str, Any] = {
-            "loss_gap_percent": {"n": gap.n, "mean": gap.mean, "low": gap.low, "high": gap.high}
+    for label in dict.fromkeys(r["arm"] for r in runs if r["arm"] != "stock" and stock):
+        mine = {r["seed"]: r for r in runs if r["arm"] == label and r["seed"] in stock}
+        loss = {seed: r["final_validation_loss"] for seed, r in mine.items()}
+        entry = {
+            "loss_gap_percent": as_dict(
+                paired_gap(loss, {s: stock[s]["final_validation_loss"] for s in mine}, True)
+            )
         }
-        for field in ("step_time_median_s", "wall_time_s", "bytes_received_per_step"):
-            mine, stock = by_seed(label, field), by_seed("stock", field)
-            ratios = [mine[s] / stock[s] for s in sorted(set(mine) & set(stock)) if mine[s] and stock[s]]
-            entry[f"{field}_over_stock"] = statistics.fmean(ratios) if ratios else None
+        for field in ("step_time_median_s", "wall_time_s"):
+            entry[field] = as_dict(interval([r[field] / stock[s][field] for s, r in mine.items()]))
+        received = statistics.fmean(r["bytes_received_per_step"] for r in mine.values())
+        stock_received = statistics.fmean(stock[s]["bytes_received_per_step"] for s in mine)
+        entry["fewer_bytes_received"] = stock_received / received if received else None
+        entry["choices"] = sorted({r["auto"]["choice"] for r in mine.values() if r["auto"]})
         summary[label] = entry
     return summary
 
@@ -291,7 +301,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"nanoGPT's git directory (default: {DEFAULT_NANOGPT})")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default: 1200)")
     parser.add_argument("--json", type=Path, required=True, help="where the result goes")
+    parser.add_argument("--summarise", action="store_true",
+                        help="run nothing: recompute --json's summary from its runs")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.summarise:
+        report = json.loads(args.json.read_text())
+        report["summary"] = summarise(report["runs"])
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["summary"], indent=2))
+        return 0
     stamp = provenance.start(seeds=args.seeds)
     runs = []
     with tempfile.TemporaryDirectory(prefix="nanogpt-data-") as data:
