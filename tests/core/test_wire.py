@@ -138,6 +138,29 @@ def test_quantized_payloads_travel_as_codes_and_scales_without_a_length():
     assert received.malformed.tolist() == [False, False]
 
 
+def test_a_message_packed_into_its_slot_is_the_fresh_message_and_the_payloads_become_views_of_it():
+    """Oracle: :meth:`pack` into a new tensor. Packed into worker 1's slot of a buffer of two
+    (an in-place allgather's), the slot holds the same bytes, the other slot is untouched, and
+    :meth:`packed` gives payloads equal to the originals whose fields live in the slot."""
+    qsgd = gradsift.get_compressor("qsgd").compress(torch.randn(100))
+    mine = [wire.to_wire(payload([1, 4, 7, 0], length=torch.tensor(3), demand=torch.tensor(9))), qsgd]
+    layout = wire.MessageLayout(mine)
+    flag = torch.tensor(True)
+    buffer = torch.full((2 * layout.nbytes,), 0xAB, dtype=torch.uint8)
+    slot = buffer.narrow(0, layout.nbytes, layout.nbytes)
+    assert layout.pack(mine, flag, into=slot).data_ptr() == slot.data_ptr()
+    assert torch.equal(slot, layout.pack(mine, flag))
+    assert bool((buffer[: layout.nbytes] == 0xAB).all())
+    start, end = slot.data_ptr(), slot.data_ptr() + layout.nbytes
+    for view, original in zip(layout.packed(slot, mine), mine, strict=True):
+        assert view.fields().keys() == original.fields().keys()
+        for name, tensor in view.fields().items():
+            want = original.fields()[name]
+            assert tensor.dtype == want.dtype and torch.equal(tensor, want)
+            assert start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end
+        assert (view.length, view.demand, view.numel) == (original.length, original.demand, original.numel)
+
+
 # -- what a peer could get wrong ----------------------------------------------------------------
 
 

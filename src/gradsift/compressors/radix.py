@@ -3,8 +3,9 @@
 A float's bits with the sign cleared, read as an integer, order like its magnitude, with
 Inf above every number and NaN above Inf. :func:`kth_largest` finds the ``k``-th largest
 such pattern a digit of up to :data:`RADIX_BITS` bits at a time, from the top: one pass
-counts the elements per digit value (``bincount``) among those that share the digits found
-so far, and the digit where the count from the top reaches ``k`` is the threshold's.
+counts the elements per digit value (``np.add.at``, into the counts in place) among those
+that share the digits found so far, the counts are summed from the top digit down (a
+cumulative sum in place), and the digit where the sum reaches ``k`` is the threshold's.
 :func:`at_or_above` then takes every element above the threshold and, of those equal to it,
 the first ones in position order (ties to the lower position), ``k`` in all. Every pass
 reads the words in chunks of :data:`RADIX_CHUNK` on the calling thread, so the temporaries
@@ -18,9 +19,9 @@ import numpy as np
 #: Widest digit: ``2^16`` counts per pass.
 RADIX_BITS = 16
 
-#: Elements per chunk of a pass (NumPy's ``bincount`` widens a chunk's digits to int64: with
-#: the chunk's patterns, 12 bytes per element of a chunk).
-RADIX_CHUNK = 1 << 16
+#: Elements per chunk of a pass: its temporaries are the chunk's patterns (and, past the
+#: first pass, the masks that pick and the patterns that share the digits found so far).
+RADIX_CHUNK = 1 << 15
 
 
 def largest_positions(words: np.ndarray, magnitude: int, k: int) -> np.ndarray:
@@ -38,7 +39,8 @@ def kth_largest(words: np.ndarray, magnitude: int, bits: int, k: int) -> tuple[i
     while shift > 0:
         width = min(RADIX_BITS, shift)
         shift -= width
-        counts = np.zeros(1 << width, dtype=np.int64)
+        top = (1 << width) - 1
+        from_top = np.zeros(top + 1, dtype=np.int64)  # counts per digit, the top digit first
         for start in range(0, words.size, RADIX_CHUNK):
             piece = words[start : start + RADIX_CHUNK]
             patterns = np.bitwise_and(piece, magnitude, out=buffer[: piece.size])
@@ -46,11 +48,12 @@ def kth_largest(words: np.ndarray, magnitude: int, bits: int, k: int) -> tuple[i
                 low = prefix << (shift + width)
                 patterns = patterns[(patterns >= low) & (patterns < low + (1 << (shift + width)))]
                 np.bitwise_and(patterns, (1 << (shift + width)) - 1, out=patterns)
-            counts += np.bincount(np.right_shift(patterns, shift, out=patterns), minlength=1 << width)
-        from_top = np.cumsum(counts[::-1])[::-1]  # from_top[d]: elements with a digit >= d
-        digit = int(np.flatnonzero(from_top >= need)[-1])
-        need -= int(from_top[digit + 1]) if digit + 1 < from_top.size else 0
-        prefix = (prefix << width) | digit
+            digits = np.right_shift(patterns, shift, out=patterns)
+            np.add.at(from_top, np.bitwise_xor(digits, top, out=digits), 1)  # at top - digit
+        np.cumsum(from_top, out=from_top)  # from_top[j]: elements with a digit >= top - j
+        j = int(np.searchsorted(from_top, need))  # the first j where the sum reaches need
+        need -= int(from_top[j - 1]) if j else 0
+        prefix = (prefix << width) | (top - j)
     return prefix, need
 
 

@@ -308,18 +308,7 @@ class _SIDCo(Sparsifier):
         self, flat: torch.Tensor, k: int, state: dict[str, Any], capacity: int | None, readout: Readout
     ) -> Selection:
         """Steps 1-6 of the module docstring."""
-        n = flat.numel()
-        sample = magnitude_sample(flat, self.sample_size, state["calls"])
-        if self.adapt:
-            expected = k * sample.numel() / n
-            eta_fit, eta = self._fit_and_apply(sample, state, expected, readout)
-            eta = self._checked_on_sample(sample, eta, expected, exact=sample.numel() == n)
-        else:
-            eta_fit = eta = self.fitted_threshold(sample, state["stages"])
-        # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
-        eta = eta.clamp_min(0.0)
-        # the slope needs only the sample and eta: read it before the selection pass evicts the sample
-        slope = sample_slope(sample, eta) if self.adapt else None
+        eta_fit, eta, slope = self._sampled_threshold(flat, k, state, readout)
         selection = threshold_selection(flat, eta, capacity)
         if slope is not None:
             assert selection.demand is not None  # threshold_selection reports the count
@@ -330,6 +319,24 @@ class _SIDCo(Sparsifier):
         state["calls"] += 1
         state["threshold"] = eta
         return selection
+
+    def _sampled_threshold(
+        self, flat: torch.Tensor, k: int, state: dict[str, Any], readout: Readout
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Steps 1-4 and the sample's slope at the threshold (step 6 needs it; None without
+        ``adapt``): ``(eta_M, eta, slope)``. The sample is gone when this returns, before the
+        selection pass reads the gradient."""
+        n = flat.numel()
+        sample = magnitude_sample(flat, self.sample_size, state["calls"])
+        if self.adapt:
+            expected = k * sample.numel() / n
+            eta_fit, eta = self._fit_and_apply(sample, state, expected, readout)
+            eta = self._checked_on_sample(sample, eta, expected, exact=sample.numel() == n)
+        else:
+            eta_fit = eta = self.fitted_threshold(sample, state["stages"])
+        # mean(x) - min(x) of a constant tail can round below 0: the threshold is a magnitude
+        eta = eta.clamp_min(0.0)
+        return eta_fit, eta, sample_slope(sample, eta) if self.adapt else None
 
     def state_dict(self) -> dict[str, Any]:
         """``{"keys": {key: {"stages", "log_correction", "calls", "threshold"}}}``: host ints for

@@ -147,10 +147,15 @@ class MessageLayout:
         self.slots = tuple(slots)
         self.nbytes = offset
 
-    def pack(self, payloads: Sequence[Payload], nonfinite: torch.Tensor | None) -> torch.Tensor:
-        """One worker's message (uint8, :attr:`nbytes`) for ``payloads`` (laid out like the templates)."""
-        device = _device_of(payloads)
-        message = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+    def pack(
+        self, payloads: Sequence[Payload], nonfinite: torch.Tensor | None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One worker's message (uint8, :attr:`nbytes`) for ``payloads`` (laid out like the
+        templates): a new tensor, or written over ``into`` (uint8, :attr:`nbytes`)."""
+        if into is None:
+            message = torch.zeros(self.nbytes, dtype=torch.uint8, device=device_of(payloads))
+        else:
+            message = into.zero_()
         header = message[: self.header_words * HEADER_DTYPE.itemsize].view(HEADER_DTYPE)
         if nonfinite is not None:
             header[0:1].copy_(nonfinite.reshape(1))
@@ -162,6 +167,21 @@ class MessageLayout:
             field = payloads[slot.part].fields()[slot.name].reshape(-1)
             message[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).copy_(field)
         return message
+
+    def packed(self, message: torch.Tensor, payloads: Sequence[Payload]) -> list[Payload]:
+        """``payloads`` (the ones :meth:`pack` wrote into ``message``) with every field a view of
+        its bytes in ``message``: the same values, and no memory of their own."""
+        views = []
+        for part, payload in enumerate(payloads):
+            fields: dict[str, Any] = {
+                slot.name: message[slot.offset : slot.offset + slot.nbytes]
+                .view(slot.dtype)
+                .view(payload.fields()[slot.name].shape)
+                for slot in self.slots
+                if slot.part == part
+            }
+            views.append(dataclasses.replace(payload, **fields))
+        return views
 
     def unpack(self, gathered: torch.Tensor, world: int) -> Received:
         """Split ``world`` gathered messages (``world * nbytes`` uint8) and check them on the device."""
@@ -229,7 +249,8 @@ def put_count(header: torch.Tensor, index: int, value: Count) -> None:
         header[index : index + 1].fill_(value)
 
 
-def _device_of(payloads: Sequence[Payload]) -> torch.device:
+def device_of(payloads: Sequence[Payload]) -> torch.device:
+    """Where the payloads' tensors are (the CPU when they have none)."""
     for payload in payloads:
         for tensor in payload.fields().values():
             return tensor.device

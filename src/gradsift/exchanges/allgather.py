@@ -43,8 +43,7 @@ class Allgather(Exchange):
         return allgather_traffic(k, world)
 
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
-        encoded = [codec.encode(part, context) for part in parts]
-        sent = [e.wire for e in encoded]
+        sent, gathered = gather_payloads([codec.encode(part, context).wire for part in parts], context)
 
         def finish(received: wire.Received) -> Outcome:
             flags = []
@@ -65,25 +64,33 @@ class Allgather(Exchange):
                 demand=(received.demand, received.used),
             )
 
-        return gather_payloads(sent, context).then(finish)
+        return gathered.then(finish)
 
 
-def gather_payloads(payloads: list[Payload], context: Context) -> Pending[wire.Received]:
+def gather_payloads(
+    payloads: list[Payload], context: Context
+) -> tuple[list[Payload], Pending[wire.Received]]:
     """Pack ``payloads`` (wire form) into one message, allgather it, and unpack what arrives.
 
-    Counts the bytes into ``context.record``; no host read."""
+    The message is packed into this worker's own slot of the buffer the allgather fills
+    (row ``rank`` of ``W`` messages: an in-place allgather), and the payloads come back as
+    views of it (:meth:`wire.MessageLayout.packed`), so what a worker sends and what error
+    feedback keeps of it take no memory beside the received buffer. Counts the bytes into
+    ``context.record``; no host read."""
     layout = wire.MessageLayout(payloads)
     flags = [p.nonfinite for p in payloads if p.nonfinite is not None]
     nonfinite = None if not flags else torch.stack(flags).any()
-    message = layout.pack(payloads, nonfinite)
     context.record.add_bytes(
         sent=sum_counts([p.used_nbytes() for p in payloads]) + FLAG_NBYTES,
         padded=layout.nbytes,
         received=(context.world - 1) * layout.nbytes,
     )
-    out = torch.empty(context.world * layout.nbytes, dtype=torch.uint8, device=message.device)
+    out = torch.empty(context.world * layout.nbytes, dtype=torch.uint8, device=wire.device_of(payloads))
+    mine = out.narrow(0, context.rank * layout.nbytes, layout.nbytes)
+    message = layout.pack(payloads, nonfinite, into=mine)
     gathered = allgather(out, message, context.group, "message all_gather")
-    return gathered.then(lambda buffer: layout.unpack(buffer, context.world))
+    received = gathered.then(lambda buffer: layout.unpack(buffer, context.world))
+    return layout.packed(message, payloads), received
 
 
 def sum_counts(counts: list[int | torch.Tensor]) -> int | torch.Tensor:

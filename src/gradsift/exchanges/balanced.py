@@ -123,7 +123,7 @@ class Balanced(Exchange):
                 malformed=gathered.malformed | malformed_blocks,
             )
 
-        return gather_payloads([survivors], context).then(finish)
+        return gather_payloads([survivors], context)[1].then(finish)
 
     def _canonical_of(self, context: Context) -> Canonical:
         order = tuple(context.order)
