@@ -121,15 +121,16 @@ ARMS = {
                     "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(100, 2))"),
     "zero-one-l50x4": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
                           "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(50, 4))"),
-    "zero-one-q2": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
-                       "adam='zero-one', warmup_steps=100, warmup_compressor=gradsift.get_compressor('blockquant', "
-                       "bits=2), local_steps=(100, 2))"),
+    "zero-one-q2-l100x2": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                              "adam='zero-one', warmup_steps=100, warmup_compressor=gradsift.get_compressor("
+                              "'blockquant', bits=2), local_steps=(100, 2))"),
     "onebit-q4w100": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
                          "warmup_steps=100, warmup_compressor='blockquant')"),
     "onebit-q2w100": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
                          "warmup_steps=100, warmup_compressor=gradsift.get_compressor('blockquant', bits=2))"),
-    "zero-one-l200x2": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
-                           "adam='zero-one', warmup_steps=100, warmup_compressor='blockquant', local_steps=(200, 2))"),
+    "zero-one-q2": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'efsignsgd', optimizer=optimizer, "
+                       "adam='zero-one', warmup_steps=100, warmup_compressor=gradsift.get_compressor('blockquant', "
+                       "bits=2))"),
     "dense-fv": Arm("gradsift_hook = gradsift.register_comm_hook(model, 'topk', ratio=1.0, momentum_masking=False, "
                     "optimizer=optimizer, warmup_steps=100)"),
     "alone": Arm(None, workers=1),
