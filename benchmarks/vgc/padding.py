@@ -6,11 +6,15 @@ payload whose capacity is the last kept step's largest demand
 zeros. Two more VGC arms weigh the ways around it: ``padding_target=1.1`` (capacities
 below the demand, entries beyond them wait) against ``alpha=6`` (fewer entries chosen),
 by the bytes on the wire per step and the accuracy. For each configuration and seed
-this runs ``gradsift train`` (localhost gloo, 2 workers) and reads rank 0's per-step
-telemetry: padded over sent is ``sum(bytes_padded) / sum(bytes_sent)`` over the steps
-from ``--skip`` on (the first steps start from ``first_ratio``), with the final test
-accuracy. The controls train the same model in the same run: fp32 (``none``), ``bf16`` and
-one worker alone (no communication, the zero-byte run). Usage (repository root):
+this trains the run ``gradsift train`` builds from its printed command line (localhost
+gloo, 2 workers) and reads rank 0's per-step telemetry: padded over sent is
+``sum(bytes_padded) / sum(bytes_sent)`` over the steps from ``--skip`` on (the first steps
+start from ``first_ratio``), with the final test accuracy. The controls train the same
+model in the same run: fp32 (``none``), ``bf16`` and one worker alone (no communication,
+the zero-byte run). The runs with the same number of workers train in turn in one launch
+of the workers (:func:`gradsift.tools.train.launcher.run_trainings`: a run seeds its model
+and data order, so it trains as in processes of its own); a vanished peer ends a launch
+after ``gradsift train``'s process-group timeout. Usage (repository root):
 
     flock /tmp/gradsift-cpu.lock python benchmarks/vgc/padding.py --json results/vgc/padding.json
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +32,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared provenance stamp
 import provenance
 
+from gradsift.tools.cli import build_parser
+from gradsift.tools.commands.train import check_devices, config_from_args
+from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.launcher import run_trainings
 from gradsift.tools.train.summary import bytes_sent, single_worker
 
 #: (label, compressor, its options, workers): the controls -- fp32, bf16 and one worker alone with no
@@ -52,23 +59,27 @@ def padding(steps: list[dict[str, Any]], skip: int) -> float:
     return sum(s["bytes_padded"] for s in kept) / sum(s["bytes_sent"] for s in kept)
 
 
-def run(
+def train_config(
     compressor: str, options: tuple[str, ...], workers: int, seed: int, out: Path, args: argparse.Namespace
-) -> dict[str, Any]:
-    """One ``gradsift train`` run: its padded over sent, accuracy and bytes per step (one worker
-    alone sends nothing: no ratio, no bytes)."""
-    command = [sys.executable, "-m", "gradsift", "train", "--model", args.model, "--workers", str(workers),
-               "--steps", str(args.steps), "--seed", str(seed), "--compressor", compressor, "--no-progress",
-               "--out", str(out), *(f"--option={option}" for option in options),
+) -> TrainConfig:
+    """The config ``gradsift train`` builds from one run's command line, which is printed."""
+    command = ["train", "--model", args.model, "--workers", str(workers), "--steps", str(args.steps),
+               "--seed", str(seed), "--compressor", compressor, "--no-progress", "--out", str(out),
+               *(f"--option={option}" for option in options),
                *(["--data-dir", args.data_dir] if args.data_dir else [])]  # fmt: skip
-    print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True, timeout=args.timeout)
+    print("+ gradsift", " ".join(command), flush=True)
+    return config_from_args(build_parser().parse_args(command), str(out), workers)
+
+
+def measure(out: Path, seed: int, skip: int) -> dict[str, Any]:
+    """One finished run's padded over sent, accuracy and bytes per step (one worker alone
+    sends nothing: no ratio, no bytes)."""
     summary = json.loads((out / "summary.json").read_text())
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     lone = single_worker(summary)
     return {
         "seed": seed,
-        "padded_over_sent": None if lone else padding(steps, args.skip),
+        "padded_over_sent": None if lone else padding(steps, skip),
         "final_test_accuracy": summary["final_test_accuracy"],
         "bytes_sent_per_step": bytes_sent(summary),
         "bytes_padded_per_step": 0.0 if lone else summary["bytes_padded_per_step"],
@@ -89,9 +100,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="steps per run (default: 600)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default: 0 1 2)")
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the ratio (default: 5)")
-    parser.add_argument(
-        "--timeout", type=float, default=1800, help="seconds one run may take (default: 1800)"
-    )
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     if args.steps <= args.skip or args.skip < 0:
@@ -99,11 +107,17 @@ def main() -> None:
     stamp = provenance.start(seeds=args.seeds)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        configs = [
+            train_config(compressor, options, workers, seed, Path(tmp) / f"{label}-{seed}", args)
+            for label, compressor, options, workers in CONFIGS
+            for seed in args.seeds
+        ]
+        for workers in sorted({config.workers for config in configs}, reverse=True):
+            check_devices(workers, configs[0].device)
+            launch = [config for config in configs if config.workers == workers]
+            run_trainings(launch, Path(tmp) / f"launch-{workers}-workers")
         for label, compressor, options, workers in CONFIGS:
-            runs = [
-                run(compressor, options, workers, seed, Path(tmp) / f"{label}-{seed}", args)
-                for seed in args.seeds
-            ]
+            runs = [measure(Path(tmp) / f"{label}-{seed}", seed, args.skip) for seed in args.seeds]
             accuracy = mean_sd([r["final_test_accuracy"] for r in runs])
             results[label] = {
                 "compressor": compressor,

@@ -1,13 +1,10 @@
 """benchmarks/vgc/padding.py: padded over sent of the demand-following compressors, end to end."""
 
 import json
-import subprocess
 import sys
-import types
 
 import pytest
 
-from gradsift.tools.cli import main as cli_main
 from gradsift.tools.train.data import EMBEDDED_DIR
 from support import ROOT
 
@@ -22,30 +19,17 @@ def padding_module():
     return padding
 
 
-def gradsift_here(command, check, timeout):
-    """``subprocess.run`` of one ``python -m gradsift ...`` command, run by gradsift's command
-    line in this process: the same arguments parsed the same way, the same exit status
-    checked; the launcher still starts the run's gloo workers as their own processes."""
-    assert command[:3] == [sys.executable, "-m", "gradsift"] and check and timeout > 0, command
-    returncode = cli_main(command[3:])
-    if returncode:
-        raise subprocess.CalledProcessError(returncode, command)
-    return subprocess.CompletedProcess(command, returncode)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed  # gradsift train starts two gloo workers
 def test_padding_benchmark_reads_each_runs_telemetry(tmp_path, monkeypatch):
-    """The benchmark's main on its command line, here, and each of its seven ``gradsift
-    train`` runs through gradsift's command line here too (:func:`gradsift_here`): the runs
-    train for real and the benchmark reads the telemetry they leave, without an interpreter
-    start and a torch import for the benchmark and for each run's launcher. The runs read the
-    Fashion-MNIST subset embedded in the package (``--data-dir``, as the documented commands
-    do): the full dataset's load and test set would cost most of each run, and the benchmark's
-    reading of the telemetry is the same on either."""
+    """The benchmark's main on its command line, here (no interpreter start and torch import
+    for it): its seven runs train for real, in its two launches of the workers, and it reads
+    the telemetry they leave. The runs read the Fashion-MNIST subset embedded in the package
+    (``--data-dir``, as the documented commands do): the full dataset's load and test set
+    would cost most of each run, and the benchmark's reading of the telemetry is the same on
+    either."""
     out = tmp_path / "padding.json"
     padding = padding_module()
-    monkeypatch.setattr(padding, "subprocess", types.SimpleNamespace(run=gradsift_here))
     monkeypatch.setattr(sys, "argv", ["padding.py", "--steps", "8", "--skip", "2", "--seeds", "0",
                                       "--data-dir", str(EMBEDDED_DIR), "--json", str(out)])  # fmt: skip
     padding.main()

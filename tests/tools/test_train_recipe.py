@@ -9,9 +9,11 @@ import pytest
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
-from gradsift.tools.cli import main as cli_main
+from gradsift.tools.cli import build_parser
+from gradsift.tools.commands.train import config_from_args
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.exchange import DENSITY_WARMUP_FRACTION, recipe_options, warms_up_density
+from gradsift.tools.train.launcher import run_trainings
 from support.train import TINY
 
 WITHOUT_FEEDBACK = {"hook_momentum": None, "momentum_masking": None, "density_warmup_steps": 0,
@@ -52,29 +54,57 @@ def test_config_checks_recipe_is_a_bool(tmp_path: Path) -> None:
     assert TrainConfig(out=str(tmp_path)).recipe is True
 
 
-def _train(tmp_path: Path, name: str, *flags: str) -> tuple[dict, list[dict]]:
-    out = tmp_path / name
-    assert cli_main(["train", *TINY, "--steps", "4", "--out", str(out), *flags]) == 0
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), steps
+def _train(home: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, tuple[dict, list[dict], dict]]:
+    """Each named run's ``gradsift train`` flags (after TINY and 4 steps), parsed as the
+    command line parses them into the config it runs, out in ``home/<name>``; the runs train
+    in turn in one launch of the workers (each as in processes of its own: test_train.py's
+    launch test). Per run: its summary, step records and saved config."""
+    configs = []
+    for name, flags in runs.items():
+        out = str(home / name)
+        args = build_parser().parse_args(["train", *TINY, "--steps", "4", "--out", out, *flags])
+        configs.append(config_from_args(args, out, args.workers))
+    summaries = run_trainings(configs, home)
+    return {
+        name: (
+            summary,
+            [json.loads(line) for line in (home / name / "steps.jsonl").read_text().splitlines()],
+            json.loads((home / name / "config.json").read_text()),
+        )
+        for name, summary in zip(runs, summaries, strict=True)
+    }
+
+
+#: The two-worker runs of this module's tests, which share one launch (:func:`two_workers`).
+TWO_WORKER_RUNS = {
+    "off": ("--compressor", "topk", "--ratio", "0.01", "--no-recipe"),
+    "fp16": ("--compressor", "fp16"),
+    "adamw": ("--compressor", "topk", "--ratio", "0.01", "--optimizer", "adamw", "--steps", "10"),
+    "auto": ("--steps", "14"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, list[dict], dict]]:
+    return _train(tmp_path_factory.mktemp("recipe"), TWO_WORKER_RUNS)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_no_recipe_keeps_sgd_momentum_and_the_target_density(tmp_path: Path) -> None:
-    summary, steps = _train(tmp_path, "off", "--compressor", "topk", "--ratio", "0.01", "--no-recipe")
+def test_no_recipe_keeps_sgd_momentum_and_the_target_density(two_workers) -> None:
+    summary, steps, config = two_workers["off"]
     assert summary["recipe"] == {"enabled": False, "hook_momentum": 0.0, "optimizer_momentum": 0.9,
                                  "momentum_masking": None, "density_warmup_steps": 0,
                                  "density_warmup_start": None, "optimizer": "SGD",
                                  "adam_warmup_steps": None}  # fmt: skip
-    assert json.loads((tmp_path / "off" / "config.json").read_text())["recipe"] is False
+    assert config["recipe"] is False
     assert all(0.009 <= r["density"] <= 0.011 for r in steps)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_recipe_leaves_compressors_without_error_feedback_their_sgd_momentum(tmp_path: Path) -> None:
-    summary, _ = _train(tmp_path, "fp16", "--compressor", "fp16")
+def test_recipe_leaves_compressors_without_error_feedback_their_sgd_momentum(two_workers) -> None:
+    summary, _, _ = two_workers["fp16"]
     assert summary["recipe"] == {"enabled": True, "optimizer_momentum": 0.9, **WITHOUT_FEEDBACK}
 
 
@@ -91,12 +121,10 @@ def test_recipe_options_give_adam_a_dense_warm_up_of_a_tenth_of_the_run() -> Non
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_adamw_moves_its_first_moment_into_the_hook(tmp_path: Path) -> None:
-    summary, steps = _train(tmp_path, "adamw", "--compressor", "topk", "--ratio", "0.01", "--optimizer", "adamw",
-                            "--steps", "10")  # fmt: skip
+def test_adamw_moves_its_first_moment_into_the_hook(two_workers) -> None:
+    summary, steps, config = two_workers["adamw"]
     assert summary["recipe"]["optimizer"] == "AdamW" and summary["recipe"]["hook_momentum"] == 0.9
     assert summary["recipe"]["adam_warmup_steps"] == 1 and summary["recipe"]["optimizer_momentum"] is None
-    config = json.loads((tmp_path / "adamw" / "config.json").read_text())
     assert (config["optimizer"], config["lr"], config["weight_decay"], config["betas"]) == (
         "adamw",
         3e-3,
@@ -115,15 +143,14 @@ def test_clip_grad_norm_bounds_each_step_and_leaves_small_gradients_alone(tmp_pa
     unclipped one exactly. One worker: every rank clips the same averaged gradients after
     the exchange, so one rank's losses say all of it, at half the processes of two."""
     sgd = ("--compressor", "none", "--optimizer", "sgd", "--momentum", "0", "--steps", "3", "--workers", "1")
-    losses = {
-        name: [r["loss"] for r in _train(tmp_path, name, *sgd, *flags)[1]]
-        for name, flags in {
-            "free": ("--lr", "0.5"),
-            "tight": ("--lr", "0.5", "--clip-grad-norm", "1e-9"),
-            "loose": ("--lr", "0.5", "--clip-grad-norm", "1e9"),
-            "still": ("--lr", "1e-12"),
-        }.items()
+    runs = {
+        "free": ("--lr", "0.5"),
+        "tight": ("--lr", "0.5", "--clip-grad-norm", "1e-9"),
+        "loose": ("--lr", "0.5", "--clip-grad-norm", "1e9"),
+        "still": ("--lr", "1e-12"),
     }
+    trained = _train(tmp_path, {name: (*sgd, *flags) for name, flags in runs.items()})
+    losses = {name: [r["loss"] for r in steps] for name, (_, steps, _) in trained.items()}
     assert losses["loose"] == losses["free"]
     assert losses["tight"] == pytest.approx(losses["still"], abs=1e-6)
     assert abs(losses["free"][2] - losses["still"][2]) > 1e-3  # lr 0.5 does move the model
@@ -136,8 +163,8 @@ def test_config_refuses_a_negative_clip_grad_norm(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_default_compressor_is_auto_and_the_summary_says_what_it_chose(tmp_path: Path) -> None:
-    summary, steps = _train(tmp_path, "auto", "--steps", "14")
+def test_the_default_compressor_is_auto_and_the_summary_says_what_it_chose(two_workers) -> None:
+    summary, steps, _ = two_workers["auto"]
     auto = summary["recipe"]["auto"]
     assert summary["compressor"] == "auto" and auto["choice"] in ("none", "bf16", "sidco-exp")
     assert set(auto["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
