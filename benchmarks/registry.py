@@ -1064,6 +1064,61 @@ AUTO_CLAIMS = tuple(
 )
 
 
+# -- a third-party GPT script with the line a user adds (benchmarks/thirdparty/nanogpt.py) -----------
+_NANOGPT = "flock /tmp/gradsift-cpu.lock python benchmarks/thirdparty/nanogpt.py"
+#: (link, result, arms after stock DDP's row).
+NANOGPT_LINKS = (
+    ("localhost", Result("results/thirdparty/nanogpt-localhost.json",
+                         f"{_NANOGPT} --arms stock one-line bf16 alone zero-one "
+                         "--json results/thirdparty/nanogpt-localhost.json"),
+     ("one-line", "bf16", "zero-one", "alone")),
+    ("100 Mbit/s", Result("results/thirdparty/nanogpt-100mbit.json",
+                          f"{_NANOGPT} --bandwidth 100mbit --arms stock one-line "
+                          "--json results/thirdparty/nanogpt-100mbit.json"),
+     ("one-line",)),
+)  # fmt: skip
+NANOGPT_ARMS = {
+    "one-line": "`register_comm_hook(model)` (the one line)",
+    "bf16": "`register_comm_hook(model, 'bf16')`",
+    "zero-one": "0/1 Adam's local steps (`adam='zero-one'`, 100 warm-up steps in 4-bit codes, `local_steps=(100, 2)`)",
+    "alone": "one worker alone (no communication)",
+}
+
+
+def _nanogpt(result: Result, arm: str, field: str, fmt: str) -> Claim:
+    return Claim(f"nanogpt.{Path(result.path).stem}.{arm}.{field}", result, (f"summary/{arm}/{field}",), fmt,
+                 compute=lambda v: (v["mean"], v["low"], v["high"]))  # fmt: skip
+
+
+def _nanogpt_row(link: str, result: Result, arm: str) -> tuple[Cell, ...]:
+    chose = Claim(f"nanogpt.{Path(result.path).stem}.{arm}.choices", result, (f"summary/{arm}/choices",),
+                  compute=lambda c: ", ".join(c) or "-")  # fmt: skip
+    fewer = Claim(f"nanogpt.{Path(result.path).stem}.{arm}.fewer", result, (f"summary/{arm}/fewer_bytes_received",),
+                  "{:.1f}x", missing="no communication")  # fmt: skip
+    return (link, NANOGPT_ARMS[arm], chose, _nanogpt(result, arm, "loss_gap_percent", "{:+.2f} % [{:+.2f}, {:+.2f}]"),
+            _nanogpt(result, arm, "step_time_median_s", "{:.3f}x [{:.3f}, {:.3f}]"),
+            _nanogpt(result, arm, "wall_time_s", "{:.3f}x [{:.3f}, {:.3f}]"), fewer)  # fmt: skip
+
+
+NANOGPT_TABLE = Table(
+    "thirdparty-nanogpt",
+    ("link", "line added after the script's `DDP(model)`", "auto chose", "validation loss vs stock DDP",
+     "median iteration / stock", "wall time / stock", "fewer bytes received than stock"),
+    ("---", "---", "---", "---:", "---:", "---:", "---:"),
+    tuple(_nanogpt_row(link, result, arm) for link, result, arms in NANOGPT_LINKS for arm in arms),
+)  # fmt: skip
+NANOGPT_CLAIMS = tuple(
+    Claim(f"nanogpt.{Path(result.path).stem}.{key}", result, (path,), fmt, compute=compute)
+    for _, result, _ in NANOGPT_LINKS
+    for key, path, fmt, compute in (
+        ("commit", "provenance/commit", "{:.7}", None),
+        ("load", "provenance/load_before/0", "{:.1f}", None),
+        ("seeds", "provenance/seeds", "{}", lambda seeds: len(seeds)),
+        ("stock", "runs/{arm=stock}/final_validation_loss", "{:.3f}", statistics.fmean),
+    )
+)
+
+
 # -- peak memory per rank against stock DDP (benchmarks/memory/peak.py, docs/memory.md) ------------
 MEMORY = Result(
     "results/memory/peak.json",
@@ -1325,8 +1380,9 @@ TABLES = (
     VERDICT_TABLE,
     AUTO_MATRIX_TABLE,
     AUTO_TTA_TABLE,
+    NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
