@@ -23,8 +23,8 @@ from support.models import batch, make_model
 def _corrupt_lengths(pack):
     """``MessageLayout.pack`` whose message claims more entries than its first payload holds."""
 
-    def pack_corrupted(self, payloads, nonfinite):
-        message = pack(self, payloads, nonfinite)
+    def pack_corrupted(self, payloads, nonfinite, into=None):
+        message = pack(self, payloads, nonfinite, into)
         header = message[:8].clone().view(torch.int32)
         header[1] = 1_000_000  # part 0's length
         message[:8] = header.view(torch.uint8)
