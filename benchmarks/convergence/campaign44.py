@@ -201,7 +201,8 @@ def plan(
     at 3,000 steps (seed 0), then the better of them: seeds 1 and 2, 4 workers through the
     two-stage exchange, 6,000 steps with a 600-step coded warm-up (the trainer's 10 %), seeds 3
     and 4 of fp32 and of the 4-worker arm (its 3-seed interval straddles +1 %); then the other's
-    seeds 1 and 2."""
+    seeds 1 and 2; then seeds 3 and 4 of fp32 and of the 6,000-step arm (its interval straddles
+    +1 % too)."""
     if zero_one:
         runs = [Run(LONG, arm, 0, root) for arm in ZERO_ONE_ARMS]
         better, other = sorted(
@@ -211,7 +212,9 @@ def plan(
         runs += [Run(WIDE, f"{better}-2s", seed, root) for seed in SEEDS]
         runs += [Run(LONGER, better.replace("q4w300", "q4w600"), seed, root) for seed in SEEDS]
         runs += [Run(WIDE, arm, seed, root) for seed in EXTRA_SEEDS for arm in ("none", f"{better}-2s")]
-        return runs + [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
+        runs += [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
+        longer = better.replace("q4w300", "q4w600")
+        return runs + [Run(LONGER, arm, seed, root) for seed in EXTRA_SEEDS for arm in ("none", longer)]
     if five:
         return [Run(LONG, arm, seed, root) for seed in EXTRA_SEEDS for arm in FIVE_ARMS]
     if refresh and longer:
