@@ -137,12 +137,12 @@ def expected_bytes(arm: Arm, optimizer: str, model: torch.nn.Module) -> dict[str
     return {"kept": kept, "peak": kept + numel * per["in_step"]}
 
 
-def make_model() -> torch.nn.Module:
+def make_model(width: int = WIDTH) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -223,10 +223,12 @@ def build(
     return model, optimizer
 
 
-def worker(rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int, queue: Any) -> None:
+def worker(
+    rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int, width: int, queue: Any
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, store=dist.FileStore(store_path, WORLD))
-    module = make_model()
+    module = make_model(width)
     start, allocated = rss_now(), allocated_now()
     model, optimizer = build(arm, optimizer_name, module)
     generator = torch.Generator().manual_seed(rank)
@@ -234,7 +236,7 @@ def worker(rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=True)
             x, y = (
-                torch.randn(BATCH, WIDTH, generator=generator),
+                torch.randn(BATCH, width, generator=generator),
                 torch.randint(0, 10, (BATCH,), generator=generator),
             )
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -249,11 +251,12 @@ def worker(rank: int, store_path: str, arm: Arm, optimizer_name: str, steps: int
     dist.destroy_process_group()
 
 
-def measure(arm: Arm, optimizer: str, steps: int) -> list[dict[str, int]]:
+def measure(arm: Arm, optimizer: str, steps: int, width: int = WIDTH) -> list[dict[str, int]]:
     """Each rank's RSS at the start, its peak and its RSS at the end, and malloc's live bytes
     at the start and the end, in fresh processes."""
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(worker, (os.path.join(tmp, "store"), arm, optimizer, steps), WORLD, timeout_s=600)
+        store = os.path.join(tmp, "store")
+        return run_ranks(worker, (store, arm, optimizer, steps, width), WORLD, timeout_s=600)
 
 
 def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list[dict[str, int]],
@@ -290,17 +293,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps per arm (default: 20)")
     parser.add_argument("--json", type=Path, default=results_dir(__file__) / "peak.json")
+    parser.add_argument("--width", type=int, default=WIDTH, help=f"the MLP's width (default: {WIDTH})")
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
+                        help="optimizers to run (default: all)")  # fmt: skip
+    parser.add_argument("--arms", nargs="+", choices=[a.label for a in ARMS], default=[a.label for a in ARMS],
+                        help="arms to run; stock DDP, the baseline, always runs first (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps <= max(DENSE_STEPS, SYNC_EVERY):
         parser.error(
             f"--steps must exceed the dense warm-up and DiLoCo's round ({max(DENSE_STEPS, SYNC_EVERY)})"
         )
     stamp = provenance.start(seeds=sorted({0, *range(WORLD)}))  # the model's seed, each rank's batches
-    model, rows = make_model(), []
-    for optimizer in OPTIMIZERS:
+    model, rows = make_model(args.width), []
+    for optimizer in args.optimizers:
         stock: list[dict[str, int]] = []
-        for arm in (a for a in ARMS if optimizer in a.optimizers):
-            ranks = measure(arm, optimizer, args.steps)
+        chosen = {"stock", *args.arms}
+        for arm in (a for a in ARMS if optimizer in a.optimizers and a.label in chosen):
+            ranks = measure(arm, optimizer, args.steps, args.width)
             stock = stock or ranks
             rows.append(summarise(arm, optimizer, ranks, stock, model))
             row = rows[-1]
@@ -313,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp.write(
         args.json,
         args,
-        model=f"MLP {DEPTH} x Linear({WIDTH}, {WIDTH}) + Linear({WIDTH}, 10), batch {BATCH} per rank",
+        model=f"MLP {DEPTH} x Linear({args.width}, {args.width}) + Linear({args.width}, 10), batch {BATCH} per rank",
         parameters=numel,
         parameter_bytes=FP32 * numel,
         world_size=WORLD,
