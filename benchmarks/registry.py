@@ -1164,6 +1164,33 @@ def _memory_mmap(method: str, field: str) -> Claim:
                  (f"rows/[arm={method},optimizer=sgd]/{field}",), "{:.2f}x")  # fmt: skip
 
 
+FP32_BYTES = 4
+#: SGD's sparsifiers at two model widths, one commit: the per-parameter slope between them.
+MEMORY_SIZES = {
+    width: Result(f"results/memory/peak-sgd-w{width}.json",
+                  f"flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py --width {width} --optimizers sgd "
+                  f"--arms topk sidco-exp --json results/memory/peak-sgd-w{width}.json")
+    for width in (1024, 2048)
+}  # fmt: skip
+
+
+def _memory_slope(method: str) -> Claim:
+    """``method``'s live peak over stock DDP per parameter between the two widths, over 4 bytes:
+    (extra(2048) - extra(1024)) / (n(2048) - n(1024)) / 4, the part that grows with the model."""
+    small, large = MEMORY_SIZES[1024], MEMORY_SIZES[2048]
+    row = f"rows/[arm={method},optimizer=sgd]/extra_allocated_peak_per_parameter"
+    return Claim(f"memory.sizes.{method}.slope", small, (row, "parameters", (large, row), (large, "parameters")),
+                 "{:.2f}x", compute=lambda a, n, b, m: (b * m - a * n) / (m - n) / FP32_BYTES)  # fmt: skip
+
+
+MEMORY_SIZE_CLAIMS = (
+    Claim("memory.sizes.commit", MEMORY_SIZES[1024], ("provenance/commit",), "{:.7}"),
+    Claim("memory.sizes.large_parameters", MEMORY_SIZES[2048], ("parameters",), "{:,}"),
+    *(Claim(f"memory.sizes.{method}.w{width}", MEMORY_SIZES[width],
+            (f"rows/[arm={method},optimizer=sgd]/extra_allocated_peak_over_parameter_bytes",), "{:.2f}x")
+      for method in ("topk", "sidco-exp") for width in (1024, 2048)),
+    *(_memory_slope(method) for method in ("topk", "sidco-exp")),
+)  # fmt: skip
 MEMORY_CLAIMS = (
     Claim("memory.mmap.threshold", MEMORY_MMAP, ("allocator/MALLOC_MMAP_THRESHOLD_",)),
     Claim("memory.mmap.commit", MEMORY_MMAP, ("provenance/commit",), "{:.7}"),
@@ -1384,5 +1411,5 @@ TABLES = (
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
