@@ -1164,7 +1164,6 @@ def _memory_mmap(method: str, field: str) -> Claim:
                  (f"rows/[arm={method},optimizer=sgd]/{field}",), "{:.2f}x")  # fmt: skip
 
 
-FP32_BYTES = 4
 #: SGD's sparsifiers at two model widths, one commit: the per-parameter slope between them.
 MEMORY_SIZES = {
     width: Result(f"results/memory/peak-sgd-w{width}.json",
@@ -1175,12 +1174,14 @@ MEMORY_SIZES = {
 
 
 def _memory_slope(method: str) -> Claim:
-    """``method``'s live peak over stock DDP per parameter between the two widths, over 4 bytes:
-    (extra(2048) - extra(1024)) / (n(2048) - n(1024)) / 4, the part that grows with the model."""
+    """``method``'s live peak over stock DDP between the two widths, over the parameters' bytes
+    it added: ``(r_L B_L - r_S B_S) / (B_L - B_S)`` for ratios ``r`` to the parameters' bytes
+    ``B``, the part that grows with the model."""
     small, large = MEMORY_SIZES[1024], MEMORY_SIZES[2048]
-    row = f"rows/[arm={method},optimizer=sgd]/extra_allocated_peak_per_parameter"
-    return Claim(f"memory.sizes.{method}.slope", small, (row, "parameters", (large, row), (large, "parameters")),
-                 "{:.2f}x", compute=lambda a, n, b, m: (b * m - a * n) / (m - n) / FP32_BYTES)  # fmt: skip
+    row = f"rows/[arm={method},optimizer=sgd]/extra_allocated_peak_over_parameter_bytes"
+    return Claim(f"memory.sizes.{method}.slope", small,
+                 (row, "parameter_bytes", (large, row), (large, "parameter_bytes")),
+                 "{:.2f}x", compute=lambda r_s, b_s, r_l, b_l: (r_l * b_l - r_s * b_s) / (b_l - b_s))  # fmt: skip
 
 
 MEMORY_SIZE_CLAIMS = (

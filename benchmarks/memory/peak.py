@@ -1,9 +1,10 @@
 """Peak memory per rank of each method against stock DDP, measured and expected from the code.
 
 Two gloo ranks train an MLP of ``DEPTH`` x Linear(1024, 1024) + Linear(1024, 10)
-(9 456 650 fp32 parameters, 37.8 MB; batch 32 per rank, so the activations are small
-beside the per-parameter state) for ``--steps`` steps of SGD with momentum 0.9 and of
-AdamW, once per arm (:data:`ARMS`): stock DDP (no hook), the hook with ``none``,
+(9 456 650 fp32 parameters, 37.8 MB; ``--width`` sets another width; batch 32 per rank, so
+the activations are small beside the per-parameter state) for ``--steps`` steps of SGD with
+momentum 0.9 and of AdamW (``--optimizers``), once per arm (:data:`ARMS`; ``--arms``, stock
+DDP always): stock DDP (no hook), the hook with ``none``,
 ``bf16``, ``topk`` and ``sidco-exp`` (ratio 0.01), ``efsignsgd`` under AdamW (the
 1-bit Adam method), ``powersgd``, and ``gradsift.diloco`` (no DDP). The Adam methods'
 dense warm-up and PowerSGD's ``start_iter`` are ``DENSE_STEPS``, so most steps are

@@ -46,6 +46,7 @@ main; ``--bandwidth`` needs root: network namespaces and tc)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -191,25 +192,27 @@ def supervise(commands: list[tuple[list[str], dict[str, str], Path]], cwd: Path,
     the others get :data:`GRACE_S` to end (a rank that dies at exit leaves the others done,
     one that dies in training leaves them stuck), then are killed (-9); past ``timeout`` all
     are killed and the run fails."""
-    processes = [subprocess.Popen(c, cwd=cwd, env={**os.environ, **e}, stdout=open(log, "w"),  # noqa: SIM115
-                                  stderr=subprocess.STDOUT) for c, e, log in commands]  # fmt: skip
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in processes):
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"nanoGPT run timed out after {timeout:.0f} s; logs: {[str(c[2]) for c in commands]}"
-                )
-            if any(p.poll() not in (None, 0) for p in processes):
-                deadline = min(deadline, time.monotonic() + GRACE_S)
-                if time.monotonic() + 0.2 > deadline:
+    with contextlib.ExitStack() as logs:
+        processes = [subprocess.Popen(c, cwd=cwd, env={**os.environ, **e}, stdout=logs.enter_context(open(log, "w")),
+                                      stderr=subprocess.STDOUT) for c, e, log in commands]  # fmt: skip
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in processes):
+                now = time.monotonic()
+                if failed_at is None and any(p.poll() not in (None, 0) for p in processes):
+                    failed_at = now
+                if failed_at is not None and now > failed_at + GRACE_S:
                     break
-            time.sleep(0.2)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+                if now > deadline:
+                    raise SystemExit(
+                        f"nanoGPT run timed out after {timeout:.0f} s; logs: {[str(c[2]) for c in commands]}"
+                    )
+                time.sleep(0.2)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
     return [p.returncode for p in processes]
 
 

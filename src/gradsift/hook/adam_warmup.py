@@ -29,8 +29,9 @@ summed on the host with :func:`math.fsum` (exact, in any order). Every rank hold
 ``v`` -- the warm-up's gradients are the allreduced mean, and every rank's optimizer steps
 the same parameters with them, which is what keeps DDP's replicas equal -- so every rank
 computes the same totals and ends at the same step. The record (steps counted, the last
-totals, the last step's learning rate, the end and its reason, the last ``rho``) is kept in the optimizer's first
-parameter group that holds the model's parameters, under :data:`RECORD_KEY`: it travels in
+totals, the last step's learning rate, the end and its reason, the last ``rho``) is kept in
+the optimizer's first parameter group that holds the model's parameters, under
+:data:`RECORD_KEY`: it travels in
 ``optimizer.state_dict()``, and a resumed run ends where the uninterrupted one does.
 """
 
