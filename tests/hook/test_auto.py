@@ -310,10 +310,11 @@ def test_without_an_optimizer_the_choice_is_made_at_the_next_steps_first_bucket(
     assert state.current.compressor.name == "bf16"  # switched at once: this step ran bf16
 
 
-@pytest.mark.parametrize(("step_seconds", "decided_at"), [(0.6, 5), (0.01, auto.DECIDE_AT + 1)])
+@pytest.mark.parametrize(("step_seconds", "decided_at"), [(0.6, 3), (0.3, 4), (0.01, auto.DECIDE_AT + 1)])
 def test_slow_dense_steps_end_the_measuring_sooner(one_process_group, monkeypatch, step_seconds, decided_at):
-    """Dense steps of 0.6 s: after steps 2-3 (1.2 s >= MEASURE_SECONDS) step 4 is the deciding
-    one, decided after its optimizer step; steps of 10 ms measure up to DECIDE_AT."""
+    """Dense steps of 0.6 s: step 1 alone is timed at 0.6 s >= MEASURE_SECONDS (0.5), so step 2
+    is the deciding one, decided after its optimizer step (3 dense steps); of 0.3 s: steps 1-2
+    add up to 0.6 s, step 3 decides; steps of 10 ms measure up to DECIDE_AT."""
     monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)

@@ -9,6 +9,7 @@ import pytest
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import WARMUP_FRACTION as ADAM_WARMUP_FRACTION
+from gradsift.hook.auto import DECIDE_AT
 from gradsift.tools.cli import build_parser
 from gradsift.tools.commands.train import config_from_args
 from gradsift.tools.train.config import TrainConfig
@@ -168,7 +169,7 @@ def test_the_default_compressor_is_auto_and_the_summary_says_what_it_chose(two_w
     auto = summary["recipe"]["auto"]
     assert summary["compressor"] == "auto" and auto["choice"] in ("none", "bf16", "sidco-exp")
     assert set(auto["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
-    assert auto["decided_at"] == 11  # after the optimizer step of step 10
-    assert all(r["density"] == 1.0 for r in steps[:10])  # dense while it measures
+    assert auto["decided_at"] == DECIDE_AT + 1  # after the optimizer step of step DECIDE_AT
+    assert all(r["density"] == 1.0 for r in steps[: DECIDE_AT + 1])  # dense while it measures
     assert recipe_options("auto", {}, 300, adam=True) == {"warmup_steps": 30}  # Adam's warm-up only
     assert recipe_options("auto", {"nonfinite": "skip"}, 300) == {"nonfinite": "skip"}

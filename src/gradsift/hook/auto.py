@@ -60,14 +60,15 @@ from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
 AUTO = "auto"
-#: Dense steps not timed (allocator and first-call costs), then the last step of the timing window.
-SKIP = 2
-DECIDE_AT = 10
-#: The dense steps end sooner on a slow step: the next step is the deciding one once
-#: :data:`MIN_INTERVALS` timed steps add up to :data:`MEASURE_SECONDS` on the slowest rank
-#: (agreed after each optimizer step; a link so slow that each dense step is costly).
-MIN_INTERVALS = 2
-MEASURE_SECONDS = 1.0
+#: Dense steps not timed (step 0: allocator and first-call costs, DDP's bucket rebuild after
+#: it), then the last step of the timing window: its median holds five intervals.
+SKIP = 1
+DECIDE_AT = 6
+#: The dense steps end sooner on a slow step: the next step is the deciding one once the
+#: timed steps, from step :data:`SKIP`'s first bucket to the end of the last optimizer step,
+#: add up to this many seconds on the slowest rank (agreed after each optimizer step; a link
+#: so slow that each dense step is costly): after step 1 when one step takes that long.
+MEASURE_SECONDS = 0.5
 #: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
 #: The hook options the probe states take (the others log or time the method's warm-up; the
@@ -208,7 +209,7 @@ class AutoHookState:
             self._decide(self._step_seconds() if measuring else self._watch().last or 0.0, measuring)
             return
         if self.choice == "measuring":
-            if not self._keeping and len(self._starts) >= MIN_INTERVALS:  # slow steps: measured enough?
+            if not self._keeping and self._starts:  # slow steps: measured enough?
                 (timed,) = self._agreed([self.clock() - self._starts[0]])
                 self._keep_next = timed >= MEASURE_SECONDS
                 self._kept_limit = probes.kept_elements(self._numel(), timed / len(self._starts))
