@@ -200,21 +200,22 @@ def plan(
     ``five`` seeds 3 and 4 of :data:`FIVE_ARMS` at 3,000 steps; ``zero_one`` :data:`ZERO_ONE_ARMS`
     at 3,000 steps (seed 0), then the better of them: seeds 1 and 2, 4 workers through the
     two-stage exchange, 6,000 steps with a 600-step coded warm-up (the trainer's 10 %), seeds 3
-    and 4 of fp32 and of the 4-worker arm (its 3-seed interval straddles +1 %); then the other's
-    seeds 1 and 2; then seeds 3 and 4 of fp32 and of the 6,000-step arm (its interval straddles
-    +1 % too)."""
+    and 4 of fp32 and of the 4-worker arm (its 3-seed interval straddles +1 %); then seed 3 of
+    fp32 and of the 6,000-step arm (its interval straddles +1 % too), the dense frozen-variance
+    control at 4 workers (seed 0), their seed 4; then the other's seeds 1 and 2."""
     if zero_one:
         runs = [Run(LONG, arm, 0, root) for arm in ZERO_ONE_ARMS]
         better, other = sorted(
             ZERO_ONE_ARMS, key=lambda arm: final_loss(Run(LONG, arm, 0, root)) or float("inf")
         )
+        longer = better.replace("q4w300", "q4w600")
         runs += [Run(LONG, better, seed, root) for seed in SEEDS[1:]]
         runs += [Run(WIDE, f"{better}-2s", seed, root) for seed in SEEDS]
-        runs += [Run(LONGER, better.replace("q4w300", "q4w600"), seed, root) for seed in SEEDS]
+        runs += [Run(LONGER, longer, seed, root) for seed in SEEDS]
         runs += [Run(WIDE, arm, seed, root) for seed in EXTRA_SEEDS for arm in ("none", f"{better}-2s")]
-        runs += [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
-        longer = better.replace("q4w300", "q4w600")
-        return runs + [Run(LONGER, arm, seed, root) for seed in EXTRA_SEEDS for arm in ("none", longer)]
+        seed3, seed4 = ([Run(LONGER, arm, seed, root) for arm in ("none", longer)] for seed in EXTRA_SEEDS)
+        runs += [*seed3, Run(WIDE, "dense-fv", 0, root), *seed4]
+        return runs + [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
     if five:
         return [Run(LONG, arm, seed, root) for seed in EXTRA_SEEDS for arm in FIVE_ARMS]
     if refresh and longer:
