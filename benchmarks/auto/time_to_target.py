@@ -60,6 +60,10 @@ VGG_RUNS = ROOT / "results" / "training" / "runs"
 GPT_SEEDS = (0, 1, 2)
 #: The VGG curves' link, and the link whose runs of the same arm must give the same curve.
 VGG_LINK, VGG_OTHER_LINK = "1gbit", "100mbit"
+#: Seed 0's VGG curves are the ``VGG_LINK`` runs; the other seeds' (``vgg_seeds.py``, localhost)
+#: lie in ``VGG_SEED_RUNS/<arm>-s<seed>/``, where they have been run.
+VGG_SEED_RUNS = ROOT / "results" / "auto" / "vgg_seeds"
+VGG_SEEDS = (0, 1, 2)
 
 #: One arm's evaluations per seed: ``{seed: [(step, metric), ...]}``.
 Curve = dict[int, list[tuple[int, float]]]
@@ -87,16 +91,21 @@ def gpt_curves(
     }
 
 
-def vgg_curves(arms: tuple[str, ...], runs: Path = VGG_RUNS) -> tuple[dict[str, Curve], dict[str, Any]]:
-    """The VGG curves (seed 0, the ``VGG_LINK`` runs) and, per arm, whether the
-    ``VGG_OTHER_LINK`` run of the same arm evaluated the same (step, accuracy, loss) throughout."""
+def vgg_curves(
+    arms: tuple[str, ...], runs: Path = VGG_RUNS, seed_runs: Path = VGG_SEED_RUNS
+) -> tuple[dict[str, Curve], dict[str, Any]]:
+    """The VGG curves -- seed 0 from the ``VGG_LINK`` runs, the other :data:`VGG_SEEDS` from
+    ``seed_runs`` where every arm has them -- and, per arm, whether seed 0's ``VGG_OTHER_LINK``
+    run of the same arm evaluated the same (step, accuracy, loss) throughout."""
     curves, same = {}, {}
+    more = [s for s in VGG_SEEDS[1:] if all((seed_runs / f"{arm}-s{s}").is_dir() for arm in arms)]
     for arm in arms:
         evals = read_evals(runs / f"{arm}-w4-{VGG_LINK}")
         other = read_evals(runs / f"{arm}-w4-{VGG_OTHER_LINK}")
         key = [(e["step"], e["accuracy"], e["loss"]) for e in evals]
         same[arm] = key == [(e["step"], e["accuracy"], e["loss"]) for e in other]
         curves[arm] = {0: points("vgg", evals)}
+        curves[arm].update({s: points("vgg", read_evals(seed_runs / f"{arm}-s{s}")) for s in more})
     check = {
         "links": [VGG_LINK, VGG_OTHER_LINK],
         "same_per_arm": same,
@@ -332,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                 "started": stamp_of_links.get("started"),
                 "probe_format": sorted({r["auto"]["probe_format"] for r in rows}),
             },
-            "vgg_curves": {"runs": f"results/training/runs/<arm>-w4-{VGG_LINK}", **vgg_check},
+            "vgg_curves": {
+                "runs": f"results/training/runs/<arm>-w4-{VGG_LINK} (seed 0), {shown(VGG_SEED_RUNS)}/<arm>-s<seed>",
+                **vgg_check,
+            },
             "gpt_curves": {"runs": "results/convergence/runs/gpt-adamw/<arm>-e0.3-s<seed>"},
         },
         "rules": {

@@ -1,0 +1,61 @@
+"""More seeds of the VGG curves that ``time_to_target.py`` composes with.
+
+The VGG + SGD curves of the composition are ``benchmarks/training/run_benchmark.py``'s main
+grid (4 workers, 200 steps, evaluated every 25), seed 0, run over emulated links; the curve
+does not depend on the link (``time_to_target.py`` checks seed 0's 1 Gbit/s and 100 Mbit/s
+runs evaluation for evaluation). Issue 42 asks for the candidates' curves over 3 seeds: this
+runs seeds 1 and 2 of each fixed candidate on localhost, with the same flags, into
+``results/auto/vgg_seeds/<arm>-s<seed>/`` (summary and evaluations only). Usage (a clean
+checkout of a commit on main)::
+
+    flock /tmp/gradsift-cpu.lock python benchmarks/auto/vgg_seeds.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance
+from time_to_target import VGG_SEED_RUNS, VGG_SEEDS
+from whole import run_benchmark, train_flags
+
+#: The fixed candidates ``auto`` chooses among under SGD (``links.py``'s VGG arms).
+ARMS = ("none", "bf16", "sidco-exp")
+KEPT = ("summary.json", "evals.jsonl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="compressors (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=VGG_SEED_RUNS, help="where the runs go (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    seeds = [s for s in VGG_SEEDS if s != 0]
+    stamp = provenance.start(seeds=seeds)
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for arm in args.arms:
+                run = Path(tmp) / f"{arm}-s{seed}"
+                command = [sys.executable, "-m", "gradsift", "train", *train_flags("vgg"), "--seed", str(seed),
+                           "--compressor", arm, *run_benchmark.COMPRESSORS[arm], "--no-progress", "--out", str(run)]  # fmt: skip
+                print("+", " ".join(command), flush=True)
+                subprocess.run(command, check=True, timeout=1200)
+                kept = args.out / run.name
+                kept.mkdir(parents=True, exist_ok=True)
+                for name in KEPT:
+                    shutil.copy(run / name, kept / name)
+    (args.out / "provenance.json").write_text(json.dumps(stamp.finish(), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
