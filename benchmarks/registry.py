@@ -1383,6 +1383,49 @@ AUTO_TTA_CLAIMS = (
     Claim("autotta.decided_at", AUTO_TTA, ("rows/*/auto/decided_at",), compute=spanned(".0f")),
 )  # fmt: skip
 
+# -- one whole run of auto per link, beside its composed time to the target (issue 42) ---------------
+AUTO_WHOLE = Result(
+    "results/auto/whole.json", "python benchmarks/auto/whole.py --json results/auto/whole.json"
+)
+
+
+def _whole(
+    link: str, workload: str, key: str, paths: tuple[str, ...], compute: Any = None, fmt: str = "{}"
+) -> Claim:
+    row = f"rows/[link={link},workload={workload}]"
+    return Claim(f"autowhole.{link}.{workload}.{key}", AUTO_WHOLE, tuple(f"{row}/{p}" for p in paths), fmt,
+                 compute=compute)  # fmt: skip
+
+
+def _whole_time(seconds: float | None, step: int | None) -> str:
+    return "not reached" if seconds is None else f"{seconds:.1f} s (step {step})"
+
+
+def _whole_ratio(ratio: float | None, agree: bool | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}x ({'agree' if agree else 'DISAGREE'})"
+
+
+AUTO_WHOLE_TABLE = Table(
+    "auto-whole",
+    ("link", "workload", "auto chose: whole run / composed", "time to the target: whole run",
+     "composed (seed 0)", "whole / composed"),
+    ("---", "---", "---", "---:", "---:", "---:"),
+    tuple(
+        (link, AUTO_TTA_WORKLOADS[workload],
+         _whole(link, workload, "choice", ("choice", "composed_choice"), lambda a, b: f"`{a}` / `{b}`"),
+         _whole(link, workload, "measured", ("time_to_target_s", "steps_to_target"), _whole_time),
+         _whole(link, workload, "composed", ("composed_s",), lambda s: "not reached" if s is None else f"{s:.1f} s"),
+         _whole(link, workload, "ratio", ("measured_over_composed", "agree"), _whole_ratio))
+        for link, workload in AUTO_MATRIX_ROWS
+    ),
+)  # fmt: skip
+AUTO_WHOLE_CLAIMS = (
+    Claim("autowhole.commit", AUTO_WHOLE, ("provenance/commit",), "{:.7}"),
+    Claim("autowhole.load", AUTO_WHOLE, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    Claim("autowhole.agree", AUTO_WHOLE, ("agree_within",), "{:.0f} %", compute=lambda a: 100 * a),
+)  # fmt: skip
+
 TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
@@ -1408,9 +1451,10 @@ TABLES = (
     VERDICT_TABLE,
     AUTO_MATRIX_TABLE,
     AUTO_TTA_TABLE,
+    AUTO_WHOLE_TABLE,
     NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
