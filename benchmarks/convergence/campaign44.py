@@ -202,7 +202,9 @@ def plan(
     two-stage exchange, 6,000 steps with a 600-step coded warm-up (the trainer's 10 %), seeds 3
     and 4 of fp32 and of the 4-worker arm (its 3-seed interval straddles +1 %); then seed 3 of
     fp32 and of the 6,000-step arm (its interval straddles +1 % too), the dense frozen-variance
-    control at 4 workers (seed 0), their seed 4; then the other's seeds 1 and 2."""
+    control at 4 workers (seed 0), their seed 4; the controls the 6,000-step table lacks (the
+    dense frozen-variance arm and bf16, seeds 0-2), the 4-worker control's seeds 1 and 2; then
+    the other's seeds 1 and 2."""
     if zero_one:
         runs = [Run(LONG, arm, 0, root) for arm in ZERO_ONE_ARMS]
         better, other = sorted(
@@ -215,6 +217,8 @@ def plan(
         runs += [Run(WIDE, arm, seed, root) for seed in EXTRA_SEEDS for arm in ("none", f"{better}-2s")]
         seed3, seed4 = ([Run(LONGER, arm, seed, root) for arm in ("none", longer)] for seed in EXTRA_SEEDS)
         runs += [*seed3, Run(WIDE, "dense-fv", 0, root), *seed4]
+        runs += [Run(LONGER, arm, seed, root) for seed in SEEDS for arm in ("dense-fv", "bf16")]
+        runs += [Run(WIDE, "dense-fv", seed, root) for seed in SEEDS[1:]]
         return runs + [Run(LONG, other, seed, root) for seed in SEEDS[1:]]
     if five:
         return [Run(LONG, arm, seed, root) for seed in EXTRA_SEEDS for arm in FIVE_ARMS]
