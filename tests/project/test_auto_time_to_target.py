@@ -112,10 +112,19 @@ def test_vgg_curves_are_checked_across_links_and_gzipped_evals_read(tmp_path: Pa
                     handle.write(text)
             else:
                 (folder / "evals.jsonl").write_text(text)
-    curves, check = tta.vgg_curves(("none", "bf16"), tmp_path)
+    seeds = tmp_path / "seeds"
+    curves, check = tta.vgg_curves(("none", "bf16"), tmp_path, seeds)
     assert curves["none"] == {0: [(25, 0.5), (50, 0.8)]}
     assert check["same_per_arm"] == {"none": True, "bf16": False}
     assert check["link_independent"] is False
+    # seed 1 of both arms and seed 2 of one: seed 1 joins the curves, seed 2 (not every arm) does not
+    for name in ("none-s1", "bf16-s1", "none-s2"):
+        (seeds / name).mkdir(parents=True)
+        (seeds / name / "evals.jsonl").write_text(
+            json.dumps({"step": 25, "accuracy": 0.7, "loss": 0.9}) + "\n"
+        )
+    curves, _ = tta.vgg_curves(("none", "bf16"), tmp_path, seeds)
+    assert curves["none"] == {0: [(25, 0.5), (50, 0.8)], 1: [(25, 0.7)]} and sorted(curves["bf16"]) == [0, 1]
 
 
 def test_the_probes_measured_wall_time_replaces_the_estimate():
