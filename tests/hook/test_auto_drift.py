@@ -38,7 +38,17 @@ def windows(watch: drift.DriftWatch, step_seconds: list[float]) -> list[bool]:
 def test_two_drifting_windows_in_a_row_make_a_re_measure_due():
     # expected 1.0 s: 1.1 is inside the 20 % band, 1.3 and 0.7 outside it
     assert windows(drift.DriftWatch(1.0), [1.1, 1.3, 1.3]) == [False, False, True]
-    assert windows(drift.DriftWatch(1.0), [0.7, 0.7]) == [False, True]
+    assert windows(drift.DriftWatch(1.0), [1.0, 0.7, 0.7]) == [False, False, True]  # faster later: due
+
+
+def test_a_first_window_faster_than_predicted_becomes_the_expectation():
+    """The choice beat its prediction (0.7 s against 1.0 s): no strike, 0.7 s is expected from
+    then on, and drifts are counted from it (0.95 s is +36 % of 0.7 s); a first window slower
+    than predicted counts as drifting."""
+    watch = drift.DriftWatch(1.0)
+    assert windows(watch, [0.7, 0.7, 0.72, 0.95, 0.95]) == [False, False, False, False, True]
+    assert watch.expected == pytest.approx(0.7)
+    assert windows(drift.DriftWatch(1.0), [1.3, 1.3]) == [False, True]
 
 
 def test_a_window_back_in_the_band_starts_the_count_over():

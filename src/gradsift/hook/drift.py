@@ -11,6 +11,13 @@ by more than :data:`DRIFT`: ``|m / e - 1| > DRIFT``. Hysteresis: a re-measure is
 the re-measure itself switches only to a method predicted :data:`~gradsift.hook.choice.MARGIN`
 faster than the running one, so noise of a window or two, and near ties, change nothing.
 
+The first window after a choice that runs *faster* than predicted (``m < (1 - DRIFT) e``)
+becomes the expected step instead of a drifting window: the choice beat its prediction, and
+what it was compared with -- the dense step, measured, and the other candidates, predicted
+with the same compute term ``T - r(none)`` -- is not made better by that, so a re-measure
+would choose the same. A first window that runs slower counts as drifting: the prediction
+may have ranked the candidates wrong.
+
 On CUDA the host clock between optimizer steps is not synchronised with the device: the
 host runs at most one step ahead (each step's one host read waits for the step before), so
 a window's median is the device's step time within a step's jitter.
@@ -40,6 +47,7 @@ class DriftWatch:
         self.last: float | None = None
         self.strikes = 0
         self._times: list[float] = []
+        self._first = True  # the next window is the choice's first (module docstring)
 
     def tick(self, now: float) -> float | None:
         """One optimizer step's end at host time ``now``; the window's median step time
@@ -55,6 +63,10 @@ class DriftWatch:
         """Count the window of agreed median ``agreed``: True when :data:`PERSIST` windows in
         a row drifted (the count then starts over)."""
         self.last = agreed
+        first, self._first = self._first, False
+        if first and agreed < (1.0 - DRIFT) * self.expected:
+            self.expected = agreed  # faster than predicted: the choice stands
+            return False
         drifted = abs(agreed / self.expected - 1.0) > DRIFT
         self.strikes = self.strikes + 1 if drifted else 0
         if self.strikes < PERSIST:
