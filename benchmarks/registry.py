@@ -11,6 +11,7 @@ the registry with the current values.
 
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 from pathlib import Path
@@ -1285,10 +1286,24 @@ def _tta_steps(*per_seed: list[int | None]) -> str:
     return " / ".join(f"{statistics.fmean(m):.0f}" if m else "not reached" for m in means)
 
 
-def _tta(link: str, workload: str, key: str, paths: tuple[str, ...], compute: Any, fmt: str = "{}") -> Claim:
+def _link_row(
+    result: Result,
+    prefix: str,
+    link: str,
+    workload: str,
+    key: str,
+    paths: tuple[str, ...],
+    compute: Any = None,
+    fmt: str = "{}",
+) -> Claim:
+    """A claim on the row of ``result`` for ``link`` and ``workload`` (the fields at ``paths``)."""
     row = f"rows/[link={link},workload={workload}]"
-    return Claim(f"autotta.{link}.{workload}.{key}", AUTO_TTA, tuple(f"{row}/{p}" for p in paths), fmt,
-                 compute=compute)  # fmt: skip
+    return Claim(
+        f"{prefix}.{link}.{workload}.{key}", result, tuple(f"{row}/{p}" for p in paths), fmt, compute=compute
+    )
+
+
+_tta = functools.partial(_link_row, AUTO_TTA, "autotta")
 
 
 def _tta_links(commit: str, composed_from: str, measured: str) -> str:
@@ -1381,12 +1396,7 @@ AUTO_WHOLE = Result(
 )
 
 
-def _whole(
-    link: str, workload: str, key: str, paths: tuple[str, ...], compute: Any = None, fmt: str = "{}"
-) -> Claim:
-    row = f"rows/[link={link},workload={workload}]"
-    return Claim(f"autowhole.{link}.{workload}.{key}", AUTO_WHOLE, tuple(f"{row}/{p}" for p in paths), fmt,
-                 compute=compute)  # fmt: skip
+_whole = functools.partial(_link_row, AUTO_WHOLE, "autowhole")
 
 
 def _whole_time(seconds: float | None, step: int | None) -> str:

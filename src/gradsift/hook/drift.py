@@ -47,7 +47,6 @@ class DriftWatch:
         self.last: float | None = None
         self.strikes = 0
         self._times: list[float] = []
-        self._first = True  # the next window is the choice's first (module docstring)
 
     def tick(self, now: float) -> float | None:
         """One optimizer step's end at host time ``now``; the window's median step time
@@ -62,8 +61,7 @@ class DriftWatch:
     def due(self, agreed: float) -> bool:
         """Count the window of agreed median ``agreed``: True when :data:`PERSIST` windows in
         a row drifted (the count then starts over)."""
-        self.last = agreed
-        first, self._first = self._first, False
+        first, self.last = self.last is None, agreed  # the choice's first window (module docstring)
         if first and agreed < (1.0 - DRIFT) * self.expected:
             self.expected = agreed  # faster than predicted: the choice stands
             return False
