@@ -17,11 +17,12 @@ measures that whole; this composes it, reading only committed results (no traini
 
 A fixed arm's time to the target is the first evaluation's step at or past the target (no
 interpolation between evaluations) times its median step on that link. ``auto``'s is its
-dense steps (``decided_at``; the probes run after the last one's optimizer step) at stock
-DDP's median step, plus its probes' one-off cost, plus the chosen candidate's steps after
-the switch at that candidate's median step; its curve is the chosen candidate's (running
-``none`` it is stock DDP bit for bit; a compressed method chosen after the dense steps is
-approximated by the curve of that method run from the start). The probes' cost is
+measuring steps (``decided_at``; the probes run after the last one's optimizer step) at the
+median step of the method they ran (``measured_on``: ``sidco-exp`` under SGD, stock DDP
+under AdamW and in runs before that field), plus its probes' one-off cost, plus the chosen
+candidate's steps after the switch at that candidate's median step; its curve is the chosen
+candidate's (where it kept the method it measured on, that method's bit for bit; a method
+switched to after the measuring steps is approximated by its curve from the start). The probes' cost is
 estimated as :data:`PROBE_CALLS` times the sum of the measured per-candidate times: each
 candidate's route (``"route <name>"``, in ms) or, in the older format of ``links.json``,
 its message plus its codec (``"message <name>"`` + ``"codec <name>"``). With several seeds
@@ -154,15 +155,19 @@ def fixed_time(steps: int | None, step_s: float) -> float | None:
 
 
 def auto_time(
-    steps: int | None, decided_at: int, dense_s: float, probe_s: float, chosen_s: float
+    steps: int | None, decided_at: int, measuring_s: float, probe_s: float, chosen_s: float
 ) -> float | None:
     """``auto``'s time to the evaluation at ``steps`` (on the chosen candidate's curve): the
-    first ``decided_at`` steps dense, the probes after the last of them, then the chosen
-    candidate's steps."""
+    first ``decided_at`` steps at the measuring method's step ``measuring_s``, the probes
+    after the last of them, then the chosen candidate's steps."""
     if steps is None:
         return None
-    dense = min(steps, decided_at)
-    return dense * dense_s + (probe_s if steps >= decided_at else 0.0) + max(steps - decided_at, 0) * chosen_s
+    measuring = min(steps, decided_at)
+    return (
+        measuring * measuring_s
+        + (probe_s if steps >= decided_at else 0.0)
+        + max(steps - decided_at, 0) * chosen_s
+    )
 
 
 def paired(numerators: list[float | None], denominators: list[float | None]) -> dict[str, Any]:
@@ -207,7 +212,8 @@ def compose(
     if "probing" in decision["measured_ms"]:
         probe_format += ", probes' wall time measured"
     auto_steps = [step_to_target(workload, curves[choice][s], goal) for s in seeds]
-    auto_times = [auto_time(n, decided_at, step_s["none"], probe_s, step_s[choice]) for n in auto_steps]
+    measured_on = decision.get("measured_on", "none")
+    auto_times = [auto_time(n, decided_at, step_s[measured_on], probe_s, step_s[choice]) for n in auto_steps]
 
     best_names, best_steps, best_times = [], [], []
     for i in range(len(seeds)):
@@ -233,6 +239,7 @@ def compose(
         "auto": {
             "choice": choice,
             "decided_at": decided_at,
+            "measured_on": measured_on,
             "probe_format": probe_format,
             "probe_ms": per_candidate,
             "probe_s": probe_s,
@@ -240,7 +247,7 @@ def compose(
             "time_to_target_s": auto_times,
             "mean_s": mean_reached(auto_times),
             "reached": sum(t is not None for t in auto_times),
-            # what the dense steps and the probes cost over running the choice from the start
+            # what the measuring steps and the probes cost over running the choice from the start
             "one_off_s": [
                 None if a is None or n is None else a - n * step_s[choice]
                 for a, n in zip(auto_times, auto_steps, strict=True)

@@ -1,11 +1,16 @@
 """``compressor="auto"``: measure the run, then run what is fastest among the methods that keep quality.
 
-The hook starts as stock DDP (``none``: dense fp32 allreduce, the optimizer as built) and
-decides after step :data:`DECIDE_AT` (sooner when the steps are slow: :data:`MEASURE_SECONDS`),
-on every rank alike:
+The hook starts as stock DDP (``none``: dense fp32 allreduce, the optimizer as built); at
+the first bucket, with the optimizer found, the measuring steps run the family's start
+method (:data:`~gradsift.hook.choice.START`: ``sidco-exp`` under SGD, as
+``register_comm_hook(ddp, "sidco-exp", ratio=0.01, optimizer=...)`` would, with the
+``density_warmup_steps`` given; else stock DDP). It decides after step :data:`DECIDE_AT`
+(sooner when the steps are slow: :data:`MEASURE_SECONDS`; later by a density warm-up's
+steps), on every rank alike:
 
-1. **Measure** -- the step time ``T`` of the dense steps (median of the intervals between
-   the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`; on CUDA each of those steps
+1. **Measure** -- the step time ``T`` of the running method (median of the intervals between
+   the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`, both after a density
+   warm-up; on CUDA each of those steps
    synchronises once, so host clocks see device time), and each candidate's route time: the
    deciding step's buckets, copied before their exchange, through the candidate's whole
    route -- its real collectives on this group included -- or, for ``none``, stock DDP's
@@ -15,30 +20,25 @@ on every rank alike:
    the next step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
    rank predicts from the same numbers and picks the same candidate.
-3. **Predict** -- ``T(c) = T - r(none) + r(c)`` per candidate, ``r`` its route time: the
-   dense step with its allreduce exchanged for the candidate's route (the allreduce's
-   overlap with backward makes ``T - r(none)`` a lower bound of the compute, which errs
-   towards dense); ``none`` keeps ``T`` as measured.
-4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat ``T``
-   by :data:`~gradsift.hook.choice.MARGIN`, so a near tie stays dense (the hook is never
-   the reason a run is slower).
+3. **Predict** -- ``T(c) = T - r(s) + r(c)`` per candidate, ``r`` its route time, ``s``
+   the running method: its step with its route exchanged for the candidate's (a route's
+   overlap with backward makes ``T - r(s)`` a lower bound of the compute, which errs
+   towards the cheaper route); ``s`` keeps ``T`` as measured.
+4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat
+   ``none``'s predicted step by :data:`~gradsift.hook.choice.MARGIN`, so a near tie runs
+   dense (the hook is never the reason a run is slower); if that is not the start method,
+   the run switches to it from the next step (:mod:`gradsift.hook.handover`: leaving a
+   method with error feedback gives the optimizer its momentum or moments back).
 5. **Watch** -- the step time of the running choice, in windows (:mod:`gradsift.hook.drift`);
    when it drifts from what the choice was made on, the next step's buckets are kept and
-   probed again (1-4, with the running method's step in place of ``T``). Leaving a method
-   with error feedback under SGD gives the optimizer its momentum back, with the workers'
-   mean velocity as its buffer and their mean residual applied once
-   (:func:`gradsift.hook.recipe.give_back`); entering one starts the velocity from SGD's
-   momentum buffer. Leaving the 1-bit Adam method gives AdamW its moments back at the steps
-   it missed (:meth:`~gradsift.hook.adam.FrozenVarianceStep.give_back`: the workers' mean
-   velocity as the first moment, the frozen second one, the residual applied once). Needs
-   the optimizer found: without one, the first choice stays.
+   probed again (1-4, with the running method's step in place of ``T``). Needs the
+   optimizer found: without one, the first choice stays.
 
 The candidates (:mod:`gradsift.hook.choice`) keep the optimizer family's quality; the 1-bit
 Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
-:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`). The chosen method runs as
-``register_comm_hook(ddp, name, optimizer=...)`` would, continuing the step count; its state,
-the choice and the predictions are in ``stats()`` and the checkpoint (the drift windows are
-not: a resumed run starts a new window).
+:data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`). The chosen method runs as registered by
+hand would, continuing the step count; its state, the choice and the predictions are in
+``stats()`` and the checkpoint (not the drift windows: a resumed run starts a new one).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -53,8 +53,7 @@ from gradsift.core.collectives import agreed_max, ring_allreduce_received
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
-from gradsift.hook import choice, probes, recipe
-from gradsift.hook.adam import FrozenVarianceStep
+from gradsift.hook import choice, handover, probes, recipe
 from gradsift.hook.drift import DriftWatch
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -69,11 +68,13 @@ DECIDE_AT = 6
 #: add up to this many seconds on the slowest rank (agreed after each optimizer step; a link
 #: so slow that each dense step is costly): after step 1 when one step takes that long.
 MEASURE_SECONDS = 0.5
-#: Hook options ``auto`` passes on to the method it runs (others are the method's own business).
+#: Hook options ``auto`` passes on to the method it runs (others are the method's own business);
+#: ``density_warmup_steps`` goes to the sparsifier it starts with only.
 PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
 #: The hook options the probe states take (the others log or time the method's warm-up; the
 #: scaler is the dense state's, given or found).
 PROBED = ("nonfinite", "granularity")
+DENSITY_WARMUP = "density_warmup_steps"
 
 
 def _running(name: str) -> Any:
@@ -94,7 +95,7 @@ class AutoHookState:
     def __init__(
         self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, options: dict[str, Any]
     ) -> None:
-        unknown = sorted(set(options) - {"process_group", "steps", *PASSED_ON})
+        unknown = sorted(set(options) - {"process_group", "steps", DENSITY_WARMUP, *PASSED_ON})
         if unknown:
             raise InvalidOptionError(
                 f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
@@ -105,6 +106,13 @@ class AutoHookState:
         self.run_steps: int | None = options.pop("steps", None)
         if self.run_steps is not None:
             check_int(self.run_steps, "steps", low=1)
+        #: The start method's density warm-up, in steps (0: none); timing starts after it.
+        self.density_warmup_steps: int = options.pop(DENSITY_WARMUP, None) or 0
+        check_int(self.density_warmup_steps, DENSITY_WARMUP, low=0)
+        #: The first timed step (:data:`SKIP`, or the start method's first after its warm-up).
+        self.timed_from = SKIP
+        #: The method the measuring steps run (:data:`~gradsift.hook.choice.START`).
+        self.measured_on = "none"
         self.ddp_model = ddp_model
         self.hook_options = dict(options)
         self.dense = GradsiftHookState.build("none", **self.hook_options)
@@ -179,15 +187,28 @@ class AutoHookState:
                 if self.dense.optimizer is not None:  # decide after its step, outside backward
                     inner = recipe.unwrapped(self.dense.optimizer)
                     self._after_step = inner.register_step_post_hook(self._after_optimizer_step)
-            if step >= SKIP:
+                    self._start(step)
+            if step >= self.timed_from:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
                 self._starts.append(self.clock())
-            self._keeping, self._keep_next = step >= DECIDE_AT or self._keep_next, False
+            deciding = step >= self.timed_from + DECIDE_AT - SKIP
+            self._keeping, self._keep_next = deciding or self._keep_next, False
         elif self._keep_next:
             self._keeping, self._keep_next = True, False
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
+
+    def _start(self, step: int) -> None:
+        """Run the found optimizer family's start method from ``step`` (the first), unless a
+        loaded checkpoint already switched; its density warm-up is not timed."""
+        start = choice.START[choice.family(self.dense.optimizer)]
+        if start == "none":
+            return
+        self.timed_from = max(SKIP, self.density_warmup_steps)
+        self.measured_on = start
+        if self.switched_at is None:
+            self._switch(start, step)
 
     def _keep(self, bucket: dist.GradBucket) -> None:
         """Copy the deciding step's ``bucket`` for the probes, while the copies stay within the
@@ -253,8 +274,8 @@ class AutoHookState:
         costs = probes.route_costs(candidates, self._kept, numel, setting)
         step_s, probing, *routes = self._agreed([step_s, time.perf_counter() - started, *costs])
         route = dict(zip(names, routes, strict=True))
-        running = "none" if first else self.choice
-        best, predicted = choice.choose(step_s, route, running)
+        running = self.current.compressor.name
+        best, predicted = choice.choose(step_s, route, running, prefer="none" if first else running)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
         self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route[running], 0.0)}
         self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
@@ -266,7 +287,7 @@ class AutoHookState:
         self._kept, self._kept_all = [], False
         if best != running:
             if self.current.feedback is not None:
-                self._hand_back()
+                handover.leave(self.current, self.dense)
             self.pending = best
             self.switch_at = max(
                 self.decided_at, choice.dense_steps(self.dense.optimizer, best, self.hook_options)
@@ -274,17 +295,6 @@ class AutoHookState:
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self.dense.hooked if p.requires_grad)
-
-    def _hand_back(self) -> None:
-        """Give the running method's error feedback back to the optimizer before a stateless
-        method runs (:func:`gradsift.hook.recipe.give_back`), the workers' means of it."""
-        assert self.current.feedback is not None
-        means = self.current.feedback.workers_mean(self.dense.layout.numels, self.dense.process_group)
-        adam = self.current.adam
-        if isinstance(adam, FrozenVarianceStep):  # Adam's moments, at the steps it missed
-            adam.give_back(*means, steps=self.current.ledger.step - (adam.warmup_end or 0))
-        else:
-            recipe.give_back(self.dense.optimizer, self.dense.layout.numbers, *means)
 
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The candidates for the optimizer found (module docstring), with their options."""
@@ -298,21 +308,16 @@ class AutoHookState:
 
     def _switch(self, name: str, step: int) -> None:
         """Run ``name`` from ``step`` on, as ``register_comm_hook(ddp, name, optimizer=...)``
-        would with the ``step`` steps before as its dense warm-up."""
-        options = dict(dict(self.candidates())[name])
-        hook_options = {k: v for k, v in self.hook_options.items() if k in PASSED_ON}
-        hook_options["warmup_steps"] = step
-        if hook_options.get("scaler") is None:
-            hook_options["scaler"] = self.dense.options.scaler
-        state = GradsiftHookState.build(
-            name, **options, **hook_options, process_group=self.dense.process_group
-        )
-        state.attach(self.ddp_model, self.dense.optimizer)
-        if state.feedback is not None and state.feedback.momentum and state.adam is None:
-            buffers = recipe.momentum_buffers(self.dense.optimizer, self.dense.layout.numbers)
-            state.feedback.seed_velocity(buffers, self.dense.layout.numels)  # SGD's momentum so far
-        state.find_optimizer = False  # the dense state's, adopted above
-        state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
+        would with the ``step`` steps before as its dense warm-up (``none``: the dense state,
+        stock DDP's allreduce)."""
+        if name == "none":
+            state = self.dense
+        else:
+            options = dict(dict(self.candidates())[name])
+            hook_options = {k: v for k, v in self.hook_options.items() if k in PASSED_ON}
+            if self.density_warmup_steps and "ratio" in options:
+                hook_options[DENSITY_WARMUP] = self.density_warmup_steps
+            state = handover.enter(self.ddp_model, self.dense, name, options, hook_options, step)
         state.ledger.step = step
         state.telemetry.load_state_dict(self.current.telemetry.state_dict())
         if self.current.first_step is not None:
@@ -327,6 +332,7 @@ class AutoHookState:
         stats["auto"] = {
             "choice": self.choice,
             "running": self.current.compressor.name,
+            "measured_on": self.measured_on,
             "decided_at": self.decided_at,
             "predicted_ms": dict(self.predicted_ms),
             "measured_ms": dict(self.measured_ms),

@@ -6,7 +6,14 @@ SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction;
 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
 -- ``none``, ``bf16``. The rule (:func:`choose`): each candidate's predicted step is the
 running method's measured step with its route exchanged for the candidate's, and another
-method runs only when predicted :data:`MARGIN` faster.
+method than the preferred one (the dense step at the first decision, the running method at
+a re-measure) runs only when predicted :data:`MARGIN` faster than it.
+
+The measuring steps run the family's :data:`START` method: the compressed candidate where
+it needs no dense warm-up (SGD's ``sidco-exp``), else ``none``. Why: the two ways to be
+wrong cost unequally -- a compressed method measured on a fast link costs its encode for a
+few steps, a dense step measured on a slow link costs the whole model's bytes each step
+(docs/decisions.md, "auto measures on the compressed method").
 """
 
 from typing import Any
@@ -24,6 +31,8 @@ CANDIDATES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
     "adam": (("none", {}), ("bf16", {})),
     "other": (("none", {}), ("bf16", {})),
 }
+#: The method the measuring steps run, per family (module docstring).
+START: dict[str, str] = {"sgd": "sidco-exp", "adam": "none", "other": "none"}
 #: Under Adam, a run at least this long (``steps=``) also has the 1-bit Adam method.
 LONG_RUN_STEPS = 3000
 ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
@@ -56,16 +65,19 @@ def dense_steps(optimizer: Any, name: str, hook_options: dict[str, Any]) -> int:
     return ONE_LINE_WARMUP_STEPS if given is None else int(given)
 
 
-def choose(step: float, route: dict[str, float], running: str = "none") -> tuple[str, dict[str, float]]:
+def choose(
+    step: float, route: dict[str, float], running: str = "none", prefer: str | None = None
+) -> tuple[str, dict[str, float]]:
     """Steps 3-4 of :mod:`gradsift.hook.auto`: the candidate to run and every candidate's predicted
-    step time (seconds), from the ``running`` method's measured step time ``step`` (the first
-    decision: ``"none"``, stock DDP) and each candidate's route time (seconds):
-    ``T(c) = step - r(running) + r(c)``; another method must beat ``step`` by :data:`MARGIN`."""
+    step time (seconds), from the ``running`` method's measured step time ``step`` and each
+    candidate's route time (seconds): ``T(c) = step - r(running) + r(c)``, ``T(running) = step``;
+    a method other than ``prefer`` (unset: ``running``) must beat ``T(prefer)`` by :data:`MARGIN`."""
+    prefer = running if prefer is None else prefer
     compute = max(step - route[running], 0.0)
     predicted = {name: compute + seconds for name, seconds in route.items()}
     predicted[running] = step
     names = list(route)
     best = min(names, key=lambda name: (predicted[name], names.index(name)))
-    if best != running and predicted[best] > MARGIN * step:
-        best = running
+    if best != prefer and predicted[best] > MARGIN * predicted[prefer]:
+        best = prefer
     return best, predicted

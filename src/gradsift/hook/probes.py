@@ -17,15 +17,20 @@ one; under SGD with momentum, its error feedback runs the momentum correction at
 optimizer's momentum, as the method would. It is thrown away after the probes (its
 residuals with it); the model's parameters and the run's state are never touched.
 
-Every probe runs once untimed, then :data:`PROBES` rounds time each probe in turn (each
-round starting one later), so load that comes and goes hits them alike; each timing starts
-from the kept gradients (copied in, untimed). A slow probe is timed fewer times: as many
-calls as fit in :data:`PROBE_SECONDS` with its untimed one (at least one), none when that
-one alone took longer (its time stands), so that on a slow link the probes cost a few dense
-steps, not a dozen; the ranks agree on the untimed calls' times first (one ``max``), so
-every rank makes the same calls. The median of each is scaled linearly from
-the kept buckets' elements to the model's. Probes run outside backward (after the
-optimizer's step); every rank runs the same probes, collectives included.
+The probes share a budget of :data:`PROBE_SECONDS`, a candidate's share ``B`` its part.
+Each probe first routes the smallest kept bucket once, untimed (the gauge); a candidate
+whose gauge, scaled to the kept buckets, exceeds ``B`` probes only the smallest buckets
+that fit in ``B`` by that scale (at least the smallest; :func:`probe_subset`) -- on a slow
+link a dense probe of the whole model would cost a dense step, which the run may never
+otherwise take. A probe on more than the smallest bucket runs once more untimed on its
+buckets. Then :data:`PROBES` rounds time each probe in turn (each round starting one
+later), so load that comes and goes hits them alike; each timing starts from the kept
+gradients (copied in, untimed). A slow probe is timed fewer times: as many calls as fit in
+``B`` with its untimed one (at least one), none when that one alone took longer (its time
+stands). The ranks agree on the gauges and on the untimed calls' times (one ``max`` each),
+so every rank makes the same calls. The median of each is scaled linearly from its
+buckets' elements to the model's. Probes run outside backward (after the optimizer's step);
+every rank runs the same probes, collectives included.
 """
 
 import statistics
@@ -44,8 +49,9 @@ from gradsift.hook.state import GradsiftHookState
 
 #: Timed calls per probe, after one untimed (the median is kept), at most ...
 PROBES = 5
-#: ... and as many as fit in this many seconds with the untimed one (:func:`timed_calls`).
-PROBE_SECONDS = 1.0
+#: ... and as many as fit in the candidate's share of this many seconds with the untimed one
+#: (:func:`timed_calls`), the share bounding its buckets too (:func:`probe_subset`).
+PROBE_SECONDS = 0.5
 #: Elements of the deciding step's buckets kept for the probes at most (the first buckets
 #: of the step up to this many; a larger model's times are scaled linearly).
 PROBE_ELEMENTS = 1 << 24
@@ -90,51 +96,81 @@ def route_costs(
     setting: Setting,
 ) -> list[float]:
     """Seconds of each candidate's route over the model's ``numel`` gradient elements: its
-    route over the ``kept`` buckets (module docstring), the median of :data:`PROBES` timed
-    rounds, scaled by ``numel`` over the kept buckets' elements."""
+    route over its share of the ``kept`` buckets (module docstring), the median of up to
+    :data:`PROBES` timed rounds, scaled by ``numel`` over those buckets' elements."""
     work = [bucket.flat.clone() for bucket in kept]
+    device = kept[0].flat.device
+    sizes = [bucket.flat.numel() for bucket in kept]
+    budget = PROBE_SECONDS / len(candidates)
 
-    def reset() -> None:
-        for buffer, bucket in zip(work, kept, strict=True):
-            buffer.copy_(bucket.flat)
+    def call(run: Callable[[list[int]], None], buckets: list[int]) -> float:
+        for index in buckets:
+            work[index].copy_(kept[index].flat)
+        return _seconds(lambda: run(buckets), device)
 
     runs = [_route(name, options, work, kept, setting) for name, options in candidates]
-    device = kept[0].flat.device
-    first = []
-    for run in runs:
-        reset()
-        first.append(_seconds(run, device))
+    smallest = [min(range(len(kept)), key=sizes.__getitem__)]
+    gauges = agreed_max([call(run, smallest) for run in runs], setting.group, "probe gauges")
+    subsets = [probe_subset(sizes, seconds, budget) for seconds in gauges]
+    first = [
+        gauge if subset == smallest else call(run, subset)
+        for run, subset, gauge in zip(runs, subsets, gauges, strict=True)
+    ]
     agreed = agreed_max(first, setting.group, "probe agreement")  # every rank makes the same calls
-    counts = [timed_calls(seconds) for seconds in agreed]
+    counts = [timed_calls(seconds, budget) for seconds in agreed]
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(PROBES):
         for offset in range(len(runs)):
             index = (round_ + offset) % len(runs)
             if round_ < counts[index]:
-                reset()
-                times[index].append(_seconds(runs[index], device))
-    scale = numel / sum(bucket.flat.numel() for bucket in kept)
-    return [statistics.median(seconds or [once]) * scale for seconds, once in zip(times, first, strict=True)]
+                times[index].append(call(runs[index], subsets[index]))
+    return [
+        statistics.median(seconds or [once]) * numel / sum(sizes[i] for i in subset)
+        for seconds, once, subset in zip(times, agreed, subsets, strict=True)
+    ]
 
 
-def timed_calls(first: float) -> int:
+def probe_subset(sizes: list[int], gauge: float, budget: float) -> list[int]:
+    """The kept buckets (indices, in their order) a probe runs on, from the bucket ``sizes``
+    and the seconds ``gauge`` its route took on the smallest: every bucket when the gauge,
+    scaled linearly to all of them, fits in ``budget``; else the smallest buckets, taken
+    smallest first, while their elements stay within the share ``budget`` of that scaled
+    time (at least the smallest)."""
+    total, smallest = sum(sizes), min(sizes)
+    estimate = gauge * total / smallest
+    if estimate <= budget:
+        return list(range(len(sizes)))
+    allowed = max(smallest, total * budget / estimate)
+    chosen, elements = [], 0
+    for index in sorted(range(len(sizes)), key=sizes.__getitem__):
+        if elements + sizes[index] > allowed:
+            break
+        chosen.append(index)
+        elements += sizes[index]
+    return sorted(chosen)
+
+
+def timed_calls(first: float, budget: float = PROBE_SECONDS) -> int:
     """Timed calls of a probe whose untimed call took ``first`` seconds (the ranks' largest):
-    :data:`PROBES`, or as many as fit in :data:`PROBE_SECONDS` with the untimed one (at least
+    :data:`PROBES`, or as many as fit in ``budget`` seconds with the untimed one (at least
     one), or none when the untimed call alone took that long (its time then stands)."""
-    if first >= PROBE_SECONDS:
+    if first >= budget:
         return 0
-    return max(1, min(PROBES, int((PROBE_SECONDS - first) / max(first, 1e-9))))
+    return max(1, min(PROBES, int((budget - first) / max(first, 1e-9))))
 
 
 def _route(
     name: str, options: dict[str, Any], work: list[torch.Tensor], kept: list[KeptBucket], setting: Setting
-) -> Callable[[], None]:
-    """Candidate ``name``'s route over the buffers ``work`` (the kept buckets' gradients)."""
+) -> Callable[[list[int]], None]:
+    """Candidate ``name``'s route over the buffers ``work`` (the kept buckets' gradients) of
+    the buckets it is called with (indices, in order; the last ends the step)."""
     if name == "none":
         world = dist.get_world_size(setting.group)
 
-        def stock() -> None:
-            pending = [dist.all_reduce(b.div_(world), group=setting.group, async_op=True) for b in work]
+        def stock(buckets: list[int]) -> None:
+            pending = [
+                dist.all_reduce(work[i].div_(world), group=setting.group, async_op=True) for i in buckets
+            ]
             for handle in pending:
                 handle.wait()
 
@@ -146,11 +182,9 @@ def _route(
     if state.feedback is not None and state.compressor.momentum_correction:
         state.feedback.momentum = setting.momentum
 
-    def route() -> None:
-        last = len(work) - 1
+    def route(buckets: list[int]) -> None:
         futures = [
-            route_bucket(state, FlatBucket(buffer, bucket.params, last=index == last))
-            for index, (buffer, bucket) in enumerate(zip(work, kept, strict=True))
+            route_bucket(state, FlatBucket(work[i], kept[i].params, last=i == buckets[-1])) for i in buckets
         ]
         torch.futures.wait_all(futures)
         state.settle()

@@ -55,15 +55,18 @@ def recipe_options(
 ) -> dict[str, Any]:
     """The hook options with the recipe's density warm-up added where it applies, over
     ``round(DENSITY_WARMUP_FRACTION * steps)`` steps (none for runs of 20 steps or fewer,
-    where that rounds to 0), and with ``adam`` (an Adam-family optimizer) and an
+    where that rounds to 0; with ``auto`` outside the Adam family, for the sparsifier its
+    measuring steps run, :data:`gradsift.hook.choice.START`), and with ``adam`` (an Adam-family optimizer) and an
     error-feedback compressor the dense warm-up of :func:`gradsift.hook.adam.default_warmup_steps`
     (a tenth of the steps, at least 1); explicit options win."""
     hook_options = dict(options)
-    if compressor == AUTO:  # the method is picked later: only Adam's dense warm-up is the recipe's
+    warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
+    if compressor == AUTO:  # Adam's dense warm-up, or the density warm-up of SGD's start method
         if adam:
             hook_options.setdefault("warmup_steps", default_warmup_steps(steps))
+        elif warmup_steps:
+            hook_options.setdefault("density_warmup_steps", warmup_steps)
         return hook_options
-    warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
     if warmup_steps and warms_up_density(compressor, options):
         hook_options.setdefault("density_warmup_steps", warmup_steps)
     if adam and uses_feedback(compressor, options):

@@ -1,0 +1,51 @@
+"""How ``compressor="auto"`` hands the run from one method to another (:mod:`gradsift.hook.auto`).
+
+Entering a method: its hook state is built as ``register_comm_hook(ddp, name, optimizer=...)``
+would build it with the steps before as its dense warm-up, on the optimizer already found;
+under SGD with momentum correction its velocity starts from SGD's momentum buffers (the
+run's momentum so far). Leaving one with error feedback for a stateless one: the workers'
+means of its velocity and residual go back to the optimizer -- SGD's momentum buffer and
+one application of the residual (:func:`gradsift.hook.recipe.give_back`), or AdamW's moments
+at the steps it missed (:meth:`~gradsift.hook.adam.FrozenVarianceStep.give_back`).
+"""
+
+from typing import Any
+
+from gradsift.hook import recipe
+from gradsift.hook.adam import FrozenVarianceStep
+from gradsift.hook.state import GradsiftHookState
+
+
+def enter(
+    ddp_model: Any,
+    dense: GradsiftHookState,
+    name: str,
+    options: dict[str, Any],
+    hook_options: dict[str, Any],
+    step: int,
+) -> GradsiftHookState:
+    """A hook state of method ``name`` (compressor ``options``, ``hook_options``) taking the run
+    over at ``step`` from the ``dense`` state: its optimizer and scaler adopted."""
+    hook_options = {**hook_options, "warmup_steps": step}
+    if hook_options.get("scaler") is None:
+        hook_options["scaler"] = dense.options.scaler
+    state = GradsiftHookState.build(name, **options, **hook_options, process_group=dense.process_group)
+    state.attach(ddp_model, dense.optimizer)
+    if state.feedback is not None and state.feedback.momentum and state.adam is None:
+        buffers = recipe.momentum_buffers(dense.optimizer, dense.layout.numbers)
+        state.feedback.seed_velocity(buffers, dense.layout.numels)  # SGD's momentum so far
+    state.find_optimizer = False  # the dense state's, adopted above
+    state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
+    return state
+
+
+def leave(running: GradsiftHookState, dense: GradsiftHookState) -> None:
+    """Give ``running``'s error feedback back to the optimizer before a stateless method runs,
+    the workers' means of it (module docstring)."""
+    assert running.feedback is not None
+    means = running.feedback.workers_mean(dense.layout.numels, dense.process_group)
+    adam = running.adam
+    if isinstance(adam, FrozenVarianceStep):  # Adam's moments, at the steps it missed
+        adam.give_back(*means, steps=running.ledger.step - (adam.warmup_end or 0))
+    else:
+        recipe.give_back(dense.optimizer, dense.layout.numbers, *means)
