@@ -1315,7 +1315,7 @@ def _tta_links(commit: str, composed_from: str, measured: str) -> str:
 AUTO_TTA_TABLE = Table(
     "auto-time-to-target",
     ("link", "workload", "fastest fixed to the target", "steps to the target: fastest / fp32 / auto",
-     "fastest's time", "fp32's time", "auto chose", "auto's time", "auto's one-off: dense steps + probes",
+     "fastest's time", "fp32's time", "auto chose", "auto's time", "auto's one-off: measuring steps + probes",
      "auto / fastest", "auto / fp32"),
     ("---", "---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:"),
     tuple(
@@ -1474,8 +1474,9 @@ VERDICT_TABLE = Table(
          "MLP ([benchmarks/hook_overhead](benchmarks/hook_overhead/README.md))",
          (_PUBLISHED["auto.localhost.seeds"], " (the one line); one run (the hook's cost)")),
         ("any link, unknown to you",
-         "the one line, `register_comm_hook(ddp)`: it times stock DDP's first steps, probes each candidate on "
-         "your group and runs the fastest that keeps quality for your optimizer",
+         "the one line, `register_comm_hook(ddp)`: it times your first steps (on `sidco-exp` under SGD, on stock "
+         "DDP under AdamW), probes each candidate on your group and runs the fastest that keeps quality for your "
+         "optimizer",
          ("its median step within ",
           Claim("readme.auto.step_worst", AUTO_MATRIX, ("rows/*/summary", (AUTO_REPEATED, "rows/*/summary")),
                 "{:.3f}x", compute=_worst_step),
