@@ -13,6 +13,9 @@ target; the table sets it beside the composed time of seed 0 (``measured / compo
 agree when within :data:`AGREE`). Usage (root, a clean checkout of a commit on main)::
 
     flock /tmp/gradsift-cpu.lock python benchmarks/auto/whole.py --json results/auto/whole.json
+
+With ``--compressors auto sidco-exp`` each link x workload also runs the fixed candidate
+whole, beside ``auto`` in the same session: the issue's comparison measured rather than composed.
 """
 
 from __future__ import annotations
@@ -64,19 +67,25 @@ def measured(workload: str, evals: list[dict[str, Any]], target: float) -> tuple
     return step, next((float(e["train_time_s"]) for e in evals if e["step"] == step), None)
 
 
-def whole_run(link: str, workload: str, target: float, out: Path, timeout: float) -> dict[str, Any]:
-    """One ``auto`` run of ``workload`` over ``link``, seed 0: its choice and time to ``target``."""
+def whole_run(
+    link: str, workload: str, target: float, out: Path, timeout: float, compressor: str = "auto"
+) -> dict[str, Any]:
+    """One run of ``workload`` with ``compressor`` over ``link``, seed 0: what ran (``auto``'s
+    choice), its time to ``target`` and its evaluations."""
     command = [sys.executable, "-m", "gradsift", "train", *train_flags(workload), "--seed", "0",
-               "--compressor", "auto", "--no-progress", "--out", str(out)]  # fmt: skip
+               "--compressor", compressor, "--no-progress", "--out", str(out)]  # fmt: skip
     command += [] if link == "localhost" else ["--bandwidth", link]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, timeout=timeout)
     summary = json.loads((out / "summary.json").read_text())
-    step, seconds = measured(workload, composed.read_evals(out), target)
+    evals = composed.read_evals(out)
+    step, seconds = measured(workload, evals, target)
     auto = (summary.get("recipe") or {}).get("auto") or {}
     return {
-        "choice": auto.get("choice"),
+        "compressor": compressor,
+        "choice": auto.get("choice", compressor),
         "decided_at": auto.get("decided_at"),
+        "curve": composed.points(workload, evals),
         "steps_to_target": step,
         "time_to_target_s": seconds,
         "train_time_s": summary["train_time_s"],
@@ -84,10 +93,12 @@ def whole_run(link: str, workload: str, target: float, out: Path, timeout: float
     }
 
 
-def compare(row: dict[str, Any], composition: dict[str, Any]) -> dict[str, Any]:
-    """The whole run beside the composed seed-0 time of the same link and workload."""
+def compare(row: dict[str, Any], composition: dict[str, Any], compressor: str = "auto") -> dict[str, Any]:
+    """The whole run of ``compressor`` beside the composed seed-0 time of the same link and
+    workload (``auto``'s, or that fixed candidate's)."""
     seed0 = composition["seeds"].index(0)
-    composed_s = composition["auto"]["time_to_target_s"][seed0]
+    composed_arm = composition["auto"] if compressor == "auto" else composition["fixed"][compressor]
+    composed_s = composed_arm["time_to_target_s"][seed0]
     ratio = (
         None
         if composed_s is None or row["time_to_target_s"] is None
@@ -95,7 +106,7 @@ def compare(row: dict[str, Any], composition: dict[str, Any]) -> dict[str, Any]:
     )
     return {
         "composed_s": composed_s,
-        "composed_choice": composition["auto"]["choice"],
+        "composed_choice": composition["auto"]["choice"] if compressor == "auto" else compressor,
         "measured_over_composed": ratio,
         "agree": None if ratio is None else abs(ratio - 1.0) <= AGREE,
     }
@@ -113,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         default=composed.OUT_JSON,
         help="time_to_target.py's result (default: %(default)s)",
     )
+    parser.add_argument(
+        "--compressors",
+        nargs="+",
+        default=["auto"],
+        help="what each link x workload runs, in turn: auto and fixed candidates (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default: 1200)")
     parser.add_argument("--json", type=Path, required=True, help="where to write the results")
     args = parser.parse_args(argv)
@@ -123,11 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         for link in args.links:
             for workload in args.workloads:
                 target = goal(workload)
-                row = {"link": link, "workload": workload, "target": target}
-                row.update(whole_run(link, workload, target, Path(tmp) / f"{link}-{workload}", args.timeout))
-                row.update(compare(row, compositions[(link, workload)]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for compressor in args.compressors:
+                    row = {"link": link, "workload": workload, "target": target}
+                    out = Path(tmp) / f"{link}-{workload}-{compressor}"
+                    row.update(whole_run(link, workload, target, out, args.timeout, compressor))
+                    row.update(compare(row, compositions[(link, workload)], compressor))
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
     report = {
         "agree_within": AGREE,
         "composed": {"path": composed.shown(args.composed), "sha256": composed.digest(args.composed)},

@@ -41,3 +41,14 @@ def test_measured_over_composed_agrees_within_ten_percent(measured_s, ratio, agr
     assert row["composed_s"] == 20.0 and row["composed_choice"] == "bf16"  # seed 0's
     assert row["agree"] is agree
     assert row["measured_over_composed"] == (None if ratio is None else pytest.approx(ratio))
+
+
+def test_a_fixed_candidates_whole_run_is_set_beside_its_own_composed_time() -> None:
+    composition = {
+        "seeds": [0, 1],
+        "auto": {"choice": "sidco-exp", "time_to_target_s": [20.0, 30.0]},
+        "fixed": {"sidco-exp": {"time_to_target_s": [19.0, 29.0]}},
+    }
+    row = whole.compare({"time_to_target_s": 20.9}, composition, "sidco-exp")
+    assert row["composed_s"] == 19.0 and row["composed_choice"] == "sidco-exp"
+    assert row["measured_over_composed"] == pytest.approx(1.1) and row["agree"] is True
