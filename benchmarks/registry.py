@@ -1390,7 +1390,6 @@ AUTO_WHOLE_CLAIMS = (
 )  # fmt: skip
 
 
-
 def _seeds(setting: str, result: Result, path: str) -> Claim:
     """How many seeds the list at ``path`` names."""
     return Claim(f"readme.{setting}.seeds", result, (path,), compute=len)
