@@ -35,7 +35,8 @@ def enter(
         buffers = recipe.momentum_buffers(dense.optimizer, dense.layout.numbers)
         state.feedback.seed_velocity(buffers, dense.layout.numels)  # SGD's momentum so far
     state.find_optimizer = False  # the dense state's, adopted above
-    state.discovering = state.options.scaler is None  # a scaler is looked for at its first bucket
+    # a scaler is looked for at its first bucket, unless the dense state has looked already
+    state.discovering = state.options.scaler is None and dense.discovering
     return state
 
 

@@ -51,7 +51,7 @@ from gradsift.hook.state import GradsiftHookState
 PROBES = 5
 #: ... and as many as fit in the candidate's share of this many seconds with the untimed one
 #: (:func:`timed_calls`), the share bounding its buckets too (:func:`probe_subset`).
-PROBE_SECONDS = 0.5
+PROBE_SECONDS = 0.3
 #: Elements of the deciding step's buckets kept for the probes at most (the first buckets
 #: of the step up to this many; a larger model's times are scaled linearly).
 PROBE_ELEMENTS = 1 << 24
