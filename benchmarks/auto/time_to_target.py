@@ -64,7 +64,7 @@ VGG_LINK, VGG_OTHER_LINK = "1gbit", "100mbit"
 #: Seed 0's VGG curves are the ``VGG_LINK`` runs; the other seeds' (``vgg_seeds.py``, localhost)
 #: lie in ``VGG_SEED_RUNS/<arm>-s<seed>/``, where they have been run.
 VGG_SEED_RUNS = ROOT / "results" / "auto" / "vgg_seeds"
-VGG_SEEDS = (0, 1, 2)
+VGG_SEEDS = (0, 1, 2, 3, 4)
 
 #: One arm's evaluations per seed: ``{seed: [(step, metric), ...]}``.
 Curve = dict[int, list[tuple[int, float]]]
