@@ -1389,6 +1389,61 @@ AUTO_WHOLE_CLAIMS = (
     Claim("autowhole.agree", AUTO_WHOLE, ("agree_within",), "{:.0f} %", compute=lambda a: 100 * a),
 )  # fmt: skip
 
+# -- auto and the fixed candidate it chose, each run whole in one session (issue 42) ------------------
+AUTO_BESIDE = Result(
+    "results/auto/whole-beside-fixed.json",
+    "python benchmarks/auto/whole.py --links 100mbit 10mbit --workloads vgg --compressors auto sidco-exp "
+    "--json results/auto/whole-beside-fixed.json",
+)
+AUTO_BESIDE_LINKS = ("100mbit", "10mbit")
+
+
+def _beside(link: str, key: str, fields: tuple[str, ...], compute: Any, fmt: str = "{}") -> Claim:
+    """A claim on the ``auto`` and ``sidco-exp`` runs of ``link`` (each field, a list over the
+    runs, read from both arms)."""
+    paths = tuple(
+        f"rows/{{link={link},compressor={arm}}}/{field}" for field in fields for arm in ("auto", "sidco-exp")
+    )
+    return Claim(f"autobeside.{link}.{key}", AUTO_BESIDE, paths, fmt, compute=compute)
+
+
+def _median_time(seconds: list[float | None], steps: list[int | None]) -> str:
+    """The median time to the target over the runs, with their steps and count."""
+    if None in seconds:
+        return "not reached in every run"
+    return f"{statistics.median(seconds):.1f} s (steps {'/'.join(map(str, steps))}; {len(seconds)} runs)"
+
+
+def _paired_ratio(auto: list[float | None], fixed: list[float | None]) -> str:
+    """The median over the run pairs (in order) of auto's time over the fixed arm's, and the range."""
+    if None in auto or None in fixed:
+        return "-"
+    ratios = [a / f for a, f in zip(auto, fixed, strict=True)]
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+AUTO_BESIDE_TABLE = Table(
+    "auto-whole-beside-fixed",
+    ("link", "workload", "auto chose", "auto's time to the target", "`sidco-exp`'s", "auto / `sidco-exp`, per pair",
+     "the same evaluations"),
+    ("---", "---", "---", "---:", "---:", "---:", "---"),
+    tuple(
+        (link, AUTO_TTA_WORKLOADS["vgg"],
+         _beside(link, "choice", ("choice",), lambda auto, fixed: ", ".join(f"`{c}`" for c in sorted(set(auto)))),
+         _beside(link, "auto", ("time_to_target_s", "steps_to_target"), lambda a, f, sa, sf: _median_time(a, sa)),
+         _beside(link, "fixed", ("time_to_target_s", "steps_to_target"), lambda a, f, sa, sf: _median_time(f, sf)),
+         _beside(link, "ratio", ("time_to_target_s",), _paired_ratio),
+         _beside(link, "same", ("curve",),
+                 lambda a, f: "yes, every evaluation of every run" if all(c == f[0] for c in a + f) else "no"))
+        for link in AUTO_BESIDE_LINKS
+    ),
+)  # fmt: skip
+AUTO_BESIDE_CLAIMS = (
+    Claim("autobeside.commit", AUTO_BESIDE, ("provenance/commit",), "{:.7}"),
+    Claim("autobeside.load", AUTO_BESIDE, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+)  # fmt: skip
+
 
 def _seeds(setting: str, result: Result, path: str) -> Claim:
     """How many seeds the list at ``path`` names."""
@@ -1482,9 +1537,10 @@ TABLES = (
     AUTO_MATRIX_TABLE,
     AUTO_TTA_TABLE,
     AUTO_WHOLE_TABLE,
+    AUTO_BESIDE_TABLE,
     NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
