@@ -1349,6 +1349,9 @@ AUTO_TTA_CLAIMS = (
                                                    "each candidate's whole route, the probes' wall time measured",
                                                "message+codec": "message plus codec"}[f] for f in formats)),
     Claim("autotta.decided_at", AUTO_TTA, ("rows/*/auto/decided_at",), compute=spanned(".0f")),
+    Claim("autotta.vgg.more_seeds", AUTO_TTA, ("targets/vgg/more_seeds",), compute=lambda more: "; ".join(
+        f"seed {seed}: `sidco-exp` at step {more['steps_to_target']['sidco-exp'][i]}, fp32 at "
+        f"{more['steps_to_target']['none'][i]}" for i, seed in enumerate(more["seeds"]))),
 )  # fmt: skip
 
 # -- one whole run of auto per link, beside its composed time to the target (issue 42) ---------------

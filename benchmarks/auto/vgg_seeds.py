@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
-from time_to_target import VGG_SEED_RUNS, VGG_SEEDS
+from time_to_target import VGG_MORE_SEEDS, VGG_SEED_RUNS, VGG_SEEDS
 from whole import run_benchmark, train_flags
 
 #: The fixed candidates ``auto`` chooses among under SGD (``links.py``'s VGG arms).
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--seeds", nargs="+", type=int, default=[1, 2], help="seeds to run, of %(choices)s (default: %(default)s)",
-        choices=[s for s in VGG_SEEDS if s != 0],
+        choices=[s for s in (*VGG_SEEDS, *VGG_MORE_SEEDS) if s != 0],
     )  # fmt: skip
     args = parser.parse_args(argv)
     seeds = args.seeds

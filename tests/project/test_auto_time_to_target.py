@@ -133,3 +133,16 @@ def test_the_probes_measured_wall_time_replaces_the_estimate():
     routes = {"route none": 10.0, "route bf16": 30.0}
     assert tta.probe_seconds({**routes, "probing": 500.0}, {"none": 10.0, "bf16": 30.0}) == pytest.approx(0.5)
     assert tta.probe_seconds(routes, {"none": 10.0, "bf16": 30.0}) == pytest.approx(0.24)
+
+
+def test_more_seeds_give_their_steps_to_the_composed_target(tmp_path: Path) -> None:
+    """Seeds 3 and 4 of two arms (seed 4 of `b` missing: seed 4 is left out for every arm)."""
+    for arm, seed, accuracies in (("a", 3, [0.5, 0.9]), ("b", 3, [0.85, 0.86]), ("a", 4, [0.9, 0.9])):
+        run = tmp_path / f"{arm}-s{seed}"
+        run.mkdir()
+        lines = [
+            json.dumps({"step": 25 * (i + 1), "accuracy": a, "loss": 1.0}) for i, a in enumerate(accuracies)
+        ]
+        (run / "evals.jsonl").write_text("\n".join(lines) + "\n")
+    checked = tta.more_seeds(("a", "b"), 0.86, seed_runs=tmp_path)
+    assert checked == {"seeds": [3], "steps_to_target": {"a": [50], "b": [50]}}
