@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument(
         "--compressor",
         default="auto",
-        help="gradsift registry name, or auto (default): stock DDP while it measures the link, then the "
+        help="gradsift registry name, or auto (default): it measures the link (on sidco-exp under SGD), then the "
         "fastest method that keeps quality for the optimizer",
     )
     parser.add_argument(

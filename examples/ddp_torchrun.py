@@ -1,6 +1,6 @@
 """Plain PyTorch DDP with gradsift: one added line, ``gradsift.register_comm_hook(...)``.
 
-``--compressor`` defaults to ``auto`` (stock DDP while it measures the link, then the
+``--compressor`` defaults to ``auto`` (it measures the link -- on sidco-exp under SGD --, then the
 fastest method that keeps quality for the optimizer; on localhost usually stock DDP);
 name a method to compress, e.g. ``--compressor topk --ratio 0.01`` (docs/integrations.md).
 A small classifier on synthetic data (a fixed random "teacher" labels Gaussian inputs),
@@ -43,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compressor",
         default="auto",
-        help="gradsift registry name, or auto (default): stock DDP while it measures the link, then the "
+        help="gradsift registry name, or auto (default): it measures the link (on sidco-exp under SGD), then the "
         "fastest method that keeps quality for the optimizer",
     )
     parser.add_argument(

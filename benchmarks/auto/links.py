@@ -8,7 +8,7 @@ evaluation) once per arm: every fixed candidate ``auto`` chooses among for the o
 then ``auto`` itself. Each run's median step time, bytes sent and received per step, and
 ``auto``'s choice are kept; the table is ``auto``'s median step over the fastest fixed
 candidate's on the same link (issue 42's target: within 1.05x). ``auto``'s median includes
-its dense measuring steps (up to ``DECIDE_AT + 1``), as a user's run does. Seed 0 only:
+its measuring steps (up to ``DECIDE_AT + 1``), as a user's run does. Seed 0 only:
 these are timings of one machine state, not accuracy.
 
 With ``--repeats N`` every arm runs ``N`` times, the arms in a rotated order each repeat, so

@@ -349,5 +349,6 @@ def test_hook_examples_run_as_written() -> None:
             if name != "ddp":
                 assert out["density"] == pytest.approx(max(1, int(0.01 * n)) / n), name  # topk at 1%
         assert rank["exchange"]["exchange"] == "Balanced()"
-        # register_comm_hook's example is the one line: compressor="auto", stock DDP while it measures
-        assert rank["ddp"]["density"] == 1.0 and rank["ddp"]["exchange"] == "Allreduce()"
+        # register_comm_hook's example is the one line, compressor="auto": under its SGD it measures
+        # on sidco-exp at ratio 0.01 (its density is the data's, near the ratio)
+        assert 0 < rank["ddp"]["density"] < 0.05 and rank["ddp"]["exchange"] != "Allreduce()"

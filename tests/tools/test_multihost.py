@@ -97,10 +97,10 @@ def test_two_hosts_train_under_torchrun_over_the_shaped_links(tmp_path: Path) ->
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 3
     hosts = json.loads((tmp_path / "network.json").read_text())["hosts"]
     assert [h["namespace"] for h in hosts] == [f"{netem.PREFIX}{launcher.pid}-h{i}" for i in range(2)]
-    # A 2-rank fp32 ring allreduce brings each rank (P-1)/P * 2 * 4n = 4n bytes per step:
-    # every host's NIC saw at least the 3 steps' gradients, so the ranks talked over the veths.
+    # Every host's NIC saw at least the 3 steps' messages the exchange counted as received
+    # (the one line measures on sidco-exp under SGD), so the ranks talked over the veths.
     for host in hosts:
-        assert host["rx_bytes"] >= 3 * summary["dense_bytes_per_step"], host
+        assert host["rx_bytes"] >= 3 * summary["bytes_received_per_step"] > 0, host
     assert _leftovers(launcher.pid) == []
 
 
