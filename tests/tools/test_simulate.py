@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
+from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.simulate import ring_allreduce_sum, simulate
 from support.distributed import run_workers
 
@@ -180,3 +181,25 @@ def test_drawing_from_the_global_generator_is_reported():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         simulate(model_fn, data_fn, workers=2, steps=1, compressor="topk", ratio=0.01)
+
+
+def test_auto_is_refused_naming_what_runs() -> None:
+    with pytest.raises(InvalidOptionError, match="compressor='auto' measures the link.*registry name"):
+        simulate(
+            lambda: torch.nn.Linear(4, 2),
+            lambda rank, step: (None, None),
+            workers=2,
+            steps=1,
+            compressor="auto",
+        )
+
+
+def test_the_simulated_hooks_do_not_walk_the_live_objects(monkeypatch) -> None:
+    """Each rank's hook gets a disabled GradScaler, so none looks for one (a walk of the live
+    objects in one rank's thread can hold a tuple another is building: SystemError)."""
+    from gradsift.hook import discovery
+
+    walks = []
+    monkeypatch.setattr(discovery, "find", lambda *args: walks.append(args) or (None, None))
+    assert simulate(model_fn, data_fn, workers=2, steps=2, compressor="topk", ratio=0.01).ranks_agree
+    assert walks == []

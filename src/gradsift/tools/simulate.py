@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsift.core.errors import PeerFailureError
+from gradsift.core.errors import InvalidOptionError, PeerFailureError
 from gradsift.core.validation import check_int
 
 #: torch's C++ bindings of torch.distributed (its thread isolation mode has no stub).
@@ -183,7 +183,8 @@ def simulate(
         data_fn: ``(rank, step) -> (inputs, targets)``, rank ``rank``'s batch of step ``step``.
         workers: ``W``, the simulated ranks.
         steps: the number of optimizer steps.
-        compressor: a registry name (each rank builds its own compressor).
+        compressor: a registry name (each rank builds its own compressor; not ``"auto"``,
+            which measures a link that simulated ranks do not have).
         optimizer_fn: ``parameters -> optimizer`` (default: SGD, lr 0.1); it is passed to the
             hook as ``optimizer=`` (DGC's momentum correction).
         loss_fn: ``(outputs, targets) -> loss`` (default: cross entropy).
@@ -191,8 +192,18 @@ def simulate(
             after every ``eval_every`` steps (and after the last one) while the other
             ranks wait at their next collective.
         ddp_options: keywords for ``DistributedDataParallel`` (e.g. ``bucket_cap_mb``).
-        options: the hook's and the compressor's options (``ratio``, ``exchange``, ...).
+        options: the hook's and the compressor's options (``ratio``, ``exchange``, ...). Without
+            ``scaler=``, each rank's hook gets a disabled ``GradScaler``: the hook then does
+            not look for one among the live objects -- a walk that, with the ranks threads of one
+            process, can hold a tuple another rank is building (CPython then raises
+            ``SystemError`` from the tuple's resize).
     """
+    if compressor == "auto":
+        raise InvalidOptionError(
+            "simulate runs a named method: compressor='auto' measures the link, and simulated ranks "
+            "share memory, not a link (pass a registry name, e.g. compressor='sidco-exp')"
+        )
+    options.setdefault("scaler", torch.amp.GradScaler("cpu", enabled=False))
     check_int(workers, "workers", low=1)
     check_int(steps, "steps", low=0)
     check_int(eval_every, "eval_every", low=0)
