@@ -109,10 +109,6 @@ class AutoHookState:
         #: The start method's density warm-up, in steps (0: none); timing starts after it.
         self.density_warmup_steps: int = options.pop(DENSITY_WARMUP, None) or 0
         check_int(self.density_warmup_steps, DENSITY_WARMUP, low=0)
-        #: The first timed step (:data:`SKIP`, or the start method's first after its warm-up).
-        self.timed_from = SKIP
-        #: The method the measuring steps run (:data:`~gradsift.hook.choice.START`).
-        self.measured_on = "none"
         self.ddp_model = ddp_model
         self.hook_options = dict(options)
         self.dense = GradsiftHookState.build("none", **self.hook_options)
@@ -199,16 +195,20 @@ class AutoHookState:
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
+    @property
+    def measured_on(self) -> str:
+        """The method the measuring steps run: the found family's :data:`~gradsift.hook.choice.START`."""
+        return choice.START[choice.family(self.dense.optimizer)]
+
+    @property
+    def timed_from(self) -> int:
+        """The first timed step: :data:`SKIP`, or the start method's first after its density warm-up."""
+        return SKIP if self.measured_on == "none" else max(SKIP, self.density_warmup_steps)
+
     def _start(self, step: int) -> None:
-        """Run the found optimizer family's start method from ``step`` (the first), unless a
-        loaded checkpoint already switched; its density warm-up is not timed."""
-        start = choice.START[choice.family(self.dense.optimizer)]
-        if start == "none":
-            return
-        self.timed_from = max(SKIP, self.density_warmup_steps)
-        self.measured_on = start
-        if self.switched_at is None:
-            self._switch(start, step)
+        """Run the start method from ``step`` (the first), unless stock DDP or already switched."""
+        if self.measured_on != "none" and self.switched_at is None:
+            self._switch(self.measured_on, step)
 
     def _keep(self, bucket: dist.GradBucket) -> None:
         """Copy the deciding step's ``bucket`` for the probes, while the copies stay within the
