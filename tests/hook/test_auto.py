@@ -9,6 +9,7 @@ and left for stock DDP on a fast one; a checkpoint resumes the choice bit for bi
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -48,6 +49,44 @@ def test_measured_on_the_compressed_method_the_dense_step_is_predicted_and_prefe
     # a fast link: dense predicted 0.21 s; sidco-exp's 0.3 s and bf16's 0.205 s are not 10 % faster
     best, predicted = choice.choose(0.3, {"none": 0.01, "bf16": 0.005, "sidco-exp": 0.1}, "sidco-exp", "none")
     assert predicted["none"] == pytest.approx(0.21) and best == "none"
+
+
+def test_what_a_probe_counts_beyond_the_paid_route_comes_off_every_candidate():
+    # the measured case of docs/decisions.md: sidco-exp's steps 175 ms, which paid 19 ms of route
+    # where its probe counted 93 ms; the probes of none and bf16 counted 70 and 23 ms
+    route = {"none": 0.070, "bf16": 0.023, "sidco-exp": 0.093}
+    best, predicted = choice.choose(0.175, route, "sidco-exp", "none", paid=0.019)
+    # hidden 74 ms: none and bf16 cost 0 ms, sidco-exp 19 ms; compute 156 ms
+    assert predicted == pytest.approx({"none": 0.156, "bf16": 0.156, "sidco-exp": 0.175})
+    assert best == "none"  # a tie with bf16: the preferred dense step
+    # without the paid route the probes alone rank bf16 first (0.105 s against none's 0.152 s)
+    best, predicted = choice.choose(0.175, route, "sidco-exp", "none")
+    assert predicted["bf16"] == pytest.approx(0.105) and best == "bf16"
+
+
+def test_a_paid_route_above_the_probe_changes_nothing():
+    route = {"none": 2.0, "bf16": 1.0, "sidco-exp": 0.1}
+    plain = choice.choose(0.3, route, "sidco-exp", "none")
+    assert choice.choose(0.3, route, "sidco-exp", "none", paid=0.15) == plain
+    assert choice.running_cost(0.1, 0.15) == 0.1 and choice.running_cost(0.1, 0.04) == 0.04
+
+
+def test_the_paid_route_is_the_telemetrys_route_phases_per_step_between_marks():
+    from gradsift.core.telemetry import BucketRecord, Telemetry
+    from gradsift.hook.paid import PaidRoute
+
+    telemetry, paid = Telemetry(), PaidRoute()
+    assert paid.since_mark(telemetry) is None  # no mark yet
+    paid.mark(telemetry)
+    assert paid.since_mark(telemetry) is None  # no step since
+    for step, (enc, wait, dec) in enumerate([(3.0, 5.0, 1.0), (2.0, 9.0, 1.0)]):
+        records = [BucketRecord(compress_ms=enc, communicate_ms=wait, decompress_ms=dec, bytes_sent=8)]
+        telemetry.end_step(step, records, skipped=False)
+    assert paid.since_mark(telemetry) == pytest.approx((9.0 + 12.0) / 2 / 1e3)
+    telemetry.end_step(2, [BucketRecord(compress_ms=4.0)], skipped=False)
+    assert paid.since_mark(telemetry) == pytest.approx(0.004)  # from the new mark
+    paid.mark(None)  # a route not timed (stock DDP's lean allreduce)
+    assert paid.since_mark(telemetry) is None and paid.since_mark(None) is None
 
 
 def model() -> DDP:
@@ -125,6 +164,33 @@ def test_under_sgd_the_measuring_steps_are_sidco_as_registered_by_hand(one_proce
     assert optimizer.param_groups[0]["momentum"] == 0.0  # taken over, as by hand
     for a, b in zip(ddp.parameters(), by_hand.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_measuring_steps_paid_route_is_their_telemetrys_and_enters_the_prediction(
+    one_process_group, monkeypatch, tmp_path
+):
+    """Under SGD the decision reads the route that the measuring steps on ``sidco-exp`` paid:
+    the mean over the timed steps (SKIP .. the deciding step) of each step's logged encode +
+    wait + decode. Probes of 1 s for ``sidco-exp`` and 0.5 s for ``none``: what the probe of
+    ``sidco-exp`` counted beyond that comes off both, so ``none`` costs nothing and is
+    predicted at the step less the paid route."""
+    routes = {"none": 0.5, "bf16": 2.0, "sidco-exp": 1.0}
+    monkeypatch.setattr(
+        auto.probes, "route_costs", lambda candidates, *args: [routes[n] for n, _ in candidates]
+    )
+    monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 0.3)
+    ddp, log = model(), tmp_path / "steps.jsonl"
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp, log_every=1, jsonl_path=log)
+    train(ddp, optimizer, auto.DECIDE_AT + 2, torch.Generator().manual_seed(1))
+    stats = state.stats()["auto"]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    timed = [s for s in steps if auto.SKIP <= s["step"] <= stats["decided_at"] - 1]
+    assert len(timed) == auto.DECIDE_AT - auto.SKIP + 1
+    paid_ms = sum(s["compress_ms"] + s["communicate_ms"] + s["decompress_ms"] for s in timed) / len(timed)
+    assert stats["measured_ms"]["route sidco-exp paid"] == pytest.approx(paid_ms)
+    assert stats["predicted_ms"]["none"] == pytest.approx(300.0 - paid_ms)
+    assert stats["predicted_ms"]["bf16"] == pytest.approx(300.0 - paid_ms + 2000.0 - (1000.0 - paid_ms))
 
 
 def test_the_start_method_does_not_look_for_the_optimizer_and_scaler_again(one_process_group, monkeypatch):

@@ -9,9 +9,9 @@ method (:data:`~gradsift.hook.choice.START`: ``sidco-exp`` under SGD, as
 steps), on every rank alike:
 
 1. **Measure** -- the step time ``T`` of the running method (median of the intervals between
-   the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`, both after a density
-   warm-up; on CUDA each of those steps
-   synchronises once, so host clocks see device time), and each candidate's route time: the
+   the first buckets of steps :data:`SKIP` .. :data:`DECIDE_AT`, both after a density warm-up;
+   on CUDA each synchronises once, so host clocks see device time), the route those steps
+   paid (its telemetry, :mod:`gradsift.hook.paid`), and each candidate's route time: the
    deciding step's buckets, copied before their exchange, through the candidate's whole
    route -- its real collectives on this group included -- or, for ``none``, stock DDP's
    allreduce of them (:mod:`gradsift.hook.probes`: once untimed, then the median of
@@ -20,10 +20,9 @@ steps), on every rank alike:
    the next step's first bucket.
 2. **Agree** -- every rank's numbers are reduced by ``max`` in one collective, so every
    rank predicts from the same numbers and picks the same candidate.
-3. **Predict** -- ``T(c) = T - r(s) + r(c)`` per candidate, ``r`` its route time, ``s``
-   the running method: its step with its route exchanged for the candidate's (a route's
-   overlap with backward makes ``T - r(s)`` a lower bound of the compute, which errs
-   towards the cheaper route); ``s`` keeps ``T`` as measured.
+3. **Predict** -- ``T(c) = T - k(s) + k(c)`` per candidate, ``s`` the running method: its
+   step with its route exchanged for the candidate's, ``k`` a probed route time less what the
+   probe of ``s`` counted beyond what its steps paid (:func:`~gradsift.hook.choice.choose`).
 4. **Choose** -- the least predicted time; a candidate other than ``none`` must beat
    ``none``'s predicted step by :data:`~gradsift.hook.choice.MARGIN`, so a near tie runs
    dense (the hook is never the reason a run is slower); if that is not the start method,
@@ -31,8 +30,8 @@ steps), on every rank alike:
    method with error feedback gives the optimizer its momentum or moments back).
 5. **Watch** -- the step time of the running choice, in windows (:mod:`gradsift.hook.drift`);
    when it drifts from what the choice was made on, the next step's buckets are kept and
-   probed again (1-4, with the running method's step in place of ``T``). Needs the
-   optimizer found: without one, the first choice stays.
+   probed again (1-4, with the window's median step and paid route). Needs the optimizer
+   found: without one, the first choice stays.
 
 The candidates (:mod:`gradsift.hook.choice`) keep the optimizer family's quality; the 1-bit
 Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
@@ -49,12 +48,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsift.core.collectives import agreed_max, ring_allreduce_received
+from gradsift.core.collectives import agreed_max
 from gradsift.core.errors import InvalidOptionError
-from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_int
 from gradsift.hook import choice, handover, probes, recipe
 from gradsift.hook.drift import DriftWatch
+from gradsift.hook.lean import LeanAllreduce
+from gradsift.hook.paid import PaidRoute
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
@@ -126,24 +126,25 @@ class AutoHookState:
         #: elements, :func:`~gradsift.hook.probes.kept_elements`), and whether they are complete.
         self._kept: list[probes.KeptBucket] = []
         self._kept_limit = probes.PROBE_ELEMENTS
-        self._keeping = False
-        self._kept_all = False
+        self._keeping = self._kept_all = False
         self._keep_next = False  # a re-measure keeps the next step's buckets
         #: The running choice's step-time windows (:mod:`gradsift.hook.drift`) and re-measures made.
         self.watch: DriftWatch | None = None
         self.remeasures = 0
+        self._paid = PaidRoute()  # the route the running method's steps paid, since a mark
+        self._window_paid: float | None = None  # ... in the last drift window
         self.clock = time.perf_counter
         self._after_step: Any = None  # the optimizer step post-hook that decides
         #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
-        #: (:meth:`_stock_allreduce`), unless a ``nonfinite`` policy needs the route's checks.
+        #: (:mod:`gradsift.hook.lean`), unless a ``nonfinite`` policy needs the route's checks.
         self.lean = self.dense.options.nonfinite == "propagate"
+        self._lean_route = LeanAllreduce(self.dense)
         self._open = False  # a step's first bucket has arrived, its last not yet
-        self._records: list[BucketRecord] = []
 
     # -- the route -----------------------------------------------------------------------
     def route(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """One bucket: at a step's first bucket, the clock, the decision and the switch; then
-        stock DDP's allreduce while dense (:meth:`_stock_allreduce`), or the running method's
+        stock DDP's allreduce while dense (:mod:`gradsift.hook.lean`), or the running method's
         route (:func:`gradsift.hook.route.route_bucket`)."""
         if not self._open:
             self._open = True
@@ -153,30 +154,14 @@ class AutoHookState:
         if bucket.is_last():
             self._open = False
         if self.lean and self.current is self.dense:
-            return self._stock_allreduce(bucket)
+            return self._lean_route(bucket)
         return route_bucket(self.current, bucket)
-
-    def _stock_allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """``allreduce(g / W)`` in place, as PyTorch's ``allreduce_hook``, its bytes counted on
-        the host (no timing, no device work); the last bucket ends the step in the telemetry."""
-        buffer, group = bucket.buffer(), self.dense.process_group
-        world = dist.get_world_size(group)
-        record = GradsiftHookState.bucket_record(buffer)
-        record.add_tensor(buffer.numel(), dense=True)
-        nbytes = record.dense_bytes
-        record.add_bytes(sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, world))
-        self._records.append(record)
-        work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
-        if bucket.is_last():
-            self.dense.telemetry.end_step(self.dense.ledger.step, self._records, skipped=False)
-            self.dense.ledger.step += 1
-            self._records = []
-        return work.get_future().then(lambda done: done.value()[0])
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
         if self.choice == "measuring" and self._kept_all and self._after_step is None:
-            self._decide(self._step_seconds())  # no optimizer found: decide before this step's exchanges
+            # no optimizer found: decide before this step's exchanges
+            self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
         elif self.choice == "measuring" and not self._kept:
             if self.dense.discovering:
                 self.dense.discover()
@@ -187,6 +172,8 @@ class AutoHookState:
             if step >= self.timed_from:
                 if bucket.buffer().is_cuda:
                     torch.cuda.synchronize(bucket.buffer().device)
+                if not self._starts:
+                    self._paid.mark(self._timed_telemetry())
                 self._starts.append(self.clock())
             deciding = step >= self.timed_from + DECIDE_AT - SKIP
             self._keeping, self._keep_next = deciding or self._keep_next, False
@@ -226,8 +213,9 @@ class AutoHookState:
         buckets are kept; then watch the step time and re-measure when it drifts
         (:mod:`gradsift.hook.drift`) -- the next step's buckets kept, decided after its step."""
         if self._kept_all:
-            measuring = self.choice == "measuring"
-            self._decide(self._step_seconds() if measuring else self._watch().last or 0.0, measuring)
+            first = self.choice == "measuring"
+            paid = self._paid.since_mark(self._timed_telemetry()) if first else self._window_paid
+            self._decide(self._step_seconds() if first else self._watch().last or 0.0, paid, first)
             return
         if self.choice == "measuring":
             if not self._keeping and self._starts:  # slow steps: measured enough?
@@ -238,6 +226,8 @@ class AutoHookState:
         if self.pending is not None:
             return
         median = self._watch().tick(self.clock())
+        if median is not None:
+            self._window_paid = self._paid.since_mark(self._timed_telemetry())
         if median is None or not self._watch().due(self._agreed([median])[0]):
             return
         self._keep_next = True
@@ -253,11 +243,15 @@ class AutoHookState:
         """Every rank's ``values``, reduced by ``max`` over the group (one collective)."""
         return agreed_max(values, self.dense.process_group, "auto's agreement")
 
-    def _decide(self, step_s: float, first: bool = True) -> None:
-        """Steps 1-4 of the module docstring from the dense step time ``step_s`` (``first``), or
-        a re-measure's from the running method's drifted step time: the kept buckets probed,
-        the numbers agreed, the choice made (a switch from the next step or after Adam's
-        warm-up)."""
+    def _timed_telemetry(self) -> Any:
+        """The running method's telemetry, None on stock DDP's lean allreduce (not timed)."""
+        return None if self.lean and self.current is self.dense else self.current.telemetry
+
+    def _decide(self, step_s: float, paid_s: float | None, first: bool = True) -> None:
+        """Steps 1-4 of the module docstring from the measuring steps' time ``step_s``
+        (``first``), or a re-measure's from the running method's drifted window, with the route
+        its steps paid, ``paid_s`` (None: not timed): the kept buckets probed, the numbers
+        agreed, the choice made (a switch from the next step or after Adam's warm-up)."""
         numel = self._numel()
         candidates = self.candidates()
         names = [name for name, _ in candidates]
@@ -272,19 +266,25 @@ class AutoHookState:
         )
         started = time.perf_counter()
         costs = probes.route_costs(candidates, self._kept, numel, setting)
-        step_s, probing, *routes = self._agreed([step_s, time.perf_counter() - started, *costs])
+        step_s, paid, probing, *routes = self._agreed(
+            [step_s, -1.0 if paid_s is None else paid_s, time.perf_counter() - started, *costs])  # fmt: skip
+        paid_s = None if paid < 0 else paid  # every rank times its route, or none does
         route = dict(zip(names, routes, strict=True))
         running = self.current.compressor.name
-        best, predicted = choice.choose(step_s, route, running, prefer="none" if first else running)
+        best, predicted = choice.choose(step_s, route, running, "none" if first else running, paid_s)
         self.predicted_ms = {n: 1e3 * seconds for n, seconds in predicted.items()}
-        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - route[running], 0.0)}
+        cost = choice.running_cost(route[running], paid_s)
+        self.measured_ms = {"step": 1e3 * step_s, "compute": 1e3 * max(step_s - cost, 0.0)}
         self.measured_ms.update({f"route {n}": 1e3 * route[n] for n in names})
+        if paid_s is not None:
+            self.measured_ms[f"route {running} paid"] = 1e3 * paid_s
         self.measured_ms["probing"] = 1e3 * probing  # the probes' own wall time, once
         self.decided_at = self.current.step
         self.remeasures += not first
         self.watch = None  # the next window is expected at the new choice's predicted step
         self.choice = best
         self._kept, self._kept_all = [], False
+        self._paid.mark(self._timed_telemetry())  # the watch's windows count from here
         if best != running:
             if self.current.feedback is not None:
                 handover.leave(self.current, self.dense)

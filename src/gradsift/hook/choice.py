@@ -5,9 +5,11 @@ SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction;
 -- ``none``, ``bf16``, and, in a run known to last at least :data:`LONG_RUN_STEPS` steps, the
 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
 -- ``none``, ``bf16``. The rule (:func:`choose`): each candidate's predicted step is the
-running method's measured step with its route exchanged for the candidate's, and another
-method than the preferred one (the dense step at the first decision, the running method at
-a re-measure) runs only when predicted :data:`MARGIN` faster than it.
+running method's measured step with its route exchanged for the candidate's -- the probes'
+route times less what a probe counts that the running method's steps did not pay
+(:mod:`gradsift.hook.paid`) -- and another method than the preferred one (the dense step at
+the first decision, the running method at a re-measure) runs only when predicted
+:data:`MARGIN` faster than it.
 
 The measuring steps run the family's :data:`START` method: the compressed candidate where
 it needs no dense warm-up (SGD's ``sidco-exp``), else ``none``. Why: the two ways to be
@@ -65,16 +67,34 @@ def dense_steps(optimizer: Any, name: str, hook_options: dict[str, Any]) -> int:
     return ONE_LINE_WARMUP_STEPS if given is None else int(given)
 
 
+def running_cost(probed: float, paid: float | None) -> float:
+    """``k(running)`` of :func:`choose`: the running method's route cost, its probed time
+    ``probed`` or, when its steps paid less (``paid``), that."""
+    return probed if paid is None else min(probed, paid)
+
+
 def choose(
-    step: float, route: dict[str, float], running: str = "none", prefer: str | None = None
+    step: float,
+    route: dict[str, float],
+    running: str = "none",
+    prefer: str | None = None,
+    paid: float | None = None,
 ) -> tuple[str, dict[str, float]]:
     """Steps 3-4 of :mod:`gradsift.hook.auto`: the candidate to run and every candidate's predicted
-    step time (seconds), from the ``running`` method's measured step time ``step`` and each
-    candidate's route time (seconds): ``T(c) = step - r(running) + r(c)``, ``T(running) = step``;
-    a method other than ``prefer`` (unset: ``running``) must beat ``T(prefer)`` by :data:`MARGIN`."""
+    step time (seconds), from the ``running`` method's measured step time ``step``, each
+    candidate's probed route time ``r`` (seconds) and the running method's route as its steps
+    paid it, ``paid`` (seconds per step; None: not timed, taken as ``r(running)``).
+
+    ``h = max(r(running) - paid, 0)`` is what a probe counts that a step does not pay (the
+    communication backward hides, the waits of ranks sharing cores); each candidate's cost is
+    ``k(c) = max(r(c) - h, 0)`` and its step ``T(c) = step - k(running) + k(c)``, so
+    ``T(running) = step``; a method other than ``prefer`` (unset: ``running``) must beat
+    ``T(prefer)`` by :data:`MARGIN`."""
     prefer = running if prefer is None else prefer
-    compute = max(step - route[running], 0.0)
-    predicted = {name: compute + seconds for name, seconds in route.items()}
+    hidden = route[running] - running_cost(route[running], paid)
+    cost = {name: max(seconds - hidden, 0.0) for name, seconds in route.items()}
+    compute = max(step - cost[running], 0.0)
+    predicted = {name: compute + seconds for name, seconds in cost.items()}
     predicted[running] = step
     names = list(route)
     best = min(names, key=lambda name: (predicted[name], names.index(name)))

@@ -13,9 +13,9 @@ faster than the running one, so noise of a window or two, and near ties, change 
 
 The first window after a choice that runs *faster* than predicted (``m < (1 - DRIFT) e``)
 becomes the expected step instead of a drifting window: the choice beat its prediction, and
-what it was compared with -- the dense step, measured, and the other candidates, predicted
-with the same compute term ``T - r(none)`` -- is not made better by that, so a re-measure
-would choose the same. A first window that runs slower counts as drifting: the prediction
+what it was compared with -- the measured step, and the other candidates, predicted with
+the same compute term (:func:`~gradsift.hook.choice.choose`) -- is not made better by that,
+so a re-measure would choose the same. A first window that runs slower counts as drifting: the prediction
 may have ranked the candidates wrong.
 
 On CUDA the host clock between optimizer steps is not synchronised with the device: the
