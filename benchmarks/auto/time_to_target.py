@@ -6,7 +6,8 @@ measures that whole; this composes it, reading only committed results (no traini
 
 * **Step times** per link x workload x arm: ``results/auto/links.json`` (``links.py``: one
   40-step run per arm, seed 0): each fixed candidate's median step, and ``auto``'s choice,
-  the step it decided at and its probes' measured times.
+  the step it decided at and its probes' measured times; where ``links-repeated.json``
+  (``links.py --repeats``) has the row, its median run per arm instead.
 * **Curves**: GPT + AdamW on 2 workers -- the convergence protocol's ``gpt-adamw`` runs
   (``results/convergence/runs/gpt-adamw/<arm>-e0.3-s<seed>/``, 314 steps, 3 seeds);
   VGG + SGD on 4 workers -- ``results/training/runs/<arm>-w4-1gbit/`` (one seed, 200 steps,
@@ -55,6 +56,8 @@ from paths import ROOT
 #: Calls per candidate the probes make: one untimed, then ``gradsift.hook.probes.PROBES`` (5) timed.
 PROBE_CALLS = 6
 LINKS_JSON = ROOT / "results" / "auto" / "links.json"
+#: ``links.py --repeats``'s rows (the rows within noise of another arm), where they exist.
+REPEATED_JSON = ROOT / "results" / "auto" / "links-repeated.json"
 OUT_JSON = ROOT / "results" / "auto" / "time_to_target.json"
 GPT_RUNS = ROOT / "results" / "convergence" / "runs" / "gpt-adamw"
 VGG_RUNS = ROOT / "results" / "training" / "runs"
@@ -149,8 +152,13 @@ def step_to_target(workload: str, curve: list[tuple[int, float]], goal: float) -
 # -- the step times and the probes ---------------------------------------------------------------
 def probe_ms(measured: dict[str, float]) -> tuple[str, dict[str, float]]:
     """``(format, per-candidate ms)`` of ``auto``'s probes from its ``measured_ms``: the new
-    format's ``"route <name>"``, or the old one's ``"message <name>"`` plus ``"codec <name>"``."""
-    routes = {k.removeprefix("route "): v for k, v in measured.items() if k.startswith("route ")}
+    format's ``"route <name>"`` (not ``"route <name> paid"``, what the running method's steps
+    paid), or the old one's ``"message <name>"`` plus ``"codec <name>"``."""
+    routes = {
+        k.removeprefix("route "): v
+        for k, v in measured.items()
+        if k.startswith("route ") and not k.endswith(" paid")
+    }
     if routes:
         return "route", routes
     messages = {k.removeprefix("message "): v for k, v in measured.items() if k.startswith("message ")}
@@ -308,17 +316,23 @@ def shown(path: Path) -> str:
 
 
 def analyze_links(
-    links: dict[str, Any], curves_of: Callable[[str, tuple[str, ...]], dict[str, Curve]]
+    links: dict[str, Any],
+    curves_of: Callable[[str, tuple[str, ...]], dict[str, Curve]],
+    repeated: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every row of ``links.json`` composed with the curves ``curves_of(workload, arms)``."""
+    """Every row of ``links.json`` composed with the curves ``curves_of(workload, arms)``; a
+    row of ``repeated`` (``links.py --repeats``: each arm's median run) replaces the same link
+    and workload's single run."""
+    again = {(e["summary"]["link"], e["summary"]["workload"]): e for e in (repeated or {}).get("rows", [])}
     rows = []
-    for entry in links["rows"]:
-        link, workload = entry["summary"]["link"], entry["summary"]["workload"]
+    for single in links["rows"]:
+        key = (single["summary"]["link"], single["summary"]["workload"])
+        entry = again.get(key, single)
         arms = tuple(arm for arm in entry["runs"] if arm != "auto")
-        curves = curves_of(workload, arms)
-        _, goal = target(workload, curves["none"])
-        row = compose(link, workload, entry["runs"], curves, goal)
-        rows.append({**row, **verdict(row)})
+        curves = curves_of(key[1], arms)
+        _, goal = target(key[1], curves["none"])
+        row = compose(*key, entry["runs"], curves, goal)
+        rows.append({**row, **verdict(row), "step_times": "repeated" if key in again else "single"})
     return rows
 
 
@@ -327,10 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--links", type=Path, default=LINKS_JSON, help="links.py's result (default: %(default)s)"
     )
+    parser.add_argument(
+        "--repeated", type=Path, default=REPEATED_JSON,
+        help="links.py --repeats's rows, replacing the same rows of --links where the file exists "
+        "(default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=OUT_JSON, help="where to write (default: %(default)s)")
     args = parser.parse_args(argv)
     stamp = provenance.start(seeds=list(GPT_SEEDS))
     links = json.loads(args.links.read_text())
+    repeated = json.loads(args.repeated.read_text()) if args.repeated.exists() else None
     vgg_check: dict[str, Any] = {}
     cache: dict[str, dict[str, Curve]] = {}
 
@@ -345,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"no curves for workload {workload!r}")
         return cache[workload]
 
-    rows = analyze_links(links, curves_of)
+    rows = analyze_links(links, curves_of, repeated)
     targets = {}
     for workload, curves in cache.items():
         final, goal = target(workload, curves["none"])
@@ -367,6 +387,15 @@ def main(argv: list[str] | None = None) -> int:
                 "commit": stamp_of_links.get("commit"),
                 "started": stamp_of_links.get("started"),
                 "probe_format": sorted({r["auto"]["probe_format"] for r in rows}),
+            },
+            "repeated": None
+            if repeated is None
+            else {
+                "path": shown(args.repeated),
+                "sha256": digest(args.repeated),
+                "commit": repeated["provenance"].get("commit"),
+                "repeats": repeated["repeats"],
+                "rows": [f"{e['summary']['link']} {e['summary']['workload']}" for e in repeated["rows"]],
             },
             "vgg_curves": {
                 "runs": f"results/training/runs/<arm>-w4-{VGG_LINK} (seed 0), {shown(VGG_SEED_RUNS)}/<arm>-s<seed>",

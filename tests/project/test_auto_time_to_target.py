@@ -135,6 +135,32 @@ def test_the_probes_measured_wall_time_replaces_the_estimate():
     assert tta.probe_seconds(routes, {"none": 10.0, "bf16": 30.0}) == pytest.approx(0.24)
 
 
+def test_a_repeated_row_replaces_the_single_run_of_its_link_and_workload_only():
+    # none reaches 0.905 at step 30, bf16 at step 20; the single run has bf16 at 1 s a step,
+    # the repeated row at 3 s (slower than none's 2 s x 30 = 60 s: none is the fastest there)
+    curves = {
+        "none": {0: [(10, 0.5), (20, 0.90), (30, 0.91)]},
+        "bf16": {0: [(10, 0.6), (20, 0.92), (30, 0.93)]},
+    }
+    measured = {"route none": 1.0, "route bf16": 1.0, "probing": 0.0}
+
+    def entry(link: str, bf16_s: float) -> dict:
+        return {"summary": {"link": link, "workload": "vgg"},
+                "runs": _runs({"none": 2.0, "bf16": bf16_s}, "none", 5, measured)}  # fmt: skip
+
+    links = {"rows": [entry("localhost", 1.0), entry("1gbit", 1.0)]}
+    repeated = {"rows": [entry("localhost", 3.0)]}
+    rows = tta.analyze_links(links, lambda workload, arms: curves, repeated)
+    assert [r["step_times"] for r in rows] == ["repeated", "single"]
+    assert rows[0]["best_fixed"]["per_seed"] == ["none"] and rows[1]["best_fixed"]["per_seed"] == ["bf16"]
+    assert rows[1]["fixed"]["bf16"]["time_to_target_s"] == [pytest.approx(20.0)]  # 20 x 1 s
+
+
+def test_the_paid_route_is_not_a_candidates_probe():
+    measured = {"route none": 10.0, "route sidco-exp": 30.0, "route sidco-exp paid": 12.0}
+    assert tta.probe_ms(measured) == ("route", {"none": 10.0, "sidco-exp": 30.0})
+
+
 def test_more_seeds_give_their_steps_to_the_composed_target(tmp_path: Path) -> None:
     """Seeds 3 and 4 of two arms (seed 4 of `b` missing: seed 4 is left out for every arm)."""
     for arm, seed, accuracies in (("a", 3, [0.5, 0.9]), ("b", 3, [0.85, 0.86]), ("a", 4, [0.9, 0.9])):
