@@ -1261,9 +1261,57 @@ AUTO_MATRIX_CLAIMS = (
     Claim("autolinks.steps", AUTO_MATRIX, ("steps",)),
 )  # fmt: skip
 
+# -- the rows of auto-links within noise of another arm, repeated (issue 42) ------------------------
+AUTO_REPEATED = Result(
+    "results/auto/links-repeated.json",
+    "python benchmarks/auto/links.py --links localhost 1gbit 100mbit --workloads vgg --repeats 5 "
+    "--json results/auto/links-repeated.json",
+)
+AUTO_REPEATED_ROWS = (("localhost", "vgg"), ("1gbit", "vgg"), ("100mbit", "vgg"))
+
+
+def _repeated(index: int, key: str, paths: tuple[str, ...], fmt: str = "{}", compute: Any = None) -> Claim:
+    link, workload = AUTO_REPEATED_ROWS[index]
+    return Claim(f"autorepeated.{link}.{workload}.{key}", AUTO_REPEATED, tuple(f"rows/{index}/{p}" for p in paths),
+                 fmt, compute=compute)  # fmt: skip
+
+
+AUTO_REPEATED_CLAIMS = (
+    Claim("autorepeated.commit", AUTO_REPEATED, ("provenance/commit",), "{:.7}"),
+    Claim("autorepeated.repeats", AUTO_REPEATED, ("repeats",)),
+    Claim("autorepeated.load", AUTO_REPEATED, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+)  # fmt: skip
+
+
+def _worst_step(single: list[dict[str, Any]], repeated: list[dict[str, Any]]) -> float:
+    """``auto``'s largest median step over the fastest fixed candidate's across the link rows,
+    each row's repeated measurement replacing its single run where there is one."""
+    rows = {(r["link"], r["workload"]): r["auto_over_fastest"] for r in single}
+    rows.update({(r["link"], r["workload"]): r["auto_over_fastest"] for r in repeated})
+    return max(rows.values())
+
+
 # -- auto's time to the target per link, composed from curves and step times (issue 42) -------------
 AUTO_TTA = Result("results/auto/time_to_target.json", "python benchmarks/auto/time_to_target.py")
 AUTO_TTA_WORKLOADS = {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}
+AUTO_REPEATED_TABLE = Table(
+    "auto-links-repeated",
+    ("link", "workload", "fastest fixed candidate", "its median step", "auto chose", "auto's median step",
+     "auto / fastest", "auto / fastest, from its decision on"),
+    ("---", "---", "---", "---:", "---", "---:", "---:", "---:"),
+    tuple(
+        (link, AUTO_TTA_WORKLOADS[workload],
+         _repeated(i, "fastest", ("summary/fastest_fixed",), "`{}`"),
+         _repeated(i, "fastest_ms", ("summary/fastest_fixed", "runs"), "{:.0f} ms",
+                   lambda name, runs: 1e3 * runs[name]["step_time_median_s"]),
+         _repeated(i, "choices", ("summary/auto_choices",), compute=lambda names: ", ".join(f"`{n}`" for n in names)),
+         _repeated(i, "auto_ms", ("runs/auto/step_time_median_s",), "{:.0f} ms", lambda seconds: 1e3 * seconds),
+         _repeated(i, "over_fastest", ("summary/auto_over_fastest",), "{:.3f}x"),
+         _repeated(i, "settled_over_fastest", ("summary/settled_auto_over_fastest",), "{:.3f}x"))
+        for i, (link, workload) in enumerate(AUTO_REPEATED_ROWS)
+    ),
+)  # fmt: skip
 
 
 def _tta_seconds(mean: float | None, reached: int, seeds: list[int]) -> str:
@@ -1489,8 +1537,8 @@ VERDICT_TABLE = Table(
          "DDP under AdamW), probes each candidate on your group and runs the fastest that keeps quality for your "
          "optimizer",
          ("its median step within ",
-          Claim("readme.auto.step_worst", AUTO_MATRIX, ("rows/*/summary",), "{:.3f}x",
-                compute=lambda rows: max(r["auto_over_fastest"] for r in rows)),
+          Claim("readme.auto.step_worst", AUTO_MATRIX, ("rows/*/summary", (AUTO_REPEATED, "rows/*/summary")),
+                "{:.3f}x", compute=_worst_step),
           " of the fastest fixed candidate's on every emulated link, its measuring steps included; its time to "
           "the target within ",
           Claim("readme.auto.tta_gpt", AUTO_TTA, ("rows/{workload=gpt-adamw}/auto_over_best_fixed/mean",),
@@ -1502,7 +1550,7 @@ VERDICT_TABLE = Table(
           "the target in fewer steps)"),
          "VGG-style CNN on 4 workers and a small GPT on 2, localhost and emulated 1 Gbit/s, 100 and 10 Mbit/s "
          "([docs/auto.md](docs/auto.md))",
-         "1 (step times); 3 (curves)"),
+         "1 (step times; 5 runs per arm where one run was within noise); 3 (curves)"),
         ("GPU",
          "the one line (stock DDP where the link is fast); the compressed methods run but are not tuned for GPUs",
          "no speed gain measured yet: the device check passes (every compressor x exchange at one host read per "
@@ -1538,6 +1586,7 @@ TABLES = (
     MEMORY_TABLE,
     VERDICT_TABLE,
     AUTO_MATRIX_TABLE,
+    AUTO_REPEATED_TABLE,
     AUTO_TTA_TABLE,
     AUTO_WHOLE_TABLE,
     AUTO_BESIDE_TABLE,
@@ -1545,5 +1594,5 @@ TABLES = (
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
