@@ -8,6 +8,7 @@ stock DDP); the 1-bit Adam method runs on and says why."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -75,7 +76,14 @@ def sgd(params):
 
 
 def drifting_run(
-    monkeypatch, first_fast: str, then_fast: str, optimizer_of=sgd, step_s=2.0, seed=1, **hook_options
+    monkeypatch,
+    first_fast: str,
+    then_fast: str,
+    optimizer_of=sgd,
+    step_s=2.0,
+    seed=1,
+    paid=False,
+    **hook_options,
 ):
     """A run whose first decision sees ``first_fast``'s route at 1 ms and every other 1 s (a
     dense step of 1.2 s), whose steps then take ``step_s`` each on the host clock (2 s: +67 %,
@@ -89,8 +97,8 @@ def drifting_run(
         lambda candidates, *args: [1e-3 if name == fast["name"] else 1.0 for name, _ in candidates],
     )
     monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
-    # the steps pay the route the probes say (the fiction's link, not this machine's few ms)
-    monkeypatch.setattr(auto.PaidRoute, "since_mark", lambda self, telemetry: None)
+    if not paid:  # the steps pay the route the probes say (the fiction's link, not this machine's few ms)
+        monkeypatch.setattr(auto.PaidRoute, "since_mark", lambda self, telemetry: None)
     ddp = model()
     optimizer = optimizer_of(ddp.parameters())
     state = gradsift.register_comm_hook(ddp, **hook_options)
@@ -132,6 +140,20 @@ def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(one_
         assert torch.equal(a, b)
     stock = stock_run()
     assert any(not torch.equal(a, b) for a, b in zip(ddp.parameters(), stock.parameters(), strict=True))
+
+
+def test_a_re_measure_reads_the_route_paid_in_the_last_window(one_process_group, monkeypatch, tmp_path):
+    """The route a re-measure takes off the probes is what the running method's steps paid in
+    the drift window that made it due: the mean of each step's logged encode + wait + decode
+    over that window's 50 steps (it ends the step before the kept one, decided after it)."""
+    log = tmp_path / "steps.jsonl"
+    _, _, state = drifting_run(monkeypatch, "bf16", "bf16", paid=True, log_every=1, jsonl_path=log)
+    stats = state.stats()["auto"]
+    assert stats["remeasures"] == 1 and stats["running"] == "bf16"
+    steps = {entry["step"]: entry for entry in map(json.loads, log.read_text().splitlines())}
+    window = [steps[k] for k in range(stats["decided_at"] - 1 - drift.WINDOW, stats["decided_at"] - 1)]
+    paid_ms = sum(e["compress_ms"] + e["communicate_ms"] + e["decompress_ms"] for e in window) / drift.WINDOW
+    assert stats["measured_ms"]["route bf16 paid"] == pytest.approx(paid_ms)
 
 
 def test_leaving_error_feedback_gives_the_optimizer_its_momentum_back(one_process_group, monkeypatch):

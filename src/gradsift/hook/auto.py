@@ -235,8 +235,9 @@ class AutoHookState:
 
     def _watch(self) -> DriftWatch:
         """The running choice's :class:`~gradsift.hook.drift.DriftWatch`, from its predicted step."""
-        if self.watch is None:
+        if self.watch is None:  # its windows, and the route they paid, count from here
             self.watch = DriftWatch(self.predicted_ms[self.choice] / 1e3)
+            self._paid.mark(self._timed_telemetry())
         return self.watch
 
     def _agreed(self, values: list[float]) -> list[float]:
@@ -284,7 +285,6 @@ class AutoHookState:
         self.watch = None  # the next window is expected at the new choice's predicted step
         self.choice = best
         self._kept, self._kept_all = [], False
-        self._paid.mark(self._timed_telemetry())  # the watch's windows count from here
         if best != running:
             if self.current.feedback is not None:
                 handover.leave(self.current, self.dense)
