@@ -1225,41 +1225,56 @@ AUTO_MATRIX_ROWS = tuple(
 )
 
 
-def _matrix(index: int, path: str, fmt: str = "{:.3f}x") -> Claim:
-    link, workload = AUTO_MATRIX_ROWS[index]
-    return Claim(
-        f"autolinks.{link}.{workload}.{path.replace('/', '.')}", AUTO_MATRIX, (f"rows/{index}/{path}",), fmt
-    )
+AUTO_WORKLOADS = {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}
+_AUTO_LINKS_COLUMNS = ("link", "workload", "fastest fixed candidate", "its median step", "auto chose",
+                       "auto's median step", "auto / fastest")  # fmt: skip
 
 
-def _median_ms(index: int, arm: str) -> Claim:
-    link, workload = AUTO_MATRIX_ROWS[index]
-    return Claim(f"autolinks.{link}.{workload}.{arm}_ms", AUTO_MATRIX, (f"rows/{index}/runs/{arm}/step_time_median_s",),
-                 "{:.0f} ms", compute=lambda seconds: 1e3 * seconds)  # fmt: skip
+def _links_table(
+    name: str,
+    result: Result,
+    prefix: str,
+    rows: tuple[tuple[str, str], ...],
+    chose: tuple[str, Any],
+    last: tuple[str, str],
+) -> tuple[Table, tuple[Claim, ...]]:
+    """A ``links.py`` result as a table -- per row the fastest fixed candidate and its median step,
+    what ``auto`` chose (``chose``: the summary field and how it reads), its median step, its ratio
+    to the fastest and ``last`` (heading, summary field) -- and the result's stamp claims."""
+    field, shown = chose
+
+    def cell(i: int, key: str, paths: tuple[str, ...], fmt: str = "{:.3f}x", compute: Any = None) -> Claim:
+        link, workload = rows[i]
+        return Claim(f"{prefix}.{link}.{workload}.{key}", result, tuple(f"rows/{i}/{p}" for p in paths), fmt,
+                     compute=compute)  # fmt: skip
+
+    table = Table(
+        name, (*_AUTO_LINKS_COLUMNS, last[0]), ("---", "---", "---", "---:", "---", "---:", "---:", "---:"),
+        tuple(
+            (link, AUTO_WORKLOADS[workload],
+             cell(i, "fastest", ("summary/fastest_fixed",), "`{}`"),
+             cell(i, "fastest_ms", ("summary/fastest_fixed", "runs"), "{:.0f} ms",
+                  lambda name, runs: 1e3 * runs[name]["step_time_median_s"]),
+             cell(i, "chose", (f"summary/{field}",), "{}", compute=shown),
+             cell(i, "auto_ms", ("runs/auto/step_time_median_s",), "{:.0f} ms", lambda seconds: 1e3 * seconds),
+             cell(i, "over_fastest", ("summary/auto_over_fastest",)),
+             cell(i, last[1], (f"summary/{last[1]}",)))
+            for i, (link, workload) in enumerate(rows)
+        ),
+    )  # fmt: skip
+    stamp = (
+        Claim(f"{prefix}.commit", result, ("provenance/commit",), "{:.7}"),
+        Claim(f"{prefix}.load", result, ("provenance/load_before/0", "provenance/load_after/0"),
+              "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    )  # fmt: skip
+    return table, stamp
 
 
-AUTO_MATRIX_TABLE = Table(
-    "auto-links",
-    ("link", "workload", "fastest fixed candidate", "its median step", "auto chose", "auto's median step",
-     "auto / fastest", "auto / fp32"),
-    ("---", "---", "---", "---:", "---", "---:", "---:", "---:"),
-    tuple(
-        (link, {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}[workload],
-         _matrix(i, "summary/fastest_fixed", "`{}`"),
-         Claim(f"autolinks.{link}.{workload}.fastest_ms", AUTO_MATRIX,
-               (f"rows/{i}/summary/fastest_fixed", f"rows/{i}/runs"),
-               "{:.0f} ms", compute=lambda name, runs: 1e3 * runs[name]["step_time_median_s"]),
-         _matrix(i, "summary/auto_choice", "`{}`"), _median_ms(i, "auto"),
-         _matrix(i, "summary/auto_over_fastest"), _matrix(i, "summary/auto_over_none"))
-        for i, (link, workload) in enumerate(AUTO_MATRIX_ROWS)
-    ),
+AUTO_MATRIX_TABLE, _AUTO_MATRIX_STAMP = _links_table(
+    "auto-links", AUTO_MATRIX, "autolinks", AUTO_MATRIX_ROWS, ("auto_choice", lambda name: f"`{name}`"),
+    ("auto / fp32", "auto_over_none"),
 )  # fmt: skip
-AUTO_MATRIX_CLAIMS = (
-    Claim("autolinks.commit", AUTO_MATRIX, ("provenance/commit",), "{:.7}"),
-    Claim("autolinks.load", AUTO_MATRIX, ("provenance/load_before/0", "provenance/load_after/0"),
-          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
-    Claim("autolinks.steps", AUTO_MATRIX, ("steps",)),
-)  # fmt: skip
+AUTO_MATRIX_CLAIMS = (*_AUTO_MATRIX_STAMP, Claim("autolinks.steps", AUTO_MATRIX, ("steps",)))
 
 # -- the rows of auto-links within noise of another arm, repeated (issue 42) ------------------------
 AUTO_REPEATED = Result(
@@ -1270,18 +1285,12 @@ AUTO_REPEATED = Result(
 AUTO_REPEATED_ROWS = (("localhost", "vgg"), ("1gbit", "vgg"), ("100mbit", "vgg"))
 
 
-def _repeated(index: int, key: str, paths: tuple[str, ...], fmt: str = "{}", compute: Any = None) -> Claim:
-    link, workload = AUTO_REPEATED_ROWS[index]
-    return Claim(f"autorepeated.{link}.{workload}.{key}", AUTO_REPEATED, tuple(f"rows/{index}/{p}" for p in paths),
-                 fmt, compute=compute)  # fmt: skip
-
-
-AUTO_REPEATED_CLAIMS = (
-    Claim("autorepeated.commit", AUTO_REPEATED, ("provenance/commit",), "{:.7}"),
-    Claim("autorepeated.repeats", AUTO_REPEATED, ("repeats",)),
-    Claim("autorepeated.load", AUTO_REPEATED, ("provenance/load_before/0", "provenance/load_after/0"),
-          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+AUTO_REPEATED_TABLE, _AUTO_REPEATED_STAMP = _links_table(
+    "auto-links-repeated", AUTO_REPEATED, "autorepeated", AUTO_REPEATED_ROWS,
+    ("auto_choices", lambda names: ", ".join(f"`{n}`" for n in names)),
+    ("auto / fastest, from its decision on", "settled_auto_over_fastest"),
 )  # fmt: skip
+AUTO_REPEATED_CLAIMS = (*_AUTO_REPEATED_STAMP, Claim("autorepeated.repeats", AUTO_REPEATED, ("repeats",)))
 
 
 def _worst_step(single: list[dict[str, Any]], repeated: list[dict[str, Any]]) -> float:
@@ -1294,24 +1303,6 @@ def _worst_step(single: list[dict[str, Any]], repeated: list[dict[str, Any]]) ->
 
 # -- auto's time to the target per link, composed from curves and step times (issue 42) -------------
 AUTO_TTA = Result("results/auto/time_to_target.json", "python benchmarks/auto/time_to_target.py")
-AUTO_TTA_WORKLOADS = {"vgg": "VGG + SGD, 4 workers", "gpt-adamw": "GPT + AdamW, 2 workers"}
-AUTO_REPEATED_TABLE = Table(
-    "auto-links-repeated",
-    ("link", "workload", "fastest fixed candidate", "its median step", "auto chose", "auto's median step",
-     "auto / fastest", "auto / fastest, from its decision on"),
-    ("---", "---", "---", "---:", "---", "---:", "---:", "---:"),
-    tuple(
-        (link, AUTO_TTA_WORKLOADS[workload],
-         _repeated(i, "fastest", ("summary/fastest_fixed",), "`{}`"),
-         _repeated(i, "fastest_ms", ("summary/fastest_fixed", "runs"), "{:.0f} ms",
-                   lambda name, runs: 1e3 * runs[name]["step_time_median_s"]),
-         _repeated(i, "choices", ("summary/auto_choices",), compute=lambda names: ", ".join(f"`{n}`" for n in names)),
-         _repeated(i, "auto_ms", ("runs/auto/step_time_median_s",), "{:.0f} ms", lambda seconds: 1e3 * seconds),
-         _repeated(i, "over_fastest", ("summary/auto_over_fastest",), "{:.3f}x"),
-         _repeated(i, "settled_over_fastest", ("summary/settled_auto_over_fastest",), "{:.3f}x"))
-        for i, (link, workload) in enumerate(AUTO_REPEATED_ROWS)
-    ),
-)  # fmt: skip
 
 
 def _tta_seconds(mean: float | None, reached: int, seeds: list[int]) -> str:
@@ -1367,7 +1358,7 @@ AUTO_TTA_TABLE = Table(
      "auto / fastest", "auto / fp32"),
     ("---", "---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:"),
     tuple(
-        (link, AUTO_TTA_WORKLOADS[workload],
+        (link, AUTO_WORKLOADS[workload],
          _tta(link, workload, "fastest", ("best_fixed/names",), lambda names: ", ".join(f"`{n}`" for n in names)),
          _tta(link, workload, "steps", ("best_fixed/steps_to_target", "fixed/none/steps_to_target",
                                         "auto/steps_to_target"), _tta_steps),
@@ -1425,7 +1416,7 @@ AUTO_WHOLE_TABLE = Table(
      "composed (seed 0)", "whole / composed"),
     ("---", "---", "---", "---:", "---:", "---:"),
     tuple(
-        (link, AUTO_TTA_WORKLOADS[workload],
+        (link, AUTO_WORKLOADS[workload],
          _whole(link, workload, "choice", ("choice", "composed_choice"), lambda a, b: f"`{a}` / `{b}`"),
          _whole(link, workload, "measured", ("time_to_target_s", "steps_to_target"), _whole_time),
          _whole(link, workload, "composed", ("composed_s",), lambda s: "not reached" if s is None else f"{s:.1f} s"),
@@ -1479,7 +1470,7 @@ AUTO_BESIDE_TABLE = Table(
      "the same evaluations"),
     ("---", "---", "---", "---:", "---:", "---:", "---"),
     tuple(
-        (link, AUTO_TTA_WORKLOADS["vgg"],
+        (link, AUTO_WORKLOADS["vgg"],
          _beside(link, "choice", ("choice",), lambda auto, fixed: ", ".join(f"`{c}`" for c in sorted(set(auto)))),
          _beside(link, "auto", ("time_to_target_s", "steps_to_target"), lambda a, f, sa, sf: _median_time(a, sa)),
          _beside(link, "fixed", ("time_to_target_s", "steps_to_target"), lambda a, f, sa, sf: _median_time(f, sf)),
