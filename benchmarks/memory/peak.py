@@ -25,11 +25,13 @@ glibc's tunables set in the environment (``MALLOC_MMAP_THRESHOLD_=131072`` for d
 allocator note) are recorded with the result as ``allocator``.
 
 Expected: :data:`ARMS` lists, per arm, the per-parameter tensors it keeps over stock DDP,
-the stock ones it does without, and those alive only until the step commits (the
-transaction's old state beside the new -- for the sparsifiers under momentum correction the
-old velocity only, their residual being made in place at the commit -- a payload in flight);
-:func:`expected_bytes` counts them for a model. Usage (repository root, a clean checkout
-of a commit on main)::
+the stock ones it does without, those alive only until the step commits (the
+transaction's old state beside the new -- for the sparsifiers under AdamW the old velocity
+only, their residual being made in place at the commit -- a payload in flight), and those
+alive only while one bucket is encoded (the sparsifiers under SGD momentum: the compensated
+gradient, their new velocity waiting in the bucket's own memory until the close commits it);
+:func:`expected_bytes` counts them for a model and its largest bucket. Usage (repository
+root, a clean checkout of a commit on main)::
 
     flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py --json results/memory/peak.json
 """
@@ -72,8 +74,9 @@ class Arm:
     """One measured configuration and what the code keeps for it per parameter, over stock DDP.
 
     ``kept``: tensors alive between steps; ``dropped``: stock DDP's own that the arm does
-    without; ``in_step``: tensors alive only until the step commits or rolls back. Each is
-    ``(what, bytes per parameter element)``.
+    without; ``in_step``: tensors alive only until the step commits or rolls back; each is
+    ``(what, bytes per parameter element)``. ``in_bucket``: tensors alive only while one
+    bucket is encoded, ``(what, bytes per element of the bucket)``, counted for the largest.
     """
 
     label: str
@@ -85,28 +88,36 @@ class Arm:
     in_step: tuple[tuple[str, int], ...] = ()
     adamw_kept: tuple[tuple[str, int], ...] = ()  # added to ``kept`` under AdamW (the frozen-variance method)
     sgd_dropped: tuple[tuple[str, int], ...] = ()  # added to ``dropped`` under SGD (momentum correction)
+    adamw_in_step: tuple[tuple[str, int], ...] = ()  # added to ``in_step`` under AdamW
+    sgd_in_bucket: tuple[tuple[str, int], ...] = ()  # the ``in_bucket`` under SGD
 
     def tensors(self, optimizer: str) -> dict[str, tuple[tuple[str, int], ...]]:
-        """``kept``, ``dropped`` and ``in_step`` under ``optimizer``."""
+        """``kept``, ``dropped``, ``in_step`` and ``in_bucket`` under ``optimizer``."""
         adamw = optimizer == "adamw"
         return {
             "kept": self.kept + (self.adamw_kept if adamw else ()),
             "dropped": self.dropped + (() if adamw else self.sgd_dropped),
-            "in_step": self.in_step,
+            "in_step": self.in_step + (self.adamw_in_step if adamw else ()),
+            "in_bucket": () if adamw else self.sgd_in_bucket,
         }
 
 
 RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
 OLD = (("old residual", FP32), ("old velocity", FP32))
-#: The sparsifiers' residual under momentum correction is made in place at the commit, and
-#: their compensated gradient lives in the bucket's own memory (hook.feedback, step 3).
+#: Under AdamW the sparsifiers' residual is made in place at the commit, and their
+#: compensated gradient lives in the bucket's own memory (hook.feedback, step 3, lazily).
 LAZY = (("old velocity (the residual changes in place at the commit)", FP32),)
+#: Under SGD momentum their new velocity waits in the bucket's own memory and the close
+#: commits both in place (hook.feedback, step 3, in the result): ``c`` lives while its bucket
+#: is encoded.
+IN_RESULT = (("compensated gradient of the bucket being encoded (the new velocity in the bucket)", FP32),)
 MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
 PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
 COMPENSATED = ("compensated gradient beside the new residual", FP32)
 SPARSIFIER = {
     "kept": (RESIDUAL, VELOCITY),
-    "in_step": LAZY,
+    "adamw_in_step": LAZY,
+    "sgd_in_bucket": IN_RESULT,
     "adamw_kept": PRECONDITIONER,
     "sgd_dropped": MOMENTUM_BUFFER,
 }
@@ -128,14 +139,18 @@ ARMS = (
 )  # fmt: skip
 
 
-def expected_bytes(arm: Arm, optimizer: str, model: torch.nn.Module) -> dict[str, int]:
+def expected_bytes(
+    arm: Arm, optimizer: str, model: torch.nn.Module, largest_bucket: int | None = None
+) -> dict[str, int]:
     """Bytes over stock DDP that ``arm`` keeps between steps (``kept``) and holds at its peak,
-    until the step commits (``peak``), for ``model``'s trainable parameters."""
+    until the step commits (``peak``), for ``model``'s trainable parameters and the elements
+    of its largest bucket (None: one bucket of them all)."""
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tensors = arm.tensors(optimizer)
     per = {part: sum(size for _, size in tensors[part]) for part in tensors}
     kept = numel * (per["kept"] - per["dropped"])
-    return {"kept": kept, "peak": kept + numel * per["in_step"]}
+    bucket = numel if largest_bucket is None else largest_bucket
+    return {"kept": kept, "peak": kept + numel * per["in_step"] + bucket * per["in_bucket"]}
 
 
 def make_model(width: int = WIDTH) -> torch.nn.Module:
@@ -208,20 +223,28 @@ def rss_peak() -> int:
 
 def build(
     arm: Arm, optimizer_name: str, module: torch.nn.Module
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model the steps run on and its optimizer, with ``arm``'s method installed."""
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The model the steps run on, its optimizer, and the hook's state (None without the hook),
+    with ``arm``'s method installed."""
     if arm.method == "diloco":
         optimizer = make_optimizer(optimizer_name, module)
         gradsift.diloco(module, optimizer, **dict(arm.options))
-        return module, optimizer
+        return module, optimizer, None
     model = DDP(module)
     optimizer = make_optimizer(optimizer_name, module)
-    if arm.method is not None:
-        options = dict(arm.options, optimizer=optimizer)
-        if optimizer_name == "adamw":  # the frozen-variance warm-up (none, bf16: 5 stock steps)
-            options["warmup_steps"] = DENSE_STEPS
-        gradsift.register_comm_hook(model, arm.method, **options)
-    return model, optimizer
+    if arm.method is None:
+        return model, optimizer, None
+    options = dict(arm.options, optimizer=optimizer)
+    if optimizer_name == "adamw":  # the frozen-variance warm-up (none, bf16: 5 stock steps)
+        options["warmup_steps"] = DENSE_STEPS
+    return model, optimizer, gradsift.register_comm_hook(model, arm.method, **options)
+
+
+def largest_bucket(state: Any) -> int | None:
+    """Elements of the largest bucket the hook keeps a velocity for (the bucket granularity's
+    state is one tensor per bucket; None when it keeps none)."""
+    velocities = [] if state is None else state.store.table("velocity").values()
+    return max((tensor.numel() for tensor in velocities), default=None)
 
 
 def worker(
@@ -231,7 +254,7 @@ def worker(
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, store=dist.FileStore(store_path, WORLD))
     module = make_model(width)
     start, allocated = rss_now(), allocated_now()
-    model, optimizer = build(arm, optimizer_name, module)
+    model, optimizer, state = build(arm, optimizer_name, module)
     generator = torch.Generator().manual_seed(rank)
     with AllocatedPeak() as allocated_peak:
         for _ in range(steps):
@@ -243,7 +266,8 @@ def worker(
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
     mine = {"start": start, "peak": rss_peak(), "end": rss_now(), "allocated_start": allocated,
-            "allocated_end": allocated_now(), "allocated_peak": allocated_peak.peak}  # fmt: skip
+            "allocated_end": allocated_now(), "allocated_peak": allocated_peak.peak,
+            "largest_bucket": largest_bucket(state)}  # fmt: skip
     ranks: list[Any] = [None] * WORLD
     dist.all_gather_object(ranks, mine)
     if rank == 0:
@@ -269,7 +293,7 @@ def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list
         for key, start in (("peak", "start"), ("end", "start"), ("allocated_end", "allocated_start"),
                            ("allocated_peak", "allocated_start"))
     }  # fmt: skip
-    expected = expected_bytes(arm, optimizer, model)
+    expected = expected_bytes(arm, optimizer, model, ranks[0]["largest_bucket"])
     return {
         "arm": arm.label,
         "optimizer": optimizer,
@@ -283,6 +307,7 @@ def summarise(arm: Arm, optimizer: str, ranks: list[dict[str, int]], stock: list
         "extra_allocated_end_per_parameter": extra["allocated_end"] / numel,
         "extra_allocated_peak_per_parameter": extra["allocated_peak"] / numel,
         "extra_allocated_peak_over_parameter_bytes": extra["allocated_peak"] / (FP32 * numel),
+        "largest_bucket": ranks[0]["largest_bucket"],
         "expected_peak_per_parameter": expected["peak"] / numel,
         "expected_kept_per_parameter": expected["kept"] / numel,
         "expected": {part: [f"{what} ({size} B)" for what, size in tensors]

@@ -1,12 +1,18 @@
-"""The sparsifiers' residual kept lazily under momentum correction (hook.feedback, step 3):
-the route drops the compensated gradient once the allgather has encoded it, writes it over
-the bucket's gradient, and error feedback makes the new residual in place at the commit.
+"""The sparsifiers' state kept without the compensated gradient under momentum correction
+(hook.feedback, step 3), both ways: *in the result* (the allgather's default once the state
+is stored: the new velocity waits in the bucket's gradient memory and the close commits it
+and the residual in place, gated on the step's flag, before the mean is written there) and
+*lazily* (an exchange that writes its means at once: ``c`` is written over the bucket and the
+residual made in place at the commit).
 
-Oracle: the same training with the laziness turned off (the allgather declared as an
-exchange that reads its input late, so the route keeps ``c`` and error feedback consumes
-it), which the tests of tests/hook and tests/exchanges check against brute force: the same
-bits in the parameters and the hook's state after every step, a step dropped for a NaN
-included; and during a step the old residual stays the stored one, unchanged.
+Oracle: the same training with ``c`` kept (the allgather declared as an exchange that reads
+its input late, so the route keeps ``c`` and error feedback consumes it), which the tests of
+tests/hook and tests/exchanges check against brute force: the same bits in the parameters
+and the hook's state after every step, a step dropped for a NaN included. And what each way
+promises during a step: lazily, the old residual stays the stored one, unchanged, until the
+step settles; in the result, the stored velocity and residual are changed in place (the same
+tensors) at the close of a kept step and left bit for bit as they were by a dropped one --
+reading the flag at once (CPU memory) or, as on a GPU, by ``torch.where`` on it.
 """
 
 from __future__ import annotations
@@ -17,15 +23,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.exchanges.allgather import Allgather
+from gradsift.hook import feedback
+from support.distributed import run_workers
 from support.models import batch, flat_params, hook_state, make_model, same
 
 STEPS, DROPPED = 6, 3
 
 
-def train(granularity: str, lazy: bool) -> list[tuple[torch.Tensor, dict]]:
-    """Per step, the parameters and the hook's state; step ``DROPPED`` holds a NaN. ``lazy``:
-    check that the residual the step sees until it settles is the old one, as it was (from the
-    third step: the second re-lays the state into DDP's rebuilt buckets)."""
+def train(granularity: str, way: str) -> list[tuple[torch.Tensor, dict]]:
+    """Per step, the parameters and the hook's state; step ``DROPPED`` holds a NaN. From the
+    third step (the second re-lays the state into DDP's rebuilt buckets) check what ``way``
+    promises between backward (the close) and the optimizer's step (the settle)."""
     model = DDP(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = gradsift.register_comm_hook(
@@ -37,25 +45,80 @@ def train(granularity: str, lazy: bool) -> list[tuple[torch.Tensor, dict]]:
         x, y = batch(0, step)
         if step == DROPPED:
             x[0, 0] = float("nan")
-        residuals = dict(state.store.tables.get("residual", {}))
-        saved = {key: tensor.clone() for key, tensor in residuals.items()}
+        stored = {table: dict(state.store.tables.get(table, {})) for table in ("residual", "velocity")}
+        saved = {table: {k: t.clone() for k, t in tensors.items()} for table, tensors in stored.items()}
         torch.nn.functional.mse_loss(model(x), y).backward()
-        if lazy and step >= 2:
-            for key, tensor in state.store.table("residual").items():  # before the step settles
-                assert tensor is residuals[key] and torch.equal(tensor, saved[key])
+        if step >= 2 and way != "c kept":
+            for table in ("residual", "velocity") if way == "in result" else ("residual",):
+                for key, tensor in state.store.table(table).items():  # closed, not settled
+                    assert tensor is stored[table][key], (step, table)
+                    changed = not torch.equal(tensor, saved[table][key])
+                    assert changed == (way == "in result" and step != DROPPED), (step, table)
         optimizer.step()
+        if step >= 2 and way == "in result":  # no velocity was put: the stored one changed in place
+            assert all(t is stored["velocity"][k] for k, t in state.store.table("velocity").items())
         after.append((flat_params(model), hook_state(state)))
     assert state.step == STEPS - 1
     return after
 
 
 @pytest.mark.parametrize("granularity", ["bucket", "layer"])
-def test_the_lazy_residual_trains_bit_for_bit_as_the_kept_one(
+def test_state_kept_in_the_result_or_lazily_trains_bit_for_bit_as_with_c_kept(
     granularity: str, one_process_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lazy = train(granularity, lazy=True)
+    in_result = train(granularity, "in result")
+    with monkeypatch.context() as device_gate:  # the GPU's way: every write a torch.where on the flag
+        device_gate.setattr(feedback, "readable_at_once", lambda flag: False)
+        gated = train(granularity, "in result")
+    monkeypatch.setattr(Allgather, "defers_mean", False)
+    lazy = train(granularity, "lazily")
     monkeypatch.setattr(Allgather, "copies_input", False)
-    kept = train(granularity, lazy=False)
-    for step, ((params, state), (params_kept, state_kept)) in enumerate(zip(lazy, kept, strict=True)):
-        assert torch.equal(params, params_kept), step
-        assert same(state, state_kept), step
+    kept = train(granularity, "c kept")
+    for step, runs in enumerate(zip(in_result, gated, lazy, kept, strict=True)):
+        params_kept, state_kept = runs[-1]
+        for way, (params, state) in zip(("in result", "gated on the device", "lazily"), runs, strict=False):
+            assert torch.equal(params, params_kept), (step, way)
+            assert same(state, state_kept), (step, way)
+
+
+def two_rank_worker(rank: int, world: int) -> dict[str, list[tuple[torch.Tensor, dict]]]:
+    """Rank ``rank``'s per-step parameters and hook state, each way (rank 1's step
+    ``DROPPED`` holds a NaN: every rank drops it)."""
+    runs = {}
+    for way in ("in result", "c kept"):
+        Allgather.copies_input = way != "c kept"
+        model = DDP(make_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = gradsift.register_comm_hook(
+            model, "sidco-exp", ratio=0.1, optimizer=optimizer, nonfinite="skip"
+        )
+        after = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = batch(rank, step)
+            if step == DROPPED and rank == 1:
+                x[0, 0] = float("nan")
+            velocities = state.store.table("velocity")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if step >= 2:  # kept in the result: changed in place, never put
+                now = state.store.table("velocity")
+                assert all(
+                    (now[key] is tensor) == (way == "in result" or step == DROPPED)
+                    for key, tensor in velocities.items()
+                ), (way, step)
+            after.append((flat_params(model), hook_state(state)))
+        assert state.step == STEPS - 1
+        runs[way] = after
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_ranks_a_nan_on_one_is_dropped_alike_and_the_bits_are_c_kept_ones() -> None:
+    for rank, runs in enumerate(run_workers(__file__, "two_rank_worker", 2)):
+        for step, ((params, state), (params_kept, state_kept)) in enumerate(
+            zip(runs["in result"], runs["c kept"], strict=True)
+        ):
+            assert torch.equal(params, params_kept), (rank, step)
+            assert same(state, state_kept), (rank, step)

@@ -10,7 +10,7 @@ and step by the hook's layout (:mod:`gradsift.hook.layout`). Whatever moves the 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,12 @@ class Context:
         capacities: per part key, the entries its payload has room for this step.
         step: the hook's step counter (the same on every rank).
         bucket: the DDP ``GradBucket`` (the delegated exchange hands it to the compressor).
+        before_mean: None, or what the hook runs on this worker's sent payloads once the
+            step's flag ``dropped`` is known, before the means are written into ``result``:
+            until then ``result`` holds the hook's new state (error feedback's velocity,
+            :meth:`gradsift.hook.feedback.ErrorFeedback.commit_in_result`). Only an exchange
+            that :attr:`~gradsift.exchanges.base.Exchange.defers_mean` is given one; it then
+            leaves the call and its decode to the outcome's ``writes``.
     """
 
     group: Any
@@ -85,6 +91,7 @@ class Context:
     capacities: Mapping[Hashable, int] = field(default_factory=dict)
     step: int = 0
     bucket: Any = None
+    before_mean: Callable[[list[Payload], torch.Tensor | None], None] | None = None
 
 
 @dataclass
@@ -107,6 +114,10 @@ class Outcome:
             :mod:`gradsift.hook.capacity`).
         error: a failure the host already knows (a collective failed), raised when the
             step closes.
+        writes: what the close still runs once every bucket's flags are in, given the
+            step's flag ``dropped`` (None: no trip can tell), in order: a mean written
+            after the state its bucket held was committed (``Context.before_mean``), then
+            what the route does to that mean.
     """
 
     sent: list[Payload | torch.Tensor | None] = field(default_factory=list)
@@ -114,6 +125,7 @@ class Outcome:
     malformed: list[torch.Tensor] = field(default_factory=list)
     demands: dict[Hashable, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
     error: BaseException | None = None
+    writes: list[Callable[[torch.Tensor | None], None]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -150,4 +162,5 @@ class Outcome:
             joined.malformed += outcome.malformed
             joined.demands.update(outcome.demands)
             joined.error = joined.error or outcome.error
+            joined.writes += outcome.writes
         return joined

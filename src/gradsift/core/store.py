@@ -12,7 +12,10 @@ of the parameter numbers of a DDP bucket. Three things make the store more than 
   (rolling back drops the overlay: no copy is made either way, because writers put new
   tensors instead of modifying stored ones). A writer that changes a stored tensor in
   place hands the change to :meth:`on_commit` instead: it runs after the overlay is
-  applied, and a rollback forgets it, so a stored tensor changes only at a commit.
+  applied, and a rollback forgets it, so a stored tensor changes only at a commit -- or
+  where the step's own flag already says whether it commits, every write conditioned on
+  that flag (the DDP hook's close: ``gradsift.hook.feedback.ErrorFeedback.commit_in_result``),
+  so a rolled-back step still finds it as it was.
 * **Layouts.** :meth:`follow` records, per key, the order in which its parameters lie
   in the key's flat tensors. When DDP rebuilds its buckets after the first step (or a
   resumed run starts with the initial layout) a key's parameters may come in another

@@ -5,8 +5,10 @@ quantizers). One message per bucket holds the ``P`` parts' payloads (:mod:`wire`
 the same size on every worker, so it travels in one ``all_gather_into_tensor`` that
 overlaps the rest of backward, with no size exchange before it. When it arrives, each
 worker's message is checked on the device (:meth:`wire.MessageLayout.unpack`) and
-``decompress([p_1, ..., p_W])`` of each part is written into the result; the non-finite
-flags in the headers and the malformed-sender flags go to the :class:`~gradsift.core.parts.Outcome`.
+``decompress([p_1, ..., p_W])`` of each part is written into the result -- or, when the
+context has a ``before_mean`` (:attr:`~gradsift.exchanges.base.Exchange.defers_mean`), after
+it, once the step's close knows its flag; the non-finite flags in the headers and the
+malformed-sender flags go to the :class:`~gradsift.core.parts.Outcome`.
 
 Bytes: ``bytes_sent`` is what the entries in use and the headers take (the payloads'
 ``used_nbytes`` and the flag word), ``bytes_padded`` the whole fixed message (capacity,
@@ -17,10 +19,13 @@ one message, which the balanced exchange reuses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradsift.core import wire
 from gradsift.core.collectives import Pending, allgather
+from gradsift.core.errors import InvalidOptionError
 from gradsift.core.parts import Context, Outcome, Part
 from gradsift.core.payload import Payload
 from gradsift.exchanges.base import Codec, Exchange
@@ -36,6 +41,7 @@ class Allgather(Exchange):
     name = "allgather"
     replicated = True
     copies_input = True
+    defers_mean = True
 
     @classmethod
     def traffic(cls, k: int, world: int) -> Traffic:
@@ -45,7 +51,7 @@ class Allgather(Exchange):
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
         sent, gathered = gather_payloads([codec.encode(part, context).wire for part in parts], context)
 
-        def finish(received: wire.Received) -> Outcome:
+        def write_means(received: wire.Received) -> list[torch.Tensor]:
             flags = []
             for i, part in enumerate(parts):
                 flag = codec.decompress_into(
@@ -53,16 +59,36 @@ class Allgather(Exchange):
                 )
                 if flag is not None:
                     flags.append(flag)
+            return flags
+
+        def finish(received: wire.Received) -> Outcome:
+            before_mean = context.before_mean
+            flags = [] if before_mean is not None else write_means(received)
             malformed = received.malformed
             if flags:
                 malformed = malformed | torch.stack(flags).any()
-            return Outcome.of(
+            outcome = Outcome.of(
                 parts,
                 list(sent),
                 nonfinite=received.nonfinite,
                 malformed=malformed,
                 demand=(received.demand, received.used),
             )
+            if before_mean is not None:
+                outcome.writes.append(lambda dropped: deferred(before_mean, received, dropped))
+            return outcome
+
+        def deferred(
+            before_mean: Callable[[list[Payload], torch.Tensor | None], None],
+            received: wire.Received,
+            dropped: torch.Tensor | None,
+        ) -> None:
+            before_mean(list(sent), dropped)
+            if write_means(received):
+                raise InvalidOptionError(
+                    f"{codec.compressor.name} checks its payloads while it decodes: its means cannot wait "
+                    "for the step's flag (a context's before_mean is for compressors whose decode flags nothing)"
+                )
 
         return gathered.then(finish)
 

@@ -169,6 +169,13 @@ class Exchange(abc.ABC):
     #: the allgather and the balanced exchange. The shared mask reads it again later.
     copies_input: ClassVar[bool] = False
 
+    #: Whether the exchange honours a context's ``before_mean`` (:class:`~gradsift.core.parts.Context`):
+    #: its trip then ends with the flags and the sent payloads only, and leaves the call and
+    #: the means' writes to the outcome's ``writes``, which the step's close runs once every
+    #: bucket's flags are in. The bucket's memory can then hold new state until the flag
+    #: says whether to keep it: the allgather.
+    defers_mean: ClassVar[bool] = False
+
     #: Whether the workers' messages add up on the way (each worker moves about one
     #: message's bytes, as in a ring allreduce) rather than each reaching every other
     #: worker (``W - 1`` messages, as in an allgather): the report's cost model uses it.

@@ -24,6 +24,18 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
    beside the new one, not the old residual beside the new, and ``c`` only while its part
    is encoded; a rolled-back step never runs the change, so ``r`` stays as it was.
 
+   *Kept in the result* (the same, on an exchange that writes its means only once the
+   step's flag is known, :attr:`~gradsift.exchanges.base.Exchange.defers_mean`, and once
+   ``u`` and ``r`` are stored): ``u' = m u + g`` is written over the bucket's gradient
+   instead of a new tensor, ``c = r + u'`` is a new tensor that lives while its part is
+   encoded, and at the step's close, before the mean is written over ``u'``, the commit
+   runs in place with every write a ``torch.where`` on the step's flag ``dropped``:
+   ``u <- u'``, ``r <- r + u'`` (the kernel that made ``c``), ``r[sent] -= v``,
+   ``u[sent] = 0`` (:meth:`~ErrorFeedback.commit_in_result`). A dropped step leaves both
+   as they were, with no host read; a kept one is the lazy path's bits. The step then
+   holds nothing parameter-sized beside the stored state but the ``c`` of the part
+   being encoded.
+
 Residuals and velocities are kept in float32 at least: a bf16/fp16 gradient is widened
 before it is accumulated (``value_dtype`` may still send bf16), so that small updates do
 not round away over the steps they wait. Under mixed precision they are kept *unscaled*
@@ -84,6 +96,11 @@ def server_stage(
     sent = compressor.sent_dense(payload).to(target.dtype)
     mean.copy_(sent)
     store.put(SERVER_RESIDUAL, key, target.sub_(sent))
+
+
+def readable_at_once(flag: torch.Tensor) -> bool:
+    """Whether reading ``flag`` on the host waits for nothing: it lies in CPU memory."""
+    return flag.device.type == "cpu"
 
 
 class ErrorFeedback:
@@ -190,6 +207,50 @@ class ErrorFeedback:
             return torch.add(residual, flat, out=out)
         return torch.add(flat, residual, alpha=self.decay, out=out)
 
+    def holds(self, key: Hashable, gradient: torch.Tensor) -> bool:
+        """Whether ``key``'s velocity and residual are both stored, shaped as ``gradient``'s
+        float32 flat (what :meth:`compensate_in_result` updates in place)."""
+        stored = [self.store.get(table, key) for table in (VELOCITY, RESIDUAL)]
+        return self.momentum > 0 and all(
+            t is not None and t.numel() == gradient.numel() and t.dtype == gradient.dtype for t in stored
+        )
+
+    def compensate_in_result(
+        self, key: Hashable, gradient: torch.Tensor, result: torch.Tensor
+    ) -> torch.Tensor:
+        """``c = r + u'`` as a new tensor, with the new velocity ``u' = m u + g`` written into
+        ``result`` (the part's own gradient memory, which may be ``gradient``) and the stored
+        velocity and residual left as they are until :meth:`commit_in_result` (module
+        docstring, step 3, kept in the result; :meth:`holds` must be true)."""
+        velocity, residual = self.store.get(VELOCITY, key), self.store.get(RESIDUAL, key)
+        assert velocity is not None and residual is not None  # holds(key, gradient)
+        new_velocity = torch.add(gradient.reshape(-1), velocity, alpha=self.momentum, out=result)
+        return self._accumulated(residual, new_velocity, None)
+
+    def commit_in_result(
+        self, key: Hashable, result: torch.Tensor, sent: Payload, dropped: torch.Tensor | None
+    ) -> None:
+        """The step's close, before the mean is written over ``result`` (which holds ``u'``):
+        unless ``dropped``, ``u <- u'``, ``r <- r + u'``, ``r[sent] -= v``, ``u[sent] = 0``, in
+        place in the stored tensors (None: kept). On a GPU each write is a ``torch.where`` on
+        the flag, so nothing waits for the device (``result`` then ends holding ``r + u'``); in
+        CPU memory the flag is read at once (there is no device to wait for) and a dropped
+        step writes nothing.
+        """
+        velocity, residual = self.store.get(VELOCITY, key), self.store.get(RESIDUAL, key)
+        assert velocity is not None and residual is not None  # compensate_in_result's
+        if dropped is not None and readable_at_once(dropped):
+            if bool(dropped):
+                return
+            dropped = None
+        if dropped is None:
+            velocity.copy_(result)
+            self._accumulated(residual, result, residual)
+        else:
+            torch.where(dropped, velocity, result, out=velocity)
+            torch.where(dropped, residual, self._accumulated(residual, result, result), out=residual)
+        self._subtract_sent(residual, velocity, sent, dropped)
+
     def keeps_lazily(self, compressor: Compressor) -> bool:
         """Whether :meth:`update` can keep ``compressor``'s residual without the compensated
         gradient (module docstring, step 3): with momentum correction (``c = r + u``, ``u``
@@ -247,17 +308,30 @@ class ErrorFeedback:
 
         self.store.on_commit(keep)
 
-    def _subtract_sent(self, residual: torch.Tensor, velocity: torch.Tensor | None, sent: Payload) -> None:
+    def _subtract_sent(
+        self,
+        residual: torch.Tensor,
+        velocity: torch.Tensor | None,
+        sent: Payload,
+        dropped: torch.Tensor | None = None,
+    ) -> None:
         """``residual[i] -= v`` at the sparse payload's positions (``= 0`` for positions only:
         everything there was sent); with momentum masking, ``velocity[i] = 0`` there (the
-        velocity :meth:`compensate` put this step: ours to modify)."""
+        velocity :meth:`compensate` put this step, or the stored one at
+        :meth:`commit_in_result`: ours to modify). Nothing changes where ``dropped`` holds
+        (``x - 0`` is ``x``, bit for bit)."""
         indices = sent.indices
         assert indices is not None
         used = in_use(indices.numel(), sent.length, indices.device)
+        if dropped is not None:
+            used = ~dropped if used is None else used & ~dropped
         if sent.values is None:
             zero_at(residual, indices, used)
         else:
-            residual.index_add_(0, indices, sent.values.to(residual.dtype), alpha=-1)
+            values = sent.values.to(residual.dtype)
+            residual.index_add_(
+                0, indices, values if dropped is None else torch.where(dropped, 0, values), alpha=-1
+            )
         if velocity is not None and self.momentum > 0 and self.momentum_masking:
             zero_at(velocity, indices, used)
 

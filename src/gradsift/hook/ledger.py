@@ -13,7 +13,10 @@ completed only by our callback would never complete.
 its own; closing waits for the buckets' exchanges (:class:`Pending`: no Python runs on
 the backend's threads; on NCCL a stream dependency), joins every bucket's non-finite and
 malformed flags into one device flag ``dropped`` (every exchange delivers the same flags
-to all ranks), fills the results where ``dropped`` holds -- ``result <- fill`` under
+to all ranks), runs the outcomes' ``writes`` with it (a bucket that held new state until
+the flag was known commits it gated on the flag, then gets its mean: error feedback's
+velocity, :meth:`~gradsift.hook.feedback.ErrorFeedback.commit_in_result`), fills the
+results where ``dropped`` holds -- ``result <- fill`` under
 ``masked_fill_``, NaN (``nonfinite="propagate"``, also ``"raise"`` and a malformed
 message) or zeros (``"skip"``) -- completes the futures, and starts the readout's copy to
 the host. A collective that failed (its ``wait`` raised) raises here: state rolled back,
@@ -161,12 +164,15 @@ class StepLedger:
                 outcomes.append(outcome)
                 if outcome.error is not None:
                     raise outcome.error
+            dropped = _dropped(outcomes)
+            for outcome in outcomes:  # means that waited for the flag (state the buckets held)
+                for write in outcome.writes:
+                    write(dropped)
         except BaseException as failure:
             step.transaction.roll_back()
             _refuse(step, failure)
             raise
         step.checks = _register(step, outcomes)
-        dropped = _dropped(outcomes)
         for bucket in step.buckets:
             if dropped is not None:
                 bucket.result.masked_fill_(dropped, self.fill_value)

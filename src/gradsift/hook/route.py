@@ -22,7 +22,10 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
    Adam's warm-up, beside the method's message (:mod:`gradsift.hook.variance_refresh`).
 6. **update** -- error feedback keeps ``r <- c - sent`` (with momentum correction and a
    sparse payload on an exchange that copies its input, lazily: ``c`` is written over the
-   gradient and dropped once encoded, the residual made in place at the commit); with
+   gradient and dropped once encoded, the residual made in place at the commit; on the
+   allgather, once the state is stored, the new velocity waits in the gradient's memory
+   instead and both are committed in place at the close, gated on the step's flag, before
+   the mean is written there: :mod:`gradsift.hook.feedback`, step 3); with
    ``server_feedback`` every rank compresses the compressed parts' mean again with a server
    residual (1-bit Adam's second stage, :func:`~gradsift.hook.feedback.server_stage`); the
    mean is multiplied back by ``s`` (stock DDP's scaled mean) and, under Adam, by the first
@@ -40,6 +43,7 @@ round: :class:`~gradsift.hook.layout.FlatBucket`). Per bucket, per backward:
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime
 # (``bucket: dist.GradBucket``, a Future return) and rejects strings.
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,7 @@ from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.mean import divide_, unscaled
 from gradsift.core.parts import Context, Outcome, Part
+from gradsift.core.payload import Payload
 from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
@@ -69,8 +74,12 @@ def gradsift_hook(state: GradsiftHookState, bucket: dist.GradBucket) -> torch.fu
     return route_bucket(state, bucket)
 
 
-def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
-    """Steps 1-7 of the module docstring for one bucket; the future completes at the step's close."""
+def route_bucket(
+    state: GradsiftHookState, bucket: BucketLike, mean_at_once: bool = False
+) -> torch.futures.Future[torch.Tensor]:
+    """Steps 1-7 of the module docstring for one bucket; the future completes at the step's
+    close. ``mean_at_once``: the caller waits for this bucket's mean before backward ends
+    (:func:`exchange_now`), so the bucket may not hold new state until the close."""
     step = state.open_step()  # 1
     try:
         if state.stock_step():  # 2
@@ -84,7 +93,7 @@ def route_bucket(state: GradsiftHookState, bucket: BucketLike) -> torch.futures.
             step.keys.update([context.key, *(part.key for part in parts)])
             result, record = context.result, context.record
             _offer_first_step(state, bucket, result)
-            pending = _exchange(state, parts, context)  # 4-6
+            pending = _exchange(state, parts, context, mean_at_once)  # 4-6
     except BaseException:
         state.ledger.abort()
         raise
@@ -105,7 +114,7 @@ def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Te
     non-finite policy, the commit or rollback); the mean returned here is not filled for a
     step that turns out non-finite (the caller can use the outcome's device flags).
     """
-    route_bucket(state, bucket)
+    route_bucket(state, bucket, mean_at_once=True)
     assert state.ledger.current is not None  # the route opened the step
     in_flight = state.ledger.current.buckets[-1]
     try:
@@ -136,7 +145,9 @@ def _stock_allreduce(
     )
 
 
-def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> Pending[Outcome]:
+def _exchange(
+    state: GradsiftHookState, parts: list[Part], context: Context, mean_at_once: bool = False
+) -> Pending[Outcome]:
     """Steps 4-6: compensate -> exchange (-> decode) -> update."""
     small = [part for part in parts if part.numel < state.options.min_numel]
     large = [part for part in parts if part.numel >= state.options.min_numel]
@@ -147,14 +158,18 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
     exchange, codec = warmup if warming else (state.exchange, state.codec)
     feedback = state.feedback if coded is None else coded.feedback
     lazy = exchange.copies_input and feedback is not None and feedback.keeps_lazily(codec.compressor)
+    in_result = lazy and _keeps_in_result(state, large, exchange.defers_mean and not mean_at_once)
     refresh = None if warming else variance_refresh.start_trip(state, large, context, loss_scale, warmup)
     for part in large:  # 4 (after the refresh's trip read the gradients)
-        part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy)
+        part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy, in_result)
     local = isinstance(state.adam, ZeroOneAdamStep) and not warming and not state.adam.syncs(context.step)
     trips = []  # 5
     if large:
+        trip_context = (
+            replace(context, before_mean=_committer(state, large, context)) if in_result else context
+        )
         trips.append(
-            zero_one.start_local_trip(large, context) if local else exchange.start(large, codec, context)
+            zero_one.start_local_trip(large, context) if local else exchange.start(large, codec, trip_context)
         )
         if lazy:  # the payloads hold what error feedback needs of ``c``: it lived only for them
             for part in large:
@@ -165,8 +180,47 @@ def _exchange(state: GradsiftHookState, parts: list[Part], context: Context) -> 
         trips.append(refresh)
     scale = loss_scale if coded is not None else _mean_scale(state, loss_scale, context.step)
     return Pending.gather(trips).then(
-        _update(state, context, large, scale, compressed=not warming, coded=coded, local=local)
+        _update(
+            state,
+            context,
+            large,
+            scale,
+            compressed=not warming,
+            coded=coded,
+            local=local,
+            in_result=in_result,
+        )
     )  # 6
+
+
+def _keeps_in_result(state: GradsiftHookState, large: list[Part], defers_mean: bool) -> bool:
+    """Whether the bucket's new velocity waits in its own memory for the step's flag
+    (:meth:`~gradsift.hook.feedback.ErrorFeedback.compensate_in_result`): the exchange writes its
+    means after the flag (``defers_mean``), SGD's momentum correction with no server stage,
+    and every large part's velocity and residual already stored in its gradient's dtype."""
+    feedback = state.feedback
+    return (
+        defers_mean
+        and feedback is not None
+        and state.adam is None
+        and not state.options.server_feedback
+        and all(feedback.holds(part.key, part.flat) for part in large)
+    )
+
+
+def _committer(
+    state: GradsiftHookState, large: list[Part], context: Context
+) -> Callable[[list[Payload], torch.Tensor | None], None]:
+    """The trip's ``before_mean``: error feedback's commit of each part, gated on the step's flag."""
+    feedback = state.feedback
+    assert feedback is not None  # _keeps_in_result
+
+    def commit(sent: list[Payload], dropped: torch.Tensor | None) -> None:
+        with context.record.timed("compress_ms", context.result.device):
+            for part, payload in zip(large, sent, strict=True):
+                feedback.commit_in_result(part.key, part.flat, payload, dropped)
+
+    return commit
 
 
 def _compensate(
@@ -176,13 +230,15 @@ def _compensate(
     scale: torch.Tensor | None,
     coded: CodedWarmup | None,
     lazy: bool,
+    in_result: bool = False,
 ) -> torch.Tensor:
     """Unscaled (under a loss scaler), the recipe's weight decay and local clipping, then
     error feedback: ``c = g / s + wd x + r``; in Adam's ``coded`` warm-up ``c = g / s + r``
     (the optimizer as built applies its own decay). When error feedback keeps the residual
     lazily (``lazy``), ``c`` is written over the part's gradient where the dtypes agree (the
     velocity has taken ``g`` in; the mean is written there after the exchange read ``c``),
-    so the step allocates no ``c`` of its own."""
+    so the step allocates no ``c`` of its own; kept ``in_result``, the new velocity is
+    written there instead and ``c`` lives only while the part is encoded."""
     flat = part.flat
     if scale is not None:
         flat = unscaled(flat, scale)
@@ -206,6 +262,8 @@ def _compensate(
         start = state.adam.initial_velocity(part.params)  # the warm-up's first moment
         if start is not None:
             state.store.put(VELOCITY, part.key, start)
+    if in_result:
+        return state.feedback.compensate_in_result(part.key, flat, part.flat)
     widened = part.flat.dtype in (torch.float16, torch.bfloat16)  # ``c`` is float32: no room in ``g``
     return state.feedback.compensate(part.key, flat, out=part.flat if lazy and not widened else None)
 
@@ -229,17 +287,25 @@ def _update(
     compressed: bool = True,
     coded: CodedWarmup | None = None,
     local: bool = False,
+    in_result: bool = False,
 ) -> Callable[[list[Outcome]], Outcome]:
     """Step 6, once the bucket's trips delivered (the compressed parts' first): error
     feedback's ``r <- c - sent`` (the ``coded`` warm-up's own, with its code); when ``large``
     travelled ``compressed``, the server stage on their mean and what the Adam method keeps
     of it (both in the residuals' units, before the scale); the scale put back into the
-    mean; one outcome for the close. A ``local`` step (0/1 Adam's) only scales."""
+    mean; one outcome for the close. A ``local`` step (0/1 Adam's) only scales. Kept
+    ``in_result``, error feedback commits before the mean is written (the trip's
+    ``before_mean``) and the scale waits for that mean in the outcome's ``writes``."""
     feedback, compressor = (
         (state.feedback, state.compressor) if coded is None else (coded.feedback, coded.compressor)
     )
     compressed = compressed and not local
-    feedback = None if local else feedback
+    feedback = None if local or in_result else feedback
+
+    def rescale(_dropped: torch.Tensor | None = None) -> None:
+        assert scale is not None  # called only then
+        for part in large:
+            part.view(context.result).mul_(scale)
 
     def finish(outcomes: list[Outcome]) -> Outcome:
         if large and feedback is not None:  # before the scale: ``sent`` may be the result itself
@@ -254,10 +320,12 @@ def _update(
         if large and compressed and state.adam is not None:
             for part in large:
                 state.adam.exchanged(state.store, part.key, part.view(context.result))
-        if large and scale is not None:
-            for part in large:
-                part.view(context.result).mul_(scale)
         outcome = Outcome.joined(outcomes)
+        if large and scale is not None:
+            if in_result:
+                outcome.writes.append(rescale)
+            else:
+                rescale()
         if not state.compressor.adaptive_capacity:
             outcome.demands.clear()
         return outcome
