@@ -1205,6 +1205,8 @@ MEMORY_CLAIMS = (
     Claim("memory.steps", MEMORY, ("args/steps",)),
     Claim("memory.parameters", MEMORY, ("parameters",), "{:,}"),
     Claim("memory.parameter_mb", MEMORY, ("parameter_bytes",), "{:.1f} MB", compute=lambda b: b / 1e6),
+    Claim("memory.largest_bucket", MEMORY, ("rows/[arm=topk,optimizer=sgd]/largest_bucket",), "{:,}"),
+    Claim("memory.sizes.large_bucket", MEMORY_SIZES[2048], ("rows/[arm=topk,optimizer=sgd]/largest_bucket",), "{:,}"),
 )  # fmt: skip
 
 
