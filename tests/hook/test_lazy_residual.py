@@ -68,7 +68,7 @@ def test_state_kept_in_the_result_or_lazily_trains_bit_for_bit_as_with_c_kept(
 ) -> None:
     in_result = train(granularity, "in result")
     with monkeypatch.context() as device_gate:  # the GPU's way: every write a torch.where on the flag
-        device_gate.setattr(feedback, "readable_at_once", lambda flag: False)
+        device_gate.setattr(feedback, "host_value", lambda flag: None)
         gated = train(granularity, "in result")
     monkeypatch.setattr(Allgather, "defers_mean", False)
     lazy = train(granularity, "lazily")

@@ -1,9 +1,12 @@
-"""One implementation each of the non-finite check and of the step's lifecycle (issue 45).
+"""One implementation each of the non-finite check, the step's poisoning and the step's lifecycle (issue 45).
 
 * The non-finite check by a sum: ``isfinite``, ``isnan`` or ``isinf`` of a sum (directly,
   or of a name the same function assigned a sum to) is :func:`gradsift.core.finite.nonfinite`
   and nowhere else. A check on a statistic a method computes anyway (a maximum, a mean) is
   not a copy of it.
+* The poisoning of a dropped step's tensors -- ``masked_fill_`` on a flag -- is
+  :func:`gradsift.core.finite.fill_where` and nowhere else (the ledger's close and FSDP's
+  unit call it).
 * The step's lifecycle -- the readout's host read (``.read()``), then commit (``.commit()``)
   or roll back -- is :meth:`gradsift.core.transaction.Transaction.settle`, and the hook's
   own settle (:mod:`gradsift.hook.ledger`, which applies its policies between the two);
@@ -22,6 +25,8 @@ CHECKS = {"isfinite", "isnan", "isinf"}
 SUMS = {"sum", "nansum"}
 #: (module, function) of the one sum-based non-finite check.
 NONFINITE = {("gradsift/core/finite.py", "nonfinite")}
+#: (module, function) of the one poisoning step.
+POISONING = {("gradsift/core/finite.py", "fill_where")}
 #: Modules that read a readout and commit: the shared lifecycle and the hook's step.
 LIFECYCLE = {"gradsift/core/transaction.py", "gradsift/hook/ledger.py"}
 
@@ -79,6 +84,19 @@ def nonfinite_checks(package: Path = PACKAGE) -> set[tuple[str, str]]:
     return found
 
 
+def poisonings(package: Path = PACKAGE) -> set[tuple[str, str]]:
+    """(module, function) of every ``masked_fill_`` / ``masked_fill`` call under ``package``."""
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        module = str(path.relative_to(package.parent))
+        for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _called(call) in {"masked_fill_", "masked_fill"} for call in _calls(function)
+            ):
+                found.add((module, function.name))
+    return found
+
+
 def lifecycles(package: Path = PACKAGE) -> set[str]:
     """Modules under ``package`` that call both ``.read()`` and ``.commit()`` without arguments."""
     found = set()
@@ -97,6 +115,10 @@ def test_one_sum_based_nonfinite_check():
     assert nonfinite_checks() == NONFINITE
 
 
+def test_one_poisoning_step():
+    assert poisonings() == POISONING
+
+
 def test_one_step_lifecycle_outside_the_hook():
     assert lifecycles() == LIFECYCLE
 
@@ -110,9 +132,11 @@ def test_the_counts_find_a_copy(tmp_path):
         "def through_a_name(x):\n    total = x.sum(dtype=torch.float32)\n    return total.isnan()\n"
         "def a_maximum(x):\n    n = x.sum()\n    return ~torch.isfinite(x.amax())\n"
         "def step(transaction):\n    transaction.readout.read()\n    transaction.commit()\n"
+        "def poison(result, flag):\n    result.masked_fill_(flag, float('nan'))\n"
     )
     assert nonfinite_checks(package) == {
         ("gradsift/copy.py", "direct"),
         ("gradsift/copy.py", "through_a_name"),
     }
     assert lifecycles(package) == {"gradsift/copy.py"}
+    assert poisonings(package) == {("gradsift/copy.py", "poison")}

@@ -60,6 +60,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.compressors.casts import Cast
 from gradsift.core.collectives import ready
 from gradsift.core.errors import GradsiftError, InvalidOptionError
+from gradsift.core.finite import fill_where
 from gradsift.core.parts import Outcome, Part
 from gradsift.exchanges.base import wait_timed
 from gradsift.exchanges.choice import exchange_class
@@ -322,9 +323,9 @@ def exchange_unit(state: GradsiftHookState, unit: torch.nn.Parameter, flat: torc
 
 
 def _fill_if_nonfinite(state: GradsiftHookState, result: torch.Tensor, outcome: Outcome) -> None:
-    """The ``nonfinite`` policy's fill where the outcome's device flag says so (no host read)."""
+    """The ``nonfinite`` policy's fill where the outcome's flag says so (no host read on a device)."""
     if outcome.nonfinite:
-        result.masked_fill_(torch.stack(outcome.nonfinite).any(), state.ledger.fill_value)
+        fill_where(result, torch.stack(outcome.nonfinite).any(), state.ledger.fill_value)
 
 
 def _check_allreduce_compressor(compressor: Compressor) -> None:

@@ -66,6 +66,7 @@ from gradsift.compressors.base import Compressor, in_use
 from gradsift.compressors.kernels import zero_at
 from gradsift.core.collectives import blocking, collective_device
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.finite import host_value
 from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
@@ -96,11 +97,6 @@ def server_stage(
     sent = compressor.sent_dense(payload).to(target.dtype)
     mean.copy_(sent)
     store.put(SERVER_RESIDUAL, key, target.sub_(sent))
-
-
-def readable_at_once(flag: torch.Tensor) -> bool:
-    """Whether reading ``flag`` on the host waits for nothing: it lies in CPU memory."""
-    return flag.device.type == "cpu"
 
 
 class ErrorFeedback:
@@ -239,9 +235,10 @@ class ErrorFeedback:
         """
         velocity, residual = self.store.get(VELOCITY, key), self.store.get(RESIDUAL, key)
         assert velocity is not None and residual is not None  # compensate_in_result's
-        if dropped is not None and readable_at_once(dropped):
-            if bool(dropped):
-                return
+        held = None if dropped is None else host_value(dropped)
+        if held:
+            return
+        if held is not None:
             dropped = None
         if dropped is None:
             velocity.copy_(result)

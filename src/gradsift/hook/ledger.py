@@ -16,10 +16,10 @@ malformed flags into one device flag ``dropped`` (every exchange delivers the sa
 to all ranks), runs the outcomes' ``writes`` with it (a bucket that held new state until
 the flag was known commits it gated on the flag, then gets its mean: error feedback's
 velocity, :meth:`~gradsift.hook.feedback.ErrorFeedback.commit_in_result`), fills the
-results where ``dropped`` holds -- ``result <- fill`` under
-``masked_fill_``, NaN (``nonfinite="propagate"``, also ``"raise"`` and a malformed
-message) or zeros (``"skip"``) -- completes the futures, and starts the readout's copy to
-the host. A collective that failed (its ``wait`` raised) raises here: state rolled back,
+results where ``dropped`` holds -- ``result <- fill``
+(:func:`~gradsift.core.finite.fill_where`), NaN (``nonfinite="propagate"``, also
+``"raise"`` and a malformed message) or zeros (``"skip"``) -- completes the futures, and
+starts the readout's copy to the host. A collective that failed (its ``wait`` raised) raises here: state rolled back,
 :class:`PeerFailureError`.
 
 **Settle, on the host (after backward returned).** The first of: an optimizer's step
@@ -54,6 +54,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.collectives import KEPT_WORKS, Pending
 from gradsift.core.errors import NonFiniteGradientError, WireFormatError
+from gradsift.core.finite import fill_where
 from gradsift.core.parts import Outcome
 from gradsift.core.readout import Readout, Slot
 from gradsift.core.store import TensorStore
@@ -175,7 +176,7 @@ class StepLedger:
         step.checks = _register(step, outcomes)
         for bucket in step.buckets:
             if dropped is not None:
-                bucket.result.masked_fill_(dropped, self.fill_value)
+                fill_where(bucket.result, dropped, self.fill_value)
             bucket.future.set_result(bucket.result)
         step.readout.start()
         self.closed = step
