@@ -58,8 +58,8 @@ class BlockQuantizer(Quantizer):
         tiny = torch.finfo(scales.dtype).tiny
         levels = blocks.mul((self.levels / scales.clamp_min(tiny)).unsqueeze(1)).round_()
         codes = levels.clamp_(-self.levels, self.levels).add_(self.levels).view(-1)[: flat.numel()]
-        return codes.to(torch.int64), scales
+        return codes.to(torch.uint8), scales
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signed = rows(codes, self.block_size, fill=self.levels).sub_(self.levels).to(dtype)
+        signed = rows(codes.to(dtype), self.block_size, fill=self.levels).sub_(self.levels)
         return signed.mul_((scales.to(dtype) / self.levels).unsqueeze(1)).view(-1)[: codes.numel()]

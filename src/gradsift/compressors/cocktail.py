@@ -111,7 +111,7 @@ class Cocktail(Sparsifier):
         if selected.values.numel():
             codes, scales = self.values.quantize(selected.values)
         else:
-            codes = torch.empty(0, dtype=torch.int64, device=flat.device)
+            codes = torch.empty(0, dtype=torch.uint8, device=flat.device)
             scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
         return Payload(
             numel=selected.numel,

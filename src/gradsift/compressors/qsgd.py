@@ -55,10 +55,10 @@ class QSGD(StochasticQuantizer):
         fraction = ratio.sub_(levels)
         levels.add_(self.uniform(fraction) < fraction)
         codes = levels.copysign_(buckets).add_(self.levels).view(-1)[: flat.numel()]
-        return codes.to(torch.int64), norms
+        return codes.to(torch.uint8), norms
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signed = self._buckets(codes, fill=self.levels).sub_(self.levels).to(dtype)
+        signed = self._buckets(codes.to(dtype), fill=self.levels).sub_(self.levels)
         return signed.mul_((scales.to(dtype) / self.levels).unsqueeze(1)).view(-1)[: codes.numel()]
 
     def _buckets(self, flat: torch.Tensor, fill: float) -> torch.Tensor:

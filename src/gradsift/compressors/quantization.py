@@ -62,12 +62,13 @@ class Quantizer(Compressor):
 
     @abc.abstractmethod
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode a non-empty flat gradient: ``(codes in [0, 2**code_bits), scales)``;
+        """Encode a non-empty flat gradient: ``(uint8 codes in [0, 2**code_bits), scales)``;
         the scales are non-finite exactly when ``flat`` holds NaN or Inf."""
 
     @abc.abstractmethod
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Decode int64 ``codes`` with their ``scales`` into a dense tensor of ``dtype``."""
+        """Decode uint8 ``codes`` with their ``scales`` into a dense tensor of ``dtype`` (the
+        signed arithmetic in ``dtype``: small integers, exact there)."""
 
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
@@ -84,7 +85,7 @@ class Quantizer(Compressor):
         if canonical is not None and canonical.identity:
             canonical = None
         if numel == 0:
-            codes = torch.empty(0, dtype=torch.int64, device=flat.device)
+            codes = torch.empty(0, dtype=torch.uint8, device=flat.device)
             scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
         else:
             codes, scales = self.quantize(flat if canonical is None else canonical.to_canonical(flat))

@@ -33,7 +33,7 @@ class SignSGD(Quantizer):
         return l1 / flat.numel()
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signs = (1 - 2 * codes).to(dtype)  # 0 -> +1, 1 -> -1
+        signs = codes.to(dtype).mul_(-2).add_(1)  # 0 -> +1, 1 -> -1
         return signs.mul_(scales.to(dtype))
 
 

@@ -60,10 +60,10 @@ class TernGrad(StochasticQuantizer):
         scale = magnitudes.amax().reshape(1)  # NaN propagates through amax: the flag checks every element
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))
         kept = self.uniform(probability) < probability
-        codes = (values > 0).to(torch.int64).add_(1).mul_(kept)
+        codes = (values > 0).to(torch.uint8).add_(1).mul_(kept)
         return codes, scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # 0 -> 0, 1 -> -1, 2 -> +1 (and a peer's invalid 3 -> 0): arithmetic, no lookup table to copy
-        ternary = ((codes >> 1) - (codes & 1)).to(dtype)
+        ternary = (codes >> 1).to(dtype).sub_((codes & 1).to(dtype))
         return ternary.mul_(scales.to(dtype))

@@ -195,7 +195,7 @@ class DistributedLion(ExchangingOptimizer, method="DistributedLion", key="lion")
     def _sum_of_signs(self, bits: list[torch.Tensor]) -> torch.Tensor:
         """``S = sum_k u_k`` per element (int64), from every worker's packed bits (rank order):
         ``2 n_+ - W``, with ``n_+`` the count of set bits."""
-        ones = unpack(bits[0], 1, self.numel)
+        ones = unpack(bits[0], 1, self.numel).to(torch.int64)
         for row in bits[1:]:
             ones += unpack(row, 1, self.numel)
         return ones.mul_(2).sub_(self.world)
