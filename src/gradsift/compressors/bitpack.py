@@ -11,9 +11,10 @@ bits: one int64 word). When ``b`` divides 8 (1, 2, 4, 8) codes never straddle a 
 ``8/b`` uint8 codes are shifted into place and summed per byte. Other widths (3, 5, 6,
 7) shift the 8 codes of a group to bits ``0, b, 2b, ...`` of a word, sum them (the bits
 are disjoint, so the sum is an OR) and cut the word into its ``b`` bytes; unpacking
-reverses the two steps. No loop runs over elements. Codes come back as uint8 (a code is at
-most 8 bits): a decoder widens them to its own arithmetic's dtype, so unpacking holds one
-byte per element, not eight.
+reverses the two steps. No loop runs over elements. Codes come back in the integer dtype
+they were cut in -- uint8 for the widths that divide 8, int64 (the words') for the others --
+and a decoder widens them to its own arithmetic's dtype: a 1-, 2- or 4-bit code holds one
+byte per element while it is decoded, not eight.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: the first ``numel`` codes of ``packed``, as uint8."""
+    """Inverse of :func:`pack`: the first ``numel`` codes of ``packed``, as uint8 when ``bits``
+    divides 8, else int64."""
     bits = check_int(bits, "bits", low=1, high=MAX_BITS)
     numel = check_int(numel, "numel", low=0)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
@@ -82,7 +84,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     octets = _padded(packed, groups * bits).view(groups, bits).to(torch.int64)
     words = (octets << _steps(8, bits, packed.device)).sum(dim=1)
     codes = (words.unsqueeze(1) >> _steps(bits, 8, packed.device)) & ((1 << bits) - 1)
-    return codes.view(-1)[:numel].to(torch.uint8)
+    return codes.view(-1)[:numel]
 
 
 def _steps(step: int, count: int, device: torch.device) -> torch.Tensor:

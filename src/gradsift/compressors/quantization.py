@@ -62,13 +62,14 @@ class Quantizer(Compressor):
 
     @abc.abstractmethod
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode a non-empty flat gradient: ``(uint8 codes in [0, 2**code_bits), scales)``;
+        """Encode a non-empty flat gradient: ``(integer codes in [0, 2**code_bits), scales)``;
         the scales are non-finite exactly when ``flat`` holds NaN or Inf."""
 
     @abc.abstractmethod
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Decode uint8 ``codes`` with their ``scales`` into a dense tensor of ``dtype`` (the
-        signed arithmetic in ``dtype``: small integers, exact there)."""
+        """Decode integer ``codes`` (as :func:`~gradsift.compressors.bitpack.unpack` gives
+        them) with their ``scales`` into a dense tensor of ``dtype`` (the signed arithmetic in
+        ``dtype``: small integers, exact there)."""
 
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
