@@ -32,6 +32,7 @@ from gradsift.compressors.quantization import StochasticQuantizer
 from gradsift.core import collectives
 from gradsift.core.readout import Readout
 from gradsift.exchanges import reduce_scatter
+from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.layout import FlatBucket
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -163,8 +164,11 @@ def _linear(fan_in: int, fan_out: int, dtype: torch.dtype) -> torch.nn.Linear:
     return layer
 
 
-def run_case(monkeypatch, name: str, exchange: str, dtype: str, granularity: str = "bucket") -> Readouts:
-    """Three steps of two buckets through the route; raises on any device mix or host read."""
+def run_case(
+    monkeypatch, name: str, exchange: str, dtype: str, granularity: str = "bucket", momentum: float = 0.0
+) -> Readouts:
+    """Three steps of two buckets through the route; raises on any device mix or host read.
+    ``momentum``: SGD's, which the hook takes over (its momentum correction)."""
     _stand_in_collectives(monkeypatch)
     readouts = Readouts()
     monkeypatch.setattr(Readout, "read", lambda readout: readouts.read(readout))
@@ -177,7 +181,7 @@ def run_case(monkeypatch, name: str, exchange: str, dtype: str, granularity: str
         state = GradsiftHookState.build(
             name, exchange=exchange, granularity=granularity, **OPTIONS.get(name, {})
         )
-        state.attach(_Module(model), torch.optim.SGD(model.parameters(), lr=0.1))
+        state.attach(_Module(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum))
         layers = [list(model[2].parameters()), list(model[0].parameters())]  # DDP's order: last first
         for step in range(STEPS):
             reads = HostReads()
@@ -205,6 +209,22 @@ def test_every_route_stays_on_the_device_without_host_reads(monkeypatch, name, e
 @pytest.mark.parametrize("name", ["topk", "vgc", "sidco-exp"])
 def test_the_layer_granularity_too(monkeypatch, name):
     run_case(monkeypatch, name, gradsift.get_compressor(name).exchanges[0], "bf16", granularity="layer")
+
+
+@pytest.mark.parametrize("name", ["topk", "sidco-exp"])
+def test_momentum_corrected_state_kept_in_the_result_stays_on_the_device(monkeypatch, name):
+    """Under SGD momentum the sparsifiers' velocity waits in the bucket and the close commits
+    it gated on the device flag (hook.feedback, step 3): from the second step on, with no host read."""
+    commits = []
+    commit = ErrorFeedback.commit_in_result
+
+    def counted(self, *args, **kwargs):
+        commits.append(args[0])
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(ErrorFeedback, "commit_in_result", counted)
+    run_case(monkeypatch, name, "allgather", "fp32", momentum=0.9)
+    assert len(commits) == 2 * (STEPS - 1)  # two buckets, every step after the first
 
 
 def test_the_matrix_fails_on_a_planted_item(monkeypatch):
