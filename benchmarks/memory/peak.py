@@ -26,10 +26,9 @@ allocator note) are recorded with the result as ``allocator``.
 
 Expected: :data:`ARMS` lists, per arm, the per-parameter tensors it keeps over stock DDP,
 the stock ones it does without, those alive only until the step commits (the
-transaction's old state beside the new -- for the sparsifiers under AdamW the old velocity
-only, their residual being made in place at the commit -- a payload in flight), and those
-alive only while one bucket is encoded (the sparsifiers under SGD momentum: the compensated
-gradient, their new velocity waiting in the bucket's own memory until the close commits it);
+transaction's old state beside the new, a payload in flight), and those alive only while one
+bucket is encoded (the sparsifiers under momentum correction: the compensated gradient, their
+new velocity waiting in the bucket's own memory until the close commits it);
 :func:`expected_bytes` counts them for a model and its largest bucket. Usage (repository
 root, a clean checkout of a commit on main)::
 
@@ -88,8 +87,7 @@ class Arm:
     in_step: tuple[tuple[str, int], ...] = ()
     adamw_kept: tuple[tuple[str, int], ...] = ()  # added to ``kept`` under AdamW (the frozen-variance method)
     sgd_dropped: tuple[tuple[str, int], ...] = ()  # added to ``dropped`` under SGD (momentum correction)
-    adamw_in_step: tuple[tuple[str, int], ...] = ()  # added to ``in_step`` under AdamW
-    sgd_in_bucket: tuple[tuple[str, int], ...] = ()  # the ``in_bucket`` under SGD
+    in_bucket: tuple[tuple[str, int], ...] = ()
 
     def tensors(self, optimizer: str) -> dict[str, tuple[tuple[str, int], ...]]:
         """``kept``, ``dropped``, ``in_step`` and ``in_bucket`` under ``optimizer``."""
@@ -97,27 +95,23 @@ class Arm:
         return {
             "kept": self.kept + (self.adamw_kept if adamw else ()),
             "dropped": self.dropped + (() if adamw else self.sgd_dropped),
-            "in_step": self.in_step + (self.adamw_in_step if adamw else ()),
-            "in_bucket": () if adamw else self.sgd_in_bucket,
+            "in_step": self.in_step,
+            "in_bucket": self.in_bucket,
         }
 
 
 RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
 OLD = (("old residual", FP32), ("old velocity", FP32))
-#: Under AdamW the sparsifiers' residual is made in place at the commit, and their
-#: compensated gradient lives in the bucket's own memory (hook.feedback, step 3, lazily).
-LAZY = (("old velocity (the residual changes in place at the commit)", FP32),)
-#: Under SGD momentum their new velocity waits in the bucket's own memory and the close
-#: commits both in place (hook.feedback, step 3, in the result): ``c`` lives while its bucket
-#: is encoded.
+#: Under momentum correction (SGD's, the frozen-variance Adam method's) the sparsifiers' new
+#: velocity waits in the bucket's own memory and the close commits it and the residual in
+#: place (hook.feedback, step 3, in the result): ``c`` lives while its bucket is encoded.
 IN_RESULT = (("compensated gradient of the bucket being encoded (the new velocity in the bucket)", FP32),)
 MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
 PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
 COMPENSATED = ("compensated gradient beside the new residual", FP32)
 SPARSIFIER = {
     "kept": (RESIDUAL, VELOCITY),
-    "adamw_in_step": LAZY,
-    "sgd_in_bucket": IN_RESULT,
+    "in_bucket": IN_RESULT,
     "adamw_kept": PRECONDITIONER,
     "sgd_dropped": MOMENTUM_BUFFER,
 }

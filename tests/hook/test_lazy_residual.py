@@ -28,16 +28,24 @@ from support.distributed import run_workers
 from support.models import batch, flat_params, hook_state, make_model, same
 
 STEPS, DROPPED = 6, 3
+#: Per optimizer family: its optimizer, the hook's options, and the first step whose state is
+#: stored before it (SGD: the third, the second re-laying it into DDP's rebuilt buckets; the
+#: frozen-variance Adam method: after 2 dense steps, its first compressed step makes the residual).
+FAMILIES = {
+    "sgd": (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), {}, 2),
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=1e-3), {"warmup_steps": 2}, 3),
+}
 
 
-def train(granularity: str, way: str) -> list[tuple[torch.Tensor, dict]]:
+def train(granularity: str, way: str, family: str = "sgd") -> list[tuple[torch.Tensor, dict]]:
     """Per step, the parameters and the hook's state; step ``DROPPED`` holds a NaN. From the
-    third step (the second re-lays the state into DDP's rebuilt buckets) check what ``way``
-    promises between backward (the close) and the optimizer's step (the settle)."""
+    family's first step with stored state check what ``way`` promises between backward (the
+    close) and the optimizer's step (the settle)."""
+    make_optimizer, options, first = FAMILIES[family]
     model = DDP(make_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = make_optimizer(model.parameters())
     state = gradsift.register_comm_hook(
-        model, "topk", ratio=0.1, granularity=granularity, optimizer=optimizer, nonfinite="skip"
+        model, "topk", ratio=0.1, granularity=granularity, optimizer=optimizer, nonfinite="skip", **options
     )
     after = []
     for step in range(STEPS):
@@ -48,32 +56,33 @@ def train(granularity: str, way: str) -> list[tuple[torch.Tensor, dict]]:
         stored = {table: dict(state.store.tables.get(table, {})) for table in ("residual", "velocity")}
         saved = {table: {k: t.clone() for k, t in tensors.items()} for table, tensors in stored.items()}
         torch.nn.functional.mse_loss(model(x), y).backward()
-        if step >= 2 and way != "c kept":
+        if step >= first and way != "c kept":
             for table in ("residual", "velocity") if way == "in result" else ("residual",):
                 for key, tensor in state.store.table(table).items():  # closed, not settled
                     assert tensor is stored[table][key], (step, table)
                     changed = not torch.equal(tensor, saved[table][key])
                     assert changed == (way == "in result" and step != DROPPED), (step, table)
         optimizer.step()
-        if step >= 2 and way == "in result":  # no velocity was put: the stored one changed in place
+        if step >= first and way == "in result":  # no velocity was put: the stored one changed in place
             assert all(t is stored["velocity"][k] for k, t in state.store.table("velocity").items())
         after.append((flat_params(model), hook_state(state)))
     assert state.step == STEPS - 1
     return after
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("granularity", ["bucket", "layer"])
 def test_state_kept_in_the_result_or_lazily_trains_bit_for_bit_as_with_c_kept(
-    granularity: str, one_process_group: None, monkeypatch: pytest.MonkeyPatch
+    granularity: str, family: str, one_process_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    in_result = train(granularity, "in result")
+    in_result = train(granularity, "in result", family)
     with monkeypatch.context() as device_gate:  # the GPU's way: every write a torch.where on the flag
         device_gate.setattr(feedback, "host_value", lambda flag: None)
-        gated = train(granularity, "in result")
+        gated = train(granularity, "in result", family)
     monkeypatch.setattr(Allgather, "defers_mean", False)
-    lazy = train(granularity, "lazily")
+    lazy = train(granularity, "lazily", family)
     monkeypatch.setattr(Allgather, "copies_input", False)
-    kept = train(granularity, "c kept")
+    kept = train(granularity, "c kept", family)
     for step, runs in enumerate(zip(in_result, gated, lazy, kept, strict=True)):
         params_kept, state_kept = runs[-1]
         for way, (params, state) in zip(("in result", "gated on the device", "lazily"), runs, strict=False):

@@ -158,8 +158,9 @@ def _exchange(
     exchange, codec = warmup if warming else (state.exchange, state.codec)
     feedback = state.feedback if coded is None else coded.feedback
     lazy = exchange.copies_input and feedback is not None and feedback.keeps_lazily(codec.compressor)
-    in_result = lazy and _keeps_in_result(state, large, exchange.defers_mean and not mean_at_once)
     refresh = None if warming else variance_refresh.start_trip(state, large, context, loss_scale, warmup)
+    defers = exchange.defers_mean and not mean_at_once and refresh is None
+    in_result = lazy and coded is None and _keeps_in_result(state, large, defers)
     for part in large:  # 4 (after the refresh's trip read the gradients)
         part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy, in_result)
     local = isinstance(state.adam, ZeroOneAdamStep) and not warming and not state.adam.syncs(context.step)
@@ -196,13 +197,17 @@ def _exchange(
 def _keeps_in_result(state: GradsiftHookState, large: list[Part], defers_mean: bool) -> bool:
     """Whether the bucket's new velocity waits in its own memory for the step's flag
     (:meth:`~gradsift.hook.feedback.ErrorFeedback.compensate_in_result`): the exchange writes its
-    means after the flag (``defers_mean``), SGD's momentum correction with no server stage,
+    means after the flag (``defers_mean``), a momentum-corrected velocity -- SGD's, or the
+    frozen-variance Adam method's, which keeps nothing of the mean -- with no server stage,
     and every large part's velocity and residual already stored in its gradient's dtype."""
-    feedback = state.feedback
+    feedback, adam = state.feedback, state.adam
+    plain_velocity = adam is None or not (
+        isinstance(adam, (LocalUpdateStep, ZeroOneAdamStep)) or adam.keeps_of_the_mean
+    )
     return (
         defers_mean
         and feedback is not None
-        and state.adam is None
+        and plain_velocity
         and not state.options.server_feedback
         and all(feedback.holds(part.key, part.flat) for part in large)
     )
