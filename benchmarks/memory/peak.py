@@ -101,10 +101,11 @@ class Arm:
 
 
 RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
-OLD = (("old residual", FP32), ("old velocity", FP32))
-#: Under momentum correction (SGD's, the frozen-variance Adam method's) the sparsifiers' new
-#: velocity waits in the bucket's own memory and the close commits it and the residual in
-#: place (hook.feedback, step 3, in the result): ``c`` lives while its bucket is encoded.
+OLD_RESIDUAL = ("old residual", FP32)
+#: Under momentum correction (SGD's, the frozen-variance Adam method's) the new velocity of
+#: the sparsifiers and of a code (``efsignsgd``) waits in the bucket's own memory and the
+#: close commits it and the residual in place (hook.feedback, step 3, in the result): ``c``
+#: lives while its bucket is encoded.
 IN_RESULT = (("compensated gradient of the bucket being encoded (the new velocity in the bucket)", FP32),)
 MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
 PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
@@ -122,14 +123,14 @@ ARMS = (
         in_step=(("bf16 payload", 2),)),
     Arm("topk", "topk", OPTIMIZERS, (("ratio", 0.01),), **SPARSIFIER),
     Arm("sidco-exp", "sidco-exp", OPTIMIZERS, (("ratio", 0.01),), **SPARSIFIER),
-    Arm("efsignsgd", "efsignsgd", ("adamw",), kept=(RESIDUAL, VELOCITY), in_step=(*OLD, COMPENSATED),
+    Arm("efsignsgd", "efsignsgd", ("adamw",), kept=(RESIDUAL, VELOCITY), in_bucket=IN_RESULT,
         adamw_kept=PRECONDITIONER),
     Arm("powersgd", "powersgd", OPTIMIZERS, (("start_iter", DENSE_STEPS),), kept=(RESIDUAL,),
-        in_step=(OLD[0], COMPENSATED), adamw_kept=(VELOCITY, *PRECONDITIONER)),
+        in_step=(OLD_RESIDUAL, COMPENSATED), adamw_kept=(VELOCITY, *PRECONDITIONER)),
     Arm("diloco", "diloco", OPTIMIZERS, (("sync_every", SYNC_EVERY),),
         kept=(("shared parameters (the model's copy)", FP32), RESIDUAL),
         dropped=(("DDP's gradient buckets", FP32),),
-        in_step=(("pseudo-gradient", FP32), COMPENSATED, OLD[0], ("outer gradient", FP32))),
+        in_step=(("pseudo-gradient", FP32), COMPENSATED, OLD_RESIDUAL, ("outer gradient", FP32))),
 )  # fmt: skip
 
 

@@ -211,7 +211,7 @@ def test_the_layer_granularity_too(monkeypatch, name):
     run_case(monkeypatch, name, gradsift.get_compressor(name).exchanges[0], "bf16", granularity="layer")
 
 
-@pytest.mark.parametrize("name", ["topk", "sidco-exp"])
+@pytest.mark.parametrize("name", ["topk", "sidco-exp", "efsignsgd"])
 def test_momentum_corrected_state_kept_in_the_result_stays_on_the_device(monkeypatch, name):
     """Under SGD momentum the sparsifiers' velocity waits in the bucket and the close commits
     it gated on the device flag (hook.feedback, step 3): from the second step on, with no host read."""

@@ -28,6 +28,8 @@ from support.distributed import run_workers
 from support.models import batch, flat_params, hook_state, make_model, same
 
 STEPS, DROPPED = 6, 3
+#: A sparsifier (its residual also kept lazily elsewhere) and a code (the 1-bit method's).
+RATIO = {"topk": {"ratio": 0.1}, "efsignsgd": {}}
 #: Per optimizer family: its optimizer, the hook's options, and the first step whose state is
 #: stored before it (SGD: the third, the second re-laying it into DDP's rebuilt buckets; the
 #: frozen-variance Adam method: after 2 dense steps, its first compressed step makes the residual).
@@ -37,7 +39,9 @@ FAMILIES = {
 }
 
 
-def train(granularity: str, way: str, family: str = "sgd") -> list[tuple[torch.Tensor, dict]]:
+def train(
+    granularity: str, way: str, family: str = "sgd", compressor: str = "topk"
+) -> list[tuple[torch.Tensor, dict]]:
     """Per step, the parameters and the hook's state; step ``DROPPED`` holds a NaN. From the
     family's first step with stored state check what ``way`` promises between backward (the
     close) and the optimizer's step (the settle)."""
@@ -45,7 +49,13 @@ def train(granularity: str, way: str, family: str = "sgd") -> list[tuple[torch.T
     model = DDP(make_model())
     optimizer = make_optimizer(model.parameters())
     state = gradsift.register_comm_hook(
-        model, "topk", ratio=0.1, granularity=granularity, optimizer=optimizer, nonfinite="skip", **options
+        model,
+        compressor,
+        granularity=granularity,
+        optimizer=optimizer,
+        nonfinite="skip",
+        **RATIO[compressor],
+        **options,
     )
     after = []
     for step in range(STEPS):
@@ -70,19 +80,21 @@ def train(granularity: str, way: str, family: str = "sgd") -> list[tuple[torch.T
     return after
 
 
+@pytest.mark.parametrize("compressor", list(RATIO))
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("granularity", ["bucket", "layer"])
 def test_state_kept_in_the_result_or_lazily_trains_bit_for_bit_as_with_c_kept(
-    granularity: str, family: str, one_process_group: None, monkeypatch: pytest.MonkeyPatch
+    granularity: str, family: str, compressor: str, one_process_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    in_result = train(granularity, "in result", family)
+    in_result = train(granularity, "in result", family, compressor)
     with monkeypatch.context() as device_gate:  # the GPU's way: every write a torch.where on the flag
         device_gate.setattr(feedback, "host_value", lambda flag: None)
-        gated = train(granularity, "in result", family)
+        gated = train(granularity, "in result", family, compressor)
     monkeypatch.setattr(Allgather, "defers_mean", False)
-    lazy = train(granularity, "lazily", family)
+    # a code's residual is never kept lazily: without the deferred mean it keeps ``c``
+    lazy = train(granularity, "lazily" if compressor == "topk" else "c kept", family, compressor)
     monkeypatch.setattr(Allgather, "copies_input", False)
-    kept = train(granularity, "c kept", family)
+    kept = train(granularity, "c kept", family, compressor)
     for step, runs in enumerate(zip(in_result, gated, lazy, kept, strict=True)):
         params_kept, state_kept = runs[-1]
         for way, (params, state) in zip(("in result", "gated on the device", "lazily"), runs, strict=False):
@@ -131,3 +143,17 @@ def test_on_two_ranks_a_nan_on_one_is_dropped_alike_and_the_bits_are_c_kept_ones
         ):
             assert torch.equal(params, params_kept), (rank, step)
             assert same(state, state_kept), (rank, step)
+
+
+def test_a_compressor_whose_decode_flags_says_so() -> None:
+    """The route defers a bucket's mean only where the decode flags nothing
+    (``Compressor.decode_checks``): every registry compressor, on a decode of its own payload."""
+    x = torch.randn(300)
+    for name in gradsift.available_compressors():
+        compressor = gradsift.get_compressor(name, **({"threshold": 0.01} if name == "threshold" else {}))
+        if type(compressor).__name__ == "PowerSGD":  # runs PyTorch's own hook: no payload decode
+            continue
+        variance = {"variance": torch.full_like(x, 1e-4)} if compressor.needs_parameters else {}  # VGC's
+        payload = compressor.compress(x.clone(), **variance)
+        flag = compressor.decompress_into([payload, payload], torch.empty(300))
+        assert (flag is not None) == compressor.decode_checks, name

@@ -41,8 +41,8 @@ ARMS = {arm.label: arm for arm in peak.ARMS}
             "efsignsgd",
             "adamw",
             8 * 12,
-            8 * 12 + 8 * (4 + 4 + 4),
-        ),  # the compensated gradient beside the new residual
+            8 * 12 + 8 * 4,
+        ),  # the compensated gradient of the (one) bucket, its velocity waiting in the bucket
         ("powersgd", "sgd", 8 * 4, 8 * 4 + 8 * (4 + 4)),
         ("powersgd", "adamw", 8 * 12, 8 * 12 + 8 * 8),
         ("diloco", "sgd", 8 * (4 + 4 - 4), 8 * 4 + 8 * 16),  # model copy + residual, no DDP bucket

@@ -75,6 +75,10 @@ class Compressor(abc.ABC):
         sparse: the payload is selected values at their positions (``values`` and
             ``indices``, no codes), so error feedback subtracts it from the residual without
             the compensated gradient (:meth:`gradsift.hook.feedback.ErrorFeedback.keeps_lazily`).
+        decode_checks: :meth:`decompress_into` returns a malformed flag of its own (VGC's
+            words), so the step's flag is known only once the means are written: the DDP hook
+            then never lets a bucket hold state until the close
+            (:class:`~gradsift.core.parts.Context`'s ``before_mean``).
 
     Example (docs/extending.md writes a new one, end to end)::
 
@@ -99,6 +103,7 @@ class Compressor(abc.ABC):
     momentum_correction: ClassVar[bool] = True
     residual_decay: ClassVar[float] = 1.0
     sparse: ClassVar[bool] = False
+    decode_checks: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:
         """Instrument the model before training (VGC installs its variance hooks).

@@ -100,6 +100,7 @@ class VGC(Compressor):
     """
 
     name = "vgc"
+    decode_checks = True  # decompress_into flags malformed words
     error_feedback = False
     needs_parameters = True
     adaptive_capacity = True

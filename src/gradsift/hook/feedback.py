@@ -29,12 +29,13 @@ Per tensor ``key`` the worker keeps a residual ``r`` (zeros at first). Each step
    ``u`` and ``r`` are stored): ``u' = m u + g`` is written over the bucket's gradient
    instead of a new tensor, ``c = r + u'`` is a new tensor that lives while its part is
    encoded, and at the step's close, before the mean is written over ``u'``, the commit
-   runs in place with every write a ``torch.where`` on the step's flag ``dropped``:
-   ``u <- u'``, ``r <- r + u'`` (the kernel that made ``c``), ``r[sent] -= v``,
-   ``u[sent] = 0`` (:meth:`~ErrorFeedback.commit_in_result`). A dropped step leaves both
-   as they were, with no host read; a kept one is the lazy path's bits. The step then
-   holds nothing parameter-sized beside the stored state but the ``c`` of the part
-   being encoded.
+   runs in place with every write conditioned on the step's flag ``dropped``:
+   ``u <- u'``, ``r <- r + u'`` (the kernel that made ``c``), then ``r[sent] -= v``,
+   ``u[sent] = 0`` for a sparse payload, or ``r <- c - s`` with ``s`` the payload decoded
+   for a code (:meth:`~ErrorFeedback.commit_in_result`). A dropped step leaves both as
+   they were, with no host read on a device; a kept one has the bits of the paths above.
+   The step then holds nothing parameter-sized beside the stored state but the ``c`` of
+   the part being encoded (and, at the close, a code's decoded payload).
 
 Residuals and velocities are kept in float32 at least: a bf16/fp16 gradient is widened
 before it is accumulated (``value_dtype`` may still send bf16), so that small updates do
@@ -224,14 +225,20 @@ class ErrorFeedback:
         return self._accumulated(residual, new_velocity, None)
 
     def commit_in_result(
-        self, key: Hashable, result: torch.Tensor, sent: Payload, dropped: torch.Tensor | None
+        self,
+        key: Hashable,
+        result: torch.Tensor,
+        sent: Payload,
+        dropped: torch.Tensor | None,
+        compressor: Compressor,
     ) -> None:
         """The step's close, before the mean is written over ``result`` (which holds ``u'``):
-        unless ``dropped``, ``u <- u'``, ``r <- r + u'``, ``r[sent] -= v``, ``u[sent] = 0``, in
-        place in the stored tensors (None: kept). On a GPU each write is a ``torch.where`` on
-        the flag, so nothing waits for the device (``result`` then ends holding ``r + u'``); in
-        CPU memory the flag is read at once (there is no device to wait for) and a dropped
-        step writes nothing.
+        unless ``dropped``, ``u <- u'`` and ``r <- r + u'``, then ``r[sent] -= v``, ``u[sent] = 0``
+        for a sparse payload, or ``r <- r - s`` with ``s = compressor.sent_dense(sent)`` for
+        another (the kernels that made ``c - s``), in place in the stored tensors (None: kept).
+        On a GPU each write is a ``torch.where`` on the flag, so nothing waits for the device
+        (``result`` then ends holding ``r + u'``, or ``c - s``); in CPU memory the flag is read
+        at once (there is no device to wait for) and a dropped step writes nothing.
         """
         velocity, residual = self.store.get(VELOCITY, key), self.store.get(RESIDUAL, key)
         assert velocity is not None and residual is not None  # compensate_in_result's
@@ -240,13 +247,22 @@ class ErrorFeedback:
             return
         if held is not None:
             dropped = None
+        sparse = sent.indices is not None and sent.codes is None
         if dropped is None:
             velocity.copy_(result)
-            self._accumulated(residual, result, residual)
+            kept = self._accumulated(residual, result, residual if sparse else result)
         else:
             torch.where(dropped, velocity, result, out=velocity)
-            torch.where(dropped, residual, self._accumulated(residual, result, result), out=residual)
-        self._subtract_sent(residual, velocity, sent, dropped)
+            kept = self._accumulated(residual, result, result)
+        if not sparse:  # the residual as the kept path makes it: ``c - s``
+            kept.sub_(compressor.sent_dense(sent).to(kept.dtype))
+        if kept is not residual:
+            if dropped is None:
+                residual.copy_(kept)
+            else:
+                torch.where(dropped, residual, kept, out=residual)
+        if sparse:
+            self._subtract_sent(residual, velocity, sent, dropped)
 
     def keeps_lazily(self, compressor: Compressor) -> bool:
         """Whether :meth:`update` can keep ``compressor``'s residual without the compensated

@@ -159,8 +159,8 @@ def _exchange(
     feedback = state.feedback if coded is None else coded.feedback
     lazy = exchange.copies_input and feedback is not None and feedback.keeps_lazily(codec.compressor)
     refresh = None if warming else variance_refresh.start_trip(state, large, context, loss_scale, warmup)
-    defers = exchange.defers_mean and not mean_at_once and refresh is None
-    in_result = lazy and coded is None and _keeps_in_result(state, large, defers)
+    defers = exchange.copies_input and exchange.defers_mean and not mean_at_once and refresh is None
+    in_result = coded is None and _keeps_in_result(state, large, defers)
     for part in large:  # 4 (after the refresh's trip read the gradients)
         part.compensated = _compensate(state, part, context.world, loss_scale, coded, lazy, in_result)
     local = isinstance(state.adam, ZeroOneAdamStep) and not warming and not state.adam.syncs(context.step)
@@ -172,7 +172,7 @@ def _exchange(
         trips.append(
             zero_one.start_local_trip(large, context) if local else exchange.start(large, codec, trip_context)
         )
-        if lazy:  # the payloads hold what error feedback needs of ``c``: it lived only for them
+        if lazy or in_result:  # the payloads hold what error feedback needs of ``c``: it lived only for them
             for part in large:
                 part.compensated = None
     if small:
@@ -196,10 +196,11 @@ def _exchange(
 
 def _keeps_in_result(state: GradsiftHookState, large: list[Part], defers_mean: bool) -> bool:
     """Whether the bucket's new velocity waits in its own memory for the step's flag
-    (:meth:`~gradsift.hook.feedback.ErrorFeedback.compensate_in_result`): the exchange writes its
-    means after the flag (``defers_mean``), a momentum-corrected velocity -- SGD's, or the
-    frozen-variance Adam method's, which keeps nothing of the mean -- with no server stage,
-    and every large part's velocity and residual already stored in its gradient's dtype."""
+    (:meth:`~gradsift.hook.feedback.ErrorFeedback.compensate_in_result`): the exchange copies
+    its input and writes its means after the flag (``defers_mean``), a momentum-corrected
+    velocity -- SGD's, or the frozen-variance Adam method's, which keeps nothing of the mean --
+    with no server stage, a compressor whose decode flags nothing, and every large part's
+    velocity and residual already stored in its gradient's dtype."""
     feedback, adam = state.feedback, state.adam
     plain_velocity = adam is None or not (
         isinstance(adam, (LocalUpdateStep, ZeroOneAdamStep)) or adam.keeps_of_the_mean
@@ -207,6 +208,7 @@ def _keeps_in_result(state: GradsiftHookState, large: list[Part], defers_mean: b
     return (
         defers_mean
         and feedback is not None
+        and not state.compressor.decode_checks
         and plain_velocity
         and not state.options.server_feedback
         and all(feedback.holds(part.key, part.flat) for part in large)
@@ -217,13 +219,13 @@ def _committer(
     state: GradsiftHookState, large: list[Part], context: Context
 ) -> Callable[[list[Payload], torch.Tensor | None], None]:
     """The trip's ``before_mean``: error feedback's commit of each part, gated on the step's flag."""
-    feedback = state.feedback
+    feedback, compressor = state.feedback, state.compressor
     assert feedback is not None  # _keeps_in_result
 
     def commit(sent: list[Payload], dropped: torch.Tensor | None) -> None:
         with context.record.timed("compress_ms", context.result.device):
             for part, payload in zip(large, sent, strict=True):
-                feedback.commit_in_result(part.key, part.flat, payload, dropped)
+                feedback.commit_in_result(part.key, part.flat, payload, dropped, compressor)
 
     return commit
 
