@@ -156,11 +156,6 @@ class AdamStep:
         del params
         return None
 
-    @property
-    def keeps_of_the_mean(self) -> bool:
-        """Whether :meth:`exchanged` keeps something of the exchanged mean (a subclass's own)."""
-        return type(self).exchanged is not AdamStep.exchanged
-
     def exchanged(self, store: Any, key: Any, mean: torch.Tensor) -> None:
         """What the method keeps of part ``key``'s exchanged ``mean`` (velocity units, before
         the hook scales it): by default nothing."""

@@ -57,7 +57,7 @@ from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
 from gradsift.hook import recipe, variance_refresh, zero_one
-from gradsift.hook.adam import LocalUpdateStep
+from gradsift.hook.adam import AdamStep, LocalUpdateStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
 from gradsift.hook.layout import BucketLike
@@ -202,9 +202,8 @@ def _keeps_in_result(state: GradsiftHookState, large: list[Part], defers_mean: b
     with no server stage, a compressor whose decode flags nothing, and every large part's
     velocity and residual already stored in its gradient's dtype."""
     feedback, adam = state.feedback, state.adam
-    plain_velocity = adam is None or not (
-        isinstance(adam, (LocalUpdateStep, ZeroOneAdamStep)) or adam.keeps_of_the_mean
-    )
+    keeps_nothing_of_the_mean = adam is not None and type(adam).exchanged is AdamStep.exchanged
+    plain_velocity = adam is None or (keeps_nothing_of_the_mean and not isinstance(adam, LocalUpdateStep))
     return (
         defers_mean
         and feedback is not None
