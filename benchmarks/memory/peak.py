@@ -130,7 +130,7 @@ ARMS = (
     Arm("diloco", "diloco", OPTIMIZERS, (("sync_every", SYNC_EVERY),),
         kept=(("shared parameters (the model's copy)", FP32), RESIDUAL),
         dropped=(("DDP's gradient buckets", FP32),),
-        in_step=(("pseudo-gradient", FP32), COMPENSATED, OLD_RESIDUAL, ("outer gradient", FP32))),
+        in_step=(("pseudo-gradient (the mean, then the outer gradient's views)", FP32), COMPENSATED, OLD_RESIDUAL)),
 )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ inner optimizer's and the model's own state dicts).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -111,19 +112,16 @@ class DiLoCoState:
     def sync(self) -> None:
         """End the round now: exchange the pseudo-gradients, take the outer step, reset the model."""
         with torch.no_grad():
-            flat = torch.cat(
-                [
-                    (s - p.detach()).reshape(-1).to(s.dtype)
-                    for s, p in zip(self.shared, self.params, strict=True)
-                ]
-            )
+            sizes = [p.numel() for p in self.params]
+            dtype = functools.reduce(torch.promote_types, (s.dtype for s in self.shared))  # torch.cat's
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.shared[0].device)
+            for shared, param, piece in zip(self.shared, self.params, flat.split(sizes), strict=True):
+                torch.sub(shared.reshape(-1), param.detach().reshape(-1), out=piece)  # no copy per parameter
             future = route_bucket(self.hook, FlatBucket(flat, self.params, last=True))
             mean = future.value()
             if not self.hook.last_step_skipped:
-                for shared, piece in zip(
-                    self.shared, mean.split([p.numel() for p in self.params]), strict=True
-                ):
-                    shared.grad = piece.view_as(shared).clone()
+                for shared, piece in zip(self.shared, mean.split(sizes), strict=True):
+                    shared.grad = piece.view_as(shared)  # the outer step reads it; dropped right after
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
             kept = self._take_unsent() if self.unsent == "model" else [None] * len(self.params)
