@@ -296,15 +296,15 @@ class ErrorFeedback:
                 )
             self._keep_lazily(key, sparse)
             return
+        residual = compensated  # compensate() returned a fresh tensor: its memory becomes the residual
         if sparse is not None:
-            residual = compensated  # compensate() returned a fresh tensor: reuse its memory
             self._subtract_sent(residual, self.store.get(VELOCITY, key), sparse)
         elif isinstance(sent, torch.Tensor):
-            residual = compensated - sent.reshape(-1).to(compensated.dtype)
+            residual.sub_(sent.reshape(-1).to(residual.dtype))
         else:
             if compressor is None:
                 raise InvalidOptionError("update() needs the compressor to decode a payload without indices")
-            residual = compensated - compressor.sent_dense(sent).to(compensated.dtype)
+            residual.sub_(compressor.sent_dense(sent).to(residual.dtype))
         self.store.put(RESIDUAL, key, residual)
 
     def _keep_lazily(self, key: Hashable, sent: Payload) -> None:
