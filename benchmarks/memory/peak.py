@@ -101,7 +101,6 @@ class Arm:
 
 
 RESIDUAL, VELOCITY = ("residual", FP32), ("velocity", FP32)
-OLD_RESIDUAL = ("old residual", FP32)
 #: Under momentum correction (SGD's, the frozen-variance Adam method's) the new velocity of
 #: the sparsifiers and of a code (``efsignsgd``) waits in the bucket's own memory and the
 #: close commits it and the residual in place (hook.feedback, step 3, in the result): ``c``
@@ -109,7 +108,8 @@ OLD_RESIDUAL = ("old residual", FP32)
 IN_RESULT = (("compensated gradient of the bucket being encoded (the new velocity in the bucket)", FP32),)
 MOMENTUM_BUFFER = (("SGD momentum buffer", FP32),)
 PRECONDITIONER = (("frozen preconditioner sqrt(v) + eps", FP32),)
-COMPENSATED = ("compensated gradient beside the new residual", FP32)
+#: Beside the stored (old) residual: the compensated gradient, made the new residual in place.
+COMPENSATED = ("compensated gradient, then the new residual", FP32)
 SPARSIFIER = {
     "kept": (RESIDUAL, VELOCITY),
     "in_bucket": IN_RESULT,
@@ -126,11 +126,11 @@ ARMS = (
     Arm("efsignsgd", "efsignsgd", ("adamw",), kept=(RESIDUAL, VELOCITY), in_bucket=IN_RESULT,
         adamw_kept=PRECONDITIONER),
     Arm("powersgd", "powersgd", OPTIMIZERS, (("start_iter", DENSE_STEPS),), kept=(RESIDUAL,),
-        in_step=(OLD_RESIDUAL, COMPENSATED), adamw_kept=(VELOCITY, *PRECONDITIONER)),
+        in_step=(COMPENSATED,), adamw_kept=(VELOCITY, *PRECONDITIONER)),
     Arm("diloco", "diloco", OPTIMIZERS, (("sync_every", SYNC_EVERY),),
         kept=(("shared parameters (the model's copy)", FP32), RESIDUAL),
         dropped=(("DDP's gradient buckets", FP32),),
-        in_step=(("pseudo-gradient (the mean, then the outer gradient's views)", FP32), COMPENSATED, OLD_RESIDUAL)),
+        in_step=(("pseudo-gradient (the mean, then the outer gradient's views)", FP32), COMPENSATED)),
 )  # fmt: skip
 
 

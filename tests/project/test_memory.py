@@ -43,9 +43,9 @@ ARMS = {arm.label: arm for arm in peak.ARMS}
             8 * 12,
             8 * 12 + 8 * 4,
         ),  # the compensated gradient of the (one) bucket, its velocity waiting in the bucket
-        ("powersgd", "sgd", 8 * 4, 8 * 4 + 8 * (4 + 4)),
-        ("powersgd", "adamw", 8 * 12, 8 * 12 + 8 * 8),
-        ("diloco", "sgd", 8 * (4 + 4 - 4), 8 * 4 + 8 * 12),  # model copy + residual, no DDP bucket
+        ("powersgd", "sgd", 8 * 4, 8 * 4 + 8 * 4),  # c, made the new residual in place
+        ("powersgd", "adamw", 8 * 12, 8 * 12 + 8 * 4),
+        ("diloco", "sgd", 8 * (4 + 4 - 4), 8 * 4 + 8 * 8),  # model copy + residual, no DDP bucket
     ],
 )
 def test_expected_bytes_equal_the_hand_count(label: str, optimizer: str, kept: int, peak_bytes: int) -> None:
