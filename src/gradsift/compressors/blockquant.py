@@ -53,7 +53,7 @@ class BlockQuantizer(Quantizer):
         return {"bits": self.code_bits, "block_size": self.block_size}
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = rows(flat.to(compute_dtype(flat.dtype)), self.block_size, fill=0.0)
+        blocks = rows(flat, self.block_size, fill=0.0, dtype=compute_dtype(flat.dtype))
         scales = blocks.abs().amax(dim=1)  # NaN/Inf in a block makes its scale non-finite
         tiny = torch.finfo(scales.dtype).tiny
         levels = blocks.mul((self.levels / scales.clamp_min(tiny)).unsqueeze(1)).round_()
@@ -61,5 +61,5 @@ class BlockQuantizer(Quantizer):
         return codes.to(torch.uint8), scales
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signed = rows(codes.to(dtype), self.block_size, fill=self.levels).sub_(self.levels)
+        signed = rows(codes, self.block_size, fill=self.levels, dtype=dtype).sub_(self.levels)
         return signed.mul_((scales.to(dtype) / self.levels).unsqueeze(1)).view(-1)[: codes.numel()]

@@ -47,7 +47,7 @@ class QSGD(StochasticQuantizer):
         return {"levels": self.levels, "bucket_size": self.bucket_size, **super().options()}
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        buckets = self._buckets(flat.to(compute_dtype(flat.dtype)), fill=0.0)
+        buckets = self._buckets(flat, fill=0.0, dtype=compute_dtype(flat.dtype))
         norms = torch.linalg.vector_norm(buckets, dim=1)
         tiny = torch.finfo(norms.dtype).tiny
         ratio = buckets.abs().mul_((self.levels / norms.clamp_min(tiny)).unsqueeze(1)).clamp_(max=self.levels)
@@ -58,9 +58,10 @@ class QSGD(StochasticQuantizer):
         return codes.to(torch.uint8), norms
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        signed = self._buckets(codes.to(dtype), fill=self.levels).sub_(self.levels)
+        signed = self._buckets(codes, fill=self.levels, dtype=dtype).sub_(self.levels)
         return signed.mul_((scales.to(dtype) / self.levels).unsqueeze(1)).view(-1)[: codes.numel()]
 
-    def _buckets(self, flat: torch.Tensor, fill: float) -> torch.Tensor:
-        """``flat`` as rows of ``bucket_size`` (one row when None), the last padded with ``fill``."""
-        return rows(flat, self.bucket_size or max(1, flat.numel()), fill)
+    def _buckets(self, flat: torch.Tensor, fill: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``flat`` as rows of ``bucket_size`` (one row when None), the last padded with ``fill``,
+        in ``dtype`` (default ``flat``'s)."""
+        return rows(flat, self.bucket_size or max(1, flat.numel()), fill, dtype)

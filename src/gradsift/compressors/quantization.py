@@ -37,13 +37,18 @@ from gradsift.core.validation import check_int
 RANK_SEED_STRIDE = 1_000_003
 
 
-def rows(flat: torch.Tensor, size: int, fill: float) -> torch.Tensor:
+def rows(flat: torch.Tensor, size: int, fill: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``flat`` as rows of ``size`` elements (the blocks that share one scale), the last
-    padded with ``fill``."""
+    padded with ``fill``, in ``dtype`` (default ``flat``'s): one new tensor at most, the
+    values cast as they are copied into it (no widened copy beside the padded one)."""
+    dtype = flat.dtype if dtype is None else dtype
     missing = -flat.numel() % size
-    if missing:
-        flat = torch.cat([flat, flat.new_full((missing,), fill)])
-    return flat.view(-1, size)
+    if not missing:
+        return flat.to(dtype).view(-1, size)
+    padded = torch.empty(flat.numel() + missing, dtype=dtype, device=flat.device)
+    padded[: flat.numel()].copy_(flat)
+    padded[flat.numel() :].fill_(fill)
+    return padded.view(-1, size)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
