@@ -205,8 +205,9 @@ class ErrorFeedback:
         return torch.add(flat, residual, alpha=self.decay, out=out)
 
     def holds(self, key: Hashable, gradient: torch.Tensor) -> bool:
-        """Whether ``key``'s velocity and residual are both stored, shaped as ``gradient``'s
-        float32 flat (what :meth:`compensate_in_result` updates in place)."""
+        """Whether ``key``'s velocity and residual are both stored with ``gradient``'s size and
+        dtype (what :meth:`compensate_in_result` updates in place; a bf16 or fp16 gradient's
+        state is float32, so never)."""
         stored = [self.store.get(table, key) for table in (VELOCITY, RESIDUAL)]
         return self.momentum > 0 and all(
             t is not None and t.numel() == gradient.numel() and t.dtype == gradient.dtype for t in stored
@@ -248,19 +249,16 @@ class ErrorFeedback:
         if held is not None:
             dropped = None
         sparse = sent.indices is not None and sent.codes is None
-        if dropped is None:
+        if dropped is None:  # kept: straight into the stored tensors
             velocity.copy_(result)
-            kept = self._accumulated(residual, result, residual if sparse else result)
-        else:
+            kept = self._accumulated(residual, result, residual)
+        else:  # ``result`` is the scratch the gated writes read from
             torch.where(dropped, velocity, result, out=velocity)
             kept = self._accumulated(residual, result, result)
         if not sparse:  # the residual as the kept path makes it: ``c - s``
             kept.sub_(compressor.sent_dense(sent).to(kept.dtype))
-        if kept is not residual:
-            if dropped is None:
-                residual.copy_(kept)
-            else:
-                torch.where(dropped, residual, kept, out=residual)
+        if dropped is not None:
+            torch.where(dropped, residual, kept, out=residual)
         if sparse:
             self._subtract_sent(residual, velocity, sent, dropped)
 
