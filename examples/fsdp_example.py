@@ -16,11 +16,14 @@ the default of the DDP examples, switches methods on DDP's buckets, and gradsift
 on FSDP models.
 
 ``--stock`` trains the same setup with FSDP's own exchange (no gradsift), for comparison.
-``--checkpoint PATH`` saves the model and every rank's hook state at the end (plain
-SGD keeps no state); ``--resume PATH`` continues from such a file. Two CPU processes, then FSDP's own::
+``--checkpoint-every N`` saves the model and every rank's hook state every N steps into
+``--checkpoint-dir`` (plain SGD keeps no state); ``--resume PATH`` continues from such a
+file. Two CPU processes with a checkpoint at step 30, then FSDP's own, then the run resumed
+from step 30 (it prints the first run's summary)::
 
-    torchrun --standalone --nproc-per-node 2 examples/fsdp_example.py --sharding hybrid --steps 60
+    torchrun --standalone --nproc-per-node 2 examples/fsdp_example.py --sharding hybrid --steps 60 --checkpoint-every 30
     torchrun --standalone --nproc-per-node 2 examples/fsdp_example.py --sharding hybrid --steps 60 --stock
+    torchrun --standalone --nproc-per-node 2 examples/fsdp_example.py --sharding hybrid --steps 60 --resume checkpoints/step30.pt
 
 Rank 0 ends with one line ``gradsift-example {"loss": ..., "bytes_sent": ..., "dense_bytes": ...,
 "replicas_agree": true, ...}`` (``loss`` on a held-out set).
@@ -75,7 +78,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="train until this global step")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", type=Path, help="save here at the end")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     parser.add_argument("--resume", type=Path, help="checkpoint to continue from")
     return parser.parse_args()
 
@@ -132,6 +136,15 @@ def replicas_agree(model_state: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(c, flat) for c in copies)
 
 
+def save(path: Path, step: int, model: nn.Module, hook_state, full: StateDictOptions) -> None:
+    """Collective: rank 0 writes the full model and every rank's hook state to ``path``."""
+    model_state = get_model_state_dict(model, options=full)
+    hooks = None if hook_state is None else gather_hook_states(hook_state)
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": step, "model": model_state, "gradsift": hooks}, path)
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -163,13 +176,10 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            save(args.checkpoint_dir / f"step{step}.pt", step, model, hook_state, full)
 
     model_state = get_model_state_dict(model, options=full)
-    hooks = None if hook_state is None else gather_hook_states(hook_state)
-    if args.checkpoint is not None and rank == 0:
-        args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        state = {"step": step, "model": model_state, "gradsift": hooks}
-        torch.save(state, args.checkpoint)
     held_out = torch.randn(512, FEATURES, generator=torch.Generator().manual_seed(args.seed + 999_983))
     with torch.no_grad():
         eval_loss = float(((model(held_out) - torch.tanh(held_out @ teacher(args.seed))) ** 2).mean())

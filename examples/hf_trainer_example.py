@@ -15,9 +15,8 @@ Resume from one of the Trainer's checkpoints (model, optimizer, scheduler, RNG, 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 \
         --resume checkpoints/checkpoint-20 --output-dir resumed
 
-The same run without gradsift (the Trainer's own DDP allreduce), to compare the loss::
-
-    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_example.py --steps 40 --without-gradsift --output-dir alone
+``--without-gradsift`` runs the Trainer's own DDP allreduce instead, to compare the loss
+(docs/integrations.md compares the three over 300 steps).
 
 ``--compressor`` defaults to ``auto``: stock DDP while it measures the link, then the fastest
 of the methods that keep AdamW's quality (``none``, ``bf16``; the 1-bit Adam method too in
