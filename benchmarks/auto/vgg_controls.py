@@ -6,19 +6,21 @@ localhost, where ``auto`` keeps stock DDP for its faster step, the fixed method 
 sooner. ``sidco-exp`` there runs DGC's recipe (``gradsift train``'s default): SGD's momentum
 moves into the exchange as momentum correction with momentum factor masking. Two controls
 separate the recipe's optimizer dynamics from the compression, with the same flags and seeds
-as the candidates' runs (``vgg_seeds.py``):
+as the candidates' runs (``vgg_seeds.py``), and the zero-communication run beside them:
 
 * ``topk-dense`` -- the method run dense: ``topk`` at ratio 1 under the same recipe. Every
   element is sent every step, so masking zeroes the velocity each step: SGD without momentum.
 * ``sidco-exp-no-recipe`` -- the compression without the recipe: ``sidco-exp`` at 0.01 with
   plain error feedback, SGD keeping its momentum.
+* ``alone`` -- one worker training on its own batch of the same size, no communication.
 
 Per arm and seed the runs go to ``results/auto/vgg_controls/<arm>-s<seed>/`` (summary and
 evaluations), and ``--json`` gets, beside the candidates' runs already committed (seed 0 from
 the main grid's 1 Gbit/s runs, whose curves do not depend on the link; seeds 1-4 from
 ``vgg_seeds/``), every arm's steps
 to the composed target and its mean accuracy over the evaluations from step 100 on (a
-measure less coarse than the first evaluation past the target). Usage (a clean checkout of
+measure less coarse than the first evaluation past the target), the latter also as a
+difference from fp32's (``none``) paired per seed, with its 95 % t-interval. Usage (a clean checkout of
 a commit on main)::
 
     flock /tmp/gradsift-cpu.lock python benchmarks/auto/vgg_controls.py --json results/auto/vgg_controls.json
@@ -40,12 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: pro
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 import time_to_target as composed
+from one_line import interval
 from paths import ROOT
 from whole import goal, train_flags
 
 CONTROLS = {
     "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
     "sidco-exp-no-recipe": ["--compressor", "sidco-exp", "--ratio", "0.01", "--no-recipe"],
+    "alone": ["--compressor", "none", "--workers", "1"],  # the last --workers wins
 }
 CANDIDATES = ("none", "bf16", "sidco-exp")
 SEEDS = (*composed.VGG_SEEDS, *composed.VGG_MORE_SEEDS)
@@ -97,7 +101,16 @@ def summarize(arms: list[str], seeds: list[int], out: Path) -> dict[str, Any]:
                 "final_accuracy": curve[-1][1],
             }
         table[arm] = per_seed
-    return {"target": target, "late_from_step": LATE_FROM, "seeds": seeds, "arms": table}
+    versus = {}
+    for arm, per_seed in table.items():
+        if arm != "none":
+            points = [
+                100 * (per_seed[s]["late_mean_accuracy"] - table["none"][s]["late_mean_accuracy"])
+                for s in seeds
+            ]
+            versus[arm] = dict(zip(("mean", "low", "high"), interval(points), strict=True))
+    return {"target": target, "late_from_step": LATE_FROM, "seeds": seeds, "arms": table,
+            "late_points_vs_none": versus}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     for arm, per_seed in summary["arms"].items():
         steps = [entry["steps_to_target"] for entry in per_seed.values()]
         late = statistics.fmean(entry["late_mean_accuracy"] for entry in per_seed.values())
-        print(f"{arm:>20}: steps to {summary['target']:.4f} {steps}, late mean accuracy {late:.4f}")
+        versus = summary["late_points_vs_none"].get(arm)
+        paired = (
+            ""
+            if versus is None
+            else " ({mean:+.2f} [{low:+.2f}, {high:+.2f}] points vs none)".format(**versus)
+        )
+        print(f"{arm:>20}: steps to {summary['target']:.4f} {steps}, late mean accuracy {late:.4f}{paired}")
     if args.json is not None:
         args.json.write_text(json.dumps({**summary, "provenance": stamp.finish()}, indent=2) + "\n")
     return 0
