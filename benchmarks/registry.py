@@ -1395,6 +1395,75 @@ AUTO_TTA_CLAIMS = (
         f"{more['steps_to_target']['none'][i]}" for i, seed in enumerate(more["seeds"]))),
 )  # fmt: skip
 
+# -- the controls of the VGG row auto misses (issue 42) -------------------------------------------
+AUTO_VGG_CONTROLS = Result(
+    "results/auto/vgg_controls.json",
+    "python benchmarks/auto/vgg_controls.py --arms alone --json results/auto/vgg_controls.json "
+    "(the other arms' runs in results/auto/vgg_controls/, then --summarize-only)",
+)
+AUTO_VGG_CONTROL_ROWS = (
+    ("fp32 allreduce (stock DDP, `none`)", "none"),
+    ("`bf16`", "bf16"),
+    ("`sidco-exp` at 0.01, DGC's recipe (the fixed candidate)", "sidco-exp"),
+    ("the method run dense: `topk` at ratio 1, DGC's recipe", "topk-dense"),
+    ("`sidco-exp` at 0.01 without the recipe (plain error feedback, SGD's momentum)", "sidco-exp-no-recipe"),
+    ("one worker alone (its own batch, no communication)", "alone"),
+)
+
+
+def _steps_per_seed(*steps: int | None) -> str:
+    return ", ".join("-" if step is None else str(step) for step in steps)
+
+
+AUTO_VGG_CONTROLS_TABLE = Table(
+    "auto-vgg-controls",
+    ("run (VGG + SGD, 4 workers, 200 steps)", "steps to the target, seeds 0-4 (-: not in 200)",
+     "mean accuracy from step 100 (5 seeds)", "vs fp32, paired (points, 95 % interval)"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (label,
+         Claim(f"autovggctl.{key}.steps", AUTO_VGG_CONTROLS,
+               tuple(f"arms/{key}/{seed}/steps_to_target" for seed in range(5)), compute=_steps_per_seed),
+         Claim(f"autovggctl.{key}.late", AUTO_VGG_CONTROLS,
+               tuple(f"arms/{key}/{seed}/late_mean_accuracy" for seed in range(5)), "{:.1%}",
+               compute=lambda *values: statistics.fmean(values)),
+         "-" if key == "none" else
+         Claim(f"autovggctl.{key}.versus", AUTO_VGG_CONTROLS,
+               tuple(f"late_points_vs_none/{key}/{f}" for f in ("mean", "low", "high")), "{:+.2f} [{:+.2f}, {:+.2f}]",
+               compute=lambda *values: values))
+        for label, key in AUTO_VGG_CONTROL_ROWS
+    ),
+)  # fmt: skip
+#: The two training batches' own stamps, kept beside their runs.
+AUTO_VGG_CONTROL_BATCHES = {
+    "controls": Result(
+        "results/auto/vgg_controls/provenance-topk-dense-sidco-exp-no-recipe.json",
+        "python benchmarks/auto/vgg_controls.py --arms topk-dense sidco-exp-no-recipe",
+    ),
+    "alone": Result(
+        "results/auto/vgg_controls/provenance-alone.json",
+        "python benchmarks/auto/vgg_controls.py --arms alone",
+    ),
+}
+AUTO_VGG_CONTROLS_CLAIMS = (
+    Claim("autovggctl.target", AUTO_VGG_CONTROLS, ("target",), "{:.1%}"),
+    *(
+        claim
+        for name, batch in AUTO_VGG_CONTROL_BATCHES.items()
+        for claim in (
+            Claim(f"autovggctl.{name}.commit", batch, ("provenance/commit",), "{:.7}"),
+            Claim(
+                f"autovggctl.{name}.load",
+                batch,
+                ("provenance/load_before/0", "provenance/load_after/0"),
+                "{:.1f} before / {:.1f} after",
+                compute=lambda *v: v,
+            ),
+        )
+    ),
+)
+
+
 # -- one whole run of auto per link, beside its composed time to the target (issue 42) ---------------
 AUTO_WHOLE = Result(
     "results/auto/whole.json", "python benchmarks/auto/whole.py --json results/auto/whole.json"
@@ -1581,11 +1650,12 @@ TABLES = (
     AUTO_MATRIX_TABLE,
     AUTO_REPEATED_TABLE,
     AUTO_TTA_TABLE,
+    AUTO_VGG_CONTROLS_TABLE,
     AUTO_WHOLE_TABLE,
     AUTO_BESIDE_TABLE,
     NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
