@@ -107,8 +107,9 @@ def _processes_are_marked(request: pytest.FixtureRequest):
 # A test without an xdist group is grouped with its module, so module-scoped fixtures (one
 # run_workers launch shared by a module's tests) run once, not once per worker. On a
 # worker, the two groups of documented runs (tests/support/doc_commands.py, run_group) come first,
-# then the rest of the slow tests, then the quick ones: the longest units start first and
-# the quick ones fill the end, so neither worker waits alone for a long group.
+# then the rest of the slow tests, then the quick ones, the larger quick groups first: the
+# longest units start first and the quick ones fill the end, so neither worker waits alone
+# for a long group (a quick group of many tests can be long: the fake-CUDA matrix's 127).
 DOCUMENTED_GROUPS = (EXAMPLES_GROUP, COMMANDS_GROUP)
 
 
@@ -126,13 +127,17 @@ def _group(item: pytest.Item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
 
 
-def _start_order(items: list[pytest.Item]) -> dict[str, int]:
-    """Per group: 0 for documented runs, 1 for a group with a slow test, else 2."""
-    order: dict[str, int] = {}
+def _start_order(items: list[pytest.Item]) -> dict[str, tuple[int, int]]:
+    """Per group: (0, 0) for documented runs, (1, 0) for a group with a slow test, else
+    (2, minus its number of tests)."""
+    rank: dict[str, int] = {}
+    size: dict[str, int] = {}
     for item in items:
-        rank = 0 if _group(item) in DOCUMENTED_GROUPS else 1 if item.get_closest_marker("slow") else 2
-        order[_group(item)] = min(rank, order.get(_group(item), 2))
-    return order
+        group = _group(item)
+        own = 0 if group in DOCUMENTED_GROUPS else 1 if item.get_closest_marker("slow") else 2
+        rank[group] = min(own, rank.get(group, 2))
+        size[group] = size.get(group, 0) + 1
+    return {group: (rank[group], -size[group] if rank[group] == 2 else 0) for group in rank}
 
 
 # -- the package as a user installs it, and the documented commands run against it ---------
