@@ -1415,11 +1415,22 @@ def _steps_per_seed(*steps: int | None) -> str:
     return ", ".join("-" if step is None else str(step) for step in steps)
 
 
+def _bytes_sent_received(*values: float) -> str | None:
+    """The first half of ``values`` per seed sent, the second received: their means in MB (None:
+    nothing received, a worker alone)."""
+    sent, received = (
+        statistics.fmean(values[: len(values) // 2]),
+        statistics.fmean(values[len(values) // 2 :]),
+    )
+    return None if received == 0 else f"{sent / 1e6:.2f} / {received / 1e6:.2f} MB"
+
+
 AUTO_VGG_CONTROLS_TABLE = Table(
     "auto-vgg-controls",
     ("run (VGG + SGD, 4 workers, 200 steps)", "steps to the target, seeds 0-4 (-: not in 200)",
-     "mean accuracy from step 100 (5 seeds)", "vs fp32, paired (points, 95 % interval)"),
-    ("---", "---:", "---:", "---:"),
+     "mean accuracy from step 100 (5 seeds)", "vs fp32, paired (points, 95 % interval)",
+     "sent / received per worker per step (5 seeds)"),
+    ("---", "---:", "---:", "---:", "---:"),
     tuple(
         (label,
          Claim(f"autovggctl.{key}.steps", AUTO_VGG_CONTROLS,
@@ -1430,7 +1441,10 @@ AUTO_VGG_CONTROLS_TABLE = Table(
          "-" if key == "none" else
          Claim(f"autovggctl.{key}.versus", AUTO_VGG_CONTROLS,
                tuple(f"late_points_vs_none/{key}/{f}" for f in ("mean", "low", "high")), "{:+.2f} [{:+.2f}, {:+.2f}]",
-               compute=lambda *values: values))
+               compute=lambda *values: values),
+         Claim(f"autovggctl.{key}.bytes", AUTO_VGG_CONTROLS,
+               tuple(f"arms/{key}/{seed}/bytes_{way}_per_step" for way in ("sent", "received") for seed in range(5)),
+               "{}", compute=_bytes_sent_received, missing="nothing: one worker"))
         for label, key in AUTO_VGG_CONTROL_ROWS
     ),
 )  # fmt: skip

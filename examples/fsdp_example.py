@@ -136,7 +136,13 @@ def replicas_agree(model_state: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(c, flat) for c in copies)
 
 
-def save(path: Path, step: int, model: nn.Module, hook_state, full: StateDictOptions) -> None:
+def save(
+    path: Path,
+    step: int,
+    model: nn.Module,
+    hook_state: gradsift.GradsiftHookState | None,
+    full: StateDictOptions,
+) -> None:
     """Collective: rank 0 writes the full model and every rank's hook state to ``path``."""
     model_state = get_model_state_dict(model, options=full)
     hooks = None if hook_state is None else gather_hook_states(hook_state)

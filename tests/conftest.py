@@ -15,6 +15,7 @@ from hypothesis import settings
 
 from support.distributed import RUN_WORKERS_EVENT
 from support.doc_commands import COMMANDS_GROUP, EXAMPLES_GROUP
+from support.start_order import group_of, start_order
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=30)
@@ -106,10 +107,8 @@ def _processes_are_marked(request: pytest.FixtureRequest):
 # -- parallel runs (opt-in): pytest -n 2 --dist loadgroup --no-loadscope-reorder -----------
 # A test without an xdist group is grouped with its module, so module-scoped fixtures (one
 # run_workers launch shared by a module's tests) run once, not once per worker. On a
-# worker, the two groups of documented runs (tests/support/doc_commands.py, run_group) come first,
-# then the rest of the slow tests, then the quick ones, the larger quick groups first: the
-# longest units start first and the quick ones fill the end, so neither worker waits alone
-# for a long group (a quick group of many tests can be long: the fake-CUDA matrix's 127).
+# worker the groups start in tests/support/start_order.py's order: the two groups of documented
+# runs (tests/support/doc_commands.py, run_group) first, then the slow ones, then the quick.
 DOCUMENTED_GROUPS = (EXAMPLES_GROUP, COMMANDS_GROUP)
 
 
@@ -119,25 +118,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if hasattr(config, "workerinput"):  # an xdist worker
-        order = _start_order(items)
-        items.sort(key=lambda item: order[_group(item)])  # stable: a group's tests keep their order
-
-
-def _group(item: pytest.Item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
-
-
-def _start_order(items: list[pytest.Item]) -> dict[str, tuple[int, int]]:
-    """Per group: (0, 0) for documented runs, (1, 0) for a group with a slow test, else
-    (2, minus its number of tests)."""
-    rank: dict[str, int] = {}
-    size: dict[str, int] = {}
-    for item in items:
-        group = _group(item)
-        own = 0 if group in DOCUMENTED_GROUPS else 1 if item.get_closest_marker("slow") else 2
-        rank[group] = min(own, rank.get(group, 2))
-        size[group] = size.get(group, 0) + 1
-    return {group: (rank[group], -size[group] if rank[group] == 2 else 0) for group in rank}
+        order = start_order(items, DOCUMENTED_GROUPS)
+        items.sort(key=lambda item: order[group_of(item)])  # stable: a group's tests keep their order
 
 
 # -- the package as a user installs it, and the documented commands run against it ---------

@@ -18,8 +18,9 @@ Per arm and seed the runs go to ``results/auto/vgg_controls/<arm>-s<seed>/`` (su
 evaluations), and ``--json`` gets, beside the candidates' runs already committed (seed 0 from
 the main grid's 1 Gbit/s runs, whose curves do not depend on the link; seeds 1-4 from
 ``vgg_seeds/``), every arm's steps
-to the composed target and its mean accuracy over the evaluations from step 100 on (a
-measure less coarse than the first evaluation past the target), the latter also as a
+to the composed target, the bytes each worker sent and received per step, and its mean
+accuracy over the evaluations from step 100 on (a measure less coarse than the first
+evaluation past the target), the latter also as a
 difference from fp32's (``none``) paired per seed, with its 95 % t-interval. Usage (a clean checkout of
 a commit on main)::
 
@@ -75,11 +76,11 @@ def run_controls(arms: list[str], seeds: list[int], out: Path) -> None:
                     shutil.copy(run / name, kept / name)
 
 
-def candidate_evals(arm: str, seed: int) -> list[dict[str, Any]]:
-    """A candidate's committed evaluations: seed 0 from the main grid, the others from vgg_seeds/."""
+def candidate_run(arm: str, seed: int) -> Path:
+    """A candidate's committed run: seed 0 from the main grid, the others from vgg_seeds/."""
     if seed == 0:
-        return composed.read_evals(composed.VGG_RUNS / f"{arm}-w4-{composed.VGG_LINK}")
-    return composed.read_evals(composed.VGG_SEED_RUNS / f"{arm}-s{seed}")
+        return composed.VGG_RUNS / f"{arm}-w4-{composed.VGG_LINK}"
+    return composed.VGG_SEED_RUNS / f"{arm}-s{seed}"
 
 
 def summarize(arms: list[str], seeds: list[int], out: Path) -> dict[str, Any]:
@@ -89,16 +90,16 @@ def summarize(arms: list[str], seeds: list[int], out: Path) -> dict[str, Any]:
     for arm in [*CANDIDATES, *arms]:
         per_seed = {}
         for seed in seeds:
-            evals = (
-                candidate_evals(arm, seed)
-                if arm in CANDIDATES
-                else composed.read_evals(out / f"{arm}-s{seed}")
-            )
-            curve = composed.points("vgg", evals)
+            run = candidate_run(arm, seed) if arm in CANDIDATES else out / f"{arm}-s{seed}"
+            curve = composed.points("vgg", composed.read_evals(run))
+            bytes_per_step = json.loads((run / "summary.json").read_text())
             per_seed[seed] = {
                 "steps_to_target": composed.step_to_target("vgg", curve, target),
                 "late_mean_accuracy": statistics.fmean(v for step, v in curve if step >= LATE_FROM),
                 "final_accuracy": curve[-1][1],
+                # per worker and step, mean over the run (``gradsift train``'s summary)
+                "bytes_sent_per_step": bytes_per_step["bytes_sent_per_step"],
+                "bytes_received_per_step": bytes_per_step["bytes_received_per_step"],
             }
         table[arm] = per_seed
     versus = {}

@@ -21,6 +21,9 @@ def _write(folder: Path, curve: list[tuple[int, float]]) -> None:
     folder.mkdir(parents=True)
     lines = [json.dumps({"step": step, "accuracy": accuracy, "loss": 1.0}) for step, accuracy in curve]
     (folder / "evals.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "summary.json").write_text(
+        json.dumps({"bytes_sent_per_step": 4.0, "bytes_received_per_step": 12.0})
+    )
 
 
 def test_the_summary_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,8 +37,7 @@ def test_the_summary_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         for seed, curve in seeds.items():
             _write(tmp_path / f"{arm}-s{seed}", curve)
     monkeypatch.setattr(vgg_controls, "goal", lambda workload: 0.855)
-    monkeypatch.setattr(vgg_controls, "candidate_evals",
-                        lambda arm, seed: vgg_controls.composed.read_evals(tmp_path / f"{arm}-s{seed}"))  # fmt: skip
+    monkeypatch.setattr(vgg_controls, "candidate_run", lambda arm, seed: tmp_path / f"{arm}-s{seed}")
     summary = vgg_controls.summarize(["alone"], [0, 1], tmp_path)
     arms = summary["arms"]
     # none: seed 0 first reaches 0.855 at step 150 (0.86), seed 1 never (0.85 < 0.855)
@@ -57,6 +59,11 @@ def test_the_summary_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     # bf16 equals none on both seeds: a zero-width interval at 0
     assert summary["late_points_vs_none"]["bf16"] == pytest.approx({"mean": 0.0, "low": 0.0, "high": 0.0})
     assert "none" not in summary["late_points_vs_none"]
+    # the bytes are each run's summary's, as written
+    assert (arms["alone"][1]["bytes_sent_per_step"], arms["alone"][1]["bytes_received_per_step"]) == (
+        4.0,
+        12.0,
+    )
 
 
 def test_the_committed_summary_is_what_its_runs_say() -> None:
