@@ -14,8 +14,10 @@ Measured: the peak resident set size of each rank (``getrusage``'s ``ru_maxrss``
 only grows, so every arm runs in two fresh spawned processes) minus the rank's RSS just
 before the arm's DDP model is built (after the imports, the process group and the bare
 model), so what the interpreter and torch occupy cancels; the same for the RSS after
-the last step (what stays between steps), for malloc's in-use bytes after the last
-step (``mallinfo2``: the live tensors, without what the allocator keeps after a free),
+the last step and the ``zero_grad`` that opens the next (what stays between steps: the
+Adam methods' step clears the ``.grad`` of the parameters it steps, stock AdamW's stay until
+then), for malloc's in-use bytes at that point (``mallinfo2``: the live tensors, without
+what the allocator keeps after a free),
 and for the largest in-use bytes polled during the steps (:class:`AllocatedPeak`: the
 live tensors' peak; the RSS peak above it is what glibc kept after frees).
 An arm's extra is its growth minus stock DDP's under the same optimizer, on the same
@@ -260,6 +262,7 @@ def worker(
             )
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     mine = {"start": start, "peak": rss_peak(), "end": rss_now(), "allocated_start": allocated,
             "allocated_end": allocated_now(), "allocated_peak": allocated_peak.peak,
             "largest_bucket": largest_bucket(state)}  # fmt: skip
