@@ -17,7 +17,7 @@ import pytest
 
 from gradsift.exchanges import available_exchanges
 from gradsift.tools import analysis, benchmarking
-from gradsift.tools.cli import build_parser
+from gradsift.tools.cli import build_parser, main
 from gradsift.tools.commands import analyze as analyze_command
 from gradsift.tools.commands import bench as bench_command
 from gradsift.tools.train.config import LR_SCHEDULES, OPTIMIZERS
@@ -96,3 +96,23 @@ def test_parsing_arguments_loads_no_back_end():
     heavy = {argv: packages for argv, packages in report.items() if packages}
     assert not heavy, f"heavy packages loaded: {heavy}"
     assert set(report) == {"import gradsift", *ARGVS}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("train --compresor topk", "gradsift train: error: unrecognized arguments: --compresor topk (did you mean --compressor?)"),
+        ("train --ratoi=0.1", "gradsift train: error: unrecognized arguments: --ratoi=0.1 (did you mean --ratio?)"),
+        ("bench compress --sizs 5", "gradsift bench compress: error: unrecognized arguments: --sizs 5 (did you mean --sizes?)"),
+        ("report runs --bogus", "gradsift report: error: unrecognized arguments: --bogus"),
+        ("train extra", "gradsift train: error: unrecognized arguments: extra"),
+    ],
+)  # fmt: skip
+def test_an_unknown_argument_is_named_by_its_command_with_the_closest_option(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == message
+    # the command's usage, not the top level's
+    assert lines[0].startswith(f"usage: gradsift {argv.split()[0]}")

@@ -2,11 +2,16 @@
 
 Each module in :data:`SUBCOMMANDS` exposes ``add_parser(subparsers)``, which adds its
 parser and sets ``func`` (called with the parsed namespace, returning an exit code).
+
+An argument no parser knows is reported by the (sub)command it was given to, with its usage
+and the closest of its options (``gradsift train: error: unrecognized arguments: --compresor
+(did you mean --compressor?)``), where argparse alone reports it at the top level.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import importlib
 import sys
@@ -15,6 +20,8 @@ from gradsift import __version__
 from gradsift.core.errors import GradsiftError
 
 SUBCOMMANDS = ("analyze", "bench", "train", "demo", "report")
+#: How alike a misspelt flag and an option must be to be suggested (difflib's ratio, 0-1).
+CLOSE = 0.75
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,13 +37,40 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"gradsift.tools.commands.{name}").add_parser(subparsers)
+    _mark_commands(parser)
     return parser
+
+
+def _mark_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub)command's parser the default ``command_parser``: itself (a nested
+    subcommand's default wins over its parent's, so the parsed namespace names the innermost)."""
+    parser.set_defaults(command_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _mark_commands(subparser)
+
+
+def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's message for ``extras``, with the closest option of ``parser`` to each
+    unknown flag (``--name`` or ``--name=value``) where one is close: names compared without
+    their dashes, by :func:`difflib.get_close_matches` at :data:`CLOSE`."""
+    options = {o.lstrip("-"): o for action in parser._actions for o in action.option_strings}
+    hints = []
+    for extra in extras:
+        if extra.startswith("-"):
+            name = extra.split("=", 1)[0].lstrip("-")
+            hints += [options[m] for m in difflib.get_close_matches(name, options, n=1, cutoff=CLOSE)]
+    hint = f" (did you mean {', '.join(dict.fromkeys(hints))}?)" if hints else ""
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        args.command_parser.error(unrecognized(extras, args.command_parser))
     try:
         return int(args.func(args) or 0)
     except GradsiftError as error:
