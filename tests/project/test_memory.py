@@ -71,3 +71,37 @@ def test_frozen_parameters_keep_nothing() -> None:
 def test_every_arm_runs_under_stock_ddp_first() -> None:
     assert peak.ARMS[0].method is None
     assert all(opt in peak.ARMS[0].optimizers for arm in peak.ARMS for opt in arm.optimizers)
+
+
+def test_the_threshold_cost_pairs_each_round_and_counts_the_rss_over_stock() -> None:
+    """benchmarks/memory/threshold_cost.py's summary, against numbers worked out by hand: two
+    rounds, the step times and peak RSS growths of three arms under both settings."""
+    import threshold_cost
+
+    step = {("glibc defaults", 0): 100.0, ("threshold fixed", 0): 150.0,
+            ("glibc defaults", 1): 200.0, ("threshold fixed", 1): 250.0}  # fmt: skip
+    rss = {"stock": 1000, "topk": 1800, "sidco-exp": 1400}
+    runs = [
+        {"round": n, "setting": setting, "arm": arm, "step_ms": step[(setting, n)] * (2 if arm == "topk" else 1),
+         "extra_rss": rss[arm] - (200 if setting == "threshold fixed" and arm != "stock" else 0)}
+        for n in (0, 1) for setting in threshold_cost.SETTINGS for arm in threshold_cost.ARMS
+    ]  # fmt: skip
+    arms = threshold_cost.summarise(runs, parameter_bytes=400)
+    topk = arms["topk"]
+    assert topk["glibc defaults"] == {
+        "step_ms": 300.0,
+        "extra_rss_over_parameter_bytes": 2.0,
+    }  # (1800 - 1000) / 400
+    assert topk["threshold fixed"] == {
+        "step_ms": 400.0,
+        "extra_rss_over_parameter_bytes": 1.5,
+    }  # (1600 - 1000) / 400
+    ratio = topk["step_fixed_over_defaults"]
+    assert ratio["per_round"] == [1.5, 1.25]
+    # mean 1.375, stdev 0.1767767, t(0.975, 1 df) 12.706: half-width 12.706 * 0.1767767 / sqrt(2) = 1.58825
+    assert ratio["mean"] == pytest.approx(1.375)
+    assert (ratio["low"], ratio["high"]) == (
+        pytest.approx(1.375 - 1.58825, abs=1e-5),
+        pytest.approx(1.375 + 1.58825, abs=1e-5),
+    )
+    assert arms["stock"]["threshold fixed"]["extra_rss_over_parameter_bytes"] == 0.0
