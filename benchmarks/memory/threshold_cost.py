@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 2 (a paired interval) and --skip below --steps")
     stamp = provenance.start(seeds=sorted({0, *range(peak.WORLD)}))
     parameter_bytes = peak.FP32 * sum(p.numel() for p in peak.make_model().parameters())
-    runs = []
+    runs: list[dict[str, Any]] = []
     for n in range(args.rounds):
         for setting in SETTINGS if n % 2 == 0 else reversed(SETTINGS):
             for arm in ARMS:
