@@ -1193,7 +1193,47 @@ MEMORY_SIZE_CLAIMS = (
       for method in ("topk", "sidco-exp") for width in (1024, 2048)),
     *(_memory_slope(method) for method in ("topk", "sidco-exp")),
 )  # fmt: skip
+#: The threshold's price: the step with and without it, paired per round, and the RSS it saves.
+MEMORY_COST = Result(
+    "results/memory/threshold-cost.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --json results/memory/threshold-cost.json",
+)
+
+
+def _memory_cost(arm: str, field: str, fmt: str = "{:.2f}x") -> Claim:
+    return Claim(f"memory.cost.{arm}.{field.replace('/', '.').replace(' ', '_')}", MEMORY_COST,
+                 (f"arms/{arm}/{field}",), fmt)  # fmt: skip
+
+
+def _memory_cost_ratio(arm: str) -> Claim:
+    ratio = f"arms/{arm}/step_fixed_over_defaults/"
+    return Claim(f"memory.cost.{arm}.ratio", MEMORY_COST, (f"{ratio}mean", f"{ratio}low", f"{ratio}high"),
+                 "{:.2f}x [{:.2f}, {:.2f}]", compute=lambda *v: v)  # fmt: skip
+
+
+MEMORY_COST_TABLE = Table(
+    "memory-threshold-cost",
+    ("method", "median step, glibc's defaults", "median step, threshold fixed", "fixed / defaults, paired (95 %)",
+     "peak RSS over stock DDP, defaults", "peak RSS over stock DDP, fixed"),
+    ("---", "---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (f"`{arm}`", _memory_cost(arm, "glibc defaults/step_ms", "{:.0f} ms"),
+         _memory_cost(arm, "threshold fixed/step_ms", "{:.0f} ms"), _memory_cost_ratio(arm),
+         _memory_cost(arm, "glibc defaults/extra_rss_over_parameter_bytes"),
+         _memory_cost(arm, "threshold fixed/extra_rss_over_parameter_bytes"))
+        for arm in ("topk", "sidco-exp")
+    ),
+)  # fmt: skip
+
+
 MEMORY_CLAIMS = (
+    Claim("memory.cost.commit", MEMORY_COST, ("provenance/commit",), "{:.7}"),
+    Claim("memory.cost.rounds", MEMORY_COST, ("args/rounds",)),
+    Claim("memory.cost.load", MEMORY_COST, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.1f} before / {:.1f} after", compute=lambda *v: v),
+    _memory_cost_ratio("stock"),
+    _memory_cost("stock", "glibc defaults/step_ms", "{:.0f} ms"),
+    _memory_cost("stock", "threshold fixed/step_ms", "{:.0f} ms"),
     Claim("memory.mmap.threshold", MEMORY_MMAP, ("allocator/MALLOC_MMAP_THRESHOLD_",)),
     Claim("memory.mmap.commit", MEMORY_MMAP, ("provenance/commit",), "{:.7}"),
     *(_memory_mmap(method, field) for method in ("topk", "sidco-exp")
@@ -1660,6 +1700,7 @@ TABLES = (
     PADDING_TABLE,
     AUTO_TABLE,
     MEMORY_TABLE,
+    MEMORY_COST_TABLE,
     VERDICT_TABLE,
     AUTO_MATRIX_TABLE,
     AUTO_REPEATED_TABLE,
