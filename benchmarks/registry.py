@@ -1196,7 +1196,7 @@ MEMORY_SIZE_CLAIMS = (
 #: The threshold's price: the step with and without it, paired per round, and the RSS it saves.
 MEMORY_COST = Result(
     "results/memory/threshold-cost.json",
-    "flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --json results/memory/threshold-cost.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --rounds 5 --json results/memory/threshold-cost.json",
 )
 
 

@@ -92,14 +92,14 @@ def summarize(arms: list[str], seeds: list[int], out: Path) -> dict[str, Any]:
         for seed in seeds:
             run = candidate_run(arm, seed) if arm in CANDIDATES else out / f"{arm}-s{seed}"
             curve = composed.points("vgg", composed.read_evals(run))
-            bytes_per_step = json.loads((run / "summary.json").read_text())
+            run_summary = json.loads((run / "summary.json").read_text())
             per_seed[seed] = {
                 "steps_to_target": composed.step_to_target("vgg", curve, target),
                 "late_mean_accuracy": statistics.fmean(v for step, v in curve if step >= LATE_FROM),
                 "final_accuracy": curve[-1][1],
                 # per worker and step, mean over the run (``gradsift train``'s summary)
-                "bytes_sent_per_step": bytes_per_step["bytes_sent_per_step"],
-                "bytes_received_per_step": bytes_per_step["bytes_received_per_step"],
+                "bytes_sent_per_step": run_summary["bytes_sent_per_step"],
+                "bytes_received_per_step": run_summary["bytes_received_per_step"],
             }
         table[arm] = per_seed
     versus = {}

@@ -10,11 +10,12 @@ defaults and with the setting, in turn, ``--rounds`` times (the two settings pai
 so a drift of the machine's speed reaches both). Per run: each rank's median step time over
 the steps after ``--skip`` (DDP's bucket rebuild and the first compressed steps), the larger
 rank's reported, and each rank's peak RSS minus its RSS before DDP was built, the larger
-rank's extra over stock DDP's in the same round and setting. Per arm, the step time with the
+rank's, less stock DDP's in the same round and setting. Per arm, the step time with the
 setting over the one without, paired by round, as a mean with its 95 % t-interval. Usage (a
-clean checkout of a commit on main, about three minutes)::
+clean checkout of a commit on main; the committed result's five rounds took about seven
+minutes)::
 
-    flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --json results/memory/threshold-cost.json
+    flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --rounds 5 --json results/memory/threshold-cost.json
 """
 
 from __future__ import annotations
