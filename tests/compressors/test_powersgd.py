@@ -166,3 +166,19 @@ def test_two_gloo_ranks_match_pytorch_hook_and_resume():
     # Every rank holds the same parameters.
     for ours, other in zip(results[0]["ours"], results[1]["ours"], strict=True):
         assert torch.equal(ours, other)
+
+
+# -- the default epsilon (an unused layer's zero matrix: tests/hook/test_unused_parameters.py) --
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_default_epsilon_zeroes_a_zero_column_and_leaves_other_norms_alone(dtype):
+    from gradsift.compressors.powersgd import negligible_epsilon
+
+    epsilon = negligible_epsilon(dtype)
+    zero = torch.zeros(5, dtype=dtype)
+    assert torch.equal(zero / (torch.linalg.vector_norm(zero) + epsilon), zero)  # 0/0 would be NaN
+    # Norms from the docstring's bound up to large ones, in the dtype: adding epsilon rounds back.
+    bound = 4 * epsilon / torch.finfo(dtype).eps
+    norms = (bound * torch.logspace(0, 12, 200, base=2, dtype=torch.float64)).to(dtype)
+    norms = torch.cat([norms, torch.tensor([1e-3, 1.0, 100.0], dtype=dtype)])
+    assert torch.equal(norms + epsilon, norms)
+    assert epsilon > 0 and epsilon >= torch.finfo(torch.float32).tiny  # never flushed in fp32

@@ -72,7 +72,10 @@ class PowerSGD(Compressor):
         use_error_feedback: keep the local error (PowerSGD is biased); default True.
             It lives in gradsift's error feedback (the hook's state store).
         warm_start: reuse last step's ``Q``; default True.
-        orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0; default 0.
+        orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0; default
+            None: :func:`negligible_epsilon` of each bucket's dtype, which changes no
+            norm PyTorch's default 0 handles and makes an all-zero column zeros, not
+            0/0 = NaN. ``batched`` ignores it (PyTorch's batched hook takes none).
         seed: seed of the NumPy generator that draws the initial ``Q`` (same on every rank).
         batched: use ``batched_powerSGD_hook`` (the bucket as one square matrix: faster,
             usually less accurate unless rank 1); default False.
@@ -89,7 +92,7 @@ class PowerSGD(Compressor):
         min_compression_rate: float = 2.0,
         use_error_feedback: bool = True,
         warm_start: bool = True,
-        orthogonalization_epsilon: float = 0.0,
+        orthogonalization_epsilon: float | None = None,
         seed: int = 0,
         batched: bool = False,
     ) -> None:
@@ -102,8 +105,10 @@ class PowerSGD(Compressor):
         self.min_compression_rate = check_real(
             min_compression_rate, "min_compression_rate", low=0.0, low_open=True
         )
-        self.orthogonalization_epsilon = check_real(
-            orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0
+        self.orthogonalization_epsilon = (
+            None
+            if orthogonalization_epsilon is None
+            else check_real(orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0)
         )
         self.seed = check_int(seed, "seed", low=0, high=2**32 - 1)
         self.batched = check_bool(batched, "batched")
@@ -114,7 +119,7 @@ class PowerSGD(Compressor):
             min_compression_rate=self.min_compression_rate,
             use_error_feedback=False,
             warm_start=self.warm_start,
-            orthogonalization_epsilon=self.orthogonalization_epsilon,
+            orthogonalization_epsilon=self.orthogonalization_epsilon or 0.0,
             random_seed=self.seed,
         )
         #: Parameter shapes of each bucket the memory (error, P, Q) was made for.
@@ -163,6 +168,8 @@ class PowerSGD(Compressor):
         compressing = self.state.iter >= self.state.start_powerSGD_iter
         if compressing:
             self._check_layout(bucket)
+        if self.orthogonalization_epsilon is None:
+            self.state.orthogonalization_epsilon = negligible_epsilon(buffer.dtype)
         sent_before = self.state.total_numel_after_compression
         hook = batched_powerSGD_hook if self.batched else powerSGD_hook
         with collectives_done_on_return():
@@ -247,6 +254,25 @@ class PowerSGD(Compressor):
                 rng["cached_gaussian"],
             )
         )
+
+
+def negligible_epsilon(dtype: torch.dtype) -> float:
+    """PowerSGD's default ``orthogonalization_epsilon`` for gradients of ``dtype``: the dtype's
+    smallest positive number, but at least float32's smallest normal number, 2^-126 (fp32,
+    bf16: 2^-126; fp16: its smallest subnormal, 2^-24).
+
+    Gram-Schmidt divides each column of ``P = M Q`` by ``norm + epsilon``. A layer whose
+    gradient and error are all zeros (a parameter no rank used this step, under
+    ``find_unused_parameters=True``) gives a zero column, which PyTorch's default 0 turns into
+    0/0 = NaN: a step whose mean is not finite, dropped or poisoned like an overflow, at every
+    compressed step. Any positive epsilon gives zeros. This one is at most half a unit in the
+    last place of every norm of at least ``4 epsilon / finfo(dtype).eps`` (fp32: 2^-101;
+    fp16: 2^-12; fp64: 2^-72), so such a norm, and the step, are bit for bit PyTorch's. It is
+    normal in float32, so no flush of subnormals to zero undoes it where the sum is taken in
+    float32 or wider.
+    """
+    info = torch.finfo(dtype)
+    return max(info.tiny * info.eps, torch.finfo(torch.float32).tiny)
 
 
 class _AllreduceDoneOnReturn:
