@@ -38,6 +38,7 @@ Adam method starts only after Adam's dense warm-up (``warmup_steps``, unset:
 :data:`~gradsift.hook.adam.ONE_LINE_WARMUP_STEPS`). The chosen method runs as registered by
 hand would, continuing the step count; its state, the choice and the predictions are in
 ``stats()`` and the checkpoint (not the drift windows: a resumed run starts a new one).
+Under DDP's ``join()`` (uneven inputs) it makes no collective of its own: :mod:`gradsift.hook.uneven`.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -50,8 +51,7 @@ import torch.distributed as dist
 
 from gradsift.core.collectives import agreed_max
 from gradsift.core.errors import InvalidOptionError
-from gradsift.core.validation import check_int
-from gradsift.hook import choice, handover, probes, recipe
+from gradsift.hook import choice, handover, probes, recipe, uneven
 from gradsift.hook.drift import DriftWatch
 from gradsift.hook.lean import LeanAllreduce
 from gradsift.hook.paid import PaidRoute
@@ -68,13 +68,6 @@ DECIDE_AT = 6
 #: add up to this many seconds on the slowest rank (agreed after each optimizer step; a link
 #: so slow that each dense step is costly): after step 1 when one step takes that long.
 MEASURE_SECONDS = 0.5
-#: Hook options ``auto`` passes on to the method it runs (others are the method's own business);
-#: ``density_warmup_steps`` goes to the sparsifier it starts with only.
-PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
-#: The hook options the probe states take (the others log or time the method's warm-up; the
-#: scaler is the dense state's, given or found).
-PROBED = ("nonfinite", "granularity")
-DENSITY_WARMUP = "density_warmup_steps"
 
 
 def _running(name: str) -> Any:
@@ -95,22 +88,9 @@ class AutoHookState:
     def __init__(
         self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, options: dict[str, Any]
     ) -> None:
-        unknown = sorted(set(options) - {"process_group", "steps", DENSITY_WARMUP, *PASSED_ON})
-        if unknown:
-            raise InvalidOptionError(
-                f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
-                f"method: pass compressor=<name> to set them (auto takes steps, {', '.join(PASSED_ON)})"
-            )
-        options = dict(options)
-        #: The run's length in steps, when the caller knows it (None: unknown).
-        self.run_steps: int | None = options.pop("steps", None)
-        if self.run_steps is not None:
-            check_int(self.run_steps, "steps", low=1)
-        #: The start method's density warm-up, in steps (0: none); timing starts after it.
-        self.density_warmup_steps: int = options.pop(DENSITY_WARMUP, None) or 0
-        check_int(self.density_warmup_steps, DENSITY_WARMUP, low=0)
+        #: The run's length in steps (None: unknown), the start method's density warm-up.
+        self.run_steps, self.density_warmup_steps, self.hook_options = choice.auto_options(options)
         self.ddp_model = ddp_model
-        self.hook_options = dict(options)
         self.dense = GradsiftHookState.build("none", **self.hook_options)
         self.dense.attach(ddp_model, optimizer)
         self.current = self.dense
@@ -159,7 +139,9 @@ class AutoHookState:
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
-        if self.choice == "measuring" and self._kept_all and self._after_step is None:
+        if uneven.joined(self.ddp_model):
+            self._end_measuring(step)
+        elif self.choice == "measuring" and self._kept_all and self._after_step is None:
             # no optimizer found: decide before this step's exchanges
             self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
         elif self.choice == "measuring" and not self._kept:
@@ -181,6 +163,18 @@ class AutoHookState:
             self._keeping, self._keep_next = True, False
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
+
+    def _end_measuring(self, step: int) -> None:
+        """Under DDP's join: a run still measuring runs ``none`` from ``step`` (:mod:`gradsift.hook.uneven`)."""
+        if self.choice != "measuring":
+            return
+        if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them
+            self.dense.discover()
+        self._kept, self._kept_all, self.choice, self.decided_at = [], False, "none", step
+        if self.current is not self.dense:
+            if self.current.feedback is not None:
+                handover.leave(self.current, self.dense)
+            self.pending, self.switch_at = "none", step
 
     @property
     def measured_on(self) -> str:
@@ -211,7 +205,10 @@ class AutoHookState:
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer's step post-hook (outside backward): decide once the deciding step's
         buckets are kept; then watch the step time and re-measure when it drifts
-        (:mod:`gradsift.hook.drift`) -- the next step's buckets kept, decided after its step."""
+        (:mod:`gradsift.hook.drift`) -- the next step's buckets kept, decided after its step.
+        Nothing under DDP's join (:mod:`gradsift.hook.uneven`)."""
+        if uneven.joined(self.ddp_model):
+            return
         if self._kept_all:
             first = self.choice == "measuring"
             paid = self._paid.since_mark(self._timed_telemetry()) if first else self._window_paid
@@ -260,7 +257,7 @@ class AutoHookState:
             self.ddp_model.module,
             self.dense.process_group,
             {
-                **{k: v for k, v in self.hook_options.items() if k in PROBED},
+                **{k: v for k, v in self.hook_options.items() if k in choice.PROBED},
                 "scaler": self.dense.options.scaler,
             },
             choice.sgd_momentum(self.dense.optimizer),
@@ -314,9 +311,9 @@ class AutoHookState:
             state = self.dense
         else:
             options = dict(dict(self.candidates())[name])
-            hook_options = {k: v for k, v in self.hook_options.items() if k in PASSED_ON}
+            hook_options = {k: v for k, v in self.hook_options.items() if k in choice.PASSED_ON}
             if self.density_warmup_steps and "ratio" in options:
-                hook_options[DENSITY_WARMUP] = self.density_warmup_steps
+                hook_options[choice.DENSITY_WARMUP] = self.density_warmup_steps
             state = handover.enter(self.ddp_model, self.dense, name, options, hook_options, step)
         state.ledger.step = step
         state.telemetry.load_state_dict(self.current.telemetry.state_dict())

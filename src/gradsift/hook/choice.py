@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_int
 from gradsift.hook import recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
 
@@ -38,6 +40,33 @@ START: dict[str, str] = {"sgd": "sidco-exp", "adam": "none", "other": "none"}
 #: Under Adam, a run at least this long (``steps=``) also has the 1-bit Adam method.
 LONG_RUN_STEPS = 3000
 ONE_BIT_ADAM: tuple[str, dict[str, Any]] = ("efsignsgd", {})
+#: Hook options ``auto`` passes on to the method it runs (others are the method's own business);
+#: ``density_warmup_steps`` goes to the sparsifier it starts with only.
+PASSED_ON = ("nonfinite", "scaler", "warmup_steps", "log_every", "jsonl_path", "granularity")
+#: The hook options the probe states take (the others log or time the method's warm-up; the
+#: scaler is the dense state's, given or found).
+PROBED = ("nonfinite", "granularity")
+DENSITY_WARMUP = "density_warmup_steps"
+
+
+def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, Any]]:
+    """``register_comm_hook(ddp, "auto", **options)``'s options, checked: the run's length in
+    steps when the caller knows it (``steps``; None: unknown), the start method's density
+    warm-up in steps (0: none; timing starts after it), and the hook options left; one that
+    belongs to a named method is refused."""
+    unknown = sorted(set(options) - {"process_group", "steps", DENSITY_WARMUP, *PASSED_ON})
+    if unknown:
+        raise InvalidOptionError(
+            f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
+            f"method: pass compressor=<name> to set them (auto takes steps, {', '.join(PASSED_ON)})"
+        )
+    rest = dict(options)
+    run_steps = rest.pop("steps", None)
+    if run_steps is not None:
+        check_int(run_steps, "steps", low=1)
+    density_warmup_steps = rest.pop(DENSITY_WARMUP, None) or 0
+    check_int(density_warmup_steps, DENSITY_WARMUP, low=0)
+    return run_steps, density_warmup_steps, rest
 
 
 def family(optimizer: Any) -> str:

@@ -21,7 +21,8 @@ from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.frontends.decoupled_momentum import DeMo, DeMoOptions
 from gradsift.frontends.diloco import OUTER_OPTIONS
 from gradsift.frontends.distributed_lion import DistributedLion, LionOptions
-from gradsift.hook.auto import AUTO, PASSED_ON
+from gradsift.hook.auto import AUTO
+from gradsift.hook.choice import PASSED_ON
 from gradsift.hook.options import HOOK_OPTIONS
 from gradsift.hook.state import GradsiftHookState
 from gradsift.tools.train.devices import DEVICES
@@ -235,7 +236,7 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
 
 def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
     """``--compressor auto``: the DDP hook picks the method, taking only the hook options it
-    passes on (:data:`gradsift.hook.auto.PASSED_ON`); with DiLoCo, DiLoCo's default compressor
+    passes on (:data:`gradsift.hook.choice.PASSED_ON`); with DiLoCo, DiLoCo's default compressor
     runs, with DiLoCo's outer options only."""
     allowed = OUTER_OPTIONS if diloco else PASSED_ON
     unknown = sorted(set(options) - set(allowed))
