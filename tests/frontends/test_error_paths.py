@@ -41,3 +41,34 @@ def test_a_checkpoint_with_the_other_error_feedback_setting_is_refused(saved_wit
         match=r"checkpoint and hook disagree on error feedback \(on in one, off in the other\)",
     ):
         hook.load_state_dict(saved)
+
+
+def _with_sparse_embedding() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(32, 2)
+    )
+
+
+@pytest.mark.parametrize("compressor", ["auto", "topk", "bf16"])
+def test_a_model_with_sparse_gradients_is_refused_naming_the_module(one_process_group, compressor):
+    ddp = DistributedDataParallel(_with_sparse_embedding())
+    with pytest.raises(InvalidOptionError, match=r"0 \(Embedding\(sparse=True\)\).*sparse=False.*'none'"):
+        gradsift.register_comm_hook(ddp, compressor)
+
+
+def test_none_on_sparse_gradients_trains_as_stock_ddp(one_process_group):
+    """``none`` is stock DDP's allreduce, which gloo runs on sparse gradients as DDP does."""
+    runs = []
+    for hooked in (False, True):
+        ddp = DistributedDataParallel(_with_sparse_embedding())
+        if hooked:
+            gradsift.register_comm_hook(ddp, "none")
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            tokens = torch.randint(50, (4, 4), generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            ddp(tokens).square().mean().backward()
+            optimizer.step()
+        runs.append([p.detach().clone() for p in ddp.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

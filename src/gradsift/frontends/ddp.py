@@ -13,6 +13,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.auto import AUTO, AutoHookState, auto_hook
+from gradsift.hook.compatibility import refuse_sparse_gradients
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
 from gradsift.hook.state import GradsiftHookState
@@ -55,11 +56,13 @@ def register_comm_hook(
         )
     optimizer = options.pop("optimizer", None)
     if isinstance(compressor, str) and compressor == AUTO:
+        refuse_sparse_gradients(ddp_model.module, AUTO)
         auto = AutoHookState(ddp_model, optimizer, options)
         check_hook_settings(auto.dense, "register_comm_hook")  # collective: ranks that disagree stop here
         ddp_model.register_comm_hook(auto, auto_hook)
         return auto
     state = GradsiftHookState.resolve(compressor, options)
+    refuse_sparse_gradients(ddp_model.module, state.compressor.name)
     state.attach(ddp_model, optimizer)
     check_hook_settings(state, "register_comm_hook")  # collective: ranks that disagree stop here
     ddp_model.register_comm_hook(state, gradsift_hook)

@@ -12,9 +12,14 @@ A setting the hook cannot apply as asked is refused when the state is built, wit
   (:attr:`~gradsift.exchanges.base.Exchange.serves`: the two-stage exchange);
 * ``padding_target`` with a capacity fixed by the compressor's options (it bounds the padding
   of a capacity that follows the demand).
+
+And when the hook is registered (:func:`refuse_sparse_gradients`), a method other than ``none``
+on a model with sparse gradients: the compressors take dense gradients.
 """
 
 from __future__ import annotations
+
+import torch
 
 from gradsift.compressors.base import Compressor, Sparsifier
 from gradsift.compressors.registry import available_compressors, compressor_class
@@ -60,4 +65,24 @@ def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: Hoo
         raise InvalidOptionError(
             f"padding_target bounds the padding of a capacity that follows the demand "
             f"({', '.join(adaptive)}); {name}'s capacity is fixed by its options"
+        )
+
+
+def refuse_sparse_gradients(module: torch.nn.Module, name: str) -> None:
+    """Raise when ``module`` has a parameter with sparse gradients -- an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``, DDP's own test for them -- and ``name`` is not
+    ``none`` (stock DDP's allreduce, which gloo runs on sparse tensors as DDP does)."""
+    if name == "none":
+        return
+    sparse = [
+        f"{prefix or 'the model'} ({type(child).__name__}(sparse=True))"
+        for prefix, child in module.named_modules()
+        if isinstance(child, torch.nn.Embedding | torch.nn.EmbeddingBag)
+        and child.sparse
+        and child.weight.requires_grad
+    ]
+    if sparse:
+        raise InvalidOptionError(
+            f"{name!r} compresses dense gradients, and {', '.join(sparse)} makes sparse ones: build it "
+            "with sparse=False (its gradient then dense, and compressed), or pass compressor='none'"
         )
