@@ -261,6 +261,21 @@ def test_a_slow_link_under_sgd_momentum_runs_sidco_with_momentum_correction(one_
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one_process_group, monkeypatch):
+    """On a slow link, but the SGD's one group also holds a parameter outside the model: taking
+    the group's momentum would take it from that parameter too, so the candidates are those of
+    an optimizer without momentum correction, measured on stock DDP, the group left as built."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    other = torch.nn.Parameter(torch.ones(3))
+    optimizer = sgd([*ddp.parameters(), other])
+    state = gradsift.register_comm_hook(ddp)
+    train(ddp, optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
+    stats = state.stats()["auto"]
+    assert stats["measured_on"] == "none" and set(stats["predicted_ms"]) == {"none", "bf16"}
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+
+
 def test_a_checkpoint_resumes_the_choice_bit_for_bit(one_process_group, monkeypatch):
     slow_link(monkeypatch, "efsignsgd")
     warmup, more = auto.DECIDE_AT + 1, 4

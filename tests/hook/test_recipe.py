@@ -56,6 +56,24 @@ def test_takeover_refuses_what_it_cannot_apply_exactly():
         recipe.take_over("sgd", numbers)
 
 
+def test_takeover_leaves_a_group_with_other_parameters_alone():
+    """A group that also holds parameters outside the model would lose their momentum and weight
+    decay with the model's: refused, the group untouched; groups of its own are taken over."""
+    model, numbers = _model_and_numbers()
+    other = torch.nn.Parameter(torch.zeros(4))
+    shared = torch.optim.SGD([*model.parameters(), other], lr=0.1, momentum=0.9, weight_decay=1e-4)
+    with pytest.raises(
+        InvalidOptionError, match=r"param group 0 holds 1 parameter\(s\) besides this model's"
+    ):
+        recipe.take_over(shared, numbers)
+    assert (shared.param_groups[0]["momentum"], shared.param_groups[0]["weight_decay"]) == (0.9, 1e-4)
+    assert recipe.foreign_parameters(shared, numbers) == {0: 1}
+    apart = torch.optim.SGD([{"params": model.parameters()}, {"params": [other]}], lr=0.1, momentum=0.9)
+    assert recipe.foreign_parameters(apart, numbers) == {}
+    assert recipe.take_over(apart, numbers).momentum == 0.9
+    assert [group["momentum"] for group in apart.param_groups] == [0.0, 0.9]
+
+
 def test_momentum_correction_and_masking_two_steps_by_hand():
     # m = 0.5; the compressor sends element 0 at step 1 and element 1 at step 2.
     for masking in (True, False):

@@ -179,7 +179,7 @@ class AutoHookState:
     @property
     def measured_on(self) -> str:
         """The method the measuring steps run: the found family's :data:`~gradsift.hook.choice.START`."""
-        return choice.START[choice.family(self.dense.optimizer)]
+        return choice.START[choice.family(self.dense.optimizer, self.dense.layout.numbers)]
 
     @property
     def timed_from(self) -> int:
@@ -295,7 +295,7 @@ class AutoHookState:
 
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The candidates for the optimizer found (module docstring), with their options."""
-        kind = choice.family(self.dense.optimizer)
+        kind = choice.family(self.dense.optimizer, self.dense.layout.numbers)
         long_run = self.run_steps is not None and self.run_steps >= choice.LONG_RUN_STEPS
         return choice.CANDIDATES[kind] + ((choice.ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
 

@@ -4,7 +4,8 @@ The candidates keep the optimizer family's quality (docs/decisions.md, "compress
 SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction; Adam / AdamW
 -- ``none``, ``bf16``, and, in a run known to last at least :data:`LONG_RUN_STEPS` steps, the
 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
--- ``none``, ``bf16``. The rule (:func:`choose`): each candidate's predicted step is the
+-- ``none``, ``bf16``, as for an SGD whose groups holding the model's parameters hold others too
+(momentum correction would take their momentum: :func:`~gradsift.hook.recipe.foreign_parameters`). The rule (:func:`choose`): each candidate's predicted step is the
 running method's measured step with its route exchanged for the candidate's -- the probes'
 route times less what a probe counts that the running method's steps did not pay
 (:mod:`gradsift.hook.paid`) -- and another method than the preferred one (the dense step at
@@ -69,14 +70,17 @@ def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, An
     return run_steps, density_warmup_steps, rest
 
 
-def family(optimizer: Any) -> str:
-    """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found too)."""
+def family(optimizer: Any, numbers: dict[int, int] | None = None) -> str:
+    """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found
+    too; an SGD whose groups hold parameters besides the model's, ``numbers``, as well)."""
     if optimizer is None:
         return "other"
     inner = recipe.unwrapped(optimizer)
     if is_adam(inner):
         return "adam"
-    return "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+    if not isinstance(inner, torch.optim.SGD):
+        return "other"
+    return "other" if numbers is not None and recipe.foreign_parameters(inner, numbers) else "sgd"
 
 
 def sgd_momentum(optimizer: Any) -> float:

@@ -88,7 +88,8 @@ def take_over(
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
     nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
     :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
-    and for groups that disagree on momentum.
+    for groups that disagree on momentum, and for a group that also holds parameters outside
+    the model (:func:`foreign_parameters`: their momentum would go too).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -108,6 +109,15 @@ def take_over(
         raise InvalidOptionError(
             f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "
             "and the like are not supported: pass optimizer=None for error feedback without momentum correction)"
+        )
+    foreign = foreign_parameters(optimizer, numbers)
+    if foreign:
+        index, count = next(iter(foreign.items()))
+        raise InvalidOptionError(
+            f"optimizer param group {index} holds {count} parameter(s) besides this model's: momentum "
+            "correction moves a group's momentum and weight decay into the hook, which would take them "
+            "from those too; give the model's parameters groups of their own (SGD([{'params': "
+            "ddp_model.parameters()}, {'params': others}], ...)), or pass optimizer=False"
         )
     taken = Takeover()
     momenta = set()
@@ -136,6 +146,16 @@ def take_over(
         )
     taken.momentum = momenta.pop() if momenta else 0.0
     return taken
+
+
+def foreign_parameters(optimizer: Any, numbers: dict[int, int]) -> dict[int, int]:
+    """Per parameter group of ``optimizer`` that holds some of the model's parameters
+    (``numbers``: ``id(parameter) -> number``) and others too, how many others it holds."""
+    counts = {
+        index: sum(id(param) not in numbers for param in group["params"])
+        for index, group, _ in model_groups(unwrapped(optimizer), numbers)
+    }
+    return {index: count for index, count in counts.items() if count}
 
 
 def momentum_buffers(optimizer: Any, numbers: dict[int, int]) -> dict[int, torch.Tensor]:
