@@ -120,10 +120,12 @@ class StepLedger:
         last_step_skipped: the last step was dropped for a non-finite gradient.
         current: the step in progress, or None between steps.
         closed: the step closed on the device and not yet settled on the host, or None.
+        kept_since: steps kept since a reader last zeroed it (:mod:`gradsift.hook.one_exchange`).
     """
 
     nonfinite: str = "propagate"
     step: int = 0
+    kept_since: int = 0
     last_step_skipped: bool = False
     current: OpenStep | None = None
     closed: OpenStep | None = None
@@ -226,6 +228,7 @@ class StepLedger:
         self.last_step_skipped = nonfinite
         telemetry.end_step(self.step, records, skipped=nonfinite, running=running)
         self.step += int(not nonfinite)
+        self.kept_since += int(not nonfinite)
         return not nonfinite
 
 

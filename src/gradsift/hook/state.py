@@ -33,6 +33,7 @@ from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
 from gradsift.hook.ledger import StepLedger
+from gradsift.hook.one_exchange import OneExchangePerStep
 from gradsift.hook.options import HookOptions, resolve_compressor
 from gradsift.hook.warmup_code import CodedWarmup, refuse_without_frozen_adam
 
@@ -49,9 +50,9 @@ class GradsiftHookState:
     ``target_ratio``); **what persists across steps**, checkpointed (the keyed ``store`` of
     per-tensor state, error ``feedback``, the parameters' ``layout``, the ``ledger``: step count
     and per-step transaction, the ``telemetry`` of ``stats()``); **the optimizer taken over**
-    (:meth:`adopt`, :meth:`discover`: the ``weight_decay`` moved into the exchange, the
-    ``adam`` takeover, the ``first_step`` check, the ``hooked`` parameters, the ``optimizer``,
-    and whether the next first bucket still looks for one or a scaler).
+    (:meth:`adopt`, :meth:`discover`: the ``weight_decay`` moved into the exchange, the ``adam``
+    takeover, the ``first_step`` and ``one_exchange`` checks, the ``hooked`` parameters, the
+    ``optimizer``, and whether the next first bucket still looks for one or a scaler).
     """
 
     # what was asked
@@ -74,6 +75,7 @@ class GradsiftHookState:
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
     adam: AdamStep | None = None
     first_step: FirstOptimizerStep | None = None
+    one_exchange: OneExchangePerStep | None = None
     hooked: list[torch.nn.Parameter] = dataclasses.field(default_factory=list, repr=False)
     optimizer: Any = dataclasses.field(default=None, repr=False)
     discovering: bool = False
@@ -175,6 +177,7 @@ class GradsiftHookState:
             self.feedback.momentum = taken.momentum
             self.weight_decay = taken.weight_decay
             self.adam = taken.adam
+            self.one_exchange = OneExchangePerStep(self) if taken.momentum or taken.adam else None
         if self.first_step is not None:
             self.first_step.close()
         self.first_step = FirstOptimizerStep(
@@ -206,7 +209,7 @@ class GradsiftHookState:
     def prepare_load(self, entry: dict[str, Any]) -> "GradsiftHookState":
         """The state that loads ``entry`` (a :meth:`state_dict`): this one, its optimizer found
         first, so the settings it is checked against are those the run that saved it had."""
-        del entry
+        del entry  # the same state whatever the entry (AutoHookState's picks by it)
         self.discover(scaler=False)
         return self
 
@@ -283,7 +286,7 @@ class GradsiftHookState:
         state["process_group"] = None
         state["ledger"] = dataclasses.replace(self.ledger, current=None, closed=None)
         state["adam"] = None  # holds the optimizer: register again with optimizer=
-        state["first_step"] = None  # a global optimizer hook: attach makes a new one
+        state["first_step"] = state["one_exchange"] = None  # global optimizer hooks: attach makes new ones
         return state
 
     # -- per-step ---------------------------------------------------------------------------
@@ -316,11 +319,8 @@ class GradsiftHookState:
         frontend's): the group, each part's payload capacity (:mod:`gradsift.hook.capacity`),
         and a fresh telemetry record whose dense size is ``source``'s (default ``result``)."""
         record = self.bucket_record(result if source is None else source)
-        capacities = {}
-        for part in parts:
-            room = self.capacities.capacity(self.compressor, part.key, part.numel)
-            if room is not None:
-                capacities[part.key] = room
+        rooms = {part.key: self.capacities.capacity(self.compressor, part.key, part.numel) for part in parts}
+        capacities = {key: room for key, room in rooms.items() if room is not None}
         return Context(
             group=self.process_group,
             world=dist.get_world_size(self.process_group),

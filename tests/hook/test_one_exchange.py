@@ -1,0 +1,93 @@
+"""One kept exchange per optimizer step under a momentum the hook took over (gradsift.hook.one_exchange).
+
+In one process on a world-size-1 gloo group: gradient accumulation without ``no_sync`` under
+momentum correction (SGD) and under the Adam method is refused at the optimizer's step,
+naming the count; with ``no_sync`` it trains; error feedback without a momentum taken over
+(SGD without momentum) and stock DDP's own allreduce are not checked (exact by linearity, and
+mass-conserving); a step the ``GradScaler`` skips for an overflow is no exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError
+
+MICRO = 3
+
+
+def accumulate(ddp, optimizer, steps: int, *, no_sync: bool, scaler=None, scale_first: float = 1.0) -> None:
+    """``steps`` optimizer steps of ``MICRO`` micro-batches each."""
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(MICRO):
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + micro))
+            syncing = not no_sync or micro == MICRO - 1
+            with contextlib.nullcontext() if syncing else ddp.no_sync():
+                loss = (ddp(inputs) - inputs[:, :4]).square().mean() / MICRO
+                (
+                    loss if scaler is None else scaler.scale(loss * (scale_first if step == 0 else 1.0))
+                ).backward()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+
+
+def model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+
+
+@pytest.mark.parametrize(
+    ("compressor", "make_optimizer", "options"),
+    [
+        ("topk", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), {"ratio": 0.1}),
+        ("efsignsgd", lambda p: torch.optim.AdamW(p, lr=1e-3), {"warmup_steps": 1}),
+    ],
+    ids=["sgd-momentum", "adamw"],
+)
+def test_accumulation_without_no_sync_is_refused_at_the_optimizers_step(
+    one_process_group, compressor, make_optimizer, options
+):
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    gradsift.register_comm_hook(ddp, compressor, **options)
+    with pytest.raises(
+        InvalidOptionError, match=rf"^{MICRO} exchanges of the hook's gradients .*no_sync\(\)"
+    ):
+        accumulate(ddp, optimizer, 1, no_sync=False)
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp, compressor, **options)
+    accumulate(ddp, optimizer, 4, no_sync=True)
+    assert state.step == 4
+
+
+@pytest.mark.parametrize(
+    ("compressor", "momentum"), [("topk", 0.0), ("none", 0.9)], ids=["no-momentum", "stock-allreduce"]
+)
+def test_without_a_momentum_taken_over_accumulation_is_left_alone(one_process_group, compressor, momentum):
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
+    state = gradsift.register_comm_hook(ddp, compressor)
+    accumulate(ddp, optimizer, 3, no_sync=False)
+    assert state.step == 3 * MICRO and state.one_exchange is None
+
+
+def test_a_step_the_scaler_skips_is_no_exchange(one_process_group):
+    """The first step's loss is scaled past float32's range: every micro-batch's exchange is
+    non-finite and dropped, the scaler skips the optimizer's step; the next steps, one kept
+    exchange each, pass."""
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1)
+    accumulate(ddp, optimizer, 4, no_sync=True, scaler=scaler, scale_first=1e38)
+    assert state.telemetry.summary()["total"]["skipped_steps"] == 1 and state.step == 3
