@@ -49,9 +49,16 @@ def test_takeover_refuses_what_it_cannot_apply_exactly():
         recipe.take_over(torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, nesterov=True), numbers)
     with pytest.raises(InvalidOptionError, match="nesterov=True and dampening"):
         recipe.take_over(torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, dampening=0.1), numbers)
+    maximizing = torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, weight_decay=1e-4, maximize=True)
+    with pytest.raises(InvalidOptionError, match="maximize=True with weight_decay"):
+        recipe.take_over(maximizing, numbers)
+    assert maximizing.param_groups[0]["weight_decay"] == 1e-4  # left as built
+    assert recipe.take_over(torch.optim.SGD(model.parameters(), lr=1, momentum=0.9, maximize=True), numbers)
     groups = [{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias], "momentum": 0.5}]
+    disagreeing = torch.optim.SGD(groups, lr=1)
     with pytest.raises(InvalidOptionError, match="different momenta"):
-        recipe.take_over(torch.optim.SGD(groups, lr=1), numbers)
+        recipe.take_over(disagreeing, numbers)
+    assert [group["momentum"] for group in disagreeing.param_groups] == [0.9, 0.5]  # left as built
     with pytest.raises(InvalidOptionError, match="torch.optim.Optimizer"):
         recipe.take_over("sgd", numbers)
 

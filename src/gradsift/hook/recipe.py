@@ -88,8 +88,9 @@ def take_over(
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
     nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
     :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
-    for groups that disagree on momentum, and for a group that also holds parameters outside
-    the model (:func:`foreign_parameters`: their momentum would go too).
+    for ``maximize=True`` with weight decay, for groups that disagree on momentum, and for a
+    group that also holds parameters outside the model (:func:`foreign_parameters`: their
+    momentum would go too).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -119,8 +120,29 @@ def take_over(
             "from those too; give the model's parameters groups of their own (SGD([{'params': "
             "ddp_model.parameters()}, {'params': others}], ...)), or pass optimizer=False"
         )
-    taken = Takeover()
-    momenta = set()
+    groups = _sgd_groups(optimizer, numbers)  # every refusal before any group changes
+    momenta = {momentum for _, _, momentum, _ in groups}
+    if len(momenta) > 1:
+        raise InvalidOptionError(
+            f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
+        )
+    taken = Takeover(momentum=momenta.pop() if momenta else 0.0)
+    for group, mine, momentum, decay in groups:
+        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
+        if "weight_decay" in group:
+            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+        if decay:
+            taken.weight_decay.update(dict.fromkeys(mine, decay))
+    return taken
+
+
+def _sgd_groups(
+    optimizer: Any, numbers: dict[int, int]
+) -> list[tuple[dict[str, Any], list[int], float, float]]:
+    """``(group, numbers, momentum, weight decay)`` of each SGD group holding the model's
+    parameters, the values as built (or as a takeover left them); raises for a group whose
+    momentum the hook cannot apply exactly (:func:`take_over`)."""
+    found = []
     for index, group, mine in model_groups(optimizer, numbers):
         if "momentum" not in group:
             raise InvalidOptionError(
@@ -134,18 +156,13 @@ def take_over(
             )
         momentum = float(group.get(MOMENTUM_KEY, group["momentum"]))
         decay = float(group.get(WEIGHT_DECAY_KEY, group.get("weight_decay", 0.0)))
-        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
-        if "weight_decay" in group:
-            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
-        momenta.add(momentum)
-        if decay:
-            taken.weight_decay.update(dict.fromkeys(mine, decay))
-    if len(momenta) > 1:
-        raise InvalidOptionError(
-            f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
-        )
-    taken.momentum = momenta.pop() if momenta else 0.0
-    return taken
+        if decay and group.get("maximize"):
+            raise InvalidOptionError(
+                f"optimizer param group {index}: maximize=True with weight_decay: SGD adds the decay to "
+                "the negated gradient, the hook to the gradient it exchanges; use one of them"
+            )
+        found.append((group, mine, momentum, decay))
+    return found
 
 
 def foreign_parameters(optimizer: Any, numbers: dict[int, int]) -> dict[int, int]:
