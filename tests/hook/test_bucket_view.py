@@ -10,19 +10,15 @@ several buckets, the parameters after the run are equal to the bit.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
+from support.every_compressor import FAMILIES, OPTIONS, each_family_and_name, optimizer_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-FAMILIES = ("sgd", "adamw")
-OPTIONS = {"threshold": {"threshold": 0.01}, "powersgd": {"start_iter": 2}}
 
 
 def train(rank: int, family: str, name: str, as_view: bool) -> torch.Tensor:
@@ -35,10 +31,7 @@ def train(rank: int, family: str, name: str, as_view: bool) -> torch.Tensor:
         torch.nn.Linear(96, 4),
     )
     ddp = DDP(model, gradient_as_bucket_view=as_view, bucket_cap_mb=0.02)  # several buckets
-    if family == "sgd":
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    optimizer = optimizer_for(family, ddp.parameters())
     gradsift.register_comm_hook(ddp, name, warmup_steps=2, **OPTIONS.get(name, {}))
     for step in range(6):
         inputs = torch.randn(32, 20, generator=torch.Generator().manual_seed(100 * rank + step))
@@ -50,13 +43,9 @@ def train(rank: int, family: str, name: str, as_view: bool) -> torch.Tensor:
 
 def worker(rank: int, world: int) -> dict:
     del world
-    results = {}
-    for family in FAMILIES:
-        for name in gradsift.available_compressors():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a run's warnings are not what this test judges
-                results[family, name] = [train(rank, family, name, as_view) for as_view in (False, True)]
-    return results
+    return each_family_and_name(
+        lambda family, name: [train(rank, family, name, view) for view in (False, True)]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ matrix is 0/0 at the first compressed step.
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -23,13 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
+from support.every_compressor import FAMILIES, OPTIONS, each_family_and_name, optimizer_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 6
-FAMILIES = ("sgd", "adamw")
-#: What a name needs beyond the one line to compress from step 2 of so short a run.
-OPTIONS = {"threshold": {"threshold": 0.01}, "powersgd": {"start_iter": 2}}
 
 
 class WithUnusedHead(torch.nn.Module):
@@ -53,10 +50,7 @@ def train(rank: int, family: str, name: str | None, options: dict) -> dict:
     ddp = DDP(model, find_unused_parameters=True)
     if name is not None:
         gradsift.register_comm_hook(ddp, name, warmup_steps=2, **OPTIONS.get(name, {}), **options)
-    if family == "sgd":
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    optimizer = optimizer_for(family, ddp.parameters())
     losses = []
     for step in range(STEPS):
         inputs = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * rank + step))
@@ -77,12 +71,7 @@ def train(rank: int, family: str, name: str | None, options: dict) -> dict:
 
 def worker(rank: int, world: int) -> dict:
     del world
-    results = {}
-    for family in FAMILIES:
-        for name in (None, *gradsift.available_compressors()):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a run's warnings are not what this test judges
-                results[(family, name)] = train(rank, family, name, {})
+    results = each_family_and_name(lambda family, name: train(rank, family, name, {}), extra=(None,))
     results["epsilon 0"] = train(rank, "sgd", "powersgd", {"orthogonalization_epsilon": 0.0})
     return results
 
