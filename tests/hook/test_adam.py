@@ -274,3 +274,36 @@ def test_the_one_line_with_adamw_measures_its_dense_warm_up(one_process_group):
         explicit, "topk", ratio=0.1, optimizer=torch.optim.AdamW(explicit.parameters()), warmup_steps=7
     )
     assert kept.options.warmup_steps == 7
+
+
+class _Adapter(torch.nn.Module):
+    """A LoRA-like adapter ``x A^T B^T`` with ``B`` zero: ``A``'s gradient is zero until ``B`` moves,
+    and ``B`` is kept at zero here (``lr`` 0 in its group), so ``A``'s never moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(4, 8))
+        self.b = torch.nn.Parameter(torch.zeros(8, 4))
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + x @ self.a.T @ self.b.T
+
+
+def test_a_parameter_the_warm_up_never_moved_is_refused_not_stepped_by_eps(one_process_group):
+    """Its second moment is all zeros, so ``m / D`` would be ``m / eps``: refused at the first
+    compressed step, naming the cause, with the parameters as the warm-up left them."""
+    model = _Adapter()
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(
+        [{"params": [model.a, *model.head.parameters()]}, {"params": [model.b], "lr": 0.0}], lr=LR
+    )
+    gradsift.register_comm_hook(ddp, "topk", ratio=0.5, warmup_steps=2)
+    inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(InvalidOptionError, match="second moment of zeros .*raise warmup_steps"):
+        for _ in range(3):
+            optimizer.zero_grad()
+            (ddp(inputs) - inputs).square().mean().backward()
+            optimizer.step()
+    assert torch.isfinite(model.a).all() and torch.equal(model.b, torch.zeros(8, 4))

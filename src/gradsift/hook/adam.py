@@ -14,9 +14,9 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    (:mod:`gradsift.hook.adam_warmup`).
 2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
-   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, a
-   coordinate the warm-up never moved, the largest ``sqrt`` of its tensor: a code may send
-   it a value ``eps`` would blow up), and the update ``m / D`` is linear in ``m``.
+   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, the
+   largest ``sqrt`` of its tensor: a code may send it a value ``eps`` would blow up; a tensor
+   the warm-up never moved is refused), and the update ``m / D`` is linear in ``m``.
 3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
    the warm-up's ``m / ((1 - beta1)(1 - beta1^t))``, Adam's bias-corrected first moment
    in velocity units), sends ``u + r`` through the compressor with error feedback
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction
+from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction, frozen_root
 from gradsift.hook.feedback import VELOCITY
 from gradsift.hook.param_groups import model_groups
 
@@ -248,7 +248,7 @@ class FrozenVarianceStep(AdamStep):
                     "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
                 )
             beta2, eps = float(group["betas"][1]), float(group["eps"])
-            root = (state["exp_avg_sq"] / bias_correction(beta2, state["step"])).sqrt_()
+            root = frozen_root(state["exp_avg_sq"], bias_correction(beta2, state["step"]))
             cached = torch.where(root > 0, root, root.max()).add_(eps)  # v = 0: the tensor's largest
             self._preconditioners[id(param)] = cached
         return cached

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.param_groups import model_groups
 
 #: Optimizer steps between two checks: the window of ``rho``.
@@ -149,3 +150,18 @@ def bias_correction(beta: float, step: Any) -> torch.Tensor:
     ``1 - beta ** float(t)``: the same bits."""
     t = torch.as_tensor(step).double()
     return 1.0 - torch.pow(torch.full_like(t, beta), t)
+
+
+def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v / (1 - beta2^t))`` of a parameter at the freeze (:mod:`gradsift.hook.adam`, step 2),
+    refused with :class:`InvalidOptionError` when every element is zero: the warm-up never moved
+    the parameter (a LoRA adapter's ``A`` while its ``B`` is zero), so its update would be
+    ``m / eps``. One host read per parameter, once, at the first compressed step."""
+    root = (second_moment / correction).sqrt_()
+    if not bool((root > 0).any()):
+        raise InvalidOptionError(
+            "a parameter reached a compressed Adam step with a second moment of zeros (its gradient was "
+            "zero throughout the dense warm-up, as a LoRA adapter's A while its B is zero): its update "
+            "would be m / eps; raise warmup_steps, or exclude it from the DDP model"
+        )
+    return root
