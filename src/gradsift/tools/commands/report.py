@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
     from gradsift.tools.report import comparison_rows, default_target, find_runs, format_table, plot_runs
 
-    runs = [run for path in tqdm(args.dirs, desc="reading", unit="dir", disable=args.no_progress)
-            for run in find_runs([path])]  # fmt: skip
+    # the bar is closed on an error too, so the error starts a line of its own
+    with tqdm(args.dirs, desc="reading", unit="dir", disable=args.no_progress) as dirs:
+        runs = [run for path in dirs for run in find_runs([path])]
     target = args.target if args.target is not None else default_target(runs)
     rows = comparison_rows(runs, target)
     print(format_table(rows))
