@@ -291,19 +291,28 @@ class _Adapter(torch.nn.Module):
         return self.head(x) + x @ self.a.T @ self.b.T
 
 
-def test_a_parameter_the_warm_up_never_moved_is_refused_not_stepped_by_eps(one_process_group):
-    """Its second moment is all zeros, so ``m / D`` would be ``m / eps``: refused at the first
-    compressed step, naming the cause, with the parameters as the warm-up left them."""
+def test_a_parameter_the_warm_up_never_moved_steps_by_the_models_largest_root(one_process_group):
+    """Its second moment is all zeros, so ``m / D`` with ``D = eps`` would be ``m / eps``: its
+    preconditioner is the model's largest root instead, the smallest step the method takes
+    anywhere -- computed here from the optimizer's state at the freeze, an independent oracle."""
     model = _Adapter()
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(
         [{"params": [model.a, *model.head.parameters()]}, {"params": [model.b], "lr": 0.0}], lr=LR
     )
-    gradsift.register_comm_hook(ddp, "topk", ratio=0.5, warmup_steps=2)
+    state = gradsift.register_comm_hook(ddp, "topk", ratio=1.0, warmup_steps=2, momentum_masking=False)
     inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(InvalidOptionError, match="second moment of zeros .*raise warmup_steps"):
-        for _ in range(3):
-            optimizer.zero_grad()
-            (ddp(inputs) - inputs).square().mean().backward()
-            optimizer.step()
+    for step in range(6):
+        optimizer.zero_grad()
+        (ddp(inputs) - inputs).square().mean().backward()
+        if step == 2:  # the freeze: the model's largest bias-corrected root, by hand
+            roots = [
+                (s["exp_avg_sq"] / (1 - 0.999 ** float(s["step"]))).sqrt().max()
+                for s in optimizer.state.values()
+            ]
+            largest = float(max(roots))
+        optimizer.step()
+    assert float(optimizer.state[model.a]["exp_avg_sq"].abs().max()) == 0.0  # never moved in the warm-up
+    preconditioner = state.adam._preconditioners[id(model.a)]
+    assert torch.allclose(preconditioner, torch.full_like(preconditioner, largest + 1e-8), rtol=1e-6)
     assert torch.isfinite(model.a).all() and torch.equal(model.b, torch.zeros(8, 4))

@@ -14,9 +14,9 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    (:mod:`gradsift.hook.adam_warmup`).
 2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
-   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, the
-   largest ``sqrt`` of its tensor: a code may send it a value ``eps`` would blow up; a tensor
-   the warm-up never moved is refused), and the update ``m / D`` is linear in ``m``.
+   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, the largest
+   root of its tensor, or of the model where the tensor never moved: never ``m / eps``), and the
+   update ``m / D`` is linear in ``m``.
 3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
    the warm-up's ``m / ((1 - beta1)(1 - beta1^t))``, Adam's bias-corrected first moment
    in velocity units), sends ``u + r`` through the compressor with error feedback
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction, frozen_root
+from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction, frozen_root, largest_root
 from gradsift.hook.feedback import VELOCITY
 from gradsift.hook.param_groups import model_groups
 
@@ -65,7 +65,6 @@ ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
 #: caller knows the run's length and gives no ``warmup_steps`` (``gradsift train``, the
 #: Hugging Face callback; docs/adam.md has the measurement behind it).
 WARMUP_FRACTION = 0.1
-
 
 #: The fixed dense warm-up ``compressor="auto"`` gives the 1-bit Adam method it switches to
 #: when no ``warmup_steps`` is given (``register_comm_hook(..., optimizer=adam)`` itself
@@ -247,10 +246,11 @@ class FrozenVarianceStep(AdamStep):
                     "a parameter reached a compressed Adam step without a second moment (it had no gradient "
                     "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
                 )
-            beta2, eps = float(group["betas"][1]), float(group["eps"])
-            root = frozen_root(state["exp_avg_sq"], bias_correction(beta2, state["step"]))
-            cached = torch.where(root > 0, root, root.max()).add_(eps)  # v = 0: the tensor's largest
-            self._preconditioners[id(param)] = cached
+            if not self._preconditioners:  # the first of a freeze: the model's largest root, once
+                self._largest = largest_root(self.optimizer, self.numbers)
+            correction = bias_correction(float(group["betas"][1]), state["step"])
+            root = frozen_root(state["exp_avg_sq"], correction, self._largest).to(state["exp_avg_sq"].dtype)
+            cached = self._preconditioners[id(param)] = root.add_(float(group["eps"]))
         return cached
 
     def renew_second_moment(self, estimate: dict[int, torch.Tensor], elapsed: int) -> None:

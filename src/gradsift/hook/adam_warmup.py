@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.param_groups import model_groups
 
 #: Optimizer steps between two checks: the window of ``rho``.
@@ -152,16 +151,24 @@ def bias_correction(beta: float, step: Any) -> torch.Tensor:
     return 1.0 - torch.pow(torch.full_like(t, beta), t)
 
 
-def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
-    """``sqrt(v / (1 - beta2^t))`` of a parameter at the freeze (:mod:`gradsift.hook.adam`, step 2),
-    refused with :class:`InvalidOptionError` when every element is zero: the warm-up never moved
-    the parameter (a LoRA adapter's ``A`` while its ``B`` is zero), so its update would be
-    ``m / eps``. One host read per parameter, once, at the first compressed step."""
+def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v / (1 - beta2^t))`` of a parameter at the freeze (:mod:`gradsift.hook.adam`, step 2):
+    where ``v = 0``, the largest root of its tensor, and where the whole tensor is zero (the warm-up
+    never moved it: a LoRA adapter's ``A`` while its ``B`` is zero), ``largest``, the model's
+    (:func:`largest_root`): the smallest step the method takes anywhere, never ``m / eps``.
+    Device work only: no host read."""
     root = (second_moment / correction).sqrt_()
-    if not bool((root > 0).any()):
-        raise InvalidOptionError(
-            "a parameter reached a compressed Adam step with a second moment of zeros (its gradient was "
-            "zero throughout the dense warm-up, as a LoRA adapter's A while its B is zero): its update "
-            "would be m / eps; raise warmup_steps, or exclude it from the DDP model"
-        )
-    return root
+    root = torch.where(root > 0, root, root.max())
+    return torch.where(root > 0, root, largest.to(root.device))
+
+
+def largest_root(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> torch.Tensor:
+    """The largest ``sqrt(v / (1 - beta2^t))`` over the model's parameters (``numbers``) that have
+    a second moment, a 0-dim tensor (0 without any); device work only."""
+    roots = [
+        (state["exp_avg_sq"] / bias_correction(float(group["betas"][1]), state["step"])).max().sqrt()
+        for _, group, _ in model_groups(optimizer, numbers)
+        for state in (optimizer.state.get(p, {}) for p in group["params"])
+        if "exp_avg_sq" in state
+    ]
+    return torch.stack([r.to(roots[0].device).double() for r in roots]).max() if roots else torch.zeros(())

@@ -120,7 +120,7 @@ class StepLedger:
         last_step_skipped: the last step was dropped for a non-finite gradient.
         current: the step in progress, or None between steps.
         closed: the step closed on the device and not yet settled on the host, or None.
-        kept_since: steps kept since a reader last zeroed it (:mod:`gradsift.hook.one_exchange`).
+        kept_since: steps kept since a reader last zeroed it (:mod:`gradsift.hook.taken_over`).
     """
 
     nonfinite: str = "propagate"

@@ -33,8 +33,8 @@ from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
 from gradsift.hook.ledger import StepLedger
-from gradsift.hook.one_exchange import OneExchangePerStep
 from gradsift.hook.options import HookOptions, resolve_compressor
+from gradsift.hook.taken_over import TakenOverChecks
 from gradsift.hook.warmup_code import CodedWarmup, refuse_without_frozen_adam
 
 #: Stock DDP's exchange: the in-place ``allreduce(g / W)`` of a stock step and of small parts.
@@ -51,7 +51,7 @@ class GradsiftHookState:
     per-tensor state, error ``feedback``, the parameters' ``layout``, the ``ledger``: step count
     and per-step transaction, the ``telemetry`` of ``stats()``); **the optimizer taken over**
     (:meth:`adopt`, :meth:`discover`: the ``weight_decay`` moved into the exchange, the ``adam``
-    takeover, the ``first_step`` and ``one_exchange`` checks, the ``hooked`` parameters, the
+    takeover, the ``first_step`` and ``taken_over`` checks, the ``hooked`` parameters, the
     ``optimizer``, and whether the next first bucket still looks for one or a scaler).
     """
 
@@ -75,7 +75,7 @@ class GradsiftHookState:
     weight_decay: dict[int, float] = dataclasses.field(default_factory=dict)
     adam: AdamStep | None = None
     first_step: FirstOptimizerStep | None = None
-    one_exchange: OneExchangePerStep | None = None
+    taken_over: TakenOverChecks | None = None
     hooked: list[torch.nn.Parameter] = dataclasses.field(default_factory=list, repr=False)
     optimizer: Any = dataclasses.field(default=None, repr=False)
     discovering: bool = False
@@ -177,7 +177,7 @@ class GradsiftHookState:
             self.feedback.momentum = taken.momentum
             self.weight_decay = taken.weight_decay
             self.adam = taken.adam
-            self.one_exchange = OneExchangePerStep(self) if taken.momentum or taken.adam else None
+            self.taken_over = TakenOverChecks(self) if taken.momentum or taken.adam else None
         if self.first_step is not None:
             self.first_step.close()
         self.first_step = FirstOptimizerStep(
@@ -286,7 +286,7 @@ class GradsiftHookState:
         state["process_group"] = None
         state["ledger"] = dataclasses.replace(self.ledger, current=None, closed=None)
         state["adam"] = None  # holds the optimizer: register again with optimizer=
-        state["first_step"] = state["one_exchange"] = None  # global optimizer hooks: attach makes new ones
+        state["first_step"] = state["taken_over"] = None  # global optimizer hooks: attach makes new ones
         return state
 
     # -- per-step ---------------------------------------------------------------------------

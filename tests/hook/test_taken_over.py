@@ -1,10 +1,12 @@
-"""One kept exchange per optimizer step under a momentum the hook took over (gradsift.hook.one_exchange).
+"""The checks at each step of an optimizer whose momentum the hook took over (gradsift.hook.taken_over).
 
 In one process on a world-size-1 gloo group: gradient accumulation without ``no_sync`` under
 momentum correction (SGD) and under the Adam method is refused at the optimizer's step,
 naming the count; with ``no_sync`` it trains; error feedback without a momentum taken over
 (SGD without momentum) and stock DDP's own allreduce are not checked (exact by linearity, and
-mass-conserving); a step the ``GradScaler`` skips for an overflow is no exchange.
+mass-conserving); a step the ``GradScaler`` skips for an overflow is no exchange. A scheduler
+that cycles the momentum the hook took over (``OneCycleLR``'s default) is refused at the next
+step; with ``cycle_momentum=False`` it trains.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def test_without_a_momentum_taken_over_accumulation_is_left_alone(one_process_gr
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
     state = gradsift.register_comm_hook(ddp, compressor)
     accumulate(ddp, optimizer, 3, no_sync=False)
-    assert state.step == 3 * MICRO and state.one_exchange is None
+    assert state.step == 3 * MICRO and state.taken_over is None
 
 
 def test_a_step_the_scaler_skips_is_no_exchange(one_process_group):
@@ -91,3 +93,24 @@ def test_a_step_the_scaler_skips_is_no_exchange(one_process_group):
     state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1)
     accumulate(ddp, optimizer, 4, no_sync=True, scaler=scaler, scale_first=1e38)
     assert state.telemetry.summary()["total"]["skipped_steps"] == 1 and state.step == 3
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=1e-3)],
+    ids=["sgd-momentum", "adamw"],
+)
+def test_a_scheduler_cycling_the_momentum_taken_over_is_refused(one_process_group, make_optimizer):
+    for cycle_momentum in (True, False):
+        ddp = model()
+        optimizer = make_optimizer(ddp.parameters())
+        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
+        )
+        refused = pytest.raises(InvalidOptionError, match="cycle_momentum=False")
+        with refused if cycle_momentum else contextlib.nullcontext():
+            for _ in range(4):
+                accumulate(ddp, optimizer, 1, no_sync=True)
+                scheduler.step()
+        assert state.step == (2 if cycle_momentum else 4)  # refused at the step after the first change

@@ -1,0 +1,75 @@
+"""What the hook checks at every step of an optimizer whose momentum it took over.
+
+Momentum correction (:mod:`gradsift.hook.recipe`) and the Adam methods (:mod:`gradsift.hook.adam`)
+move the optimizer's momentum into the hook: a velocity ``u <- m u + g`` advanced at every
+exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Two things
+a training script may do break that without an error of their own; :class:`TakenOverChecks`
+raises :class:`~gradsift.core.errors.InvalidOptionError` for each at that optimizer's step,
+before it steps, on every rank alike (the ranks' steps, exchanges and optimizer settings are the
+same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is never checked):
+
+* **More than one kept exchange since the optimizer last stepped** (the ledger's ``kept_since``:
+  a dropped step, which a ``GradScaler`` skips, is none). Stock DDP's gradient accumulation --
+  several backward passes, each allreducing, then one optimizer step -- is exact by linearity
+  (``mean(a) + mean(b) = mean(a + b)``); under the hook each pass is a step of the velocity, so
+  momentum would be applied once per pass, and a pass whose gradients the optimizer never steps
+  (a GAN's discriminator during the generator's pass) would still move it.
+* **The momentum changed after the takeover**: an SGD group holding the model's parameters
+  whose ``momentum`` is no longer the 0 the hook left there, or an Adam group whose ``beta1`` is
+  no longer the one the hook runs (a scheduler cycling momentum, as ``OneCycleLR`` and
+  ``CyclicLR`` do by default): the optimizer would apply momentum on top of the hook's, or the
+  hook would go on with a ``beta1`` the script no longer asks for.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.before_step import BEFORE_STEP
+from gradsift.hook.param_groups import model_groups
+
+ACCUMULATION = (
+    "Accumulate gradients under ddp_model.no_sync() for all but the last micro-batch (its one exchange "
+    "carries their sum), and run a backward whose gradients this optimizer does not step (a GAN's "
+    "discriminator in the generator's pass) under no_sync() too; or register the hook with optimizer=False"
+)
+
+
+class TakenOverChecks:
+    """The checks of the module docstring for one hook ``state`` (a
+    :class:`~gradsift.hook.state.GradsiftHookState` whose optimizer's momentum it took over)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = weakref.ref(state)  # the state holds these checks: no cycle keeps either alive
+        self.numbers = {id(p): i for i, p in enumerate(state.hooked)}  # alive while the state is
+        BEFORE_STEP.add(self)  # after the state, which settles its closed step first
+
+    def before_step(self, optimizer: Any) -> None:
+        state = self.state()
+        groups = [group for _, group, _ in model_groups(optimizer, self.numbers)]
+        if state is None or not groups:
+            return
+        exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
+        if exchanges > 1:
+            raise InvalidOptionError(
+                f"{exchanges} exchanges of the hook's gradients before one step of the optimizer whose "
+                "momentum it took over (one per backward pass): each advances the hook's velocity, so "
+                f"momentum would be applied per pass. {ACCUMULATION}"
+            )
+        beta1 = None if state.adam is None else state.adam.beta1
+        changed = [group for group in groups if _momentum_of(group, beta1) != (beta1 or 0.0)]
+        if changed:
+            raise InvalidOptionError(
+                f"the optimizer's momentum became {_momentum_of(changed[0], beta1)} after the hook took it "
+                f"over as {state.feedback.momentum if beta1 is None else beta1} (a scheduler cycling "
+                "momentum, as OneCycleLR and CyclicLR do by default): the hook applies one fixed momentum "
+                "in its exchange; build the scheduler with cycle_momentum=False"
+            )
+
+
+def _momentum_of(group: dict[str, Any], beta1: float | None) -> float:
+    """The group's momentum as the optimizer would apply it: SGD's ``momentum`` (``beta1``
+    None), else Adam's first beta."""
+    return float(group.get("momentum", 0.0)) if beta1 is None else float(group["betas"][0])
