@@ -229,6 +229,21 @@ def test_under_sgd_a_fast_link_goes_back_to_stock_ddp_with_its_momentum(one_proc
     assert abs(hooked - plain) < 0.01 * start, (hooked, plain, start)  # both trained ~100x down
 
 
+def test_the_method_left_checks_the_optimizer_no_more(one_process_group, monkeypatch):
+    """Back on stock DDP the optimizer has its momentum again; the measuring method's per-step
+    checks (gradsift.hook.taken_over) end with its takeover, even while something still holds
+    the method's state (as Lightning's callback can)."""
+    monkeypatch.setattr(auto.probes, "route_costs", lambda candidates, *args: [1e-6] * len(candidates))
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    train(ddp, optimizer, 1, torch.Generator().manual_seed(1))
+    measuring = state.current  # held on
+    assert measuring.compressor.name == "sidco-exp" and measuring.taken_over is not None
+    train(ddp, optimizer, auto.DECIDE_AT + 5, torch.Generator().manual_seed(2))
+    assert state.current is state.dense and optimizer.param_groups[0]["momentum"] == 0.9
+
+
 def test_a_slow_link_under_adamw_runs_the_one_bit_method_as_registered_by_hand(
     one_process_group, monkeypatch
 ):

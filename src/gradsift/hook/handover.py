@@ -42,8 +42,11 @@ def enter(
 
 def leave(running: GradsiftHookState, dense: GradsiftHookState) -> None:
     """Give ``running``'s error feedback back to the optimizer before a stateless method runs,
-    the workers' means of it (module docstring)."""
+    the workers' means of it (module docstring), and end the checks of its takeover
+    (:mod:`gradsift.hook.taken_over`)."""
     assert running.feedback is not None
+    if running.taken_over is not None:  # the takeover ends here: so do its per-step checks
+        running.taken_over.detach()
     means = running.feedback.workers_mean(dense.layout.numels, dense.process_group)
     adam = running.adam
     if isinstance(adam, FrozenVarianceStep):  # Adam's moments, at the steps it missed

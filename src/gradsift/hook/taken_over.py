@@ -46,6 +46,10 @@ class TakenOverChecks:
         self.numbers = {id(p): i for i, p in enumerate(state.hooked)}  # alive while the state is
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
 
+    def detach(self) -> None:
+        """Stop checking: the optimizer has its momentum back (``auto`` left the method)."""
+        BEFORE_STEP.remove(self)
+
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
         groups = [group for _, group, _ in model_groups(optimizer, self.numbers)]
