@@ -87,6 +87,29 @@ def test_a_momentum_optimizer_the_hook_cannot_adopt_is_named_once(one_process_gr
     del spare
 
 
+def test_a_sharded_optimizer_is_named_with_what_works_instead(one_process_group):
+    """``ZeroRedundancyOptimizer`` (ZeRO-1) shards the state the hook would take over: unpassed, the
+    first step's warning names the compressors without error feedback rather than ``optimizer=``;
+    passed, the refusal says why."""
+    with warnings.catch_warnings():  # its module's torch.jit.interface is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = model()
+    optimizer = ZeroRedundancyOptimizer(
+        ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9
+    )
+    gradsift.register_comm_hook(ddp, "randomk", ratio=0.1)
+    with pytest.warns(
+        UserWarning, match="ZeroRedundancyOptimizer .*without error feedback \\(none, fp16, bf16"
+    ):
+        train(ddp, optimizer, steps=2)
+    with pytest.raises(
+        InvalidOptionError, match="shards the state the hook would take over.*optimizer=False"
+    ):
+        gradsift.register_comm_hook(model(), "randomk", ratio=0.1, optimizer=optimizer)
+
+
 def test_no_warning_without_momentum_or_without_error_feedback(one_process_group):
     for compressor, momentum in (("randomk", 0.0), ("none", 0.9)):
         ddp = model()

@@ -37,7 +37,10 @@ from typing import Any
 
 import torch
 
+from gradsift.compressors.registry import available_compressors, compressor_class
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook import recipe
+from gradsift.hook.adam import ADAM_FAMILY
 from gradsift.hook.before_step import BEFORE_STEP
 
 #: Elements of the delivered gradient kept for the comparison.
@@ -110,7 +113,7 @@ class FirstOptimizerStep:
                     f"gradsift: {type(optimizer).__name__} ({momentum}) steps the hooked model's parameters "
                     "but was not passed to register_comm_hook(..., optimizer=...); on top of error feedback "
                     "its momentum re-applies updates the residuals already hold (DGC's momentum correction, "
-                    "docs/decisions.md) and training can diverge: pass optimizer=",
+                    f"docs/decisions.md) and training can diverge: {_remedy(optimizer)}",
                     stacklevel=4,
                 )
         if self.check_scaler and self.reference is not None:
@@ -139,6 +142,18 @@ def _same_optimizer(optimizer: torch.optim.Optimizer, given: Any) -> bool:
     are the wrapper's)."""
     return given is not None and (
         optimizer is given or optimizer.param_groups is getattr(given, "param_groups", None)
+    )
+
+
+def _remedy(optimizer: torch.optim.Optimizer) -> str:
+    """What to do about an unpassed momentum optimizer: pass it, where the hook can take it over
+    (:data:`~gradsift.hook.recipe.SUPPORTED_OPTIMIZERS`); else a compressor without error feedback."""
+    if isinstance(recipe.unwrapped(optimizer), (torch.optim.SGD, *ADAM_FAMILY)):
+        return "pass optimizer="
+    plain = [n for n in available_compressors() if not compressor_class(n).error_feedback]
+    return (
+        f"the hook takes over only {recipe.SUPPORTED_OPTIMIZERS}; use a compressor without error "
+        f"feedback ({', '.join(plain)}) or an optimizer without momentum"
     )
 
 

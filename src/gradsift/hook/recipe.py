@@ -28,6 +28,7 @@ fixes it with four techniques, all available as hook options:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,9 +108,15 @@ def take_over(
     if compressor is not None and not compressor.momentum_correction:
         return Takeover()
     if not isinstance(optimizer, torch.optim.SGD):
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # imported if in use
+        sharded = zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
+        sharded_note = (
+            " (ZeroRedundancyOptimizer shards the state the hook would take over)" if sharded else ""
+        )
         raise InvalidOptionError(
-            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__} (LAMB, Adafactor, Lion "
-            "and the like are not supported: pass optimizer=None for error feedback without momentum correction)"
+            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__}{sharded_note} (LAMB, Adafactor, "
+            "Lion and the like are not supported: pass optimizer=False for error feedback without momentum "
+            "correction, or a compressor without error feedback)"
         )
     foreign = foreign_parameters(optimizer, numbers)
     if foreign:
@@ -147,7 +154,7 @@ def _sgd_groups(
         if "momentum" not in group:
             raise InvalidOptionError(
                 f"optimizer= moves SGD-style momentum into the exchange, but {type(optimizer).__name__} "
-                "has no 'momentum' setting; pass optimizer=None (error feedback without momentum correction)"
+                "has no 'momentum' setting; pass optimizer=False (error feedback without momentum correction)"
             )
         if group.get("nesterov") or group.get("dampening", 0):
             raise InvalidOptionError(
