@@ -291,6 +291,28 @@ def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one
     assert optimizer.param_groups[0]["momentum"] == 0.9
 
 
+@pytest.mark.parametrize("make_optimizer", [sgd, adamw], ids=["sgd-momentum", "adamw"])
+def test_an_optimizer_whose_momentum_a_scheduler_cycles_keeps_its_momentum(
+    one_process_group, monkeypatch, make_optimizer
+):
+    """``OneCycleLR`` cycles the momentum (its default ``cycle_momentum=True``), which no takeover
+    can follow: on a slow link the one line still runs without one -- candidates ``none`` and
+    ``bf16``, measured on stock DDP -- and the scheduler moves the optimizer's momentum as built."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=40)
+    state = gradsift.register_comm_hook(ddp, steps=5000)  # a long run: AdamW's 1-bit method a candidate too
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(auto.DECIDE_AT + 3):
+        train(ddp, optimizer, 1, generator)
+        scheduler.step()
+    stats = state.stats()["auto"]
+    assert stats["measured_on"] == "none" and set(stats["predicted_ms"]) == {"none", "bf16"}
+    group = optimizer.param_groups[0]
+    assert 0.85 < (group["momentum"] if "momentum" in group else group["betas"][0]) < 0.95  # cycled
+
+
 def test_a_checkpoint_resumes_the_choice_bit_for_bit(one_process_group, monkeypatch):
     slow_link(monkeypatch, "efsignsgd")
     warmup, more = auto.DECIDE_AT + 1, 4

@@ -5,7 +5,8 @@ SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction;
 -- ``none``, ``bf16``, and, in a run known to last at least :data:`LONG_RUN_STEPS` steps, the
 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
 -- ``none``, ``bf16``, as for an SGD whose groups holding the model's parameters hold others too
-(momentum correction would take their momentum: :func:`~gradsift.hook.recipe.foreign_parameters`). The rule (:func:`choose`): each candidate's predicted step is the
+(momentum correction would take their momentum: :func:`~gradsift.hook.recipe.foreign_parameters`)
+and an optimizer whose momentum a scheduler cycles (:func:`~gradsift.hook.discovery.cycles_momentum`). The rule (:func:`choose`): each candidate's predicted step is the
 running method's measured step with its route exchanged for the candidate's -- the probes'
 route times less what a probe counts that the running method's steps did not pay
 (:mod:`gradsift.hook.paid`) -- and another method than the preferred one (the dense step at
@@ -25,7 +26,7 @@ import torch
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_int
-from gradsift.hook import recipe
+from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
 
 #: A compressed candidate must be predicted this much faster than the dense step.
@@ -72,15 +73,17 @@ def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, An
 
 def family(optimizer: Any, numbers: dict[int, int] | None = None) -> str:
     """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found
-    too; an SGD whose groups hold parameters besides the model's, ``numbers``, as well)."""
+    too). Given the model's parameters (``numbers``), an SGD whose groups hold others too, and an
+    SGD or Adam whose momentum a scheduler cycles (:func:`~gradsift.hook.discovery.cycles_momentum`),
+    are ``"other"`` as well: no momentum can be taken over from them."""
     if optimizer is None:
         return "other"
     inner = recipe.unwrapped(optimizer)
-    if is_adam(inner):
-        return "adam"
-    if not isinstance(inner, torch.optim.SGD):
-        return "other"
-    return "other" if numbers is not None and recipe.foreign_parameters(inner, numbers) else "sgd"
+    kind = "adam" if is_adam(inner) else "sgd" if isinstance(inner, torch.optim.SGD) else "other"
+    if kind == "other" or numbers is None:
+        return kind
+    shared = kind == "sgd" and bool(recipe.foreign_parameters(inner, numbers))
+    return "other" if shared or discovery.cycles_momentum(inner) else kind
 
 
 def sgd_momentum(optimizer: Any) -> float:

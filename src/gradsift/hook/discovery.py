@@ -14,6 +14,10 @@ before any tensor of the step is touched (:func:`find`):
 * **the scaler**: the one enabled ``torch.amp.GradScaler`` (or ``torch.cuda.amp``'s) that
   has scaled a loss (its scale exists). Several such: none is adopted.
 
+And, for ``compressor="auto"`` (:mod:`gradsift.hook.choice`), whether a live learning-rate
+scheduler cycles the found optimizer's momentum (:func:`cycles_momentum`): a momentum the hook
+took over would then change under it.
+
 Adopting them is exactly passing them: the same objects reach the same code before the
 hook's first step (the tests compare both runs bit for bit). Explicit arguments are never
 replaced; ``optimizer=None`` / ``scaler=None`` passed by hand still mean "look".
@@ -22,10 +26,14 @@ replaced; ``optimizer=None`` / ``scaler=None`` passed by hand still mean "look".
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+#: Per optimizer, whether a scheduler cycles its momentum, as first looked up (:func:`cycles_momentum`).
+_CYCLED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
 
 
 def find(params: Iterable[torch.Tensor] | None, scaler: bool) -> tuple[torch.optim.Optimizer | None, Any]:
@@ -64,3 +72,18 @@ def _holds(optimizer: torch.optim.Optimizer, wanted: set[int]) -> bool:
 def _wraps(outer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> bool:
     """``outer`` is a wrapper holding ``inner`` (as Accelerate's ``AcceleratedOptimizer.optimizer``)."""
     return getattr(outer, "optimizer", None) is inner
+
+
+def cycles_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a live ``LRScheduler`` with ``cycle_momentum`` (``OneCycleLR``'s and ``CyclicLR``'s
+    default) drives ``optimizer`` or a wrapper of it: one walk over the live objects the first time
+    an optimizer is asked about, the answer kept for it."""
+    if optimizer not in _CYCLED:
+        scheduler = torch.optim.lr_scheduler.LRScheduler
+        _CYCLED[optimizer] = any(
+            issubclass(type(candidate), scheduler)
+            and getattr(candidate, "cycle_momentum", False)
+            and optimizer in (candidate.optimizer, getattr(candidate.optimizer, "optimizer", None))
+            for candidate in gc.get_objects()
+        )
+    return _CYCLED[optimizer]
