@@ -47,7 +47,9 @@ def oracle(world: int, aggregate: str, steps: int = STEPS) -> tuple[list[np.ndar
             signs = []
             for rank in range(world):
                 g = gradients(rank, step)[i].numpy()
-                signs.append(np.where(beta1 * momenta[rank][i] + (1 - beta1) * g >= 0, 1.0, -1.0))
+                direction = beta1 * momenta[rank][i] + (1 - beta1) * g
+                zero = 1.0 if (rank + step) % 2 == 0 else -1.0  # sign(0) by rank and step
+                signs.append(np.where(direction > 0, 1.0, np.where(direction < 0, -1.0, zero)))
                 momenta[rank][i] = beta2 * momenta[rank][i] + (1 - beta2) * g
             total = sum(signs)
             update = np.sign(total) if aggregate == "vote" else total / world
@@ -74,13 +76,17 @@ def test_one_worker_is_lion(aggregate) -> None:
     assert step["dense_bytes"] == 8 * ELEMENTS and step["density"] == 1.0 and not step["skipped"]
 
 
-def test_a_zero_argument_signs_plus_one() -> None:
-    """``sign(0) = +1``: a zero gradient on a zero momentum steps every element down by ``lr``."""
+def test_a_zero_direction_alternates_its_sign_and_goes_nowhere() -> None:
+    """``sign(0)`` is ``+1`` on even ``rank + step`` and ``-1`` on odd: one worker whose direction
+    stays zero (no gradient, no momentum) steps down by ``lr``, then back up, and never drifts
+    (a sign of ``+1`` for every zero stepped it down by ``lr`` on every step)."""
     param = torch.nn.Parameter(torch.zeros(11, dtype=torch.float64))
     optimizer = gradsift.DistributedLion([param], lr=LR)
-    param.grad = torch.zeros_like(param)
-    optimizer.step()
-    assert torch.equal(param.detach(), torch.full((11,), -LR, dtype=torch.float64))
+    for step in range(6):
+        param.grad = None if step % 2 else torch.zeros_like(param)  # a missing .grad counts as zero
+        optimizer.step()
+        expected = -LR if step % 2 == 0 else 0.0
+        assert torch.equal(param.detach(), torch.full((11,), expected, dtype=torch.float64)), step
 
 
 def finished(params: list[torch.nn.Parameter], optimizer: gradsift.DistributedLion) -> dict:
@@ -231,3 +237,24 @@ def test_the_trainer_takes_lion_s_aggregate() -> None:
     assert TrainConfig(
         out="unused", model="gpt", optimizer="lion", options={"aggregate": "average"}
     ).options == {"aggregate": "average"}
+
+
+def untouched_worker(rank: int, world: int) -> dict:
+    """A parameter no worker has a gradient for, under both aggregates."""
+    del rank, world
+    results = {}
+    for aggregate in ("vote", "average"):
+        param = torch.nn.Parameter(torch.full((9,), 0.5, dtype=torch.float64))
+        optimizer = gradsift.DistributedLion([param], lr=LR, aggregate=aggregate)
+        for _ in range(5):
+            optimizer.step()  # no .grad on any rank: every direction is zero
+        results[aggregate] = param.detach().clone()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_workers_an_element_no_worker_moves_stays_where_it_is() -> None:
+    for result in run_workers(__file__, "untouched_worker", 2, timeout=120):
+        for aggregate in ("vote", "average"):
+            assert torch.equal(result[aggregate], torch.full((9,), 0.5, dtype=torch.float64)), aggregate

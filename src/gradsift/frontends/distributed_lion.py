@@ -6,9 +6,12 @@ gradients stay its own, and the step is the exchange. Every :meth:`DistributedLi
 for every parameter ``theta`` of a group with ``lr``, ``betas = (beta1, beta2)`` and
 ``weight_decay``, worker ``k`` of ``W`` (gradient ``g_k``, its own momentum ``m_k``):
 
-1. Lion's update direction: ``u_k = sign(beta1 m_k + (1 - beta1) g_k)``, with
-   ``sign(0) = +1``, so that every element is one of two values and fits one bit
-   (bit 1 for ``+1``, bit 0 for ``-1``);
+1. Lion's update direction: ``u_k = sign(beta1 m_k + (1 - beta1) g_k)``, every element one of
+   two values so that it fits one bit (bit 1 for ``+1``, bit 0 for ``-1``): ``sign(0)`` is
+   ``+1`` where ``k + t`` is even (``t`` the step count) and ``-1`` where it is odd, so an
+   element no worker moves (a parameter without a gradient, an embedding row never seen: a
+   zero direction everywhere) sums to 0 over an even number of workers and to ``+1``, ``-1``
+   in turn over an odd one, where one sign for all would step it by ``lr`` every step;
 2. the message: the bits of every parameter in order, packed eight to a byte
    (:func:`gradsift.compressors.bitpack.pack`), then one byte, 1 when some gradient of this
    worker holds a NaN or an Inf (:func:`gradsift.core.finite.nonfinite`), else 0;
@@ -52,6 +55,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsift.compressors.bitpack import pack, packed_nbytes, unpack
 from gradsift.core.agreement import setting_text
@@ -182,13 +186,15 @@ class DistributedLion(ExchangingOptimizer, method="DistributedLion", key="lion")
         return torch.zeros_like(param, memory_format=torch.preserve_format) if momentum is None else momentum
 
     def _message(self, grads: list[torch.Tensor], groups: dict[torch.Tensor, Any]) -> torch.Tensor:
-        """This worker's message: the bits of ``u_k >= 0`` of every parameter, packed, then its
-        non-finite flag."""
+        """This worker's message: the bits of ``u_k = +1`` of every parameter (``sign(0)`` by the
+        parity of rank and step, step 1 of the module docstring), packed, then its non-finite flag."""
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        zero_up = (rank + self.steps) % 2 == 0
         bits = []
         for param, grad in zip(self.params, grads, strict=True):
             beta1 = groups[param]["betas"][0]
-            direction = torch.mul(self._momentum(param), beta1).add_(grad, alpha=1 - beta1)
-            bits.append(direction.reshape(-1) >= 0)
+            direction = torch.mul(self._momentum(param), beta1).add_(grad, alpha=1 - beta1).reshape(-1)
+            bits.append(direction >= 0 if zero_up else direction > 0)
         flag = nonfinite(*grads).to(torch.uint8).reshape(1)
         return torch.cat([pack(torch.cat(bits).to(torch.uint8), 1), flag])
 
