@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from support.every_compressor import FAMILIES, OPTIONS, each_family_and_name, optimizer_for
+from support.every_compressor import OPTIONS, each_case, each_family_and_name, optimizer_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -53,8 +53,7 @@ def runs() -> list[dict]:
     return run_workers(__file__, "worker", 2, timeout=300)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", gradsift.available_compressors())
+@each_case
 def test_gradients_as_bucket_views_train_as_copies(runs, family, name):
     for rank in runs:
         copies, views = rank[family, name]

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from support.every_compressor import FAMILIES, OPTIONS, each_family_and_name, optimizer_for
+from support.every_compressor import OPTIONS, each_case, each_family_and_name, optimizer_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -81,8 +81,7 @@ def runs() -> list[dict]:
     return run_workers(__file__, "worker", 2, timeout=300)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", gradsift.available_compressors())
+@each_case
 def test_a_layer_no_step_uses_stays_as_stock_ddp_leaves_it(runs, family, name):
     stock = runs[0][(family, None)]
     assert stock["unused_untouched"] and stock["unused_grads"] == [None, None]  # DDP's own rule

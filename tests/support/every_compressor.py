@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
 import torch
 
 import gradsift
@@ -38,3 +39,9 @@ def each_family_and_name(
                 warnings.simplefilter("ignore")
                 results[family, name] = train(family, name)
     return results
+
+
+def each_case(test: Callable[..., Any]) -> Callable[..., Any]:
+    """``test`` parametrized by ``family`` and ``name``, the keys :func:`each_family_and_name` made."""
+    by_name = pytest.mark.parametrize("name", gradsift.available_compressors())
+    return pytest.mark.parametrize("family", FAMILIES)(by_name(test))

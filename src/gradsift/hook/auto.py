@@ -165,7 +165,7 @@ class AutoHookState:
             self._switch(self.pending, step)
 
     def _end_measuring(self, step: int) -> None:
-        """Under DDP's join: a run still measuring runs ``none`` from ``step`` (:mod:`gradsift.hook.uneven`)."""
+        """Under DDP's join: a run still measuring runs ``none`` from ``step`` (:mod:`~.uneven`)."""
         if self.choice != "measuring":
             return
         if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them

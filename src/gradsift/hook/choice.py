@@ -6,12 +6,12 @@ SGD -- ``none``, ``bf16``, ``sidco-exp`` at ratio 0.01 with momentum correction;
 1-bit Adam method (``efsignsgd`` with the frozen-variance Adam step); another or no optimizer
 -- ``none``, ``bf16``, as for an SGD whose groups holding the model's parameters hold others too
 (momentum correction would take their momentum: :func:`~gradsift.hook.recipe.foreign_parameters`)
-and an optimizer whose momentum a scheduler cycles (:func:`~gradsift.hook.discovery.cycles_momentum`). The rule (:func:`choose`): each candidate's predicted step is the
-running method's measured step with its route exchanged for the candidate's -- the probes'
-route times less what a probe counts that the running method's steps did not pay
-(:mod:`gradsift.hook.paid`) -- and another method than the preferred one (the dense step at
-the first decision, the running method at a re-measure) runs only when predicted
-:data:`MARGIN` faster than it.
+and an optimizer whose momentum a scheduler cycles (:func:`~gradsift.hook.discovery.cycles_momentum`).
+The rule (:func:`choose`): each candidate's predicted step is the running method's measured
+step with its route exchanged for the candidate's -- the probes' route times less what a probe
+counts that the running method's steps did not pay (:mod:`gradsift.hook.paid`) -- and another
+method than the preferred one (the dense step at the first decision, the running method at a
+re-measure) runs only when predicted :data:`MARGIN` faster than it.
 
 The measuring steps run the family's :data:`START` method: the compressed candidate where
 it needs no dense warm-up (SGD's ``sidco-exp``), else ``none``. Why: the two ways to be

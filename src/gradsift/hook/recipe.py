@@ -114,9 +114,9 @@ def take_over(
             " (ZeroRedundancyOptimizer shards the state the hook would take over)" if sharded else ""
         )
         raise InvalidOptionError(
-            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__}{sharded_note} (LAMB, Adafactor, "
-            "Lion and the like are not supported: pass optimizer=False for error feedback without momentum "
-            "correction, or a compressor without error feedback)"
+            f"optimizer= supports {SUPPORTED_OPTIMIZERS}; got {type(optimizer).__name__}{sharded_note} "
+            "(LAMB, Adafactor, Lion and the like are not supported: pass optimizer=False for error feedback "
+            "without momentum correction, or a compressor without error feedback)"
         )
     foreign = foreign_parameters(optimizer, numbers)
     if foreign:
