@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsift
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook import auto, choice
+from gradsift.hook.taken_over import HOOK_STEP_KEY
 
 pytestmark = pytest.mark.distributed
 
@@ -240,8 +241,10 @@ def test_the_method_left_checks_the_optimizer_no_more(one_process_group, monkeyp
     train(ddp, optimizer, 1, torch.Generator().manual_seed(1))
     measuring = state.current  # held on
     assert measuring.compressor.name == "sidco-exp" and measuring.taken_over is not None
+    assert HOOK_STEP_KEY in optimizer.param_groups[0]  # each step under the takeover records the hook's
     train(ddp, optimizer, auto.DECIDE_AT + 5, torch.Generator().manual_seed(2))
     assert state.current is state.dense and optimizer.param_groups[0]["momentum"] == 0.9
+    assert HOOK_STEP_KEY not in optimizer.param_groups[0]  # a method entered later starts no warning
 
 
 def test_a_slow_link_under_adamw_runs_the_one_bit_method_as_registered_by_hand(

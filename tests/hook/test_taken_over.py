@@ -6,12 +6,15 @@ naming the count; with ``no_sync`` it trains; error feedback without a momentum 
 (SGD without momentum) and stock DDP's own allreduce are not checked (exact by linearity, and
 mass-conserving); a step the ``GradScaler`` skips for an overflow is no exchange. A scheduler
 that cycles the momentum the hook took over (``OneCycleLR``'s default) is refused at the next
-step; with ``cycle_momentum=False`` it trains.
+step; with ``cycle_momentum=False`` it trains. An optimizer restored without the hook's state is
+warned about at its first step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 
 import pytest
 import torch
@@ -42,12 +45,8 @@ def accumulate(ddp, optimizer, steps: int, *, no_sync: bool, scaler=None, scale_
             scaler.update()
 
 
-def model() -> DDP:
-    torch.manual_seed(0)
-    return DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
-
-
-@pytest.mark.parametrize(
+#: A method that takes the momentum over, per optimizer family: SGD's and AdamW's.
+EACH_TAKEOVER = pytest.mark.parametrize(
     ("compressor", "make_optimizer", "options"),
     [
         ("topk", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), {"ratio": 0.1}),
@@ -55,6 +54,14 @@ def model() -> DDP:
     ],
     ids=["sgd-momentum", "adamw"],
 )
+
+
+def model() -> DDP:
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+
+
+@EACH_TAKEOVER
 def test_accumulation_without_no_sync_is_refused_at_the_optimizers_step(
     one_process_group, compressor, make_optimizer, options
 ):
@@ -114,3 +121,42 @@ def test_a_scheduler_cycling_the_momentum_taken_over_is_refused(one_process_grou
                 accumulate(ddp, optimizer, 1, no_sync=True)
                 scheduler.step()
         assert state.step == (2 if cycle_momentum else 4)  # refused at the step after the first change
+
+
+@EACH_TAKEOVER
+def test_an_optimizer_restored_without_the_hooks_state_is_warned_about(
+    one_process_group, compressor, make_optimizer, options
+):
+    """A script that checkpoints the model and the optimizer but not the hook: resumed so, the
+    hook's velocity and residuals start from zero and the run departs from the uninterrupted
+    one -- warned at the first step, naming both step counts; resumed with the hook's state
+    too, it continues bit for bit and nothing is warned."""
+
+    def start():
+        ddp = model()
+        optimizer = make_optimizer(ddp.parameters())
+        return ddp, optimizer, gradsift.register_comm_hook(ddp, compressor, **options)
+
+    ddp, optimizer, state = start()
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    saved = copy.deepcopy((ddp.module.state_dict(), optimizer.state_dict(), state.state_dict()))
+    accumulate(ddp, optimizer, 2, no_sync=True)
+    uninterrupted = [p.detach().clone() for p in ddp.parameters()]
+
+    for with_hook_state in (True, False):
+        ddp, optimizer, state = start()
+        ddp.module.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+        if with_hook_state:
+            state.load_state_dict(saved[2])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            accumulate(ddp, optimizer, 2, no_sync=True)
+        messages = [str(w.message) for w in caught if str(w.message).startswith("gradsift:")]
+        same = all(torch.equal(a, b) for a, b in zip(ddp.parameters(), uninterrupted, strict=True))
+        if with_hook_state:
+            assert messages == [] and same
+        else:
+            assert len(messages) == 1 and not same
+            assert "saved at the hook's step 3" in messages[0] and "the hook is at step 1" in messages[0]
+            assert "load_hook_state" in messages[0]

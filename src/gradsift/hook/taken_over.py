@@ -19,16 +19,29 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   no longer the one the hook runs (a scheduler cycling momentum, as ``OneCycleLR`` and
   ``CyclicLR`` do by default): the optimizer would apply momentum on top of the hook's, or the
   hook would go on with a ``beta1`` the script no longer asks for.
+
+And one it warns about, at the first such step: **an optimizer restored without the hook's
+state.** While the hook holds the velocity (always under SGD's momentum correction; past the
+dense warm-up under the Adam methods), every step records the hook's step count ``n`` in the
+optimizer's parameter groups (:data:`HOOK_STEP_KEY`), so an optimizer checkpoint carries it.
+A hook whose count at its first step is still ``<= n`` did not load the state saved with that
+optimizer (or loaded an older one): its velocity and residuals start from zero, and the run
+departs from the one saved. Leaving the method (``auto`` giving the momentum back) removes the
+record.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
+
+#: The parameter-group entry holding the hook's step count at the optimizer's last step.
+HOOK_STEP_KEY = "gradsift_hook_step"
 
 ACCUMULATION = (
     "Accumulate gradients under ddp_model.no_sync() for all but the last micro-batch (its one exchange "
@@ -44,11 +57,16 @@ class TakenOverChecks:
     def __init__(self, state: Any) -> None:
         self.state = weakref.ref(state)  # the state holds these checks: no cycle keeps either alive
         self.numbers = {id(p): i for i, p in enumerate(state.hooked)}  # alive while the state is
+        self.first = True
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
 
     def detach(self) -> None:
-        """Stop checking: the optimizer has its momentum back (``auto`` left the method)."""
+        """Stop checking and recording: the optimizer has its momentum back (``auto`` left the method)."""
         BEFORE_STEP.remove(self)
+        state = self.state()
+        if state is not None and state.optimizer is not None:
+            for _, group, _ in model_groups(state.optimizer, self.numbers):
+                group.pop(HOOK_STEP_KEY, None)
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
@@ -71,6 +89,20 @@ class TakenOverChecks:
                 "momentum, as OneCycleLR and CyclicLR do by default): the hook applies one fixed momentum "
                 "in its exchange; build the scheduler with cycle_momentum=False"
             )
+        saved = max((group[HOOK_STEP_KEY] for group in groups if HOOK_STEP_KEY in group), default=None)
+        if self.first and saved is not None and state.ledger.step <= saved:
+            warnings.warn(
+                f"gradsift: this optimizer was saved at the hook's step {saved}, while the hook held its "
+                f"momentum, but the hook is at step {state.ledger.step}: the hook's state saved with it (each "
+                "rank's velocity and residuals) was not loaded, so they start from zero and this run departs "
+                "from the one saved; save it beside the optimizer's and load it before training "
+                "(gradsift.integrations.checkpoint.gather_hook_states / load_hook_state)",
+                stacklevel=4,
+            )
+        self.first = False
+        if state.adam is None or not state.warming():  # the hook holds the velocity
+            for group in groups:
+                group[HOOK_STEP_KEY] = state.ledger.step
 
 
 def _momentum_of(group: dict[str, Any], beta1: float | None) -> float:
