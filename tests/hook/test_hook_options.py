@@ -30,8 +30,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS = 5
 
 
-def sgd_run(model: DDP, rank: int, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def sgd_run(
+    model: DDP, rank: int, optimizer: torch.optim.Optimizer, register_at: int = -1, hook: dict | None = None
+) -> torch.Tensor:
+    """``STEPS`` steps; at step ``register_at`` the hook is registered with ``hook``'s arguments."""
     for step in range(STEPS):
+        if step == register_at:
+            gradsift.register_comm_hook(model, **(hook or {}))
         optimizer.zero_grad()
         x, y = batch(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -61,6 +66,14 @@ def momentum_worker(rank: int, world: int) -> dict:
         out[label] = sgd_run(model, rank, optimizer)
         out[label + "_momentum"] = state.feedback.momentum
         out[label + "_group"] = dict(optimizer.param_groups[0], params=None)
+    for label, passed in (("late", True), ("late-discovered", False)):  # after two stock steps
+        model = DDP(make_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        hook = {"compressor": "topk", "ratio": 1.0, "momentum_masking": False}
+        out[label] = sgd_run(
+            model, rank, optimizer, 2, {**hook, **({"optimizer": optimizer} if passed else {})}
+        )
+        out[label + "_buffers"] = sum("momentum_buffer" in optimizer.state[p] for p in model.parameters())
     return out
 
 
@@ -73,6 +86,11 @@ def test_momentum_correction_with_nothing_dropped_equals_stock_sgd_momentum():
             group = out[label + "_group"]
             assert (group["momentum"], group["weight_decay"]) == (0.0, 0.0)
             assert (group[recipe.MOMENTUM_KEY], group[recipe.WEIGHT_DECAY_KEY]) == (0.9, 0.01)
+        # Registered after SGD stepped, the velocity starts from SGD's momentum buffers, which
+        # leave the optimizer's state: the run goes on as stock DDP's.
+        for label in ("late", "late-discovered"):
+            torch.testing.assert_close(out[label], out["stock"], rtol=1e-5, atol=1e-6)
+            assert out[label + "_buffers"] == 0
         # With masking every sent element's velocity is zeroed: at ratio 1 that is plain SGD.
         torch.testing.assert_close(out["masked"], out["plain"], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(out["plain"], out["stock"], rtol=1e-3)  # the two references differ

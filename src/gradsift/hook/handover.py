@@ -30,10 +30,7 @@ def enter(
     if hook_options.get("scaler") is None:
         hook_options["scaler"] = dense.options.scaler
     state = GradsiftHookState.build(name, **options, **hook_options, process_group=dense.process_group)
-    state.attach(ddp_model, dense.optimizer)
-    if state.feedback is not None and state.feedback.momentum and state.adam is None:
-        buffers = recipe.momentum_buffers(dense.optimizer, dense.layout.numbers)
-        state.feedback.seed_velocity(buffers, dense.layout.numels)  # SGD's momentum so far
+    state.attach(ddp_model, dense.optimizer)  # under SGD its velocity starts from SGD's momentum buffers
     state.find_optimizer = False  # the dense state's, adopted above
     # a scaler is looked for at its first bucket, unless the dense state has looked already
     state.discovering = state.options.scaler is None and dense.discovering

@@ -12,7 +12,8 @@ fixes it with four techniques, all available as hook options:
   The group keeps the values under ``gradsift_momentum`` / ``gradsift_weight_decay``
   (and ``momentum = weight_decay = 0``), so an optimizer checkpoint carries the
   arrangement and a resumed run gets the same result whichever of
-  ``optimizer.load_state_dict`` and ``register_comm_hook`` comes first. With nothing
+  ``optimizer.load_state_dict`` and ``register_comm_hook`` comes first. An SGD that already
+  stepped hands its momentum buffers over as the velocity's start. With nothing
   dropped (ratio 1, no masking) the hook then equals stock DDP + SGD momentum:
   ``mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x``.
 * **Momentum factor masking** (``momentum_masking``, on by default): ``u[sent] = 0``.
@@ -53,6 +54,8 @@ class Takeover:
     momentum: float = 0.0
     weight_decay: dict[int, float] = field(default_factory=dict)
     adam: AdamStep | None = None
+    #: SGD's momentum buffers, taken out of its state (an SGD that already stepped): the velocity's start.
+    velocity: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 SUPPORTED_OPTIMIZERS = "torch.optim.SGD (with momentum or without), torch.optim.Adam, torch.optim.AdamW"
@@ -133,7 +136,9 @@ def take_over(
         raise InvalidOptionError(
             f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
         )
-    taken = Takeover(momentum=momenta.pop() if momenta else 0.0)
+    taken = Takeover(
+        momentum=momenta.pop() if momenta else 0.0, velocity=take_momentum_buffers(optimizer, numbers)
+    )
     for group, mine, momentum, decay in groups:
         group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
         if "weight_decay" in group:
@@ -182,13 +187,14 @@ def foreign_parameters(optimizer: Any, numbers: dict[int, int]) -> dict[int, int
     return {index: count for index, count in counts.items() if count}
 
 
-def momentum_buffers(optimizer: Any, numbers: dict[int, int]) -> dict[int, torch.Tensor]:
-    """SGD's momentum buffer per parameter number of the model, where it has one: the velocity
-    momentum correction starts from when it takes over a run that already stepped (the
-    hook's ``u <- m u + g`` then continues ``buf <- m buf + g``)."""
+def take_momentum_buffers(optimizer: Any, numbers: dict[int, int]) -> dict[int, torch.Tensor]:
+    """SGD's momentum buffer per parameter number of the model, where it has one, removed from
+    the optimizer's state: the velocity momentum correction starts from when it takes over a
+    run that already stepped (the hook's ``u <- m u + g`` then continues ``buf <- m buf + g``),
+    and which the optimizer, its momentum now 0, would keep unread."""
     optimizer = unwrapped(optimizer)
     return {
-        numbers[id(param)]: optimizer.state[param]["momentum_buffer"]
+        numbers[id(param)]: optimizer.state[param].pop("momentum_buffer")
         for _, group, _ in model_groups(optimizer, numbers)
         for param in group["params"]
         if id(param) in numbers and optimizer.state.get(param, {}).get("momentum_buffer") is not None

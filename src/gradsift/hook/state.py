@@ -175,6 +175,7 @@ class GradsiftHookState:
                     "pass one of them (optimizer= takes it from the optimizer)"
                 )
             self.feedback.momentum = taken.momentum
+            self.feedback.seed_velocity(taken.velocity, self.layout.numels)  # an SGD that already stepped
             self.weight_decay = taken.weight_decay
             self.adam = taken.adam
             self.taken_over = TakenOverChecks(self) if taken.momentum or taken.adam else None
