@@ -41,18 +41,20 @@ def check_real(
     below = number <= low if low_open else number < low
     above = number >= high if high_open else number > high
     if below or above:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
+        left = "(" if low_open or low == -math.inf else "["  # an infinite end is open: finite only
+        right = ")" if high_open or high == math.inf else "]"
         raise InvalidOptionError(f"{name} must lie in {left}{low}, {high}{right}, got {number!r}")
     return number
 
 
 def check_int(value: object, name: str, *, low: int | None = None, high: int | None = None) -> int:
-    """Return ``value`` as an int inside ``[low, high]``; raise otherwise."""
+    """Return ``value`` as an int inside ``[low, high]`` (None: unbounded on that side); raise otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidOptionError(f"{name} must be an integer, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise InvalidOptionError(f"{name} must lie in [{low}, {high}], got {value}")
+        left = "(-inf" if low is None else f"[{low}"
+        right = "inf)" if high is None else f"{high}]"
+        raise InvalidOptionError(f"{name} must lie in {left}, {right}, got {value}")
     return value
 
 

@@ -59,8 +59,8 @@ def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, An
     unknown = sorted(set(options) - {"process_group", "steps", DENSITY_WARMUP, *PASSED_ON})
     if unknown:
         raise InvalidOptionError(
-            f"compressor='auto' picks the method and its options; {', '.join(unknown)} belong to a named "
-            f"method: pass compressor=<name> to set them (auto takes steps, {', '.join(PASSED_ON)})"
+            f"compressor='auto' picks the method and its options; got {', '.join(unknown)}, where auto "
+            f"takes steps, {', '.join(PASSED_ON)} (a method's own options need compressor=<name>)"
         )
     rest = dict(options)
     run_steps = rest.pop("steps", None)

@@ -242,8 +242,8 @@ def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InvalidOptionError(
-            f"--compressor auto picks the method and its options; {', '.join(unknown)} belong to a named "
-            f"method (--compressor NAME); auto takes {', '.join(allowed)}"
+            f"--compressor auto picks the method and its options; got {', '.join(unknown)}, where auto "
+            f"takes {', '.join(allowed)} (a method's own options need --compressor NAME)"
         )
 
 
