@@ -40,6 +40,20 @@ def test_unknown_name_lists_known_names():
         gradsift.get_compressor("sidco")
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("TopK", "topk"), ("sidco", "sidco-exp"), ("powerSGD", "powersgd")]
+)
+def test_a_near_miss_is_offered_the_name_meant(typed, meant):
+    with pytest.raises(ValueError, match=f"unknown compressor '{typed}' \\(did you mean '{meant}'\\?\\)"):
+        gradsift.get_compressor(typed)
+
+
+def test_a_name_near_nothing_is_offered_nothing():
+    with pytest.raises(ValueError) as refused:
+        gradsift.get_compressor("xyz")
+    assert "did you mean" not in str(refused.value)
+
+
 def test_unknown_option_lists_accepted_options():
     with pytest.raises(ValueError, match="no option.*bogus.*ratio"):
         gradsift.get_compressor("topk", bogus=1)

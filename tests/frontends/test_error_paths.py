@@ -22,6 +22,18 @@ def test_register_comm_hook_refuses_a_model_that_is_not_ddp():
         gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk", ratio=0.1)
 
 
+@pytest.mark.parametrize("compressor", ["topk", "efsignsgd"])
+def test_an_optimizer_holding_none_of_the_models_parameters_is_refused(one_process_group, compressor):
+    torch.manual_seed(0)
+    model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    for optimizer in (
+        torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.AdamW(other.parameters()),
+    ):
+        with pytest.raises(InvalidOptionError, match=r"optimizer= \((SGD|AdamW)\) holds none of the hooked"):
+            gradsift.register_comm_hook(DistributedDataParallel(model), compressor, optimizer=optimizer)
+
+
 def test_a_restored_hook_state_takes_no_compressor_options():
     state = GradsiftHookState.build("topk", ratio=0.1)
     # The refusal comes before the model is touched: a bare (never initialised) DDP object

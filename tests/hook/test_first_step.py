@@ -104,10 +104,14 @@ def test_a_sharded_optimizer_is_named_with_what_works_instead(one_process_group)
         UserWarning, match="ZeroRedundancyOptimizer .*without error feedback \\(none, fp16, bf16"
     ):
         train(ddp, optimizer, steps=2)
+    ddp = model()
+    optimizer = ZeroRedundancyOptimizer(
+        ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9
+    )
     with pytest.raises(
         InvalidOptionError, match="shards the state the hook would take over.*optimizer=False"
     ):
-        gradsift.register_comm_hook(model(), "randomk", ratio=0.1, optimizer=optimizer)
+        gradsift.register_comm_hook(ddp, "randomk", ratio=0.1, optimizer=optimizer)
 
 
 def test_no_warning_without_momentum_or_without_error_feedback(one_process_group):

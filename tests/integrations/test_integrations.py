@@ -215,7 +215,9 @@ def test_lightning_callback_defaults_to_auto_and_registers_it_itself(one_process
     assert restored.state.stats()["auto"]["choice"] == chosen["choice"]
     assert restored.state.step == callback.state.step == DECIDE_AT + 2
 
-    with pytest.raises(InvalidOptionError, match="compressor='auto' picks the method and its options; got ratio"):
+    with pytest.raises(
+        InvalidOptionError, match="compressor='auto' picks the method and its options; got ratio"
+    ):
         GradsiftCallback(ratio=0.1).on_fit_start(
             SimpleNamespace(strategy=SimpleNamespace(model=_ddp_model())), None
         )

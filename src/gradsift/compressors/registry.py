@@ -7,6 +7,7 @@ their options follow the papers (``ratio`` is the target density delta).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Iterable
@@ -64,7 +65,9 @@ def available_compressors() -> list[str]:
 def compressor_class(name: str) -> type[Compressor]:
     """Return the class registered under ``name`` (imported on first use)."""
     if not isinstance(name, str) or name not in _TABLE:
-        raise UnknownCompressorError(f"unknown compressor {name!r}; known compressors: {', '.join(_TABLE)}")
+        close = difflib.get_close_matches(name.lower(), _TABLE, n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownCompressorError(f"unknown compressor {name!r}{hint}; known compressors: {', '.join(_TABLE)}")
     entry = _TABLE[name]
     if not isinstance(entry, str):
         return entry

@@ -91,7 +91,8 @@ def take_over(
     ``numbers`` maps ``id(parameter)`` to the parameter's number. A ``compressor`` whose
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
     nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
-    :class:`InvalidOptionError` for other optimizers, for Nesterov momentum or dampening,
+    :class:`InvalidOptionError` for an optimizer holding none of the model's parameters, for other
+    optimizers, for Nesterov momentum or dampening,
     for ``maximize=True`` with weight decay, for groups that disagree on momentum, and for a
     group that also holds parameters outside the model (:func:`foreign_parameters`: their
     momentum would go too).
@@ -99,6 +100,11 @@ def take_over(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     optimizer = unwrapped(optimizer)
+    if next(model_groups(optimizer, numbers), None) is None:
+        raise InvalidOptionError(
+            f"optimizer= ({type(optimizer).__name__}) holds none of the hooked model's parameters: "
+            "pass the optimizer that steps them (or leave optimizer= out: the hook finds it)"
+        )
     if is_adam(optimizer):
         if adam == "zero-one":
             step: AdamStep = ZeroOneAdamStep(
