@@ -74,8 +74,9 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """A name of :data:`_LAZY`, or the ``compressors`` subpackage itself (which
-    ``import gradsift`` used to load), imported now and kept in the module."""
+    """A name of :data:`_LAZY`, or the ``compressors`` subpackage itself (so
+    ``gradsift.compressors.X`` works after a bare ``import gradsift``), imported now and kept in
+    the module."""
     if name != "compressors" and name not in _LAZY:
         raise AttributeError(f"module 'gradsift' has no attribute {name!r}")
     module = importlib.import_module(_LAZY.get(name, "gradsift.compressors"))
@@ -85,8 +86,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    """The module's names, the lazy ones included (so completion and ``dir()`` show them)."""
-    return sorted({*globals(), "compressors", *_LAZY})
+    """The public names, the lazy ones included, and the ``compressors`` subpackage: what
+    completion and ``dir()`` show (not the module's own imports, ``Any`` or ``importlib``)."""
+    return sorted({*__all__, "compressors"})
 
 
 def register_comm_hook(

@@ -324,3 +324,13 @@ def test_register_compressor_names_a_class_and_refuses_a_taken_name(monkeypatch)
         gradsift.register_compressor("auto", Halves)
     with pytest.raises(gradsift.InvalidOptionError, match="Compressor subclass"):
         gradsift.register_compressor("nothing", int)
+
+
+def test_every_public_name_imports_and_dir_shows_only_them():
+    """Each name of ``gradsift.__all__`` resolves (the lazy ones on first access), and ``dir()``
+    -- what completion offers -- lists those and the ``compressors`` subpackage, not the
+    module's own imports."""
+    for name in gradsift.__all__:
+        assert getattr(gradsift, name) is not None, name
+    assert dir(gradsift) == sorted({*gradsift.__all__, "compressors"})
+    assert not {"Any", "cast", "importlib", "TYPE_CHECKING"} & set(dir(gradsift))
