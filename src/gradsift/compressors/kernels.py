@@ -45,8 +45,8 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import nonfinite
 
 #: Elements per chunk of the CPU selection: its two temporaries (the masked words and
-#: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache
-#: (docs/decisions.md: 2^16-2^20 within 6% of each other, one chunk of 25M 1.7x slower).
+#: the boolean mask, 1.25 MiB for fp32) stay in the core's 2 MiB L2 cache (the chunk sizes
+#: measured: docs/decisions.md, "Comparison kernels on CPU run in NumPy, on the calling thread").
 SELECTION_CHUNK = 1 << 18
 
 #: With a capacity, the CPU selection collects the positions of at most this many times the
@@ -54,8 +54,8 @@ SELECTION_CHUNK = 1 << 18
 COLLECTED_PER_CAPACITY = 2
 
 #: PyTorch's CPU kernels split their work over the intra-op pool only above this many
-#: elements (``at::internal::GRAIN_SIZE``); on a busy machine (load ~20, 2 threads) one
-#: read pass took 0.036 ms at 32768 elements and 16 ms at 65536, waiting for a thread.
+#: elements (``at::internal::GRAIN_SIZE``); on a busy machine a pass above it waits for a pool
+#: thread (measured: docs/decisions.md, "Busy-CPU costs outside SIDCo's fits").
 PARALLEL_GRAIN = 32768
 
 #: Integer dtype of the same width and the mask that clears the sign bit, per float dtype.

@@ -67,7 +67,9 @@ def compressor_class(name: str) -> type[Compressor]:
     if not isinstance(name, str) or name not in _TABLE:
         close = difflib.get_close_matches(name.lower(), _TABLE, n=1) if isinstance(name, str) else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UnknownCompressorError(f"unknown compressor {name!r}{hint}; known compressors: {', '.join(_TABLE)}")
+        raise UnknownCompressorError(
+            f"unknown compressor {name!r}{hint}; known compressors: {', '.join(_TABLE)}"
+        )
     entry = _TABLE[name]
     if not isinstance(entry, str):
         return entry

@@ -86,8 +86,8 @@ def value_with_above(values: torch.Tensor, keep: int) -> torch.Tensor:
     """The element of the 1-D ``values`` with exactly ``keep`` elements above it: the
     ``(keep+1)``-th largest (ties may leave fewer above it), a 0-d tensor.
 
-    CPU: NumPy's introselect (``np.partition``, 6x faster than ``torch.topk`` on 2^18
-    elements). Elsewhere: ``torch.topk`` of ``keep + 1``, no host read.
+    CPU: NumPy's introselect (``np.partition``: linear time, no tensor of positions). Elsewhere:
+    ``torch.topk`` of ``keep + 1``, no host read.
     """
     if numpy_floats(values):
         array = numpy_view(values)

@@ -28,8 +28,8 @@ parameters (one broadcast each at construction, as DDP does when it wraps a mode
 A message is ``topk`` values and ``topk`` indices per chunk: indices as int16 (int32 for
 chunks of more than ``2**15`` elements), values in the parameters' dtype unless
 ``value_dtype`` says otherwise. With the paper's setting (64 x 64 tiles, 32 kept, fp32)
-a matrix travels in ``32 * (4 + 2) = 192`` bytes per 4,096 elements: 85x fewer than an
-fp32 allreduce's message. :meth:`DeMo.stats` reports like the DDP hook's ``stats()``
+a matrix travels in ``32 * (4 + 2) = 192`` bytes per 4,096 elements, where an fp32
+allreduce's message has ``4,096 * 4 = 16,384``. :meth:`DeMo.stats` reports like the DDP hook's ``stats()``
 (``bytes_sent``, ``bytes_received`` -- ``(W-1)`` messages --, ``dense_bytes``, ``density``,
 phase times). ``state_dict()`` holds every parameter's ``delta``, the groups' ``lr`` and
 ``weight_decay``, the step count and the byte totals: a run resumes bit for bit.

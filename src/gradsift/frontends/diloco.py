@@ -219,11 +219,12 @@ def diloco(
     not ``optimizer``, ``granularity`` or ``warmup_steps``, which have no meaning for
     pseudo-gradients).
 
-    The defaults are quantized periodic averaging, the best mode at >= 30x fewer bytes than
-    DDP of the AdamW campaign at this scale (docs/adam.md, docs/decisions.md): every 10 inner
+    The defaults are quantized periodic averaging, the AdamW campaign's best mode among those
+    sending a small fraction of DDP's bytes (docs/adam.md, docs/decisions.md): every 10 inner
     steps, the pseudo-gradient in ``blockquant``'s 4-bit codes (one absmax scale per 64
-    elements; about 70x fewer bytes than DDP), error feedback with ``residual_decay=0.95``
-    in place of outer momentum, ``outer_lr=1`` (the mean pseudo-gradient applied as it is).
+    elements: ``4 + 32 / 64 = 4.5`` bits per element per round, where DDP sends ``32 x 10``),
+    error feedback with ``residual_decay=0.95`` in place of outer momentum, ``outer_lr=1`` (the
+    mean pseudo-gradient applied as it is).
     SparseLoCo's form is ``compressor="sidco-exp"`` (ratio 0.01); DiLoCo's own
     outer step is ``outer_lr=0.7, outer_momentum=0.9`` (Nesterov).
 
