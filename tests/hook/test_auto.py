@@ -294,6 +294,37 @@ def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one
     assert optimizer.param_groups[0]["momentum"] == 0.9
 
 
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1),
+        lambda p: torch.optim.SGD(
+            [{"params": p[:2]}, {"params": p[2:], "momentum": 0.5}], lr=0.05, momentum=0.9
+        ),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True),
+        lambda p: torch.optim.Adam(p, lr=1e-3, maximize=True),
+    ],
+    ids=["sgd-nesterov", "sgd-dampening", "sgd-two-momenta", "adamw-amsgrad", "adam-maximize"],
+)
+def test_an_optimizer_the_hook_cannot_take_over_trains_without_a_takeover(
+    one_process_group, monkeypatch, make_optimizer
+):
+    """Settings a named method refuses to take over (Nesterov, dampening, groups with different
+    momenta, ``amsgrad``, ``maximize``) are common in scripts; the one line does not refuse them but
+    runs the candidates of an optimizer without one -- ``none`` and ``bf16``, measured on stock
+    DDP, the optimizer left as built -- also on a slow link."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizer = make_optimizer(list(ddp.parameters()))
+    built = [dict(group, params=None) for group in optimizer.param_groups]
+    state = gradsift.register_comm_hook(ddp, steps=5000)  # a long run: AdamW's 1-bit method a candidate too
+    train(ddp, optimizer, auto.DECIDE_AT + 3, torch.Generator().manual_seed(1))
+    stats = state.stats()["auto"]
+    assert stats["measured_on"] == "none" and set(stats["predicted_ms"]) == {"none", "bf16"}
+    assert [dict(group, params=None) for group in optimizer.param_groups] == built
+
+
 @pytest.mark.parametrize("make_optimizer", [sgd, adamw], ids=["sgd-momentum", "adamw"])
 def test_an_optimizer_whose_momentum_a_scheduler_cycles_keeps_its_momentum(
     one_process_group, monkeypatch, make_optimizer

@@ -73,17 +73,18 @@ def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, An
 
 def family(optimizer: Any, numbers: dict[int, int] | None = None) -> str:
     """The candidates' family of ``optimizer``: ``"adam"``, ``"sgd"`` or ``"other"`` (none found
-    too). Given the model's parameters (``numbers``), an SGD whose groups hold others too, and an
-    SGD or Adam whose momentum a scheduler cycles (:func:`~gradsift.hook.discovery.cycles_momentum`),
-    are ``"other"`` as well: no momentum can be taken over from them."""
+    too). Given the model's parameters (``numbers``), an SGD or Adam whose settings the hook
+    cannot take over (:func:`~gradsift.hook.recipe.takes_over`: a group holding other parameters,
+    Nesterov momentum, dampening, ``amsgrad``, ...) or whose momentum a scheduler cycles
+    (:func:`~gradsift.hook.discovery.cycles_momentum`) is ``"other"`` as well: no momentum can be
+    taken over from it."""
     if optimizer is None:
         return "other"
     inner = recipe.unwrapped(optimizer)
     kind = "adam" if is_adam(inner) else "sgd" if isinstance(inner, torch.optim.SGD) else "other"
     if kind == "other" or numbers is None:
         return kind
-    shared = kind == "sgd" and bool(recipe.foreign_parameters(inner, numbers))
-    return "other" if shared or discovery.cycles_momentum(inner) else kind
+    return kind if recipe.takes_over(inner, numbers) and not discovery.cycles_momentum(inner) else "other"
 
 
 def sgd_momentum(optimizer: Any) -> float:

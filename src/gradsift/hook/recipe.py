@@ -38,7 +38,15 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.adam import ADAM_FAMILY, AdamStep, LocalUpdateStep, adam_step, is_adam, l2_decay
+from gradsift.hook.adam import (
+    ADAM_FAMILY,
+    AdamStep,
+    LocalUpdateStep,
+    adam_step,
+    check_adam,
+    is_adam,
+    l2_decay,
+)
 from gradsift.hook.param_groups import model_groups
 from gradsift.hook.zero_one import DEFAULT_LOCAL_STEPS, LocalSteps, ZeroOneAdamStep
 
@@ -127,6 +135,35 @@ def take_over(
             "(LAMB, Adafactor, Lion and the like are not supported: pass optimizer=False for error feedback "
             "without momentum correction, or a compressor without error feedback)"
         )
+    groups, momentum = _sgd_takeover(optimizer, numbers)  # every refusal before any group changes
+    taken = Takeover(momentum=momentum, velocity=take_momentum_buffers(optimizer, numbers))
+    for group, mine, momentum, decay in groups:
+        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
+        if "weight_decay" in group:
+            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+        if decay:
+            taken.weight_decay.update(dict.fromkeys(mine, decay))
+    return taken
+
+
+def takes_over(optimizer: Any, numbers: dict[int, int]) -> bool:
+    """Whether :func:`take_over` accepts the settings of ``optimizer`` (SGD or the Adam family) for
+    the model's parameters ``numbers``, checked without changing anything: what the one line
+    asks before it picks a method that takes the momentum over."""
+    inner = unwrapped(optimizer)
+    try:
+        check_adam(inner, numbers) if is_adam(inner) else _sgd_takeover(inner, numbers)
+    except InvalidOptionError:
+        return False
+    return True
+
+
+def _sgd_takeover(
+    optimizer: Any, numbers: dict[int, int]
+) -> tuple[list[tuple[dict[str, Any], list[int], float, float]], float]:
+    """:func:`_sgd_groups` and their one momentum; raises for a group that also holds parameters
+    outside the model (:func:`foreign_parameters`: their momentum would go too) and for groups
+    that disagree on momentum."""
     foreign = foreign_parameters(optimizer, numbers)
     if foreign:
         index, count = next(iter(foreign.items()))
@@ -136,22 +173,13 @@ def take_over(
             "from those too; give the model's parameters groups of their own (SGD([{'params': "
             "ddp_model.parameters()}, {'params': others}], ...)), or pass optimizer=False"
         )
-    groups = _sgd_groups(optimizer, numbers)  # every refusal before any group changes
+    groups = _sgd_groups(optimizer, numbers)
     momenta = {momentum for _, _, momentum, _ in groups}
     if len(momenta) > 1:
         raise InvalidOptionError(
             f"the model's parameter groups use different momenta {sorted(momenta)}: use one"
         )
-    taken = Takeover(
-        momentum=momenta.pop() if momenta else 0.0, velocity=take_momentum_buffers(optimizer, numbers)
-    )
-    for group, mine, momentum, decay in groups:
-        group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
-        if "weight_decay" in group:
-            group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
-        if decay:
-            taken.weight_decay.update(dict.fromkeys(mine, decay))
-    return taken
+    return groups, momenta.pop() if momenta else 0.0
 
 
 def _sgd_groups(
@@ -170,7 +198,9 @@ def _sgd_groups(
         if group.get("nesterov") or group.get("dampening", 0):
             raise InvalidOptionError(
                 f"optimizer param group {index}: momentum correction implements plain momentum; "
-                "nesterov=True and dampening != 0 are not supported"
+                "nesterov=True and dampening != 0 are not supported (build SGD without them, pass "
+                "optimizer=False for error feedback without momentum correction, or leave the compressor "
+                "to auto, which runs without a takeover then)"
             )
         momentum = float(group.get(MOMENTUM_KEY, group["momentum"]))
         decay = float(group.get(WEIGHT_DECAY_KEY, group.get("weight_decay", 0.0)))
