@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
     from gradsift.tools.report import comparison_rows, default_target, find_runs, format_table, plot_runs
 
-    # the bar is closed on an error too, so the error starts a line of its own
-    with tqdm(args.dirs, desc="reading", unit="dir", disable=args.no_progress) as dirs:
+    # the bar is cleared when it closes, on an error too: the error or the table starts the line
+    with tqdm(args.dirs, desc="reading", unit="dir", disable=args.no_progress, leave=False) as dirs:
         runs = [run for path in dirs for run in find_runs([path])]
     target = args.target if args.target is not None else default_target(runs)
     rows = comparison_rows(runs, target)
