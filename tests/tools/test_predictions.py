@@ -146,7 +146,7 @@ def test_bad_arguments_name_themselves(call, match):
     [
         ("1e8", r"^model_nbytes must be a real number, got '1e8'"),
         (True, "^model_nbytes must be a real number, got True"),
-        (-1.0, r"^model_nbytes must lie in \[0.0, inf\], got -1.0"),
+        (-1.0, r"^model_nbytes must lie in \[0.0, inf\), got -1.0"),
         (math.nan, "^model_nbytes must be a number, got NaN"),
         (math.inf, "^model_nbytes must be finite, got inf"),
     ],
