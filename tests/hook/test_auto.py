@@ -279,6 +279,29 @@ def test_a_slow_link_under_sgd_momentum_runs_sidco_with_momentum_correction(one_
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+def test_clipping_after_the_exchange_leaves_momentum_correction_for_stock_ddp(one_process_group, monkeypatch):
+    """On a slow link under SGD momentum, a script that clips after backward: where the clip binds
+    on the measuring method's step (the velocity it sends, not the gradient), the one line warns
+    once and runs stock DDP from the next step, SGD with its momentum back and no prediction to
+    watch, and goes on training."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    generator = torch.Generator().manual_seed(1)
+    with pytest.warns(UserWarning, match="clipping after backward.*auto runs stock DDP") as caught:
+        for _ in range(auto.DECIDE_AT + 10):
+            optimizer.zero_grad()
+            ddp(torch.randn(16, 32, generator=generator)).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+            optimizer.step()
+    assert len([w for w in caught if "clipping after backward" in str(w.message)]) == 1
+    stats = state.stats()["auto"]
+    assert stats["choice"] == "none" and stats["running"] == "none" and stats["predicted_ms"] == {}
+    group = optimizer.param_groups[0]
+    assert group["momentum"] == 0.9 and "gradsift_momentum" not in group
+
+
 def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one_process_group, monkeypatch):
     """On a slow link, but the SGD's one group also holds a parameter outside the model: taking
     the group's momentum would take it from that parameter too, so the candidates are those of

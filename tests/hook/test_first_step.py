@@ -1,7 +1,8 @@
 """The hook's checks at the first optimizer step (gradsift.hook.first_step), on a 1-rank gloo
 group in this process: a GradScaler used without ``scaler=`` is refused at its first
 step, a momentum optimizer not passed as ``optimizer=`` is named in a warning, and
-neither fires for the right setup or for a user's own gradient clipping."""
+neither fires for the right setup or for a user's own gradient clipping; clipping after the
+exchange under SGD's momentum correction is refused where it binds."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook import first_step
 from gradsift.hook.before_step import BEFORE_STEP
 
 pytestmark = pytest.mark.distributed
@@ -35,6 +37,9 @@ def train(ddp: DDP, optimizer, scaler=None, steps: int = 3, clip: float | None =
             optimizer.step()
             continue
         scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
         scaler.step(optimizer)
         scaler.update()
 
@@ -55,15 +60,53 @@ def test_a_grad_scaler_the_hook_cannot_adopt_is_refused_at_the_first_step(one_pr
 
 @pytest.mark.parametrize("compressor", ["topk", "sidco-exp", "qsgd"])
 def test_the_scaler_passed_or_plain_gradients_or_user_clipping_train_silently(one_process_group, compressor):
+    """Under momentum correction (``topk``, ``sidco-exp``) the clipping here never binds; ``qsgd``
+    takes no momentum over, so its clipping acts on the gradient as with stock DDP."""
     for setup in ("scaler", "plain", "clipped"):
         ddp = model()
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if setup == "scaler" else None
         state = gradsift.register_comm_hook(ddp, compressor, optimizer=optimizer, scaler=scaler)
+        clip = (1e-3 if compressor == "qsgd" else 1e6) if setup == "clipped" else None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            train(ddp, optimizer, scaler, clip=1e-3 if setup == "clipped" else None)
-        assert not state.first_step.watching, setup  # decided, and the global hook removed
+            train(ddp, optimizer, scaler, clip=clip)
+        checks = state.first_step
+        assert not checks.check_momentum and not checks.check_scaler, setup  # decided
+        assert checks.watching == (compressor != "qsgd"), setup  # the clipping watch goes on
+
+
+@pytest.mark.parametrize("compressor", ["topk", "sidco-exp"])
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["plain", "scaler-unscaled"])
+def test_clipping_after_the_exchange_under_momentum_correction_is_refused(
+    one_process_group, compressor, with_scaler
+):
+    """``clip_grad_norm_`` between backward and the step scales the velocity momentum correction
+    sends: where it binds, refused at that step before the optimizer steps (after a scaler's
+    ``unscale_`` too: its power of two is not what is refused); ``optimizer=False`` (no
+    takeover: SGD without momentum) and the Adam method (whose clipped first moment is measured at
+    parity) train."""
+    ddp = model()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if with_scaler else None
+    gradsift.register_comm_hook(ddp, compressor, ratio=0.5, optimizer=optimizer, scaler=scaler)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    with pytest.raises(
+        InvalidOptionError,
+        match=r"hook's times [\d.e-]+, not a power of two.*clipping after backward.*clip_norm=C",
+    ):
+        train(ddp, optimizer, scaler, clip=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))  # not stepped
+    for make, options in (
+        (lambda p: torch.optim.SGD(p, lr=0.05), {}),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), {"warmup_steps": 1}),
+    ):
+        ddp = model()
+        optimizer = make(ddp.parameters())
+        gradsift.register_comm_hook(ddp, compressor, ratio=0.5, **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(ddp, optimizer, clip=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -139,9 +182,10 @@ def test_an_optimizer_of_other_parameters_is_not_checked(one_process_group):
         train(ddp, optimizer)
 
 
-def test_several_hooked_models_step_side_by_side(one_process_group):
+def test_several_hooked_models_step_side_by_side(one_process_group, monkeypatch):
     """Each decided check leaves the optimizers' global hook table alone while a step iterates
     over it (removing itself there raised 'OrderedDict mutated during iteration')."""
+    monkeypatch.setattr(first_step, "CLIPPING_CHECKS", 2)  # the clipping watch ends within the steps
     runs = []
     for _ in range(3):
         ddp = model()

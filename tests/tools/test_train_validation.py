@@ -69,6 +69,10 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
         (["--bandwidth", "fast"], "fast"),
         (["--launcher", "torchrun"], "launcher torchrun .* needs a bandwidth"),
         (["--nodes", "2"], "nodes needs launcher torchrun"),
+        (
+            ["--compressor", "sidco-exp", "--clip-grad-norm", "1"],
+            r"--clip-grad-norm clips after the exchange.*--option clip_norm=1 .*or --no-recipe",
+        ),
     ],
 )
 def test_bad_argument_is_one_line_before_any_worker(tmp_path, capsys, no_workers, arguments, message):

@@ -139,8 +139,8 @@ class AutoHookState:
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
-        if uneven.joined(self.ddp_model):
-            self._end_measuring(step)
+        if uneven.joined(self.ddp_model) and self.choice == "measuring":
+            self._run_dense(step)
         elif self.choice == "measuring" and self._kept_all and self._after_step is None:
             # no optimizer found: decide before this step's exchanges
             self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
@@ -164,10 +164,9 @@ class AutoHookState:
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
-    def _end_measuring(self, step: int) -> None:
-        """Under DDP's join: a run still measuring runs ``none`` from ``step`` (:mod:`~.uneven`)."""
-        if self.choice != "measuring":
-            return
+    def _run_dense(self, step: int) -> None:
+        """Run ``none`` from ``step``, with no prediction to watch: under DDP's join while measuring
+        (:mod:`~.uneven`), or after clipping seen after a takeover's exchange (:mod:`~.first_step`)."""
         if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them
             self.dense.discover()
         self._kept, self._kept_all, self.choice, self.decided_at = [], False, "none", step
@@ -209,6 +208,9 @@ class AutoHookState:
         Nothing under DDP's join (:mod:`gradsift.hook.uneven`)."""
         if uneven.joined(self.ddp_model):
             return
+        if self.current.first_step is not None and self.current.first_step.clipped:
+            self.current.first_step.clipped = False
+            self._run_dense(self.current.step)  # SGD's momentum and the clipping as the script has them
         if self._kept_all:
             first = self.choice == "measuring"
             paid = self._paid.since_mark(self._timed_telemetry()) if first else self._window_paid
@@ -220,7 +222,7 @@ class AutoHookState:
                 self._keep_next = timed >= MEASURE_SECONDS
                 self._kept_limit = probes.kept_elements(self._numel(), timed / len(self._starts))
             return
-        if self.pending is not None:
+        if self.pending is not None or self.choice not in self.predicted_ms:  # no prediction to watch
             return
         median = self._watch().tick(self.clock())
         if median is not None:

@@ -11,6 +11,16 @@ hook cannot see either from inside backward:
   gradients scaled by ``s``: weight decay taken from the optimizer is added to
   ``s g``, thresholds and residuals live at the scale of the moment. Refused at the
   first step with :class:`InvalidOptionError`.
+* **Clipping after the exchange under SGD's momentum correction** (``clip_grad_norm_``
+  between backward and the step). The hook hands SGD, its momentum taken over, the mean of
+  the velocity it sent -- ``u <- m u + g`` accumulated until sent --, so a threshold meant
+  for the gradient ``g`` scales the update instead, from about ``1 / (1 - m)`` times ``g``'s
+  norm up (more for what waited to be sent). Seen as the delivered gradient scaled by one
+  factor ``c < 1`` that is not a power of two (a scaler's ``unscale_`` is one), and refused
+  (``clip_norm=`` is DGC's clipping of ``g`` before the velocity); under ``auto``
+  (:attr:`FirstOptimizerStep.refuse_clipping` False) only recorded, and ``auto`` runs
+  without the takeover. Watched for the first :data:`CLIPPING_CHECKS` steps: a clipping
+  threshold binds there once the velocity has grown.
 
 PyTorch's global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) sees every optimizer's
@@ -32,6 +42,7 @@ leaves the one process-wide optimizer hook (:mod:`gradsift.hook.before_step`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -48,6 +59,8 @@ REFERENCE_ELEMENTS = 4096
 #: Checks whose reference said nothing (no finite non-zero element) before the scaler check
 #: gives up: each costs one host read.
 UNDECIDED_CHECKS = 8
+#: Optimizer steps under SGD's momentum correction watched for clipping (one host read each).
+CLIPPING_CHECKS = 200
 
 
 class FirstOptimizerStep:
@@ -59,24 +72,50 @@ class FirstOptimizerStep:
         check_momentum: the hook runs error feedback (an unpassed momentum optimizer harms it).
         check_scaler: the hook's result depends on the gradient's scale and no ``scaler=``
             was given.
+        check_clipping: SGD's momentum is taken over (momentum correction).
     """
 
     def __init__(
-        self, hooked: list[torch.nn.Parameter], given: Any, check_momentum: bool, check_scaler: bool
+        self,
+        hooked: list[torch.nn.Parameter],
+        given: Any,
+        check_momentum: bool,
+        check_scaler: bool,
+        check_clipping: bool = False,
     ) -> None:
         self.hooked = {id(p) for p in hooked}
         self.given = given
         self.check_momentum = check_momentum
         self.check_scaler = check_scaler
+        self.clipping_checks = CLIPPING_CHECKS if check_clipping else 0
+        #: Clipping found is refused (a named method); False: recorded in :attr:`clipped` (``auto``).
+        self.refuse_clipping = True
+        self.clipped = False
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self.undecided = 0
         if self.watching:
             BEFORE_STEP.add(self)
 
+    @classmethod
+    def of(cls, state: Any, optimizer: Any) -> FirstOptimizerStep:
+        """The checks of hook ``state`` (a :class:`~gradsift.hook.state.GradsiftHookState`)
+        stepped by ``optimizer`` (None: none found yet), keeping the clipping policy of the
+        checks it replaces."""
+        checks = cls(
+            state.hooked,
+            optimizer,
+            check_momentum=state.feedback is not None and state.compressor.momentum_correction,
+            check_scaler=state.options.scaler is None and not state.compressor.identity,
+            check_clipping=state.taken_over is not None and state.adam is None,
+        )
+        if state.first_step is not None:
+            checks.refuse_clipping = state.first_step.refuse_clipping
+        return checks
+
     @property
     def watching(self) -> bool:
-        return self.check_momentum or self.check_scaler
+        return self.check_momentum or self.check_scaler or self.clipping_checks > 0
 
     def offer(self, param: torch.Tensor, result: torch.Tensor) -> None:
         """The step's first bucket: ``result`` starts with ``param``'s delivered gradient
@@ -95,6 +134,7 @@ class FirstOptimizerStep:
     def close(self) -> None:
         """Stop watching."""
         self.check_momentum = self.check_scaler = False
+        self.clipping_checks = 0
         self.candidate = self.reference = None
         BEFORE_STEP.remove(self)
 
@@ -116,6 +156,8 @@ class FirstOptimizerStep:
                     f"docs/decisions.md) and training can diverge: {_remedy(optimizer)}",
                     stacklevel=4,
                 )
+        if self.clipping_checks and self.reference is not None:
+            self._check_clipping(optimizer, params)
         if self.check_scaler and self.reference is not None:
             param, delivered = self.reference
             if any(p is param for p in params) and param.grad is not None:
@@ -134,6 +176,32 @@ class FirstOptimizerStep:
                         )
         if not self.watching:
             self.close()
+
+    def _check_clipping(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """The clipping check of one step (module docstring); the reference stays for the scaler's."""
+        param, delivered = self.reference  # type: ignore[misc]
+        if not any(p is param for p in params) or param.grad is None:
+            return
+        self.clipping_checks -= 1
+        factor = _uniform_factor(param.grad.reshape(-1)[: delivered.numel()], delivered)
+        if factor is None or factor >= 1.0 or math.log2(factor).is_integer():
+            return
+        self.clipping_checks, self.clipped = 0, True
+        seen = (
+            f"the gradients {type(optimizer).__name__} steps are the hook's times {factor:.3g}, not a power of "
+            "two (a scaler's unscale_ is one): clipping after "
+            "backward (clip_grad_norm_) scales the velocity momentum correction sends, not the gradient, so "
+            "training slows or stalls"
+        )
+        if not self.refuse_clipping:
+            warnings.warn(f"gradsift: {seen}; auto runs stock DDP's allreduce from here", stacklevel=5)
+            return
+        self.close()
+        raise InvalidOptionError(
+            f"{seen}; drop it and pass register_comm_hook(..., clip_norm=C) (DGC's clipping of each "
+            "gradient before the velocity), or optimizer=False to keep SGD's momentum and clip as with "
+            "stock DDP"
+        )
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer, given: Any) -> bool:
@@ -165,6 +233,21 @@ def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:
         if "betas" in group and group["betas"][0]:
             return f"betas={tuple(group['betas'])}"
     return None
+
+
+def _uniform_factor(gradient: torch.Tensor, delivered: torch.Tensor) -> float | None:
+    """``c`` when ``gradient == c * delivered`` for one ``c`` (each element within four units in
+    the last place of ``gradient``'s dtype); None otherwise, or when ``delivered`` has no finite
+    non-zero element. ``c`` is read at the largest ``|d_j|``; every test runs on the device, the
+    verdict comes back in one host read."""
+    largest = delivered.abs().argmax()
+    top, seen = delivered[largest].double(), gradient[largest].double()
+    factor = seen / top
+    expected = delivered.double() * factor
+    tolerance = 4 * torch.finfo(gradient.dtype).eps * expected.abs() + torch.finfo(gradient.dtype).tiny
+    uniform = (top != 0) & torch.isfinite(factor) & ((gradient.double() - expected).abs() <= tolerance).all()
+    verdict = torch.stack([uniform.double(), factor]).tolist()  # the host read
+    return verdict[1] if verdict[0] else None
 
 
 def _scaled_by(gradient: torch.Tensor, delivered: torch.Tensor) -> int | None:

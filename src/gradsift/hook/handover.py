@@ -31,6 +31,8 @@ def enter(
         hook_options["scaler"] = dense.options.scaler
     state = GradsiftHookState.build(name, **options, **hook_options, process_group=dense.process_group)
     state.attach(ddp_model, dense.optimizer)  # under SGD its velocity starts from SGD's momentum buffers
+    if state.first_step is not None:  # clipping after the exchange: auto runs without the takeover
+        state.first_step.refuse_clipping = False
     state.find_optimizer = False  # the dense state's, adopted above
     # a scaler is looked for at its first bucket, unless the dense state has looked already
     state.discovering = state.options.scaler is None and dense.discovering

@@ -180,13 +180,8 @@ class GradsiftHookState:
             self.adam = taken.adam
             self.taken_over = TakenOverChecks(self) if taken.momentum or taken.adam else None
         if self.first_step is not None:
-            self.first_step.close()
-        self.first_step = FirstOptimizerStep(
-            self.hooked,
-            optimizer,
-            check_momentum=self.feedback is not None and self.compressor.momentum_correction,
-            check_scaler=self.options.scaler is None and not self.compressor.identity,
-        )
+            self.first_step.close()  # the new checks keep its clipping policy
+        self.first_step = FirstOptimizerStep.of(self, optimizer)
 
     def discover(self, scaler: bool = True) -> None:
         """Adopt what the training script built and did not pass (:mod:`gradsift.hook.discovery`):

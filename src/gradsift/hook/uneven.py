@@ -8,7 +8,7 @@ at the same step), ``auto`` makes none: a run still measuring runs stock DDP's a
 (``none``) from that step, leaving its start method as any switch does
 (:func:`gradsift.hook.handover.leave`: SGD gets its momentum back); a choice made before stands;
 no bucket is kept and the step time is no longer watched (``AutoHookState``'s
-``_end_measuring`` and its optimizer step post-hook). Stock DDP is what ``auto`` keeps
+``_run_dense`` and its optimizer step post-hook). Stock DDP is what ``auto`` keeps
 where it cannot measure.
 """
 

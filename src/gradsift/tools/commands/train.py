@@ -123,7 +123,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
                      help="clip the gradients' total norm to C before each optimizer step, as GPT recipes do "
                      "(torch.nn.utils.clip_grad_norm_; with the AdamW recipe it clips the first moment the hook "
-                     "hands the optimizer); default 0: no clipping")  # fmt: skip
+                     "hands the optimizer; with the SGD recipe and a named method use --option clip_norm=C); "
+                     "default 0: no clipping")  # fmt: skip
     run.add_argument("--sync-every", type=int, default=0, metavar="H",
                      help="DiLoCo (no DDP): each worker takes H steps on its own, then one outer step on the "
                      "compressed pseudo-gradient (gradsift.diloco's outer defaults: outer lr 1, no outer momentum, "

@@ -172,6 +172,26 @@ class TrainConfig:
             check_own_exchange_options(self.optimizer, self.compressor, self.options, self.sync_every)
         else:
             check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0)
+        self._check_clipping()
+
+    def _check_clipping(self) -> None:
+        """``--clip-grad-norm`` clips after the exchange; under SGD's momentum correction (the
+        recipe with a named error-feedback compressor) that scales the velocity the hook sends,
+        which the hook refuses (:mod:`gradsift.hook.first_step`): refused here, before any worker
+        starts, naming DGC's clipping of the gradient instead."""
+        from gradsift.compressors.registry import compressor_class
+
+        named = self.compressor not in ("auto", "none") and self.sync_every == 0
+        if not (self.clip_grad_norm and named and self.optimizer == "sgd" and self.momentum and self.recipe):
+            return
+        method = compressor_class(self.compressor)
+        if method.momentum_correction and self.options.get("error_feedback", method.error_feedback):
+            raise InvalidOptionError(
+                f"--clip-grad-norm clips after the exchange, which under {self.compressor}'s momentum "
+                "correction (the SGD recipe) scales the velocity the hook sends, not the gradient: pass "
+                f"--option clip_norm={self.clip_grad_norm:g} (DGC's clipping of each gradient before the "
+                "velocity) instead, or --no-recipe"
+            )
 
     def save(self, path: Path) -> None:
         """Write the config as JSON."""
