@@ -160,3 +160,39 @@ def test_an_optimizer_restored_without_the_hooks_state_is_warned_about(
             assert len(messages) == 1 and not same
             assert "saved at the hook's step 3" in messages[0] and "the hook is at step 1" in messages[0]
             assert "load_hook_state" in messages[0]
+
+
+def test_an_optimizer_checkpoint_saved_without_gradsift_loads_before_the_takeover(one_process_group):
+    """A checkpoint of stock DDP's SGD (momentum buffers, ``momentum=0.9`` in its groups), loaded
+    into a run with the hook: found at the first backward, after the load, the momentum is taken
+    over from the loaded buffers -- with nothing dropped (ratio 1, no masking) the run continues as
+    stock DDP does from that checkpoint --; loaded after ``register_comm_hook(..., optimizer=)``
+    took the momentum over, it would apply momentum twice, and is refused naming the order."""
+
+    def sgd(ddp):
+        return torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+    stock = model()
+    optimizer = sgd(stock)
+    accumulate(stock, optimizer, 3, no_sync=True)
+    saved = copy.deepcopy((stock.module.state_dict(), optimizer.state_dict()))
+    accumulate(stock, optimizer, 3, no_sync=True)
+
+    dense = {"ratio": 1.0, "momentum_masking": False}
+    ddp = model()
+    optimizer = sgd(ddp)
+    gradsift.register_comm_hook(ddp, "topk", **dense)
+    ddp.module.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    for hooked, plain in zip(ddp.parameters(), stock.parameters(), strict=True):
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+
+    ddp = model()
+    optimizer = sgd(ddp)
+    gradsift.register_comm_hook(ddp, "topk", optimizer=optimizer, **dense)
+    optimizer.load_state_dict(saved[1])
+    with pytest.raises(
+        InvalidOptionError, match=r"groups were replaced .* load the optimizer before register_comm_hook"
+    ):
+        accumulate(ddp, optimizer, 1, no_sync=True)

@@ -39,6 +39,7 @@ from typing import Any
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
+from gradsift.hook.recipe import MOMENTUM_KEY
 
 #: The parameter-group entry holding the hook's step count at the optimizer's last step.
 HOOK_STEP_KEY = "gradsift_hook_step"
@@ -82,6 +83,14 @@ class TakenOverChecks:
             )
         beta1 = None if state.adam is None else state.adam.beta1
         changed = [group for group in groups if _momentum_of(group, beta1) != (beta1 or 0.0)]
+        if changed and beta1 is None and MOMENTUM_KEY not in changed[0]:
+            raise InvalidOptionError(
+                "the optimizer's parameter groups were replaced after the hook took its momentum over "
+                f"(momentum {_momentum_of(changed[0], beta1)} again, without the hook's record: "
+                "optimizer.load_state_dict of a checkpoint saved without gradsift), so momentum would be "
+                "applied twice; load the optimizer before register_comm_hook(..., optimizer=...), or leave "
+                "optimizer= out: the hook finds the optimizer at the first backward, after the load"
+            )
         if changed:
             raise InvalidOptionError(
                 f"the optimizer's momentum became {_momentum_of(changed[0], beta1)} after the hook took it "
