@@ -151,3 +151,19 @@ def test_the_summary_names_autos_choice_and_its_re_measures():
     )
     summary["recipe"]["auto"] = {**auto, "remeasures": 2}
     assert "bf16 200.0, measured again 2 times) on" in format_summary(summary, "runs/x")
+
+
+def test_the_summary_says_auto_was_still_measuring_or_chose_without_a_prediction():
+    base = {**_summary(sent=10_000, padded=10_000)}
+    measuring = {"choice": "measuring", "running": "sidco-exp", "predicted_ms": {}, "remeasures": 0}
+    line = format_summary({**base, "recipe": {"auto": measuring}}, "runs/x").splitlines()[0]
+    assert line.startswith("auto -> still measuring when the run ended (on sidco-exp) on 2 workers")
+    fell_back = {"choice": "none", "running": "none", "predicted_ms": {}, "remeasures": 0}
+    line = format_summary({**base, "recipe": {"auto": fell_back}}, "runs/x").splitlines()[0]
+    assert line.startswith("auto -> none on 2 workers") and "predicted" not in line
+
+
+def test_the_summary_of_diloco_names_its_round_and_compressor():
+    diloco = {"enabled": False, "optimizer": "SGD", "diloco": {"sync_every": 4, "compressor": "blockquant"}}
+    summary = {**_summary(sent=10_000, padded=10_000), "compressor": "auto", "recipe": diloco}
+    assert format_summary(summary, "runs/x").startswith("DiLoCo every 4 steps, blockquant on 2 workers")

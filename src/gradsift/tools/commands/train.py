@@ -312,6 +312,18 @@ def _run_as_torchrun_rank(config: TrainConfig) -> dict[str, Any] | None:
 PADDING_SHOWN = 1.01
 
 
+def _auto_method(auto: dict[str, Any]) -> str:
+    """What ``auto`` ran: its choice and the predicted step times it chose from; still measuring
+    when the run ended, the method its measuring steps ran; chosen without a prediction (DDP's
+    join, clipping after a takeover's exchange), the choice alone."""
+    if auto["choice"] == "measuring":
+        return f"auto -> still measuring when the run ended (on {auto.get('running', 'none')})"
+    predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
+    again = auto.get("remeasures", 0)
+    remeasured = f", measured again {again} time{'' if again == 1 else 's'}" if again else ""
+    return f"auto -> {auto['choice']}" + (f" (predicted ms per step: {predicted}{remeasured})" if predicted else "")
+
+
 def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
     from gradsift.tools.train.summary import single_worker, wire_factor
@@ -333,13 +345,13 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         if single_worker(summary)
         else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
     )
-    auto = (summary.get("recipe") or {}).get("auto")
+    recipe = summary.get("recipe") or {}
+    auto, outer = recipe.get("auto"), recipe.get("diloco")
     method = optimizer if own else summary["compressor"]
-    if auto is not None:  # what auto chose, and the predicted step times it chose from
-        predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
-        again = auto.get("remeasures", 0)
-        remeasured = f", measured again {again} time{'' if again == 1 else 's'}" if again else ""
-        method = f"auto -> {auto['choice']} (predicted ms per step: {predicted}{remeasured})"
+    if outer is not None and "compressor" in outer:  # DiLoCo: its round and the compressor that ran
+        method = f"DiLoCo every {outer['sync_every']} steps, {outer['compressor']}"
+    elif auto is not None:  # what auto chose, and the predicted step times it chose from
+        method = _auto_method(auto)
     lines = [
         f"{method} on {workers} worker{'' if workers == 1 else 's'} "
         f"({summary['model']}, {summary['steps']} steps): "

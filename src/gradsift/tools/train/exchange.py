@@ -137,7 +137,7 @@ def install_diloco(
     recipe = {
         "enabled": False,
         "optimizer": type(optimizer).__name__,
-        "diloco": {"sync_every": config.sync_every, **outer},
+        "diloco": {"sync_every": config.sync_every, "compressor": state.hook.compressor.name, **outer},
     }
     return stats, recipe, finish_round
 
