@@ -196,3 +196,30 @@ def test_an_optimizer_checkpoint_saved_without_gradsift_loads_before_the_takeove
         InvalidOptionError, match=r"groups were replaced .* load the optimizer before register_comm_hook"
     ):
         accumulate(ddp, optimizer, 1, no_sync=True)
+
+
+def test_a_weight_decay_schedule_is_followed_before_each_exchange(one_process_group):
+    """A script that sets SGD's ``weight_decay`` again mid-run (here at step 3, per group): the
+    hook, which took the decay over, takes the new value before that step's exchange, so with
+    nothing dropped the run is stock DDP's with the same schedule (SGD adding it on top of the
+    hook's old one would decay twice)."""
+
+    def run(hooked: bool) -> list[torch.Tensor]:
+        ddp = model()
+        weights = [p for p in ddp.parameters() if p.ndim == 2]
+        biases = [p for p in ddp.parameters() if p.ndim == 1]
+        optimizer = torch.optim.SGD(
+            [{"params": weights, "weight_decay": 5e-3}, {"params": biases, "weight_decay": 0.0}],
+            lr=0.05,
+            momentum=0.9,
+        )
+        if hooked:
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
+        for step in range(6):
+            if step == 3:
+                optimizer.param_groups[0]["weight_decay"] = 5e-2
+            accumulate(ddp, optimizer, 1, no_sync=True)
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    for hooked, plain in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,10 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   ``CyclicLR`` do by default): the optimizer would apply momentum on top of the hook's, or the
   hook would go on with a ``beta1`` the script no longer asks for.
 
+One it follows instead, at each step's first bucket (:meth:`TakenOverChecks.follow_weight_decay`):
+an SGD ``weight_decay`` set again after the takeover (a schedule) moves into the hook as the
+takeover moved it, before the step's exchange, so the run stays stock SGD's arrangement.
+
 And one it warns about, at the first such step: **an optimizer restored without the hook's
 state.** While the hook holds the velocity (always under SGD's momentum correction; past the
 dense warm-up under the Adam methods), every step records the hook's step count ``n`` in the
@@ -39,7 +43,7 @@ from typing import Any
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
-from gradsift.hook.recipe import MOMENTUM_KEY
+from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY
 
 #: The parameter-group entry holding the hook's step count at the optimizer's last step.
 HOOK_STEP_KEY = "gradsift_hook_step"
@@ -68,6 +72,20 @@ class TakenOverChecks:
         if state is not None and state.optimizer is not None:
             for _, group, _ in model_groups(state.optimizer, self.numbers):
                 group.pop(HOOK_STEP_KEY, None)
+
+    def follow_weight_decay(self) -> None:
+        """At a step's first bucket, before its exchange: an SGD group whose ``weight_decay`` the
+        script set again after the takeover left it 0 (a schedule) hands the new value to the
+        hook, as the takeover did, so SGD does not add it on top of the hook's (a value set back
+        to exactly 0 cannot be told from the takeover's 0: the last one stays)."""
+        state = self.state()
+        if state is None or state.adam is not None or state.optimizer is None:
+            return
+        for _, group, mine in model_groups(state.optimizer, state.layout.numbers):
+            decay = float(group.get("weight_decay", 0.0))
+            if decay:
+                group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+                state.weight_decay.update(dict.fromkeys(mine, decay))
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()

@@ -321,7 +321,9 @@ def _auto_method(auto: dict[str, Any]) -> str:
     predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
     again = auto.get("remeasures", 0)
     remeasured = f", measured again {again} time{'' if again == 1 else 's'}" if again else ""
-    return f"auto -> {auto['choice']}" + (f" (predicted ms per step: {predicted}{remeasured})" if predicted else "")
+    return f"auto -> {auto['choice']}" + (
+        f" (predicted ms per step: {predicted}{remeasured})" if predicted else ""
+    )
 
 
 def format_summary(summary: dict[str, Any], out: str) -> str:
