@@ -138,3 +138,66 @@ def test_a_misspelt_option_lists_the_hooks_and_the_compressors(one_process_group
         InvalidOptionError, match=r"warmup_step\b.*hook's options are.*warmup_steps.*'topk'.*ratio"
     ):
         gradsift.register_comm_hook(model(), "topk", warmup_step=3)
+
+
+@pytest.mark.parametrize(
+    ("make_optimizer", "warned"),
+    [
+        (lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=2), False),
+        (lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9), True),
+    ],
+    ids=["lbfgs", "rmsprop-momentum"],
+)
+def test_a_found_optimizer_of_a_kind_no_method_takes_over_is_named_not_refused(
+    one_process_group, make_optimizer, warned
+):
+    """A named error-feedback method and an optimizer the hook cannot take over (neither SGD nor
+    the Adam family), never passed: discovery leaves it, so nothing refuses an ``optimizer=`` the
+    script never wrote; the first step's check names one with a momentum (and the compressors
+    without error feedback), as for an optimizer not found. Stepped through a closure too."""
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp, "topk", ratio=0.5)
+    generator = torch.Generator().manual_seed(3)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            optimizer.step(closure)
+    named = [str(w.message) for w in caught if "without error feedback" in str(w.message)]
+    assert state.optimizer is None and len(named) == (1 if warned else 0), named
+
+
+def test_a_closure_steps_as_a_loop_does_and_warns_nothing(one_process_group):
+    """``optimizer.step(closure)``: the optimizer's step pre-hook runs before the closure's
+    backward, the first one before anything was found; the first step's check waits for an
+    exchange, so the optimizer found in that backward is not reported as not passed, and with
+    nothing dropped the run equals stock DDP's."""
+
+    def run(hooked: bool) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer = OPTIMIZERS["sgd-momentum"](ddp.parameters())
+        if hooked:
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
+        generator = torch.Generator().manual_seed(3)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
+            loss.backward()
+            return loss
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(4):
+                optimizer.step(closure)
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    for hooked, plain in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)

@@ -9,8 +9,11 @@ before any tensor of the step is touched (:func:`find`):
 * **the optimizer**: the one ``torch.optim.Optimizer`` whose parameter groups hold the
   hooked model's parameters. An optimizer a wrapper holds (Accelerate's, Hugging Face's)
   is found as the inner one, which is what the hook takes over anyway. None found, or
-  several holding them (one per parameter subset, say): nothing is adopted, and the first
-  optimizer step's check (:mod:`gradsift.hook.first_step`) names what it sees.
+  several holding them (one per parameter subset, say), or, for a method with error feedback,
+  one of a kind no method takes over (:func:`gradsift.hook.recipe.can_hold`: LBFGS, RMSprop, ...):
+  nothing is adopted, and the first optimizer step's check (:mod:`gradsift.hook.first_step`)
+  names what it sees, after the hook's first exchange (a closure's backward runs inside the
+  step).
 * **the scaler**: the one enabled ``torch.amp.GradScaler`` (or ``torch.cuda.amp``'s) that
   has scaled a loss (its scale exists). Several such: none is adopted.
 

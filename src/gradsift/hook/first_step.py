@@ -145,7 +145,7 @@ class FirstOptimizerStep:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(id(p) in self.hooked for p in params):
             return
-        if self.check_momentum:
+        if self.check_momentum and self.reference is not None:  # the hook has exchanged: found by then
             self.check_momentum = False
             momentum = None if _same_optimizer(optimizer, self.given) else _momentum_of(optimizer)
             if momentum is not None:

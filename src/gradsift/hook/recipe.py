@@ -146,6 +146,13 @@ def take_over(
     return taken
 
 
+def can_hold(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or the one a wrapper holds) is of a kind :func:`take_over` takes:
+    :data:`SUPPORTED_OPTIMIZERS`. Discovery adopts no other kind for error feedback, so the
+    first step's check names it instead of a refusal of an ``optimizer=`` never passed."""
+    return isinstance(unwrapped(optimizer), (torch.optim.SGD, *ADAM_FAMILY))
+
+
 def takes_over(optimizer: Any, numbers: dict[int, int]) -> bool:
     """Whether :func:`take_over` accepts the settings of ``optimizer`` (SGD or the Adam family) for
     the model's parameters ``numbers``, checked without changing anything: what the one line

@@ -194,7 +194,7 @@ class GradsiftHookState:
         found, found_scaler = (None, None)
         if params is not None or look_for_scaler:  # one walk over the live objects for both
             found, found_scaler = discovery.find(params, look_for_scaler)
-        if found is not None:
+        if found is not None and (self.feedback is None or recipe.can_hold(found)):  # else: not taken over
             self.adopt(found)
         if scaler:
             self.discovering = False
