@@ -140,6 +140,21 @@ def test_a_misspelt_option_lists_the_hooks_and_the_compressors(one_process_group
         gradsift.register_comm_hook(model(), "topk", warmup_step=3)
 
 
+def closure_steps(ddp: DDP, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` of ``optimizer.step(closure)`` on a fixed data stream, the closure's backward
+    inside the step (as ``LBFGS`` needs)."""
+    generator = torch.Generator().manual_seed(3)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        optimizer.step(closure)
+
+
 @pytest.mark.parametrize(
     ("make_optimizer", "warned"),
     [
@@ -158,18 +173,9 @@ def test_a_found_optimizer_of_a_kind_no_method_takes_over_is_named_not_refused(
     ddp = model()
     optimizer = make_optimizer(ddp.parameters())
     state = gradsift.register_comm_hook(ddp, "topk", ratio=0.5)
-    generator = torch.Generator().manual_seed(3)
-
-    def closure():
-        optimizer.zero_grad()
-        loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
-        loss.backward()
-        return loss
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
-            optimizer.step(closure)
+        closure_steps(ddp, optimizer, 3)
     named = [str(w.message) for w in caught if "without error feedback" in str(w.message)]
     assert state.optimizer is None and len(named) == (1 if warned else 0), named
 
@@ -185,18 +191,9 @@ def test_a_closure_steps_as_a_loop_does_and_warns_nothing(one_process_group):
         optimizer = OPTIMIZERS["sgd-momentum"](ddp.parameters())
         if hooked:
             gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
-        generator = torch.Generator().manual_seed(3)
-
-        def closure():
-            optimizer.zero_grad()
-            loss = ddp(torch.randn(16, 32, generator=generator)).square().mean()
-            loss.backward()
-            return loss
-
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            for _ in range(4):
-                optimizer.step(closure)
+            closure_steps(ddp, optimizer, 4)
         return [p.detach().clone() for p in ddp.parameters()]
 
     for hooked, plain in zip(run(True), run(False), strict=True):
