@@ -82,21 +82,20 @@ def test_clipping_after_the_exchange_under_momentum_correction_is_refused(
     one_process_group, compressor, with_scaler
 ):
     """``clip_grad_norm_`` between backward and the step scales the velocity momentum correction
-    sends: where it binds, refused at that step before the optimizer steps (after a scaler's
-    ``unscale_`` too: its power of two is not what is refused); ``optimizer=False`` (no
-    takeover: SGD without momentum) and the Adam method (whose clipped first moment is measured at
-    parity) train."""
+    sends: where it binds, refused at the second such step (the first factor could be a constant
+    rescale), before the optimizer steps (after a scaler's ``unscale_`` too: its power of two is
+    not what is refused); without a takeover (SGD without momentum) and under the Adam method
+    (whose clipped first moment is measured at parity) it trains."""
     ddp = model()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if with_scaler else None
-    gradsift.register_comm_hook(ddp, compressor, ratio=0.5, optimizer=optimizer, scaler=scaler)
-    before = [p.detach().clone() for p in ddp.parameters()]
+    state = gradsift.register_comm_hook(ddp, compressor, ratio=0.5, optimizer=optimizer, scaler=scaler)
     with pytest.raises(
         InvalidOptionError,
         match=r"hook's times [\d.e-]+, not a power of two.*clipping after backward.*clip_norm=C",
     ):
         train(ddp, optimizer, scaler, clip=1e-3)
-    assert all(torch.equal(a, b) for a, b in zip(before, ddp.parameters(), strict=True))  # not stepped
+    assert state.step == 2  # refused at the second step's optimizer step
     for make, options in (
         (lambda p: torch.optim.SGD(p, lr=0.05), {}),
         (lambda p: torch.optim.AdamW(p, lr=1e-3), {"warmup_steps": 1}),
@@ -107,6 +106,30 @@ def test_clipping_after_the_exchange_under_momentum_correction_is_refused(
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             train(ddp, optimizer, clip=1e-3)
+
+
+def test_a_constant_rescale_after_the_exchange_is_exact_and_left_alone(one_process_group, monkeypatch):
+    """A script that divides the gradients by its accumulation steps after backward: one constant
+    factor, linear, so under momentum correction with nothing dropped the run is stock DDP's with
+    the same rescale, and the clipping watch never refuses it."""
+    monkeypatch.setattr(first_step, "CLIPPING_CHECKS", 6)
+
+    def run(hooked: bool) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if hooked:
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            optimizer.zero_grad()
+            ddp(torch.randn(8, 32, generator=generator)).square().mean().backward()
+            for param in ddp.parameters():
+                param.grad.div_(3)
+            optimizer.step()
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    for hooked, plain in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ hook cannot see either from inside backward:
   for the gradient ``g`` scales the update instead, from about ``1 / (1 - m)`` times ``g``'s
   norm up (more for what waited to be sent). Seen as the delivered gradient scaled by one
   factor ``c < 1`` that is not a power of two (a scaler's ``unscale_`` is one), and refused
-  (``clip_norm=`` is DGC's clipping of ``g`` before the velocity); under ``auto``
+  (``clip_norm=`` is DGC's clipping of ``g`` before the velocity) once two such factors differ
+  other than by a power of two -- a clip's factor follows the norm, while a script's constant
+  rescale (dividing by its accumulation steps) is linear, so exact, and stays put; under ``auto``
   (:attr:`FirstOptimizerStep.refuse_clipping` False) only recorded, and ``auto`` runs
   without the takeover. Watched for the first :data:`CLIPPING_CHECKS` steps: a clipping
   threshold binds there once the velocity has grown.
@@ -91,6 +93,8 @@ class FirstOptimizerStep:
         #: Clipping found is refused (a named method); False: recorded in :attr:`clipped` (``auto``).
         self.refuse_clipping = True
         self.clipped = False
+        #: The first factor below 1 seen (a script's own constant rescale, or a clip's).
+        self.rescaled: float | None = None
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self.undecided = 0
@@ -184,7 +188,10 @@ class FirstOptimizerStep:
             return
         self.clipping_checks -= 1
         factor = _uniform_factor(param.grad.reshape(-1)[: delivered.numel()], delivered)
-        if factor is None or factor >= 1.0 or math.log2(factor).is_integer():
+        if factor is None or factor >= 1.0 or _power_of_two(factor):
+            return
+        if self.rescaled is None or _power_of_two(factor / self.rescaled):  # one factor so far: a constant?
+            self.rescaled = factor
             return
         self.clipping_checks, self.clipped = 0, True
         seen = (
@@ -233,6 +240,13 @@ def _momentum_of(optimizer: torch.optim.Optimizer) -> str | None:
         if "betas" in group and group["betas"][0]:
             return f"betas={tuple(group['betas'])}"
     return None
+
+
+def _power_of_two(factor: float) -> bool:
+    """Whether ``factor`` is a power of two, to a hundred-thousandth of an octave (what a scaler's
+    ``unscale_`` multiplies by, or two such factors' ratio)."""
+    octaves = math.log2(factor)
+    return abs(octaves - round(octaves)) < 1e-5
 
 
 def _uniform_factor(gradient: torch.Tensor, delivered: torch.Tensor) -> float | None:
