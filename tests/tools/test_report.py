@@ -148,3 +148,18 @@ def test_predicted_step_time_uses_allreduce_or_allgather(runs_dir: Path) -> None
     # topk: compute + (compress+decompress) + (N-1) * 80 B / bw
     expected_sparse = sparse["compute_median_s"] + 0.003 + 3 * 80 / bandwidth
     assert predicted_step_seconds(sparse, bandwidth, workers=4) == pytest.approx(expected_sparse)
+
+
+def test_the_label_names_what_auto_chose_and_a_diloco_round(tmp_path: Path) -> None:
+    """``auto``'s runs are told apart by their choice, DiLoCo's by its round and compressor (the
+    compressor named ``auto`` in both)."""
+    recipes = {
+        "auto": {"auto": {"choice": "bf16", "predicted_ms": {"none": 3.0, "bf16": 2.0}}},
+        "diloco": {"enabled": False, "diloco": {"sync_every": 4, "compressor": "blockquant"}},
+    }
+    for name, recipe in recipes.items():
+        directory = make_run(tmp_path / name, "auto", [0.5, 0.6], step_s=0.1, bytes_sent=80.0)
+        summary = json.loads((directory / "summary.json").read_text())
+        (directory / "summary.json").write_text(json.dumps({**summary, "recipe": recipe}))
+    labels = {run.path.name: run.label for run in find_runs([tmp_path])}
+    assert labels == {"auto": "auto->bf16 w2 100mbit", "diloco": "diloco-h4 blockquant w2 100mbit"}

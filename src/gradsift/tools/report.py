@@ -39,9 +39,18 @@ class Run:
 
     @property
     def label(self) -> str:
-        """Compressor, its ratio, workers and bandwidth, e.g. ``topk r=0.01 w4 100mbit``."""
+        """What ran, its ratio, workers and bandwidth, e.g. ``topk r=0.01 w4 100mbit``; ``auto``
+        with its choice (``auto->bf16``), DiLoCo with its round and compressor
+        (``diloco-h4 blockquant``)."""
         s = self.summary
-        parts = [s["compressor"]]
+        recipe = s.get("recipe") or {}
+        outer, auto = recipe.get("diloco"), recipe.get("auto")
+        if outer is not None:
+            parts = [f"diloco-h{outer['sync_every']}", outer.get("compressor", s["compressor"])]
+        elif auto is not None:
+            parts = [f"auto->{auto['choice']}"]
+        else:
+            parts = [s["compressor"]]
         if "ratio" in s.get("options", {}):
             parts.append(f"r={s['options']['ratio']}")
         parts.append(f"w{s['workers']}")
