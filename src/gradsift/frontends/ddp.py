@@ -28,9 +28,10 @@ def register_comm_hook(
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model (gloo or NCCL).
-        compressor: ``"auto"`` (default: stock DDP for a few steps while it measures the
-            link, the step and each candidate's cost, then the fastest method that keeps
-            quality for the optimizer it found; :mod:`gradsift.hook.auto`), a registry name,
+        compressor: ``"auto"`` (default: a few measuring steps -- ``sidco-exp`` with momentum
+            correction under SGD, stock DDP under other optimizers -- timing the step and each
+            candidate's route on this group, then the fastest method that keeps quality for the
+            optimizer it found; :mod:`gradsift.hook.auto`), a registry name,
             a :class:`Compressor` instance, or a :class:`GradsiftHookState` to re-attach
             (e.g. one restored by pickle).
         options: the hook's knobs (:data:`~gradsift.hook.options.HOOK_OPTIONS`: ``process_group``, ``optimizer``
