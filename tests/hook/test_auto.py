@@ -302,6 +302,38 @@ def test_clipping_after_the_exchange_leaves_momentum_correction_for_stock_ddp(on
     assert group["momentum"] == 0.9 and "gradsift_momentum" not in group
 
 
+@pytest.mark.parametrize("pattern", ["accumulation-without-no-sync", "cycling-scheduler-built-late"])
+def test_what_a_named_method_refuses_the_one_line_leaves_for_stock_ddp(
+    one_process_group, monkeypatch, pattern
+):
+    """Patterns stock DDP trains and a takeover cannot follow: several backward passes per optimizer
+    step without ``no_sync`` (each would advance the hook's velocity), and a scheduler cycling the
+    momentum built after the takeover. A named method refuses them (tests/hook/test_taken_over.py);
+    the one line warns once and runs stock DDP from the next step, SGD with its momentum back, and
+    goes on training."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    generator = torch.Generator().manual_seed(1)
+    scheduler = None
+    with pytest.warns(UserWarning, match="auto runs stock DDP's allreduce from here") as caught:
+        for step in range(auto.DECIDE_AT + 8):
+            if step == 2 and pattern.startswith("cycling"):  # after the takeover at step 0
+                scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=40)
+            optimizer.zero_grad()
+            for _ in range(2 if pattern.startswith("accumulation") else 1):
+                ddp(torch.randn(16, 32, generator=generator)).square().mean().backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    assert len([w for w in caught if "auto runs stock DDP" in str(w.message)]) == 1
+    stats = state.stats()["auto"]
+    assert stats["choice"] == "none" and stats["running"] == "none"
+    assert "gradsift_momentum" not in optimizer.param_groups[0]
+    assert 0.8 < optimizer.param_groups[0]["momentum"] <= 0.95  # SGD's own (cycled by the scheduler)
+
+
 def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one_process_group, monkeypatch):
     """On a slow link, but the SGD's one group also holds a parameter outside the model: taking
     the group's momentum would take it from that parameter too, so the candidates are those of

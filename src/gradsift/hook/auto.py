@@ -166,7 +166,8 @@ class AutoHookState:
 
     def _run_dense(self, step: int) -> None:
         """Run ``none`` from ``step``, with no prediction to watch: under DDP's join while measuring
-        (:mod:`~.uneven`), or after clipping seen after a takeover's exchange (:mod:`~.first_step`)."""
+        (:mod:`~.uneven`), or when the running method's checks found what it cannot follow
+        (:func:`~gradsift.hook.handover.found_unfollowable`)."""
         if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them
             self.dense.discover()
         self._kept, self._kept_all, self.choice, self.decided_at = [], False, "none", step
@@ -208,9 +209,8 @@ class AutoHookState:
         Nothing under DDP's join (:mod:`gradsift.hook.uneven`)."""
         if uneven.joined(self.ddp_model):
             return
-        if self.current.first_step is not None and self.current.first_step.clipped:
-            self.current.first_step.clipped = False
-            self._run_dense(self.current.step)  # SGD's momentum and the clipping as the script has them
+        if handover.found_unfollowable(self.current):  # SGD's momentum as the script has it
+            self._run_dense(self.current.step)
         if self._kept_all:
             first = self.choice == "measuring"
             paid = self._paid.since_mark(self._timed_telemetry()) if first else self._window_paid

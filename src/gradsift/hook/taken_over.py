@@ -5,7 +5,8 @@ move the optimizer's momentum into the hook: a velocity ``u <- m u + g`` advance
 exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Two things
 a training script may do break that without an error of their own; :class:`TakenOverChecks`
 raises :class:`~gradsift.core.errors.InvalidOptionError` for each at that optimizer's step,
-before it steps, on every rank alike (the ranks' steps, exchanges and optimizer settings are the
+before it steps (under ``auto``: warns, and ``auto`` runs stock DDP from the next step), on every
+rank alike (the ranks' steps, exchanges and optimizer settings are the
 same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is never checked):
 
 * **More than one kept exchange since the optimizer last stepped** (the ledger's ``kept_since``:
@@ -63,7 +64,21 @@ class TakenOverChecks:
         self.state = weakref.ref(state)  # the state holds these checks: no cycle keeps either alive
         self.numbers = {id(p): i for i, p in enumerate(state.hooked)}  # alive while the state is
         self.first = True
+        #: Refuse what the checks find (a named method); False under ``auto``, which records it in
+        #: :attr:`found` and leaves the method (:func:`gradsift.hook.handover.found_unfollowable`).
+        self.refuse = True
+        self.found = False
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
+
+    def _found(self, problem: str) -> None:
+        """Refuse ``problem`` (a named method); under ``auto`` (:attr:`refuse` False) warn once and
+        record it in :attr:`found`: ``auto`` then runs stock DDP from the next step, as the script
+        would train without the hook."""
+        if self.refuse:
+            raise InvalidOptionError(problem)
+        if not self.found:
+            warnings.warn(f"gradsift: {problem}; auto runs stock DDP's allreduce from here", stacklevel=5)
+        self.found = True
 
     def detach(self) -> None:
         """Stop checking and recording: the optimizer has its momentum back (``auto`` left the method)."""
@@ -94,28 +109,31 @@ class TakenOverChecks:
             return
         exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
         if exchanges > 1:
-            raise InvalidOptionError(
+            self._found(
                 f"{exchanges} exchanges of the hook's gradients before one step of the optimizer whose "
                 "momentum it took over (one per backward pass): each advances the hook's velocity, so "
                 f"momentum would be applied per pass. {ACCUMULATION}"
             )
+            return
         beta1 = None if state.adam is None else state.adam.beta1
         changed = [group for group in groups if _momentum_of(group, beta1) != (beta1 or 0.0)]
         if changed and beta1 is None and MOMENTUM_KEY not in changed[0]:
-            raise InvalidOptionError(
+            self._found(
                 "the optimizer's parameter groups were replaced after the hook took its momentum over "
                 f"(momentum {_momentum_of(changed[0], beta1)} again, without the hook's record: "
                 "optimizer.load_state_dict of a checkpoint saved without gradsift), so momentum would be "
                 "applied twice; load the optimizer before register_comm_hook(..., optimizer=...), or leave "
                 "optimizer= out: the hook finds the optimizer at the first backward, after the load"
             )
+            return
         if changed:
-            raise InvalidOptionError(
+            self._found(
                 f"the optimizer's momentum became {_momentum_of(changed[0], beta1)} after the hook took it "
                 f"over as {state.feedback.momentum if beta1 is None else beta1} (a scheduler cycling "
                 "momentum, as OneCycleLR and CyclicLR do by default): the hook applies one fixed momentum "
                 "in its exchange; build the scheduler with cycle_momentum=False"
             )
+            return
         saved = max((group[HOOK_STEP_KEY] for group in groups if HOOK_STEP_KEY in group), default=None)
         if self.first and saved is not None and state.ledger.step <= saved:
             warnings.warn(
