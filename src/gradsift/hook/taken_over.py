@@ -2,7 +2,7 @@
 
 Momentum correction (:mod:`gradsift.hook.recipe`) and the Adam methods (:mod:`gradsift.hook.adam`)
 move the optimizer's momentum into the hook: a velocity ``u <- m u + g`` advanced at every
-exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Two things
+exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Three things
 a training script may do break that without an error of their own; :class:`TakenOverChecks`
 raises :class:`~gradsift.core.errors.InvalidOptionError` for each at that optimizer's step,
 before it steps (under ``auto``: warns, and ``auto`` runs stock DDP from the next step), on every
@@ -20,6 +20,9 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   no longer the one the hook runs (a scheduler cycling momentum, as ``OneCycleLR`` and
   ``CyclicLR`` do by default): the optimizer would apply momentum on top of the hook's, or the
   hook would go on with a ``beta1`` the script no longer asks for.
+* **The groups replaced after the takeover**: an SGD group with its momentum back and without
+  the hook's record, as ``optimizer.load_state_dict`` of a checkpoint saved without gradsift
+  leaves it (loaded before the takeover, its buffers become the velocity instead).
 
 One it follows instead, at each step's first bucket (:meth:`TakenOverChecks.follow_weight_decay`):
 an SGD ``weight_decay`` set again after the takeover (a schedule) moves into the hook as the
