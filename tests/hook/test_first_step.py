@@ -108,6 +108,37 @@ def test_clipping_after_the_exchange_under_momentum_correction_is_refused(
             train(ddp, optimizer, clip=1e-3)
 
 
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["plain", "scaler-unscaled"])
+def test_value_clipping_after_the_exchange_under_momentum_correction_is_refused(
+    one_process_group, with_scaler
+):
+    """``clip_grad_value_`` clamps the velocity momentum correction sends: where it cuts an element,
+    refused at that step (after a scaler's ``unscale_`` too); a bound that cuts nothing trains."""
+
+    def clamped(ddp, optimizer, scaler, value: float) -> None:
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = ddp(torch.randn(8, 32, generator=generator)).square().mean()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_value_(ddp.parameters(), value)
+            optimizer.step() if scaler is None else (scaler.step(optimizer), scaler.update())
+
+    for value, refused in ((1e-4, True), (1e6, False)):
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if with_scaler else None
+        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.5, optimizer=optimizer, scaler=scaler)
+        if refused:
+            with pytest.raises(InvalidOptionError, match=r"clamped to \+-0\.0001: clipping after backward"):
+                clamped(ddp, optimizer, scaler, value)
+            assert state.step == 1  # refused at the first step's optimizer step
+        else:
+            clamped(ddp, optimizer, scaler, value)
+
+
 def test_a_constant_rescale_after_the_exchange_is_exact_and_left_alone(one_process_group, monkeypatch):
     """A script that divides the gradients by its accumulation steps after backward: one constant
     factor, linear, so under momentum correction with nothing dropped the run is stock DDP's with

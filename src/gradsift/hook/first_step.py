@@ -11,15 +11,17 @@ hook cannot see either from inside backward:
   gradients scaled by ``s``: weight decay taken from the optimizer is added to
   ``s g``, thresholds and residuals live at the scale of the moment. Refused at the
   first step with :class:`InvalidOptionError`.
-* **Clipping after the exchange under SGD's momentum correction** (``clip_grad_norm_``
-  between backward and the step). The hook hands SGD, its momentum taken over, the mean of
-  the velocity it sent -- ``u <- m u + g`` accumulated until sent --, so a threshold meant
-  for the gradient ``g`` scales the update instead, from about ``1 / (1 - m)`` times ``g``'s
-  norm up (more for what waited to be sent). Seen as the delivered gradient scaled by one
-  factor ``c < 1`` that is not a power of two (a scaler's ``unscale_`` is one), and refused
-  (``clip_norm=`` is DGC's clipping of ``g`` before the velocity) once two such factors differ
-  other than by a power of two -- a clip's factor follows the norm, while a script's constant
-  rescale (dividing by its accumulation steps) is linear, so exact, and stays put; under ``auto``
+* **Clipping after the exchange under SGD's momentum correction** (``clip_grad_norm_`` or
+  ``clip_grad_value_`` between backward and the step). The hook hands SGD, its momentum taken
+  over, the mean of the velocity it sent -- ``u <- m u + g`` accumulated until sent --, so a
+  threshold meant for the gradient ``g`` acts on the update instead, from about
+  ``1 / (1 - m)`` times ``g``'s size up (more for what waited to be sent). Seen as the
+  delivered gradient scaled by one factor ``c < 1`` that is not a power of two (a scaler's
+  ``unscale_`` is one), once two such factors differ other than by a power of two (a clip's
+  factor follows the norm, while a script's constant rescale -- dividing by its accumulation
+  steps -- is linear, so exact, and stays put), or as the delivered gradient clamped to
+  ``[-c, c]`` with an element cut (:func:`_clamped_at`). Refused (``clip_norm=`` is DGC's
+  clipping of ``g`` before the velocity); under ``auto``
   (:attr:`FirstOptimizerStep.refuse_clipping` False) only recorded, and ``auto`` runs
   without the takeover. Watched for the first :data:`CLIPPING_CHECKS` steps: a clipping
   threshold binds there once the velocity has grown.
@@ -187,18 +189,29 @@ class FirstOptimizerStep:
         if not any(p is param for p in params) or param.grad is None:
             return
         self.clipping_checks -= 1
-        factor = _uniform_factor(param.grad.reshape(-1)[: delivered.numel()], delivered)
-        if factor is None or factor >= 1.0 or _power_of_two(factor):
-            return
-        if self.rescaled is None or _power_of_two(factor / self.rescaled):  # one factor so far: a constant?
-            self.rescaled = factor
-            return
+        gradient = param.grad.reshape(-1)[: delivered.numel()]
+        factor, bound = _uniform_factor(gradient, delivered), None
+        if factor is None:
+            bound = _clamped_at(gradient, delivered)
+            if bound is None:
+                return
+            how = f"are the hook's clamped to +-{bound:.3g}: clipping after backward (clip_grad_value_)"
+        else:
+            if factor >= 1.0 or _power_of_two(factor):
+                return
+            if self.rescaled is None or _power_of_two(
+                factor / self.rescaled
+            ):  # one factor so far: a constant?
+                self.rescaled = factor
+                return
+            how = (
+                f"are the hook's times {factor:.3g}, not a power of two (a scaler's unscale_ is one): clipping "
+                "after backward (clip_grad_norm_)"
+            )
         self.clipping_checks, self.clipped = 0, True
         seen = (
-            f"the gradients {type(optimizer).__name__} steps are the hook's times {factor:.3g}, not a power of "
-            "two (a scaler's unscale_ is one): clipping after "
-            "backward (clip_grad_norm_) scales the velocity momentum correction sends, not the gradient, so "
-            "training slows or stalls"
+            f"the gradients {type(optimizer).__name__} steps {how} acts on the velocity momentum correction "
+            "sends, not on the gradient, so training slows or stalls"
         )
         if not self.refuse_clipping:
             warnings.warn(f"gradsift: {seen}; auto runs stock DDP's allreduce from here", stacklevel=5)
@@ -262,6 +275,35 @@ def _uniform_factor(gradient: torch.Tensor, delivered: torch.Tensor) -> float | 
     uniform = (top != 0) & torch.isfinite(factor) & ((gradient.double() - expected).abs() <= tolerance).all()
     verdict = torch.stack([uniform.double(), factor]).tolist()  # the host read
     return verdict[1] if verdict[0] else None
+
+
+def _clamped_at(gradient: torch.Tensor, delivered: torch.Tensor) -> float | None:
+    """``c`` when ``gradient`` is ``delivered`` (times a power of two, a scaler's) clamped to
+    ``[-c, c]`` with at least one element cut (``c = max |gradient|``), or every non-zero element
+    at ``+-c`` with its delivered sign where the delivered magnitudes differed; None otherwise.
+    Zeros (what was not sent) stay zeros. The scale is read at the largest element left inside
+    the bound; every test runs on the device, the verdict comes back in one host read."""
+    sent = delivered != 0
+    bound = gradient.abs().max().double()
+    inside = sent & (gradient.abs().double() < bound)
+    largest = torch.where(inside, delivered.abs(), torch.zeros_like(delivered)).argmax()
+    scale = gradient[largest].double() / delivered[largest].double()
+    expected = delivered.double() * scale
+    tolerance = 4 * torch.finfo(gradient.dtype).eps * expected.abs() + torch.finfo(gradient.dtype).tiny
+    kept = torch.where(
+        inside, (gradient.double() - expected).abs() <= tolerance, expected.abs() >= bound - tolerance
+    )
+    zeros = (gradient[~sent] == 0).all()
+    cut = (expected.abs() > bound + tolerance).any()
+    partly = inside.any() & torch.isfinite(scale) & (scale > 0) & (kept | ~sent).all() & cut & zeros
+    magnitudes = torch.where(sent, delivered.abs(), delivered.abs().max())
+    signs = (torch.sign(gradient) == torch.sign(delivered)).all()
+    differed = magnitudes.min() * (1 + 1e-3) < delivered.abs().max()
+    wholly = sent.any() & ~inside.any() & (bound > 0) & signs & differed & zeros
+    verdict = torch.stack([partly.double(), wholly.double(), scale, bound]).tolist()  # the host read
+    if verdict[1] or (verdict[0] and _power_of_two(verdict[2])):
+        return verdict[3]
+    return None
 
 
 def _scaled_by(gradient: torch.Tensor, delivered: torch.Tensor) -> int | None:
