@@ -223,3 +223,21 @@ def test_a_weight_decay_schedule_is_followed_before_each_exchange(one_process_gr
 
     for hooked, plain in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_adams_l2_decay_set_after_the_takeover_is_followed(one_process_group):
+    """Adam (not AdamW) keeps its L2 ``weight_decay`` in its groups and the frozen-variance method
+    adds the hook's copy of it to the gradient in compressed steps: a decay the script sets after
+    ``register_comm_hook(..., optimizer=)`` took the copy reaches those steps as if the optimizer
+    had been built with it (bit for bit)."""
+
+    def run(set_after: bool) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3, weight_decay=0.0 if set_after else 1e-2)
+        gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=1)
+        if set_after:
+            optimizer.param_groups[0]["weight_decay"] = 1e-2
+        accumulate(ddp, optimizer, 4, no_sync=True)
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))

@@ -25,8 +25,9 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   leaves it (loaded before the takeover, its buffers become the velocity instead).
 
 One it follows instead, at each step's first bucket (:meth:`TakenOverChecks.follow_weight_decay`):
-an SGD ``weight_decay`` set again after the takeover (a schedule) moves into the hook as the
-takeover moved it, before the step's exchange, so the run stays stock SGD's arrangement.
+a ``weight_decay`` set again after the takeover (a schedule) -- SGD's moves into the hook as the
+takeover moved it, Adam's L2 decay is copied again --, before the step's exchange, so the run
+keeps the optimizer's arrangement.
 
 And one it warns about, at the first such step: **an optimizer restored without the hook's
 state.** While the hook holds the velocity (always under SGD's momentum correction; past the
@@ -45,9 +46,10 @@ import weakref
 from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.adam import l2_decay
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
-from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY
+from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY, unwrapped
 
 #: The parameter-group entry holding the hook's step count at the optimizer's last step.
 HOOK_STEP_KEY = "gradsift_hook_step"
@@ -95,9 +97,14 @@ class TakenOverChecks:
         """At a step's first bucket, before its exchange: an SGD group whose ``weight_decay`` the
         script set again after the takeover left it 0 (a schedule) hands the new value to the
         hook, as the takeover did, so SGD does not add it on top of the hook's (a value set back
-        to exactly 0 cannot be told from the takeover's 0: the last one stays)."""
+        to exactly 0 cannot be told from the takeover's 0: the last one stays); under Adam (not
+        AdamW, whose decoupled decay its step reads) the hook's copy of the L2 decay, which the
+        groups keep, is taken again."""
         state = self.state()
-        if state is None or state.adam is not None or state.optimizer is None:
+        if state is None or state.optimizer is None:
+            return
+        if state.adam is not None:  # Adam's L2 decay stays in its groups: the hook's copy follows them
+            state.weight_decay = l2_decay(unwrapped(state.optimizer), state.layout.numbers)
             return
         for _, group, mine in model_groups(state.optimizer, state.layout.numbers):
             decay = float(group.get("weight_decay", 0.0))
