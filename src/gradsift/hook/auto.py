@@ -139,8 +139,9 @@ class AutoHookState:
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
-        if uneven.joined(self.ddp_model) and self.choice == "measuring":
-            self._run_dense(step)
+        if uneven.joined(self.ddp_model):  # no bucket kept, no collective of auto's own
+            if self.choice == "measuring":
+                self._run_dense(step)
         elif self.choice == "measuring" and self._kept_all and self._after_step is None:
             # no optimizer found: decide before this step's exchanges
             self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
