@@ -30,7 +30,10 @@ its source, transformers 5.24):
    a compressor with error feedback: the Trainer's default AdamW gets the frozen-variance
    method of :mod:`gradsift.hook.adam`, with a dense warm-up of a tenth of ``max_steps`` unless
    ``warmup_steps`` is given; SGD gets DGC's momentum correction. The Trainer's own
-   gradient clipping (``max_grad_norm``, 1 by default) then clips Adam's first moment.
+   gradient clipping (``max_grad_norm``, 1 by default) then clips Adam's first moment; under
+   SGD's momentum correction it would clip the velocity the hook sends, which a named method
+   refuses where it binds (:mod:`gradsift.hook.first_step`: set ``max_grad_norm=0`` and pass the
+   callback ``clip_norm=``) and ``auto`` leaves for stock DDP.
 6. ``compressor="auto"`` (the default, :mod:`gradsift.hook.auto`) builds its state from the
    DDP model, so the callback registers it at ``on_train_begin``, where its options are
    checked; it is told the run's length (``steps=max_steps``, unless given), which decides
