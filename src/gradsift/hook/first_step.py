@@ -22,7 +22,7 @@ hook cannot see either from inside backward:
   steps -- is linear, so exact, and stays put), or as the delivered gradient clamped to
   ``[-c, c]`` with an element cut (:func:`_clamped_at`). Refused (``clip_norm=`` is DGC's
   clipping of ``g`` before the velocity); under ``auto``
-  (:attr:`FirstOptimizerStep.refuse_clipping` False) only recorded, and ``auto`` runs
+  (:attr:`FirstOptimizerStep.refuse` False) only recorded, and ``auto`` runs
   without the takeover. Watched for the first :data:`CLIPPING_CHECKS` steps: a clipping
   threshold binds there once the velocity has grown.
 
@@ -92,9 +92,10 @@ class FirstOptimizerStep:
         self.check_momentum = check_momentum
         self.check_scaler = check_scaler
         self.clipping_checks = CLIPPING_CHECKS if check_clipping else 0
-        #: Clipping found is refused (a named method); False: recorded in :attr:`clipped` (``auto``).
-        self.refuse_clipping = True
-        self.clipped = False
+        #: Clipping found is refused (a named method); False: recorded in :attr:`found` (``auto``),
+        #: as :class:`~gradsift.hook.taken_over.TakenOverChecks` does.
+        self.refuse = True
+        self.found = False
         #: The first factor below 1 seen (a script's own constant rescale, or a clip's).
         self.rescaled: float | None = None
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -116,7 +117,7 @@ class FirstOptimizerStep:
             check_clipping=state.taken_over is not None and state.adam is None,
         )
         if state.first_step is not None:
-            checks.refuse_clipping = state.first_step.refuse_clipping
+            checks.refuse = state.first_step.refuse
         return checks
 
     @property
@@ -190,30 +191,28 @@ class FirstOptimizerStep:
             return
         self.clipping_checks -= 1
         gradient = param.grad.reshape(-1)[: delivered.numel()]
-        factor, bound = _uniform_factor(gradient, delivered), None
+        factor = _uniform_factor(gradient, delivered)
         if factor is None:
             bound = _clamped_at(gradient, delivered)
             if bound is None:
                 return
             how = f"are the hook's clamped to +-{bound:.3g}: clipping after backward (clip_grad_value_)"
+        elif factor >= 1.0 or _power_of_two(factor):
+            return
+        elif self.rescaled is None or _power_of_two(factor / self.rescaled):
+            self.rescaled = factor  # one factor so far: a constant rescale, or a clip's first
+            return
         else:
-            if factor >= 1.0 or _power_of_two(factor):
-                return
-            if self.rescaled is None or _power_of_two(
-                factor / self.rescaled
-            ):  # one factor so far: a constant?
-                self.rescaled = factor
-                return
             how = (
                 f"are the hook's times {factor:.3g}, not a power of two (a scaler's unscale_ is one): clipping "
                 "after backward (clip_grad_norm_)"
             )
-        self.clipping_checks, self.clipped = 0, True
+        self.clipping_checks, self.found = 0, True
         seen = (
             f"the gradients {type(optimizer).__name__} steps {how} acts on the velocity momentum correction "
             "sends, not on the gradient, so training slows or stalls"
         )
-        if not self.refuse_clipping:
+        if not self.refuse:
             warnings.warn(f"gradsift: {seen}; auto runs stock DDP's allreduce from here", stacklevel=5)
             return
         self.close()
@@ -262,6 +261,17 @@ def _power_of_two(factor: float) -> bool:
     return abs(octaves - round(octaves)) < 1e-5
 
 
+def _tolerance(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element of the float64 ``expected``, four units in the last place of ``dtype``."""
+    finfo = torch.finfo(dtype)
+    return 4 * finfo.eps * expected.abs() + finfo.tiny
+
+
+def _matches(gradient: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per element, ``gradient`` equals ``expected`` within :func:`_tolerance` (on the device)."""
+    return (gradient.double() - expected).abs() <= _tolerance(expected, gradient.dtype)
+
+
 def _uniform_factor(gradient: torch.Tensor, delivered: torch.Tensor) -> float | None:
     """``c`` when ``gradient == c * delivered`` for one ``c`` (each element within four units in
     the last place of ``gradient``'s dtype); None otherwise, or when ``delivered`` has no finite
@@ -270,9 +280,7 @@ def _uniform_factor(gradient: torch.Tensor, delivered: torch.Tensor) -> float | 
     largest = delivered.abs().argmax()
     top, seen = delivered[largest].double(), gradient[largest].double()
     factor = seen / top
-    expected = delivered.double() * factor
-    tolerance = 4 * torch.finfo(gradient.dtype).eps * expected.abs() + torch.finfo(gradient.dtype).tiny
-    uniform = (top != 0) & torch.isfinite(factor) & ((gradient.double() - expected).abs() <= tolerance).all()
+    uniform = (top != 0) & torch.isfinite(factor) & _matches(gradient, delivered.double() * factor).all()
     verdict = torch.stack([uniform.double(), factor]).tolist()  # the host read
     return verdict[1] if verdict[0] else None
 
@@ -289,10 +297,8 @@ def _clamped_at(gradient: torch.Tensor, delivered: torch.Tensor) -> float | None
     largest = torch.where(inside, delivered.abs(), torch.zeros_like(delivered)).argmax()
     scale = gradient[largest].double() / delivered[largest].double()
     expected = delivered.double() * scale
-    tolerance = 4 * torch.finfo(gradient.dtype).eps * expected.abs() + torch.finfo(gradient.dtype).tiny
-    kept = torch.where(
-        inside, (gradient.double() - expected).abs() <= tolerance, expected.abs() >= bound - tolerance
-    )
+    tolerance = _tolerance(expected, gradient.dtype)
+    kept = torch.where(inside, _matches(gradient, expected), expected.abs() >= bound - tolerance)
     zeros = (gradient[~sent] == 0).all()
     cut = (expected.abs() > bound + tolerance).any()
     partly = inside.any() & torch.isfinite(scale) & (scale > 0) & (kept | ~sent).all() & cut & zeros

@@ -31,10 +31,8 @@ def enter(
         hook_options["scaler"] = dense.options.scaler
     state = GradsiftHookState.build(name, **options, **hook_options, process_group=dense.process_group)
     state.attach(ddp_model, dense.optimizer)  # under SGD its velocity starts from SGD's momentum buffers
-    if state.first_step is not None:  # what a named method refuses, auto leaves the method for
-        state.first_step.refuse_clipping = False
-    if state.taken_over is not None:
-        state.taken_over.refuse = False
+    for checks in _checks(state):  # what a named method refuses, auto leaves the method for
+        checks.refuse = False
     state.find_optimizer = False  # the dense state's, adopted above
     # a scaler is looked for at its first bucket, unless the dense state has looked already
     state.discovering = state.options.scaler is None and dense.discovering
@@ -46,13 +44,15 @@ def found_unfollowable(running: GradsiftHookState) -> bool:
     takeover cannot follow -- clipping after its exchange (:mod:`gradsift.hook.first_step`), several
     exchanges per optimizer step or a momentum changed (:mod:`gradsift.hook.taken_over`) --, each
     finding read once: ``auto`` then runs stock DDP, as the script would train without the hook."""
-    clipped = running.first_step is not None and running.first_step.clipped
-    changed = running.taken_over is not None and running.taken_over.found
-    if clipped:
-        running.first_step.clipped = False  # type: ignore[union-attr]
-    if changed:
-        running.taken_over.found = False  # type: ignore[union-attr]
-    return clipped or changed
+    found = [checks for checks in _checks(running) if checks.found]
+    for checks in found:
+        checks.found = False
+    return bool(found)
+
+
+def _checks(state: GradsiftHookState) -> list[Any]:
+    """The state's checks that refuse or record what its takeover cannot follow."""
+    return [checks for checks in (state.first_step, state.taken_over) if checks is not None]
 
 
 def leave(running: GradsiftHookState, dense: GradsiftHookState) -> None:

@@ -73,6 +73,8 @@ class TakenOverChecks:
         #: :attr:`found` and leaves the method (:func:`gradsift.hook.handover.found_unfollowable`).
         self.refuse = True
         self.found = False
+        #: Adam's group decays as last copied (:meth:`follow_weight_decay`); None: not yet.
+        self.decays: list[float] | None = None
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
 
     def _found(self, problem: str) -> None:
@@ -103,14 +105,18 @@ class TakenOverChecks:
         state = self.state()
         if state is None or state.optimizer is None:
             return
-        if state.adam is not None:  # Adam's L2 decay stays in its groups: the hook's copy follows them
-            state.weight_decay = l2_decay(unwrapped(state.optimizer), state.layout.numbers)
+        optimizer = unwrapped(state.optimizer)
+        decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]  # a few groups
+        if state.adam is not None:  # Adam's L2 decay stays in its groups: the copy follows a change
+            if decays != self.decays:
+                self.decays, state.weight_decay = decays, l2_decay(optimizer, state.layout.numbers)
             return
-        for _, group, mine in model_groups(state.optimizer, state.layout.numbers):
-            decay = float(group.get("weight_decay", 0.0))
-            if decay:
-                group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
-                state.weight_decay.update(dict.fromkeys(mine, decay))
+        if any(decays):  # a taken SGD group holds 0: only a value set again walks the parameters
+            for _, group, mine in model_groups(optimizer, state.layout.numbers):
+                decay = float(group.get("weight_decay", 0.0))
+                if decay:
+                    group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
+                    state.weight_decay.update(dict.fromkeys(mine, decay))
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()

@@ -179,9 +179,7 @@ class TrainConfig:
         recipe with a named error-feedback compressor) that scales the velocity the hook sends,
         which the hook refuses (:mod:`gradsift.hook.first_step`): refused here, before any worker
         starts, naming DGC's clipping of the gradient instead."""
-        from gradsift.compressors.registry import compressor_class
-
-        named = self.compressor not in ("auto", "none") and self.sync_every == 0
+        named = self.compressor not in (AUTO, "none") and self.sync_every == 0
         if not (self.clip_grad_norm and named and self.optimizer == "sgd" and self.momentum and self.recipe):
             return
         method = compressor_class(self.compressor)
