@@ -93,6 +93,20 @@ def test_follow_regroups_parameters_into_new_buckets_with_zeros_for_newcomers():
     assert store.keys() == {0, (1, 2)}
 
 
+def test_zero_parameters_zeroes_their_chunks_in_every_per_element_table_and_nothing_else():
+    store = TensorStore()
+    store.follow((0, 1), (1, 0), NUMELS)  # parameter 1's three elements first
+    store.put("residual", (0, 1), torch.tensor([10.0, 11.0, 12.0, 0.0, 1.0]))
+    store.put("vgc.variance", (0, 1), torch.tensor([5.0, 5.0, 5.0, 6.0, 6.0]))
+    store.put("threshold", (0, 1), torch.tensor([9.0]))  # per key: no parameter's chunk
+    store.put("velocity", 2, torch.tensor([7.0]))  # a parameter's own key
+    store.zero_parameters({1, 2})
+    assert store.get("residual", (0, 1)).tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert store.get("vgc.variance", (0, 1)).tolist() == [0.0, 0.0, 0.0, 6.0, 6.0]
+    assert store.get("threshold", (0, 1)).tolist() == [9.0]
+    assert store.get("velocity", 2).tolist() == [0.0]
+
+
 def test_a_rebuild_holds_the_moved_state_twice_for_one_table_at_most(monkeypatch):
     """When a table's tensor of the new key is re-laid, the per-parameter pieces it was made
     from have left the tables re-laid before it: the old layout's state and the new one's

@@ -241,3 +241,110 @@ def test_adams_l2_decay_set_after_the_takeover_is_followed(one_process_group):
         return [p.detach().clone() for p in ddp.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+def head_then_body(ddp, momentum: float = 0.9):
+    """SGD on the last layer, with the first layer's group to add later (a fine-tuning unfreeze)."""
+    head, body = list(ddp.module[2].parameters()), list(ddp.module[0].parameters())
+    optimizer = torch.optim.SGD(head, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return optimizer, {"params": body, "lr": 0.02, "momentum": momentum, "weight_decay": 5e-3}
+
+
+def test_a_parameter_group_added_mid_run_is_taken_over_before_its_first_exchange(one_process_group):
+    """The hook's velocity ran over the body while no group held it; SGD starts the added
+    group's momentum buffers empty. With nothing dropped (ratio 1, no masking), the run with
+    the one line equals stock DDP's with the same ``add_param_group`` at step 3 -- the group's
+    momentum and weight decay moved into the hook, the body's velocity zeroed before the
+    step's exchange (without that zeroing it ends 2.5e-2 away)."""
+
+    def run(hooked: bool) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer, body = head_then_body(ddp)
+        if hooked:
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
+        for step in range(7):
+            if step == 3:
+                optimizer.add_param_group(body)
+            accumulate(ddp, optimizer, 1, no_sync=True)
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    hooked, stock = run(True), run(False)
+    assert not torch.equal(stock[0], model().module[0].weight)  # the body trained
+    for a, b in zip(hooked, stock, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("when", ["another momentum", "after backward"])
+def test_an_added_sgd_group_the_hook_cannot_follow_is_refused_naming_add_param_group(one_process_group, when):
+    ddp = model()
+    optimizer, body = head_then_body(ddp, momentum=0.5 if when == "another momentum" else 0.9)
+    gradsift.register_comm_hook(ddp, "topk", ratio=0.1)
+    accumulate(ddp, optimizer, 2, no_sync=True)
+    expected = (
+        "different momenta" if when == "another momentum" else "between backward and the optimizer's step"
+    )
+    with pytest.raises(InvalidOptionError, match=rf"optimizer.add_param_group.*{expected}|{expected}"):
+        if when == "another momentum":
+            optimizer.add_param_group(body)
+            accumulate(ddp, optimizer, 1, no_sync=True)
+        else:
+            optimizer.zero_grad()
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+            (ddp(inputs) - inputs[:, :4]).square().mean().backward()
+            optimizer.add_param_group(body)
+            optimizer.step()
+
+
+def test_an_adam_group_added_during_the_warm_up_trains_and_after_the_freeze_is_refused(one_process_group):
+    """Under the frozen-variance method a group added while the warm-up is dense gets Adam's
+    moments from Adam's own steps and is stepped by the method after the freeze; one added after
+    the freeze has no second moment, and is refused at its first exchange naming add_param_group."""
+    for add_at, refused in ((1, False), (4, True)):
+        ddp = model()
+        head, body = list(ddp.module[2].parameters()), list(ddp.module[0].parameters())
+        optimizer = torch.optim.AdamW(head, lr=1e-3)
+        state = gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=3)
+        accumulate(ddp, optimizer, add_at, no_sync=True)
+        optimizer.add_param_group({"params": body, "lr": 1e-2})
+        if refused:
+            with pytest.raises(InvalidOptionError, match=r"add_param_group .* froze the second moment"):
+                accumulate(ddp, optimizer, 1, no_sync=True)
+            continue
+        accumulate(ddp, optimizer, 2, no_sync=True)  # through step 2, the warm-up's last
+        before = body[0].detach().clone()
+        accumulate(ddp, optimizer, 3, no_sync=True)
+        assert not state.warming() and state.step == 6
+        assert (body[0] - before).abs().max() > 1e-3  # the method steps it at about lr a step
+        assert all(torch.isfinite(p).all() for p in ddp.parameters())
+
+
+def test_under_auto_an_added_group_it_cannot_follow_leaves_for_stock_ddp(one_process_group):
+    """``auto`` measures on ``sidco-exp`` with SGD's momentum taken over; a group added with
+    another momentum cannot be taken over: it warns naming add_param_group, gives SGD its
+    momentum back and runs stock DDP from that step, the added group as built and started as SGD
+    starts one -- its first step ``x - lr (g + wd x)``, no velocity or residual the hook ran over
+    the body before. A group with the hook's momentum is followed, with no warning."""
+    for momentum, leaves in ((0.9, False), (0.5, True)):
+        ddp = model()
+        optimizer, body = head_then_body(ddp, momentum=momentum)
+        state = gradsift.register_comm_hook(ddp)
+        accumulate(ddp, optimizer, 2, no_sync=True)
+        assert state.current.taken_over is not None  # measuring on sidco-exp
+        optimizer.add_param_group(body)
+        weight = body["params"][0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.zero_grad()
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+            (ddp(inputs) - inputs[:, :4]).square().mean().backward()
+            before = weight.detach().clone()
+            optimizer.step()
+        messages = [str(w.message) for w in caught if "add_param_group" in str(w.message)]
+        assert bool(messages) == leaves
+        if leaves:
+            assert "auto runs stock DDP" in messages[0] and state.stats()["auto"]["choice"] == "none"
+            assert [group["momentum"] for group in optimizer.param_groups] == [0.9, 0.5]
+            torch.testing.assert_close(weight, before - 0.02 * (weight.grad + 5e-3 * before))
+        else:
+            assert state.stats()["auto"]["choice"] == "measuring"
+            assert [group["momentum"] for group in optimizer.param_groups] == [0.0, 0.0]

@@ -248,6 +248,16 @@ class TensorStore:
             for i, chunk in self._cut(key, tensor)
         }
 
+    def zero_parameters(self, numbers: Iterable[int]) -> None:
+        """Zero the chunks of parameters ``numbers`` in every committed table of per-element
+        tensors (:meth:`per_parameter`), in place; outside a transaction."""
+        assert self._overlay is None, "zero_parameters inside a transaction"
+        wanted = set(numbers)
+        for name in self.tables:
+            for number, chunk in self.per_parameter(name).items():
+                if number in wanted:
+                    chunk.zero_()
+
     def _cut(self, key: Key, tensor: torch.Tensor | None) -> list[tuple[int, torch.Tensor]]:
         """``tensor`` of ``key`` as ``(parameter, chunk)`` pairs; none for a per-key scalar."""
         layout = self.layouts.get(key)

@@ -106,8 +106,7 @@ class AutoHookState:
         #: elements, :func:`~gradsift.hook.probes.kept_elements`), and whether they are complete.
         self._kept: list[probes.KeptBucket] = []
         self._kept_limit = probes.PROBE_ELEMENTS
-        self._keeping = self._kept_all = False
-        self._keep_next = False  # a re-measure keeps the next step's buckets
+        self._keeping = self._kept_all = self._keep_next = False  # _keep_next: for a re-measure
         #: The running choice's step-time windows (:mod:`gradsift.hook.drift`) and re-measures made.
         self.watch: DriftWatch | None = None
         self.remeasures = 0
@@ -142,8 +141,9 @@ class AutoHookState:
         if uneven.joined(self.ddp_model):  # no bucket kept, no collective of auto's own
             if self.choice == "measuring":
                 self._run_dense(step)
-        elif self.choice == "measuring" and self._kept_all and self._after_step is None:
-            # no optimizer found: decide before this step's exchanges
+        elif handover.found_added_groups(self.current):  # a group added the method cannot follow
+            self._run_dense(step)
+        elif self.choice == "measuring" and self._kept_all and self._after_step is None:  # no optimizer found
             self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
         elif self.choice == "measuring" and not self._kept:
             if self.dense.discovering:

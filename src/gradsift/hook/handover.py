@@ -50,6 +50,17 @@ def found_unfollowable(running: GradsiftHookState) -> bool:
     return bool(found)
 
 
+def found_added_groups(running: GradsiftHookState) -> bool:
+    """At a step's first bucket, before ``running`` exchanges: whether the parameter groups added
+    since its last step include one its takeover cannot follow
+    (:meth:`~gradsift.hook.taken_over.TakenOverChecks.follow_added_groups`, which takes over the
+    others): ``auto`` then runs stock DDP from this step."""
+    if running.taken_over is None:
+        return False
+    running.taken_over.follow_added_groups()
+    return found_unfollowable(running)
+
+
 def _checks(state: GradsiftHookState) -> list[Any]:
     """The state's checks that refuse or record what its takeover cannot follow."""
     return [checks for checks in (state.first_step, state.taken_over) if checks is not None]

@@ -137,13 +137,35 @@ def take_over(
         )
     groups, momentum = _sgd_takeover(optimizer, numbers)  # every refusal before any group changes
     taken = Takeover(momentum=momentum, velocity=take_momentum_buffers(optimizer, numbers))
+    _move_into_hook(groups, taken.weight_decay)
+    return taken
+
+
+def take_over_added(optimizer: Any, numbers: dict[int, int], start: int) -> dict[int, float]:
+    """:func:`take_over` of the SGD groups from index ``start`` on, added to an optimizer whose
+    first ``start`` groups were taken over (``add_param_group``): every group is checked as
+    :func:`take_over` checks them -- so an added group's momentum must be the hook's, which the
+    taken groups keep under ``gradsift_momentum`` --, then the added ones' momentum and weight
+    decay move into the hook. Returns their weight decays per parameter number."""
+    optimizer = unwrapped(optimizer)
+    groups, _ = _sgd_takeover(optimizer, numbers)
+    added = {id(group) for group in optimizer.param_groups[start:]}
+    decays: dict[int, float] = {}
+    _move_into_hook([entry for entry in groups if id(entry[0]) in added], decays)
+    return decays
+
+
+def _move_into_hook(
+    groups: list[tuple[dict[str, Any], list[int], float, float]], decays: dict[int, float]
+) -> None:
+    """Leave momentum and weight decay 0 in each of :func:`_sgd_groups`' ``groups``, their values
+    kept under the hook's keys, and each nonzero decay in ``decays`` per parameter number."""
     for group, mine, momentum, decay in groups:
         group[MOMENTUM_KEY], group["momentum"] = momentum, 0.0
         if "weight_decay" in group:
             group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
         if decay:
-            taken.weight_decay.update(dict.fromkeys(mine, decay))
-    return taken
+            decays.update(dict.fromkeys(mine, decay))
 
 
 def can_hold(optimizer: Any) -> bool:

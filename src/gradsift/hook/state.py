@@ -378,15 +378,15 @@ class GradsiftHookState:
 
     def open_step(self) -> Any:
         """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), the last one settled
-        first, after the first step's :meth:`discover` and a weight decay set again since the
-        takeover (:mod:`gradsift.hook.taken_over`); while the density warms up, set the
+        first, after the first step's :meth:`discover` and the groups added or a weight decay set again since
+        the takeover (:mod:`gradsift.hook.taken_over`); while the density warms up, set the
         sparsifier's ratio for this step (:func:`gradsift.hook.recipe.density_at`)."""
         if self.ledger.current is None:
             self.settle()
         if self.discovering and self.ledger.current is None:
             self.discover()
         if self.ledger.current is None and self.taken_over is not None:
-            self.taken_over.follow_weight_decay()  # a weight-decay schedule, before this step's exchange
+            self.taken_over.follow_groups()  # groups added, a weight-decay schedule: before the exchange
         warming = self.ledger.current is None and self.options.density_warmup_steps
         if warming and self.target_ratio is not None and isinstance(self.compressor, Sparsifier):
             self.compressor.ratio = recipe.density_at(

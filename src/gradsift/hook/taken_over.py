@@ -24,10 +24,21 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   the hook's record, as ``optimizer.load_state_dict`` of a checkpoint saved without gradsift
   leaves it (loaded before the takeover, its buffers become the velocity instead).
 
-One it follows instead, at each step's first bucket (:meth:`TakenOverChecks.follow_weight_decay`):
-a ``weight_decay`` set again after the takeover (a schedule) -- SGD's moves into the hook as the
-takeover moved it, Adam's L2 decay is copied again --, before the step's exchange, so the run
-keeps the optimizer's arrangement.
+Two it follows instead, at each step's first bucket, before the step's exchange
+(:meth:`TakenOverChecks.follow_groups`), so the run keeps the optimizer's arrangement:
+
+* **A parameter group added** (``optimizer.add_param_group``, as fine-tuning scripts unfreeze a
+  body the optimizer left out). SGD's is taken over as the first groups were
+  (:func:`~gradsift.hook.recipe.take_over_added`: a momentum other than the hook's, Nesterov or
+  dampening found as above), and the hook's state of its parameters -- velocity, residual,
+  every per-element table of the store -- is zeroed: SGD starts their momentum buffers empty and
+  never stepped the gradients exchanged before, so with nothing dropped the run is stock DDP's
+  with the same ``add_param_group``. Under the Adam methods a group added during the dense
+  warm-up gets its moments from Adam's own steps; one added after the second moment froze has
+  none to step with, and is found. A group added between a step's backward and its optimizer
+  step (after the exchange) is found too.
+* **A ``weight_decay`` set again after the takeover** (a schedule): SGD's moves into the hook as
+  the takeover moved it, Adam's L2 decay is copied again.
 
 And one it warns about, at the first such step: **an optimizer restored without the hook's
 state.** While the hook holds the velocity (always under SGD's momentum correction; past the
@@ -46,10 +57,10 @@ import weakref
 from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.adam import l2_decay
+from gradsift.hook.adam import check_adam, l2_decay
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
-from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY, unwrapped
+from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY, take_over_added, unwrapped
 
 #: The parameter-group entry holding the hook's step count at the optimizer's last step.
 HOOK_STEP_KEY = "gradsift_hook_step"
@@ -73,8 +84,10 @@ class TakenOverChecks:
         #: :attr:`found` and leaves the method (:func:`gradsift.hook.handover.found_unfollowable`).
         self.refuse = True
         self.found = False
-        #: Adam's group decays as last copied (:meth:`follow_weight_decay`); None: not yet.
+        #: Adam's group decays as last copied (:meth:`follow_groups`); None: not yet.
         self.decays: list[float] | None = None
+        #: The optimizer's groups when last followed: those past it were added since.
+        self.group_count = len(unwrapped(state.optimizer).param_groups)
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
 
     def _found(self, problem: str) -> None:
@@ -95,13 +108,15 @@ class TakenOverChecks:
             for _, group, _ in model_groups(state.optimizer, self.numbers):
                 group.pop(HOOK_STEP_KEY, None)
 
-    def follow_weight_decay(self) -> None:
-        """At a step's first bucket, before its exchange: an SGD group whose ``weight_decay`` the
-        script set again after the takeover left it 0 (a schedule) hands the new value to the
-        hook, as the takeover did, so SGD does not add it on top of the hook's (a value set back
-        to exactly 0 cannot be told from the takeover's 0: the last one stays); under Adam (not
-        AdamW, whose decoupled decay its step reads) the hook's copy of the L2 decay, which the
-        groups keep, is taken again."""
+    def follow_groups(self) -> None:
+        """At a step's first bucket, before its exchange: the groups added since the last step
+        (:meth:`follow_added_groups`), then an SGD group whose ``weight_decay`` the script set
+        again after the takeover left it 0 (a schedule) hands the new value to the hook, as the
+        takeover did, so SGD does not add it on top of the hook's (a value set back to exactly 0
+        cannot be told from the takeover's 0: the last one stays); under Adam (not AdamW, whose
+        decoupled decay its step reads) the hook's copy of the L2 decay, which the groups keep,
+        is taken again."""
+        self.follow_added_groups()
         state = self.state()
         if state is None or state.optimizer is None:
             return
@@ -118,6 +133,40 @@ class TakenOverChecks:
                     group[WEIGHT_DECAY_KEY], group["weight_decay"] = decay, 0.0
                     state.weight_decay.update(dict.fromkeys(mine, decay))
 
+    def follow_added_groups(self) -> None:
+        """Take over the groups holding the model's parameters added since the last call, or
+        find what cannot be followed (module docstring); either way the hook's state of their
+        parameters is zeroed first, so a method leaving for stock DDP under ``auto`` gives them
+        no momentum buffer and no residual. ``auto`` calls it before its own step start."""
+        state = self.state()
+        if state is None or state.optimizer is None:
+            return
+        optimizer = unwrapped(state.optimizer)
+        start, self.group_count = self.group_count, len(optimizer.param_groups)
+        added = {
+            n for index, _, mine in model_groups(optimizer, self.numbers) if index >= start for n in mine
+        }
+        if not added:
+            return
+        state.store.zero_parameters(added)  # as the optimizer starts them: no velocity, nothing kept
+        problem = (
+            "a parameter group added with optimizer.add_param_group after the hook took the momentum over"
+        )
+        try:
+            if state.adam is None:
+                state.weight_decay.update(take_over_added(optimizer, self.numbers, start))
+                return
+            check_adam(optimizer, self.numbers)
+        except InvalidOptionError as error:
+            self._found(f"{problem}: {error}")
+            return
+        if not state.warming():
+            self._found(
+                f"{problem}, after the Adam method's dense warm-up froze the second moment: the added "
+                "parameters have none to step with; add every group before the warm-up ends (a group "
+                "not trained yet at lr=0), or leave the compressor to auto"
+            )
+
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
         groups = [group for _, group, _ in model_groups(optimizer, self.numbers)]
@@ -132,6 +181,13 @@ class TakenOverChecks:
             )
             return
         beta1 = None if state.adam is None else state.adam.beta1
+        if beta1 is None and len(unwrapped(optimizer).param_groups) > self.group_count:
+            self._found(
+                "a parameter group was added with optimizer.add_param_group between backward and the "
+                "optimizer's step, after the hook's exchange: the hook takes an added group over at the "
+                "next step's first bucket; add it before the backward pass"
+            )
+            return
         changed = [group for group in groups if _momentum_of(group, beta1) != (beta1 or 0.0)]
         if changed and beta1 is None and MOMENTUM_KEY not in changed[0]:
             self._found(
