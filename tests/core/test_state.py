@@ -100,7 +100,7 @@ def test_zero_parameters_zeroes_their_chunks_in_every_per_element_table_and_noth
     store.put("vgc.variance", (0, 1), torch.tensor([5.0, 5.0, 5.0, 6.0, 6.0]))
     store.put("threshold", (0, 1), torch.tensor([9.0]))  # per key: no parameter's chunk
     store.put("velocity", 2, torch.tensor([7.0]))  # a parameter's own key
-    store.zero_parameters({1, 2})
+    store.zero_parameters({1, 2}, NUMELS)
     assert store.get("residual", (0, 1)).tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert store.get("vgc.variance", (0, 1)).tolist() == [0.0, 0.0, 0.0, 6.0, 6.0]
     assert store.get("threshold", (0, 1)).tolist() == [9.0]

@@ -274,6 +274,43 @@ def test_a_parameter_group_added_mid_run_is_taken_over_before_its_first_exchange
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["sgd-momentum", "adamw"])
+@pytest.mark.parametrize("optimizer_passed", [True, False], ids=["optimizer-passed", "discovered"])
+def test_a_run_with_an_added_group_resumes_bit_for_bit(one_process_group, optimizer_passed, family):
+    """Saved after the body's group was added (under AdamW during the warm-up, saved after the
+    freeze), resumed by a script that builds the head's optimizer, adds the body's group and
+    loads the checkpoints: the added group carries the hook's record, so its parameters keep the
+    hook state loaded (not zeroed as a new group's) and, under AdamW, the second moment loaded
+    with them -- whether the hook took the optimizer over at registration or found it later."""
+
+    def start():
+        ddp = model()
+        optimizer, body = head_then_body(ddp)
+        options = {"ratio": 0.2}
+        if family == "adamw":
+            optimizer = torch.optim.AdamW(list(ddp.module[2].parameters()), lr=1e-3)
+            body, options = {"params": body["params"], "lr": 1e-2}, {"warmup_steps": 3}
+        passed = {"optimizer": optimizer} if optimizer_passed else {}
+        compressor = "topk" if family == "sgd-momentum" else "efsignsgd"
+        return ddp, optimizer, body, gradsift.register_comm_hook(ddp, compressor, **options, **passed)
+
+    ddp, optimizer, body, state = start()
+    accumulate(ddp, optimizer, 2, no_sync=True)
+    optimizer.add_param_group(body)
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    saved = copy.deepcopy((ddp.module.state_dict(), optimizer.state_dict(), state.state_dict()))
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    uninterrupted = [p.detach().clone() for p in ddp.parameters()]
+
+    ddp, optimizer, body, state = start()
+    optimizer.add_param_group(body)
+    ddp.module.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    state.load_state_dict(saved[2])
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), uninterrupted, strict=True))
+
+
 @pytest.mark.parametrize("when", ["another momentum", "after backward"])
 def test_an_added_sgd_group_the_hook_cannot_follow_is_refused_naming_add_param_group(one_process_group, when):
     ddp = model()

@@ -248,10 +248,12 @@ class TensorStore:
             for i, chunk in self._cut(key, tensor)
         }
 
-    def zero_parameters(self, numbers: Iterable[int]) -> None:
+    def zero_parameters(self, numbers: Iterable[int], numels: Mapping[int, int]) -> None:
         """Zero the chunks of parameters ``numbers`` in every committed table of per-element
-        tensors (:meth:`per_parameter`), in place; outside a transaction."""
+        tensors (:meth:`per_parameter`), in place; outside a transaction. ``numels[i]`` is
+        parameter ``i``'s element count (a loaded store knows its layouts, not yet the sizes)."""
         assert self._overlay is None, "zero_parameters inside a transaction"
+        self.numels.update(numels)
         wanted = set(numbers)
         for name in self.tables:
             for number, chunk in self.per_parameter(name).items():

@@ -135,20 +135,23 @@ class TakenOverChecks:
 
     def follow_added_groups(self) -> None:
         """Take over the groups holding the model's parameters added since the last call, or
-        find what cannot be followed (module docstring); either way the hook's state of their
+        find what cannot be followed (module docstring). The hook's state of a new group's
         parameters is zeroed first, so a method leaving for stock DDP under ``auto`` gives them
-        no momentum buffer and no residual. ``auto`` calls it before its own step start."""
+        no momentum buffer and no residual; a group carrying the hook's record (``MOMENTUM_KEY``,
+        :data:`HOOK_STEP_KEY`: added, then an optimizer checkpoint of the run that took it over
+        loaded) keeps the hook state loaded with it. ``auto`` calls it before its step start."""
         state = self.state()
         if state is None or state.optimizer is None:
             return
         optimizer = unwrapped(state.optimizer)
         start, self.group_count = self.group_count, len(optimizer.param_groups)
-        added = {
-            n for index, _, mine in model_groups(optimizer, self.numbers) if index >= start for n in mine
-        }
+        added = [
+            (group, mine) for index, group, mine in model_groups(optimizer, self.numbers) if index >= start
+        ]
         if not added:
             return
-        state.store.zero_parameters(added)  # as the optimizer starts them: no velocity, nothing kept
+        new = [n for group, mine in added if not {MOMENTUM_KEY, HOOK_STEP_KEY} & set(group) for n in mine]
+        state.store.zero_parameters(new, state.layout.numels)  # as the optimizer starts them
         problem = (
             "a parameter group added with optimizer.add_param_group after the hook took the momentum over"
         )
@@ -160,7 +163,8 @@ class TakenOverChecks:
         except InvalidOptionError as error:
             self._found(f"{problem}: {error}")
             return
-        if not state.warming():
+        moments = [optimizer.state.get(p, {}) for group, _ in added for p in group["params"]]
+        if not state.warming() and not all("exp_avg_sq" in moment for moment in moments):
             self._found(
                 f"{problem}, after the Adam method's dense warm-up froze the second moment: the added "
                 "parameters have none to step with; add every group before the warm-up ends (a group "
