@@ -45,7 +45,7 @@ def step(model, optimizer, t: int, lr: float | None = None) -> None:
 
 def totals_by_hand(optimizer) -> list[float]:
     out = []
-    for p in optimizer.param_groups[0]["params"]:
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
         state = optimizer.state[p]
         t = float(state["step"])
         out.append(float(state["exp_avg_sq"].double().sum()) / (1.0 - BETAS[1] ** t))
@@ -61,6 +61,8 @@ def expected_end(recorded: list[list[float]], rates: list[float] | None = None) 
             return t, "cap"
         if t % WINDOW == 0 and t >= 2 * WINDOW:
             now, before = recorded[t - 1], recorded[t - 1 - WINDOW]
+            if len(now) != len(before):
+                continue  # parameters joined between the windows: nothing to compare
             change = sum(abs(a - b) for a, b in zip(now, before, strict=True)) / sum(now)
             if change < SETTLED:
                 return t, "settled"
@@ -70,6 +72,26 @@ def expected_end(recorded: list[list[float]], rates: list[float] | None = None) 
 def test_relative_change_is_the_formula():
     assert relative_change([2.0, 2.0], [1.0, 4.0]) == (1.0 + 2.0) / 4.0
     assert relative_change([0.0, 0.0], [1.0, 1.0]) == float("inf")  # no second moment: not settled
+    assert relative_change([2.0, 2.0, 1.0], [1.0, 4.0]) == float("inf")  # a group added: not settled
+
+
+def test_a_group_added_between_windows_restarts_the_comparison(one_process_group):
+    """The first layer's group added at step 12, between the checks at 8 and 16: at 16 the totals
+    hold parameters the window before did not, so nothing has settled there (it raised, the lists'
+    lengths differing); the warm-up ends where the rule says on the recorded moments."""
+    model = DDP(make_model())
+    body, head = list(model.module[0].parameters()), list(model.module[2].parameters())
+    optimizer = torch.optim.AdamW(head, lr=3e-3, betas=BETAS, weight_decay=0.1)
+    state = gradsift.register_comm_hook(model, "topk", ratio=0.25, optimizer=optimizer)
+    recorded = []
+    for t in range(STEPS):
+        if t == 12:
+            optimizer.add_param_group({"params": body})
+        step(model, optimizer, t)
+        recorded.append(totals_by_hand(optimizer))
+    end, reason = expected_end(recorded)
+    report = state.stats()["adam_warmup"]
+    assert 16 < end < STEPS and (report["end"], report["reason"]) == (end, reason)
 
 
 def test_the_warm_up_ends_where_the_rule_says_on_the_recorded_moments(one_process_group):

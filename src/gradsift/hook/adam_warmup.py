@@ -57,9 +57,10 @@ FRESH: dict[str, Any] = {"steps": 0, "totals": None, "lr": None, "end": None, "r
 
 def relative_change(totals: list[float], previous: list[float]) -> float:
     """``rho = sum_p |S_p - S'_p| / sum_p S_p`` (module docstring); infinite when every
-    total is zero (no second moment yet: nothing has settled)."""
+    total is zero (no second moment yet: nothing has settled) or when the two windows hold
+    different parameters (a group added between them, ``add_param_group``: its moments began)."""
     whole = math.fsum(totals)
-    if whole <= 0.0:
+    if whole <= 0.0 or len(totals) != len(previous):
         return math.inf
     return math.fsum(abs(a - b) for a, b in zip(totals, previous, strict=True)) / whole
 

@@ -34,8 +34,8 @@ Two it follows instead, at each step's first bucket, before the step's exchange
   every per-element table of the store -- is zeroed: SGD starts their momentum buffers empty and
   never stepped the gradients exchanged before, so with nothing dropped the run is stock DDP's
   with the same ``add_param_group``. Under the Adam methods a group added during the dense
-  warm-up gets its moments from Adam's own steps; one added after the second moment froze has
-  none to step with, and is found. A group added between a step's backward and its optimizer
+  warm-up gets its moments from Adam's own steps; one added after the warm-up lacks the second
+  moments the compressed steps use, and is found. A group added between a step's backward and its optimizer
   step (after the exchange) is found too.
 * **A ``weight_decay`` set again after the takeover** (a schedule): SGD's moves into the hook as
   the takeover moved it, Adam's L2 decay is copied again.
@@ -163,12 +163,12 @@ class TakenOverChecks:
         except InvalidOptionError as error:
             self._found(f"{problem}: {error}")
             return
-        moments = [optimizer.state.get(p, {}) for group, _ in added for p in group["params"]]
-        if not state.warming() and not all("exp_avg_sq" in moment for moment in moments):
+        if new and not state.warming():
             self._found(
-                f"{problem}, after the Adam method's dense warm-up froze the second moment: the added "
-                "parameters have none to step with; add every group before the warm-up ends (a group "
-                "not trained yet at lr=0), or leave the compressor to auto"
+                f"{problem}, after the Adam method's dense warm-up ended: its compressed steps use the "
+                "second moments the warm-up gave (frozen; under adam='update' counted from its end), which "
+                "the added parameters lack; add every group before the warm-up ends (a group not trained "
+                "yet at lr=0), or leave the compressor to auto"
             )
 
     def before_step(self, optimizer: Any) -> None:
