@@ -385,3 +385,34 @@ def test_under_auto_an_added_group_it_cannot_follow_leaves_for_stock_ddp(one_pro
         else:
             assert state.stats()["auto"]["choice"] == "measuring"
             assert [group["momentum"] for group in optimizer.param_groups] == [0.0, 0.0]
+
+
+@EACH_TAKEOVER
+def test_an_optimizer_built_again_mid_run_is_refused_and_auto_leaves_for_stock_ddp(
+    one_process_group, compressor, make_optimizer, options
+):
+    """A script that builds a new optimizer at step 3 (a stage with a lower learning rate): the
+    hook's exchange carries the momentum it took from the first, which the new one would step
+    as a gradient (and, under AdamW, never give the method its step). A named method refuses it
+    at the new optimizer's first step, naming the rebuild; under SGD ``auto`` warns and runs stock
+    DDP from the next step, its fallback's hand-back going to the first optimizer, whose buffers
+    nothing reads again."""
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    gradsift.register_comm_hook(ddp, compressor, **options)
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    with pytest.raises(InvalidOptionError, match=r"other than the one whose momentum .* built again mid-run"):
+        accumulate(ddp, make_optimizer(ddp.parameters()), 1, no_sync=True)
+    if compressor != "topk":
+        return
+    ddp = model()
+    optimizer = make_optimizer(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)  # measuring on sidco-exp, SGD's momentum taken over
+    accumulate(ddp, optimizer, 3, no_sync=True)
+    rebuilt = make_optimizer(ddp.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accumulate(ddp, rebuilt, 2, no_sync=True)
+    messages = [str(w.message) for w in caught if "built again mid-run" in str(w.message)]
+    assert len(messages) == 1 and "auto runs stock DDP" in messages[0]
+    assert state.stats()["auto"]["choice"] == "none" and rebuilt.param_groups[0]["momentum"] == 0.9

@@ -2,7 +2,7 @@
 
 Momentum correction (:mod:`gradsift.hook.recipe`) and the Adam methods (:mod:`gradsift.hook.adam`)
 move the optimizer's momentum into the hook: a velocity ``u <- m u + g`` advanced at every
-exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Three things
+exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Four things
 a training script may do break that without an error of their own; :class:`TakenOverChecks`
 raises :class:`~gradsift.core.errors.InvalidOptionError` for each at that optimizer's step,
 before it steps (under ``auto``: warns, and ``auto`` runs stock DDP from the next step), on every
@@ -20,6 +20,9 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   no longer the one the hook runs (a scheduler cycling momentum, as ``OneCycleLR`` and
   ``CyclicLR`` do by default): the optimizer would apply momentum on top of the hook's, or the
   hook would go on with a ``beta1`` the script no longer asks for.
+* **Another optimizer stepping the model's parameters** (one built again mid-run, or a second
+  one for some of them): the hook's exchange carries the momentum it took from the first, so
+  the other would step a velocity, and apply its own momentum on top.
 * **The groups replaced after the takeover**: an SGD group with its momentum back and without
   the hook's record, as ``optimizer.load_state_dict`` of a checkpoint saved without gradsift
   leaves it (loaded before the takeover, its buffers become the velocity instead).
@@ -177,6 +180,15 @@ class TakenOverChecks:
         if state is None or not groups:
             return
         exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
+        if unwrapped(optimizer) is not unwrapped(state.optimizer):
+            self._found(
+                f"an optimizer ({type(optimizer).__name__}) other than the one whose momentum the hook took "
+                "over steps the model's parameters (an optimizer built again mid-run, or a second one for some of "
+                "them): the hook's exchange carries the momentum it took, so that optimizer would step a "
+                "velocity; keep the one optimizer and change its param_groups (learning rate, weight "
+                "decay, add_param_group: the hook follows them), or register with optimizer=False"
+            )
+            return
         if exchanges > 1:
             self._found(
                 f"{exchanges} exchanges of the hook's gradients before one step of the optimizer whose "
