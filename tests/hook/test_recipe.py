@@ -145,11 +145,13 @@ def test_local_clipping_threshold_splits_over_parts_and_workers():
     assert kept[1] == 1.0 and kept[0].isnan()
 
 
-def test_weight_decay_is_added_per_parameter_of_a_part():
-    weight, bias = torch.full((2, 2), 2.0), torch.tensor([10.0])
-    flat = torch.zeros(5)
-    recipe.add_weight_decay(flat, [weight, bias], [3, 7], {7: 0.5})
-    assert flat.tolist() == [0.0, 0.0, 0.0, 0.0, 5.0]
+def test_weight_decay_is_added_per_parameter_of_a_part_that_requires_grad():
+    weight = torch.full((2, 2), 2.0, requires_grad=True)
+    bias = torch.tensor([10.0], requires_grad=True)
+    frozen = torch.tensor([4.0, 4.0])  # SGD skips it: no gradient, no decay
+    flat = torch.zeros(7)
+    recipe.add_weight_decay(flat, [weight, bias, frozen], [3, 7, 8], {7: 0.5, 8: 0.5})
+    assert flat.tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0]
 
 
 def test_hook_state_takes_over_only_with_error_feedback():

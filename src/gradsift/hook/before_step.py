@@ -2,7 +2,9 @@
 
 PyTorch's global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) sees every optimizer's step,
-on the training thread, after backward returned. Two kinds of objects use it: a hook
+on the training thread, after backward returned -- or, for a step given a closure (LBFGS,
+Lightning's automatic optimization), before the closure's backward runs inside the step
+(:attr:`_Registry.closure` says which while the members are called). Two kinds of objects use it: a hook
 state settling its closed step (:meth:`gradsift.hook.state.GradsiftHookState.settle`)
 and the first optimizer step's checks (:mod:`gradsift.hook.first_step`). Each has a
 ``before_step(optimizer)`` method and is called in the order it was added.
@@ -59,6 +61,7 @@ class _Registry:
         self.lock = threading.Lock()
         self.members: list[weakref.ref[BeforeStep]] = []
         self.registered = False
+        self._stepping = threading.local()  # per thread: the simulator's ranks step at once
 
     def add(self, member: BeforeStep) -> None:
         """Call ``member.before_step`` before every optimizer step (once, however often added)."""
@@ -74,6 +77,11 @@ class _Registry:
         with self.lock:
             self.members = [ref for ref in self.members if ref() not in (None, member)]
 
+    @property
+    def closure(self) -> bool:
+        """Whether the step whose members this thread is calling was given a closure."""
+        return bool(getattr(self._stepping, "closure", False))
+
     def holds(self, member: BeforeStep) -> bool:
         with self.lock:
             return any(ref() is member for ref in self.members)
@@ -81,6 +89,8 @@ class _Registry:
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with self.lock:
             alive = [member for ref in self.members if (member := ref()) is not None]
+        # PyTorch passes the step's own arguments, the optimizer first: ``step(closure)``
+        self._stepping.closure = (args[1] if len(args) > 1 else kwargs.get("closure")) is not None
         for member in alive:
             member.before_step(optimizer)
 

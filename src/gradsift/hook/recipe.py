@@ -304,11 +304,13 @@ def give_back(
 def add_weight_decay(
     flat: torch.Tensor, params: Sequence[torch.Tensor], numbers: Sequence[int], decay: dict[int, float]
 ) -> None:
-    """``g <- g + wd x`` in place, per parameter of a part (``params`` in flattening order)."""
+    """``g <- g + wd x`` in place, per parameter of a part (``params`` in flattening order) that
+    requires grad: the optimizer skips a frozen one (no gradient, so no decay), which DDP hands
+    the hook as zeros under ``find_unused_parameters``."""
     offset = 0
     for param, number in zip(params, numbers, strict=True):
         size = param.numel()
-        if number in decay:
+        if number in decay and param.requires_grad:
             flat[offset : offset + size].add_(param.detach().reshape(-1), alpha=decay[number])
         offset += size
 

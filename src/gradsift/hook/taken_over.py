@@ -39,7 +39,8 @@ Two it follows instead, at each step's first bucket, before the step's exchange
   with the same ``add_param_group``. Under the Adam methods a group added during the dense
   warm-up gets its moments from Adam's own steps; one added after the warm-up lacks the second
   moments the compressed steps use, and is found. A group added between a step's backward and its optimizer
-  step (after the exchange) is found too.
+  step (after the exchange) is found too; before a step given a closure, it is followed at the
+  closure's backward.
 * **A ``weight_decay`` set again after the takeover** (a schedule): SGD's moves into the hook as
   the takeover moved it, Adam's L2 decay is copied again.
 
@@ -176,8 +177,8 @@ class TakenOverChecks:
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
-        groups = [group for _, group, _ in model_groups(optimizer, self.numbers)]
-        if state is None or not groups:
+        indexed = list(model_groups(optimizer, self.numbers))
+        if state is None or not indexed:
             return
         exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
         if unwrapped(optimizer) is not unwrapped(state.optimizer):
@@ -197,13 +198,16 @@ class TakenOverChecks:
             )
             return
         beta1 = None if state.adam is None else state.adam.beta1
-        if beta1 is None and len(unwrapped(optimizer).param_groups) > self.group_count:
+        added = len(unwrapped(optimizer).param_groups) > self.group_count
+        if added and not BEFORE_STEP.closure and (beta1 is None or not state.warming()):
             self._found(
                 "a parameter group was added with optimizer.add_param_group between backward and the "
                 "optimizer's step, after the hook's exchange: the hook takes an added group over at the "
                 "next step's first bucket; add it before the backward pass"
             )
             return
+        # the groups followed so far: a closure's backward, inside this step, follows the others
+        groups = [group for index, group, _ in indexed if index < self.group_count]
         changed = [group for group in groups if _momentum_of(group, beta1) != (beta1 or 0.0)]
         if changed and beta1 is None and MOMENTUM_KEY not in changed[0]:
             self._found(
