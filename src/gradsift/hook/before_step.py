@@ -4,10 +4,11 @@ PyTorch's global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) sees every optimizer's step,
 on the training thread, after backward returned -- or, for a step given a closure (LBFGS,
 Lightning's automatic optimization), before the closure's backward runs inside the step
-(:attr:`_Registry.closure` says which while the members are called). Two kinds of objects use it: a hook
-state settling its closed step (:meth:`gradsift.hook.state.GradsiftHookState.settle`)
-and the first optimizer step's checks (:mod:`gradsift.hook.first_step`). Each has a
-``before_step(optimizer)`` method and is called in the order it was added.
+(:attr:`_Registry.closure` says which while the members are called). Three kinds of objects
+use it: a hook state settling its closed step
+(:meth:`gradsift.hook.state.GradsiftHookState.settle`), the first optimizer step's checks
+(:mod:`gradsift.hook.first_step`) and a takeover's (:mod:`gradsift.hook.taken_over`). Each has
+a ``before_step(optimizer)`` method and is called in the order it was added.
 
 The global hook is registered once and never removed: an optimizer's step iterates over
 PyTorch's global hooks, and removing one while another thread's optimizer steps

@@ -378,9 +378,9 @@ class GradsiftHookState:
 
     def open_step(self) -> Any:
         """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), the last one settled
-        first, after the first step's :meth:`discover` and the groups added or a weight decay set again since
-        the takeover (:mod:`gradsift.hook.taken_over`); while the density warms up, set the
-        sparsifier's ratio for this step (:func:`gradsift.hook.recipe.density_at`)."""
+        first, after the first step's :meth:`discover` and the groups added or a weight decay set
+        again since the takeover (:mod:`gradsift.hook.taken_over`); while the density warms up,
+        set the sparsifier's ratio for this step (:func:`gradsift.hook.recipe.density_at`)."""
         if self.ledger.current is None:
             self.settle()
         if self.discovering and self.ledger.current is None:

@@ -38,9 +38,9 @@ Two it follows instead, at each step's first bucket, before the step's exchange
   never stepped the gradients exchanged before, so with nothing dropped the run is stock DDP's
   with the same ``add_param_group``. Under the Adam methods a group added during the dense
   warm-up gets its moments from Adam's own steps; one added after the warm-up lacks the second
-  moments the compressed steps use, and is found. A group added between a step's backward and its optimizer
-  step (after the exchange) is found too; before a step given a closure, it is followed at the
-  closure's backward.
+  moments the compressed steps use, and is found. A group added between a step's backward and
+  its optimizer step (after the exchange) is found too; before a step given a closure, it is
+  followed at the closure's backward.
 * **A ``weight_decay`` set again after the takeover** (a schedule): SGD's moves into the hook as
   the takeover moved it, Adam's L2 decay is copied again.
 
@@ -183,11 +183,11 @@ class TakenOverChecks:
         exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
         if unwrapped(optimizer) is not unwrapped(state.optimizer):
             self._found(
-                f"an optimizer ({type(optimizer).__name__}) other than the one whose momentum the hook took "
-                "over steps the model's parameters (an optimizer built again mid-run, or a second one for some of "
-                "them): the hook's exchange carries the momentum it took, so that optimizer would step a "
-                "velocity; keep the one optimizer and change its param_groups (learning rate, weight "
-                "decay, add_param_group: the hook follows them), or register with optimizer=False"
+                f"an optimizer ({type(optimizer).__name__}) other than the one whose momentum the hook "
+                "took over steps the model's parameters (an optimizer built again mid-run, or a second one "
+                "for some of them): the hook's exchange carries the momentum it took, so that optimizer "
+                "would step a velocity; keep the one optimizer and change its param_groups (learning rate, "
+                "weight decay, add_param_group: the hook follows them), or register with optimizer=False"
             )
             return
         if exchanges > 1:
