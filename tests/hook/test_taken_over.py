@@ -461,3 +461,27 @@ def test_a_frozen_parameter_takes_no_weight_decay_in_the_exchange(one_process_gr
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_without_momentum_keeps_its_weight_decay(one_process_group):
+    """SGD with weight decay and no momentum: nothing enters a momentum, so the hook takes
+    nothing over and SGD decays after the exchange, as with stock DDP -- a decay schedule and
+    backward passes without ``no_sync`` (each an exchange) then train as stock DDP does, with
+    nothing dropped. (The hook took the decay over: the schedule decayed twice, 5.3e-4 from
+    stock, and three passes a step decayed three times, 2.0e-3.)"""
+
+    def run(hooked: bool, no_sync: bool) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, weight_decay=1e-2)
+        if hooked:
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0)
+        for step in range(6):
+            if step == 3:
+                optimizer.param_groups[0]["weight_decay"] = 5e-2
+            accumulate(ddp, optimizer, 1, no_sync=no_sync)
+        assert optimizer.param_groups[0]["weight_decay"] == 5e-2
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    for no_sync in (True, False):
+        for a, b in zip(run(True, no_sync), run(False, no_sync), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,10 @@ fixes it with four techniques, all available as hook options:
   ``optimizer.load_state_dict`` and ``register_comm_hook`` comes first. An SGD that already
   stepped hands its momentum buffers over as the velocity's start. With nothing
   dropped (ratio 1, no masking) the hook then equals stock DDP + SGD momentum:
-  ``mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x``.
+  ``mean_w(m u_w + g_w + wd x) = m mean_w(u_w) + mean_w(g_w) + wd x``. An SGD without
+  momentum keeps both: nothing enters a momentum, and SGD decays the parameters after the
+  exchange as with stock DDP, once per step however many backward passes exchanged and
+  whatever schedule sets the decay.
 * **Momentum factor masking** (``momentum_masking``, on by default): ``u[sent] = 0``.
 * **Local gradient clipping** (``clip_norm=c``): before accumulation, each part's local
   gradient is scaled by ``min(1, t / ||g||)`` with ``t = c * sqrt(n_part / n_model) / sqrt(W)``
@@ -136,6 +139,8 @@ def take_over(
             "without momentum correction, or a compressor without error feedback)"
         )
     groups, momentum = _sgd_takeover(optimizer, numbers)  # every refusal before any group changes
+    if not momentum:  # nothing enters a momentum: SGD keeps its decay (module docstring)
+        return Takeover()
     taken = Takeover(momentum=momentum, velocity=take_momentum_buffers(optimizer, numbers))
     _move_into_hook(groups, taken.weight_decay)
     return taken
@@ -233,7 +238,7 @@ def _sgd_groups(
             )
         momentum = float(group.get(MOMENTUM_KEY, group["momentum"]))
         decay = float(group.get(WEIGHT_DECAY_KEY, group.get("weight_decay", 0.0)))
-        if decay and group.get("maximize"):
+        if decay and momentum and group.get("maximize"):
             raise InvalidOptionError(
                 f"optimizer param group {index}: maximize=True with weight_decay: SGD adds the decay to "
                 "the negated gradient, the hook to the gradient it exchanges; use one of them"
