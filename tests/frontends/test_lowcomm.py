@@ -138,6 +138,39 @@ def test_a_dead_peer_raises_instead_of_hanging(world):
     assert survivors_raised(results, world)
 
 
+def rebuilt_worker(rank: int, world: int, keep_old: bool) -> dict:
+    """The inner optimizer built again after the first round (a new learning rate, as a script's
+    stage does), the old one dropped or kept alive."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    state = gradsift.diloco(model, optimizer, sync_every=H, compressor="none")
+    kept = []
+    try:
+        for step in range(H * ROUNDS):
+            if step == H:
+                kept.append(optimizer) if keep_old else None
+                optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR / 2)
+            inner(model, optimizer, rank, step)
+    except InvalidOptionError as error:
+        return {"error": str(error), "rounds": state.rounds}
+    every = [torch.empty_like(flat_params(model)) for _ in range(world)]
+    dist.all_gather(every, flat_params(model))
+    return {"rounds": state.rounds, "equal": all(torch.equal(every[0], other) for other in every)}
+
+
+@pytest.mark.parametrize("keep_old", [False, True], ids=["old-dropped", "old-kept"])
+def test_an_inner_optimizer_built_again_is_counted_or_refused(keep_old):
+    """DiLoCo counts the inner optimizer's steps; one built again mid-run was never counted, so
+    no round ended and the workers trained apart without a word. Dropped by the script, the old
+    one is gone and the new one counted: every round ends, the ranks equal after the last. Kept
+    alive, the new one's steps are refused after ``H`` of them, naming both."""
+    for result in run_workers(__file__, "rebuilt_worker", 2, timeout=60, keep_old=keep_old):
+        if keep_old:
+            assert result["rounds"] == 1 and "has not stepped for 3 steps of another" in result["error"]
+        else:
+            assert result == {"rounds": ROUNDS, "equal": True}
+
+
 def options_worker(rank: int, world: int) -> dict:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)

@@ -3,8 +3,8 @@
 ``state = gradsift.diloco(model, optimizer, sync_every=H, compressor="sidco-exp", ratio=0.01)``
 for a model that is *not* wrapped in DDP (Douillard et al. 2023; SparseLoCo 2025). Each
 worker trains on its own data with its own (inner) optimizer and no communication; a
-step post-hook on that optimizer counts the inner steps, and after every ``H`` of them
-the round ends:
+step post-hook on that optimizer counts the inner steps (an optimizer built again mid-run
+is counted once the script drops the old one), and after every ``H`` of them the round ends:
 
 1. the pseudo-gradient of every trainable parameter, ``Delta_k = theta - theta_k`` (the
    shared parameters of the round's start minus this worker's), is flattened into one
@@ -41,6 +41,7 @@ inner optimizer's and the model's own state dicts).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -52,10 +53,12 @@ from gradsift.core.agreement import tensors_text
 from gradsift.core.collectives import blocking, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.checkpoint_checks import check_hook_entry
 from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.layout import FlatBucket
+from gradsift.hook.recipe import unwrapped
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
@@ -88,7 +91,6 @@ class DiLoCoState:
     ) -> None:
         self.model = model
         self.unsent = unsent
-        self.inner_optimizer = optimizer
         self.hook = hook
         self.sync_every = sync_every
         self.buffers = buffers
@@ -101,7 +103,39 @@ class DiLoCoState:
         )
         self.inner_steps = 0
         self.rounds = 0
+        self._ids = {id(p) for p in self.params}
+        self._follow(optimizer)
+        BEFORE_STEP.add(self)
+
+    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s steps as the inner steps (held weakly: one the script drops is gone)."""
+        self._inner = weakref.ref(optimizer)
         self._handle = optimizer.register_step_post_hook(self._after_inner_step)
+        self._others = 0  # steps of another optimizer of these parameters since this one's last
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before any optimizer's step: an optimizer built again mid-run (the one counted dropped
+        by the script, another stepping these parameters) is counted from its first step, so
+        the rounds go on; while the one counted lives, another stepping these parameters
+        :attr:`sync_every` times in a row without it is refused (the rounds would stop, and the
+        workers would train apart without a word)."""
+        inner = self._inner()
+        if inner is not None and unwrapped(inner) is unwrapped(optimizer):
+            self._others = 0
+            return
+        if not any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"]):
+            return
+        if inner is None:
+            self._follow(optimizer)
+            return
+        self._others += 1
+        if self._others >= self.sync_every:
+            raise InvalidOptionError(
+                f"DiLoCo counts the inner steps of the optimizer it was given ({type(inner).__name__}), "
+                f"which has not stepped for {self._others} steps of another ({type(optimizer).__name__}) "
+                "on the same parameters: no round would end; drop every reference to the old optimizer "
+                "(DiLoCo then counts the new one), or build the state with the optimizer that steps"
+            )
 
     # -- the round --------------------------------------------------------------------------
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -144,6 +178,7 @@ class DiLoCoState:
     def detach(self) -> None:
         """Stop counting the inner optimizer's steps."""
         self._handle.remove()
+        BEFORE_STEP.remove(self)
 
     # -- read-outs and checkpoints ------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
