@@ -149,6 +149,8 @@ class TakenOverChecks:
             return
         optimizer = unwrapped(state.optimizer)
         start, self.group_count = self.group_count, len(optimizer.param_groups)
+        if self.group_count == start:  # the common step: no walk over the parameters
+            return
         added = [
             (group, mine) for index, group, mine in model_groups(optimizer, self.numbers) if index >= start
         ]
