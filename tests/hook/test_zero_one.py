@@ -276,9 +276,23 @@ def refusals_worker(rank: int, world: int) -> dict:
         weights, rest = list(model.parameters())[:1], list(model.parameters())[1:]
         return [{"params": weights, "lr": LR}, {"params": rest, "lr": 2 * LR}]
 
+    def added_at_another_rate():
+        model = DDP(make_model())
+        first, rest = list(model.parameters())[:1], list(model.parameters())[1:]
+        optimizer = torch.optim.AdamW(first, lr=LR)
+        gradsift.register_comm_hook(
+            model, "efsignsgd", optimizer=optimizer, warmup_steps=WARMUP, adam="zero-one"
+        )
+        optimizer.add_param_group({"params": rest, "lr": 2 * LR})  # during the warm-up: followed
+        for step in range(WARMUP + 2):
+            optimizer.zero_grad()
+            loss_of(model, 0, step).backward()
+            optimizer.step()
+
     assert dist.get_world_size() == 1
     return refusal_messages(
         {
+            "added": added_at_another_rate,
             "other method": lambda: one_line(local_steps=(2, 4)),
             "zero": lambda: one_line(adam="zero-one", local_steps=(0, 4)),
             "shape": lambda: one_line(adam="zero-one", local_steps=4),
@@ -295,7 +309,8 @@ def test_what_zero_one_cannot_run_is_refused_by_name():
     assert "needs adam='zero-one'" in result["other method"]
     for kind in ("zero", "shape"):
         assert "(double_every, longest), two ints >= 1" in result[kind]
-    assert "one learning rate" in result["rates"] and str(sorted([LR, 2 * LR])) in result["rates"]
+    for kind in ("rates", "added"):  # a group added at another rate too (it was left out)
+        assert "one learning rate" in result[kind] and str(sorted([LR, 2 * LR])) in result[kind]
     assert result["default"] == "no error"
 
 

@@ -109,8 +109,10 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         super().__init__(optimizer, numbers, warmup_steps)
         self.double_every, self.longest = parse_local_steps(local_steps)
         #: The indices of the groups holding the model's parameters (``load_state_dict`` makes
-        #: new group dicts, in the same order: read them through the optimizer each time).
-        self._groups = [index for index, _, _ in model_groups(optimizer, numbers)]
+        #: new group dicts, in the same order: read them through the optimizer each time), as
+        #: of the optimizer's group count beside them (``add_param_group`` adds one).
+        self._groups: list[int] = []
+        self._counted = 0
         self.learning_rate()  # one rate over the model's groups, or refused here already
         #: The step in progress ends an interval (read by the optimizer's step that follows it).
         self.syncing = False
@@ -133,6 +135,9 @@ class ZeroOneAdamStep(FrozenVarianceStep):
 
     def learning_rate(self) -> float:
         """The one learning rate of the model's parameter groups now (host floats only)."""
+        if len(self.optimizer.param_groups) != self._counted:  # a group added: look again
+            self._counted = len(self.optimizer.param_groups)
+            self._groups = [index for index, _, _ in model_groups(self.optimizer, self.numbers)]
         rates = {float(self.optimizer.param_groups[index]["lr"]) for index in self._groups}
         if len(rates) != 1:
             raise InvalidOptionError(
