@@ -3,12 +3,14 @@ window rule and its hysteresis against hand-worked windows; on a 1-rank gloo gro
 whose step time drifts from stock DDP's switches to the method that the new probes favour,
 and then trains exactly as that method registered by hand with the steps before as its dense
 warm-up; leaving error feedback gives SGD its momentum back (a dense exchange given back is
-stock DDP); the 1-bit Adam method runs on and says why."""
+stock DDP); the 1-bit Adam method runs on and says why; a method left for what the script does
+is never picked again."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import warnings
 
 import pytest
 import torch
@@ -290,3 +292,43 @@ def test_two_ranks_agree_on_the_drift_and_leave_error_feedback_together():
     for key in ("params", "buffers"):  # replicas and momentum buffers equal after the hand-back
         for a, b in zip(results[0][key], results[1][key], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_method_left_for_clipping_is_never_picked_again(one_process_group, monkeypatch):
+    """The probes favour ``sidco-exp`` throughout and the steps drift after the choice; the
+    script clips after backward from step 10, which momentum correction cannot follow: ``auto``
+    leaves ``sidco-exp`` for stock DDP, warns once and records why. Its re-measures then choose
+    among the others only (it came back at each one, found the clipping again and left, every
+    hundred steps), and the record survives a checkpoint."""
+    monkeypatch.setitem(choice.START, "sgd", "none")
+    monkeypatch.setattr(
+        auto.probes,
+        "route_costs",
+        lambda candidates, *args: [1e-3 if n == "sidco-exp" else 1.0 for n, _ in candidates],
+    )
+    monkeypatch.setattr(auto.AutoHookState, "_step_seconds", lambda self: 1.2)
+    monkeypatch.setattr(auto.PaidRoute, "since_mark", lambda self, telemetry: None)
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    data, running = torch.Generator().manual_seed(1), []
+    clock = itertools.count(step=2.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(10 + 5 * drift.WINDOW):
+            if step == 10:
+                state.clock = lambda: float(next(clock))
+            optimizer.zero_grad()
+            ddp(torch.randn(16, 32, generator=data)).square().mean().backward()
+            if step >= 10:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+            optimizer.step()
+            running.append(state.stats()["auto"]["running"])
+    assert "sidco-exp" in running[:10] and "sidco-exp" not in running[20:]
+    stats = state.stats()["auto"]
+    assert stats["remeasures"] >= 1 and list(stats["left"]) == ["sidco-exp"]
+    assert "clip_grad_norm_" in stats["left"]["sidco-exp"]
+    assert len([w for w in caught if "auto runs stock DDP" in str(w.message)]) == 1
+    resumed = gradsift.register_comm_hook(model())
+    resumed.load_state_dict(state.state_dict())
+    assert resumed.stats()["auto"]["left"] == stats["left"]

@@ -161,6 +161,9 @@ def test_the_summary_says_auto_was_still_measuring_or_chose_without_a_prediction
     fell_back = {"choice": "none", "running": "none", "predicted_ms": {}, "remeasures": 0}
     line = format_summary({**base, "recipe": {"auto": fell_back}}, "runs/x").splitlines()[0]
     assert line.startswith("auto -> none on 2 workers") and "predicted" not in line
+    fell_back["left"] = {"sidco-exp": "the gradients SGD steps ... clipping after backward (clip_grad_norm_)"}
+    line = format_summary({**base, "recipe": {"auto": fell_back}}, "runs/x").splitlines()[0]
+    assert line.startswith("auto -> none, having left sidco-exp (why: summary.json, recipe.auto.left) on 2")
 
 
 def test_the_summary_of_diloco_names_its_round_and_compressor():

@@ -110,6 +110,8 @@ class AutoHookState:
         #: The running choice's step-time windows (:mod:`gradsift.hook.drift`) and re-measures made.
         self.watch: DriftWatch | None = None
         self.remeasures = 0
+        #: The methods left for what the script does that they cannot follow, with what: never picked again.
+        self.left: dict[str, str] = {}
         self._paid = PaidRoute()  # the route the running method's steps paid, since a mark
         self._window_paid: float | None = None  # ... in the last drift window
         self.clock = time.perf_counter
@@ -141,8 +143,8 @@ class AutoHookState:
         if uneven.joined(self.ddp_model):  # no bucket kept, no collective of auto's own
             if self.choice == "measuring":
                 self._run_dense(step)
-        elif handover.found_added_groups(self.current):  # a group added the method cannot follow
-            self._run_dense(step)
+        elif why := handover.found_added_groups(self.current):  # a group added the method cannot follow
+            self._run_dense(step, why)
         elif self.choice == "measuring" and self._kept_all and self._after_step is None:  # no optimizer found
             self._decide(self._step_seconds(), self._paid.since_mark(self._timed_telemetry()))
         elif self.choice == "measuring" and not self._kept:
@@ -165,10 +167,12 @@ class AutoHookState:
         if self.pending is not None and self.switch_at is not None and step >= self.switch_at:
             self._switch(self.pending, step)
 
-    def _run_dense(self, step: int) -> None:
-        """Run ``none`` from ``step``, with no prediction to watch: under DDP's join while measuring
-        (:mod:`~.uneven`), or when the running method's checks found what it cannot follow
-        (:func:`~gradsift.hook.handover.found_unfollowable`)."""
+    def _run_dense(self, step: int, why: str | None = None) -> None:
+        """Run ``none`` from ``step``: under DDP's join while measuring (:mod:`~.uneven`), or when
+        the running method's checks found ``why``, what it cannot follow
+        (:func:`~gradsift.hook.handover.found_unfollowable`): that method is :attr:`left`."""
+        if why is not None:
+            self.left[self.current.compressor.name] = why
         if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them
             self.dense.discover()
         self._kept, self._kept_all, self.choice, self.decided_at = [], False, "none", step
@@ -210,8 +214,8 @@ class AutoHookState:
         Nothing under DDP's join (:mod:`gradsift.hook.uneven`)."""
         if uneven.joined(self.ddp_model):
             return
-        if handover.found_unfollowable(self.current):  # SGD's momentum as the script has it
-            self._run_dense(self.current.step)
+        if why := handover.found_unfollowable(self.current):  # SGD's momentum as the script has it
+            self._run_dense(self.current.step, why)
         if self._kept_all:
             first = self.choice == "measuring"
             paid = self._paid.since_mark(self._timed_telemetry()) if first else self._window_paid
@@ -297,10 +301,11 @@ class AutoHookState:
         return sum(p.numel() for p in self.dense.hooked if p.requires_grad)
 
     def candidates(self) -> tuple[tuple[str, dict[str, Any]], ...]:
-        """The candidates for the optimizer found (module docstring), with their options."""
+        """The candidates for the optimizer found (module docstring) with their options, none :attr:`left`."""
         kind = choice.family(self.dense.optimizer, self.dense.layout.numbers)
         long_run = self.run_steps is not None and self.run_steps >= choice.LONG_RUN_STEPS
-        return choice.CANDIDATES[kind] + ((choice.ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
+        found = choice.CANDIDATES[kind] + ((choice.ONE_BIT_ADAM,) if kind == "adam" and long_run else ())
+        return tuple(candidate for candidate in found if candidate[0] not in self.left)
 
     def _step_seconds(self) -> float:
         """The median interval between the timed steps' first buckets."""
@@ -327,36 +332,30 @@ class AutoHookState:
     # -- read-outs and checkpoints -------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The running method's :meth:`~GradsiftHookState.stats` with ``"auto"``: the choice,
-        the step it was made at, the predicted step times and the measured parts (ms)."""
+        the step it was made at, the predicted step times, the measured parts (ms) and the
+        methods left, with why."""
         stats = self.current.stats()
-        stats["auto"] = {
+        drift = None if self.watch is None else self.watch.stats()
+        stats["auto"] = {**self._record(), "measured_on": self.measured_on, "remeasures": self.remeasures}
+        stats["auto"]["drift"] = drift
+        return stats
+
+    def _record(self) -> dict[str, Any]:
+        """What :meth:`stats` and :meth:`state_dict` both report."""
+        return {
             "choice": self.choice,
             "running": self.current.compressor.name,
-            "measured_on": self.measured_on,
             "decided_at": self.decided_at,
             "predicted_ms": dict(self.predicted_ms),
             "measured_ms": dict(self.measured_ms),
-            "remeasures": self.remeasures,
-            "drift": None if self.watch is None else self.watch.stats(),
+            "left": dict(self.left),
         }
-        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """The running method's :meth:`~GradsiftHookState.state_dict` with ``"auto"``: the
         choice, when it takes effect, and what it was made from."""
-        return {
-            **self.current.state_dict(),
-            "auto": {
-                "choice": self.choice,
-                "decided_at": self.decided_at,
-                "switch_at": self.switch_at,
-                "pending": self.pending,
-                "switched_at": self.switched_at,
-                "running": self.current.compressor.name,
-                "predicted_ms": dict(self.predicted_ms),
-                "measured_ms": dict(self.measured_ms),
-            },
-        }
+        switches = {"switch_at": self.switch_at, "pending": self.pending, "switched_at": self.switched_at}
+        return {**self.current.state_dict(), "auto": {**self._record(), **switches}}
 
     def prepare_load(self, entry: dict[str, Any]) -> GradsiftHookState:
         """The method state that loads ``entry`` (a :meth:`state_dict`): the optimizer found,
@@ -380,6 +379,7 @@ class AutoHookState:
         self.choice, self.decided_at, self.switch_at = auto["choice"], auto["decided_at"], auto["switch_at"]
         self.pending, self.switched_at = auto["pending"], auto["switched_at"]
         self.predicted_ms, self.measured_ms = dict(auto["predicted_ms"]), dict(auto["measured_ms"])
+        self.left = dict(auto.get("left", {}))  # an older checkpoint has none
         self.current.load_state_dict({key: value for key, value in state.items() if key != "auto"})
 
     step = _running("step")

@@ -93,9 +93,9 @@ class FirstOptimizerStep:
         self.check_scaler = check_scaler
         self.clipping_checks = CLIPPING_CHECKS if check_clipping else 0
         #: Clipping found is refused (a named method); False: recorded in :attr:`found` (``auto``),
-        #: as :class:`~gradsift.hook.taken_over.TakenOverChecks` does.
+        #: as :class:`~gradsift.hook.taken_over.TakenOverChecks` does, with what was seen.
         self.refuse = True
-        self.found = False
+        self.found: str | None = None
         #: The first factor below 1 seen (a script's own constant rescale, or a clip's).
         self.rescaled: float | None = None
         self.candidate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -207,11 +207,11 @@ class FirstOptimizerStep:
                 f"are the hook's times {factor:.3g}, not a power of two (a scaler's unscale_ is one): clipping "
                 "after backward (clip_grad_norm_)"
             )
-        self.clipping_checks, self.found = 0, True
         seen = (
             f"the gradients {type(optimizer).__name__} steps {how} acts on the velocity momentum correction "
             "sends, not on the gradient, so training slows or stalls"
         )
+        self.clipping_checks, self.found = 0, seen
         if not self.refuse:
             warnings.warn(f"gradsift: {seen}; auto runs stock DDP's allreduce from here", stacklevel=5)
             return

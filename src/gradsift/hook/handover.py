@@ -39,24 +39,25 @@ def enter(
     return state
 
 
-def found_unfollowable(running: GradsiftHookState) -> bool:
-    """Whether ``running``'s checks found, at the optimizer step just taken, what a method with a
+def found_unfollowable(running: GradsiftHookState) -> str | None:
+    """What ``running``'s checks found, at the optimizer step just taken, that a method with a
     takeover cannot follow -- clipping after its exchange (:mod:`gradsift.hook.first_step`), several
-    exchanges per optimizer step or a momentum changed (:mod:`gradsift.hook.taken_over`) --, each
-    finding read once: ``auto`` then runs stock DDP, as the script would train without the hook."""
-    found = [checks for checks in _checks(running) if checks.found]
-    for checks in found:
-        checks.found = False
-    return bool(found)
+    exchanges per optimizer step, a momentum changed, another optimizer (:mod:`gradsift.hook.taken_over`)
+    --, each finding read once (None: nothing): ``auto`` then runs stock DDP, as the script would
+    train without the hook, and never picks that method again."""
+    found = [checks.found for checks in _checks(running) if checks.found]
+    for checks in _checks(running):
+        checks.found = None
+    return found[0] if found else None
 
 
-def found_added_groups(running: GradsiftHookState) -> bool:
-    """At a step's first bucket, before ``running`` exchanges: whether the parameter groups added
-    since its last step include one its takeover cannot follow
+def found_added_groups(running: GradsiftHookState) -> str | None:
+    """At a step's first bucket, before ``running`` exchanges: what it cannot follow among the
+    parameter groups added since its last step
     (:meth:`~gradsift.hook.taken_over.TakenOverChecks.follow_added_groups`, which takes over the
-    others): ``auto`` then runs stock DDP from this step."""
+    others), or None: ``auto`` then runs stock DDP from this step."""
     if running.taken_over is None:
-        return False
+        return None
     running.taken_over.follow_added_groups()
     return found_unfollowable(running)
 

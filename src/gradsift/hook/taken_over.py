@@ -87,7 +87,7 @@ class TakenOverChecks:
         #: Refuse what the checks find (a named method); False under ``auto``, which records it in
         #: :attr:`found` and leaves the method (:func:`gradsift.hook.handover.found_unfollowable`).
         self.refuse = True
-        self.found = False
+        self.found: str | None = None
         #: Adam's group decays as last copied (:meth:`follow_groups`); None: not yet.
         self.decays: list[float] | None = None
         #: The optimizer's groups when last followed: those past it were added since.
@@ -102,7 +102,7 @@ class TakenOverChecks:
             raise InvalidOptionError(problem)
         if not self.found:
             warnings.warn(f"gradsift: {problem}; auto runs stock DDP's allreduce from here", stacklevel=5)
-        self.found = True
+        self.found = problem
 
     def detach(self) -> None:
         """Stop checking and recording: the optimizer has its momentum back (``auto`` left the method)."""
