@@ -175,7 +175,7 @@ class AutoHookState:
             self.left[self.current.compressor.name] = why
         if self.dense.discovering:  # the scaler and the optimizer, as stock DDP's steps use them
             self.dense.discover()
-        self._kept, self._kept_all, self.choice, self.decided_at = [], False, "none", step
+        self._kept, self._kept_all, self.choice, self.decided_at, self.watch = [], False, "none", step, None
         if self.current is not self.dense:
             if self.current.feedback is not None:
                 handover.leave(self.current, self.dense)
