@@ -22,6 +22,16 @@ def test_register_comm_hook_refuses_a_model_that_is_not_ddp():
         gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk", ratio=0.1)
 
 
+def test_a_compiled_ddp_model_gets_the_hook_on_the_ddp_model_it_compiles(one_process_group):
+    """``register_comm_hook(torch.compile(ddp))`` (refused as "got OptimizedModule"): the hook
+    goes on ``ddp`` itself, which then takes no second hook."""
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+    state = gradsift.register_comm_hook(torch.compile(ddp), "topk", ratio=0.5)
+    assert state.hooked == list(ddp.module.parameters())
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        ddp.register_comm_hook(None, lambda state, bucket: None)
+
+
 @pytest.mark.parametrize("compressor", ["topk", "efsignsgd"])
 def test_an_optimizer_holding_none_of_the_models_parameters_is_refused(one_process_group, compressor):
     torch.manual_seed(0)

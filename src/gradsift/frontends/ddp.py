@@ -43,7 +43,8 @@ def register_comm_hook(
             optimizer and the ``GradScaler`` it finds (:mod:`gradsift.hook.discovery`);
             ``optimizer=False``: none, and none looked for.
 
-    The compressor's ``attach(ddp_model.module)`` is called once here.
+    The compressor's ``attach(ddp_model.module)`` is called once here. ``torch.compile(ddp_model)``
+    may be passed as well: the hook goes on the DDP model it compiles.
 
     Example::
 
@@ -51,6 +52,7 @@ def register_comm_hook(
         state = gradsift.register_comm_hook(model)  # "auto"; or e.g. "topk", ratio=0.01
         # train as usual; state.stats()["auto"] says what it chose and why
     """
+    ddp_model = getattr(ddp_model, "_orig_mod", ddp_model)  # torch.compile's wrapper: the model it runs
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidOptionError(
             f"ddp_model must be a DistributedDataParallel model, got {type(ddp_model).__name__}"
