@@ -270,6 +270,12 @@ def test_trainer_callback_registers_saves_each_rank_and_restores(
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert any(bool(t.abs().sum() > 0) for t in before.values())
 
+    # with torch_compile=True the Trainer's model_wrapped is torch.compile's wrapper of the DDP model
+    inner = _ddp_model()
+    compiled = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=torch.compile(inner)), "topk", ratio=0.1)
+    compiled.on_train_begin(*_trainer_events(tmp_path, 0))
+    assert compiled.state.hooked == list(inner.module.parameters())
+
     # the folder comes from resume_from, else TrainingArguments.resume_from_checkpoint
     moved = tmp_path / "moved"
     (tmp_path / "checkpoint-1").rename(moved)

@@ -121,7 +121,8 @@ class GradsiftTrainerCallback(TrainerCallback):
         self._ddp_model: DistributedDataParallel | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        ddp_model = self.trainer.model_wrapped
+        wrapped = self.trainer.model_wrapped
+        ddp_model = getattr(wrapped, "_orig_mod", wrapped)  # torch_compile=True: the DDP model compiled
         if not isinstance(ddp_model, DistributedDataParallel):
             raise InvalidOptionError(
                 "GradsiftTrainerCallback needs the Trainer to train with DistributedDataParallel, i.e. on "
