@@ -272,7 +272,9 @@ def test_trainer_callback_registers_saves_each_rank_and_restores(
 
     # with torch_compile=True the Trainer's model_wrapped is torch.compile's wrapper of the DDP model
     inner = _ddp_model()
-    compiled = GradsiftTrainerCallback(SimpleNamespace(model_wrapped=torch.compile(inner)), "topk", ratio=0.1)
+    compiled = GradsiftTrainerCallback(
+        SimpleNamespace(model_wrapped=torch.compile(inner, backend="eager")), "topk", ratio=0.1
+    )
     compiled.on_train_begin(*_trainer_events(tmp_path, 0))
     assert compiled.state.hooked == list(inner.module.parameters())
 
