@@ -485,3 +485,43 @@ def test_sgd_without_momentum_keeps_its_weight_decay(one_process_group):
     for no_sync in (True, False):
         for a, b in zip(run(True, no_sync), run(False, no_sync), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def added_group_worker(rank: int, world: int) -> dict:
+    """On ``world`` ranks with different data: the body's group added at step 3 under a named
+    method at ratio 1 without masking, beside stock DDP in the same process; and the one line
+    with a group it cannot follow (another momentum)."""
+
+    def run(how: str, momentum: float = 0.9) -> list[torch.Tensor]:
+        ddp = model()
+        optimizer, body = head_then_body(ddp, momentum=momentum)
+        if how == "topk":
+            gradsift.register_comm_hook(ddp, "topk", ratio=1.0, momentum_masking=False)
+        elif how == "auto":
+            gradsift.register_comm_hook(ddp)
+        for step in range(8):
+            if step == 3:
+                optimizer.add_param_group(body)
+            optimizer.zero_grad()
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
+            (ddp(inputs) - inputs[:, :4]).square().mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"stock": run("stock"), "topk": run("topk"), "auto": run("auto", momentum=0.5)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_ranks_an_added_group_trains_as_stock_ddp_and_the_fallback_keeps_them_equal():
+    from support.distributed import run_workers
+
+    results = run_workers(__file__, "added_group_worker", 2, timeout=120)
+    for result in results:
+        for a, b in zip(result["topk"], result["stock"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in ("stock", "topk", "auto"):  # the replicas equal, the one line's after its fallback too
+        for a, b in zip(results[0][key], results[1][key], strict=True):
+            assert torch.equal(a, b), key
