@@ -125,6 +125,8 @@ CRAFTED: dict[str, tuple[str, Callable[[dict], None], str, str]] = {
     "negative telemetry": ("topk", negative_telemetry, "topk", r"telemetry total 'bytes_sent' must be finite and >= 0"),
     "negative weight decay": ("topk", negative_weight_decay, "topk", r"weight_decay\[0\] must be finite and >= 0"),
     "momentum of one": ("topk", momentum_of_one, "topk", r"feedback must be None or \{'momentum': m\} with m in \[0, 1\)"),
+    "auto's left not a dict": ("topk", lambda c: entry(c).update(auto={"left": ["sidco-exp"]}), "topk",
+                               r"auto's methods left must be \{method name: why\}, got \['sidco-exp'\]"),
     "negative count": ("dgc", lambda c: entry(c)["compressor"]["calls"].update({KEY: -1}), "dgc",
                        r"compressor state\['calls'\]\[\(0, 1, 2, 3\)\] must be >= 0, got -1"),
 }  # fmt: skip

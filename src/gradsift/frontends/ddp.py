@@ -39,9 +39,10 @@ def register_comm_hook(
             compressor (``ratio``, ``stages``, ...). ``optimizer=`` applies DGC's momentum
             correction (:mod:`gradsift.hook.recipe`): with an error-feedback compressor the
             optimizer's momentum and weight decay move into the hook, so momentum is
-            applied exactly once (an SGD without momentum keeps its decay). Without ``optimizer=`` / ``scaler=`` the hook adopts the
-            optimizer and the ``GradScaler`` it finds (:mod:`gradsift.hook.discovery`);
-            ``optimizer=False``: none, and none looked for.
+            applied exactly once (an SGD without momentum keeps its decay). Without
+            ``optimizer=`` / ``scaler=`` the hook adopts the optimizer and the ``GradScaler``
+            it finds (:mod:`gradsift.hook.discovery`); ``optimizer=False``: none, and none
+            looked for.
 
     The compressor's ``attach(ddp_model.module)`` is called once here. ``torch.compile(ddp_model)``
     may be passed as well: the hook goes on the DDP model it compiles.

@@ -18,7 +18,9 @@ anything is loaded:
   weight decays are finite and >= 0 under parameter numbers; momentum lies in ``[0, 1)``;
   telemetry totals are finite and >= 0;
 * in the compressor's state every Python integer is >= 0 and every float and floating-point
-  tensor finite (its own ``load_state_dict`` checks its structure).
+  tensor finite (its own ``load_state_dict`` checks its structure);
+* ``compressor="auto"``'s methods left (``auto.left``, where saved) map method names to the
+  text of what the script did.
 
 Before the hook is attached (no parameter numbers yet) the keys and lengths cannot be
 checked; everything else is.
@@ -69,6 +71,7 @@ def check_hook_entry(
     _check_feedback(entry["feedback"], where)
     _check_weight_decay(entry["weight_decay"], numels, where)
     _check_telemetry(entry["telemetry"], where)
+    _check_left(entry.get("auto", {}), where)
     _check_numbers(entry["compressor"], f"{where} compressor state")
 
 
@@ -209,6 +212,14 @@ def _check_telemetry(telemetry: Any, where: str) -> None:
             raise InvalidOptionError(
                 f"{where}: telemetry total {name!r} must be finite and >= 0, got {value!r}"
             )
+
+
+def _check_left(auto: Any, where: str) -> None:
+    left = auto.get("left", {}) if isinstance(auto, dict) else None
+    if not isinstance(left, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in left.items()
+    ):
+        raise InvalidOptionError(f"{where}: auto's methods left must be {{method name: why}}, got {left!r}")
 
 
 def _check_numbers(value: Any, at: str) -> None:

@@ -204,8 +204,8 @@ class FirstOptimizerStep:
             return
         else:
             how = (
-                f"are the hook's times {factor:.3g}, not a power of two (a scaler's unscale_ is one): clipping "
-                "after backward (clip_grad_norm_)"
+                f"are the hook's times {factor:.3g}, not a power of two (a scaler's unscale_ is one): "
+                "clipping after backward (clip_grad_norm_)"
             )
         seen = (
             f"the gradients {type(optimizer).__name__} steps {how} acts on the velocity momentum correction "

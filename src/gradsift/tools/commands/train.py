@@ -317,10 +317,10 @@ def _auto_method(auto: dict[str, Any]) -> str:
     when the run ended, the method its measuring steps ran; chosen without a prediction (DDP's
     join, clipping after a takeover's exchange), the choice alone; and the methods it left for
     what the script does (why: ``summary.json``'s ``recipe.auto.left``)."""
-    left = auto.get("left") or {}
-    after = f", having left {', '.join(left)} (why: summary.json, recipe.auto.left)" if left else ""
     if auto["choice"] == "measuring":
         return f"auto -> still measuring when the run ended (on {auto.get('running', 'none')})"
+    left = auto.get("left") or {}
+    after = f", having left {', '.join(left)} (why: summary.json, recipe.auto.left)" if left else ""
     predicted = ", ".join(f"{name} {ms:.1f}" for name, ms in auto["predicted_ms"].items())
     again = auto.get("remeasures", 0)
     remeasured = f", measured again {again} time{'' if again == 1 else 's'}" if again else ""
