@@ -316,3 +316,35 @@ def test_a_parameter_the_warm_up_never_moved_steps_by_the_models_largest_root(on
     preconditioner = state.adam._preconditioners[id(model.a)]
     assert torch.allclose(preconditioner, torch.full_like(preconditioner, largest + 1e-8), rtol=1e-6)
     assert torch.isfinite(model.a).all() and torch.equal(model.b, torch.zeros(8, 4))
+
+
+def _unfrozen_at(step_unfrozen: int, warmup_steps: int, steps: int) -> torch.nn.Module:
+    """A model whose first layer is frozen after DDP is built (``find_unused_parameters=True``) and
+    unfrozen at ``step_unfrozen``, trained with AdamW under ``topk`` with a fixed warm-up."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ddp = DDP(model, find_unused_parameters=True)
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    gradsift.register_comm_hook(ddp, "topk", optimizer=optimizer, ratio=0.25, warmup_steps=warmup_steps)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        if step == step_unfrozen:
+            model[0].requires_grad_(True)
+        optimizer.zero_grad()
+        ddp(torch.randn(16, 8, generator=generator)).square().mean().backward()
+        optimizer.step()
+    return model
+
+
+def test_a_parameter_unfrozen_after_the_warm_up_is_refused_naming_it(one_process_group):
+    """Frozen through the dense warm-up, a parameter has no second moment for the frozen
+    preconditioner: its first compressed step is refused, naming the unfreezing and what works;
+    unfrozen during the warm-up, Adam's own steps give it one and it trains on."""
+    with pytest.raises(
+        InvalidOptionError, match="without a second moment.*unfrozen since.*before the warm-up"
+    ):
+        _unfrozen_at(step_unfrozen=5, warmup_steps=3, steps=7)
+    model = _unfrozen_at(step_unfrozen=1, warmup_steps=3, steps=7)
+    torch.manual_seed(0)
+    assert not torch.equal(model[0].weight, torch.nn.Linear(8, 16).weight)  # it trained

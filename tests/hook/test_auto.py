@@ -334,6 +334,41 @@ def test_what_a_named_method_refuses_the_one_line_leaves_for_stock_ddp(
     assert 0.8 < optimizer.param_groups[0]["momentum"] <= 0.95  # SGD's own (cycled by the scheduler)
 
 
+def test_a_parameter_unfrozen_after_the_one_bit_methods_warm_up_leaves_it_for_stock_ddp(
+    one_process_group, monkeypatch
+):
+    """On a slow link under AdamW in a long run, a first layer frozen after DDP is built and unfrozen
+    once the 1-bit Adam method compresses (gradual unfreezing): it has no second moment for the
+    frozen preconditioner, which a named method refuses. The one line warns once, takes that step
+    with the layer as a tensor the warm-up never moved, records the method as left, and trains on
+    with stock DDP and AdamW's own steps: the layer moves, every weight finite."""
+    slow_link(monkeypatch, "efsignsgd")
+    warmup = auto.DECIDE_AT + 3
+    torch.manual_seed(0)
+    body = torch.nn.Linear(32, 64)
+    ddp = DDP(torch.nn.Sequential(body, torch.nn.Tanh(), torch.nn.Linear(64, 4)), find_unused_parameters=True)
+    body.requires_grad_(False)
+    optimizer = adamw(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp, warmup_steps=warmup, steps=choice.LONG_RUN_STEPS)
+    generator = torch.Generator().manual_seed(1)
+    unfrozen_at = warmup + 3
+    with pytest.warns(UserWarning, match="without a second moment.*auto runs stock DDP") as caught:
+        for step in range(unfrozen_at + 5):
+            if step == unfrozen_at:
+                body.requires_grad_(True)
+                before = body.weight.detach().clone()
+            optimizer.zero_grad()
+            ddp(torch.randn(16, 32, generator=generator)).square().mean().backward()
+            optimizer.step()
+    assert len([w for w in caught if "second moment" in str(w.message)]) == 1
+    stats = state.stats()["auto"]
+    assert stats["running"] == "none" and "efsignsgd" in stats["left"]
+    assert "second moment" in stats["left"]["efsignsgd"]
+    assert "exp_avg_sq" in optimizer.state[body.weight]  # AdamW steps it again
+    assert not torch.equal(body.weight, before)
+    assert all(torch.isfinite(p).all() for p in ddp.parameters())
+
+
 def test_sgd_sharing_a_group_with_other_parameters_is_not_momentum_corrected(one_process_group, monkeypatch):
     """On a slow link, but the SGD's one group also holds a parameter outside the model: taking
     the group's momentum would take it from that parameter too, so the candidates are those of

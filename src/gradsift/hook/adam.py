@@ -16,7 +16,9 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
    preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, the largest
    root of its tensor, or of the model where the tensor never moved: never ``m / eps``), and the
-   update ``m / D`` is linear in ``m``.
+   update ``m / D`` is linear in ``m``. A parameter without any second moment (frozen through
+   the warm-up, unfrozen since) is refused at its first compressed step (:data:`NO_SECOND_MOMENT`);
+   ``auto`` steps it as a tensor that never moved and leaves the method.
 3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
    the warm-up's ``m / ((1 - beta1)(1 - beta1^t))``, Adam's bias-corrected first moment
    in velocity units), sends ``u + r`` through the compressor with error feedback
@@ -77,6 +79,17 @@ def default_warmup_steps(steps: int) -> int:
     return max(1, round(WARMUP_FRACTION * steps))
 
 
+NO_SECOND_MOMENT = (
+    "a parameter reached a compressed Adam step without a second moment: it had no gradient during "
+    "the dense warm-up (frozen then and unfrozen since, or unused until now); set requires_grad before "
+    "the warm-up ends (warmup_steps), or exclude it from the DDP model"
+)
+
+
+def _refuse(problem: str) -> None:
+    raise InvalidOptionError(problem)
+
+
 def is_adam(optimizer: object) -> bool:
     """Whether ``optimizer`` is one of the Adam family the hook can take over."""
     return isinstance(optimizer, ADAM_FAMILY)
@@ -131,6 +144,9 @@ class AdamStep:
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         #: Set by the hook when a compressed step was committed: the next optimizer step is ours.
         self.pending = False
+        #: Told what the step cannot honour: raises (a named method; under ``auto`` the takeover's
+        #: checks record it instead, :class:`~gradsift.hook.taken_over.TakenOverChecks`).
+        self.found = _refuse
         self._handle = optimizer.register_step_pre_hook(self)
 
     def detach(self) -> None:
@@ -241,13 +257,12 @@ class FrozenVarianceStep(AdamStep):
         cached = self._preconditioners.get(id(param))
         if cached is None:
             state = self.optimizer.state.get(param, {})
-            if "exp_avg_sq" not in state:
-                raise InvalidOptionError(
-                    "a parameter reached a compressed Adam step without a second moment (it had no gradient "
-                    "during the dense warm-up): raise warmup_steps, or exclude it from the DDP model"
-                )
             if not self._preconditioners:  # the first of a freeze: the model's largest root, once
                 self._largest = largest_root(self.optimizer, self.numbers)
+            if "exp_avg_sq" not in state:  # found: refused, or (auto) stepped as a tensor never moved
+                self.found(NO_SECOND_MOMENT)
+                root = torch.zeros_like(param).add_(self._largest.to(param.device))
+                return self._preconditioners.setdefault(id(param), root.add_(float(group["eps"])))
             correction = bias_correction(float(group["betas"][1]), state["step"])
             root = frozen_root(state["exp_avg_sq"], correction, self._largest).to(state["exp_avg_sq"].dtype)
             cached = self._preconditioners[id(param)] = root.add_(float(group["eps"]))
@@ -336,65 +351,7 @@ class OneBitAdamStep(FrozenVarianceStep):
         store.put(VELOCITY, key, mean.to(dtype, copy=True))
 
 
-#: State-store tables of :class:`LocalUpdateStep`: each worker's own Adam moments.
-FIRST, SECOND = "adam.exp_avg", "adam.exp_avg_sq"
-
-
 #: The methods ``optimizer=`` offers for the Adam family (the hook option ``adam``).
 METHODS = ("frozen-variance", "update", "onebit", "zero-one")
 #: Those that freeze the second moment after a dense warm-up (which they cannot do without).
 FROZEN_METHODS = ("frozen-variance", "onebit", "zero-one")
-
-
-def adam_step(
-    optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int | None, method: str
-) -> AdamStep:
-    """The takeover of ``method`` (:data:`METHODS`) for an Adam-family ``optimizer``; the frozen
-    methods measure their warm-up when ``warmup_steps`` is None, ``"update"`` has none then."""
-    if method == "update":
-        return LocalUpdateStep(optimizer, numbers, warmup_steps or 0)
-    if method == "onebit":
-        return OneBitAdamStep(optimizer, numbers, warmup_steps)
-    return FrozenVarianceStep(optimizer, numbers, warmup_steps)
-
-
-class LocalUpdateStep(AdamStep):
-    """The update travels: each worker runs Adam on its own gradient (its own ``m``, ``v``, in
-    the hook's state store) and sends the update ``m_hat / (sqrt(v_hat) + eps)`` with error
-    feedback; the mean of what was sent is the step's direction. A coordinate that waited
-    carries the sum of its skipped updates -- already normalised -- so it moves as far as
-    it would have. No warm-up, nothing frozen; each worker's preconditioner sees only its
-    own batch (its ``v`` is the mean square of a ``W`` times smaller batch's gradients).
-    """
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, numbers: dict[int, int], warmup_steps: int = 0
-    ) -> None:
-        super().__init__(optimizer, numbers)
-        self.warmup_steps = warmup_steps
-        settings = {
-            (tuple(float(b) for b in group["betas"]), float(group["eps"]))
-            for _, group, _ in model_groups(optimizer, numbers)
-        }
-        if len(settings) != 1:
-            raise InvalidOptionError(
-                f"the model's parameter groups use different betas/eps {sorted(settings)}: use one"
-            )
-        ((_, self.beta2), self.eps) = settings.pop()
-
-    def compressing(self, step: int) -> bool:
-        """After the optional dense warm-up (the optimizer as built)."""
-        return step >= self.warmup_steps
-
-    def update(self, store: Any, key: Any, gradient: torch.Tensor, step: int) -> torch.Tensor:
-        """This worker's Adam update of part ``key`` for its ``gradient`` at 0-based ``step``
-        (the moments put into ``store``, which rolls them back with a dropped step)."""
-        g = gradient.reshape(-1).float()
-        first, second = store.get(FIRST, key), store.get(SECOND, key)
-        first = (1.0 - self.beta1) * g if first is None else torch.lerp(first, g, 1.0 - self.beta1)
-        second = (1.0 - self.beta2) * g * g if second is None else torch.lerp(second, g * g, 1.0 - self.beta2)
-        store.put(FIRST, key, first)
-        store.put(SECOND, key, second)
-        t = step - self.warmup_steps + 1  # the moments start after the dense warm-up
-        denominator = (second / (1.0 - self.beta2**t)).sqrt_().add_(self.eps)
-        return first / (1.0 - self.beta1**t) / denominator

@@ -44,12 +44,13 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import (
     ADAM_FAMILY,
     AdamStep,
-    LocalUpdateStep,
-    adam_step,
+    FrozenVarianceStep,
+    OneBitAdamStep,
     check_adam,
     is_adam,
     l2_decay,
 )
+from gradsift.hook.local_update import LocalUpdateStep
 from gradsift.hook.param_groups import model_groups
 from gradsift.hook.zero_one import DEFAULT_LOCAL_STEPS, LocalSteps, ZeroOneAdamStep
 
@@ -117,12 +118,7 @@ def take_over(
             "pass the optimizer that steps them (or leave optimizer= out: the hook finds it)"
         )
     if is_adam(optimizer):
-        if adam == "zero-one":
-            step: AdamStep = ZeroOneAdamStep(
-                optimizer, numbers, warmup_steps, local_steps or DEFAULT_LOCAL_STEPS
-            )
-        else:
-            step = adam_step(optimizer, numbers, warmup_steps, adam)
+        step = _adam_step(optimizer, numbers, warmup_steps, adam, local_steps)
         momentum = 0.0 if isinstance(step, (LocalUpdateStep, ZeroOneAdamStep)) else step.beta1
         return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
     if compressor is not None and not compressor.momentum_correction:
@@ -144,6 +140,25 @@ def take_over(
     taken = Takeover(momentum=momentum, velocity=take_momentum_buffers(optimizer, numbers))
     _move_into_hook(groups, taken.weight_decay)
     return taken
+
+
+def _adam_step(
+    optimizer: torch.optim.Optimizer,
+    numbers: dict[int, int],
+    warmup_steps: int | None,
+    method: str,
+    local_steps: LocalSteps | None,
+) -> AdamStep:
+    """The takeover of ``method`` (:data:`gradsift.hook.adam.METHODS`) for an Adam-family
+    ``optimizer``; the frozen methods measure their warm-up when ``warmup_steps`` is None,
+    ``"update"`` has none then."""
+    if method == "update":
+        return LocalUpdateStep(optimizer, numbers, warmup_steps or 0)
+    if method == "zero-one":
+        return ZeroOneAdamStep(optimizer, numbers, warmup_steps, local_steps or DEFAULT_LOCAL_STEPS)
+    if method == "onebit":
+        return OneBitAdamStep(optimizer, numbers, warmup_steps)
+    return FrozenVarianceStep(optimizer, numbers, warmup_steps)
 
 
 def take_over_added(optimizer: Any, numbers: dict[int, int], start: int) -> dict[int, float]:

@@ -57,11 +57,12 @@ from gradsift.core.telemetry import BucketRecord
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.base import IDENTITY, wait_timed
 from gradsift.hook import recipe, variance_refresh, zero_one
-from gradsift.hook.adam import AdamStep, LocalUpdateStep
+from gradsift.hook.adam import AdamStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
 from gradsift.hook.layout import BucketLike
 from gradsift.hook.ledger import BucketInFlight
+from gradsift.hook.local_update import LocalUpdateStep
 from gradsift.hook.state import STOCK_ALLREDUCE, GradsiftHookState
 from gradsift.hook.warmup_code import CodedWarmup
 from gradsift.hook.zero_one import ZeroOneAdamStep

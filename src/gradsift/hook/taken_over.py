@@ -2,7 +2,7 @@
 
 Momentum correction (:mod:`gradsift.hook.recipe`) and the Adam methods (:mod:`gradsift.hook.adam`)
 move the optimizer's momentum into the hook: a velocity ``u <- m u + g`` advanced at every
-exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Four things
+exchange, with one ``m`` (SGD's ``momentum``, Adam's ``beta1``) fixed at the takeover. Five things
 a training script may do break that without an error of their own; :class:`TakenOverChecks`
 raises :class:`~gradsift.core.errors.InvalidOptionError` for each at that optimizer's step,
 before it steps (under ``auto``: warns, and ``auto`` runs stock DDP from the next step), on every
@@ -26,6 +26,10 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
 * **The groups replaced after the takeover**: an SGD group with its momentum back and without
   the hook's record, as ``optimizer.load_state_dict`` of a checkpoint saved without gradsift
   leaves it (loaded before the takeover, its buffers become the velocity instead).
+* **Under the Adam methods, a parameter without a second moment at a compressed step** (frozen
+  through the dense warm-up and unfrozen since): the frozen preconditioner has nothing to freeze.
+  Found by the optimizer's step (:mod:`gradsift.hook.adam`), which under ``auto`` takes it as a
+  tensor the warm-up never moved.
 
 Two it follows instead, at each step's first bucket, before the step's exchange
 (:meth:`TakenOverChecks.follow_groups`), so the run keeps the optimizer's arrangement:
@@ -92,6 +96,8 @@ class TakenOverChecks:
         self.decays: list[float] | None = None
         #: The optimizer's groups when last followed: those past it were added since.
         self.group_count = len(unwrapped(state.optimizer).param_groups)
+        if state.adam is not None:  # a parameter without a second moment at a compressed step
+            state.adam.found = self._found
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
 
     def _found(self, problem: str) -> None:
