@@ -22,6 +22,26 @@ def test_register_comm_hook_refuses_a_model_that_is_not_ddp():
         gradsift.register_comm_hook(torch.nn.Linear(2, 2), "topk", ratio=0.1)
 
 
+@pytest.mark.parametrize("first", ["gradsift", "gradsift-auto", "pytorch-fp16"])
+def test_a_second_hook_is_refused_before_the_optimizer_is_taken_over(one_process_group, first):
+    """DDP takes one communication hook: a second registration is refused naming the one there,
+    and the optimizer keeps its momentum (DDP's own refusal came after the takeover had moved it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+    if first == "pytorch-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        gradsift.register_comm_hook(ddp, *(() if first.endswith("auto") else ("topk",)), optimizer=False)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    named = "fp16_compress_hook" if first == "pytorch-fp16" else "gradsift's hook is already registered"
+    with pytest.raises(InvalidOptionError, match=named):
+        gradsift.register_comm_hook(ddp, "topk", ratio=0.5, optimizer=optimizer)
+    assert (
+        optimizer.param_groups[0]["momentum"] == 0.9 and "gradsift_momentum" not in optimizer.param_groups[0]
+    )
+
+
 def test_a_compiled_ddp_model_gets_the_hook_on_the_ddp_model_it_compiles(one_process_group):
     """``register_comm_hook(torch.compile(ddp))`` (refused as "got OptimizedModule"): the hook
     goes on ``ddp`` itself, which then takes no second hook."""

@@ -58,6 +58,7 @@ def register_comm_hook(
         raise InvalidOptionError(
             f"ddp_model must be a DistributedDataParallel model, got {type(ddp_model).__name__}"
         )
+    _refuse_a_second_hook(ddp_model)
     optimizer = options.pop("optimizer", None)
     if isinstance(compressor, str) and compressor == AUTO:
         refuse_sparse_gradients(ddp_model.module, AUTO)
@@ -71,3 +72,21 @@ def register_comm_hook(
     check_hook_settings(state, "register_comm_hook")  # collective: ranks that disagree stop here
     ddp_model.register_comm_hook(state, gradsift_hook)
     return state
+
+
+def _refuse_a_second_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """DDP takes one communication hook: refuse before the state takes the optimizer over, naming
+    the hook there (DDP's ``mixed_precision=`` installs one of its own)."""
+    hooks = getattr(ddp_model, "_comm_hooks", [])
+    if not hooks:
+        return
+    name = getattr(hooks[0][0], "__qualname__", type(hooks[0][0]).__name__)
+    if name in (gradsift_hook.__qualname__, auto_hook.__qualname__):
+        raise InvalidOptionError(
+            "gradsift's hook is already registered on this DDP model, which takes one: keep the state "
+            "the first register_comm_hook returned (a checkpoint's hook state loads into it)"
+        )
+    raise InvalidOptionError(
+        f"this DDP model already has a communication hook ({name}), and DDP takes one: build the DDP "
+        "model without it (DDP's mixed_precision= installs one) and register gradsift's"
+    )
