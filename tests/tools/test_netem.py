@@ -123,6 +123,25 @@ def test_namespaces_cannot_reach_outside() -> None:
 
 
 @needs_netem
+@pytest.mark.slow
+def test_every_host_names_its_peers_addresses_without_dns() -> None:
+    """c10d looks up the name of each peer that connects to its store, as an IPv4 address or one
+    mapped into IPv6: in a namespace, which reaches no DNS server, a lookup that falls through
+    to DNS fails ("Temporary failure in name resolution") and c10d warns on every run. Each
+    host's own /etc/hosts names every host, both ways; it goes with the network."""
+    lookup = (
+        "import socket, sys; a = sys.argv[1]; "
+        "print(socket.getnameinfo((a, 1, 0, 0) if ':' in a else (a, 1), socket.NI_NAMEREQD)[0])"
+    )
+    with EmulatedNetwork(2, 10**8, tag="names") as network:
+        for address in (network.address(1), f"::ffff:{network.address(1)}"):
+            found = subprocess.run([*network.command_prefix(0), sys.executable, "-c", lookup, address],
+                                   capture_output=True, text=True, timeout=30)  # fmt: skip
+            assert found.stdout.strip() == network.namespaces[1], found.stderr
+    _assert_removed(network)
+
+
+@needs_netem
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_cleanup_when_a_worker_is_killed_and_after_a_killed_launcher(tmp_path: Path) -> None:
@@ -159,6 +178,7 @@ def test_cleanup_when_a_worker_is_killed_and_after_a_killed_launcher(tmp_path: P
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0 and f"{netem.PREFIX}{launcher.pid}-hub" in result.stdout
     assert mine(launcher.pid) == set()
+    assert not list(netem.NETNS_ETC.glob(f"{netem.PREFIX}{launcher.pid}-*"))
     time.sleep(0.5)
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -244,8 +264,10 @@ PING = textwrap.dedent("""
 
 def _assert_removed(network: EmulatedNetwork) -> None:
     """Every namespace the network created is gone, and with them every veth end: none
-    is listed in its namespace, none ever lived in (or fell back to) the root namespace."""
+    is listed in its namespace, none ever lived in (or fell back to) the root namespace; so is
+    each namespace's ``/etc/netns`` folder."""
     assert not ({network.hub, *network.namespaces} & set(our_namespaces()))
+    assert not [name for name in (network.hub, *network.namespaces) if (netem.NETNS_ETC / name).exists()]
     root = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     for namespace, device in network.links():
         shown = subprocess.run(["ip", "-n", namespace, "link", "show", "dev", device], capture_output=True)

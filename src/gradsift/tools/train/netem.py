@@ -15,8 +15,11 @@ token bucket beneath it, so a message between two hosts is delayed by ``d`` once
 round trip by ``2 d``). Nothing touches the root namespace: the veths are created inside
 the hub namespace and the /24 exists only inside our namespaces, so traffic can only
 reach loopback or our own namespaces, and concurrent runs (names carry the launcher's
-PID) cannot clash. Deleting a namespace deletes its veth ends and qdiscs, so cleanup is
-one ``ip netns del`` per namespace (after killing what still runs inside), done on
+PID) cannot clash. Each host's namespace gets its own ``/etc/hosts`` (``/etc/netns/<name>/``,
+which ``ip netns exec`` mounts) naming every host's address, so a peer's name is found without
+the DNS no namespace reaches. Deleting a namespace deletes its veth ends and qdiscs, so cleanup is
+one ``ip netns del`` per namespace (after killing what still runs inside, its hosts file
+removed with it), done on
 exit, on exceptions (Ctrl-C; SIGTERM is turned into an exception by the launcher) and
 at interpreter exit; :func:`cleanup_stale` removes what a killed (SIGKILL) launcher left
 behind.
@@ -34,10 +37,13 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from gradsift.core.errors import GradsiftError, InvalidOptionError
 
 PREFIX = "gradsift-"
+#: ``ip netns exec NAME`` mounts the files of ``NETNS_ETC/NAME`` over those of ``/etc``.
+NETNS_ETC = Path("/etc/netns")
 SUBNET = "10.213.0"
 WORKER_IFNAME = "gs0"
 MASTER_PORT = 29500
@@ -218,6 +224,23 @@ class EmulatedNetwork:
             _run("ip", "-n", namespace, "link", "set", WORKER_IFNAME, "up")
             self._shape(namespace, WORKER_IFNAME, self.delay_s)
             self._shape(self.hub, port, 0.0)
+        self._name_hosts()
+
+    def _name_hosts(self) -> None:
+        """Give each host's namespace an ``/etc/hosts`` that names every host's address (after the
+        machine's own entries): c10d looks up the name of each peer that connects, and without a
+        name for it the lookup goes to DNS, which no namespace reaches, and c10d warns (``The hostname
+        of the client socket cannot be retrieved``)."""
+        machine = Path("/etc/hosts").read_text(encoding="utf-8") if Path("/etc/hosts").exists() else ""
+        names = "".join(
+            f"{address} {name}\n"
+            for h, name in enumerate(self.namespaces)
+            for address in (self.address(h), f"::ffff:{self.address(h)}")  # IPv6 sockets see the latter
+        )
+        for namespace in self.namespaces:
+            folder = NETNS_ETC / namespace
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"{machine.rstrip()}\n{names}", encoding="utf-8")
 
     def _shape(self, namespace: str, device: str, delay_s: float) -> None:
         """``tbf rate R`` on ``device``'s egress, under ``netem delay d`` when ``d > 0``."""
@@ -252,6 +275,9 @@ def delete_namespace(name: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), 9)
     subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the folder ip netns reads, once no namespace of ours uses it
+        NETNS_ETC.rmdir()
 
 
 def our_namespaces() -> list[str]:
