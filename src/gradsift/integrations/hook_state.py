@@ -49,8 +49,10 @@ class PendingHook:
         if self._state is None:
             raise InvalidOptionError(
                 "compressor='auto' builds its hook state from the DDP model, so it exists once the trainer "
-                "has wrapped the model and the callback registered the hook (on_train_begin / on_fit_start); "
-                "name a method (e.g. 'sidco-exp') for a state to hand the trainer before that"
+                "has wrapped the model and the callback registered the hook (on_train_begin / on_fit_start), "
+                "in the process that trains (under a spawning strategy, such as Lightning's ddp_spawn, that is "
+                "another process: read it there, e.g. in on_train_end, or from the trainer's loggers); name a "
+                "method (e.g. 'sidco-exp') for a state to hand the trainer before that"
             )
         return self._state
 
