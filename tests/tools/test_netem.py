@@ -142,6 +142,26 @@ def test_every_host_names_its_peers_addresses_without_dns() -> None:
 
 
 @needs_netem
+@pytest.mark.slow
+def test_a_hosts_file_that_cannot_be_written_leaves_the_network_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hosts files are best effort: where their folder cannot be made (a read-only ``/etc``;
+    here a file in its place), the hosts and their shaped links are built as before."""
+    blocked = tmp_path / "netns"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(netem, "NETNS_ETC", blocked)
+    with EmulatedNetwork(2, 10**8, tag="ro") as network:
+        shown = [subprocess.run(["ip", "-n", namespace, "-o", "addr", "show", "dev", netem.WORKER_IFNAME],
+                                capture_output=True, text=True).stdout for namespace in network.namespaces]  # fmt: skip
+        shaped = subprocess.run(["tc", "-n", network.namespaces[0], "qdisc", "show", "dev", netem.WORKER_IFNAME],
+                                capture_output=True, text=True).stdout  # fmt: skip
+    assert all(f"inet {network.address(h)}/24" in text for h, text in enumerate(shown)), shown
+    assert "tbf" in shaped and blocked.read_text() == "not a folder"
+    assert not ({network.hub, *network.namespaces} & set(our_namespaces()))
+
+
+@needs_netem
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_cleanup_when_a_worker_is_killed_and_after_a_killed_launcher(tmp_path: Path) -> None:

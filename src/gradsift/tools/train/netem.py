@@ -230,7 +230,12 @@ class EmulatedNetwork:
         """Give each host's namespace an ``/etc/hosts`` that names every host's address (after the
         machine's own entries): c10d looks up the name of each peer that connects, and without a
         name for it the lookup goes to DNS, which no namespace reaches, and c10d warns (``The hostname
-        of the client socket cannot be retrieved``)."""
+        of the client socket cannot be retrieved``). Best effort: where ``/etc`` cannot be written
+        (a read-only root), the runs go on with that warning."""
+        with contextlib.suppress(OSError):
+            self._write_hosts()
+
+    def _write_hosts(self) -> None:
         machine = Path("/etc/hosts").read_text(encoding="utf-8") if Path("/etc/hosts").exists() else ""
         names = "".join(
             f"{address} {name}\n"
