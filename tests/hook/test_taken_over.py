@@ -408,15 +408,16 @@ def test_under_auto_an_added_group_it_cannot_follow_leaves_for_stock_ddp(one_pro
 
 
 @EACH_TAKEOVER
-def test_an_optimizer_built_again_mid_run_is_refused_and_auto_leaves_for_stock_ddp(
+def test_an_optimizer_built_again_mid_run_is_refused_and_auto_follows_it(
     one_process_group, compressor, make_optimizer, options
 ):
     """A script that builds a new optimizer at step 3 (a stage with a lower learning rate): the
     hook's exchange carries the momentum it took from the first, which the new one would step
     as a gradient (and, under AdamW, never give the method its step). A named method refuses it
-    at the new optimizer's first step, naming the rebuild; under SGD ``auto`` warns and runs stock
-    DDP from the next step, its fallback's hand-back going to the first optimizer, whose buffers
-    nothing reads again."""
+    at the new optimizer's first step, naming the rebuild. Under SGD ``auto``, which found the
+    first optimizer itself, follows it without a warning (tests/hook/test_rebuilt.py): the
+    method's hand-back goes to the first optimizer, and the measuring method runs on, the new
+    optimizer's momentum taken over."""
     ddp = model()
     optimizer = make_optimizer(ddp.parameters())
     gradsift.register_comm_hook(ddp, compressor, **options)
@@ -433,9 +434,10 @@ def test_an_optimizer_built_again_mid_run_is_refused_and_auto_leaves_for_stock_d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         accumulate(ddp, rebuilt, 2, no_sync=True)
-    messages = [str(w.message) for w in caught if "built again mid-run" in str(w.message)]
-    assert len(messages) == 1 and "auto runs stock DDP" in messages[0]
-    assert state.stats()["auto"]["choice"] == "none" and rebuilt.param_groups[0]["momentum"] == 0.9
+    assert not [str(w.message) for w in caught if "gradsift" in str(w.message)]
+    stats = state.stats()["auto"]
+    assert stats["choice"] == "measuring" and stats["running"] == "sidco-exp" and stats["left"] == {}
+    assert rebuilt.param_groups[0]["momentum"] == 0.0 and optimizer.param_groups[0]["momentum"] == 0.9
 
 
 def test_a_frozen_parameter_takes_no_weight_decay_in_the_exchange(one_process_group):

@@ -44,17 +44,19 @@ Under DDP's ``join()`` (uneven inputs) it makes no collective of its own: :mod:`
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsift.core.collectives import agreed_max
-from gradsift.core.errors import InvalidOptionError
 from gradsift.hook import choice, handover, probes, recipe, uneven
+from gradsift.hook.auto_record import AutoRecord
 from gradsift.hook.drift import DriftWatch
 from gradsift.hook.lean import LeanAllreduce
 from gradsift.hook.paid import PaidRoute
+from gradsift.hook.rebuilt import SECOND, OptimizerFollower
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
 
@@ -70,12 +72,7 @@ DECIDE_AT = 6
 MEASURE_SECONDS = 0.5
 
 
-def _running(name: str) -> Any:
-    """A read-only attribute of :class:`AutoHookState` that reads the running method's state."""
-    return property(lambda self: getattr(self.current, name), doc=f"The running method's ``{name}``.")
-
-
-class AutoHookState:
+class AutoHookState(AutoRecord):
     """The state of ``register_comm_hook(ddp)`` with ``compressor="auto"`` (module docstring).
 
     Attributes:
@@ -116,6 +113,8 @@ class AutoHookState:
         self._window_paid: float | None = None  # ... in the last drift window
         self.clock = time.perf_counter
         self._after_step: Any = None  # the optimizer step post-hook that decides
+        self._follower: OptimizerFollower | None = None  # the optimizer found, through rebuilds
+        self._follows = optimizer is None  # found, not given (a resumed run's is found at its load)
         #: Dense steps take stock DDP's allreduce with no more Python than PyTorch's own hook
         #: (:mod:`gradsift.hook.lean`), unless a ``nonfinite`` policy needs the route's checks.
         self.lean = self.dense.options.nonfinite == "propagate"
@@ -143,6 +142,8 @@ class AutoHookState:
         if uneven.joined(self.ddp_model):  # no bucket kept, no collective of auto's own
             if self.choice == "measuring":
                 self._run_dense(step)
+        elif self._follower is not None and (found := self._follower.outcome()) is not None:
+            self._follow(step, found)
         elif why := handover.found_added_groups(self.current):  # a group added the method cannot follow
             self._run_dense(step, why)
         elif self.choice == "measuring" and self._kept_all and self._after_step is None:  # no optimizer found
@@ -151,8 +152,9 @@ class AutoHookState:
             if self.dense.discovering:
                 self.dense.discover()
                 if self.dense.optimizer is not None:  # decide after its step, outside backward
-                    inner = recipe.unwrapped(self.dense.optimizer)
-                    self._after_step = inner.register_step_post_hook(self._after_optimizer_step)
+                    self._decide_after(self.dense.optimizer)
+                    if self._follows:
+                        self._follower = OptimizerFollower(self.dense.optimizer, self.dense.layout.numbers)
                     self._start(step)
             if step >= self.timed_from:
                 if bucket.buffer().is_cuda:
@@ -181,10 +183,35 @@ class AutoHookState:
                 handover.leave(self.current, self.dense)
             self.pending, self.switch_at = "none", step
 
-    @property
-    def measured_on(self) -> str:
-        """The method the measuring steps run: the found family's :data:`~gradsift.hook.choice.START`."""
-        return choice.START[choice.family(self.dense.optimizer, self.dense.layout.numbers)]
+    def _follow(self, step: int, found: Any) -> None:
+        """The optimizer found was built again (``found``: the new one), or a second one steps
+        beside it (:mod:`gradsift.hook.rebuilt`): adopt the new one and run the method again on
+        it (after Adam's warm-up for the 1-bit method), or run stock DDP from ``step``."""
+        handover.found_unfollowable(self.current)  # what was found of the old one goes with it
+        if found is SECOND:  # followed no more; a method with a takeover leaves for stock DDP
+            assert self._follower is not None
+            self._follower.detach()
+            self._follower = None
+            if self.current.feedback is not None:
+                warnings.warn(f"gradsift: {SECOND}; auto runs stock DDP's allreduce from here", stacklevel=2)
+                self._run_dense(step, SECOND)
+            return
+        taken = self.current.feedback is not None  # a takeover: its momentum is the old optimizer's
+        method = self.pending or (self.current.compressor.name if taken else None)
+        if taken:
+            handover.leave(self.current, self.dense)
+            self._switch("none", step)
+        self.dense.adopt(found, take_over=False)
+        self._decide_after(found)
+        if method is not None:  # entered again on the new one, after Adam's warm-up for the 1-bit method
+            self.pending, self.switch_at = method, step + choice.dense_steps(found, method, self.hook_options)
+
+    def _decide_after(self, optimizer: Any) -> None:
+        """Decide and watch after ``optimizer``'s steps (its step post-hook), not another's."""
+        if self._after_step is not None:
+            self._after_step.remove()
+        inner = recipe.unwrapped(optimizer)
+        self._after_step = inner.register_step_post_hook(self._after_optimizer_step)
 
     @property
     def timed_from(self) -> int:
@@ -323,76 +350,13 @@ class AutoHookState:
             if self.density_warmup_steps and "ratio" in options:
                 hook_options[choice.DENSITY_WARMUP] = self.density_warmup_steps
             state = handover.enter(self.ddp_model, self.dense, name, options, hook_options, step)
+            if self._follower is not None and state.taken_over is not None:
+                state.taken_over.followed = True  # another optimizer is the follower's to tell
         state.ledger.step = step
         state.telemetry.load_state_dict(self.current.telemetry.state_dict())
         if self.current.first_step is not None:
             self.current.first_step.close()
         self.current, self.pending, self.switched_at = state, None, step
-
-    # -- read-outs and checkpoints -------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """The running method's :meth:`~GradsiftHookState.stats` with ``"auto"``: the choice,
-        the step it was made at, the predicted step times, the measured parts (ms) and the
-        methods left, with why."""
-        stats = self.current.stats()
-        drift = None if self.watch is None else self.watch.stats()
-        stats["auto"] = {**self._record(), "measured_on": self.measured_on, "remeasures": self.remeasures}
-        stats["auto"]["drift"] = drift
-        return stats
-
-    def _record(self) -> dict[str, Any]:
-        """What :meth:`stats` and :meth:`state_dict` both report."""
-        return {
-            "choice": self.choice,
-            "running": self.current.compressor.name,
-            "decided_at": self.decided_at,
-            "predicted_ms": dict(self.predicted_ms),
-            "measured_ms": dict(self.measured_ms),
-            "left": dict(self.left),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The running method's :meth:`~GradsiftHookState.state_dict` with ``"auto"``: the
-        choice, when it takes effect, and what it was made from."""
-        switches = {"switch_at": self.switch_at, "pending": self.pending, "switched_at": self.switched_at}
-        return {**self.current.state_dict(), "auto": {**self._record(), **switches}}
-
-    def prepare_load(self, entry: dict[str, Any]) -> GradsiftHookState:
-        """The method state that loads ``entry`` (a :meth:`state_dict`): the optimizer found,
-        and the method the saving run was running switched to."""
-        if "auto" not in entry:
-            raise InvalidOptionError(
-                "this hook state was saved by a hook registered with a named compressor, not with "
-                "compressor='auto': register the hook with the compressor the saving run named to "
-                "resume it (auto's choice is not in it)"
-            )
-        self.dense.prepare_load(entry)
-        auto = entry["auto"]
-        if auto["running"] != self.current.compressor.name:
-            self._switch(auto["running"], auto["switched_at"])
-        return self.current
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`: the choice, and the running method with its state."""
-        self.prepare_load(state)
-        auto = state["auto"]
-        self.choice, self.decided_at, self.switch_at = auto["choice"], auto["decided_at"], auto["switch_at"]
-        self.pending, self.switched_at = auto["pending"], auto["switched_at"]
-        self.predicted_ms, self.measured_ms = dict(auto["predicted_ms"]), dict(auto["measured_ms"])
-        self.left = dict(auto.get("left", {}))  # an older checkpoint has none
-        self.current.load_state_dict({key: value for key, value in state.items() if key != "auto"})
-
-    step = _running("step")
-    last_step_skipped = _running("last_step_skipped")
-    compressor = _running("compressor")
-    options = _running("options")
-    exchange = _running("exchange")
-    feedback = _running("feedback")
-    adam = _running("adam")
-    weight_decay = _running("weight_decay")
-    layout = _running("layout")
-    telemetry = _running("telemetry")
-    process_group = _running("process_group")
 
 
 def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -92,6 +92,9 @@ class TakenOverChecks:
         #: :attr:`found` and leaves the method (:func:`gradsift.hook.handover.found_unfollowable`).
         self.refuse = True
         self.found: str | None = None
+        #: Another optimizer stepping the model is ``auto``'s to tell apart (built again, or a
+        #: second one: :mod:`gradsift.hook.rebuilt`), not a finding here.
+        self.followed = False
         #: Adam's group decays as last copied (:meth:`follow_groups`); None: not yet.
         self.decays: list[float] | None = None
         #: The optimizer's groups when last followed: those past it were added since.
@@ -190,6 +193,8 @@ class TakenOverChecks:
             return
         exchanges, state.ledger.kept_since = state.ledger.kept_since, 0
         if unwrapped(optimizer) is not unwrapped(state.optimizer):
+            if self.followed:
+                return
             self._found(
                 f"an optimizer ({type(optimizer).__name__}) other than the one whose momentum the hook "
                 "took over steps the model's parameters (an optimizer built again mid-run, or a second one "
