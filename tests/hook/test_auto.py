@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -466,6 +467,38 @@ def test_a_checkpoint_resumes_the_choice_bit_for_bit(one_process_group, monkeypa
     train(resumed, resumed_optimizer, more, torch.Generator().set_state(saved[3]))
     for a, b in zip(ddp.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resumed_choice_is_watched_and_follows_a_rebuilt_optimizer(one_process_group, monkeypatch):
+    """Resumed after the decision, the choice is watched as in the run it continues -- its step
+    post-hook registered on the optimizer found at the load (it was registered only while
+    measuring, so a resumed run never watched its step time again) -- and an optimizer built
+    again is followed: ``sidco-exp`` runs on, the new SGD's momentum taken over."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizer = sgd(ddp.parameters())
+    state = gradsift.register_comm_hook(ddp)
+    train(ddp, optimizer, auto.DECIDE_AT + 4, torch.Generator().manual_seed(1))
+    saved = copy.deepcopy((ddp.module.state_dict(), optimizer.state_dict(), state.state_dict()))
+    train(ddp, optimizer, 3, torch.Generator().manual_seed(2))
+
+    resumed = model()
+    resumed.module.load_state_dict(saved[0])
+    resumed_optimizer = sgd(resumed.parameters())
+    resumed_state = gradsift.register_comm_hook(resumed)
+    resumed_state.load_state_dict(saved[2])
+    resumed_optimizer.load_state_dict(saved[1])
+    train(resumed, resumed_optimizer, 3, torch.Generator().manual_seed(2))
+    assert state.stats()["auto"]["drift"] is not None
+    assert resumed_state.stats()["auto"]["drift"] is not None  # watched, as the run not stopped
+    rebuilt = torch.optim.SGD(resumed.parameters(), lr=0.02, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(resumed, rebuilt, 3, torch.Generator().manual_seed(3))
+    assert not [w for w in caught if "gradsift" in str(w.message)]
+    assert (
+        resumed_state.stats()["auto"]["running"] == "sidco-exp" and rebuilt.param_groups[0]["momentum"] == 0.0
+    )
 
 
 def test_a_checkpoint_taken_while_measuring_on_sidco_resumes_bit_for_bit(one_process_group, monkeypatch):

@@ -139,6 +139,8 @@ class AutoHookState(AutoRecord):
 
     def _at_step_start(self, bucket: dist.GradBucket) -> None:
         step = self.current.step
+        if self._after_step is None and self.choice != "measuring" and self.dense.optimizer is not None:
+            self._watch_optimizer()  # a resumed run's choice, watched after its optimizer's steps
         if uneven.joined(self.ddp_model):  # no bucket kept, no collective of auto's own
             if self.choice == "measuring":
                 self._run_dense(step)
@@ -152,9 +154,7 @@ class AutoHookState(AutoRecord):
             if self.dense.discovering:
                 self.dense.discover()
                 if self.dense.optimizer is not None:  # decide after its step, outside backward
-                    self._decide_after(self.dense.optimizer)
-                    if self._follows:
-                        self._follower = OptimizerFollower(self.dense.optimizer, self.dense.layout.numbers)
+                    self._watch_optimizer()
                     self._start(step)
             if step >= self.timed_from:
                 if bucket.buffer().is_cuda:
@@ -205,6 +205,21 @@ class AutoHookState(AutoRecord):
         self._decide_after(found)
         if method is not None:  # entered again on the new one, after Adam's warm-up for the 1-bit method
             self.pending, self.switch_at = method, step + choice.dense_steps(found, method, self.hook_options)
+
+    def _watch_optimizer(self) -> None:
+        """Decide and watch after the steps of the optimizer found (followed through its rebuilds
+        where ``auto`` found it itself)."""
+        assert self.dense.optimizer is not None
+        self._decide_after(self.dense.optimizer)
+        if self._follows:
+            self._follower = OptimizerFollower(self.dense.optimizer, self.dense.layout.numbers)
+            self._followed(self.current)
+
+    def _followed(self, state: GradsiftHookState) -> None:
+        """Another optimizer stepping the model is the follower's to tell apart, not a finding of
+        ``state``'s takeover (:mod:`gradsift.hook.rebuilt`)."""
+        if self._follower is not None and state.taken_over is not None:
+            state.taken_over.followed = True
 
     def _decide_after(self, optimizer: Any) -> None:
         """Decide and watch after ``optimizer``'s steps (its step post-hook), not another's."""
@@ -350,8 +365,7 @@ class AutoHookState(AutoRecord):
             if self.density_warmup_steps and "ratio" in options:
                 hook_options[choice.DENSITY_WARMUP] = self.density_warmup_steps
             state = handover.enter(self.ddp_model, self.dense, name, options, hook_options, step)
-            if self._follower is not None and state.taken_over is not None:
-                state.taken_over.followed = True  # another optimizer is the follower's to tell
+            self._followed(state)
         state.ledger.step = step
         state.telemetry.load_state_dict(self.current.telemetry.state_dict())
         if self.current.first_step is not None:
