@@ -182,3 +182,41 @@ def test_two_ranks_follow_the_rebuilt_optimizer_in_step():
     assert first["running"] == second["running"] == "sidco-exp"
     for a, b in zip(first["params"], second["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def two_stages(monkeypatch: pytest.MonkeyPatch, rebuild: bool) -> tuple[str, float, list[float]]:
+    """A fine-tuning script on the slow link: an SGD over the head only (the body trains in DDP
+    but no group holds it), then the whole model -- by a new SGD (``rebuild``) or by
+    ``add_param_group``: the method running at the end, how far the second stage's first step
+    moved the body (largest change), and the second stage's losses."""
+    slow_link(monkeypatch, "sidco-exp")
+    ddp = model()
+    optimizers = [torch.optim.SGD(ddp.module[2].parameters(), lr=0.05, momentum=0.9)]
+    state = gradsift.register_comm_hook(ddp)
+    generator = torch.Generator().manual_seed(1)
+    train(ddp, lambda: optimizers, 30, generator)
+    if rebuild:
+        optimizers[0] = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizers[0].add_param_group({"params": list(ddp.module[0].parameters())})
+    body = ddp.module[0].weight.detach().clone()
+    losses = train(ddp, lambda: optimizers, 1, generator)
+    moved = float((ddp.module[0].weight.detach() - body).abs().max())
+    losses += train(ddp, lambda: optimizers, 29, generator)
+    return state.stats()["auto"]["running"], moved, losses
+
+
+def test_a_body_no_group_held_starts_the_second_stage_as_added_by_add_param_group(
+    one_process_group, monkeypatch
+):
+    """While no group of the optimizer holds the body, its error-feedback state is kept at zero:
+    nothing steps what it would carry (its gradients, not zeroed by the head's optimizer, grow
+    step by step, and the velocity and residual with them). Kept, the second stage's new optimizer
+    stepped that accumulated mass at once; now the first step after a rebuild moves the body as
+    the first step after ``add_param_group`` does (its added parameters start from zero state),
+    and the stage trains as that one."""
+    rebuilt_running, rebuilt_moved, rebuilt = two_stages(monkeypatch, rebuild=True)
+    added_running, added_moved, added = two_stages(monkeypatch, rebuild=False)
+    assert rebuilt_running == added_running == "sidco-exp"
+    assert rebuilt_moved <= 2 * added_moved + 0.01, (rebuilt_moved, added_moved)
+    assert sum(rebuilt[-10:]) <= 1.1 * sum(added[-10:]), (rebuilt[-10:], added[-10:])

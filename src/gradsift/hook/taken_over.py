@@ -31,7 +31,7 @@ same; a rank that joined under DDP's ``join()`` steps no optimizer, so it is nev
   Found by the optimizer's step (:mod:`gradsift.hook.adam`), which under ``auto`` takes it as a
   tensor the warm-up never moved.
 
-Two it follows instead, at each step's first bucket, before the step's exchange
+Three it follows instead, at each step's first bucket, before the step's exchange
 (:meth:`TakenOverChecks.follow_groups`), so the run keeps the optimizer's arrangement:
 
 * **A parameter group added** (``optimizer.add_param_group``, as fine-tuning scripts unfreeze a
@@ -47,6 +47,11 @@ Two it follows instead, at each step's first bucket, before the step's exchange
   followed at the closure's backward.
 * **A ``weight_decay`` set again after the takeover** (a schedule): SGD's moves into the hook as
   the takeover moved it, Adam's L2 decay is copied again.
+* **Parameters no group holds** (a head-only optimizer while the body still trains in DDP, a
+  fine-tuning script's first stage): their error-feedback state (velocity, residual) is kept at
+  zero, since nothing steps what it would carry -- their gradients, not zeroed by that optimizer,
+  would grow step by step and that state with them, and a group added for them, or the optimizer
+  built again, would step it all at once.
 
 And one it warns about, at the first such step: **an optimizer restored without the hook's
 state.** While the hook holds the velocity (always under SGD's momentum correction; past the
@@ -99,6 +104,7 @@ class TakenOverChecks:
         self.decays: list[float] | None = None
         #: The optimizer's groups when last followed: those past it were added since.
         self.group_count = len(unwrapped(state.optimizer).param_groups)
+        self.orphans = self._orphans(unwrapped(state.optimizer))
         if state.adam is not None:  # a parameter without a second moment at a compressed step
             state.adam.found = self._found
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
@@ -133,6 +139,8 @@ class TakenOverChecks:
         state = self.state()
         if state is None or state.optimizer is None:
             return
+        if self.orphans:  # no group holds them: nothing steps what their state would carry
+            state.store.zero_parameters(self.orphans, state.layout.numels)
         optimizer = unwrapped(state.optimizer)
         decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]  # a few groups
         if state.adam is not None:  # Adam's L2 decay stays in its groups: the copy follows a change
@@ -160,6 +168,7 @@ class TakenOverChecks:
         start, self.group_count = self.group_count, len(optimizer.param_groups)
         if self.group_count == start:  # the common step: no walk over the parameters
             return
+        self.orphans = self._orphans(optimizer)
         added = [
             (group, mine) for index, group, mine in model_groups(optimizer, self.numbers) if index >= start
         ]
@@ -185,6 +194,11 @@ class TakenOverChecks:
                 "the added parameters lack; add every group before the warm-up ends (a group not trained "
                 "yet at lr=0), or leave the compressor to auto"
             )
+
+    def _orphans(self, optimizer: Any) -> list[int]:
+        """The numbers of the hooked parameters no group of ``optimizer`` holds."""
+        held = {number for _, _, mine in model_groups(optimizer, self.numbers) for number in mine}
+        return sorted(set(self.numbers.values()) - held)
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
