@@ -104,7 +104,7 @@ class TakenOverChecks:
         self.decays: list[float] | None = None
         #: The optimizer's groups when last followed: those past it were added since.
         self.group_count = len(unwrapped(state.optimizer).param_groups)
-        self.orphans = self._orphans(unwrapped(state.optimizer))
+        self.orphans = self._orphans(state.hooked, unwrapped(state.optimizer))
         if state.adam is not None:  # a parameter without a second moment at a compressed step
             state.adam.found = self._found
         BEFORE_STEP.add(self)  # after the state, which settles its closed step first
@@ -168,7 +168,7 @@ class TakenOverChecks:
         start, self.group_count = self.group_count, len(optimizer.param_groups)
         if self.group_count == start:  # the common step: no walk over the parameters
             return
-        self.orphans = self._orphans(optimizer)
+        self.orphans = self._orphans(state.hooked, optimizer)
         added = [
             (group, mine) for index, group, mine in model_groups(optimizer, self.numbers) if index >= start
         ]
@@ -195,10 +195,12 @@ class TakenOverChecks:
                 "yet at lr=0), or leave the compressor to auto"
             )
 
-    def _orphans(self, optimizer: Any) -> list[int]:
-        """The numbers of the hooked parameters no group of ``optimizer`` holds."""
+    def _orphans(self, hooked: list[Any], optimizer: Any) -> list[int]:
+        """The numbers of the hooked parameters that train (``requires_grad``: a frozen one has
+        no state, and walking it every step would cost for nothing) and no group of
+        ``optimizer`` holds."""
         held = {number for _, _, mine in model_groups(optimizer, self.numbers) for number in mine}
-        return sorted(set(self.numbers.values()) - held)
+        return [number for number, param in enumerate(hooked) if param.requires_grad and number not in held]
 
     def before_step(self, optimizer: Any) -> None:
         state = self.state()
