@@ -219,4 +219,6 @@ def test_a_body_no_group_held_starts_the_second_stage_as_added_by_add_param_grou
     added_running, added_moved, added = two_stages(monkeypatch, rebuild=False)
     assert rebuilt_running == added_running == "sidco-exp"
     assert rebuilt_moved <= 2 * added_moved + 0.01, (rebuilt_moved, added_moved)
-    assert sum(rebuilt[-10:]) <= 1.1 * sum(added[-10:]), (rebuilt[-10:], added[-10:])
+    # the last ten losses over data seeds 101-601: 1.05-1.12x the added run's; without the zeroing
+    # 1.20-1.83x (and the body moved by 0.06-0.21 at the stage's first step)
+    assert sum(rebuilt[-10:]) <= 1.16 * sum(added[-10:]), (rebuilt[-10:], added[-10:])

@@ -232,20 +232,17 @@ class EmulatedNetwork:
         name for it the lookup goes to DNS, which no namespace reaches, and c10d warns (``The hostname
         of the client socket cannot be retrieved``). Best effort: where ``/etc`` cannot be written
         (a read-only root), the runs go on with that warning."""
-        with contextlib.suppress(OSError):
-            self._write_hosts()
-
-    def _write_hosts(self) -> None:
         machine = Path("/etc/hosts").read_text(encoding="utf-8") if Path("/etc/hosts").exists() else ""
         names = "".join(
             f"{address} {name}\n"
             for h, name in enumerate(self.namespaces)
             for address in (self.address(h), f"::ffff:{self.address(h)}")  # IPv6 sockets see the latter
         )
-        for namespace in self.namespaces:
-            folder = NETNS_ETC / namespace
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text(f"{machine.rstrip()}\n{names}", encoding="utf-8")
+        with contextlib.suppress(OSError):
+            for namespace in self.namespaces:
+                folder = NETNS_ETC / namespace
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "hosts").write_text(f"{machine.rstrip()}\n{names}", encoding="utf-8")
 
     def _shape(self, namespace: str, device: str, delay_s: float) -> None:
         """``tbf rate R`` on ``device``'s egress, under ``netem delay d`` when ``d > 0``."""
