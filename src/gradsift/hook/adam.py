@@ -126,7 +126,9 @@ def step_bound(beta1: float, beta2: float) -> float:
     bias corrections only bring early steps below it. The frozen methods step no element further
     (the module docstring, step 3)."""
     ratio = float(beta1) ** 2 / float(beta2)
-    return math.inf if ratio >= 1.0 else (1.0 - float(beta1)) / math.sqrt((1.0 - float(beta2)) * (1.0 - ratio))
+    return (
+        math.inf if ratio >= 1.0 else (1.0 - float(beta1)) / math.sqrt((1.0 - float(beta2)) * (1.0 - ratio))
+    )
 
 
 def l2_decay(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> dict[int, float]:
