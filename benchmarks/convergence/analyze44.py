@@ -424,13 +424,14 @@ def analyse(issue44: Path) -> tuple[str, dict[str, Any]]:
     return "\n".join(parts), report
 
 
-def update_doc(text: str, doc: Path = DOC) -> None:
+def update_doc(text: str, doc: Path = DOC, opening: str = BEGIN, closing: str = END) -> None:
+    """Write ``text`` between the markers ``opening`` and ``closing`` of ``doc``."""
     page = doc.read_text()
-    head, begin, rest = page.partition(BEGIN)
-    _, end, tail = rest.partition(END)
+    head, begin, rest = page.partition(opening)
+    _, end, tail = rest.partition(closing)
     if not begin or not end:
-        raise SystemExit(f"{doc} has no {BEGIN} ... {END} block")
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+        raise SystemExit(f"{doc} has no {opening} ... {closing} block")
+    doc.write_text(f"{head}{opening}\n{text}{closing}{tail}")
 
 
 def main() -> int:

@@ -1,0 +1,239 @@
+"""Adam's step bound in the frozen-variance methods: the same runs with it and without it.
+
+    # the runs: resumable, one at a time, at nice 19 (a background campaign; timings unused)
+    git worktree add /tmp/wt-before e0d742f && git worktree add /tmp/wt-after 041607f
+    python benchmarks/convergence/step_bound.py run --before /tmp/wt-before --after /tmp/wt-after
+    # a ReLU MLP in one process, stock AdamW and the 1-bit Adam method without and with the bound
+    flock /tmp/gradsift-cpu.lock python benchmarks/convergence/step_bound.py mlp --before /tmp/wt-before --after /tmp/wt-after
+    # the table: results/convergence/step_bound/{results.json,table.md}, and docs/adam.md's block
+    python benchmarks/convergence/step_bound.py analyze --update-docs
+
+Commit 041607f made the frozen-variance methods clamp each element of ``m / D`` to Adam's own
+bound (``gradsift.hook.adam.step_bound``); e0d742f, its parent, is the same code without it. Each
+arm runs the protocol's GPT + AdamW workload at 3,000 steps on 2 workers (:data:`TRAIN`) from a
+clean worktree of each commit, seeds 0-2: the 1-bit Adam method (``efsignsgd`` under the
+frozen-variance method) and the method run dense (``topk`` at ratio 1 without momentum masking:
+every element sent, the optimizer alone). The reference is fp32 DDP at the protocol's lr 3e-3,
+the protocol's own runs (``results/convergence/runs/gpt-adamw-3k/none-*``).
+
+Statistics (:mod:`analyze44`'s): every arm paired per seed with fp32, and the bound's effect
+paired per seed with the same method without it, ``mean +- t_{0.975, n-1} sd / sqrt(n)``; bytes
+per worker per step sent and received over the whole run, and the factor against stock DDP's
+ring allreduce's received bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import analyze44
+import campaign44
+import provenance
+from protocol import WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "results" / "convergence" / "step_bound"
+DOC = ROOT / "docs" / "adam.md"
+BEGIN, END = "<!-- step-bound-table:begin -->", "<!-- step-bound-table:end -->"
+SEEDS = (0, 1, 2)
+#: The protocol's GPT + AdamW workload at 3,000 steps (``campaign44.LONG``).
+TRAIN = WORKLOADS[campaign44.LONG].train_arguments(WORKLOADS[campaign44.LONG].epochs)
+METHODS = {
+    "onebit": (("--compressor", "efsignsgd"), "the 1-bit Adam method (efsignsgd, frozen-variance AdamW)"),
+    "densefv": (
+        ("--compressor", "topk", "--option", "ratio=1.0", "--option", "momentum_masking=false"),
+        "the method run dense (topk at ratio 1, no masking: every element sent)",
+    ),
+}
+SIDES = {"on": "with the bound (041607f)", "off": "without it (e0d742f)"}
+MLP_STEPS = 400
+
+
+def run_directory(root: Path, method: str, side: str, seed: int) -> Path:
+    return root / "runs" / f"{method}-{side}-s{seed}"
+
+
+def run(before: Path, after: Path, root: Path) -> None:
+    """Every missing run, in priority order (the 1-bit method's pairs first), each from its worktree."""
+    trees = {"on": after, "off": before}
+    for method, (flags, _) in METHODS.items():
+        for seed in SEEDS:
+            for side, tree in trees.items():
+                out = run_directory(root, method, side, seed)
+                if (out / "summary.json").is_file():
+                    continue
+                command = [sys.executable, "-m", "gradsift", "train", *TRAIN, *flags, "--seed", str(seed),
+                           "--out", str(out)]  # fmt: skip
+                environment = {**os.environ, "PYTHONPATH": str(tree / "src")}
+                print(f"+ [{method} {side} s{seed}] {' '.join(command)}", flush=True)
+                subprocess.run(command, cwd=tree, env=environment, check=True, preexec_fn=lambda: os.nice(19))
+
+
+def mlp_run(seed: int, hooked: bool) -> dict[str, float]:
+    """One process (gloo, world size 1): a ReLU MLP (256-1024-1024-10) learning a random linear
+    teacher's argmax with AdamW (lr 1e-3) for :data:`MLP_STEPS` steps, stock or under the 1-bit Adam
+    method (``efsignsgd``, a 64-step dense warm-up); its largest weight and its loss and accuracy on
+    2,000 held-out inputs. The gradsift imported is the caller's ``PYTHONPATH``'s."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradsift
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + seed))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))  # fmt: skip
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if hooked:
+        gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=64)
+    data, teacher = (
+        torch.Generator().manual_seed(seed),
+        torch.randn(256, 10, generator=torch.Generator().manual_seed(7)),
+    )
+    for _ in range(MLP_STEPS):
+        x = torch.randn(32, 256, generator=data)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), (x @ teacher).argmax(1)).backward()
+        optimizer.step()
+    held_out = torch.randn(2000, 256, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        logits, labels = model(held_out), (held_out @ teacher).argmax(1)
+        return {
+            "largest_weight": max(float(p.abs().max()) for p in model.parameters()),
+            "test_loss": float(torch.nn.functional.cross_entropy(logits, labels)),
+            "test_accuracy": float((logits.argmax(1) == labels).float().mean()),
+        }
+
+
+def mlp(before: Path, after: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """:func:`mlp_run` for stock AdamW and the method without and with the bound, seeds 0-2, each in
+    a fresh process importing its worktree's gradsift."""
+    found: dict[str, dict[int, dict[str, float]]] = {}
+    for arm, tree, hooked in (("stock", after, False), ("off", before, True), ("on", after, True)):
+        for seed in SEEDS:
+            code = f"import json, step_bound; print(json.dumps(step_bound.mlp_run({seed}, {hooked})))"
+            environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{Path(__file__).parent}"}
+            done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                                  check=True, timeout=600)  # fmt: skip
+            found.setdefault(arm, {})[seed] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"mlp {arm} s{seed}: {found[arm][seed]}", flush=True)
+    return found
+
+
+def collect(root: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """``{"<method>-<side>": {seed: run}}`` of the finished runs, and ``"fp32"``'s reference runs."""
+    found: dict[str, dict[int, dict[str, Any]]] = {"fp32": {}}
+    for seed in SEEDS:
+        reference = analyze44.load_run(
+            analyze44.run_directory(campaign44.LONG, "none", seed, "protocol", campaign44.ISSUE44)
+        )
+        if reference is not None:
+            found["fp32"][seed] = reference
+        for method in METHODS:
+            for side in SIDES:
+                finished = analyze44.load_run(run_directory(root, method, side, seed))
+                if finished is not None:
+                    found.setdefault(f"{method}-{side}", {})[seed] = finished
+    return found
+
+
+def analyse(root: Path) -> tuple[str, dict[str, Any]]:
+    """The markdown table and the numbers behind it."""
+    runs = collect(root)
+    if not runs["fp32"]:
+        raise SystemExit("no fp32 reference runs in results/convergence/runs/")
+    report: dict[str, Any] = {"arms": {}, "bound_effect": {}}
+    lines = [
+        "| method | Adam's step bound | seeds | final loss (mean ± sd) | vs fp32, paired (nats) | same in % "
+        "| the bound's effect, paired (nats) | MB sent / received per step | fewer bytes received than ring allreduce |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for method, (_, setting) in METHODS.items():
+        for side, label in SIDES.items():
+            arm = runs.get(f"{method}-{side}")
+            if not arm:
+                continue
+            stats = analyze44.arm_stats(arm, runs["fp32"])
+            report["arms"][f"{method}-{side}"] = stats
+            effect = "-"
+            other = runs.get(f"{method}-off")
+            if side == "on" and other:
+                losses = {s: r["final_val_loss"] for s, r in arm.items()}
+                gap = analyze44.paired_gap(losses, {s: r["final_val_loss"] for s, r in other.items()})
+                report["bound_effect"][method] = gap.__dict__
+                effect = analyze44.ci_text(gap, 3)
+            gap, pct = (analyze44.Interval(**{k: stats[key][k] for k in ("n", "mean", "sd", "half")})
+                        for key in ("gap", "gap_pct"))  # fmt: skip
+            sd = "" if stats["sd"] is None else f" ± {stats['sd']:.3f}"
+            lines.append(
+                f"| {setting} | {label} | {','.join(map(str, stats['seeds']))} | {stats['mean']:.3f}{sd} "
+                f"| {analyze44.ci_text(gap, 3)} | {analyze44.ci_text(pct, 1, ' %')} | {effect} "
+                f"| {stats['bytes_sent_per_step'] / 1e6:.3f} / {stats['bytes_received_per_step'] / 1e6:.3f} "
+                f"| {stats['factor_received']:.2f}x |"
+            )
+    fp32 = runs["fp32"]
+    report["fp32"] = {"seeds": sorted(fp32), "final_val_loss": {s: r["final_val_loss"] for s, r in fp32.items()},
+                      "commits": sorted({r["commit"] for r in fp32.values() if r["commit"]})}  # fmt: skip
+    report["runs"] = {name: {s: {k: r[k] for k in ("directory", "commit", "dirty", "final_val_loss")}
+                             for s, r in arm.items()} for name, arm in runs.items()}  # fmt: skip
+    reference = ", ".join(f"{fp32[s]['final_val_loss']:.3f}" for s in sorted(fp32))
+    head = (
+        f"GPT + AdamW, 3,000 steps, 2 workers; final validation loss in nats/byte; fp32 DDP at lr 3e-3 "
+        f"(seeds {', '.join(map(str, sorted(fp32)))}: {reference}) is the reference of every pair; the "
+        "bound's effect pairs each seed with the same method without it.\n\n"
+    )
+    return head + "\n".join(lines) + "\n", report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", type=Path, default=RESULTS, help="where runs/ lies (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    runner = sub.add_parser("run", help="the missing runs")
+    runner.add_argument("--before", type=Path, required=True, help="a clean worktree of e0d742f")
+    runner.add_argument("--after", type=Path, required=True, help="a clean worktree of 041607f")
+    small = sub.add_parser("mlp", help="the ReLU MLP in one process: results/convergence/step_bound/mlp.json")
+    small.add_argument("--before", type=Path, required=True, help="a clean worktree of e0d742f")
+    small.add_argument("--after", type=Path, required=True, help="a clean worktree of 041607f")
+    analyser = sub.add_parser("analyze", help="the table")
+    analyser.add_argument(
+        "--update-docs", action="store_true", help="rewrite docs/adam.md's step-bound block"
+    )
+    args = parser.parse_args()
+    if args.command == "run":
+        run(args.before, args.after, args.root)
+        return 0
+    if args.command == "mlp":
+        stamp = provenance.start(seeds=list(SEEDS))
+        found = mlp(args.before, args.after)
+        (args.root / "mlp.json").write_text(
+            json.dumps({"arms": found, "provenance": stamp.finish()}, indent=1) + "\n"
+        )
+        return 0
+    stamp = provenance.start(seeds=list(SEEDS))
+    text, report = analyse(args.root)
+    report["provenance"] = stamp.finish()
+    (args.root / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (args.root / "table.md").write_text(text)
+    print(text)
+    if args.update_docs:
+        analyze44.update_doc(text, DOC, BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
