@@ -10,8 +10,7 @@ gradients, and the update is computed by hand --
   from the optimizer's state;
 * then ``u <- beta1 u + g`` (Adam's L2 decay: ``g + wd theta``), ``m = (1 - beta1) u`` is
   what ``.grad`` holds (the user's clipping applies to it), and
-  ``theta <- theta (1 - lr wd) - lr m / D`` (AdamW) / ``theta - lr m / D`` (Adam), each element of
-  ``m / D`` within ``+-B``, Adam's own longest step (:func:`adam_bound`).
+  ``theta <- theta (1 - lr wd) - lr m / D`` (AdamW) / ``theta - lr m / D`` (Adam).
 
 At ratio 1 without momentum masking the hook sends everything, so it must equal that
 oracle; with a sparsifier it must resume bit for bit and not care about the loss scale.
@@ -27,19 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.adam import FrozenVarianceStep, step_bound
+from gradsift.hook.adam import FrozenVarianceStep
 from support.distributed import run_workers
 from support.models import IN, batch, flat_params, make_model
 from support.oracles import frozen_variance_start
 
 STEPS, WARMUP, LR, WD, BETAS = 12, 4, 0.01, 0.1, (0.9, 0.99)
-
-
-def adam_bound(beta1: float, beta2: float) -> float:
-    """The supremum of ``|m_hat / sqrt(v_hat)|`` over all gradient sequences, from the definitions
-    ``m = (1 - beta1) sum_k beta1^k g_k``, ``v = (1 - beta2) sum_k beta2^k g_k^2`` by Cauchy-Schwarz
-    (equality as ``g_k`` grows by ``beta2 / beta1`` a step, for long sequences)."""
-    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1**2 / beta2))
 
 
 def schedule(step: int) -> float:
@@ -83,8 +75,7 @@ def reference_run(rank: int, kind: str) -> torch.Tensor:
                 for p in params:
                     if kind == "adamw":
                         p.mul_(1 - lr * WD)
-                    bound = adam_bound(*BETAS)
-                    p.sub_(lr * (p.grad / preconditioner[p]).clamp(-bound, bound))
+                    p.sub_(lr * p.grad / preconditioner[p])
         scheduler.step()
     return flat_params(model)
 
@@ -359,50 +350,42 @@ def test_a_parameter_unfrozen_after_the_warm_up_is_refused_naming_it(one_process
     assert not torch.equal(model[0].weight, torch.nn.Linear(8, 16).weight)  # it trained
 
 
-@pytest.mark.parametrize("betas", [(0.9, 0.99), (0.9, 0.95), (0.8, 0.99), (0.5, 0.9)])
-def test_the_step_bound_is_the_longest_step_adams_own_update_takes(betas):
-    """PyTorch's own Adam (lr 1, eps 0) on a scalar: no gradient sequence -- random, heavy-tailed,
-    a long quiet stretch then a burst, or growing by ``beta2 / beta1`` a step (Cauchy-Schwarz's
-    equality case) -- steps further than ``step_bound``, and the growing one comes within 1 % of it."""
-    beta1, beta2 = betas
+def test_an_element_the_warm_up_seldom_saw_is_preconditioned_by_its_tensors_floor(one_process_group):
+    """An input feature a thousand times smaller than the others gives its weights a second moment
+    a million times smaller: at the freeze their preconditioner is a hundredth of the tensor's
+    root-mean-square root instead of their own root, the others' are their own -- computed here
+    from the optimizer's state at the freeze, by hand."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    state = gradsift.register_comm_hook(ddp, "topk", ratio=1.0, warmup_steps=3, momentum_masking=False)
     generator = torch.Generator().manual_seed(0)
-    growth = beta2 / beta1  # until g^2 nears float64's range
-    sequences = {
-        "growing": [growth ** min(k, int(140 / math.log10(growth))) for k in range(1000)],
-        "random": torch.randn(400, generator=generator, dtype=torch.float64).tolist(),
-        "heavy-tailed": (torch.randn(400, generator=generator, dtype=torch.float64) ** 5).tolist(),
-        "quiet, then a burst": [1e-6] * 200 + [1.0] * 200,
-    }
-    longest = {}
-    for name, gradients in sequences.items():
-        param = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-        optimizer = torch.optim.Adam([param], lr=1.0, betas=betas, eps=0.0)
-        steps = []
-        for g in gradients:
-            before = float(param.detach())
-            param.grad = torch.tensor([g], dtype=torch.float64)
-            optimizer.step()
-            steps.append(abs(float(param.detach()) - before))
-        longest[name] = max(steps)
-    bound = step_bound(*betas)
-    assert bound == pytest.approx(adam_bound(*betas), rel=1e-12)
-    assert max(longest.values()) <= bound * (1 + 1e-9), longest
-    assert longest["growing"] >= 0.99 * bound, longest
-    assert step_bound(0.9, 0.8) == math.inf  # beta1^2 >= beta2: Adam's ratio has no bound
+    scale = torch.tensor([1e-3] + [1.0] * 7)
+    for step in range(5):
+        optimizer.zero_grad()
+        ddp(torch.randn(16, 8, generator=generator) * scale).square().mean().backward()
+        if step == 3:  # the freeze
+            s = optimizer.state[model.weight]
+            root = (s["exp_avg_sq"] / (1 - 0.999 ** float(s["step"]))).sqrt()
+            floor = 0.01 * float(root.pow(2).mean()) ** 0.5
+        optimizer.step()
+    preconditioner = state.adam._preconditioners[id(model.weight)]
+    assert bool((root[:, 0] < floor).all()) and bool(
+        (root[:, 1:] > floor).all()
+    )  # the floor binds on feature 0 only
+    assert torch.allclose(preconditioner[:, 0], torch.full((4,), floor + 1e-8), rtol=1e-5)
+    assert torch.allclose(preconditioner[:, 1:], root[:, 1:] + 1e-8, rtol=1e-5)
 
 
 @pytest.mark.distributed
-def test_an_element_whose_gradient_outgrew_its_frozen_variance_steps_no_further_than_adam_could(
-    one_process_group,
-):
+def test_a_relu_mlps_weights_stay_near_stock_adamws_under_the_1_bit_adam_method(one_process_group):
     """A ReLU MLP under the 1-bit Adam method (``efsignsgd``, AdamW): units that seldom fired during
-    the dense warm-up froze a tiny second moment, and when their gradients grow ``m / D`` is huge
-    where Adam's ``v`` would have grown with it. Every compressed step moves each element by at
-    most ``lr B`` beyond AdamW's decay (measured around each optimizer step), and the weights stay
-    within 20x of stock AdamW's on the same data (without the bound they reached 1e3 against 0.16)."""
-    lr, wd, steps, warmup = 1e-3, 0.01, 220, 40
+    the dense warm-up froze a tiny second moment, and ``1 / D`` multiplied the sign code's
+    bucket-wide magnitude there. With the floor the largest weight stays within 50x stock AdamW's
+    on the same data (seeds 0-2: 7.6-17.6x; without the floor 567-1,332x)."""
 
-    def train(hooked: bool) -> tuple[float, float]:
+    def largest_weight(hooked: bool) -> float:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(128, 512),
@@ -412,29 +395,19 @@ def test_an_element_whose_gradient_outgrew_its_frozen_variance_steps_no_further_
             torch.nn.Linear(512, 10),
         )
         ddp = DDP(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if hooked:
-            gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=warmup)
+            gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=40)
         data, teacher = (
             torch.Generator().manual_seed(0),
             torch.randn(128, 10, generator=torch.Generator().manual_seed(7)),
         )
-        longest = 0.0
-        for step in range(steps):
+        for _ in range(220):
             x = torch.randn(32, 128, generator=data)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x), (x @ teacher).argmax(1)).backward()
-            before = [p.detach() * (1 - lr * wd) for p in model.parameters()]
             optimizer.step()
-            if step >= warmup:
-                moved = max(
-                    float((p.detach() - b).abs().max())
-                    for p, b in zip(model.parameters(), before, strict=True)
-                )
-                longest = max(longest, moved)
-        return longest, max(float(p.detach().abs().max()) for p in model.parameters())
+        return max(float(p.detach().abs().max()) for p in model.parameters())
 
-    longest, largest = train(hooked=True)
-    _, stock_largest = train(hooked=False)
-    assert longest <= lr * step_bound(0.9, 0.999) * (1 + 1e-4)
-    assert largest <= 20 * stock_largest, (largest, stock_largest)
+    hooked, stock = largest_weight(hooked=True), largest_weight(hooked=False)
+    assert hooked <= 50 * stock, (hooked, stock)

@@ -32,7 +32,8 @@ def frozen_variance_start(
 ) -> tuple[dict[torch.Tensor, torch.Tensor], dict[torch.Tensor, torch.Tensor]]:
     """1-bit Adam's freeze, from Adam's state at its step ``t``: per parameter the velocity
     ``u = m / ((1 - beta1)(1 - beta1^t))`` and the preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps``
-    (where ``v = 0``, the largest ``sqrt`` of the parameter's tensor)."""
+    (where ``v = 0``, the largest ``sqrt`` of the parameter's tensor; nowhere below a hundredth of
+    the tensor's root-mean-square ``sqrt``)."""
     beta1, beta2 = betas
     velocity, preconditioner = {}, {}
     for p in params:
@@ -40,7 +41,10 @@ def frozen_variance_start(
         t = float(state["step"])
         velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
         root = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
-        preconditioner[p] = torch.where(root > 0, root, root.max()) + eps  # v = 0: the tensor's largest
+        floor = 0.01 * float(root.pow(2).mean()) ** 0.5
+        preconditioner[p] = (
+            torch.where(root > 0, root, root.max()).clamp(min=floor) + eps
+        )  # v = 0: the largest
     return velocity, preconditioner
 
 

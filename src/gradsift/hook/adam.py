@@ -14,9 +14,10 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    (:mod:`gradsift.hook.adam_warmup`).
 2. **Freeze** ``v`` -- from then on the optimizer never steps the model's parameters
    again, so their ``exp_avg_sq`` and ``step`` stay as the warm-up left them; the
-   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (where ``v = 0``, the largest
-   root of its tensor, or of the model where the tensor never moved: never ``m / eps``), and the
-   update ``m / D`` is linear in ``m``. A parameter without any second moment (frozen through
+   preconditioner ``D = sqrt(v / (1 - beta2^t)) + eps`` is constant (at least a hundredth of its
+   tensor's root-mean-square root, :data:`~gradsift.hook.adam_warmup.ROOT_FLOOR`; where ``v = 0``,
+   the largest root of its tensor, or of the model where the tensor never moved: never
+   ``m / eps``), and the update ``m / D`` is linear in ``m``. A parameter without any second moment (frozen through
    the warm-up, unfrozen since) is refused at its first compressed step (:data:`NO_SECOND_MOMENT`);
    ``auto`` steps it as a tensor that never moved and leaves the method.
 3. **Compressed steps** -- each worker keeps a velocity ``u <- beta1 u + g`` (started from
@@ -25,14 +26,10 @@ Adam, Tang et al. 2021, with DGC's momentum correction for the first moment):
    (residual ``r``; momentum factor masking as in DGC), and the exchange's mean ``s``
    stands for ``sum_k u_k / W``. The hook hands DDP ``(1 - beta1) s`` -- Adam's first moment,
    at a gradient's scale, so ``clip_grad_norm_`` and ``GradScaler`` see what they expect --
-   and the optimizer's step becomes ``theta <- theta (1 - lr wd) - lr clamp(m / D, -B, B)``
-   (AdamW's decoupled decay; Adam's L2 decay ``wd theta`` is added to ``g`` before the velocity).
-   ``B`` (:func:`step_bound`) is the longest step Adam's own update can take with these betas,
-   whatever the gradients: an element whose second moment was tiny at the freeze (a ReLU unit
-   that seldom fired in the warm-up, attention's query and key weights early on) and whose
-   gradient has grown since, where Adam's ``v`` would have grown with it, steps no further than
-   Adam could. Below ``B``, ``m / D`` is linear in what was sent, so error feedback's delayed
-   coordinates are delayed, not shrunk: DGC's argument for SGD momentum carries over.
+   and the optimizer's step becomes ``theta <- theta (1 - lr wd) - lr m / D`` (AdamW's
+   decoupled decay; Adam's L2 decay ``wd theta`` is added to ``g`` before the velocity).
+   Because ``m / D`` is linear in what was sent, error feedback's delayed coordinates are
+   delayed, not shrunk: DGC's argument for SGD momentum carries over.
 
 ``adam="onebit"`` is 1-bit Adam's own momentum instead of step 3's: every worker's first moment
 restarts each step from the exchanged one, ``m_k = beta1 m + (1 - beta1) g_k`` with ``m`` the
@@ -56,7 +53,6 @@ once a statistic is frozen, or they keep no first moment at all.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,19 +112,6 @@ def check_adam(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> flo
     if not betas:
         raise InvalidOptionError("the optimizer holds none of the model's parameters")
     return betas.pop()
-
-
-def step_bound(beta1: float, beta2: float) -> float:
-    """The largest ``|m_hat / sqrt(v_hat)|`` Adam's own step can reach with these betas, for any
-    gradients: ``B = (1 - beta1) / sqrt((1 - beta2)(1 - beta1^2 / beta2))``, infinite where
-    ``beta1^2 >= beta2``. Cauchy-Schwarz on the two moments' sums,
-    ``|sum_k beta1^k g_k| <= sqrt(sum_k (beta1^2 / beta2)^k) sqrt(sum_k beta2^k g_k^2)``; the
-    bias corrections only bring early steps below it. The frozen methods step no element further
-    (the module docstring, step 3)."""
-    ratio = float(beta1) ** 2 / float(beta2)
-    return (
-        math.inf if ratio >= 1.0 else (1.0 - float(beta1)) / math.sqrt((1.0 - float(beta2)) * (1.0 - ratio))
-    )
 
 
 def l2_decay(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> dict[int, float]:
@@ -267,10 +250,8 @@ class FrozenVarianceStep(AdamStep):
         return 1.0 - self.beta1
 
     def direction(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """``m / D``, each element within Adam's own bound (:func:`step_bound`)."""
         assert param.grad is not None
-        bound = step_bound(*group["betas"])
-        return (param.grad / self._preconditioner(param, group)).clamp_(-bound, bound)
+        return param.grad / self._preconditioner(param, group)
 
     def _preconditioner(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """``D`` of the module docstring, of the warm-up's last step (cached: it is frozen)."""

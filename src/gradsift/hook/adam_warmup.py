@@ -48,6 +48,9 @@ from gradsift.hook.param_groups import model_groups
 WINDOW = 8
 #: ``v_hat`` has settled when its relative change over a window is below this.
 SETTLED = 0.05
+#: The smallest frozen root an element gets, as a share of its tensor's root-mean-square root
+#: (:func:`frozen_root`; docs/decisions.md has the measurement behind the value).
+ROOT_FLOOR = 0.01
 #: The parameter-group entry that holds the record (an optimizer checkpoint carries it).
 RECORD_KEY = "gradsift_adam_warmup"
 #: Why a warm-up ended: ``rho`` below :data:`SETTLED`, the memory cap, or ``warmup_steps``.
@@ -153,13 +156,22 @@ def bias_correction(beta: float, step: Any) -> torch.Tensor:
 
 
 def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
-    """``sqrt(v / (1 - beta2^t))`` of a parameter at the freeze (:mod:`gradsift.hook.adam`, step 2):
+    """``sqrt(v / (1 - beta2^t))`` of a parameter at the freeze (:mod:`gradsift.hook.adam`, step 2),
+    at least :data:`ROOT_FLOOR` times its tensor's root-mean-square ``sqrt(mean(v / (1 - beta2^t)))``;
     where ``v = 0``, the largest root of its tensor, and where the whole tensor is zero (the warm-up
     never moved it: a LoRA adapter's ``A`` while its ``B`` is zero), ``largest``, the model's
     (:func:`largest_root`): the smallest step the method takes anywhere, never ``m / eps``.
-    Device work only: no host read."""
+
+    Why the floor: an element whose gradient the warm-up seldom saw (a ReLU unit that rarely
+    fired) freezes a root far below its tensor's, and ``1 / D`` then multiplies whatever the
+    exchange delivers there -- a sign code's bucket-wide magnitude, error feedback's corrections --
+    where Adam's ``v`` would have grown with the gradient. The floor bounds that gain at
+    ``1 / ROOT_FLOOR`` times the tensor's typical one and keeps ``D`` a constant, so the update
+    stays linear in what was sent (a clamp of ``m / D`` would not: error feedback's delayed
+    elements would be shrunk). Device work only: no host read."""
     root = (second_moment / correction).sqrt_()
-    root = torch.where(root > 0, root, root.max())
+    floor = root.square().mean().sqrt_().mul_(ROOT_FLOOR)
+    root = torch.maximum(torch.where(root > 0, root, root.max()), floor)
     return torch.where(root > 0, root, largest.to(root.device))
 
 
