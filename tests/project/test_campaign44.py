@@ -128,3 +128,33 @@ def test_the_two_effects_are_paired_differences_of_the_controls() -> None:
     assert effects["compression"][1].half == pytest.approx(0.0, abs=1e-12)
     text, numbers = analyze44.table("gpt-adamw", arms)
     assert numbers["decomposition"]["optimizer"]["n"] == 3 and "the compression's effect" in text
+
+
+def _fake_run(directory: Path, seed: int, loss: float, sent: float, received: float) -> None:
+    import gzip
+    import json
+
+    directory.mkdir(parents=True)
+    summary = {"seed": seed, "workers": 2, "final_test_loss": loss, "dense_bytes_per_step": 1_000_000.0}
+    (directory / "summary.json").write_text(json.dumps(summary))
+    with gzip.open(directory / "steps.jsonl.gz", "wt") as handle:
+        for _ in range(10):
+            handle.write(json.dumps({"loss": loss, "bytes_sent": sent, "bytes_received": received}) + "\n")
+
+
+def test_the_root_floors_effect_is_paired_per_seed_with_the_root_as_it_was(tmp_path: Path) -> None:
+    """benchmarks/convergence/root_floor.py: the floor - the root as it was (none), seed by seed
+    (d = -0.1, -0.3: mean -0.2, sd 0.141421, half = 12.7062 * 0.141421 / sqrt(2) = 1.27062), and the
+    bytes factor against the ring allreduce's received bytes (2 (2 - 1) / 2 * 1 MB / 0.125 MB = 8x)."""
+    import root_floor
+
+    for seed, (on, off) in enumerate(((1.3, 1.4), (1.2, 1.5))):
+        _fake_run(root_floor.run_directory(tmp_path, "onebit", "floor", seed), seed, on, 125_000.0, 125_000.0)
+        _fake_run(root_floor.run_directory(tmp_path, "onebit", "none", seed), seed, off, 125_000.0, 125_000.0)
+    text, report = root_floor.analyse(tmp_path)
+    effect = report["versus_none"]["onebit-floor"]
+    assert (effect["n"], effect["mean"]) == (2, pytest.approx(-0.2))
+    assert effect["half"] == pytest.approx(1.27062, abs=1e-5)
+    assert report["arms"]["onebit-floor"]["factor_received"] == pytest.approx(8.0)
+    assert "densefv" not in str(report["arms"])  # no runs, no row
+    assert text.count("\n| the 1-bit Adam method") == 2

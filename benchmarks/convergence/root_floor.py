@@ -1,25 +1,28 @@
-"""Adam's step bound in the frozen-variance methods: the same runs with it and without it.
+"""A floor under the frozen Adam root: the frozen-variance methods with it, without it, and with
+the step clamp it replaced -- the same runs from a clean worktree of each commit.
 
     # the runs: resumable, one at a time, at nice 19 (a background campaign; timings unused)
-    git worktree add /tmp/wt-before e0d742f && git worktree add /tmp/wt-after 041607f
-    python benchmarks/convergence/step_bound.py run --before /tmp/wt-before --after /tmp/wt-after
-    # a ReLU MLP in one process, stock AdamW and the 1-bit Adam method without and with the bound
-    flock /tmp/gradsift-cpu.lock python benchmarks/convergence/step_bound.py mlp --before /tmp/wt-before --after /tmp/wt-after
-    # the table: results/convergence/step_bound/{results.json,table.md}, and docs/adam.md's block
-    python benchmarks/convergence/step_bound.py analyze --update-docs
+    git worktree add /tmp/wt-none e0d742f && git worktree add /tmp/wt-floor 82a1861
+    python benchmarks/convergence/root_floor.py run --tree none=/tmp/wt-none --tree floor=/tmp/wt-floor
+    # a ReLU MLP in one process: stock AdamW, and the 1-bit Adam method per tree
+    flock /tmp/gradsift-cpu.lock python benchmarks/convergence/root_floor.py mlp --tree none=/tmp/wt-none --tree floor=/tmp/wt-floor
+    # the table: results/convergence/root_floor/{results.json,table.md}, and docs/adam.md's block
+    python benchmarks/convergence/root_floor.py analyze --update-docs
 
-Commit 041607f made the frozen-variance methods clamp each element of ``m / D`` to Adam's own
-bound (``gradsift.hook.adam.step_bound``); e0d742f, its parent, is the same code without it. Each
-arm runs the protocol's GPT + AdamW workload at 3,000 steps on 2 workers (:data:`TRAIN`) from a
-clean worktree of each commit, seeds 0-2: the 1-bit Adam method (``efsignsgd`` under the
-frozen-variance method) and the method run dense (``topk`` at ratio 1 without momentum masking:
-every element sent, the optimizer alone). The reference is fp32 DDP at the protocol's lr 3e-3,
-the protocol's own runs (``results/convergence/runs/gpt-adamw-3k/none-*``).
+The sides (:data:`SIDES`): e0d742f, the frozen root as it was (``sqrt(v_hat)``, the largest root
+where ``v = 0``); 041607f, which clamped each element of ``m / D`` to Adam's own longest step
+``(1 - beta1) / sqrt((1 - beta2)(1 - beta1^2 / beta2))`` (seed 0 only: the clamp was rejected on
+nanoGPT, ``results/thirdparty/nanogpt-q2-clamp.json``); 82a1861, which floors the root at
+``gradsift.hook.adam_warmup.ROOT_FLOOR`` times its tensor's root-mean-square root. Each run is
+the protocol's GPT + AdamW workload at 3,000 steps on 2 workers (:data:`TRAIN`), seeds 0-2: the
+1-bit Adam method (``efsignsgd`` under the frozen-variance method), then the method run dense
+(``topk`` at ratio 1 without momentum masking: every element sent, the optimizer alone). The
+reference is fp32 DDP at the protocol's lr 3e-3, the protocol's own runs
+(``results/convergence/runs/gpt-adamw-3k/none-*``).
 
-Statistics (:mod:`analyze44`'s): every arm paired per seed with fp32, and the bound's effect
-paired per seed with the same method without it, ``mean +- t_{0.975, n-1} sd / sqrt(n)``; bytes
-per worker per step sent and received over the whole run, and the factor against stock DDP's
-ring allreduce's received bytes.
+Statistics (:mod:`analyze44`'s): every arm paired per seed with fp32, and each side paired per
+seed with ``none``, ``mean +- t_{0.975, n-1} sd / sqrt(n)``; bytes per worker per step sent and
+received over the whole run, and the factor against stock DDP's ring allreduce's received bytes.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ import provenance
 from protocol import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "results" / "convergence" / "step_bound"
+RESULTS = ROOT / "results" / "convergence" / "root_floor"
 DOC = ROOT / "docs" / "adam.md"
-BEGIN, END = "<!-- step-bound-table:begin -->", "<!-- step-bound-table:end -->"
+BEGIN, END = "<!-- root-floor-table:begin -->", "<!-- root-floor-table:end -->"
 SEEDS = (0, 1, 2)
 #: The protocol's GPT + AdamW workload at 3,000 steps (``campaign44.LONG``).
 TRAIN = WORKLOADS[campaign44.LONG].train_arguments(WORKLOADS[campaign44.LONG].epochs)
@@ -53,17 +56,32 @@ METHODS = {
         "the method run dense (topk at ratio 1, no masking: every element sent)",
     ),
 }
-SIDES = {"on": "with the bound (041607f)", "off": "without it (e0d742f)"}
+SIDES = {
+    "floor": "floored at ROOT_FLOOR x its tensor's RMS root (82a1861)",
+    "none": "as it was (e0d742f)",
+    "clamp": "as it was, m / D clamped to Adam's longest step (041607f)",
+}
+BASELINE = "none"
 MLP_STEPS = 400
+
+
+def tree_argument(text: str) -> tuple[str, Path]:
+    """``SIDE=PATH`` of ``--tree``, the side one of :data:`SIDES`."""
+    side, _, path = text.partition("=")
+    if side not in SIDES or not path:
+        raise argparse.ArgumentTypeError(
+            f"expected SIDE=PATH with SIDE one of {', '.join(SIDES)}, got {text!r}"
+        )
+    return side, Path(path)
 
 
 def run_directory(root: Path, method: str, side: str, seed: int) -> Path:
     return root / "runs" / f"{method}-{side}-s{seed}"
 
 
-def run(before: Path, after: Path, root: Path) -> None:
-    """Every missing run, in priority order (the 1-bit method's pairs first), each from its worktree."""
-    trees = {"on": after, "off": before}
+def run(trees: dict[str, Path], root: Path) -> None:
+    """Every missing run of the sides in ``trees`` (side -> a clean worktree of its commit), the 1-bit
+    method's first, seed by seed."""
     for method, (flags, _) in METHODS.items():
         for seed in SEEDS:
             for side, tree in trees.items():
@@ -117,13 +135,14 @@ def mlp_run(seed: int, hooked: bool) -> dict[str, float]:
         }
 
 
-def mlp(before: Path, after: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """:func:`mlp_run` for stock AdamW and the method without and with the bound, seeds 0-2, each in
-    a fresh process importing its worktree's gradsift."""
+def mlp(trees: dict[str, Path]) -> dict[str, dict[int, dict[str, float]]]:
+    """:func:`mlp_run` for stock AdamW (the last tree's) and the 1-bit Adam method of each side in
+    ``trees``, seeds 0-2, each in a fresh process importing its worktree's gradsift."""
     found: dict[str, dict[int, dict[str, float]]] = {}
-    for arm, tree, hooked in (("stock", after, False), ("off", before, True), ("on", after, True)):
+    arms = [("stock", list(trees.values())[-1], False), *((side, tree, True) for side, tree in trees.items())]
+    for arm, tree, hooked in arms:
         for seed in SEEDS:
-            code = f"import json, step_bound; print(json.dumps(step_bound.mlp_run({seed}, {hooked})))"
+            code = f"import json, root_floor; print(json.dumps(root_floor.mlp_run({seed}, {hooked})))"
             environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{Path(__file__).parent}"}
             done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
                                   check=True, timeout=600)  # fmt: skip
@@ -154,10 +173,10 @@ def analyse(root: Path) -> tuple[str, dict[str, Any]]:
     runs = collect(root)
     if not runs["fp32"]:
         raise SystemExit("no fp32 reference runs in results/convergence/runs/")
-    report: dict[str, Any] = {"arms": {}, "bound_effect": {}}
+    report: dict[str, Any] = {"arms": {}, "versus_none": {}}
     lines = [
-        "| method | Adam's step bound | seeds | final loss (mean ± sd) | vs fp32, paired (nats) | same in % "
-        "| the bound's effect, paired (nats) | MB sent / received per step | fewer bytes received than ring allreduce |",
+        "| method | the frozen root | seeds | final loss (mean ± sd) | vs fp32, paired (nats) | same in % "
+        "| vs the root as it was, paired (nats) | MB sent / received per step | fewer bytes received than ring allreduce |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for method, (_, setting) in METHODS.items():
@@ -168,11 +187,11 @@ def analyse(root: Path) -> tuple[str, dict[str, Any]]:
             stats = analyze44.arm_stats(arm, runs["fp32"])
             report["arms"][f"{method}-{side}"] = stats
             effect = "-"
-            other = runs.get(f"{method}-off")
-            if side == "on" and other:
+            baseline = runs.get(f"{method}-{BASELINE}")
+            if side != BASELINE and baseline:
                 losses = {s: r["final_val_loss"] for s, r in arm.items()}
-                gap = analyze44.paired_gap(losses, {s: r["final_val_loss"] for s, r in other.items()})
-                report["bound_effect"][method] = gap.__dict__
+                gap = analyze44.paired_gap(losses, {s: r["final_val_loss"] for s, r in baseline.items()})
+                report["versus_none"][f"{method}-{side}"] = gap.__dict__
                 effect = analyze44.ci_text(gap, 3)
             gap, pct = (analyze44.Interval(**{k: stats[key][k] for k in ("n", "mean", "sd", "half")})
                         for key in ("gap", "gap_pct"))  # fmt: skip
@@ -192,7 +211,7 @@ def analyse(root: Path) -> tuple[str, dict[str, Any]]:
     head = (
         f"GPT + AdamW, 3,000 steps, 2 workers; final validation loss in nats/byte; fp32 DDP at lr 3e-3 "
         f"(seeds {', '.join(map(str, sorted(fp32)))}: {reference}) is the reference of every pair; the "
-        "bound's effect pairs each seed with the same method without it.\n\n"
+        "second pairs each seed with the same method's run with the root as it was.\n\n"
     )
     return head + "\n".join(lines) + "\n", report
 
@@ -203,23 +222,21 @@ def main() -> int:
     )
     parser.add_argument("--root", type=Path, default=RESULTS, help="where runs/ lies (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
-    runner = sub.add_parser("run", help="the missing runs")
-    runner.add_argument("--before", type=Path, required=True, help="a clean worktree of e0d742f")
-    runner.add_argument("--after", type=Path, required=True, help="a clean worktree of 041607f")
-    small = sub.add_parser("mlp", help="the ReLU MLP in one process: results/convergence/step_bound/mlp.json")
-    small.add_argument("--before", type=Path, required=True, help="a clean worktree of e0d742f")
-    small.add_argument("--after", type=Path, required=True, help="a clean worktree of 041607f")
+    for name, text in (("run", "the missing runs"), ("mlp", "the ReLU MLP in one process: <root>/mlp.json")):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("--tree", action="append", type=tree_argument, required=True, metavar="SIDE=PATH",
+                             help=f"a clean worktree of a side's commit; sides: {', '.join(SIDES)}")  # fmt: skip
     analyser = sub.add_parser("analyze", help="the table")
     analyser.add_argument(
-        "--update-docs", action="store_true", help="rewrite docs/adam.md's step-bound block"
+        "--update-docs", action="store_true", help="rewrite docs/adam.md's root-floor block"
     )
     args = parser.parse_args()
     if args.command == "run":
-        run(args.before, args.after, args.root)
+        run(dict(args.tree), args.root)
         return 0
     if args.command == "mlp":
         stamp = provenance.start(seeds=list(SEEDS))
-        found = mlp(args.before, args.after)
+        found = mlp(dict(args.tree))
         (args.root / "mlp.json").write_text(
             json.dumps({"arms": found, "provenance": stamp.finish()}, indent=1) + "\n"
         )
