@@ -57,11 +57,20 @@ METHODS = {
     ),
 }
 SIDES = {
-    "floor": "floored at ROOT_FLOOR x its tensor's RMS root (82a1861)",
+    "floor": "floored at ROOT_FLOOR of its tensor's RMS root (82a1861)",
     "none": "as it was (e0d742f)",
     "clamp": "as it was, m / D clamped to Adam's longest step (041607f)",
 }
 BASELINE = "none"
+#: nanoGPT's ``train.py`` (``benchmarks/thirdparty/nanogpt.py``, 400 iterations, 2 ranks) per side:
+#: stock DDP and the frozen-variance arms whose warm-up is in 2-bit codes, as
+#: ``results/thirdparty/nanogpt-20x.json`` ran them, and the method run dense.
+NANOGPT = {side: ROOT / "results" / "thirdparty" / f"nanogpt-q2-{side}.json" for side in SIDES}
+NANOGPT_ARMS = {
+    "onebit-q2w100": "the 1-bit Adam method, a 100-step warm-up in 2-bit codes",
+    "zero-one-q2": "0/1 Adam, its warm-up in 2-bit codes",
+    "dense-fv": "the method run dense",
+}
 MLP_STEPS = 400
 
 
@@ -168,12 +177,72 @@ def collect(root: Path) -> dict[str, dict[int, dict[str, Any]]]:
     return found
 
 
+def nanogpt_table(report: dict[str, Any]) -> str:
+    """nanoGPT's rows: per arm and side the mean loss, paired per seed with stock DDP of the same
+    file (in %) and with the arm's run with the root as it was (in nats)."""
+    losses: dict[str, dict[str, dict[int, float]]] = {}
+    for side, path in NANOGPT.items():
+        if path.is_file():
+            for run in json.loads(path.read_text())["runs"]:
+                losses.setdefault(side, {}).setdefault(run["arm"], {})[run["seed"]] = run[
+                    "final_validation_loss"
+                ]
+    if BASELINE not in losses:
+        return ""
+    lines = ["| arm | the frozen root | seeds | validation loss (mean) | vs stock DDP, paired | vs the root as it was, paired (nats) |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    for arm, setting in NANOGPT_ARMS.items():
+        for side, label in SIDES.items():
+            found = losses.get(side, {}).get(arm)
+            if not found:
+                continue
+            stock = analyze44.paired_gap(found, losses[side]["stock"], relative=True)
+            versus = analyze44.paired_gap(found, losses[BASELINE][arm]) if side != BASELINE else None
+            report["nanogpt"][f"{arm}-{side}"] = {"losses": found, "versus_stock_pct": stock.__dict__,
+                                                  "versus_none": None if versus is None else versus.__dict__}  # fmt: skip
+            lines.append(f"| {setting} | {label.split(' (')[0]} | {','.join(map(str, sorted(found)))} "
+                         f"| {sum(found.values()) / len(found):.3f} | {analyze44.ci_text(stock, 1, ' %')} "
+                         f"| {'-' if versus is None else analyze44.ci_text(versus, 3)} |")  # fmt: skip
+    return (
+        "\n**nanoGPT** (`train.py`, 400 iterations, 2 ranks; `results/thirdparty/nanogpt-q2-*.json`)\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+def mlp_table(root: Path, report: dict[str, Any]) -> str:
+    """The ReLU MLP's rows (``<root>/mlp.json``): per arm the largest weight's range over the seeds
+    and the held-out loss, paired per seed with stock AdamW."""
+    path = root / "mlp.json"
+    if not path.is_file():
+        return ""
+    arms = json.loads(path.read_text())["arms"]
+    lines = ["| arm | largest weight (seeds 0-2) | held-out loss (mean) | vs stock AdamW, paired (nats) |",
+             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    stock = {int(seed): run["test_loss"] for seed, run in arms["stock"].items()}
+    for arm, runs in arms.items():
+        losses = {int(seed): run["test_loss"] for seed, run in runs.items()}
+        weights = [run["largest_weight"] for run in runs.values()]
+        versus = analyze44.paired_gap(losses, stock) if arm != "stock" else None
+        report["mlp"][arm] = {"largest_weight": weights, "test_loss": losses,
+                              "versus_stock": None if versus is None else versus.__dict__}  # fmt: skip
+        label = (
+            "stock AdamW" if arm == "stock" else f"the 1-bit Adam method, root {SIDES[arm].split(' (')[0]}"
+        )
+        lines.append(f"| {label} | {min(weights):.3g} - {max(weights):.3g} | {sum(losses.values()) / len(losses):.3f} "
+                     f"| {'-' if versus is None else analyze44.ci_text(versus, 3)} |")  # fmt: skip
+    return (
+        f"\n**A ReLU MLP** (256-1024-1024-10, AdamW lr 1e-3, {MLP_STEPS} steps in one process; "
+        "`results/convergence/root_floor/mlp.json`)\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def analyse(root: Path) -> tuple[str, dict[str, Any]]:
     """The markdown table and the numbers behind it."""
     runs = collect(root)
     if not runs["fp32"]:
         raise SystemExit("no fp32 reference runs in results/convergence/runs/")
-    report: dict[str, Any] = {"arms": {}, "versus_none": {}}
+    report: dict[str, Any] = {"arms": {}, "versus_none": {}, "nanogpt": {}, "mlp": {}}
     lines = [
         "| method | the frozen root | seeds | final loss (mean ± sd) | vs fp32, paired (nats) | same in % "
         "| vs the root as it was, paired (nats) | MB sent / received per step | fewer bytes received than ring allreduce |",
@@ -209,11 +278,11 @@ def analyse(root: Path) -> tuple[str, dict[str, Any]]:
                              for s, r in arm.items()} for name, arm in runs.items()}  # fmt: skip
     reference = ", ".join(f"{fp32[s]['final_val_loss']:.3f}" for s in sorted(fp32))
     head = (
-        f"GPT + AdamW, 3,000 steps, 2 workers; final validation loss in nats/byte; fp32 DDP at lr 3e-3 "
+        f"**The project's GPT** + AdamW, 3,000 steps, 2 workers; final validation loss in nats/byte; fp32 DDP at lr 3e-3 "
         f"(seeds {', '.join(map(str, sorted(fp32)))}: {reference}) is the reference of every pair; the "
         "second pairs each seed with the same method's run with the root as it was.\n\n"
     )
-    return head + "\n".join(lines) + "\n", report
+    return head + "\n".join(lines) + "\n" + nanogpt_table(report) + mlp_table(root, report), report
 
 
 def main() -> int:
