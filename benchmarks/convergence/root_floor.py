@@ -72,6 +72,12 @@ NANOGPT_ARMS = {
     "dense-fv": "the method run dense",
 }
 MLP_STEPS = 400
+#: The ReLU MLP's frozen-variance methods: registry name and options.
+MLP_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "onebit": ("efsignsgd", {}),
+    "topk": ("topk", {"ratio": 0.01}),
+    "dense": ("topk", {"ratio": 1.0, "momentum_masking": False}),
+}
 
 
 def tree_argument(text: str) -> tuple[str, Path]:
@@ -104,11 +110,12 @@ def run(trees: dict[str, Path], root: Path) -> None:
                 subprocess.run(command, cwd=tree, env=environment, check=True, preexec_fn=lambda: os.nice(19))
 
 
-def mlp_run(seed: int, hooked: bool) -> dict[str, float]:
+def mlp_run(seed: int, method: str) -> dict[str, float]:
     """One process (gloo, world size 1): a ReLU MLP (256-1024-1024-10) learning a random linear
-    teacher's argmax with AdamW (lr 1e-3) for :data:`MLP_STEPS` steps, stock or under the 1-bit Adam
-    method (``efsignsgd``, a 64-step dense warm-up); its largest weight and its loss and accuracy on
-    2,000 held-out inputs. The gradsift imported is the caller's ``PYTHONPATH``'s."""
+    teacher's argmax with AdamW (lr 1e-3) for :data:`MLP_STEPS` steps, stock (``method`` "stock") or
+    under a frozen-variance method (:data:`MLP_METHODS`, a 64-step dense warm-up); its largest
+    weight and its loss and accuracy on 2,000 held-out inputs. The gradsift imported is the
+    caller's ``PYTHONPATH``'s."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -123,8 +130,9 @@ def mlp_run(seed: int, hooked: bool) -> dict[str, float]:
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 10))  # fmt: skip
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if hooked:
-        gradsift.register_comm_hook(ddp, "efsignsgd", optimizer=optimizer, warmup_steps=64)
+    if method != "stock":
+        name, options = MLP_METHODS[method]
+        gradsift.register_comm_hook(ddp, name, optimizer=optimizer, warmup_steps=64, **options)
     data, teacher = (
         torch.Generator().manual_seed(seed),
         torch.randn(256, 10, generator=torch.Generator().manual_seed(7)),
@@ -145,13 +153,21 @@ def mlp_run(seed: int, hooked: bool) -> dict[str, float]:
 
 
 def mlp(trees: dict[str, Path]) -> dict[str, dict[int, dict[str, float]]]:
-    """:func:`mlp_run` for stock AdamW (the last tree's) and the 1-bit Adam method of each side in
-    ``trees``, seeds 0-2, each in a fresh process importing its worktree's gradsift."""
+    """:func:`mlp_run` for stock AdamW (the last tree's), the 1-bit Adam method of each side in
+    ``trees``, and the other methods of :data:`MLP_METHODS` with the root as it was (the controls:
+    a sparsifier, and no code at all), seeds 0-2, each in a fresh process importing its tree's gradsift."""
     found: dict[str, dict[int, dict[str, float]]] = {}
-    arms = [("stock", list(trees.values())[-1], False), *((side, tree, True) for side, tree in trees.items())]
-    for arm, tree, hooked in arms:
+    arms = [
+        ("stock", list(trees.values())[-1], "stock"),
+        *((side, tree, "onebit") for side, tree in trees.items()),
+    ]
+    if BASELINE in trees:
+        arms += [
+            (f"{BASELINE}-{method}", trees[BASELINE], method) for method in MLP_METHODS if method != "onebit"
+        ]
+    for arm, tree, method in arms:
         for seed in SEEDS:
-            code = f"import json, root_floor; print(json.dumps(root_floor.mlp_run({seed}, {hooked})))"
+            code = f"import json, root_floor; print(json.dumps(root_floor.mlp_run({seed}, {method!r})))"
             environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{Path(__file__).parent}"}
             done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
                                   check=True, timeout=600)  # fmt: skip
@@ -210,6 +226,13 @@ def nanogpt_table(report: dict[str, Any]) -> str:
     )
 
 
+MLP_LABELS = {
+    "stock": "stock AdamW",
+    f"{BASELINE}-topk": "topk at 1 %, root as it was",
+    f"{BASELINE}-dense": "the method run dense, root as it was",
+}
+
+
 def mlp_table(root: Path, report: dict[str, Any]) -> str:
     """The ReLU MLP's rows (``<root>/mlp.json``): per arm the largest weight's range over the seeds
     and the held-out loss, paired per seed with stock AdamW."""
@@ -226,9 +249,7 @@ def mlp_table(root: Path, report: dict[str, Any]) -> str:
         versus = analyze44.paired_gap(losses, stock) if arm != "stock" else None
         report["mlp"][arm] = {"largest_weight": weights, "test_loss": losses,
                               "versus_stock": None if versus is None else versus.__dict__}  # fmt: skip
-        label = (
-            "stock AdamW" if arm == "stock" else f"the 1-bit Adam method, root {SIDES[arm].split(' (')[0]}"
-        )
+        label = MLP_LABELS.get(arm) or f"the 1-bit Adam method, root {SIDES[arm].split(' (')[0]}"
         lines.append(f"| {label} | {min(weights):.3g} - {max(weights):.3g} | {sum(losses.values()) / len(losses):.3f} "
                      f"| {'-' if versus is None else analyze44.ci_text(versus, 3)} |")  # fmt: skip
     return (
