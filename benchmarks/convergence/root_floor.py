@@ -57,15 +57,16 @@ METHODS = {
     ),
 }
 SIDES = {
-    "floor": "floored at ROOT_FLOOR of its tensor's RMS root (82a1861)",
     "none": "as it was (e0d742f)",
+    "floor": "floored at a hundredth of its tensor's RMS root (82a1861)",
     "clamp": "as it was, m / D clamped to Adam's longest step (041607f)",
 }
 BASELINE = "none"
 #: nanoGPT's ``train.py`` (``benchmarks/thirdparty/nanogpt.py``, 400 iterations, 2 ranks) per side:
 #: stock DDP and the frozen-variance arms whose warm-up is in 2-bit codes, as
 #: ``results/thirdparty/nanogpt-20x.json`` ran them, and the method run dense.
-NANOGPT = {side: ROOT / "results" / "thirdparty" / f"nanogpt-q2-{side}.json" for side in SIDES}
+#: Its files per side: ``nanogpt-q2-<side>.json`` (seeds 0-2) and ``nanogpt-q2-<side>-<seeds>.json`` (more seeds).
+NANOGPT = {side: sorted((ROOT / "results" / "thirdparty").glob(f"nanogpt-q2-{side}*.json")) for side in SIDES}
 NANOGPT_ARMS = {
     "onebit-q2w100": "the 1-bit Adam method, a 100-step warm-up in 2-bit codes",
     "zero-one-q2": "0/1 Adam, its warm-up in 2-bit codes",
@@ -197,8 +198,8 @@ def nanogpt_table(report: dict[str, Any]) -> str:
     """nanoGPT's rows: per arm and side the mean loss, paired per seed with stock DDP of the same
     file (in %) and with the arm's run with the root as it was (in nats)."""
     losses: dict[str, dict[str, dict[int, float]]] = {}
-    for side, path in NANOGPT.items():
-        if path.is_file():
+    for side, paths in NANOGPT.items():
+        for path in paths:
             for run in json.loads(path.read_text())["runs"]:
                 losses.setdefault(side, {}).setdefault(run["arm"], {})[run["seed"]] = run[
                     "final_validation_loss"
