@@ -28,8 +28,10 @@ received over the whole run, and the factor against stock DDP's ring allreduce's
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,20 +97,28 @@ def run_directory(root: Path, method: str, side: str, seed: int) -> Path:
     return root / "runs" / f"{method}-{side}-s{seed}"
 
 
-def run(trees: dict[str, Path], root: Path) -> None:
+def run(trees: dict[str, Path], root: Path, seeds: tuple[int, ...] = SEEDS) -> None:
     """Every missing run of the sides in ``trees`` (side -> a clean worktree of its commit), the 1-bit
-    method's first, seed by seed."""
+    method's first, seed by seed. Each is stamped by its tree's own ``benchmarks/provenance.py``
+    (that commit, its load before and after), its steps gzipped and its per-rank logs dropped."""
     for method, (flags, _) in METHODS.items():
-        for seed in SEEDS:
+        for seed in seeds:
             for side, tree in trees.items():
                 out = run_directory(root, method, side, seed)
-                if (out / "summary.json").is_file():
+                if (out / "steps.jsonl.gz").is_file():
                     continue
-                command = [sys.executable, "-m", "gradsift", "train", *TRAIN, *flags, "--seed", str(seed),
-                           "--out", str(out)]  # fmt: skip
+                train = [sys.executable, "-m", "gradsift", "train", *TRAIN, *flags, "--seed", str(seed),
+                         "--out", str(out), "--no-progress"]  # fmt: skip
+                stamped = [sys.executable, str(tree / "benchmarks" / "provenance.py"),
+                           "--json", str(out / "summary.json"), "--seed", str(seed), "--", *train]  # fmt: skip
                 environment = {**os.environ, "PYTHONPATH": str(tree / "src")}
-                print(f"+ [{method} {side} s{seed}] {' '.join(command)}", flush=True)
-                subprocess.run(command, cwd=tree, env=environment, check=True, preexec_fn=lambda: os.nice(19))
+                print(f"+ [{method} {side} s{seed}] {' '.join(train)}", flush=True)
+                subprocess.run(stamped, cwd=tree, env=environment, check=True, preexec_fn=lambda: os.nice(19))
+                steps = out / "steps.jsonl"
+                with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
+                    shutil.copyfileobj(source, target)
+                steps.unlink()
+                shutil.rmtree(out / "logs", ignore_errors=True)
 
 
 def mlp_run(seed: int, method: str) -> dict[str, float]:
@@ -317,13 +327,16 @@ def main() -> int:
         command = sub.add_parser(name, help=text)
         command.add_argument("--tree", action="append", type=tree_argument, required=True, metavar="SIDE=PATH",
                              help=f"a clean worktree of a side's commit; sides: {', '.join(SIDES)}")  # fmt: skip
+    sub.choices["run"].add_argument(
+        "--seeds", type=int, nargs="+", default=list(SEEDS), help="default: %(default)s"
+    )
     analyser = sub.add_parser("analyze", help="the table")
     analyser.add_argument(
         "--update-docs", action="store_true", help="rewrite docs/adam.md's root-floor block"
     )
     args = parser.parse_args()
     if args.command == "run":
-        run(dict(args.tree), args.root)
+        run(dict(args.tree), args.root, tuple(args.seeds))
         return 0
     if args.command == "mlp":
         stamp = provenance.start(seeds=list(SEEDS))
