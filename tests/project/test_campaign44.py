@@ -157,4 +157,4 @@ def test_the_root_floors_effect_is_paired_per_seed_with_the_root_as_it_was(tmp_p
     assert effect["half"] == pytest.approx(1.27062, abs=1e-5)
     assert report["arms"]["onebit-floor"]["factor_received"] == pytest.approx(8.0)
     assert "densefv" not in str(report["arms"])  # no runs, no row
-    assert text.count("\n| the 1-bit Adam method") == 2
+    assert text.count("\n| the 1-bit Adam method (efsignsgd") == 2  # the GPT table's rows: one per side run
