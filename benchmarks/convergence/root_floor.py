@@ -4,16 +4,18 @@ the step clamp it replaced -- the same runs from a clean worktree of each commit
     # the runs: resumable, one at a time, at nice 19 (a background campaign; timings unused)
     git worktree add /tmp/wt-none e0d742f && git worktree add /tmp/wt-floor 82a1861
     python benchmarks/convergence/root_floor.py run --tree none=/tmp/wt-none --tree floor=/tmp/wt-floor
-    # a ReLU MLP in one process: stock AdamW, and the 1-bit Adam method per tree
-    flock /tmp/gradsift-cpu.lock python benchmarks/convergence/root_floor.py mlp --tree none=/tmp/wt-none --tree floor=/tmp/wt-floor
+    # a ReLU MLP in one process: stock AdamW, the 1-bit Adam method per tree, the controls
+    git worktree add /tmp/wt-clamp 041607f
+    flock /tmp/gradsift-cpu.lock python benchmarks/convergence/root_floor.py mlp \
+        --tree none=/tmp/wt-none --tree clamp=/tmp/wt-clamp --tree floor=/tmp/wt-floor
     # the table: results/convergence/root_floor/{results.json,table.md}, and docs/adam.md's block
     python benchmarks/convergence/root_floor.py analyze --update-docs
 
 The sides (:data:`SIDES`): e0d742f, the frozen root as it was (``sqrt(v_hat)``, the largest root
 where ``v = 0``); 041607f, which clamped each element of ``m / D`` to Adam's own longest step
-``(1 - beta1) / sqrt((1 - beta2)(1 - beta1^2 / beta2))`` (seed 0 only: the clamp was rejected on
-nanoGPT, ``results/thirdparty/nanogpt-q2-clamp.json``); 82a1861, which floors the root at
-``gradsift.hook.adam_warmup.ROOT_FLOOR`` times its tensor's root-mean-square root. Each run is
+``(1 - beta1) / sqrt((1 - beta2)(1 - beta1^2 / beta2))`` (on the MLP and nanoGPT only,
+``results/thirdparty/nanogpt-q2-clamp.json``: rejected there); 82a1861, which floors the root at
+``gradsift.hook.adam_warmup.ROOT_FLOOR`` times its tensor's root-mean-square root. Each GPT run is
 the protocol's GPT + AdamW workload at 3,000 steps on 2 workers (:data:`TRAIN`), seeds 0-2: the
 1-bit Adam method (``efsignsgd`` under the frozen-variance method), then the method run dense
 (``topk`` at ratio 1 without momentum masking: every element sent, the optimizer alone). The
