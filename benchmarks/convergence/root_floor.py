@@ -8,6 +8,9 @@ the step clamp it replaced -- the same runs from a clean worktree of each commit
     git worktree add /tmp/wt-clamp 041607f
     flock /tmp/gradsift-cpu.lock python benchmarks/convergence/root_floor.py mlp \
         --tree none=/tmp/wt-none --tree clamp=/tmp/wt-clamp --tree floor=/tmp/wt-floor
+    # nanoGPT's frozen-variance arms per tree (seeds 0-2; then --seeds 3 4 into nanogpt-q2-<side>-s34.json)
+    cd /tmp/wt-none && PYTHONPATH=src flock /tmp/gradsift-cpu.lock python benchmarks/thirdparty/nanogpt.py \
+        --arms stock onebit-q2w100 zero-one-q2 dense-fv --json <repo>/results/thirdparty/nanogpt-q2-none.json
     # the table: results/convergence/root_floor/{results.json,table.md}, and docs/adam.md's block
     python benchmarks/convergence/root_floor.py analyze --update-docs
 
@@ -30,10 +33,8 @@ received over the whole run, and the factor against stock DDP's ring allreduce's
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ import analyze44
 import campaign44
 import provenance
 from protocol import WORKLOADS
+from run import pack
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "convergence" / "root_floor"
@@ -116,11 +118,7 @@ def run(trees: dict[str, Path], root: Path, seeds: tuple[int, ...] = SEEDS) -> N
                 environment = {**os.environ, "PYTHONPATH": str(tree / "src")}
                 print(f"+ [{method} {side} s{seed}] {' '.join(train)}", flush=True)
                 subprocess.run(stamped, cwd=tree, env=environment, check=True, preexec_fn=lambda: os.nice(19))
-                steps = out / "steps.jsonl"
-                with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
-                    shutil.copyfileobj(source, target)
-                steps.unlink()
-                shutil.rmtree(out / "logs", ignore_errors=True)
+                pack(out)
 
 
 def mlp_run(seed: int, method: str) -> dict[str, float]:
@@ -208,34 +206,42 @@ def collect(root: Path) -> dict[str, dict[int, dict[str, Any]]]:
 
 def nanogpt_table(report: dict[str, Any]) -> str:
     """nanoGPT's rows: per arm and side the mean loss, paired per seed with stock DDP of the same
-    file (in %) and with the arm's run with the root as it was (in nats)."""
-    losses: dict[str, dict[str, dict[int, float]]] = {}
+    file (in %) and with the arm's run with the root as it was (in nats), and the bytes per worker
+    per step sent and received (the runs' mean)."""
+    runs: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     for side, paths in NANOGPT.items():
         for path in paths:
             for run in json.loads(path.read_text())["runs"]:
-                losses.setdefault(side, {}).setdefault(run["arm"], {})[run["seed"]] = run[
-                    "final_validation_loss"
-                ]
-    if BASELINE not in losses:
+                runs.setdefault(side, {}).setdefault(run["arm"], {})[run["seed"]] = run
+    if BASELINE not in runs:
         return ""
-    lines = ["| arm | the frozen root | seeds | validation loss (mean) | vs stock DDP, paired | vs the root as it was, paired (nats) |",
-             "| --- | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| arm | the frozen root | seeds | validation loss (mean) | vs stock DDP, paired "
+             "| vs the root as it was, paired (nats) | MB sent / received per step |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+
+    def losses(side: str, arm: str) -> dict[int, float]:
+        return {seed: run["final_validation_loss"] for seed, run in runs[side][arm].items()}
+
     for arm, setting in NANOGPT_ARMS.items():
         for side, label in SIDES.items():
-            found = losses.get(side, {}).get(arm)
-            if not found:
+            if arm not in runs.get(side, {}):
                 continue
-            stock = analyze44.paired_gap(found, losses[side]["stock"], relative=True)
-            versus = analyze44.paired_gap(found, losses[BASELINE][arm]) if side != BASELINE else None
+            found = losses(side, arm)
+            stock = analyze44.paired_gap(found, losses(side, "stock"), relative=True)
+            versus = analyze44.paired_gap(found, losses(BASELINE, arm)) if side != BASELINE else None
+            sent, received = (sum(r[key] for r in runs[side][arm].values()) / len(found) / 1e6
+                              for key in ("bytes_sent_per_step", "bytes_received_per_step"))  # fmt: skip
             report["nanogpt"][f"{arm}-{side}"] = {"losses": found, "versus_stock_pct": stock.__dict__,
-                                                  "versus_none": None if versus is None else versus.__dict__}  # fmt: skip
+                                                  "versus_none": None if versus is None else versus.__dict__,
+                                                  "mb_sent_per_step": sent, "mb_received_per_step": received}  # fmt: skip
             lines.append(f"| {setting} | {label.split(' (')[0]} | {','.join(map(str, sorted(found)))} "
                          f"| {sum(found.values()) / len(found):.3f} | {analyze44.ci_text(stock, 1, ' %')} "
-                         f"| {'-' if versus is None else analyze44.ci_text(versus, 3)} |")  # fmt: skip
+                         f"| {'-' if versus is None else analyze44.ci_text(versus, 3)} | {sent:.3f} / {received:.3f} |")  # fmt: skip
+    stock = runs[BASELINE]["stock"].values()
+    dense = sum(run["bytes_received_per_step"] for run in stock) / len(stock) / 1e6
     return (
-        "\n**nanoGPT** (`train.py`, 400 iterations, 2 ranks; `results/thirdparty/nanogpt-q2-*.json`)\n\n"
-        + "\n".join(lines)
-        + "\n"
+        "\n**nanoGPT** (`train.py`, 400 iterations, 2 ranks; `results/thirdparty/nanogpt-q2-*.json`; "
+        f"stock DDP receives {dense:.3f} MB per worker per step)\n\n" + "\n".join(lines) + "\n"
     )
 
 

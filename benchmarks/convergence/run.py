@@ -65,6 +65,15 @@ def cpu_lock():
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def pack(directory: Path) -> None:
+    """A finished run as it is committed: its steps gzipped, its per-rank logs dropped."""
+    steps = directory / "steps.jsonl"
+    with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+    steps.unlink()
+    shutil.rmtree(directory / "logs", ignore_errors=True)
+
+
 def execute(run, timed: bool = False) -> bool:
     """Run one training; on success gzip its steps and drop the per-rank logs."""
     run.directory.mkdir(parents=True, exist_ok=True)
@@ -85,11 +94,7 @@ def execute(run, timed: bool = False) -> bool:
         print(f"  FAILED after {took:.0f} s:\n{result.stderr[-3000:]}", flush=True)
         return False
     provenance.stamp_file(run.directory / "summary.json", record)
-    steps = run.directory / "steps.jsonl"
-    with open(steps, "rb") as source, gzip.open(f"{steps}.gz", "wb") as target:
-        shutil.copyfileobj(source, target)
-    steps.unlink()
-    shutil.rmtree(run.directory / "logs", ignore_errors=True)
+    pack(run.directory)
     print(f"  done in {took:.0f} s: {result.stdout.strip().splitlines()[0]}", flush=True)
     return True
 

@@ -353,8 +353,8 @@ def test_a_parameter_unfrozen_after_the_warm_up_is_refused_naming_it(one_process
 def test_an_element_the_warm_up_seldom_saw_is_preconditioned_by_its_tensors_floor(one_process_group):
     """An input feature a thousand times smaller than the others gives its weights a second moment
     a million times smaller: at the freeze their preconditioner is a hundredth of the tensor's
-    root-mean-square root instead of their own root, the others' are their own -- computed here
-    from the optimizer's state at the freeze, by hand."""
+    root-mean-square root instead of their own root, the others' are their own -- the freeze written
+    out from the optimizer's state (``frozen_variance_start``), and the floor checked to bind there."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     ddp = DDP(model)
@@ -366,16 +366,16 @@ def test_an_element_the_warm_up_seldom_saw_is_preconditioned_by_its_tensors_floo
         optimizer.zero_grad()
         ddp(torch.randn(16, 8, generator=generator) * scale).square().mean().backward()
         if step == 3:  # the freeze
+            _, expected = frozen_variance_start(optimizer, [model.weight], (0.9, 0.999))
             s = optimizer.state[model.weight]
             root = (s["exp_avg_sq"] / (1 - 0.999 ** float(s["step"]))).sqrt()
-            floor = 0.01 * float(root.pow(2).mean()) ** 0.5
         optimizer.step()
+    floor = 0.01 * float(root.pow(2).mean()) ** 0.5
+    assert bool((root[:, 0] < floor).all())  # the floor binds on feature 0
+    assert bool((root[:, 1:] > floor).all())  # and on nothing else
     preconditioner = state.adam._preconditioners[id(model.weight)]
-    assert bool((root[:, 0] < floor).all()) and bool(
-        (root[:, 1:] > floor).all()
-    )  # the floor binds on feature 0 only
+    assert torch.allclose(preconditioner, expected[model.weight], rtol=1e-5)
     assert torch.allclose(preconditioner[:, 0], torch.full((4,), floor + 1e-8), rtol=1e-5)
-    assert torch.allclose(preconditioner[:, 1:], root[:, 1:] + 1e-8, rtol=1e-5)
 
 
 @pytest.mark.distributed

@@ -42,9 +42,8 @@ def frozen_variance_start(
         velocity[p] = state["exp_avg"] / ((1 - beta1) * (1 - beta1**t))
         root = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
         floor = 0.01 * float(root.pow(2).mean()) ** 0.5
-        preconditioner[p] = (
-            torch.where(root > 0, root, root.max()).clamp(min=floor) + eps
-        )  # v = 0: the largest
+        nonzero = torch.where(root > 0, root, root.max())  # v = 0: the tensor's largest
+        preconditioner[p] = nonzero.clamp(min=floor) + eps
     return velocity, preconditioner
 
 
