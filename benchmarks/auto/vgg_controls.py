@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +42,8 @@ import provenance
 import time_to_target as composed
 from one_line import interval
 from paths import ROOT
-from whole import goal, train_flags
+from vgg_seeds import train_kept
+from whole import goal
 
 CONTROLS = {
     "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
@@ -55,25 +53,8 @@ CONTROLS = {
 CANDIDATES = ("none", "bf16", "sidco-exp")
 SEEDS = (*composed.VGG_SEEDS, *composed.VGG_MORE_SEEDS)
 RUNS = ROOT / "results" / "auto" / "vgg_controls"
-KEPT = ("summary.json", "evals.jsonl")
 #: The evaluations whose mean accuracy is reported: from this step on.
 LATE_FROM = 100
-
-
-def run_controls(arms: list[str], seeds: list[int], out: Path) -> None:
-    """Train each control arm for each seed (the candidates' flags), keeping summary and evaluations."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            for arm in arms:
-                run = Path(tmp) / f"{arm}-s{seed}"
-                command = [sys.executable, "-m", "gradsift", "train", *train_flags("vgg"), "--seed", str(seed),
-                           *CONTROLS[arm], "--no-progress", "--out", str(run)]  # fmt: skip
-                print("+", " ".join(command), flush=True)
-                subprocess.run(command, check=True, timeout=1200)
-                kept = out / run.name
-                kept.mkdir(parents=True, exist_ok=True)
-                for name in KEPT:
-                    shutil.copy(run / name, kept / name)
 
 
 def candidate_run(arm: str, seed: int) -> Path:
@@ -126,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stamp = provenance.start(seeds=args.seeds)
     if not args.summarize_only:
-        run_controls(args.arms, args.seeds, args.out)
+        train_kept({arm: CONTROLS[arm] for arm in args.arms}, args.seeds, args.out)
     summary = summarize(args.arms, args.seeds, args.out)
     for arm, per_seed in summary["arms"].items():
         steps = [entry["steps_to_target"] for entry in per_seed.values()]

@@ -33,6 +33,29 @@ ARMS = ("none", "bf16", "sidco-exp")
 KEPT = ("summary.json", "evals.jsonl")
 
 
+def train_kept(
+    arms: dict[str, list[str]], seeds: list[int], out: Path, extra: tuple[str, ...] = (), resume: bool = False
+) -> None:
+    """Train VGG with the composition's flags (``train_flags``), then ``arms[arm]`` and ``extra``
+    (later flags win), once per seed and arm, keeping each run's :data:`KEPT` files in
+    ``out/<arm>-s<seed>/``; with ``resume``, a run whose summary is there already is skipped."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for arm, flags in arms.items():
+                kept = out / f"{arm}-s{seed}"
+                if resume and (kept / "summary.json").is_file():
+                    print(f"= {kept} (done)", flush=True)
+                    continue
+                run = Path(tmp) / kept.name
+                command = [sys.executable, "-m", "gradsift", "train", *train_flags("vgg"), "--seed", str(seed),
+                           *flags, *extra, "--no-progress", "--out", str(run)]  # fmt: skip
+                print("+", " ".join(command), flush=True)
+                subprocess.run(command, check=True, timeout=3600)
+                kept.mkdir(parents=True, exist_ok=True)
+                for name in KEPT:
+                    shutil.copy(run / name, kept / name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), help="compressors (default: %(default)s)")
@@ -46,18 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = args.seeds
     stamp = provenance.start(seeds=seeds)
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            for arm in args.arms:
-                run = Path(tmp) / f"{arm}-s{seed}"
-                command = [sys.executable, "-m", "gradsift", "train", *train_flags("vgg"), "--seed", str(seed),
-                           "--compressor", arm, *run_benchmark.COMPRESSORS[arm], "--no-progress", "--out", str(run)]  # fmt: skip
-                print("+", " ".join(command), flush=True)
-                subprocess.run(command, check=True, timeout=1200)
-                kept = args.out / run.name
-                kept.mkdir(parents=True, exist_ok=True)
-                for name in KEPT:
-                    shutil.copy(run / name, kept / name)
+    train_kept(
+        {arm: ["--compressor", arm, *run_benchmark.COMPRESSORS[arm]] for arm in args.arms}, seeds, args.out
+    )
     stamp_path = args.out / f"provenance-seeds-{'-'.join(map(str, seeds))}.json"
     stamp_path.write_text(json.dumps(stamp.finish(), indent=2) + "\n")
     return 0
