@@ -1200,27 +1200,36 @@ MEMORY_COST = Result(
 )
 
 
+def _claim_key(words: str) -> str:
+    """``threshold fixed, huge pages/step_ms`` -> ``threshold_fixed.huge_pages.step_ms``."""
+    return words.replace("/", ".").replace(", ", ".").replace(" ", "_")
+
+
 def _memory_cost(arm: str, field: str, fmt: str = "{:.2f}x") -> Claim:
-    return Claim(f"memory.cost.{arm}.{field.replace('/', '.').replace(' ', '_')}", MEMORY_COST,
+    return Claim(f"memory.cost.{arm}.{_claim_key(field)}", MEMORY_COST,
                  (f"arms/{arm}/{field}",), fmt)  # fmt: skip
 
 
-def _memory_cost_ratio(arm: str) -> Claim:
-    ratio = f"arms/{arm}/step_fixed_over_defaults/"
-    return Claim(f"memory.cost.{arm}.ratio", MEMORY_COST, (f"{ratio}mean", f"{ratio}low", f"{ratio}high"),
+def _memory_cost_ratio(arm: str, setting: str = "threshold fixed") -> Claim:
+    ratio = f"arms/{arm}/step_over_defaults/{setting}/"
+    name = "ratio" if setting == "threshold fixed" else f"ratio.{_claim_key(setting)}"
+    return Claim(f"memory.cost.{arm}.{name}", MEMORY_COST, (f"{ratio}mean", f"{ratio}low", f"{ratio}high"),
                  "{:.2f}x [{:.2f}, {:.2f}]", compute=lambda *v: v)  # fmt: skip
 
 
+_HUGE = "threshold fixed, huge pages"
 MEMORY_COST_TABLE = Table(
     "memory-threshold-cost",
-    ("method", "median step, glibc's defaults", "median step, threshold fixed", "fixed / defaults, paired (95 %)",
-     "peak RSS over stock DDP, defaults", "peak RSS over stock DDP, fixed"),
-    ("---", "---:", "---:", "---:", "---:", "---:"),
+    ("method", "median step, glibc's defaults", "threshold fixed", "fixed, huge pages",
+     "fixed / defaults, paired (95 %)", "fixed, huge pages / defaults", "peak RSS over stock DDP, defaults",
+     "fixed", "fixed, huge pages"),
+    ("---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---:"),
     tuple(
-        (f"`{arm}`", _memory_cost(arm, "glibc defaults/step_ms", "{:.0f} ms"),
-         _memory_cost(arm, "threshold fixed/step_ms", "{:.0f} ms"), _memory_cost_ratio(arm),
-         _memory_cost(arm, "glibc defaults/extra_rss_over_parameter_bytes"),
-         _memory_cost(arm, "threshold fixed/extra_rss_over_parameter_bytes"))
+        (f"`{arm}`", *(_memory_cost(arm, f"{setting}/step_ms", "{:.0f} ms")
+                       for setting in ("glibc defaults", "threshold fixed", _HUGE)),
+         _memory_cost_ratio(arm), _memory_cost_ratio(arm, _HUGE),
+         *(_memory_cost(arm, f"{setting}/extra_rss_over_parameter_bytes")
+           for setting in ("glibc defaults", "threshold fixed", _HUGE)))
         for arm in ("topk", "sidco-exp")
     ),
 )  # fmt: skip
@@ -1232,8 +1241,8 @@ MEMORY_CLAIMS = (
     Claim("memory.cost.load", MEMORY_COST, ("provenance/load_before/0", "provenance/load_after/0"),
           "{:.1f} before / {:.1f} after", compute=lambda *v: v),
     _memory_cost_ratio("stock"),
-    _memory_cost("stock", "glibc defaults/step_ms", "{:.0f} ms"),
-    _memory_cost("stock", "threshold fixed/step_ms", "{:.0f} ms"),
+    _memory_cost_ratio("stock", _HUGE),
+    *(_memory_cost("stock", f"{setting}/step_ms", "{:.0f} ms") for setting in ("glibc defaults", "threshold fixed", _HUGE)),
     Claim("memory.mmap.threshold", MEMORY_MMAP, ("allocator/MALLOC_MMAP_THRESHOLD_",)),
     Claim("memory.mmap.commit", MEMORY_MMAP, ("provenance/commit",), "{:.7}"),
     *(_memory_mmap(method, field) for method in ("topk", "sidco-exp")

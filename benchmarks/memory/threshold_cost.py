@@ -4,16 +4,18 @@ docs/memory.md's allocator note: with ``MALLOC_MMAP_THRESHOLD_=131072`` in a pro
 environment glibc stops raising its mmap threshold to each large block it frees, so a
 bucket-sized tensor is mapped and unmapped on its own instead of leaving resident holes in
 the heap -- at the price of a ``mmap``, its page faults and a ``munmap`` for every such
-tensor. This runs ``peak.py``'s model (two gloo ranks, SGD with momentum 0.9) under stock DDP,
-``topk`` and ``sidco-exp`` (ratio 0.01), each arm in two fresh spawned processes, with glibc's
-defaults and with the setting, in turn, ``--rounds`` times (the two settings paired per round,
-so a drift of the machine's speed reaches both). Per run: each rank's median step time over
-the steps after ``--skip`` (DDP's bucket rebuild and the first compressed steps), the larger
-rank's reported, and each rank's peak RSS minus its RSS before DDP was built, the larger
-rank's, less stock DDP's in the same round and setting. Per arm, the step time with the
-setting over the one without, paired by round, as a mean with its 95 % t-interval. Usage (a
-clean checkout of a commit on main; the committed result's five rounds took about seven
-minutes)::
+tensor. With ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` beside it glibc also advises each
+mapped block for transparent huge pages, so the kernel faults it in 2 MiB pages (512 times
+fewer faults for the same bytes, each page still zeroed). This runs ``peak.py``'s model (two
+gloo ranks, SGD with momentum 0.9) under stock DDP, ``topk`` and ``sidco-exp`` (ratio 0.01),
+each arm in two fresh spawned processes, under each of :data:`SETTINGS` in turn (the order
+reversed every other round), ``--rounds`` times, so a drift of the machine's speed reaches
+every setting. Per run: each rank's median step time over the steps after ``--skip`` (DDP's
+bucket rebuild and the first compressed steps), the larger rank's reported, and each rank's
+peak RSS minus its RSS before DDP was built, the larger rank's, less stock DDP's in the same
+round and setting. Per arm and setting, the step time over glibc's defaults', paired by round,
+as a mean with its 95 % t-interval. Usage (a
+clean checkout of a commit on main; five rounds take about ten minutes)::
 
     flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --rounds 5 --json results/memory/threshold-cost.json
 """
@@ -41,7 +43,20 @@ from paths import results_dir
 from workers import run_ranks
 
 #: The environment of each setting's ranks: glibc's defaults, and the threshold fixed.
-SETTINGS = {"glibc defaults": {}, "threshold fixed": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+#: glibc's environment per setting: its defaults, the threshold fixed, and the threshold fixed with
+#: each mapped block advised for transparent huge pages (glibc 2.35 on; the kernel's
+#: ``transparent_hugepage/enabled`` must be ``madvise`` or ``always``), so that a bucket-sized
+#: tensor faults in 2 MiB pages instead of 4 KiB ones.
+SETTINGS = {
+    "glibc defaults": {},
+    "threshold fixed": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    "threshold fixed, huge pages": {
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+    },
+}
+DEFAULTS = "glibc defaults"
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ARMS = ("stock", "topk", "sidco-exp")
 OPTIMIZER = "sgd"
 
@@ -90,8 +105,8 @@ def run(label: str, setting: str, steps: int, skip: int) -> list[dict[str, float
 
 def summarise(runs: list[dict[str, Any]], parameter_bytes: int) -> dict[str, Any]:
     """Per arm and setting the median over rounds of the step and of the RSS over stock DDP (in
-    the parameters' bytes); per arm the step with the threshold fixed over without, paired by
-    round (mean and 95 % t-interval)."""
+    the parameters' bytes); per arm and setting other than glibc's defaults its step over the
+    defaults', paired by round (mean and 95 % t-interval)."""
     by = {(r["round"], r["arm"], r["setting"]): r for r in runs}
     rounds = sorted({r["round"] for r in runs})
     arms: dict[str, Any] = {}
@@ -106,19 +121,26 @@ def summarise(runs: list[dict[str, Any]], parameter_bytes: int) -> dict[str, Any
                     for r in mine
                 ),
             }
-        ratios = [
-            by[(n, arm, "threshold fixed")]["step_ms"] / by[(n, arm, "glibc defaults")]["step_ms"]
-            for n in rounds
-        ]
-        mean, low, high = interval(ratios)
-        row["step_fixed_over_defaults"] = {"mean": mean, "low": low, "high": high, "per_round": ratios}
+        row["step_over_defaults"] = {}
+        for setting in SETTINGS:
+            if setting != DEFAULTS:
+                ratios = [
+                    by[(n, arm, setting)]["step_ms"] / by[(n, arm, DEFAULTS)]["step_ms"] for n in rounds
+                ]
+                mean, low, high = interval(ratios)
+                row["step_over_defaults"][setting] = {
+                    "mean": mean,
+                    "low": low,
+                    "high": high,
+                    "per_round": ratios,
+                }
         arms[arm] = row
     return arms
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of both settings (default: 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of the settings (default: 3)")
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: 40)")
     parser.add_argument(
         "--skip", type=int, default=10, help="first steps left out of the median (default: 10)"
@@ -146,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {peak.BATCH} per rank, SGD momentum 0.9, {peak.WORLD} gloo ranks, one thread each",
         parameter_bytes=parameter_bytes,
         settings=SETTINGS,
+        transparent_hugepage=THP_MODE.read_text().strip() if THP_MODE.is_file() else None,
         measured="per rank: the median of each step's wall time (zero_grad, forward, backward, "
         "optimizer step) after --skip steps, and ru_maxrss minus the RSS before DDP; the larger rank's",
         runs=runs,

@@ -75,15 +75,15 @@ def test_every_arm_runs_under_stock_ddp_first() -> None:
 
 def test_the_threshold_cost_pairs_each_round_and_counts_the_rss_over_stock() -> None:
     """benchmarks/memory/threshold_cost.py's summary, against numbers worked out by hand: two
-    rounds, the step times and peak RSS growths of three arms under both settings."""
+    rounds, the step times and peak RSS growths of three arms under the three settings."""
     import threshold_cost
 
-    step = {("glibc defaults", 0): 100.0, ("threshold fixed", 0): 150.0,
-            ("glibc defaults", 1): 200.0, ("threshold fixed", 1): 250.0}  # fmt: skip
+    step = {("glibc defaults", 0): 100.0, ("threshold fixed", 0): 150.0, ("threshold fixed, huge pages", 0): 120.0,
+            ("glibc defaults", 1): 200.0, ("threshold fixed", 1): 250.0, ("threshold fixed, huge pages", 1): 220.0}  # fmt: skip
     rss = {"stock": 1000, "topk": 1800, "sidco-exp": 1400}
     runs = [
         {"round": n, "setting": setting, "arm": arm, "step_ms": step[(setting, n)] * (2 if arm == "topk" else 1),
-         "extra_rss": rss[arm] - (200 if setting == "threshold fixed" and arm != "stock" else 0)}
+         "extra_rss": rss[arm] - (200 if setting != "glibc defaults" and arm != "stock" else 0)}
         for n in (0, 1) for setting in threshold_cost.SETTINGS for arm in threshold_cost.ARMS
     ]  # fmt: skip
     arms = threshold_cost.summarise(runs, parameter_bytes=400)
@@ -96,7 +96,12 @@ def test_the_threshold_cost_pairs_each_round_and_counts_the_rss_over_stock() -> 
         "step_ms": 400.0,
         "extra_rss_over_parameter_bytes": 1.5,
     }  # (1600 - 1000) / 400
-    ratio = topk["step_fixed_over_defaults"]
+    assert topk["threshold fixed, huge pages"] == {
+        "step_ms": 340.0,  # the median of 240 and 440
+        "extra_rss_over_parameter_bytes": 1.5,
+    }
+    assert topk["step_over_defaults"]["threshold fixed, huge pages"]["per_round"] == [1.2, 1.1]
+    ratio = topk["step_over_defaults"]["threshold fixed"]
     assert ratio["per_round"] == [1.5, 1.25]
     # mean 1.375, stdev 0.1767767, t(0.975, 1 df) 12.706: half-width 12.706 * 0.1767767 / sqrt(2) = 1.58825
     assert ratio["mean"] == pytest.approx(1.375)
