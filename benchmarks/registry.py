@@ -1527,6 +1527,57 @@ AUTO_VGG_CONTROLS_CLAIMS = (
 )
 
 
+# -- the VGG composition at five times the length (issue 42) -------------------------------------------
+AUTO_VGG_LONGER = Result(
+    "results/auto/vgg_longer.json",
+    "python benchmarks/auto/vgg_longer.py analyze --json results/auto/vgg_longer.json "
+    "(the runs in results/auto/vgg_longer/, from `nice -n 19 python benchmarks/auto/vgg_longer.py run`)",
+)
+_longer = functools.partial(_link_row, AUTO_VGG_LONGER, "autolonger")
+AUTO_VGG_LONGER_TABLE = Table(
+    "auto-vgg-longer",
+    ("link (VGG + SGD, 4 workers, 1,000 steps)", "fastest fixed to the target", "steps to the target: fastest / fp32 / auto",
+     "auto chose", "auto / fastest", "auto / fp32"),
+    ("---", "---", "---:", "---", "---:", "---:"),
+    tuple(
+        (link,
+         _longer(link, "vgg", "fastest", ("best_fixed/names",), lambda names: ", ".join(f"`{n}`" for n in names)),
+         _longer(link, "vgg", "steps", ("best_fixed/steps_to_target", "fixed/none/steps_to_target",
+                                        "auto/steps_to_target"), _tta_steps),
+         _longer(link, "vgg", "choice", ("auto/choice",), None, "`{}`"),
+         _longer(link, "vgg", "over_fastest", ("auto_over_best_fixed",), _tta_ratio),
+         _longer(link, "vgg", "over_fp32", ("auto_over_none",), _tta_ratio))
+        for link in ("localhost", "1gbit", "100mbit", "10mbit")
+    ),
+)  # fmt: skip
+AUTO_VGG_LONGER_ARMS_TABLE = Table(
+    "auto-vgg-longer-arms",
+    ("run (VGG + SGD, 4 workers, 1,000 steps)", "steps to the target, seeds 0-2 (-: not in 1,000)",
+     "mean accuracy over steps 550-1,000 (3 seeds)", "vs fp32, paired (points, 95 % interval)"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (label,
+         Claim(f"autolonger.{key}.steps", AUTO_VGG_LONGER, (f"steps_to_target/{key}",),
+               compute=lambda steps: _steps_per_seed(*steps)),
+         Claim(f"autolonger.{key}.late", AUTO_VGG_LONGER, (f"second_half_accuracy/{key}",), "{:.1%}",
+               compute=statistics.fmean),
+         "-" if key == "none" else
+         Claim(f"autolonger.{key}.versus", AUTO_VGG_LONGER,
+               tuple(f"second_half_points_vs_none/{key}/{f}" for f in ("mean", "low", "high")),
+               "{:+.2f} [{:+.2f}, {:+.2f}]", compute=lambda *values: values))
+        for label, key in AUTO_VGG_CONTROL_ROWS[:3]
+    ),
+)  # fmt: skip
+AUTO_VGG_LONGER_CLAIMS = (
+    Claim("autolonger.target", AUTO_VGG_LONGER, ("target",), "{:.1%}"),
+    Claim("autolonger.fp32_final", AUTO_VGG_LONGER, ("fp32_final",), "{:.1%}"),
+    Claim("autolonger.commit", AUTO_VGG_LONGER, ("provenance/commit",), "{:.7}"),
+    *(Claim(f"autolonger.s{seed}.commit", Result(f"results/auto/vgg_longer/provenance-s{seed}.json",
+                                                  "nice -n 19 python benchmarks/auto/vgg_longer.py run"),
+            ("commit",), "{:.7}") for seed in range(3)),
+)  # fmt: skip
+
+
 # -- one whole run of auto per link, beside its composed time to the target (issue 42) ---------------
 AUTO_WHOLE = Result(
     "results/auto/whole.json", "python benchmarks/auto/whole.py --json results/auto/whole.json"
@@ -1715,11 +1766,13 @@ TABLES = (
     AUTO_REPEATED_TABLE,
     AUTO_TTA_TABLE,
     AUTO_VGG_CONTROLS_TABLE,
+    AUTO_VGG_LONGER_TABLE,
+    AUTO_VGG_LONGER_ARMS_TABLE,
     AUTO_WHOLE_TABLE,
     AUTO_BESIDE_TABLE,
     NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
