@@ -1568,13 +1568,25 @@ AUTO_VGG_LONGER_ARMS_TABLE = Table(
         for label, key in AUTO_VGG_CONTROL_ROWS[:3]
     ),
 )  # fmt: skip
+#: Each seed's training batch, stamped where it ran (a resumed batch by the commit it resumed from).
+_LONGER_BATCHES = tuple(
+    Result(
+        f"results/auto/vgg_longer/provenance-s{seed}.json",
+        "nice -n 19 python benchmarks/auto/vgg_longer.py run",
+    )
+    for seed in range(3)
+)
 AUTO_VGG_LONGER_CLAIMS = (
     Claim("autolonger.target", AUTO_VGG_LONGER, ("target",), "{:.1%}"),
     Claim("autolonger.fp32_final", AUTO_VGG_LONGER, ("fp32_final",), "{:.1%}"),
     Claim("autolonger.commit", AUTO_VGG_LONGER, ("provenance/commit",), "{:.7}"),
-    *(Claim(f"autolonger.s{seed}.commit", Result(f"results/auto/vgg_longer/provenance-s{seed}.json",
-                                                  "nice -n 19 python benchmarks/auto/vgg_longer.py run"),
-            ("commit",), "{:.7}") for seed in range(3)),
+    _longer("localhost", "vgg", "sidco_over_none_step", ("step_time_median_s",),
+            lambda step: step["sidco-exp"] / step["none"], "{:.3f}x"),
+    _longer("localhost", "vgg", "sidco_over_none_steps", ("fixed/sidco-exp/steps_to_target", "fixed/none/steps_to_target"),
+            lambda ours, fp32: statistics.fmean(ours) / statistics.fmean(fp32), "{:.2f}x"),
+    Claim("autolonger.runs.commit", _LONGER_BATCHES[0],
+          ("provenance/commit", *((batch, "provenance/commit") for batch in _LONGER_BATCHES[1:])),
+          compute=lambda *commits: ", ".join(sorted({f"{c:.7}" for c in commits}))),
 )  # fmt: skip
 
 

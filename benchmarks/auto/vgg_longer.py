@@ -54,7 +54,9 @@ def run(arms: list[str], seeds: list[int], out: Path, steps: int, every: int) ->
             {arm: ["--compressor", arm, *run_benchmark.COMPRESSORS[arm]] for arm in arms},
             [seed], out, extra, resume=True,
         )  # fmt: skip
-        (out / f"provenance-s{seed}.json").write_text(json.dumps(stamp.finish(), indent=2) + "\n")
+        (out / f"provenance-s{seed}.json").write_text(
+            json.dumps({"provenance": stamp.finish()}, indent=2) + "\n"
+        )
 
 
 def curves(arms: tuple[str, ...], seeds: list[int], out: Path) -> dict[str, composed.Curve]:
