@@ -6,7 +6,7 @@ less half a point in fewer steps than fp32 on every seed run (``vgg_controls.py`
 combination of recipe and compression, not either alone), so on localhost, where ``auto``
 keeps stock DDP for its faster step, the fixed method arrives sooner. This trains the same
 fixed candidates (``none``, ``bf16``, ``sidco-exp``, the composition's flags) for
-``--steps`` (1,000: about two epochs) evaluated every ``--eval-every`` (50), seeds 0-2, into
+``--steps`` (1,000: about two epochs) evaluated every ``--eval-every`` (50), seeds 0-4, into
 ``results/auto/vgg_longer/<arm>-s<seed>/`` (summary and evaluations; each seed's stamp in
 ``provenance-s<seed>.json``). It resumes: a run whose summary is there is not trained again,
 so it can run at ``nice -n 19`` as a background campaign (``gradsift train``'s timings are
@@ -41,7 +41,7 @@ from vgg_seeds import ARMS, train_kept
 from whole import run_benchmark
 
 RUNS = ROOT / "results" / "auto" / "vgg_longer"
-SEEDS = composed.VGG_SEEDS
+SEEDS = (*composed.VGG_SEEDS, *composed.VGG_MORE_SEEDS)
 STEPS, EVAL_EVERY = 1000, 50
 
 
