@@ -14,8 +14,8 @@ every setting. Per run: each rank's median step time over the steps after ``--sk
 bucket rebuild and the first compressed steps), the larger rank's reported, and each rank's
 peak RSS minus its RSS before DDP was built, the larger rank's, less stock DDP's in the same
 round and setting. Per arm and setting, the step time over glibc's defaults', paired by round,
-as a mean with its 95 % t-interval. Usage (a
-clean checkout of a commit on main; five rounds take about ten minutes)::
+as a mean with its 95 % t-interval. Usage (a clean checkout of a commit on main; five rounds
+take about ten minutes)::
 
     flock /tmp/gradsift-cpu.lock python benchmarks/memory/threshold_cost.py --rounds 5 --json results/memory/threshold-cost.json
 """
@@ -42,7 +42,6 @@ from one_line import interval
 from paths import results_dir
 from workers import run_ranks
 
-#: The environment of each setting's ranks: glibc's defaults, and the threshold fixed.
 #: glibc's environment per setting: its defaults, the threshold fixed, and the threshold fixed with
 #: each mapped block advised for transparent huge pages (glibc 2.35 on; the kernel's
 #: ``transparent_hugepage/enabled`` must be ``madvise`` or ``always``), so that a bucket-sized
