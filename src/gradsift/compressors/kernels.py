@@ -164,14 +164,19 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold, capacity: int | None
     words = numpy_view(flat.view(integer))
     limit = None if capacity is None else COLLECTED_PER_CAPACITY * capacity
     pieces, largest, count = [], -1, 0  # largest selected magnitude pattern (-1: none selected)
+    # a chunk's patterns and test in two buffers made once per call, not once per chunk
+    patterns = np.empty(min(SELECTION_CHUNK, words.size), dtype=words.dtype)
+    tested = np.empty(patterns.size, dtype=bool)
     for start in range(0, words.size, SELECTION_CHUNK):
-        magnitudes = words[start : start + SELECTION_CHUNK] & magnitude
+        chunk = words[start : start + SELECTION_CHUNK]
+        magnitudes = np.bitwise_and(chunk, magnitude, out=patterns[: chunk.size])
+        above = np.greater(magnitudes, bound, out=tested[: chunk.size])
         if limit is not None and count > limit:  # past the limit: counted, not collected
-            passed = int(np.count_nonzero(magnitudes > bound))
+            passed = int(np.count_nonzero(above))
             largest = max(largest, int(magnitudes.max())) if passed else largest
             count += passed
             continue
-        piece = np.flatnonzero(magnitudes > bound)
+        piece = np.flatnonzero(above)
         if piece.size:  # read while the chunk is in cache, not gathered from the tensor later
             largest = max(largest, int(magnitudes[piece].max()))
             piece += start
