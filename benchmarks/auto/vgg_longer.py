@@ -45,9 +45,10 @@ SEEDS = (*composed.VGG_SEEDS, *composed.VGG_MORE_SEEDS)
 STEPS, EVAL_EVERY = 1000, 50
 
 
-def run(arms: list[str], seeds: list[int], out: Path, steps: int, every: int) -> None:
-    """Train what is missing, seed by seed, stamping each seed's batch."""
-    extra = ("--steps", str(steps), "--eval-every", str(every))
+def run(arms: list[str], seeds: list[int], out: Path, steps: int, every: int, model: str = "vgg") -> None:
+    """Train what is missing, seed by seed, stamping each seed's batch (``model``: the composition's
+    flags with another ``--model``)."""
+    extra = ("--model", model, "--steps", str(steps), "--eval-every", str(every))
     for seed in seeds:
         stamp = provenance.start(seeds=[seed])
         train_kept(
@@ -59,9 +60,11 @@ def run(arms: list[str], seeds: list[int], out: Path, steps: int, every: int) ->
         )
 
 
-def curves(arms: tuple[str, ...], seeds: list[int], out: Path) -> dict[str, composed.Curve]:
+def curves(
+    arms: tuple[str, ...], seeds: list[int], out: Path, workload: str = "vgg"
+) -> dict[str, composed.Curve]:
     return {
-        arm: {s: composed.points("vgg", composed.read_evals(out / f"{arm}-s{s}")) for s in seeds}
+        arm: {s: composed.points(workload, composed.read_evals(out / f"{arm}-s{s}")) for s in seeds}
         for arm in arms
     }
 
@@ -79,24 +82,44 @@ def analyze(seeds: list[int], out: Path) -> dict[str, Any]:
     repeated = json.loads(composed.REPEATED_JSON.read_text())
     longer = curves(ARMS, seeds, out)
     rows = composed.analyze_links(links, lambda workload, arms: longer, repeated)
-    final, goal = composed.target("vgg", longer["none"])
-    late = {arm: [second_half(c[s]) for s in seeds] for arm, c in longer.items()}
+    return {**per_step(longer, seeds, "vgg"), "rows": rows}
+
+
+def per_step(runs: dict[str, composed.Curve], seeds: list[int], workload: str) -> dict[str, Any]:
+    """Each arm's steps to the target (fp32's final accuracy, the mean over ``seeds``, less half a
+    point), its mean accuracy over the second half of each run, and that mean's difference from
+    fp32's (``runs["none"]``), paired by seed, in points with its 95 % t-interval."""
+    final, goal = composed.target(workload, runs["none"])
+    late = {arm: [second_half(c[s]) for s in seeds] for arm, c in runs.items()}
     versus = {
         arm: dict(zip(("mean", "low", "high"),
                       interval([100 * (a - b) for a, b in zip(late[arm], late["none"], strict=True)]), strict=True))
-        for arm in ARMS if arm != "none"
+        for arm in runs if arm != "none"
     }  # fmt: skip
     return {
         "seeds": seeds,
         "fp32_final": final,
         "target": goal,
         "steps_to_target": {
-            arm: [composed.step_to_target("vgg", c[s], goal) for s in seeds] for arm, c in longer.items()
+            arm: [composed.step_to_target(workload, c[s], goal) for s in seeds] for arm, c in runs.items()
         },
         "second_half_accuracy": late,
         "second_half_points_vs_none": versus,
-        "rows": rows,
     }
+
+
+def print_per_step(result: dict[str, Any]) -> None:
+    """:func:`per_step`'s result, a line per arm."""
+    print(f"target {result['target']:.4f} (fp32's final {result['fp32_final']:.4f})")
+    for arm, steps in result["steps_to_target"].items():
+        versus = result["second_half_points_vs_none"].get(arm)
+        paired = (
+            ""
+            if versus is None
+            else " ({mean:+.2f} [{low:+.2f}, {high:+.2f}] points vs none)".format(**versus)
+        )
+        print(f"{arm:>10}: steps to the target {steps}, second-half accuracy "
+              f"{statistics.fmean(result['second_half_accuracy'][arm]):.4f}{paired}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,16 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stamp = provenance.start(seeds=args.seeds)
     result = analyze(args.seeds, args.out)
-    print(f"target {result['target']:.4f} (fp32's final {result['fp32_final']:.4f})")
-    for arm, steps in result["steps_to_target"].items():
-        versus = result["second_half_points_vs_none"].get(arm)
-        paired = (
-            ""
-            if versus is None
-            else " ({mean:+.2f} [{low:+.2f}, {high:+.2f}] points vs none)".format(**versus)
-        )
-        print(f"{arm:>10}: steps to the target {steps}, second-half accuracy "
-              f"{statistics.fmean(result['second_half_accuracy'][arm]):.4f}{paired}")  # fmt: skip
+    print_per_step(result)
     for row in result["rows"]:
         best, none = row["auto_over_best_fixed"], row["auto_over_none"]
         print(f"{row['link']:>9}: best fixed {row['best_fixed']['names']}, auto chose {row['auto']['choice']}, "

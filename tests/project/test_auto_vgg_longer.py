@@ -25,6 +25,32 @@ def _write(folder: Path, curve: list[tuple[int, float]]) -> None:
     (folder / "summary.json").write_text("{}")
 
 
+def _write_runs(folder: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> None:
+    for arm, seeds in curves.items():
+        for seed, curve in seeds.items():
+            _write(folder / f"{arm}-s{seed}", curve)
+
+
+def _fake_training(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The ``gradsift train`` commands a batch runs, recorded, each writing empty kept files; the
+    other commands (a stamp's git) run."""
+    commands: list[list[str]] = []
+    real_run = vgg_seeds.subprocess.run
+
+    def fake_run(command: list[str], **kwargs: Any) -> Any:
+        if "gradsift" not in command:
+            return real_run(command, **kwargs)
+        commands.append(command)
+        run = Path(command[command.index("--out") + 1])
+        run.mkdir(parents=True)
+        for name in vgg_seeds.KEPT:
+            (run / name).write_text("{}")
+        return None
+
+    monkeypatch.setattr(vgg_seeds.subprocess, "run", fake_run)
+    return commands
+
+
 def test_the_second_half_by_hand() -> None:
     # last step 400: the second half is the evaluations past step 200 -> (0.8 + 0.9) / 2
     assert vgg_longer.second_half([(100, 0.1), (200, 0.5), (300, 0.8), (400, 0.9)]) == pytest.approx(0.85)
@@ -39,9 +65,7 @@ def test_steps_and_paired_difference_by_hand(tmp_path: Path, monkeypatch: pytest
         "sidco-exp": {0: [(100, 0.83), (200, 0.88), (300, 0.88), (400, 0.88)],
                       1: [(100, 0.84), (200, 0.87), (300, 0.89), (400, 0.89)]},
     }  # fmt: skip
-    for arm, seeds in curves.items():
-        for seed, curve in seeds.items():
-            _write(tmp_path / f"{arm}-s{seed}", curve)
+    _write_runs(tmp_path, curves)
     monkeypatch.setattr(vgg_longer.composed, "analyze_links", lambda *args: [])
     result = vgg_longer.analyze([0, 1], tmp_path)
     # fp32's final 0.88 on both seeds; the target 0.88 - 0.005 = 0.875
@@ -58,16 +82,7 @@ def test_steps_and_paired_difference_by_hand(tmp_path: Path, monkeypatch: pytest
 
 
 def test_a_resumed_batch_trains_only_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    commands: list[list[str]] = []
-
-    def fake_run(command: list[str], **kwargs: Any) -> None:
-        commands.append(command)
-        run = Path(command[command.index("--out") + 1])
-        run.mkdir(parents=True)
-        for name in vgg_seeds.KEPT:
-            (run / name).write_text("{}")
-
-    monkeypatch.setattr(vgg_seeds.subprocess, "run", fake_run)
+    commands = _fake_training(monkeypatch)
     (tmp_path / "none-s0").mkdir()
     (tmp_path / "none-s0" / "summary.json").write_text("{}")
     arms = {"none": ["--compressor", "none"], "bf16": ["--compressor", "bf16"]}
@@ -76,3 +91,41 @@ def test_a_resumed_batch_trains_only_what_is_missing(tmp_path: Path, monkeypatch
     # the longer length comes after the composition's own --steps 200, so it is the one that counts
     assert commands[0][commands[0].index("--steps", commands[0].index("--steps") + 1) + 1] == "1000"
     assert (tmp_path / "bf16-s0" / "evals.jsonl").is_file()
+
+
+def test_the_second_cnn_trains_resnet20_with_the_compositions_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import second_cnn
+
+    commands = _fake_training(monkeypatch)
+    assert second_cnn.main(["run", "--seeds", "0", "--steps", "30", "--out", str(tmp_path)]) == 0
+    assert [c[c.index("--compressor") + 1] for c in commands] == ["none", "sidco-exp"]
+    # the VGG composition's flags first, then the model and the length: the last of each wins
+    for command in commands:
+        models = [command[i + 1] for i, flag in enumerate(command) if flag == "--model"]
+        steps = [command[i + 1] for i, flag in enumerate(command) if flag == "--steps"]
+        assert models == ["vgg", "resnet20"] and steps[-1] == "30"
+        assert command[command.index("--lr") + 1] == "0.05" and command[command.index("--workers") + 1] == "4"
+    assert (tmp_path / "sidco-exp-s0" / "evals.jsonl").is_file()
+
+
+def test_the_second_cnn_analysis_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import second_cnn
+
+    curves = {  # fp32 ends at 0.90 and 0.92: the target 0.91 - 0.005 = 0.905
+        "none": {0: [(50, 0.70), (100, 0.85), (150, 0.88), (200, 0.90)],
+                 1: [(50, 0.72), (100, 0.86), (150, 0.91), (200, 0.92)]},
+        "sidco-exp": {0: [(50, 0.75), (100, 0.91), (150, 0.90), (200, 0.89)],
+                      1: [(50, 0.71), (100, 0.84), (150, 0.88), (200, 0.90)]},
+    }  # fmt: skip
+    _write_runs(tmp_path, curves)
+    out = tmp_path / "result.json"
+    assert second_cnn.main(["analyze", "--seeds", "0", "1", "--out", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "resnet20" and result["target"] == pytest.approx(0.905)
+    # none: seed 0 never reaches 0.905, seed 1 at 150; sidco-exp: seed 0 at 100, seed 1 never
+    assert result["steps_to_target"] == {"none": [None, 150], "sidco-exp": [100, None]}
+    # second half (150, 200): none 0.89, 0.915; sidco-exp 0.895, 0.89 -> +0.5 and -2.5 points, mean -1.0
+    assert result["second_half_points_vs_none"]["sidco-exp"]["mean"] == pytest.approx(-1.0)
+    assert "steps to the target [100, None]" in capsys.readouterr().out
