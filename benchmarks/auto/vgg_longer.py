@@ -45,19 +45,27 @@ SEEDS = (*composed.VGG_SEEDS, *composed.VGG_MORE_SEEDS)
 STEPS, EVAL_EVERY = 1000, 50
 
 
-def run(arms: list[str], seeds: list[int], out: Path, steps: int, every: int, model: str = "vgg") -> None:
-    """Train what is missing, seed by seed, stamping each seed's batch (``model``: the composition's
-    flags with another ``--model``)."""
+def run(
+    arms: dict[str, list[str]], seeds: list[int], out: Path, steps: int, every: int, model: str = "vgg"
+) -> None:
+    """Train what is missing (``arms``: each arm's flags), seed by seed, stamping each seed's
+    batch that trained something in ``provenance-s<seed>.json``, or, where a batch of that seed
+    is stamped there already, ``provenance-s<seed>-<n>.json`` (``model``: the composition's flags
+    with another ``--model``)."""
     extra = ("--model", model, "--steps", str(steps), "--eval-every", str(every))
     for seed in seeds:
+        missing = {
+            arm: flags
+            for arm, flags in arms.items()
+            if not (out / f"{arm}-s{seed}" / "summary.json").is_file()
+        }
+        if not missing:
+            continue
         stamp = provenance.start(seeds=[seed])
-        train_kept(
-            {arm: ["--compressor", arm, *run_benchmark.COMPRESSORS[arm]] for arm in arms},
-            [seed], out, extra, resume=True,
-        )  # fmt: skip
-        (out / f"provenance-s{seed}.json").write_text(
-            json.dumps({"provenance": stamp.finish()}, indent=2) + "\n"
-        )
+        train_kept(missing, [seed], out, extra, resume=True)
+        names = (f"provenance-s{seed}.json", *(f"provenance-s{seed}-{n}.json" for n in range(2, 100)))
+        path = next(out / name for name in names if not (out / name).exists())
+        path.write_text(json.dumps({"arms": list(missing), "provenance": stamp.finish()}, indent=2) + "\n")
 
 
 def curves(
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="analyze: write the result here")
     args = parser.parse_args(argv)
     if args.action == "run":
-        run(args.arms, args.seeds, args.out, args.steps, args.eval_every)
+        arms = {arm: ["--compressor", arm, *run_benchmark.COMPRESSORS[arm]] for arm in args.arms}
+        run(arms, args.seeds, args.out, args.steps, args.eval_every)
         return 0
     stamp = provenance.start(seeds=args.seeds)
     result = analyze(args.seeds, args.out)

@@ -99,8 +99,21 @@ def test_the_second_cnn_trains_resnet20_with_the_compositions_flags(
     import second_cnn
 
     commands = _fake_training(monkeypatch)
-    assert second_cnn.main(["run", "--seeds", "0", "--steps", "30", "--out", str(tmp_path)]) == 0
+    first = ["run", "--seeds", "0", "--steps", "30", "--out", str(tmp_path), "--arms", "none", "sidco-exp"]
+    assert second_cnn.main(first) == 0
     assert [c[c.index("--compressor") + 1] for c in commands] == ["none", "sidco-exp"]
+    # a later batch trains the controls only, and its stamp goes beside the first's
+    assert second_cnn.main(["run", "--seeds", "0", "--steps", "30", "--out", str(tmp_path)]) == 0
+    assert [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in commands[2:]] == [
+        "topk-dense-s0", "sidco-exp-no-recipe-s0", "alone-s0"
+    ]  # fmt: skip
+    stamps = {path.name: json.loads(path.read_text())["arms"] for path in tmp_path.glob("provenance-*.json")}
+    assert stamps == {"provenance-s0.json": ["none", "sidco-exp"],
+                      "provenance-s0-2.json": ["topk-dense", "sidco-exp-no-recipe", "alone"]}  # fmt: skip
+    assert second_cnn.main(["run", "--seeds", "0", "--steps", "30", "--out", str(tmp_path)]) == 0
+    assert len(commands) == 5 and len(list(tmp_path.glob("provenance-*.json"))) == 2  # nothing left: no stamp
+    alone = commands[4]
+    assert [alone[i + 1] for i, flag in enumerate(alone) if flag == "--workers"][-1] == "1"
     # the VGG composition's flags first, then the model and the length: the last of each wins
     for command in commands:
         models = [command[i + 1] for i, flag in enumerate(command) if flag == "--model"]
@@ -121,7 +134,8 @@ def test_the_second_cnn_analysis_by_hand(tmp_path: Path, capsys: pytest.CaptureF
     }  # fmt: skip
     _write_runs(tmp_path, curves)
     out = tmp_path / "result.json"
-    assert second_cnn.main(["analyze", "--seeds", "0", "1", "--out", str(tmp_path), "--json", str(out)]) == 0
+    arguments = ["analyze", "--arms", "none", "sidco-exp", "--seeds", "0", "1", "--out", str(tmp_path)]
+    assert second_cnn.main([*arguments, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["model"] == "resnet20" and result["target"] == pytest.approx(0.905)
     # none: seed 0 never reaches 0.905, seed 1 at 150; sidco-exp: seed 0 at 100, seed 1 never
