@@ -43,6 +43,18 @@ SEEDS = (0, 1, 2)
 RUNS = ROOT / "results" / "auto" / "second_cnn"
 
 
+def bytes_per_step(arms: list[str], seeds: list[int], out: Path) -> dict[str, dict[str, list[float]]]:
+    """Per arm and seed, what each worker sent and received per step (``gradsift train``'s
+    summary: the mean over the run)."""
+    summaries = {
+        arm: [json.loads((out / f"{arm}-s{s}" / "summary.json").read_text()) for s in seeds] for arm in arms
+    }
+    return {
+        arm: {way: [summary[f"bytes_{way}_per_step"] for summary in runs] for way in ("sent", "received")}
+        for arm, runs in summaries.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("run", "analyze"))
@@ -59,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stamp = provenance.start(seeds=args.seeds)
     runs = vgg_longer.curves(tuple(args.arms), args.seeds, args.out, MODEL)
-    result = vgg_longer.per_step(runs, args.seeds, MODEL)
+    result = {
+        **vgg_longer.per_step(runs, args.seeds, MODEL),
+        "bytes_per_step": bytes_per_step(args.arms, args.seeds, args.out),
+    }
     vgg_longer.print_per_step(result)
     if args.json is not None:
         args.json.write_text(

@@ -22,7 +22,9 @@ def _write(folder: Path, curve: list[tuple[int, float]]) -> None:
     folder.mkdir(parents=True)
     lines = [json.dumps({"step": step, "accuracy": accuracy, "loss": 1.0}) for step, accuracy in curve]
     (folder / "evals.jsonl").write_text("\n".join(lines) + "\n")
-    (folder / "summary.json").write_text("{}")
+    (folder / "summary.json").write_text(
+        json.dumps({"bytes_sent_per_step": 10.0, "bytes_received_per_step": 30.0})
+    )
 
 
 def _write_runs(folder: Path, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> None:
@@ -143,3 +145,4 @@ def test_the_second_cnn_analysis_by_hand(tmp_path: Path, capsys: pytest.CaptureF
     # second half (150, 200): none 0.89, 0.915; sidco-exp 0.895, 0.89 -> +0.5 and -2.5 points, mean -1.0
     assert result["second_half_points_vs_none"]["sidco-exp"]["mean"] == pytest.approx(-1.0)
     assert "steps to the target [100, None]" in capsys.readouterr().out
+    assert result["bytes_per_step"]["sidco-exp"] == {"sent": [10.0, 10.0], "received": [30.0, 30.0]}
