@@ -1550,23 +1550,28 @@ AUTO_VGG_LONGER_TABLE = Table(
         for link in ("localhost", "1gbit", "100mbit", "10mbit")
     ),
 )  # fmt: skip
+
+
+def _per_step_row(result: Result, prefix: str, label: str, key: str) -> tuple[str | Claim, ...]:
+    """A row of a 1,000-step run's arms (``vgg_longer.per_step``): steps to the target per seed,
+    the second half's mean accuracy, and its paired difference from fp32's."""
+    return (
+        label,
+        Claim(f"{prefix}.{key}.steps", result, (f"steps_to_target/{key}",), compute=lambda steps: _steps_per_seed(*steps)),
+        Claim(f"{prefix}.{key}.late", result, (f"second_half_accuracy/{key}",), "{:.1%}", compute=statistics.fmean),
+        "-" if key == "none" else
+        Claim(f"{prefix}.{key}.versus", result,
+              tuple(f"second_half_points_vs_none/{key}/{f}" for f in ("mean", "low", "high")),
+              "{:+.2f} [{:+.2f}, {:+.2f}]", compute=lambda *values: values),
+    )  # fmt: skip
+
+
 AUTO_VGG_LONGER_ARMS_TABLE = Table(
     "auto-vgg-longer-arms",
     ("run (VGG + SGD, 4 workers, 1,000 steps)", "steps to the target, seeds 0-4 (-: not in 1,000)",
      "mean accuracy over steps 550-1,000 (5 seeds)", "vs fp32, paired (points, 95 % interval)"),
     ("---", "---:", "---:", "---:"),
-    tuple(
-        (label,
-         Claim(f"autolonger.{key}.steps", AUTO_VGG_LONGER, (f"steps_to_target/{key}",),
-               compute=lambda steps: _steps_per_seed(*steps)),
-         Claim(f"autolonger.{key}.late", AUTO_VGG_LONGER, (f"second_half_accuracy/{key}",), "{:.1%}",
-               compute=statistics.fmean),
-         "-" if key == "none" else
-         Claim(f"autolonger.{key}.versus", AUTO_VGG_LONGER,
-               tuple(f"second_half_points_vs_none/{key}/{f}" for f in ("mean", "low", "high")),
-               "{:+.2f} [{:+.2f}, {:+.2f}]", compute=lambda *values: values))
-        for label, key in AUTO_VGG_CONTROL_ROWS[:3]
-    ),
+    tuple(_per_step_row(AUTO_VGG_LONGER, "autolonger", label, key) for label, key in AUTO_VGG_CONTROL_ROWS[:3]),
 )  # fmt: skip
 #: Each seed's training batch, stamped where it ran (a resumed batch by the commit it resumed from).
 _LONGER_BATCHES = tuple(
@@ -1586,6 +1591,54 @@ AUTO_VGG_LONGER_CLAIMS = (
             lambda ours, fp32: statistics.fmean(ours) / statistics.fmean(fp32), "{:.2f}x"),
     Claim("autolonger.runs.commit", _LONGER_BATCHES[0],
           ("provenance/commit", *((batch, "provenance/commit") for batch in _LONGER_BATCHES[1:])),
+          compute=lambda *commits: ", ".join(sorted({f"{c:.7}" for c in commits}))),
+)  # fmt: skip
+
+
+# -- the per-step lead on a second CNN: ResNet-20 with the VGG composition's flags (issue 42) ----------
+SECOND_CNN = Result(
+    "results/auto/second_cnn.json",
+    "python benchmarks/auto/second_cnn.py analyze --json results/auto/second_cnn.json "
+    "(the runs in results/auto/second_cnn/, from `nice -n 19 python benchmarks/auto/second_cnn.py run`)",
+)
+SECOND_CNN_ROWS = tuple(row for row in AUTO_VGG_CONTROL_ROWS if row[1] != "bf16")
+SECOND_CNN_TABLE = Table(
+    "second-cnn",
+    ("run (ResNet-20 + SGD, 4 workers, 1,000 steps)", "steps to the target, seeds 0-2 (-: not in 1,000)",
+     "mean accuracy over steps 550-1,000 (3 seeds)", "vs fp32, paired (points, 95 % interval)",
+     "sent / received per worker and step"),
+    ("---", "---:", "---:", "---:", "---:"),
+    tuple(
+        (*_per_step_row(SECOND_CNN, "secondcnn", label, key),
+         Claim(f"secondcnn.{key}.bytes", SECOND_CNN, (f"bytes_per_step/{key}/sent", f"bytes_per_step/{key}/received"),
+               compute=lambda sent, received: _bytes_sent_received(*sent, *received) or "none (alone)"))
+        for label, key in SECOND_CNN_ROWS
+    ),
+)  # fmt: skip
+#: Each seed's training batches: the candidates first, the controls in a later batch.
+_SECOND_CNN_BATCHES = tuple(
+    Result(f"results/auto/second_cnn/provenance-s{seed}{batch}.json", "nice -n 19 python benchmarks/auto/second_cnn.py run")
+    for seed in range(3)
+    for batch in ("", "-2")
+)  # fmt: skip
+
+
+def _mean_steps_ratio(ours: list[int | None], fp32: list[int | None]) -> str:
+    """The mean steps to the target over the seeds where both reached it, ours over fp32's."""
+    both = [(a, b) for a, b in zip(ours, fp32, strict=True) if a is not None and b is not None]
+    if not both:
+        return "no seed where both reached it"
+    return f"{statistics.fmean(a for a, _ in both) / statistics.fmean(b for _, b in both):.2f}x"
+
+
+SECOND_CNN_CLAIMS = (
+    Claim("secondcnn.target", SECOND_CNN, ("target",), "{:.1%}"),
+    Claim("secondcnn.fp32_final", SECOND_CNN, ("fp32_final",), "{:.1%}"),
+    Claim("secondcnn.commit", SECOND_CNN, ("provenance/commit",), "{:.7}"),
+    Claim("secondcnn.sidco_over_none_steps", SECOND_CNN, ("steps_to_target/sidco-exp", "steps_to_target/none"),
+          compute=lambda ours, fp32: _mean_steps_ratio(ours, fp32)),
+    Claim("secondcnn.runs.commit", _SECOND_CNN_BATCHES[0],
+          ("provenance/commit", *((batch, "provenance/commit") for batch in _SECOND_CNN_BATCHES[1:])),
           compute=lambda *commits: ", ".join(sorted({f"{c:.7}" for c in commits}))),
 )  # fmt: skip
 
@@ -1780,11 +1833,12 @@ TABLES = (
     AUTO_VGG_CONTROLS_TABLE,
     AUTO_VGG_LONGER_TABLE,
     AUTO_VGG_LONGER_ARMS_TABLE,
+    SECOND_CNN_TABLE,
     AUTO_WHOLE_TABLE,
     AUTO_BESIDE_TABLE,
     NANOGPT_TABLE,
 )
 CLAIMS = (
     *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
-    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
+    *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
