@@ -1464,6 +1464,14 @@ def _steps_per_seed(*steps: int | None) -> str:
     return ", ".join("-" if step is None else str(step) for step in steps)
 
 
+def _mean_steps_ratio(ours: list[int | None], fp32: list[int | None]) -> str:
+    """The mean steps to the target over the seeds where both reached it, ours over fp32's."""
+    both = [(a, b) for a, b in zip(ours, fp32, strict=True) if a is not None and b is not None]
+    if not both:
+        return "no seed where both reached it"
+    return f"{statistics.fmean(a for a, _ in both) / statistics.fmean(b for _, b in both):.2f}x"
+
+
 def _bytes_sent_received(*values: float) -> str | None:
     """The first half of ``values`` per seed sent, the second received: their means in MB (None:
     nothing received, a worker alone)."""
@@ -1588,7 +1596,7 @@ AUTO_VGG_LONGER_CLAIMS = (
     _longer("localhost", "vgg", "sidco_over_none_step", ("step_time_median_s",),
             lambda step: step["sidco-exp"] / step["none"], "{:.3f}x"),
     _longer("localhost", "vgg", "sidco_over_none_steps", ("fixed/sidco-exp/steps_to_target", "fixed/none/steps_to_target"),
-            lambda ours, fp32: statistics.fmean(ours) / statistics.fmean(fp32), "{:.2f}x"),
+            _mean_steps_ratio),
     Claim("autolonger.runs.commit", _LONGER_BATCHES[0],
           ("provenance/commit", *((batch, "provenance/commit") for batch in _LONGER_BATCHES[1:])),
           compute=lambda *commits: ", ".join(sorted({f"{c:.7}" for c in commits}))),
@@ -1623,20 +1631,12 @@ _SECOND_CNN_BATCHES = tuple(
 )  # fmt: skip
 
 
-def _mean_steps_ratio(ours: list[int | None], fp32: list[int | None]) -> str:
-    """The mean steps to the target over the seeds where both reached it, ours over fp32's."""
-    both = [(a, b) for a, b in zip(ours, fp32, strict=True) if a is not None and b is not None]
-    if not both:
-        return "no seed where both reached it"
-    return f"{statistics.fmean(a for a, _ in both) / statistics.fmean(b for _, b in both):.2f}x"
-
-
 SECOND_CNN_CLAIMS = (
     Claim("secondcnn.target", SECOND_CNN, ("target",), "{:.1%}"),
     Claim("secondcnn.fp32_final", SECOND_CNN, ("fp32_final",), "{:.1%}"),
     Claim("secondcnn.commit", SECOND_CNN, ("provenance/commit",), "{:.7}"),
     Claim("secondcnn.sidco_over_none_steps", SECOND_CNN, ("steps_to_target/sidco-exp", "steps_to_target/none"),
-          compute=lambda ours, fp32: _mean_steps_ratio(ours, fp32)),
+          compute=_mean_steps_ratio),
     Claim("secondcnn.runs.commit", _SECOND_CNN_BATCHES[0],
           ("provenance/commit", *((batch, "provenance/commit") for batch in _SECOND_CNN_BATCHES[1:])),
           compute=lambda *commits: ", ".join(sorted({f"{c:.7}" for c in commits}))),

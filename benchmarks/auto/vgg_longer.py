@@ -25,6 +25,7 @@ commit on main)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -49,23 +50,25 @@ def run(
     arms: dict[str, list[str]], seeds: list[int], out: Path, steps: int, every: int, model: str = "vgg"
 ) -> None:
     """Train what is missing (``arms``: each arm's flags), seed by seed, stamping each seed's
-    batch that trained something in ``provenance-s<seed>.json``, or, where a batch of that seed
-    is stamped there already, ``provenance-s<seed>-<n>.json`` (``model``: the composition's flags
-    with another ``--model``)."""
+    batch that trained something in ``provenance-s<seed>.json``, or, beside the ``n - 1`` batches
+    of that seed stamped already, ``provenance-s<seed>-<n>.json`` (``model``: the composition's
+    flags with another ``--model``)."""
     extra = ("--model", model, "--steps", str(steps), "--eval-every", str(every))
     for seed in seeds:
-        missing = {
-            arm: flags
-            for arm, flags in arms.items()
-            if not (out / f"{arm}-s{seed}" / "summary.json").is_file()
-        }
-        if not missing:
-            continue
         stamp = provenance.start(seeds=[seed])
-        train_kept(missing, [seed], out, extra, resume=True)
-        names = (f"provenance-s{seed}.json", *(f"provenance-s{seed}-{n}.json" for n in range(2, 100)))
-        path = next(out / name for name in names if not (out / name).exists())
-        path.write_text(json.dumps({"arms": list(missing), "provenance": stamp.finish()}, indent=2) + "\n")
+        trained = train_kept(arms, [seed], out, extra, resume=True)
+        if trained:
+            stamp_path(out, seed).write_text(
+                json.dumps({"arms": trained, "provenance": stamp.finish()}, indent=2) + "\n"
+            )
+
+
+def stamp_path(out: Path, seed: int) -> Path:
+    """The first free name of ``provenance-s<seed>.json``, ``provenance-s<seed>-2.json``, ..."""
+    names = (
+        f"provenance-s{seed}.json" if n == 1 else f"provenance-s{seed}-{n}.json" for n in itertools.count(1)
+    )
+    return next(out / name for name in names if not (out / name).exists())
 
 
 def curves(

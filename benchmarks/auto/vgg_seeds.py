@@ -35,10 +35,12 @@ KEPT = ("summary.json", "evals.jsonl")
 
 def train_kept(
     arms: dict[str, list[str]], seeds: list[int], out: Path, extra: tuple[str, ...] = (), resume: bool = False
-) -> None:
+) -> list[str]:
     """Train VGG with the composition's flags (``train_flags``), then ``arms[arm]`` and ``extra``
     (later flags win), once per seed and arm, keeping each run's :data:`KEPT` files in
-    ``out/<arm>-s<seed>/``; with ``resume``, a run whose summary is there already is skipped."""
+    ``out/<arm>-s<seed>/``; with ``resume``, a run whose summary is there already is skipped.
+    Returns the arms trained, in order (an arm once per seed it trained on)."""
+    trained = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for arm, flags in arms.items():
@@ -54,6 +56,8 @@ def train_kept(
                 kept.mkdir(parents=True, exist_ok=True)
                 for name in KEPT:
                     shutil.copy(run / name, kept / name)
+                trained.append(arm)
+    return trained
 
 
 def main(argv: list[str] | None = None) -> int:
