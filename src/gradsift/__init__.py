@@ -30,7 +30,6 @@ from gradsift.core.errors import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
         register_compressor,
     )
     from gradsift.frontends.decoupled_momentum import DeMo
-    from gradsift.frontends.diloco import DiLoCoState
+    from gradsift.frontends.diloco import DiLoCoState, diloco
     from gradsift.frontends.distributed_lion import DistributedLion
     from gradsift.hook.auto import AutoHookState
     from gradsift.hook.state import GradsiftHookState
@@ -68,6 +67,7 @@ _LAZY = {
     "DeMo": "gradsift.frontends.decoupled_momentum",
     "DistributedLion": "gradsift.frontends.distributed_lion",
     "DiLoCoState": "gradsift.frontends.diloco",
+    "diloco": "gradsift.frontends.diloco",
     "GradsiftHookState": "gradsift.hook.state",
     "AutoHookState": "gradsift.hook.auto",
 }
@@ -98,7 +98,23 @@ def register_comm_hook(
 ) -> GradsiftHookState | AutoHookState:
     """Install gradsift's communication hook on a ``DistributedDataParallel`` (or FSDP) model.
 
-    See :func:`gradsift.frontends.ddp.register_comm_hook` for the options; imported lazily so
+    The hook's options and their defaults (what each means:
+    :class:`gradsift.hook.options.HookOptions`; every other keyword goes to the compressor,
+    e.g. ``ratio``)::
+
+        process_group=None (the model's), optimizer=None (the one found stepping the model;
+        False: none), granularity='bucket', min_numel=0, warmup_steps=None, value_dtype=None,
+        nonfinite='propagate', error_feedback=None, momentum=0.0, momentum_masking=True,
+        clip_norm=None, density_warmup_steps=0, density_warmup_start=0.25, exchange='auto',
+        scaler=None (the GradScaler found), adam='frozen-variance', local_steps=None,
+        warmup_compressor=None, variance_refresh=(), residual_decay=None, server_feedback=False,
+        padding_target=None, log_every=0, jsonl_path=None
+
+    Under ``compressor='auto'`` only ``process_group``, ``steps=None`` (the run's length when
+    known), ``density_warmup_steps``, ``nonfinite``, ``scaler``, ``warmup_steps``,
+    ``log_every``, ``jsonl_path`` and ``granularity`` (:mod:`gradsift.hook.choice`).
+
+    The rest is :func:`gradsift.frontends.ddp.register_comm_hook`'s, imported lazily so
     that ``import gradsift`` does not initialise ``torch.distributed``. An FSDP model
     (``FullyShardedDataParallel`` or ``fully_shard``) goes to
     :func:`gradsift.frontends.fsdp.register_fsdp_comm_hook`, which takes a named method
@@ -116,17 +132,6 @@ def register_comm_hook(
     from gradsift.frontends.ddp import register_comm_hook as _register
 
     return _register(cast("DistributedDataParallel", ddp_model), compressor, **options)  # it checks the type
-
-
-def diloco(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **options: Any
-) -> DiLoCoState:
-    """Low-communication training: outer steps every ``sync_every`` inner steps on compressed
-    pseudo-gradients. See :func:`gradsift.frontends.diloco.diloco` (imported lazily), which holds the
-    defaults (quantized averaging every 10 steps): this wrapper restates none of them."""
-    from gradsift.frontends.diloco import diloco as _diloco
-
-    return _diloco(model, optimizer, *args, **options)
 
 
 __all__ = [

@@ -70,6 +70,8 @@ BUFFER_POLICIES = ("mean", "local")
 UNSENT_POLICIES = ("residual", "model")
 #: The keywords of :func:`diloco` that are its own (the others go to the hook and the compressor).
 OUTER_OPTIONS = ("outer_lr", "outer_momentum", "nesterov", "buffers", "unsent")
+#: Every keyword :func:`diloco` takes itself: what an unknown one may have meant besides the hook's.
+DILOCO_KEYWORDS = ("sync_every", "compressor", *OUTER_OPTIONS)
 #: Hook options with no meaning for pseudo-gradients (no optimizer, loss scale or warm-up; one part).
 _REFUSED = ("optimizer", "granularity", "warmup_steps", "scaler")
 
@@ -296,7 +298,11 @@ def diloco(
     if feedback:
         options.setdefault("residual_decay", SPARSELOCO_DECAY)
     hook = GradsiftHookState.resolve(
-        compressor, options, _REFUSED, "by diloco (it applies to the DDP hook's gradients)"
+        compressor,
+        options,
+        _REFUSED,
+        "by diloco (it applies to the DDP hook's gradients)",
+        ("diloco", DILOCO_KEYWORDS),
     )
     if unsent == "model" and (hook.feedback is None or hook.feedback.decay != 1.0):
         raise InvalidOptionError(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.spelling import closest, did_you_mean
 from gradsift.core.validation import check_int
 from gradsift.hook import discovery, recipe
 from gradsift.hook.adam import ONE_LINE_WARMUP_STEPS, is_adam
@@ -56,11 +57,14 @@ def auto_options(options: dict[str, Any]) -> tuple[int | None, int, dict[str, An
     steps when the caller knows it (``steps``; None: unknown), the start method's density
     warm-up in steps (0: none; timing starts after it), and the hook options left; one that
     belongs to a named method is refused."""
-    unknown = sorted(set(options) - {"process_group", "steps", DENSITY_WARMUP, *PASSED_ON})
-    if unknown:
+    taken = ("process_group", "steps", DENSITY_WARMUP, *PASSED_ON)
+    unknown = sorted(set(options) - set(taken))
+    if unknown:  # a misspelt ``compressor=`` lands here too: the default is auto
+        hints = [match for name in unknown if (match := closest(name, ("compressor", *taken)))]
         raise InvalidOptionError(
-            f"compressor='auto' picks the method and its options; got {', '.join(unknown)}, where auto "
-            f"takes steps, {', '.join(PASSED_ON)} (a method's own options need compressor=<name>)"
+            f"compressor='auto' picks the method and its options; got {', '.join(unknown)}"
+            f"{did_you_mean(hints)}, where auto takes {', '.join(taken)} (a method's own options "
+            "need compressor=<name>)"
         )
     rest = dict(options)
     run_steps = rest.pop("steps", None)

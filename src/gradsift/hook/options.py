@@ -15,6 +15,7 @@ from typing import Any
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.registry import compressor_options, get_compressor, unknown_options
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.spelling import closest, did_you_mean
 from gradsift.core.validation import check_bool, check_choice, check_int, check_ratio, check_real
 from gradsift.core.wire import parse_value_dtype
 from gradsift.exchanges import AUTO, available_exchanges
@@ -56,10 +57,10 @@ class HookOptions:
         density_warmup_steps: steps over which a sparsifier's ratio goes exponentially
             from ``density_warmup_start`` to its target (default 0 = off).
         density_warmup_start: the density the warm-up starts from (default 0.25, DGC's).
-        exchange: ``"auto"`` (default: per bucket, among the supported exchanges that
-            deliver exactly the mean of every worker's selection, the one the cost model
-            predicts fastest -- the allgather for the sparsifiers; never ``"balanced"`` or
-            ``"shared-mask"``, which approximate the mean and cost accuracy) or one of
+        exchange: ``"auto"`` (default: the compressor's first supported exchange that delivers
+            exactly the mean of every worker's selection -- the allgather for the sparsifiers;
+            never ``"balanced"`` or ``"shared-mask"``, which approximate the mean and cost
+            accuracy: :mod:`gradsift.exchanges.choice`) or one of
             :func:`gradsift.exchanges.available_exchanges` that the compressor supports.
         scaler: the ``torch.amp.GradScaler`` that scales the loss (None: no loss scaling);
             the hook then works on unscaled gradients (see the module docstring).
@@ -199,11 +200,7 @@ def resolve_compressor(compressor: str | Compressor, options: dict[str, Any]) ->
     """``compressor`` built from its registry name and ``options`` (the non-hook keywords), or
     the instance as given (then ``options`` must be empty)."""
     if isinstance(compressor, str):
-        if unknown := unknown_options(compressor, options):
-            raise InvalidOptionError(
-                f"unknown option(s) {', '.join(unknown)}: the hook's options are {', '.join(HOOK_OPTIONS)}; "
-                f"compressor {compressor!r}'s are {', '.join(compressor_options(compressor)) or '(none)'}"
-            )
+        check_keywords(compressor, options)
         return get_compressor(compressor, **options)
     if options:
         raise InvalidOptionError(
@@ -211,3 +208,39 @@ def resolve_compressor(compressor: str | Compressor, options: dict[str, Any]) ->
             f"hook options are: {', '.join(HOOK_OPTIONS)}"
         )
     return compressor
+
+
+def check_keywords(
+    compressor: str | Compressor,
+    options: dict[str, Any],
+    refused: tuple[str, ...] = (),
+    where: str = "",
+    own: tuple[str, tuple[str, ...]] | None = None,
+) -> None:
+    """A frontend's keywords, checked: one of ``refused`` (hook options with no meaning there) is
+    refused with ``f"{name}= is not supported {where}"``; with a registry name, one that is
+    neither a hook option nor the compressor's is refused naming every name it could have meant
+    -- the frontend's ``own`` keywords (``(frontend, names)``), the hook's options less those
+    ``refused``, the compressor's -- and the closest of them
+    (:func:`gradsift.core.spelling.closest`). A built compressor takes none:
+    :func:`resolve_compressor` refuses them."""
+    for name in refused:
+        if options.get(name) is not None:
+            raise InvalidOptionError(f"{name}= is not supported {where}")
+    if not isinstance(compressor, str):
+        return
+    unknown = unknown_options(compressor, {k: v for k, v in options.items() if k not in HOOK_OPTIONS})
+    if not unknown:
+        return
+    frontend, own_names = own or ("", ())
+    hook = tuple(name for name in HOOK_OPTIONS if name not in refused)
+    its = compressor_options(compressor)
+    hints = [match for name in unknown if (match := closest(name, (*own_names, *hook, *its)))]
+    lists = [f"{frontend}'s own options are {', '.join(own_names)}"] if own_names else []
+    lists += [
+        f"the hook's options are {', '.join(hook)}",
+        f"compressor {compressor!r} takes {', '.join(its) or 'none'}",
+    ]
+    raise InvalidOptionError(
+        f"unknown option(s) {', '.join(unknown)}{did_you_mean(hints)}: {'; '.join(lists)}"
+    )

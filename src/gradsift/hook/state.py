@@ -33,7 +33,7 @@ from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
 from gradsift.hook.ledger import StepLedger
-from gradsift.hook.options import HookOptions, resolve_compressor
+from gradsift.hook.options import HookOptions, check_keywords, resolve_compressor
 from gradsift.hook.taken_over import TakenOverChecks
 from gradsift.hook.warmup_code import CodedWarmup, refuse_without_frozen_adam
 
@@ -122,17 +122,17 @@ class GradsiftHookState:
         options: dict[str, Any],
         refused: tuple[str, ...] = (),
         where: str = "",
+        own: tuple[str, tuple[str, ...]] | None = None,
     ) -> "GradsiftHookState":
         """A frontend's state: a restored state as it is (it takes no options), or one built by
-        :meth:`build`; each option of ``refused`` (the frontend's one denylist: hook options
-        that have no meaning there) is refused with ``f"{name}= is not supported {where}"``."""
+        :meth:`build`; an option of ``refused`` (the frontend's one denylist: hook options with no
+        meaning there) is refused with ``f"{name}= is not supported {where}"``, an unknown one
+        naming the frontend's ``own`` keywords too (:func:`~gradsift.hook.options.check_keywords`)."""
         if isinstance(compressor, GradsiftHookState):
             if options:
                 raise InvalidOptionError(f"a restored hook state takes no options, got {sorted(options)}")
             return compressor
-        for name in refused:
-            if options.get(name) is not None:
-                raise InvalidOptionError(f"{name}= is not supported {where}")
+        check_keywords(compressor, options, refused, where, own)
         return cls.build(compressor, **options)
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any = None) -> None:

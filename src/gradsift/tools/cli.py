@@ -11,17 +11,15 @@ and the closest of its options (``gradsift train: error: unrecognized arguments:
 from __future__ import annotations
 
 import argparse
-import difflib
 import gc
 import importlib
 import sys
 
 from gradsift import __version__
 from gradsift.core.errors import GradsiftError
+from gradsift.core.spelling import closest, did_you_mean
 
 SUBCOMMANDS = ("analyze", "bench", "train", "demo", "report")
-#: How alike a misspelt flag and an option must be to be suggested (difflib's ratio, 0-1).
-CLOSE = 0.75
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,15 +52,11 @@ def _mark_commands(parser: argparse.ArgumentParser) -> None:
 def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
     """argparse's message for ``extras``, with the closest option of ``parser`` to each
     unknown flag (``--name`` or ``--name=value``) where one is close: names compared without
-    their dashes, by :func:`difflib.get_close_matches` at :data:`CLOSE`."""
+    their dashes (:func:`gradsift.core.spelling.closest`)."""
     options = {o.lstrip("-"): o for action in parser._actions for o in action.option_strings}
-    hints = []
-    for extra in extras:
-        if extra.startswith("-"):
-            name = extra.split("=", 1)[0].lstrip("-")
-            hints += [options[m] for m in difflib.get_close_matches(name, options, n=1, cutoff=CLOSE)]
-    hint = f" (did you mean {', '.join(dict.fromkeys(hints))}?)" if hints else ""
-    return f"unrecognized arguments: {' '.join(extras)}{hint}"
+    names = [extra.split("=", 1)[0].lstrip("-") for extra in extras if extra.startswith("-")]
+    hints = [options[match] for name in names if (match := closest(name, options))]
+    return f"unrecognized arguments: {' '.join(extras)}{did_you_mean(hints)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from gradsift.frontends.diloco import OUTER_OPTIONS
 from gradsift.frontends.distributed_lion import DistributedLion, LionOptions
 from gradsift.hook.auto import AUTO
 from gradsift.hook.choice import PASSED_ON
-from gradsift.hook.options import HOOK_OPTIONS
+from gradsift.hook.options import HOOK_OPTIONS, check_keywords
 from gradsift.hook.state import GradsiftHookState
 from gradsift.tools.train.devices import DEVICES
 from gradsift.tools.train.models import MODELS
@@ -241,13 +241,8 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
         raise InvalidOptionError(
             f"compressor {compressor!r} needs option(s) {', '.join(missing)} (--option {missing[0]}=VALUE)"
         )
-    try:
-        built = get_compressor(compressor, **compressor_options)
-    except InvalidOptionError as error:
-        if set(compressor_options) <= set(parameters):
-            raise  # a value out of range: the compressor's message says which
-        hook = ", ".join(name for name in HOOK_OPTIONS if name != "process_group")
-        raise InvalidOptionError(f"{error}; the DDP hook's options are: {hook}") from error
+    check_keywords(compressor, options, ("process_group",))  # a misspelt name, and what it meant
+    built = get_compressor(compressor, **compressor_options)
     hook_options.pop("optimizer", None)  # the trainer passes its own optimizer
     GradsiftHookState.build(built, **hook_options)
 

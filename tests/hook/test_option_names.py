@@ -1,0 +1,105 @@
+"""What a user reads when a keyword is wrong or a default is wanted: a misspelt option is
+refused with the names it could have meant and the closest of them, by each frontend that
+takes keywords (the DDP hook, ``auto``, DiLoCo); ``help()`` of the two entry points shows
+every default. The expected suggestions are written out by hand; the defaults are read from
+the signatures and the options' dataclass themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pydoc
+import re
+
+import pytest
+import torch
+
+import gradsift
+from gradsift.core.errors import InvalidOptionError
+from gradsift.core.spelling import closest, did_you_mean
+from gradsift.hook.choice import auto_options
+from gradsift.hook.options import HOOK_OPTIONS, HookOptions
+from gradsift.hook.state import GradsiftHookState
+
+
+def refusal(call) -> str:
+    with pytest.raises(InvalidOptionError) as refused:
+        call()
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "name,meant",
+    [("warmup_step", "warmup_steps"), ("ratoi", "ratio"), ("nonfinte", "nonfinite"), ("stges", "stages"),
+     ("bogus", None)],
+)  # fmt: skip
+def test_the_hook_names_the_option_a_misspelt_one_meant(name: str, meant: str | None) -> None:
+    message = refusal(lambda: GradsiftHookState.build("sidco-exp", **{name: 1}))
+    assert message.startswith(f"unknown option(s) {name}")
+    assert (f"(did you mean {meant}?)" in message) == (meant is not None), message
+    assert ("did you mean" in message) == (meant is not None)
+    hook, compressor = message.split("; ")
+    assert set(HOOK_OPTIONS) == set(hook.split(" are ")[1].split(", "))
+    assert (
+        compressor
+        == "compressor 'sidco-exp' takes ratio, first_ratio, stages, sample_size, adapt, stage_period, exact_below"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,meant", [("warmup_step", "warmup_steps"), ("compresor", "compressor"), ("ratio", None)]
+)
+def test_auto_names_the_option_a_misspelt_one_meant(name: str, meant: str | None) -> None:
+    message = refusal(lambda: auto_options({name: 1}))
+    assert f"got {name}" in message
+    assert (f"(did you mean {meant}?)" in message) == (meant is not None), message
+    assert "need compressor=<name>" in message  # ratio is a method's own: name the method
+
+
+@pytest.mark.parametrize(
+    "name,meant", [("sync_evry", "sync_every"), ("outer_l", "outer_lr"), ("unsnt", "unsent")]
+)
+def test_diloco_names_its_own_options_first(one_process_group, name: str, meant: str) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    message = refusal(lambda: gradsift.diloco(model, optimizer, **{name: 1}))
+    assert message.startswith(f"unknown option(s) {name} (did you mean {meant}?): diloco's own options are ")
+    own = message.split("diloco's own options are ")[1].split("; ")[0].split(", ")
+    signature = inspect.signature(gradsift.diloco).parameters
+    assert own == [p for p in signature if p not in ("model", "optimizer", "options")]
+    hook = message.split("the hook's options are ")[1].split("; ")[0].split(", ")
+    assert not {"optimizer", "granularity", "warmup_steps", "scaler"} & set(hook)  # diloco refuses them
+
+
+def test_the_one_line_names_the_option_a_misspelt_one_meant(one_process_group) -> None:
+    """What ``register_comm_hook`` says, with and without a named method."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    named = refusal(lambda: gradsift.register_comm_hook(model, "topk", ratio=0.01, warmup_step=3))
+    assert named.startswith(
+        "unknown option(s) warmup_step (did you mean warmup_steps?): the hook's options are "
+    )
+    auto = refusal(lambda: gradsift.register_comm_hook(model, compresor="topk"))
+    assert "got compresor (did you mean compressor?)" in auto
+
+
+def test_closest_suggests_only_a_close_name() -> None:
+    assert closest("ratoi", ["ratio", "rate_limit"]) == "ratio"
+    assert closest("bogus", ["ratio", "stages"]) is None
+    assert did_you_mean(["a", "b", "a"]) == " (did you mean a, b?)" and did_you_mean([]) == ""
+
+
+def test_help_shows_every_default_of_the_two_entry_points() -> None:
+    hook_help = pydoc.render_doc(gradsift.register_comm_hook, renderer=pydoc.plaintext)
+    text = " ".join(hook_help.split())
+    for field in dataclasses.fields(HookOptions):
+        assert f"{field.name}={field.default!r}" in text, field.name
+    assert "process_group=None" in text and "optimizer=None" in text
+    diloco_help = " ".join(pydoc.render_doc(gradsift.diloco, renderer=pydoc.plaintext).split())
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(gradsift.frontends.diloco.diloco).parameters.items()
+        if p.default is not p.empty
+    }
+    assert defaults.keys() >= {"sync_every", "compressor", "outer_lr", "unsent"}
+    for name, default in defaults.items():
+        assert re.search(rf"{name}: '[^']*' = {re.escape(repr(default))}", diloco_help), name
