@@ -1,8 +1,8 @@
 """What a user reads when a keyword is wrong or a default is wanted: a misspelt option is
 refused with the names it could have meant and the closest of them, by each frontend that
-takes keywords (the DDP hook, ``auto``, DiLoCo); ``help()`` of the two entry points shows
-every default. The expected suggestions are written out by hand; the defaults are read from
-the signatures and the options' dataclass themselves."""
+takes keywords (the DDP hook, ``auto``, DiLoCo); ``help()`` of every entry point that takes
+keywords shows their defaults. The expected suggestions are written out by hand; the defaults
+are read from the signatures and the options' dataclasses themselves."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import torch
 import gradsift
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.spelling import closest, did_you_mean
+from gradsift.frontends.decoupled_momentum import DeMoOptions
+from gradsift.frontends.distributed_lion import LionOptions
 from gradsift.hook.choice import auto_options
 from gradsift.hook.options import HOOK_OPTIONS, HookOptions
 from gradsift.hook.state import GradsiftHookState
@@ -88,13 +90,29 @@ def test_closest_suggests_only_a_close_name() -> None:
     assert did_you_mean(["a", "b", "a"]) == " (did you mean a, b?)" and did_you_mean([]) == ""
 
 
-def test_help_shows_every_default_of_the_two_entry_points() -> None:
-    hook_help = pydoc.render_doc(gradsift.register_comm_hook, renderer=pydoc.plaintext)
-    text = " ".join(hook_help.split())
-    for field in dataclasses.fields(HookOptions):
+def help_text(thing: object) -> str:
+    """What ``help(thing)`` prints, its whitespace runs made single spaces."""
+    return " ".join(pydoc.render_doc(thing, renderer=pydoc.plaintext).split())
+
+
+@pytest.mark.parametrize(
+    "entry,options",
+    [
+        (gradsift.register_comm_hook, HookOptions),
+        (gradsift.DeMo, DeMoOptions),
+        (gradsift.DistributedLion, LionOptions),
+    ],
+)
+def test_help_shows_the_default_of_every_option_its_keywords_take(entry: object, options: type) -> None:
+    text = help_text(entry)
+    for field in dataclasses.fields(options):
         assert f"{field.name}={field.default!r}" in text, field.name
+
+
+def test_help_shows_every_default_of_the_one_line_and_diloco() -> None:
+    text = help_text(gradsift.register_comm_hook)
     assert "process_group=None" in text and "optimizer=None" in text
-    diloco_help = " ".join(pydoc.render_doc(gradsift.diloco, renderer=pydoc.plaintext).split())
+    diloco_help = help_text(gradsift.diloco)
     defaults = {
         name: p.default
         for name, p in inspect.signature(gradsift.frontends.diloco.diloco).parameters.items()

@@ -106,7 +106,7 @@ def check_betas(betas: object) -> tuple[float, float]:
 class DistributedLion(ExchangingOptimizer, method="DistributedLion", key="lion"):
     """Distributed Lion's optimizer (see the module docstring); ``lr``, ``betas`` and
     ``weight_decay`` per parameter group, the settings of :class:`LionOptions` for all
-    (``aggregate``). ``process_group``: the workers (default: the world when
+    (``aggregate='vote'``). ``process_group``: the workers (default: the world when
     ``torch.distributed`` is initialised, else this process alone, which needs no
     collective). The parameters, the agreement, the all-gather, the telemetry and the
     checkpoint are :class:`gradsift.core.exchanging.ExchangingOptimizer`'s.
