@@ -121,3 +121,16 @@ def test_help_shows_every_default_of_the_one_line_and_diloco() -> None:
     assert defaults.keys() >= {"sync_every", "compressor", "outer_lr", "unsent"}
     for name, default in defaults.items():
         assert re.search(rf"{name}: '[^']*' = {re.escape(repr(default))}", diloco_help), name
+
+
+def test_the_trainer_callbacks_refuse_a_misspelt_option_when_made() -> None:
+    """Lightning's and the Hugging Face Trainer's callbacks hold a ``PendingHook`` until the
+    trainer has wrapped the model; a wrong keyword is refused when the callback is made, under
+    ``auto`` too, not when ``fit`` starts."""
+    from gradsift.integrations.hook_state import PendingHook
+
+    assert "(did you mean warmup_steps?)" in refusal(lambda: PendingHook("auto", {"warmup_step": 3}))
+    assert "(did you mean warmup_steps?)" in refusal(
+        lambda: PendingHook("topk", {"ratio": 0.01, "warmup_step": 3})
+    )
+    assert PendingHook("auto", {"steps": 40, "warmup_steps": 5}).named is None  # what auto takes is kept

@@ -20,6 +20,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.frontends.ddp import register_comm_hook
 from gradsift.hook.auto import AUTO, AutoHookState
+from gradsift.hook.choice import auto_options
 from gradsift.hook.state import GradsiftHookState
 
 
@@ -39,6 +40,8 @@ class PendingHook:
 
     def __init__(self, compressor: str | Compressor, options: dict[str, Any]) -> None:
         is_auto = isinstance(compressor, str) and compressor == AUTO
+        if is_auto:
+            auto_options(options)  # a misspelt name, or a method's own, is refused now, not at fit
         self.named = None if is_auto else GradsiftHookState.build(compressor, **options)
         self._auto_options = dict(options)  # what "auto" is registered with
         self._state: GradsiftHookState | AutoHookState | None = self.named
