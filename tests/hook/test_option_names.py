@@ -134,3 +134,11 @@ def test_the_trainer_callbacks_refuse_a_misspelt_option_when_made() -> None:
         lambda: PendingHook("topk", {"ratio": 0.01, "warmup_step": 3})
     )
     assert PendingHook("auto", {"steps": 40, "warmup_steps": 5}).named is None  # what auto takes is kept
+
+
+def test_a_compressor_built_alone_names_the_option_a_misspelt_one_meant() -> None:
+    message = refusal(lambda: gradsift.get_compressor("sidco-exp", stges=2))
+    assert message == (
+        "compressor 'sidco-exp' has no option(s) stges (did you mean stages?); "
+        "its options are: ratio, first_ratio, stages, sample_size, adapt, stage_period, exact_below"
+    )

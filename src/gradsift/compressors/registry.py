@@ -7,7 +7,6 @@ their options follow the papers (``ratio`` is the target density delta).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 from collections.abc import Iterable
@@ -15,6 +14,7 @@ from typing import Any
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
+from gradsift.core.spelling import NAME_CLOSE, closest, did_you_mean
 
 #: Registry name -> ``"module:Class"`` (imported on first use), or the class itself for one
 #: added by :func:`register_compressor`.
@@ -65,10 +65,10 @@ def available_compressors() -> list[str]:
 def compressor_class(name: str) -> type[Compressor]:
     """Return the class registered under ``name`` (imported on first use)."""
     if not isinstance(name, str) or name not in _TABLE:
-        close = difflib.get_close_matches(name.lower(), _TABLE, n=1) if isinstance(name, str) else []
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = closest(name.lower(), _TABLE, NAME_CLOSE) if isinstance(name, str) else None
         raise UnknownCompressorError(
-            f"unknown compressor {name!r}{hint}; known compressors: {', '.join(_TABLE)}"
+            f"unknown compressor {name!r}{did_you_mean([repr(close)] if close else [])}; "
+            f"known compressors: {', '.join(_TABLE)}"
         )
     entry = _TABLE[name]
     if not isinstance(entry, str):
@@ -102,8 +102,9 @@ def get_compressor(name: str, **options: Any) -> Compressor:
     accepted = compressor_options(name)
     unknown = unknown_options(name, options)
     if unknown:
+        hints = [match for option in unknown if (match := closest(option, accepted))]
         raise InvalidOptionError(
-            f"compressor {name!r} has no option(s) {', '.join(unknown)}; "
+            f"compressor {name!r} has no option(s) {', '.join(unknown)}{did_you_mean(hints)}; "
             f"its options are: {', '.join(accepted) or '(none)'}"
         )
     parameters = inspect.signature(compressor_class(name).__init__).parameters

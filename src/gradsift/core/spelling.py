@@ -13,11 +13,14 @@ from collections.abc import Iterable
 
 #: How alike a misspelt name and a known one must be to be suggested (difflib's ratio, 0-1).
 CLOSE = 0.75
+#: The same for a compressor's registry name: short names with a family suffix (``sidco`` for
+#: ``sidco-exp`` is 10 / 14 alike), so difflib's own default.
+NAME_CLOSE = 0.6
 
 
-def closest(name: str, known: Iterable[str]) -> str | None:
-    """The name of ``known`` most like ``name``, if at least :data:`CLOSE` alike; else None."""
-    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=CLOSE)
+def closest(name: str, known: Iterable[str], cutoff: float = CLOSE) -> str | None:
+    """The name of ``known`` most like ``name``, if at least ``cutoff`` alike; else None."""
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 
