@@ -142,3 +142,15 @@ def test_a_compressor_built_alone_names_the_option_a_misspelt_one_meant() -> Non
         "compressor 'sidco-exp' has no option(s) stges (did you mean stages?); "
         "its options are: ratio, first_ratio, stages, sample_size, adapt, stage_period, exact_below"
     )
+
+
+@pytest.mark.parametrize(
+    "make,meant",
+    [
+        (lambda p: gradsift.DeMo(p, chunks=32), "chunk"),
+        (lambda p: gradsift.DistributedLion(p, agregate="mean"), "aggregate"),
+    ],
+)
+def test_the_optimizers_that_exchange_name_the_option_a_misspelt_one_meant(make, meant: str) -> None:
+    message = refusal(lambda: make(torch.nn.Linear(3, 2).parameters()))
+    assert f"(did you mean {meant}?); its options are: " in message

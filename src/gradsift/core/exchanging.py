@@ -34,6 +34,7 @@ import torch.distributed as dist
 from gradsift.core.agreement import check_agreement, setting_text, tensors_text
 from gradsift.core.collectives import KEPT_WORKS, allgather, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
+from gradsift.core.spelling import closest, did_you_mean
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.validation import check_real
 
@@ -42,12 +43,14 @@ T = TypeVar("T")
 
 def parse_options(cls: type[T], options: dict[str, Any], method: str) -> T:
     """The dataclass ``cls`` built from keyword ``options``; an unknown name raises, listing
-    ``method``'s options."""
+    ``method``'s options and the closest of them (:func:`gradsift.core.spelling.closest`)."""
     known = cls.__dataclass_fields__  # type: ignore[attr-defined]
     unknown = sorted(set(options) - set(known))
     if unknown:
+        hints = [match for name in unknown if (match := closest(name, known))]
         raise InvalidOptionError(
-            f"{method} has no option {', '.join(unknown)}; its options are: {', '.join(known)}"
+            f"{method} has no option {', '.join(unknown)}{did_you_mean(hints)}; "
+            f"its options are: {', '.join(known)}"
         )
     return cls(**options)
 
