@@ -164,9 +164,10 @@ def dct_basis(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 class DeMo(ExchangingOptimizer, method="DeMo", key="demo"):
     """DeMo's optimizer (see the module docstring); ``lr`` and ``weight_decay`` per parameter
-    group, the settings of :class:`DeMoOptions` for all (``beta=0.999``, ``chunk=64``, ``topk=32``,
-    ``value_dtype=None``, ``nonfinite='raise'``). ``process_group``: the workers (default: the world when
-    ``torch.distributed`` is initialised, else this process alone, which needs no collective).
+    group, the settings of :class:`DeMoOptions` for all (``beta=0.999``, ``chunk=64``,
+    ``topk=32``, ``value_dtype=None``, ``nonfinite='raise'``). ``process_group``: the workers
+    (default: the world when ``torch.distributed`` is initialised, else this process alone,
+    which needs no collective).
     What every optimizer whose step is its exchange shares (the parameters, the agreement,
     the all-gather, the telemetry, the checkpoint) is :class:`gradsift.core.exchanging.ExchangingOptimizer`'s.
 
