@@ -134,6 +134,10 @@ def test_the_trainer_callbacks_refuse_a_misspelt_option_when_made() -> None:
         lambda: PendingHook("topk", {"ratio": 0.01, "warmup_step": 3})
     )
     assert PendingHook("auto", {"steps": 40, "warmup_steps": 5}).named is None  # what auto takes is kept
+    for compressor in ("auto", "topk"):  # the trainer's optimizer is handed over by take_optimizer=
+        assert "pass take_optimizer=True" in refusal(
+            lambda c=compressor: PendingHook(c, {"optimizer": object()})
+        )
 
 
 def test_a_compressor_built_alone_names_the_option_a_misspelt_one_meant() -> None:

@@ -39,6 +39,11 @@ class PendingHook:
     """
 
     def __init__(self, compressor: str | Compressor, options: dict[str, Any]) -> None:
+        if "optimizer" in options:
+            raise InvalidOptionError(
+                "a trainer callback hands the hook the trainer's optimizer itself: pass take_optimizer=True "
+                "(the default) or False (none, and none looked for), not optimizer="
+            )
         is_auto = isinstance(compressor, str) and compressor == AUTO
         if is_auto:
             auto_options(options)  # a misspelt name, or a method's own, is refused now, not at fit
