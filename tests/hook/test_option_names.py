@@ -158,3 +158,15 @@ def test_a_compressor_built_alone_names_the_option_a_misspelt_one_meant() -> Non
 def test_the_optimizers_that_exchange_name_the_option_a_misspelt_one_meant(make, meant: str) -> None:
     message = refusal(lambda: make(torch.nn.Linear(3, 2).parameters()))
     assert f"(did you mean {meant}?); its options are: " in message
+
+
+def test_a_choice_names_the_one_a_misspelt_value_meant() -> None:
+    from gradsift.core.validation import check_choice
+
+    policies = ("propagate", "skip", "raise")
+    assert check_choice("skip", "nonfinite", policies) == "skip"
+    assert refusal(lambda: check_choice("Skp", "nonfinite", policies)) == (
+        "nonfinite must be one of propagate, skip, raise; got 'Skp' (did you mean 'skip'?)"
+    )
+    assert refusal(lambda: check_choice("zzz", "nonfinite", policies)).endswith("got 'zzz'")
+    assert refusal(lambda: check_choice(3, "nonfinite", policies)).endswith("got 3")

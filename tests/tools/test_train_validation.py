@@ -62,6 +62,10 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
         (["--compressor", "topk", "--option", "process_group=1"], "process_group cannot be set"),
         (["--compressor", "topk", "--ratio", "0.01", "--option", "ratio=0.1"], "option ratio is given twice"),
         (["--compressor", "zip"], "compressor must be one of"),
+        (
+            ["--compressor", "sidco"],
+            r"compressor must be one of .*; got 'sidco' \(did you mean 'sidco-exp'\?\)$",
+        ),
         (["--workers", "0"], r"workers must lie in \[1, 256\], got 0"),
         (["--lr", "0"], "lr must lie in"),
         (["--momentum", "1"], "momentum must lie in"),

@@ -12,6 +12,7 @@ from numbers import Real
 import torch
 
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
+from gradsift.core.spelling import NAME_CLOSE, closest, did_you_mean
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -65,10 +66,17 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``choices``; raise listing them otherwise."""
+def check_choice(
+    value: object, name: str, choices: tuple[str, ...], error: type[ValueError] = InvalidOptionError
+) -> str:
+    """Return ``value`` if it is one of ``choices``; raise ``error`` listing them otherwise, with
+    the closest of them to a string (:func:`gradsift.core.spelling.closest`, at the registry
+    names' cutoff: choices are short names)."""
     if value not in choices:
-        raise InvalidOptionError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        close = closest(value.lower(), choices, NAME_CLOSE) if isinstance(value, str) else None
+        hint = did_you_mean([repr(close)] if close else [])
+        raise error(f"{name} must be one of {', '.join(choices)}; got {value!r}{hint}")
+    assert isinstance(value, str)  # one of the choices
     return value
 
 

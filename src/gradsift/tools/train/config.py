@@ -130,12 +130,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {self.model!r}")
-        if self.compressor not in (AUTO, *available_compressors()):
-            raise UnknownCompressorError(
-                f"compressor must be one of {', '.join([AUTO, *available_compressors()])}; got {self.compressor!r}"
-            )
+        check_choice(self.model, "model", tuple(MODELS))
+        check_choice(self.compressor, "compressor", (AUTO, *available_compressors()), UnknownCompressorError)
         check_int(self.workers, "workers", low=1, high=256)
         check_int(self.batch_size, "batch_size", low=1)
         check_int(self.steps, "steps", low=1)

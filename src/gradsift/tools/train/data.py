@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_choice
 
 #: The dataset's per-pixel mean and standard deviation over the 60 000 training images.
 PIXEL_MEAN = 0.2860
@@ -144,8 +145,7 @@ class Split:
 
 def load_split(directory: str | Path, split: str) -> Split:
     """Read and normalise one split (``"train"`` or ``"test"``) from ``directory``."""
-    if split not in _SPLIT_FILES:
-        raise InvalidOptionError(f"split must be one of {', '.join(_SPLIT_FILES)}; got {split!r}")
+    check_choice(split, "split", tuple(_SPLIT_FILES))
     paths = _required_split_paths(directory, split)
     images, labels = read_idx(paths[0], 3), read_idx(paths[1], 1)
     if images.shape[1:] != (IMAGE_SIDE, IMAGE_SIDE):

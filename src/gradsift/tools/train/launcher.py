@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gradsift.core.errors import GradsiftError, InvalidOptionError
+from gradsift.core.validation import check_choice
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.worker import error_file
 
@@ -267,8 +268,7 @@ def _watch(configs: list[TrainConfig], specs: list[ProcessSpec], processes: list
 def emulated_hosts(config: TrainConfig, launcher: str, nodes: int | None) -> int:
     """Validate the launcher choice; return the number of emulated hosts it needs: one
     per rank for the local launcher, ``nodes`` (default: one per rank) for torchrun."""
-    if launcher not in LAUNCHERS:
-        raise InvalidOptionError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    check_choice(launcher, "launcher", tuple(LAUNCHERS))
     if launcher == "local":
         if nodes is not None:
             raise InvalidOptionError(

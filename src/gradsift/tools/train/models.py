@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gradsift.core.errors import InvalidOptionError
+from gradsift.core.validation import check_choice
 from gradsift.tools.train.data import IMAGE_SIDE, NUM_CLASSES
 from gradsift.tools.train.text import CONTEXT, VOCAB_SIZE
 
@@ -209,8 +209,7 @@ DATA_OF_MODEL = {
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
     """Build model ``name`` with weights drawn from ``seed`` (identical on every rank)."""
-    if name not in MODELS:
-        raise InvalidOptionError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
+    check_choice(name, "model", tuple(MODELS))
     torch.manual_seed(seed)
     return MODELS[name]()
 
