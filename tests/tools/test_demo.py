@@ -14,7 +14,8 @@ import pytest
 
 from gradsift.tools.commands import demo as demo_command
 from gradsift.tools.report import PLOTS
-from gradsift.tools.train.demo import DEMO_RUNS, LENGTHS
+from gradsift.tools.train.demo import DEMO_MODEL, DEMO_RUNS, LENGTHS, exact_note
+from gradsift.tools.train.models import build_model, parameter_count
 from support.doc_commands import COMMANDS_GROUP
 
 
@@ -43,6 +44,11 @@ def test_readmes_demo_writes_table_json_plots(documented_runs) -> None:
     assert by_name["none"]["compression_factor"] == pytest.approx(1.0)
     assert by_name["bf16"]["compression_factor"] == pytest.approx(2.0)
     assert by_name["topk"]["compression_factor"] > 20 and by_name["sidco-exp"]["compression_factor"] > 10
+    # the demo's MLP is below sidco-exp's exact_below: its row is topk's, and the note says why
+    note = exact_note(parameter_count(build_model(DEMO_MODEL)))
+    assert note is not None and note in printed
+    sidco, topk = by_name["sidco-exp"], by_name["topk"]
+    assert (sidco["density"], sidco["accuracy"]) == (topk["density"], topk["accuracy"])
     if result["emulated"]:
         assert f"emulated {result['bandwidth']} links" in printed
     else:
@@ -88,3 +94,12 @@ def test_localhost_predictions_follow_the_bytes_and_are_labelled() -> None:
     assert predicted["100mbit"] == pytest.approx(10.0 + 100.0, rel=0.05)
     table = format_predictions(rows)
     assert table.startswith("PREDICTED step time") and "not measured" in table and "none-w2" in table
+
+
+def test_the_exact_note_names_the_bound_and_only_below_it() -> None:
+    from gradsift.compressors.sidco import SIDCoExponential
+
+    bound = SIDCoExponential().exact_below
+    below = exact_note(bound - 1)
+    assert below is not None and f"{bound - 1:,} parameters" in below and f"({bound:,} elements)" in below
+    assert exact_note(bound) is None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsift.compressors.registry import compressor_class
+from gradsift.compressors.sidco import SIDCoExponential
 from gradsift.tools.report import (
     comparison_rows,
     default_target,
@@ -29,6 +30,7 @@ from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.data import EMBEDDED_DIR
 from gradsift.tools.train.devices import fallback_device
 from gradsift.tools.train.launcher import run_trainings
+from gradsift.tools.train.models import build_model, parameter_count
 from gradsift.tools.train.netem import missing_prerequisites, parse_rate
 
 DEMO_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -95,6 +97,8 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
     rows = comparison_rows(runs, default_target(runs))
     print()
     print(format_table(rows))
+    if (note := exact_note(parameter_count(build_model(DEMO_MODEL)))) is not None:
+        print(note)
     if not emulated:
         _add_predictions(rows, runs)
         print()
@@ -106,6 +110,21 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
     print(f"\nresults: {out / 'demo.json'} (and one run directory per compressor)")
     _plot(runs, out / "plots")
     return result
+
+
+def exact_note(parameters: int) -> str | None:
+    """Why the ``sidco-exp`` row equals ``topk``'s on a model of ``parameters`` elements, or None
+    when it need not: no DDP bucket holds more than the model, and below its ``exact_below``
+    (by default the variant's CPU crossover) SIDCo takes the exact top-k (docs/sidco.md)."""
+    threshold = SIDCoExponential(**dict(DEMO_RUNS)["sidco-exp"]).exact_below
+    if parameters >= threshold:
+        return None
+    return (
+        f"note: sidco-exp selected as topk does: this model's {parameters:,} parameters are below its "
+        f"exact_below ({threshold:,} elements), under which the exact top-k costs less than a fitted "
+        "threshold on the CPU (docs/sidco.md); `gradsift train --compressor sidco-exp --option "
+        "exact_below=0` fits at any size"
+    )
 
 
 def _plot(runs: list, out: Path) -> None:
