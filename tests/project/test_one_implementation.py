@@ -11,6 +11,9 @@
   or roll back -- is :meth:`gradsift.core.transaction.Transaction.settle`, and the hook's
   own settle (:mod:`gradsift.hook.ledger`, which applies its policies between the two);
   every other module ends its transaction with ``settle``.
+* The check that a flag is a bool ("must be True or False") is
+  :func:`gradsift.core.validation.check_bool`, and the suggestion of a known name for a
+  misspelt one (``difflib``) is :mod:`gradsift.core.spelling`, each nowhere else.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ NONFINITE = {("gradsift/core/finite.py", "nonfinite")}
 POISONING = {("gradsift/core/finite.py", "fill_where")}
 #: Modules that read a readout and commit: the shared lifecycle and the hook's step.
 LIFECYCLE = {"gradsift/core/transaction.py", "gradsift/hook/ledger.py"}
+#: The one bool check's message, and the one module that matches names.
+BOOL_MESSAGE = "must be True or False"
+BOOL_CHECK = {"gradsift/core/validation.py"}
+MATCHER = {"gradsift/core/spelling.py"}
 
 
 def _called(call: ast.Call) -> str | None:
@@ -111,6 +118,33 @@ def lifecycles(package: Path = PACKAGE) -> set[str]:
     return found
 
 
+def modules_saying(text: str, package: Path = PACKAGE) -> set[str]:
+    """Modules whose source holds ``text`` (a message written by hand)."""
+    return {
+        str(path.relative_to(package.parent))
+        for path in package.rglob("*.py")
+        if text in path.read_text(encoding="utf-8")
+    }
+
+
+def difflib_importers(package: Path = PACKAGE) -> set[str]:
+    """Modules that import :mod:`difflib`."""
+    found = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if "difflib" in names:
+                found.add(str(path.relative_to(package.parent)))
+    return found
+
+
+def test_one_bool_check_and_one_name_matcher():
+    assert modules_saying(BOOL_MESSAGE) == BOOL_CHECK
+    assert difflib_importers() == MATCHER
+
+
 def test_one_sum_based_nonfinite_check():
     assert nonfinite_checks() == NONFINITE
 
@@ -133,6 +167,8 @@ def test_the_counts_find_a_copy(tmp_path):
         "def a_maximum(x):\n    n = x.sum()\n    return ~torch.isfinite(x.amax())\n"
         "def step(transaction):\n    transaction.readout.read()\n    transaction.commit()\n"
         "def poison(result, flag):\n    result.masked_fill_(flag, float('nan'))\n"
+        "def flag(x):\n    if not isinstance(x, bool):\n        raise ValueError(f'x must be True or False, got {x!r}')\n"
+        "from difflib import get_close_matches\n"
     )
     assert nonfinite_checks(package) == {
         ("gradsift/copy.py", "direct"),
@@ -140,3 +176,5 @@ def test_the_counts_find_a_copy(tmp_path):
     }
     assert lifecycles(package) == {"gradsift/copy.py"}
     assert poisonings(package) == {("gradsift/copy.py", "poison")}
+    assert modules_saying(BOOL_MESSAGE, package) == {"gradsift/copy.py"}
+    assert difflib_importers(package) == {"gradsift/copy.py"}

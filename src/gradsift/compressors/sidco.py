@@ -89,7 +89,7 @@ from gradsift.compressors.topk import top_k_selection
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Count
 from gradsift.core.readout import Readout
-from gradsift.core.validation import check_int, check_real
+from gradsift.core.validation import check_bool, check_int, check_real
 
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
 _STANDARD_ERRORS = 3.0  # ... widened to this many Poisson standard errors on a subsample
@@ -144,9 +144,7 @@ class _SIDCo(Sparsifier):
         self.max_stages = max_stage_count(self.ratio)
         self.stages = None if stages is None else check_int(stages, "stages", low=1, high=self.max_stages)
         self.sample_size = check_int(sample_size, "sample_size", low=1024)
-        if not isinstance(adapt, bool):
-            raise InvalidOptionError(f"adapt must be True or False, got {adapt!r}")
-        self.adapt = adapt
+        self.adapt = check_bool(adapt, "adapt")
         self.stage_period = check_int(stage_period, "stage_period", low=1)
         self.exact_below = (
             self.crossover if exact_below is None else check_int(exact_below, "exact_below", low=0)

@@ -52,7 +52,7 @@ from gradsift.compressors.registry import compressor_class
 from gradsift.core.agreement import tensors_text
 from gradsift.core.collectives import blocking, broadcast_from_first
 from gradsift.core.errors import InvalidOptionError
-from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.core.validation import check_bool, check_choice, check_int, check_real
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.checkpoint_checks import check_hook_entry
 from gradsift.hook.feedback import RESIDUAL
@@ -285,8 +285,7 @@ def diloco(
     check_real(outer_momentum, "outer_momentum", low=0.0, high=1.0, high_open=True)
     check_choice(buffers, "buffers", BUFFER_POLICIES)
     check_choice(unsent, "unsent", UNSENT_POLICIES)
-    if not isinstance(nesterov, bool):
-        raise InvalidOptionError(f"nesterov must be True or False, got {nesterov!r}")
+    check_bool(nesterov, "nesterov")
     if not dist.is_initialized():
         raise InvalidOptionError("diloco needs an initialised torch.distributed process group")
     options.setdefault("nonfinite", "skip")

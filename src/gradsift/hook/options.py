@@ -138,8 +138,7 @@ class HookOptions:
                 f"error_feedback must be None, True or False, got {self.error_feedback!r}"
             )
         check_real(self.momentum, "momentum", low=0.0, high=1.0, high_open=True)
-        if not isinstance(self.momentum_masking, bool):
-            raise InvalidOptionError(f"momentum_masking must be True or False, got {self.momentum_masking!r}")
+        check_bool(self.momentum_masking, "momentum_masking")
         if self.clip_norm is not None:
             check_real(self.clip_norm, "clip_norm", low=0.0, low_open=True)
         check_int(self.density_warmup_steps, "density_warmup_steps", low=0)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
+from gradsift.core.validation import check_bool
 from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.route import gradsift_hook
@@ -64,9 +65,7 @@ class GradsiftCallback(Callback):
     def __init__(
         self, compressor: str | Compressor = AUTO, take_optimizer: bool = True, **options: Any
     ) -> None:
-        if not isinstance(take_optimizer, bool):
-            raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
-        self.take_optimizer = take_optimizer
+        self.take_optimizer = check_bool(take_optimizer, "take_optimizer")
         self._hook = PendingHook(compressor, options)
         self._ddp_model: Any = None
         self._restored: dict[str, Any] | None = None  # a checkpoint's entry until the model is placed

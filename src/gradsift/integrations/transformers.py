@@ -55,6 +55,7 @@ from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.extras import require
 from gradsift.core.plain import read_plain
+from gradsift.core.validation import check_bool
 from gradsift.hook.adam import default_warmup_steps, is_adam
 from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.handshake import hook_settings
@@ -111,8 +112,7 @@ class GradsiftTrainerCallback(TrainerCallback):
         take_optimizer: bool = True,
         **options: Any,
     ) -> None:
-        if not isinstance(take_optimizer, bool):
-            raise InvalidOptionError(f"take_optimizer must be True or False, got {take_optimizer!r}")
+        check_bool(take_optimizer, "take_optimizer")
         self.trainer = trainer
         self._hook = PendingHook(compressor, options)
         self.resume_from = resume_from

@@ -17,7 +17,7 @@ import torch
 
 from gradsift.compressors.registry import available_compressors, compressor_class, get_compressor
 from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
-from gradsift.core.validation import check_choice, check_int, check_real
+from gradsift.core.validation import check_bool, check_choice, check_int, check_real
 from gradsift.frontends.decoupled_momentum import DeMo, DeMoOptions
 from gradsift.frontends.diloco import OUTER_OPTIONS
 from gradsift.frontends.distributed_lion import DistributedLion, LionOptions
@@ -156,8 +156,7 @@ class TrainConfig:
         check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
         check_real(self.timeout_s, "timeout_s", low=1.0)
         check_choice(self.device, "device", DEVICES)
-        if not isinstance(self.recipe, bool):
-            raise InvalidOptionError(f"recipe must be True or False, got {self.recipe!r}")
+        check_bool(self.recipe, "recipe")
         for step in self.decay_steps:
             check_int(step, "decay_steps", low=1)
         if self.target_accuracy is not None:
