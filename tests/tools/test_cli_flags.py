@@ -127,6 +127,14 @@ def test_the_summary_names_the_bytes_padded_to_capacity_when_they_exceed_those_s
     assert "padding" not in exact and "(100.0x less than fp32), density" in exact
 
 
+def test_the_summary_names_the_bytes_received_too():
+    """An allgather's worker receives every other worker's message: the line says both."""
+    line = format_summary(
+        {**_summary(sent=10_000, padded=10_000), "bytes_received_per_step": 30_000}, "runs/x"
+    )
+    assert "0.010 MB sent per step per worker (100.0x less than fp32), 0.030 MB received, density" in line
+
+
 def test_the_summary_of_one_worker_alone_says_nothing_was_sent():
     # the telemetry counts the dense message a lone worker would send; the line must not report it as sent
     alone = format_summary({**_summary(sent=1e6, padded=1e6), "workers": 1, "compressor": "none"}, "runs/x")

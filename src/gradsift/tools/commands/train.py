@@ -346,11 +346,14 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         if wire > PADDING_SHOWN * sent
         else ""
     )
+    received = summary.get("bytes_received_per_step")  # absent from runs recorded before it was
+    got = "" if received is None else f", {received / 1e6:.3f} MB received"
     workers = summary["workers"]
     traffic = (
         "nothing sent (one worker alone)"
         if single_worker(summary)
-        else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32){padded}"
+        else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32)"
+        f"{padded}{got}"
     )
     recipe = summary.get("recipe") or {}
     auto, outer = recipe.get("auto"), recipe.get("diloco")
