@@ -25,11 +25,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(directory: Path, compressor: str, accuracies: list[float], *, step_s: float, bytes_sent: float,
-             ratio: float | None = None, bytes_padded: float | None = None, workers: int = 2) -> Path:  # fmt: skip
+             ratio: float | None = None, bytes_padded: float | None = None, workers: int = 2,
+             bytes_received: float = 0.0) -> Path:  # fmt: skip
     """A run directory as `gradsift train` writes it, from hand-made records."""
     steps = [{"step": i, "loss": 1.0, "step_s": step_s, "compute_s": step_s / 2, "compress_s": 0.002,
               "communicate_s": step_s / 2 - 0.003, "decompress_s": 0.001, "bytes_sent": bytes_sent,
-              "bytes_padded": bytes_sent if bytes_padded is None else bytes_padded, "dense_bytes": 4000.0, "density": bytes_sent / 4000.0}
+              "bytes_padded": bytes_sent if bytes_padded is None else bytes_padded, "bytes_received": bytes_received,
+              "dense_bytes": 4000.0, "density": bytes_sent / 4000.0}
              for i in range(4 * len(accuracies))]  # fmt: skip
     evals = [{"step": 4 * (i + 1), "accuracy": a, "loss": 1.0, "train_time_s": 4 * (i + 1) * step_s,
               "wall_time_s": 5 * (i + 1) * step_s} for i, a in enumerate(accuracies)]  # fmt: skip
@@ -82,6 +84,21 @@ def test_the_table_gives_the_factor_below_fp32_on_the_wire_with_the_padding(tmp_
     lines = format_table([row]).splitlines()
     cells = lines[2][len(row["run"]) :].split()  # after the label, which has spaces: MB/step, fp32/sent, ...
     assert lines[0].split()[2:4] == ["fp32/sent", "fp32/wire"] and cells[1:3] == ["50.0", "40.0"]
+
+
+def test_the_table_gives_the_bytes_received_beside_those_sent(tmp_path: Path) -> None:
+    # an allgather over 4 workers: each receives the 3 others' 80-byte messages
+    make_run(tmp_path / "topk", "topk", [0.5, 0.8], step_s=0.1, bytes_sent=80_000.0, bytes_received=240_000.0)
+    (row,) = comparison_rows(find_runs([tmp_path / "topk"]), None)
+    assert row["bytes_received_per_step"] == pytest.approx(240_000.0)
+    lines = format_table([row]).splitlines()
+    cells = lines[2][len(row["run"]) :].split()
+    assert lines[0].split()[4:6] == ["MB", "recv"] and cells[0] == "0.080" and cells[3] == "0.240"
+    old = {k: v for k, v in json.loads((tmp_path / "topk" / "summary.json").read_text()).items()
+           if k != "bytes_received_per_step"}  # fmt: skip
+    (tmp_path / "topk" / "summary.json").write_text(json.dumps(old))
+    (row,) = comparison_rows(find_runs([tmp_path / "topk"]), None)  # a run recorded before the key
+    assert format_table([row]).splitlines()[2][len(row["run"]) :].split()[3] == "-"
 
 
 def test_a_worker_alone_sent_nothing_in_the_table_and_the_bytes(tmp_path: Path) -> None:

@@ -153,6 +153,8 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             # a worker alone sends nothing: no factor below fp32 to give
             "bytes_per_step": bytes_sent(s), "compression_factor": None if single_worker(s) else s["compression_factor"],
             "wire_factor": None if single_worker(s) else wire_factor(s),
+            # absent from runs recorded before it was; a worker alone receives nothing
+            "bytes_received_per_step": 0.0 if single_worker(s) else s.get("bytes_received_per_step"),
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,
@@ -167,6 +169,10 @@ def _cell(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _mb(value: float | None) -> str:
+    return _cell(None if value is None else value / 1e6, ".3f")
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width text table of :func:`comparison_rows`."""
     target = next((r["target"] for r in rows if r["target"] is not None), None)
@@ -176,6 +182,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         "MB/step",
         "fp32/sent",
         "fp32/wire",
+        "MB recv",
         "density",
         "overhead ms",
         "comm ms",
@@ -186,7 +193,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     body = [
         [r["run"], _cell(r["bytes_per_step"] / 1e6, ".3f"), _cell(r["compression_factor"], ".1f"),
-         _cell(r["wire_factor"], ".1f"), _cell(r["density"], ".4f"), _cell(r["overhead_ms"], ".1f"), _cell(r["communicate_ms"], ".1f"),
+         _cell(r["wire_factor"], ".1f"), _mb(r["bytes_received_per_step"]), _cell(r["density"], ".4f"), _cell(r["overhead_ms"], ".1f"), _cell(r["communicate_ms"], ".1f"),
          _cell(r["step_ms"], ".1f"), _cell(r["accuracy"], ".4f"), _cell(r["time_to_accuracy_s"], ".1f"),
          _cell(r["train_time_s"], ".1f")]
         for r in rows
