@@ -76,7 +76,6 @@ def check_choice(
         close = closest(value.lower(), choices, NAME_CLOSE) if isinstance(value, str) else None
         hint = did_you_mean([repr(close)] if close else [])
         raise error(f"{name} must be one of {', '.join(choices)}; got {value!r}{hint}")
-    assert isinstance(value, str)  # one of the choices
     return value
 
 

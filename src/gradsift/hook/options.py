@@ -228,7 +228,7 @@ def check_keywords(
             raise InvalidOptionError(f"{name}= is not supported {where}")
     if not isinstance(compressor, str):
         return
-    unknown = unknown_options(compressor, {k: v for k, v in options.items() if k not in HOOK_OPTIONS})
+    unknown = unknown_options(compressor, [name for name in options if name not in HOOK_OPTIONS])
     if not unknown:
         return
     frontend, own_names = own or ("", ())
