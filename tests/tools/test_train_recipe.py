@@ -171,6 +171,12 @@ def test_the_default_compressor_is_auto_and_the_summary_says_what_it_chose(two_w
     assert set(auto["predicted_ms"]) == {"none", "bf16", "sidco-exp"}  # SGD's candidates
     assert auto["decided_at"] == DECIDE_AT + 1  # after the optimizer step of step DECIDE_AT
     assert all(r["density"] < 0.05 for r in steps[: DECIDE_AT + 1])  # SGD measures on sidco-exp
+    # the summary's steps from the choice on: those records' own means, the measuring steps left out
+    chosen = [r for r in steps if r["step"] >= auto["decided_at"]]
+    since = summary["since_choice"]
+    assert since["from_step"] == auto["decided_at"] and len(chosen) == len(steps) - auto["decided_at"]
+    for key, field in (("bytes_sent_per_step", "bytes_sent"), ("achieved_density", "density")):
+        assert since[key] == pytest.approx(sum(r[field] for r in chosen) / len(chosen), rel=1e-12)
     assert recipe_options("auto", {}, 300, adam=True) == {"warmup_steps": 30}  # Adam's warm-up only
     # outside Adam: the density warm-up of the start method, as `--compressor sidco-exp` gets it
     assert recipe_options("auto", {"nonfinite": "skip"}, 300) == {

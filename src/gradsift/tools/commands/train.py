@@ -331,30 +331,53 @@ def _auto_method(auto: dict[str, Any]) -> str:
     )
 
 
-def format_summary(summary: dict[str, Any], out: str) -> str:
-    """A few human-readable lines about a finished run."""
+def _step_and_traffic(part: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The median step, bytes per step and density of ``part`` (the run's ``summary``, or its
+    ``since_choice``)."""
     from gradsift.tools.train.summary import single_worker, wire_factor
 
+    sent, wire = part["bytes_sent_per_step"], part["bytes_padded_per_step"]
+    # a payload padded to its capacity travels whole: say so when the padding is more than rounding
+    padded = (
+        f", {wire / 1e6:.3f} MB with the padding to capacity ({wire_factor(part):.1f}x less)"
+        if wire > PADDING_SHOWN * sent
+        else ""
+    )
+    received = part.get("bytes_received_per_step")  # absent from runs recorded before it was
+    got = "" if received is None else f", {received / 1e6:.3f} MB received"
+    traffic = (
+        "nothing sent (one worker alone)"
+        if single_worker(summary)
+        else f"{sent / 1e6:.3f} MB sent per step per worker ({part['compression_factor']:.1f}x less than fp32)"
+        f"{padded}{got}"
+    )
+    return (
+        f"step time median {part['step_time_median_s'] * 1e3:.1f} ms, {traffic}, "
+        f"density {part['achieved_density']:.4f}"
+    )
+
+
+def _traffic_lines(summary: dict[str, Any]) -> list[str]:
+    """The whole run's step and traffic; under ``auto`` with a choice made, the steps from the
+    choice on too (the whole run's include the measuring steps, on another method)."""
+    whole = _step_and_traffic(summary, summary)
+    since = summary.get("since_choice")
+    if since is None:
+        return [f"  {whole}"]
+    choice = summary["recipe"]["auto"]["choice"]
+    return [
+        f"  every step, the measuring steps included: {whole}",
+        f"  from step {since['from_step']} on ({choice}, auto's choice): {_step_and_traffic(since, summary)}",
+    ]
+
+
+def format_summary(summary: dict[str, Any], out: str) -> str:
+    """A few human-readable lines about a finished run."""
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
     optimizer = (summary.get("recipe") or {}).get("optimizer")
     own = optimizer in ("DeMo", "DistributedLion")  # its own exchange, compressor none
-    sent, wire = summary["bytes_sent_per_step"], summary["bytes_padded_per_step"]
-    # a payload padded to its capacity travels whole: say so when the padding is more than rounding
-    padded = (
-        f", {wire / 1e6:.3f} MB with the padding to capacity ({wire_factor(summary):.1f}x less)"
-        if wire > PADDING_SHOWN * sent
-        else ""
-    )
-    received = summary.get("bytes_received_per_step")  # absent from runs recorded before it was
-    got = "" if received is None else f", {received / 1e6:.3f} MB received"
     workers = summary["workers"]
-    traffic = (
-        "nothing sent (one worker alone)"
-        if single_worker(summary)
-        else f"{sent / 1e6:.3f} MB sent per step per worker ({summary['compression_factor']:.1f}x less than fp32)"
-        f"{padded}{got}"
-    )
     recipe = summary.get("recipe") or {}
     auto, outer = recipe.get("auto"), recipe.get("diloco")
     method = optimizer if own else summary["compressor"]
@@ -366,8 +389,7 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
         f"{method} on {workers} worker{'' if workers == 1 else 's'} "
         f"({summary['model']}, {summary['steps']} steps): "
         + (f"test accuracy {accuracy:.4f}" if accuracy is not None else "no evaluation"),
-        f"  step time median {summary['step_time_median_s'] * 1e3:.1f} ms, {traffic}, "
-        f"density {summary['achieved_density']:.4f}",
+        *_traffic_lines(summary),
         f"  wall time {summary['wall_time_s']:.1f} s"
         + (f", time to accuracy {summary['target_accuracy']}: " + (f"{tta:.1f} s" if tta is not None else "not reached")
            if summary["target_accuracy"] is not None else ""),

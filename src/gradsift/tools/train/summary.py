@@ -60,6 +60,38 @@ def wire_factor(summary: dict[str, Any]) -> float:
     return summary["dense_bytes_per_step"] / max(summary["bytes_padded_per_step"], 1.0)
 
 
+def traffic(steps: Sequence[dict[str, Any]], first: int = 0) -> dict[str, float]:
+    """The mean bytes per step of the step records numbered ``first`` or later (sent,
+    padded, received, fp32's), fp32's bytes over those sent (``compression_factor``) and
+    the mean density (``achieved_density``)."""
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in steps if r["step"] >= first)
+
+    sent, dense = mean("bytes_sent"), mean("dense_bytes")
+    return {
+        "bytes_sent_per_step": sent,
+        "bytes_padded_per_step": mean("bytes_padded"),
+        # 0 for records written before the key was
+        "bytes_received_per_step": statistics.fmean(
+            r.get("bytes_received", 0.0) for r in steps if r["step"] >= first
+        ),
+        "dense_bytes_per_step": dense,
+        "compression_factor": dense / max(sent, 1.0),
+        "achieved_density": mean("density"),
+    }
+
+
+def choice_step(run: dict[str, Any], steps: Sequence[dict[str, Any]]) -> int | None:
+    """The step from which ``compressor="auto"`` ran its last choice (``recipe.auto.decided_at``),
+    when steps before it (its measuring steps) and after it were recorded; else None."""
+    auto = (run.get("recipe") or {}).get("auto") or {}
+    decided = auto.get("decided_at")
+    if not isinstance(decided, int) or decided <= steps[0]["step"] or decided > steps[-1]["step"]:
+        return None
+    return decided
+
+
 def summarize(
     steps: Sequence[dict[str, Any]],
     evals: Sequence[dict[str, Any]],
@@ -70,8 +102,11 @@ def summarize(
     target_loss: float | None = None,
 ) -> dict[str, Any]:
     """Build the summary: ``run`` (fixed facts: compressor, options, workers, ...) plus
-    medians of the step and phase times, mean bytes and density per step, the final
-    accuracy and loss, and the times to ``target_accuracy`` and ``target_loss``."""
+    medians of the step and phase times, mean bytes and density per step (:func:`traffic`),
+    the final accuracy and loss, and the times to ``target_accuracy`` and ``target_loss``.
+    Under ``compressor="auto"`` with a choice made during the run, ``since_choice`` holds
+    the median step time and :func:`traffic` of the steps from :func:`choice_step` on
+    (``from_step``): the whole run's include the measuring steps, which ran another method."""
     if not steps:
         raise InvalidOptionError("summarize needs at least one step record")
     summary = dict(run)
@@ -79,12 +114,15 @@ def summarize(
     summary["step_time_median_s"] = statistics.median(r["step_s"] for r in steps)
     for phase in PHASES:
         summary[f"{phase.removesuffix('_s')}_median_s"] = statistics.median(r[phase] for r in steps)
-    summary["bytes_sent_per_step"] = statistics.fmean(r["bytes_sent"] for r in steps)
-    summary["bytes_padded_per_step"] = statistics.fmean(r["bytes_padded"] for r in steps)
-    summary["bytes_received_per_step"] = statistics.fmean(r.get("bytes_received", 0.0) for r in steps)
-    summary["dense_bytes_per_step"] = statistics.fmean(r["dense_bytes"] for r in steps)
-    summary["compression_factor"] = summary["dense_bytes_per_step"] / max(summary["bytes_sent_per_step"], 1.0)
-    summary["achieved_density"] = statistics.fmean(r["density"] for r in steps)
+    summary.update(traffic(steps))
+    chosen_from = choice_step(run, steps)
+    if chosen_from is not None:
+        chosen = (r["step_s"] for r in steps if r["step"] >= chosen_from)
+        summary["since_choice"] = {
+            "from_step": chosen_from,
+            "step_time_median_s": statistics.median(chosen),
+            **traffic(steps, chosen_from),
+        }
     summary["final_loss"] = steps[-1]["loss"]
     summary["final_test_accuracy"] = evals[-1]["accuracy"] if evals else None
     summary["final_test_loss"] = evals[-1].get("loss") if evals else None
