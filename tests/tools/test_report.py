@@ -180,3 +180,25 @@ def test_the_label_names_what_auto_chose_and_a_diloco_round(tmp_path: Path) -> N
         (directory / "summary.json").write_text(json.dumps({**summary, "recipe": recipe}))
     labels = {run.path.name: run.label for run in find_runs([tmp_path])}
     assert labels == {"auto": "auto->bf16 w2 100mbit", "diloco": "diloco-h4 blockquant w2 100mbit"}
+
+
+def test_an_auto_run_is_noted_with_its_steps_from_the_choice_on(tmp_path: Path) -> None:
+    """The row's means are every step's; the note under the table gives those from the choice on
+    (here 3 measuring steps of 80 bytes, then fp32's 4,000)."""
+    directory = make_run(tmp_path / "auto", "auto", [0.5, 0.6], step_s=0.1, bytes_sent=80.0)
+    steps = [json.loads(line) for line in (directory / "steps.jsonl").read_text().splitlines()]
+    for record in steps[3:]:
+        record.update(bytes_sent=4000.0, bytes_padded=4000.0, bytes_received=4000.0, density=1.0)
+    run = {"compressor": "auto", "model": "mlp", "workers": 2, "bandwidth": "100mbit",
+           "recipe": {"auto": {"choice": "none", "decided_at": 3, "predicted_ms": {}}}}  # fmt: skip
+    summary = summarize(steps, [], run=run, target_accuracy=None, wall_time_s=1.0)
+    (directory / "summary.json").write_text(json.dumps(summary))
+    (row,) = comparison_rows(find_runs([directory]), None)
+    assert row["bytes_per_step"] == pytest.approx((3 * 80 + 5 * 4000) / 8)
+    table = format_table([row]).splitlines()
+    assert len(table) == 4 and table[3] == (
+        "auto->none w2 100mbit: the row counts every step, the measuring steps included; from step 3 on "
+        "(the choice's): 0.004 MB/step, fp32/sent 1.0, 0.004 MB recv, density 1.0000, step 100.0 ms"
+    )
+    plain = make_run(tmp_path / "topk", "topk", [0.5], step_s=0.1, bytes_sent=80.0)
+    assert len(format_table(comparison_rows(find_runs([plain]), None)).splitlines()) == 3

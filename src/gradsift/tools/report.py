@@ -161,6 +161,7 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             "accuracy": s["final_test_accuracy"], "target": target,
             "time_to_accuracy_s": time_to_accuracy(run.evals, target) if target is not None else s["time_to_accuracy_s"],
             "train_time_s": s["train_time_s"], "wall_time_s": s["wall_time_s"],
+            "since_choice": s.get("since_choice"),
         })  # fmt: skip
     return rows
 
@@ -174,7 +175,8 @@ def _mb(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A fixed-width text table of :func:`comparison_rows`."""
+    """A fixed-width text table of :func:`comparison_rows`, then a line for each ``auto`` run
+    that made its choice during the run (:func:`choice_notes`)."""
     target = next((r["target"] for r in rows if r["target"] is not None), None)
     tta_header = f"t->{target:.3f} s" if target is not None else "t->acc s"
     header = [
@@ -202,7 +204,25 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
              for line in [header, *body]]  # fmt: skip
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return "\n".join(lines + choice_notes(rows))
+
+
+def choice_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """For each row with a ``since_choice`` (``summary.json``'s, under ``compressor="auto"``):
+    its bytes, factor and density from the step of the choice on -- the table's are every
+    step's, the measuring steps included, which ran another method."""
+    notes = []
+    for row in rows:
+        since = row.get("since_choice")
+        if since is None:
+            continue
+        notes.append(
+            f"{row['run']}: the row counts every step, the measuring steps included; from step "
+            f"{since['from_step']} on (the choice's): {since['bytes_sent_per_step'] / 1e6:.3f} MB/step, "
+            f"fp32/sent {since['compression_factor']:.1f}, {since['bytes_received_per_step'] / 1e6:.3f} MB recv, "
+            f"density {since['achieved_density']:.4f}, step {since['step_time_median_s'] * 1e3:.1f} ms"
+        )
+    return notes
 
 
 def plot_runs(runs: Sequence[Run], out: str | Path) -> list[Path]:
