@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import warnings
 
 import pytest
@@ -123,14 +124,22 @@ def stock_run(optimizer_of=sgd) -> DDP:
     return stock
 
 
-def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(one_process_group, monkeypatch):
+def test_a_drifted_step_time_re_measures_and_switches_as_registered_by_hand(
+    one_process_group, monkeypatch, caplog
+):
     """Stock DDP first (its probe fastest); the step time drifts; the re-measure finds bf16's
     route fastest and switches: the run then equals bf16 registered by hand with the steps
     before the switch as its dense warm-up (bit for bit; bf16's rounding makes it differ from
-    stock DDP's)."""
-    ddp, _, state = drifting_run(monkeypatch, "none", "bf16")
+    stock DDP's). The log says both choices."""
+    with caplog.at_level(logging.INFO, logger="gradsift.hook"):
+        ddp, _, state = drifting_run(monkeypatch, "none", "bf16")
     stats = state.stats()["auto"]
     assert stats["choice"] == "bf16" and stats["running"] == "bf16" and stats["remeasures"] == 1
+    first, again = (r.getMessage() for r in caplog.records if r.getMessage().startswith("gradsift auto"))
+    assert first.startswith(
+        f"gradsift auto chose none at step {auto.DECIDE_AT + 1}; predicted ms per step: none "
+    )
+    assert again.startswith(f"gradsift auto measured again and chose bf16 at step {stats['decided_at']}; ")
     switched = state.switched_at
     assert auto.DECIDE_AT + 2 * drift.WINDOW < switched < STEPS
     assert stats["predicted_ms"]["none"] == pytest.approx(2000.0)  # the drifted window's median

@@ -27,7 +27,8 @@ steps), on every rank alike:
    ``none``'s predicted step by :data:`~gradsift.hook.choice.MARGIN`, so a near tie runs
    dense (the hook is never the reason a run is slower); if that is not the start method,
    the run switches to it from the next step (:mod:`gradsift.hook.handover`: leaving a
-   method with error feedback gives the optimizer its momentum or moments back).
+   method with error feedback gives the optimizer its momentum or moments back). Each rank
+   logs the choice and the predictions (``gradsift.hook`` logger, INFO).
 5. **Watch** -- the step time of the running choice, in windows (:mod:`gradsift.hook.drift`);
    when it drifts from what the choice was made on, the next step's buckets are kept and
    probed again (1-4, with the window's median step and paid route). Needs the optimizer
@@ -42,6 +43,7 @@ Under DDP's ``join()`` (uneven inputs) it makes no collective of its own: :mod:`
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+import logging
 import statistics
 import time
 import warnings
@@ -59,6 +61,8 @@ from gradsift.hook.paid import PaidRoute
 from gradsift.hook.rebuilt import SECOND, OptimizerFollower
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
+
+logger = logging.getLogger("gradsift.hook")
 
 AUTO = "auto"
 #: Dense steps not timed (step 0: allocator and first-call costs, DDP's bucket rebuild after
@@ -338,6 +342,16 @@ class AutoHookState(AutoRecord):
             self.switch_at = max(
                 self.decided_at, choice.dense_steps(self.dense.optimizer, best, self.hook_options)
             )
+        logger.info(
+            "gradsift auto %s %s at step %d%s; predicted ms per step: %s",
+            "chose" if first else "measured again and chose",
+            best,
+            self.decided_at,
+            ""
+            if best == running or self.switch_at == self.decided_at
+            else f", from step {self.switch_at} on",
+            ", ".join(f"{name} {ms:.1f}" for name, ms in self.predicted_ms.items()),
+        )
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self.dense.hooked if p.requires_grad)
