@@ -375,10 +375,10 @@ def format_summary(summary: dict[str, Any], out: str) -> str:
     """A few human-readable lines about a finished run."""
     accuracy = summary["final_test_accuracy"]
     tta = summary["time_to_accuracy_s"]
-    optimizer = (summary.get("recipe") or {}).get("optimizer")
+    recipe = summary.get("recipe") or {}
+    optimizer = recipe.get("optimizer")
     own = optimizer in ("DeMo", "DistributedLion")  # its own exchange, compressor none
     workers = summary["workers"]
-    recipe = summary.get("recipe") or {}
     auto, outer = recipe.get("auto"), recipe.get("diloco")
     method = optimizer if own else summary["compressor"]
     if outer is not None and "compressor" in outer:  # DiLoCo: its round and the compressor that ran

@@ -30,7 +30,6 @@ from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.data import EMBEDDED_DIR
 from gradsift.tools.train.devices import fallback_device
 from gradsift.tools.train.launcher import run_trainings
-from gradsift.tools.train.models import build_model, parameter_count
 from gradsift.tools.train.netem import missing_prerequisites, parse_rate
 
 DEMO_RUNS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -97,7 +96,7 @@ def run_demo(out: Path, *, quick: bool = False, bandwidth: str = "100mbit", emul
     rows = comparison_rows(runs, default_target(runs))
     print()
     print(format_table(rows))
-    if (note := exact_note(parameter_count(build_model(DEMO_MODEL)))) is not None:
+    if (note := exact_note(runs[0].summary["parameters"])) is not None:  # every run's model
         print(note)
     if not emulated:
         _add_predictions(rows, runs)

@@ -268,7 +268,7 @@ def _watch(configs: list[TrainConfig], specs: list[ProcessSpec], processes: list
 def emulated_hosts(config: TrainConfig, launcher: str, nodes: int | None) -> int:
     """Validate the launcher choice; return the number of emulated hosts it needs: one
     per rank for the local launcher, ``nodes`` (default: one per rank) for torchrun."""
-    check_choice(launcher, "launcher", tuple(LAUNCHERS))
+    check_choice(launcher, "launcher", LAUNCHERS)
     if launcher == "local":
         if nodes is not None:
             raise InvalidOptionError(
