@@ -76,7 +76,7 @@ def quantizer_run(name: str) -> Result:
     """One compressor's trainer summary of the quantizer comparison."""
     return Result(
         f"results/quantizers/{name}.json",
-        "flock /tmp/gradsift-bench.lock benchmarks/quantizers/run.sh",
+        "flock /tmp/gradsift-cpu.lock benchmarks/quantizers/run.sh",
     )
 
 
@@ -520,6 +520,11 @@ QUANTIZER_TABLE = Table(
     ),
 )
 QUANTIZER_CLAIMS = (
+    Claim("quant.commit", QUANTIZER["none"], ("provenance/commit",), "{:.7}"),
+    *(
+        Claim(f"quant.{name}.accuracy", quantizer_run(name), ("final_test_accuracy",), "{:.2f}")
+        for name in ("none", "powersgd")
+    ),
     Claim("quant.qsgd.fewer", QUANTIZER["qsgd"], ("compression_factor",), "{:.1f}x"),
     Claim("quant.sidco.fewer", QUANTIZER["sidco-exp"], ("compression_factor",), "{:.0f}x"),
     *(
