@@ -32,8 +32,8 @@ VARIANTS = ("sidco-exp", "sidco-gpareto", "sidco-gamma")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--exponents", type=float, nargs="+", default=[e / 4 for e in range(52, 77)],
-                        help="sizes 2^e (default: 2^13 .. 2^19 in quarter octaves)")  # fmt: skip
+    parser.add_argument("--exponents", type=float, nargs="+", default=[e / 4 for e in range(52, 89)],
+                        help="sizes 2^e (default: 2^13 .. 2^22 in quarter octaves)")  # fmt: skip
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
