@@ -369,7 +369,7 @@ class SIDCoExponential(_SIDCo):
     name = "sidco-exp"
     first_fit = staticmethod(_exponential_first)
     tail_fit = staticmethod(exponential_excess)
-    crossover = 1 << 19
+    crossover = 1 << 20
 
 
 class SIDCoGeneralizedPareto(_SIDCo):
@@ -378,7 +378,7 @@ class SIDCoGeneralizedPareto(_SIDCo):
     name = "sidco-gpareto"
     first_fit = staticmethod(_pareto_first)
     tail_fit = staticmethod(generalized_pareto_excess)
-    crossover = 1 << 19
+    crossover = 1 << 20
 
 
 class SIDCoGamma(_SIDCo):
@@ -387,4 +387,4 @@ class SIDCoGamma(_SIDCo):
     name = "sidco-gamma"
     first_fit = staticmethod(gamma_of)
     tail_fit = staticmethod(generalized_pareto_excess)
-    crossover = 1 << 19
+    crossover = 1 << 21
