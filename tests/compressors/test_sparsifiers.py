@@ -14,6 +14,7 @@ from functools import partial
 import pytest
 import torch
 from scipy import stats
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsift
 from gradsift.compressors import kernels, scatter_mean
@@ -144,6 +145,42 @@ def test_gaussiank_stops_after_three_corrections():
     # and three corrections are spent: all ten are sent.
     x = torch.cat([torch.zeros(90), torch.tensor([5.0, -5.0]).repeat(5)])
     assert sorted(build("gaussiank", ratio=0.02).compress(x).indices.tolist()) == list(range(90, 100))
+
+
+class CountPasses(TorchDispatchMode):
+    """Counts the ``>`` comparisons of a tensor with a threshold (GaussianK's count passes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.passes += func is torch.ops.aten.gt.Tensor
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("outlier", "passes"),
+    [(None, 1 + 1 + 1), (1e4, 3 + 6 + 1)],  # counts, then the selection's own comparison
+    ids=["in band at once", "settled at the fifth rescue"],
+)
+def test_gaussiank_on_the_cpu_stops_once_settled_and_sends_the_device_loops_payload(outlier, passes):
+    """On a device every correction and rescue runs (frozen by ``torch.where``, no host read);
+    on the CPU the loop stops at the first count inside the band. The payload must be the
+    device loop's. With two outliers of 1e4 among 10,000 standard normals the fit's sigma is
+    about 141 and eta0 = 2.58 sigma = 364: three corrections (to 45.5) and four rescues (to
+    2.84) leave fewer than 2/3 k = 66 passing; the fifth (1.42) lets about 1,500 through."""
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    if outlier is not None:
+        x[[10, 20]] = torch.tensor([outlier, -outlier])
+    on_device = build("gaussiank", ratio=0.01)
+    with kernels.device_branch():
+        expected = on_device.compress(x)
+    counter = CountPasses()
+    with counter:
+        sent = build("gaussiank", ratio=0.01).compress(x)
+    assert counter.passes == passes
+    assert torch.equal(sent.indices, expected.indices) and torch.equal(sent.values, expected.values)
 
 
 def test_gaussiank_threshold_is_sign_symmetric():

@@ -7,6 +7,7 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.kernels import uses_numpy
 from gradsift.compressors.stats import normal_two_sided_threshold
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
@@ -41,15 +42,17 @@ class GaussianK(Sparsifier):
        gradient of ties (a constant tensor) still sends something and error feedback
        never stalls.
 
-    The corrections run on the device ("stop" freezes ``eta``: ``torch.where``), so a
-    call makes ``CORRECTIONS + RESCUES + 1`` count passes and no host read. Under the DDP
-    hook the payload has room for ``k``: of more, the largest go.
+    On a device the corrections run there ("stop" freezes ``eta``: ``torch.where``), so a
+    call makes ``CORRECTIONS + RESCUES + 1`` count passes and no host read. On the CPU,
+    where reading a count waits for nothing, the loop stops at the first count inside the
+    band (at least ``LOW * k`` in step 4): the ``eta`` a frozen loop ends with, from as few as
+    two count passes. Under the DDP hook the payload has room for ``k``: of more, the largest go.
 
     Options:
         ratio: target density in (0, 1].
 
-    Cost: one ``std_mean`` pass, ``abs``, a max pass, ``CORRECTIONS + RESCUES`` count passes,
-    one selection pass. The mean and deviation double as the non-finite check.
+    Cost: one ``std_mean`` pass, ``abs``, a max pass, up to ``CORRECTIONS + RESCUES`` count
+    passes, one selection pass. The mean and deviation double as the non-finite check.
     """
 
     name = "gaussiank"
@@ -60,11 +63,17 @@ class GaussianK(Sparsifier):
         eta = normal_two_sided_threshold(mean.abs(), std, self.ratio)
         assert isinstance(eta, torch.Tensor)  # of tensor moments
         magnitudes = flat.abs()
+        settled_stops = uses_numpy(flat)  # the CPU branch: a count read there waits for nothing
         for _ in range(CORRECTIONS):
             count = (magnitudes > eta).sum()
+            if settled_stops and LOW * k <= count <= HIGH * k:
+                break
             eta = torch.where(count < LOW * k, eta * 0.5, torch.where(count > HIGH * k, eta * 1.5, eta))
         for _ in range(RESCUES):
-            eta = torch.where((magnitudes > eta).sum() < LOW * k, eta * 0.5, eta)
+            count = (magnitudes > eta).sum()
+            if settled_stops and count >= LOW * k:
+                break
+            eta = torch.where(count < LOW * k, eta * 0.5, eta)
         top = magnitudes.max()
         mask = (magnitudes > eta) | ((magnitudes >= top) & (top > 0))
         return mask_selection(flat, mask, capacity, ~torch.isfinite(std + mean))
