@@ -39,7 +39,7 @@ EST_16K = Result(
 )
 COMPRESS = Result(
     "results/compress/results.json",
-    "flock /tmp/gradsift-bench.lock gradsift bench compress --sizes 25000000 --ratios 0.1 0.01 0.001 "
+    "flock /tmp/gradsift-cpu.lock gradsift bench compress --sizes 25000000 --ratios 0.1 0.01 0.001 "
     "--threads 2 --repeats 5 --warmup 3 --json results/compress/results.json",
 )
 TRAINING_COMMAND = "flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py"
@@ -152,6 +152,32 @@ COMPRESS_CLAIMS = (
         ),
         "{}x",
         compute=spanned(".1f"),
+    ),
+    Claim("compress.commit", COMPRESS, ("provenance/commit",), "{:.7}"),
+    Claim(
+        "compress.topk_compressor.ms",
+        COMPRESS,
+        ("rows/[compressor=topk,ratio=0.01]/compress_ms",),
+        "{:.0f} ms",
+    ),
+    Claim(
+        "compress.sidco.vs_topk_compressor",
+        COMPRESS,
+        (f"{SIDCO_01}/speedup_vs_topk_compressor",),
+        "{}x",
+        compute=spanned(".1f"),
+    ),
+    Claim(
+        "compress.bare.passes",
+        COMPRESS,
+        ("rows/{compressor=topk}/topk_ms", "rows/{compressor=topk}/floor_ms"),
+        compute=lambda topk, floor: spanned(".0f")(*(t / f for t, f in zip(topk, floor, strict=True))),
+    ),
+    Claim(
+        "compress.topk_compressor.passes",
+        COMPRESS,
+        ("rows/{compressor=topk}/compress_vs_floor",),
+        compute=spanned(".0f"),
     ),
     Claim(
         "compress.load",
@@ -895,9 +921,117 @@ COMPRESS_25M_TABLE = Table(
         for c in ("topk", "dgc", "sidco-exp", "sidco-gpareto", "sidco-gamma")
     ),
 )  # fmt: skip
+#: The registry's ratio compressors at 25M elements, three ratios (``results.json``).
+REGISTRY_RATIOS = ("0.1", "0.01", "0.001")
+REGISTRY_SPARSIFIERS = (
+    "topk",
+    "randomk",
+    "dgc",
+    "redsync",
+    "gaussiank",
+    "threshold",
+    "sidco-exp",
+    "sidco-gpareto",
+    "sidco-gamma",
+)
+REGISTRY_CODES = ("none", "fp16", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd")
+
+
+def _registry_row(name: str, ratio: str) -> str:
+    return f"rows/[compressor={name},ratio={ratio}]"
+
+
+def _at_each_ratio(claim_id: str, name: str, key: str) -> Claim:
+    return Claim(
+        claim_id,
+        COMPRESS,
+        tuple(f"{_registry_row(name, r)}/{key}" for r in REGISTRY_RATIOS),
+        "{:.2f} / {:.2f} / {:.2f}",
+        compute=lambda *v: v,
+    )
+
+
+COMPRESS_REGISTRY_TABLE = Table(
+    "compress-registry",
+    (
+        "compressor",
+        *(f"ratio {r}" for r in REGISTRY_RATIOS),
+        "count/k at 0.1 / 0.01 / 0.001",
+        "`topk`'s time over its own at 0.1 / 0.01 / 0.001",
+    ),
+    ("---", "---:", "---:", "---:", "---", "---"),
+    (
+        (
+            "bare `torch.topk`",
+            *(
+                Claim(f"registry.bare-topk.{r}", COMPRESS, (f"{_registry_row('topk', r)}/topk_ms",), "{:.0f}")
+                for r in REGISTRY_RATIOS
+            ),
+            "-",
+            "-",
+        ),
+        (
+            "floor (one read pass)",
+            *(
+                Claim(f"registry.floor.{r}", COMPRESS, (f"{_registry_row('topk', r)}/floor_ms",), "{:.1f}")
+                for r in REGISTRY_RATIOS
+            ),
+            "-",
+            "-",
+        ),
+        *(
+            (
+                name,
+                *(
+                    Claim(
+                        f"registry.{name}.{r}",
+                        COMPRESS,
+                        tuple(
+                            f"{_registry_row(name, r)}/{k}"
+                            for k in ("compress_ms", "speedup_vs_topk", "compress_vs_floor")
+                        ),
+                        "{:.1f} ({:.2f}x, {:.1f} floors)",
+                        compute=lambda *v: v,
+                    )
+                    for r in REGISTRY_RATIOS
+                ),
+                _at_each_ratio(f"registry.{name}.count", name, "count_vs_target"),
+                _at_each_ratio(f"registry.{name}.vs_topk_compressor", name, "speedup_vs_topk_compressor"),
+            )
+            for name in REGISTRY_SPARSIFIERS
+        ),
+    ),
+)
+COMPRESS_CODES_TABLE = Table(
+    "compress-codes",
+    ("compressor", "compress ms", "decompress ms", "bits per element"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (
+            name,
+            Claim(
+                f"registry.{name}.compress", COMPRESS, (f"rows/[compressor={name}]/compress_ms",), "{:.0f}"
+            ),
+            Claim(
+                f"registry.{name}.decompress",
+                COMPRESS,
+                (f"rows/[compressor={name}]/decompress_ms",),
+                "{:.0f}",
+            ),
+            Claim(
+                f"registry.{name}.bits",
+                COMPRESS,
+                (f"rows/[compressor={name}]/nbytes", f"rows/[compressor={name}]/numel"),
+                "{:.2f}",
+                compute=lambda nbytes, numel: 8 * nbytes / numel,
+            ),
+        )
+        for name in REGISTRY_CODES
+    ),
+)
 COMPRESS_SWEEP_CLAIMS = (
     Claim("sweep.sizes-small.commit", COMPRESS_SMALL, ("provenance/commit",), "{:.7}"),
-    Claim("sweep.sizes-large.commit", COMPRESS_LARGE, ("provenance/commit",), "{:.7}"),
+    Claim("sweep.crossover-cpu.commit", COMPRESS_CROSSOVER, ("provenance/commit",), "{:.7}"),
     Claim("sweep.sizes-large.wall_s", COMPRESS_LARGE, ("provenance/wall_s",), "{:.0f} s"),
     *(Claim(f"sweep.{r.path.rsplit('/', 1)[-1][:-5]}.load", r, ("provenance/load_before/0", "provenance/load_after/0"),
             "{:.1f} / {:.1f}", compute=lambda *v: v)
@@ -1824,6 +1958,8 @@ TABLES = (
     COMPRESS_SWEEP_TABLE,
     ESTIMATION_TABLE,
     COMPRESS_25M_TABLE,
+    COMPRESS_REGISTRY_TABLE,
+    COMPRESS_CODES_TABLE,
     _ddp_table("2"),
     _ddp_table("4"),
     EXIT_TABLE,
