@@ -1,7 +1,10 @@
 """How random-k draws k of n positions: a cut random permutation vs the first k distinct of a stream.
 
-Both are exact uniform sampling without replacement. Times are medians of interleaved
-rounds, side by side, on one generator seed per call (as RandomK does).
+Both are exact uniform sampling without replacement. ``randperm(n)[:k]`` draws from a
+``torch.Generator`` (seeded per call); random-k's own sampler,
+:func:`gradsift.compressors.randomk.sample_without_replacement`, hashes ``(key, counter)``
+(:mod:`gradsift.compressors.draws`), so every device draws the same positions. Times are
+medians of interleaved rounds, side by side, one seed or key per round.
 
 Usage: python benchmarks/compress/randomk_sampling.py [--numel N] [--repeats R] [--json OUT]
 """
@@ -35,9 +38,11 @@ def main() -> None:
     n = args.numel
     methods = {
         "randperm[:k]": lambda k, g: torch.randperm(n, generator=g)[:k],
-        "first k distinct of a uniform stream": lambda k, g: sample_without_replacement(n, k, g),
+        "first k distinct of a uniform stream": lambda k, g: sample_without_replacement(
+            n, k, g.initial_seed(), torch.device("cpu")
+        ),
     }
-    stamp = provenance.start(seeds=list(range(args.repeats + 1)))  # one generator seed per round
+    stamp = provenance.start(seeds=list(range(args.repeats + 1)))  # one generator seed (and key) per round
     rows = []
     for ratio in args.ratios:
         k = int(n * ratio)
