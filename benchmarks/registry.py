@@ -1029,9 +1029,38 @@ COMPRESS_CODES_TABLE = Table(
         for name in REGISTRY_CODES
     ),
 )
+RANDOMK_SAMPLING = Result(
+    "results/compress/randomk_sampling.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/compress/randomk_sampling.py "
+    "--json results/compress/randomk_sampling.json",
+)
+#: The sampler script's rows: per ratio, the cut permutation, then random-k's own sampler.
+RANDOMK_SAMPLING_RATIOS = ("0.1", "0.01", "0.001")
+RANDOMK_SAMPLING_TABLE = Table(
+    "randomk-sampling",
+    (
+        "ratio",
+        "`randperm(n)[:k]` (a generator)",
+        "first k distinct of a uniform stream (random-k's: hashed draws)",
+    ),
+    ("---", "---:", "---:"),
+    tuple(
+        (
+            ratio,
+            *(
+                Claim(
+                    f"rksample.{ratio}.{j}", RANDOMK_SAMPLING, (f"rows/{2 * i + j}/median_ms",), "{:.1f} ms"
+                )
+                for j in (0, 1)
+            ),
+        )
+        for i, ratio in enumerate(RANDOMK_SAMPLING_RATIOS)
+    ),
+)
 COMPRESS_SWEEP_CLAIMS = (
     Claim("sweep.sizes-small.commit", COMPRESS_SMALL, ("provenance/commit",), "{:.7}"),
     Claim("sweep.crossover-cpu.commit", COMPRESS_CROSSOVER, ("provenance/commit",), "{:.7}"),
+    Claim("rksample.commit", RANDOMK_SAMPLING, ("provenance/commit",), "{:.7}"),
     Claim("sweep.sizes-large.wall_s", COMPRESS_LARGE, ("provenance/wall_s",), "{:.0f} s"),
     *(Claim(f"sweep.{r.path.rsplit('/', 1)[-1][:-5]}.load", r, ("provenance/load_before/0", "provenance/load_after/0"),
             "{:.1f} / {:.1f}", compute=lambda *v: v)
@@ -1960,6 +1989,7 @@ TABLES = (
     COMPRESS_25M_TABLE,
     COMPRESS_REGISTRY_TABLE,
     COMPRESS_CODES_TABLE,
+    RANDOMK_SAMPLING_TABLE,
     _ddp_table("2"),
     _ddp_table("4"),
     EXIT_TABLE,
