@@ -303,6 +303,60 @@ VGC_CLAIMS = (
                                 ("topk", VGC_RUNS["topk"], "{:+.2f}"))
     ),
 )  # fmt: skip
+VGC_ACCURACY_ROWS = (("none (fp32)", "none"), *((name, name) for name in VGC_RUNS.values()))
+VGC_ACCURACY_TABLE = Table(
+    "vgc-accuracy",
+    ("run", "bytes/step/worker", "fewer bytes than fp32", "density", "median step (localhost)",
+     "test accuracy after 1 epoch", "vs fp32"),
+    ("---", "---:", "---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (label,
+         Claim(f"vgcacc.{run}.bytes", VGC_ACCURACY, (f"runs/{run}/bytes_sent_per_step",), "{:,.0f}"),
+         Claim(f"vgcacc.{run}.fewer", VGC_ACCURACY, (f"runs/{run}/fewer_bytes_than_fp32",), "{:.1f}x"),
+         Claim(f"vgcacc.{run}.density", VGC_ACCURACY, (f"runs/{run}/achieved_density",), "{:.4f}"),
+         Claim(f"vgcacc.{run}.step", VGC_ACCURACY, (f"runs/{run}/step_time_median_s",), "{:.0f} ms",
+               compute=lambda s: 1e3 * s),
+         Claim(f"vgcacc.{run}.accuracy", VGC_ACCURACY, (f"runs/{run}/final_test_accuracy",), "{:.4f}"),
+         Claim(f"vgcacc.{run}.points", VGC_ACCURACY, (f"runs/{run}/accuracy_minus_fp32",), "{:+.2f} pt",
+               compute=lambda d: 100 * d))
+        for label, run in VGC_ACCURACY_ROWS
+    ),
+)  # fmt: skip
+VGC_HOOKS_MODELS = (("mlp", "mlp"), ("vgg", "vgg"), ("lstm, Linear cells", "lstm"))
+
+
+def _vgc_hook_cell(model: str, rule: str) -> Claim:
+    return Claim(f"vgchooks.{model}.{rule}", VGC_HOOKS,
+                 (f"results/{model}/median_backward_ms/hooks-{rule}-conv",
+                  f"results/{model}/backward_ratio_to_plain/hooks-{rule}-conv"),
+                 "{:.2f} ms ({:.2f}x)", compute=lambda *v: v)  # fmt: skip
+
+
+VGC_HOOKS_TABLE = Table(
+    "vgc-hooks",
+    ("model (params)", "plain backward", "hooks, approx conv", "hooks, exact conv",
+     "forward+backward ratio (approx / exact)"),
+    ("---", "---:", "---:", "---:", "---:"),
+    tuple(
+        (Claim(f"vgchooks.{model}.label", VGC_HOOKS, (f"results/{model}/parameters",), label + " ({})",
+               compute=lambda n: f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"),
+         Claim(f"vgchooks.{model}.plain", VGC_HOOKS, (f"results/{model}/median_backward_ms/plain",), "{:.2f} ms"),
+         _vgc_hook_cell(model, "approx"),
+         _vgc_hook_cell(model, "exact"),
+         Claim(f"vgchooks.{model}.fwdbwd", VGC_HOOKS,
+               (f"results/{model}/forward_backward_ratio_to_plain/hooks-approx-conv",
+                f"results/{model}/forward_backward_ratio_to_plain/hooks-exact-conv"),
+               "{:.2f}x / {:.2f}x", compute=lambda *v: v))
+        for label, model in VGC_HOOKS_MODELS
+    ),
+)  # fmt: skip
+VGC_STAMP_CLAIMS = (
+    Claim("vgchooks.commit", VGC_HOOKS, ("provenance/commit",), "{:.7}"),
+    Claim("vgchooks.load", VGC_HOOKS, ("provenance/load_before/0", "provenance/load_after/0"),
+          "{:.2f} before, {:.2f} after", compute=lambda *v: v),
+    Claim("vgcacc.commit", VGC_ACCURACY, ("provenance/commit",), "{:.7}"),
+    Claim("vgcacc.matched_ratio", VGC_ACCURACY, ("matched_ratio",), "{:.4f}"),
+)  # fmt: skip
 PADDING = {
     model: Result(f"results/vgc/padding-{model}.json",
                   f"flock /tmp/gradsift-cpu.lock python benchmarks/vgc/padding.py --model {model} --steps {steps} "
@@ -1990,6 +2044,8 @@ TABLES = (
     COMPRESS_REGISTRY_TABLE,
     COMPRESS_CODES_TABLE,
     RANDOMK_SAMPLING_TABLE,
+    VGC_ACCURACY_TABLE,
+    VGC_HOOKS_TABLE,
     _ddp_table("2"),
     _ddp_table("4"),
     EXIT_TABLE,
@@ -2010,6 +2066,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
