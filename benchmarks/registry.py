@@ -455,6 +455,31 @@ HOOK_AFTERNOON = tuple(
     for suffix, profile in (("", 10), ("-repeat", 0))
 )  # fmt: skip
 
+#: The run again on 6 December, after the CPU top-k became a radix select (5 December).
+HOOK_RADIX_TOPK = Result(
+    "results/hook_overhead/radix-topk.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/provenance.py --json results/hook_overhead/results.json -- "
+    "python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 --profile-steps 10 "
+    "--json results/hook_overhead/results.json (a clean worktree of 437b523; committed as radix-topk.json)",
+)
+HOOK_RADIX_TOPK_CLAIMS = (
+    Claim("hook.radix.commit", HOOK_RADIX_TOPK, ("provenance/commit",), "{:.7}"),
+    Claim("hook.radix.stock", HOOK_RADIX_TOPK, ("results/stock/median_step_ms",), "{:.1f} ms"),
+    *(
+        Claim(f"hook.radix.{label}", HOOK_RADIX_TOPK, (f"results/{label}/ratio_to_stock",), "{:.3f}x")
+        for label in ("topk@0.01", "sidco-exp@0.01", "none", "auto")
+    ),
+    Claim(
+        "hook.radix.topk.compress", HOOK_RADIX_TOPK, ("results/topk@0.01/median_compress_ms",), "{:.1f} ms"
+    ),
+    Claim(
+        "hook.radix.sidco.compress",
+        HOOK_RADIX_TOPK,
+        ("results/sidco-exp@0.01/median_compress_ms",),
+        "{:.1f} ms",
+    ),
+)
+
 #: The same two runs again on the evening of 3 December, on c427f0d (after the adaptive-capacity change).
 HOOK_EVENING = tuple(
     Result(f"results/hook_overhead/evening{suffix}.json",
@@ -1482,7 +1507,9 @@ MEMORY_CLAIMS = (
 
 
 # -- the README's verdict: one row per setting, its figures the claims its pages publish -----------
-_PUBLISHED = {c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)}
+_PUBLISHED = {
+    c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)
+}
 AUTO_LOCALHOST = AUTO_LINKS[0][2]
 
 
@@ -2066,6 +2093,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
