@@ -83,6 +83,18 @@ def test_threshold_rejects_bad_eta(eta):
         gradsift.get_compressor("threshold", threshold=eta)
 
 
+class CountPasses(TorchDispatchMode):
+    """Counts the ``>`` comparisons of a tensor with a threshold (GaussianK's count passes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.passes += func is torch.ops.aten.gt.Tensor
+        return func(*args, **(kwargs or {}))
+
+
 # --- redsync ---------------------------------------------------------------------------
 
 
@@ -100,6 +112,21 @@ def test_redsync_out_of_iterations_sends_last_r_with_enough():
     x = torch.arange(1.0, 101.0)
     p = build("redsync", ratio=0.05, iterations=1).compress(x)  # only r = 1/2: 25 elements
     assert sorted(p.indices.tolist()) == list(range(75, 100))
+
+
+def test_redsync_on_the_cpu_ends_its_search_at_the_stop_and_sends_what_the_device_search_sends():
+    """1..100, k = 5, bracket [5, 10]: mean 50.5, max 100; r = 1/2 lets 25 through (76..100),
+    r = 3/4 13, r = 7/8 seven (94..100): stop. The CPU search ends there (three count passes,
+    then the selection's comparison); a device runs all ten, frozen after the stop."""
+    x = torch.arange(1.0, 101.0)
+    with kernels.device_branch():
+        expected = build("redsync", ratio=0.05).compress(x)
+    counter = CountPasses()
+    with counter:
+        sent = build("redsync", ratio=0.05).compress(x)
+    assert counter.passes == 3 + 1
+    assert sorted(sent.indices.tolist()) == list(range(93, 100))
+    assert torch.equal(sent.indices, expected.indices) and torch.equal(sent.values, expected.values)
 
 
 def test_redsync_cannot_go_below_the_mean():
@@ -145,18 +172,6 @@ def test_gaussiank_stops_after_three_corrections():
     # and three corrections are spent: all ten are sent.
     x = torch.cat([torch.zeros(90), torch.tensor([5.0, -5.0]).repeat(5)])
     assert sorted(build("gaussiank", ratio=0.02).compress(x).indices.tolist()) == list(range(90, 100))
-
-
-class CountPasses(TorchDispatchMode):
-    """Counts the ``>`` comparisons of a tensor with a threshold (GaussianK's count passes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.passes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.passes += func is torch.ops.aten.gt.Tensor
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
+from gradsift.compressors.kernels import uses_numpy
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int
@@ -28,15 +29,17 @@ class RedSync(Sparsifier):
        whose elements all tie at ``M`` (a constant tensor) still sends something and
        error feedback never stalls.
 
-    The search runs on the device: "stop" freezes ``lo`` and ``hi`` for the remaining
+    On a device the search runs there: "stop" freezes ``lo`` and ``hi`` for the remaining
     steps (``torch.where``), so every call makes ``iterations`` count passes and no host
-    read. Under the DDP hook the payload has room for ``k``: of more, the largest go.
+    read. On the CPU, where reading the stop flag through NumPy waits for nothing, the search
+    ends at the stop: the same ``lo``, fewer passes. Under the DDP hook the payload has room
+    for ``k``: of more, the largest go.
 
     Options:
         ratio: target density in (0, 1].
         iterations: bound on the search steps, integer in [1, 64] (default 10).
 
-    Cost: ``abs``, one mean/max pass, ``iterations`` count passes, one selection pass.
+    Cost: ``abs``, one mean/max pass, up to ``iterations`` count passes, one selection pass.
     The maximum doubles as the non-finite check (it propagates NaN and is Inf when any
     element is).
     """
@@ -58,6 +61,7 @@ class RedSync(Sparsifier):
         lo = torch.zeros((), dtype=mean.dtype, device=flat.device)
         hi = torch.ones_like(lo)
         searching = torch.ones((), dtype=torch.bool, device=flat.device)
+        stops_at_the_stop = uses_numpy(flat)  # the CPU branch
         for _ in range(self.iterations):
             r = (lo + hi) / 2
             count = (magnitudes > mean + r * (top - mean)).sum()
@@ -66,5 +70,7 @@ class RedSync(Sparsifier):
             hi = torch.where(few, r, hi)
             lo = torch.where(enough, r, lo)
             searching = searching & ~(enough & (count <= 2 * k))
+            if stops_at_the_stop and not searching.numpy():
+                break
         mask = (magnitudes > mean + lo * (top - mean)) | ((magnitudes >= top) & (top > 0))
         return mask_selection(flat, mask, capacity, ~torch.isfinite(top))
