@@ -11,7 +11,7 @@ the same on every device (no float, no overflow, logical shifts only):
   Wellons's ``lowbias32`` (``x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b;
   x ^= x >> 16``), applied as ``mix(mix(i ^ k_0) ^ k_1)`` with the key's two 32-bit
   halves. Every value lives in an int64 lane below ``2^32``; a product modulo ``2^32`` is
-  built from 16-bit halves of the constant (:func:`_times`), so no intermediate reaches
+  built from 16-bit halves of the constant (:func:`_times_`), so no intermediate reaches
   ``2^63`` and right shifts never see a sign bit.
 * :func:`below`: uniform integers in ``[0, n)`` from two words per draw (:func:`wide`),
   ``(w_hi 2^32 + w_lo) mod n`` with ``w_hi`` cut to 31 bits (bias below ``n / 2^63``);
@@ -49,38 +49,50 @@ def split(key: int) -> tuple[int, int]:
     return key & _WORD, (key >> 32) & _WORD
 
 
-def _times(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant mod 2^32`` for ``0 <= x < 2^32`` in int64 lanes, without overflow."""
+def _times_(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x <- x * constant mod 2^32`` in place, for ``0 <= x < 2^32`` in int64 lanes, without
+    overflow: ``x low + ((x high) mod 2^16) 2^16`` with ``constant = high 2^16 + low``."""
     low, high = constant & 0xFFFF, constant >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & _WORD
+    upper = x * high
+    upper &= 0xFFFF
+    upper <<= 16
+    return x.mul_(low).add_(upper).bitwise_and_(_WORD)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _times(x, _MIX[0])
-    x = x ^ (x >> 15)
-    x = _times(x, _MIX[1])
-    return x ^ (x >> 16)
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` of every lane of ``x``, in place (a tensor of the caller's own)."""
+    x ^= x >> 16
+    _times_(x, _MIX[0])
+    x ^= x >> 15
+    _times_(x, _MIX[1])
+    x ^= x >> 16
+    return x
 
 
 def words(key: int, count: int, device: torch.device, start: int = 0) -> torch.Tensor:
     """``count`` 32-bit hash words ``h(key, start + i)`` as int64 in ``[0, 2^32)``."""
     low, high = split(key)
-    counters = torch.arange(start, start + count, dtype=torch.int64, device=device) & _WORD
-    return _mix(_mix(counters ^ low) ^ high)
+    lanes = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    lanes &= _WORD
+    lanes ^= low
+    _mix_(lanes)
+    lanes ^= high
+    return _mix_(lanes)
 
 
 def wide(key: int, count: int, device: torch.device) -> torch.Tensor:
     """``count`` 63-bit hash values (int64 in ``[0, 2^63)``): two words per draw."""
     low, high = split(key)
     first = words(key, count, device)
-    second = words(((high ^ _SECOND) << 32) | (low ^ _SECOND), count, device)
-    return ((first & 0x7FFF_FFFF) << 32) | second
+    first &= 0x7FFF_FFFF
+    first <<= 32
+    first |= words(((high ^ _SECOND) << 32) | (low ^ _SECOND), count, device)
+    return first
 
 
 def below(n: int, key: int, count: int, device: torch.device) -> torch.Tensor:
     """``count`` uniform int64 draws from ``[0, n)`` (``n >= 1``), a function of ``(key, i)`` only."""
-    return wide(key, count, device) % n
+    return wide(key, count, device).remainder_(n)
 
 
 def permutation(n: int, key: int, device: torch.device) -> torch.Tensor:
