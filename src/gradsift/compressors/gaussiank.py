@@ -63,15 +63,15 @@ class GaussianK(Sparsifier):
         eta = normal_two_sided_threshold(mean.abs(), std, self.ratio)
         assert isinstance(eta, torch.Tensor)  # of tensor moments
         magnitudes = flat.abs()
-        settled_stops = uses_numpy(flat)  # the CPU branch: a count read through NumPy waits for nothing
+        cpu_branch = uses_numpy(flat)  # a count read there, through NumPy, waits for nothing
         for _ in range(CORRECTIONS):
             count = (magnitudes > eta).sum()
-            if settled_stops and LOW * k <= count.numpy() <= HIGH * k:
+            if cpu_branch and LOW * k <= count.numpy() <= HIGH * k:
                 break
             eta = torch.where(count < LOW * k, eta * 0.5, torch.where(count > HIGH * k, eta * 1.5, eta))
         for _ in range(RESCUES):
             count = (magnitudes > eta).sum()
-            if settled_stops and count.numpy() >= LOW * k:
+            if cpu_branch and count.numpy() >= LOW * k:
                 break
             eta = torch.where(count < LOW * k, eta * 0.5, eta)
         top = magnitudes.max()

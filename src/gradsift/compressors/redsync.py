@@ -61,7 +61,7 @@ class RedSync(Sparsifier):
         lo = torch.zeros((), dtype=mean.dtype, device=flat.device)
         hi = torch.ones_like(lo)
         searching = torch.ones((), dtype=torch.bool, device=flat.device)
-        stops_at_the_stop = uses_numpy(flat)  # the CPU branch
+        cpu_branch = uses_numpy(flat)  # the stop flag read there, through NumPy, waits for nothing
         for _ in range(self.iterations):
             r = (lo + hi) / 2
             count = (magnitudes > mean + r * (top - mean)).sum()
@@ -70,7 +70,7 @@ class RedSync(Sparsifier):
             hi = torch.where(few, r, hi)
             lo = torch.where(enough, r, lo)
             searching = searching & ~(enough & (count <= 2 * k))
-            if stops_at_the_stop and not searching.numpy():
+            if cpu_branch and not searching.numpy():
                 break
         mask = (magnitudes > mean + lo * (top - mean)) | ((magnitudes >= top) & (top > 0))
         return mask_selection(flat, mask, capacity, ~torch.isfinite(top))
