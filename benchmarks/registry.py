@@ -1507,9 +1507,7 @@ MEMORY_CLAIMS = (
 
 
 # -- the README's verdict: one row per setting, its figures the claims its pages publish -----------
-_PUBLISHED = {
-    c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)
-}
+_PUBLISHED = {c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)}
 AUTO_LOCALHOST = AUTO_LINKS[0][2]
 
 
