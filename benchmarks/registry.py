@@ -276,6 +276,7 @@ TRAINING_CLAIMS = (
     Claim("train.sidco.compress", SIDCO_RUN, ("compress_median_s",), "{:.1f} ms", compute=lambda s: 1e3 * s),
     Claim("train.topk.compress", TOPK_RUN, ("compress_median_s",), "{:.1f} ms", compute=lambda s: 1e3 * s),
     Claim("train.sidco.compute", SIDCO_RUN, ("compute_median_s",), "{:.0f} ms", compute=lambda s: 1e3 * s),
+    Claim("train.commit", TRAINING, ("provenance/commit",), "{:.7}"),
 )  # fmt: skip
 
 # -- VGC: accuracy and bytes (VGG, one epoch), variance-hook overhead ---------------------------
