@@ -120,9 +120,9 @@ def exact_note(parameters: int) -> str | None:
         return None
     return (
         f"note: sidco-exp selected as topk does: this model's {parameters:,} parameters are below its "
-        f"exact_below ({threshold:,} elements), under which the exact top-k costs less than a fitted "
-        "threshold on the CPU (docs/sidco.md); `gradsift train --compressor sidco-exp --option "
-        "exact_below=0` fits at any size"
+        f"exact_below ({threshold:,} elements), its CPU crossover with a fitted threshold rounded up to a "
+        "power of two, under which it takes the exact top-k (docs/sidco.md); `gradsift train --compressor "
+        "sidco-exp --option exact_below=0` fits at any size"
     )
 
 
