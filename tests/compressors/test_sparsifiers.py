@@ -176,7 +176,7 @@ def test_gaussiank_stops_after_three_corrections():
 
 @pytest.mark.parametrize(
     ("outlier", "passes"),
-    [(None, 1 + 1 + 1), (1e4, 3 + 6 + 1)],  # counts, then the selection's own comparison
+    [(None, 1 + 1), (1e4, 3 + 6 + 1)],  # counts, then the selection's own comparison
     ids=["in band at once", "settled at the fifth rescue"],
 )
 def test_gaussiank_on_the_cpu_stops_once_settled_and_sends_the_device_loops_payload(outlier, passes):

@@ -45,8 +45,9 @@ class GaussianK(Sparsifier):
     On a device the corrections run there ("stop" freezes ``eta``: ``torch.where``), so a
     call makes ``CORRECTIONS + RESCUES + 1`` count passes and no host read. On the CPU,
     where reading a count waits for nothing, the loop stops at the first count inside the
-    band (at least ``LOW * k`` in step 4): the ``eta`` a frozen loop ends with, from as few as
-    two count passes. Under the DDP hook the payload has room for ``k``: of more, the largest go.
+    band (at least ``LOW * k`` in step 4), and a count settled in step 3 skips step 4: the
+    ``eta`` a frozen loop ends with, from as few as one count pass. Under the DDP hook the
+    payload has room for ``k``: of more, the largest go.
 
     Options:
         ratio: target density in (0, 1].
@@ -69,11 +70,12 @@ class GaussianK(Sparsifier):
             if cpu_branch and LOW * k <= count.numpy() <= HIGH * k:
                 break
             eta = torch.where(count < LOW * k, eta * 0.5, torch.where(count > HIGH * k, eta * 1.5, eta))
-        for _ in range(RESCUES):
-            count = (magnitudes > eta).sum()
-            if cpu_branch and count.numpy() >= LOW * k:
-                break
-            eta = torch.where(count < LOW * k, eta * 0.5, eta)
+        else:  # no settled stop (a device never takes one): halve while too few pass
+            for _ in range(RESCUES):
+                count = (magnitudes > eta).sum()
+                if cpu_branch and count.numpy() >= LOW * k:
+                    break
+                eta = torch.where(count < LOW * k, eta * 0.5, eta)
         top = magnitudes.max()
         mask = (magnitudes > eta) | ((magnitudes >= top) & (top > 0))
         return mask_selection(flat, mask, capacity, ~torch.isfinite(std + mean))
