@@ -1,5 +1,6 @@
-"""Bit packing: exact round trips for every width and length (codes back as uint8 where the
-width divides 8), the byte layout, bad input."""
+"""Bit packing: the bytes are the little-endian bit stream of the definition (a Python
+integer as the oracle), exact round trips for every width and length (codes back as uint8),
+the byte layout, bad input."""
 
 import pytest
 import torch
@@ -21,8 +22,23 @@ def test_round_trip_is_exact(numel, bits, seed):
     assert packed.dtype == torch.uint8
     assert packed.numel() == packed_nbytes(numel, bits) == -(-numel * bits // 8)
     unpacked = unpack(packed, bits, numel)
-    assert unpacked.dtype == (torch.uint8 if 8 % bits == 0 else torch.int64)
+    assert unpacked.dtype == torch.uint8
     assert torch.equal(unpacked.long(), codes)
+
+
+@given(
+    numel=st.integers(min_value=0, max_value=200),
+    bits=st.integers(min_value=1, max_value=8),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_bytes_are_the_bit_stream_of_the_definition(numel, bits, seed):
+    """Bit ``j`` of code ``i`` is stream bit ``i*b + j``; stream bit ``p`` is bit ``p mod 8`` of
+    byte ``p div 8``: the stream as one Python integer, its bytes little-endian."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (numel,), generator=gen, dtype=torch.uint8)
+    stream = sum(code << (i * bits) for i, code in enumerate(codes.tolist()))
+    expected = stream.to_bytes(packed_nbytes(numel, bits), "little")
+    assert bytes(pack(codes, bits).tolist()) == expected
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])
@@ -50,7 +66,7 @@ def test_bits_for():
     assert [bits_for(m) for m in (0, 1, 2, 3, 4, 30, 254, 255, 256)] == [1, 1, 2, 2, 3, 5, 8, 8, 9]
 
 
-def test_widest_codes_use_the_top_bit_of_the_int64_word():
+def test_widest_codes_keep_every_bit():
     codes = torch.tensor([255, 0, 255, 128, 1, 255, 254, 255, 7])
     assert pack(codes, 8).tolist() == codes.tolist()
     for bits in (7, 8):

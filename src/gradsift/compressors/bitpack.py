@@ -6,15 +6,16 @@ A code ``c_i`` of width ``b`` bits (``0 <= c_i < 2**b``) occupies bits
 ``n`` codes therefore take exactly ``packed_nbytes(n, b) = ceil(n*b / 8)`` bytes; the
 unused high bits of the last byte are zero.
 
-Both directions are vectorised, in whole groups of 8 codes (``b`` bytes, at most 64
-bits: one int64 word). When ``b`` divides 8 (1, 2, 4, 8) codes never straddle a byte and
-``8/b`` uint8 codes are shifted into place and summed per byte. Other widths (3, 5, 6,
-7) shift the 8 codes of a group to bits ``0, b, 2b, ...`` of a word, sum them (the bits
-are disjoint, so the sum is an OR) and cut the word into its ``b`` bytes; unpacking
-reverses the two steps. No loop runs over elements. Codes come back in the integer dtype
-they were cut in -- uint8 for the widths that divide 8, int64 (the words') for the others --
-and a decoder widens them to its own arithmetic's dtype: a 1-, 2- or 4-bit code holds one
-byte per element while it is decoded, not eight.
+Both directions are vectorised; no loop runs over elements. When ``b`` divides 8 (1, 2,
+4, 8) codes never straddle a byte and ``8/b`` codes are shifted into place and summed per
+byte. Other widths (3, 5, 6, 7) work on whole groups of 8 codes, which fill exactly ``b``
+bytes: the group's codes are laid out as 8 planes (plane ``i`` holds code ``i`` of every
+group, contiguous), and byte ``j`` of every group is the OR of the planes whose bits
+overlap stream bits ``8j .. 8j + 7``, each shifted by ``b i - 8j`` (left when positive; a
+uint8 shift drops the bits that belong to the next byte); unpacking cuts code ``i`` from
+byte ``floor(b i / 8)`` and, when it straddles, the next byte. Every step is uint8
+arithmetic on ``n / 8`` elements, a few passes over the codes' own bytes. Codes come back
+as uint8, and a decoder widens them to its own arithmetic's dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
 from gradsift.core.validation import check_int
 
-#: Widest code supported: 8 codes of at most 8 bits fill one int64 word.
+#: Widest code supported: a code fits one byte.
 MAX_BITS = 8
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -57,16 +58,18 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         grouped = _padded(codes.to(torch.uint8), nbytes * per_byte).view(nbytes, per_byte)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
         return (grouped << shifts).sum(dim=1, dtype=torch.uint8)
-    groups = -(-numel // 8)
-    grouped = _padded(codes.to(torch.int64), groups * 8).view(groups, 8)
-    words = (grouped << _steps(bits, 8, codes.device)).sum(dim=1)  # disjoint bits: the sum is an OR
-    octets = (words.unsqueeze(1) >> _steps(8, bits, codes.device)) & 0xFF
-    return octets.view(-1)[:nbytes].to(torch.uint8)
+    planes = _planes(codes.to(torch.uint8), 8)
+    packed = torch.zeros(bits, planes.shape[1], dtype=torch.uint8, device=codes.device)
+    for code in range(8):
+        start = bits * code
+        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
+            offset = start - 8 * byte
+            packed[byte].bitwise_or_(planes[code] << offset if offset >= 0 else planes[code] >> -offset)
+    return packed.t().reshape(-1)[:nbytes]
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: the first ``numel`` codes of ``packed``, as uint8 when ``bits``
-    divides 8, else int64."""
+    """Inverse of :func:`pack`: the first ``numel`` codes of ``packed``, as uint8."""
     bits = check_int(bits, "bits", low=1, high=MAX_BITS)
     numel = check_int(numel, "numel", low=0)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
@@ -80,16 +83,23 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
         return codes.view(-1)[:numel]
-    groups = -(-numel // 8)
-    octets = _padded(packed, groups * bits).view(groups, bits).to(torch.int64)
-    words = (octets << _steps(8, bits, packed.device)).sum(dim=1)
-    codes = (words.unsqueeze(1) >> _steps(bits, 8, packed.device)) & ((1 << bits) - 1)
-    return codes.view(-1)[:numel]
+    planes = _planes(packed, bits)
+    codes = torch.empty(8, planes.shape[1], dtype=torch.uint8, device=packed.device)
+    for code in range(8):
+        byte, shift = divmod(bits * code, 8)
+        piece = codes[code]
+        torch.bitwise_right_shift(planes[byte], shift, out=piece)
+        if shift + bits > 8:  # the code straddles into the next byte
+            piece.bitwise_or_(planes[byte + 1] << (8 - shift))
+        piece.bitwise_and_((1 << bits) - 1)
+    return codes.t().reshape(-1)[:numel]
 
 
-def _steps(step: int, count: int, device: torch.device) -> torch.Tensor:
-    """``[0, step, 2*step, ..., (count-1)*step]`` as int64: shifts of codes in a word or bytes in it."""
-    return torch.arange(0, step * count, step, dtype=torch.int64, device=device)
+def _planes(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole groups of ``width`` elements, as ``width`` contiguous planes:
+    ``planes[i, g]`` is element ``i`` of group ``g``."""
+    groups = -(-flat.numel() // width)
+    return _padded(flat, groups * width).view(groups, width).t().contiguous()
 
 
 def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:
