@@ -72,6 +72,13 @@ def training_run(name: str) -> Result:
     return Result(f"results/training/runs/{name}/summary.json", TRAINING_COMMAND)
 
 
+def load_claim(claim_id: str, result: Result, fmt: str = "{:.1f} / {:.1f}") -> Claim:
+    """The 1-minute load average before and after the run, from its provenance stamp."""
+    return Claim(
+        claim_id, result, ("provenance/load_before/0", "provenance/load_after/0"), fmt, compute=lambda *v: v
+    )
+
+
 def quantizer_run(name: str) -> Result:
     """One compressor's trainer summary of the quantizer comparison."""
     return Result(
@@ -649,6 +656,55 @@ QUANTIZER_CLAIMS = (
 )  # fmt: skip
 
 
+BITPACK = Result(
+    "results/quantizers/bitpack_speed.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py",
+)
+#: The benchmark's rows: per size, the widths 2, 3, 5 and 8 bits.
+BITPACK_SIZES = ("235000", "4000000")
+BITPACK_WIDTHS = (2, 3, 5, 8)
+BITPACK_TABLE = Table(
+    "bitpack-speed",
+    ("codes", "bits", "bit expansion (720bd68)", "int64 words (3bf43bd)", "uint8 planes (current)"),
+    ("---:", "---:", "---:", "---:", "---:"),
+    tuple(
+        (
+            f"{int(size):,}",
+            str(bits),
+            *(
+                Claim(f"bitpack.{size}.{bits}.{packer}", BITPACK,
+                      (f"round_trip/{i * len(BITPACK_WIDTHS) + j}/{packer}_ms",), "{:.2f} ms")
+                for packer in ("expand", "word", "planes")
+            ),
+        )
+        for i, size in enumerate(BITPACK_SIZES)
+        for j, bits in enumerate(BITPACK_WIDTHS)
+    ),
+)  # fmt: skip
+
+
+def _qsgd_codec_ms(size: str, packer: str, part: str) -> Claim:
+    return Claim(
+        f"bitpack.qsgd.{size}.{packer}.{part}", BITPACK, (f"qsgd/{size}/{packer}_{part}_ms",), "{:.1f} ms"
+    )
+
+
+BITPACK_QSGD_TABLE = Table(
+    "bitpack-qsgd",
+    ("elements", "QSGD compress, int64 words", "uint8 planes", "decode of 4 payloads, int64 words", "uint8 planes"),
+    ("---:",) * 5,
+    tuple(
+        (f"{int(size):,}", *(_qsgd_codec_ms(size, p, part) for part in ("compress", "decompress_4_workers")
+                             for p in ("word", "planes")))
+        for size in BITPACK_SIZES
+    ),
+)  # fmt: skip
+BITPACK_CLAIMS = (
+    Claim("bitpack.commit", BITPACK, ("provenance/commit",), "{:.7}"),
+    load_claim("bitpack.load", BITPACK),
+)  # fmt: skip
+
+
 # -- scaling: the exchanges at 2-16 workers, and the cost model's predictions ---------------------
 def point(label: str, key: str, workers: str | None = None) -> str:
     chosen = f"[label={label},workers={workers}]" if workers else f"{{label={label}}}"
@@ -891,8 +947,7 @@ DEMO_TABLE = Table(
 )  # fmt: skip
 DEMO_CLAIMS = (
     Claim("demo.commit", DEMO, ("provenance/commit",), "{:.7}"),
-    Claim("demo.load", DEMO, ("provenance/load_before/0", "provenance/load_after/0"), "{:.1f} before / {:.1f} after",
-          compute=lambda *v: v),
+    load_claim("demo.load", DEMO, "{:.1f} before / {:.1f} after"),
 )  # fmt: skip
 CONVERGENCE = Result(
     "results/convergence/results.json", "python benchmarks/convergence/analyze.py --update-docs"
@@ -2055,6 +2110,8 @@ TABLES = (
     TRAINING_TABLE,
     TRAINING_SCALING_TABLE,
     QUANTIZER_TABLE,
+    BITPACK_TABLE,
+    BITPACK_QSGD_TABLE,
     CROSSOVER_TABLE,
     HOOK_TABLE,
     HOOK_SPREAD_TABLE,
@@ -2092,6 +2149,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
