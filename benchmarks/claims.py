@@ -7,7 +7,8 @@
 In README.md, docs/*.md and benchmarks/**/*.md a number quoted from a result sits between
 ``<!-- claim:<id> -->`` and ``<!-- /claim -->``, a generated block between
 ``<!-- claims-table:<name> -->`` and ``<!-- /claims-table -->`` (the claims and tables are in
-``registry.py``; the stale list, ``stale.py``; the convergence tables, its ``analyze.py``).
+``registry.py``; the stale list, ``stale.py``; the convergence tables, its ``analyze.py``; the
+scaling tables, ``scaling/analyze.py`` and ``scaling/predict.py``).
 
 Provenance: every JSON file under ``results/`` that names a commit (a ``commit`` or
 ``gradsift_commit`` key anywhere in it) must name one in this checkout's history, and every
@@ -19,6 +20,8 @@ command that regenerates it. ``tests/project/test_claims.py`` runs these checks.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import re
 import subprocess
@@ -85,6 +88,47 @@ class LengthTables:
         return markdown(self.result.load(root)["lengths"])
 
 
+class ScriptTable:
+    """A table a benchmark script renders from its result file: ``function`` of the script at
+    ``script`` (loaded under a name of its own, so that two scripts of one file name do not meet
+    in ``sys.modules``), given the result, or its value at ``key``."""
+
+    claims = ()
+
+    def __init__(self, name: str, result: Result, script: str, function: str, key: str | None = None) -> None:
+        self.name, self.result, self.script, self.function, self.key = name, result, script, function, key
+
+    def render(self, root: Path = ROOT) -> str:
+        data = self.result.load(root)
+        return getattr(_script(self.script), self.function)(data if self.key is None else data[self.key])
+
+
+@functools.cache
+def _script(path: str) -> Any:
+    """The benchmark script at ``path`` (from the repository's root), imported once."""
+    location = ROOT / path
+    spec = importlib.util.spec_from_file_location(
+        f"table_script_{location.parent.name}_{location.stem}", location
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SCALING_SCRIPT, PREDICTION_SCRIPT = "benchmarks/scaling/analyze.py", "benchmarks/scaling/predict.py"
+SCALING_TABLES = (
+    ScriptTable("scaling.traffic", registry.SCALING, SCALING_SCRIPT, "traffic_table"),
+    ScriptTable("scaling.time", registry.SCALING, SCALING_SCRIPT, "time_table"),
+    ScriptTable("scaling.targets", registry.SCALING, SCALING_SCRIPT, "targets_table", "targets"),
+    ScriptTable(
+        "scaling.accuracy", registry.SCALING, SCALING_SCRIPT, "accuracy_table", "accuracy_at_equal_steps"
+    ),
+    ScriptTable("scaling.predictions", registry.PREDICTIONS, PREDICTION_SCRIPT, "times_table"),
+    ScriptTable("scaling.crossover", registry.PREDICTIONS, PREDICTION_SCRIPT, "crossover_table"),
+)
+
+
 BLOCKS: dict[str, Block] = {
     b.name: b
     for b in (
@@ -98,6 +142,7 @@ BLOCKS: dict[str, Block] = {
         ConvergenceTables("gpt-adamw-w4-1k"),
         ConvergenceTables("gpt-adamw-w4-3k"),
         LengthTables(),
+        *SCALING_TABLES,
     )
 }
 CLAIMS: dict[str, Claim] = {c.id: c for c in registry.CLAIMS}
@@ -152,7 +197,10 @@ def document_problems(root: Path = ROOT) -> list[str]:
 
 def claimed_results() -> list[Result]:
     """Every result file a published claim or block reads."""
-    results = [r for claim in CLAIMS.values() for r in claim.results] + [ConvergenceTables.result]
+    read_by_blocks = [
+        block.result for block in BLOCKS.values() if isinstance(getattr(block, "result", None), Result)
+    ]
+    results = [r for claim in CLAIMS.values() for r in claim.results] + read_by_blocks
     return list(dict.fromkeys(results))
 
 

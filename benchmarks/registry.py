@@ -727,6 +727,36 @@ SCALING_CLAIMS = (
     *(Claim(f"scaling.{name}.{kind}300", SCALING, (GAP_300.format(name),), "{:.1f} ± {:.1f}",
             compute=lambda gaps, sign=sign: (sign * 100 * statistics.mean(gaps), 100 * statistics.stdev(gaps)))
       for name in ("balanced", "shared-mask") for kind, sign in (("gap", 1), ("trails", -1))),
+    Claim("scaling.calibration.mbit", SCALING, ("calibration/bandwidth_mbit",), "{:.1f}"),
+    Claim("scaling.calibration.latency", SCALING, ("calibration/latency_per_message_s",), "{:.2f}",
+          compute=lambda s: 1e3 * s),
+    *(Claim(f"scaling.{name}.nic16", SCALING, (point(name, "nic_over_model", "16"),), "{:.2f}x")
+      for name in ("balanced", "shared-mask")),
+    *(Claim(f"scaling.{name}.floor16", SCALING, (point(name, "localhost_step_s", "16"),), "{:.0f} ms",
+            compute=lambda s: 1e3 * s)
+      for name in ("allgather", "balanced", "shared-mask", "fp32")),
+    Claim("scaling.nic_agreement", SCALING,
+          (point("allgather", "nic_over_model"), point("fp32", "nic_over_model"),
+           point("balanced", "nic_over_model", "2"), point("shared-mask", "nic_over_model", "2")),
+          "{:.1f} %", compute=lambda *ratios: 100 * max(abs(r - 1) for r in (*ratios[0], *ratios[1], *ratios[2:]))),
+    Claim("scaling.received_bound", SCALING, ("targets/exchanges/balanced/received/bound_bytes",), "{:.0f} kB",
+          compute=lambda b: b / 1e3),
+    Claim("scaling.fp32.link_share", SCALING, (point("fp32", "link_share"),), "{:.0f}-{:.0f} %",
+          compute=lambda shares: (100 * min(shares), 100 * max(shares))),
+    Claim("scaling.fp32.calibrated_error", SCALING, (point("fp32", "error_calibrated"),), "{:.1f} %",
+          compute=lambda errors: 100 * max(map(abs, errors))),
+    *(Claim(f"scaling.{name}.speedup16", SCALING, (f"targets/exchanges/{name}/step_speedup/speedup",), "{:.2f}x")
+      for name in ("balanced", "shared-mask")),
+    *(Claim(f"scaling.{name}.accuracy300", SCALING, (f"accuracy_at_equal_steps/accuracy/{name}/16/*/300",),
+            "{:.3f} ± {:.3f}", compute=lambda accs: (statistics.mean(accs), statistics.stdev(accs)))
+      for name in ("allgather", "balanced", "shared-mask")),
+    *(Claim(f"scaling.{name}.gaps300", SCALING, (GAP_300.format(name),), "{}",
+            compute=lambda gaps: ", ".join(f"{100 * g:+.2f}" for g in gaps))
+      for name in ("balanced",)),
+    *(Claim(f"scaling.{name}.gap_by_step", SCALING,
+            tuple(f"accuracy_at_equal_steps/gap_to_allgather/{name}/16/*/{step}" for step in (100, 200, 300)),
+            "{:.1f}, {:.1f}, {:.1f}", compute=lambda *by_step: tuple(100 * statistics.mean(g) for g in by_step))
+      for name in ("balanced", "shared-mask")),
 )  # fmt: skip
 LARGEST = "predictions/100gbit/{}/seconds/-1"
 PREDICTION_CLAIMS = (

@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 "calibration": calibration, "buckets": list(BUCKETS), "points": rows,
                 "provenance": stamp.finish()}  # fmt: skip
     args.json.write_text(json.dumps(analysis, indent=2) + "\n")
-    print(table(analysis))
+    print(traffic_table(analysis))
+    print()
+    print(calibration_line(analysis["calibration"]))
+    print()
+    print(time_table(analysis))
     print()
     print(targets_table(analysis["targets"]))
     print()
@@ -324,8 +328,8 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:+.0f}%"
 
 
-def table(analysis: dict) -> str:
-    """Markdown: traffic per worker and step (model against hook and NIC), then time."""
+def traffic_table(analysis: dict) -> str:
+    """Markdown: traffic per worker and step, the model's ``R`` against the hook's count and the NIC's."""
     lines = ["| series | P | sent kB | received kB: model R | hook (/R) | NIC rx (/R) | accuracy | load before/after |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in analysis["points"]:
@@ -339,13 +343,22 @@ def table(analysis: dict) -> str:
         lines.append(f"| {r['label']} | {r['workers']} | {r['hook_bytes_sent'] / 1e3:.1f} | "
                      f"{r['model_received_bytes'] / 1e3:.1f} | {hook} | {nic} | {r['final_test_accuracy']:.4f} | "
                      f"{r['load_average_before']:.1f}/{r['load_average_after']:.1f} |")  # fmt: skip
-    c = analysis["calibration"]
-    lines += ["", "no calibration (no localhost floors): link times not measured" if c is None else
-              f"calibration on the dense runs' link times: bw_eff = {c['bandwidth_mbit']:.1f} Mbit/s, "
-              f"L_eff = {c['latency_per_message_s'] * 1e3:.2f} ms per message", "",
-              "| series | P | step ms | hook communicate ms | localhost step ms | link ms (share) "
-              "| model nominal ms (err) | model calibrated ms (err) | predicted step ms (err) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def calibration_line(calibration: dict | None) -> str:
+    """The calibrated link model's two numbers, or why there are none."""
+    if calibration is None:
+        return "no calibration (no localhost floors): link times not measured"
+    return (f"calibration on the dense runs' link times: bw_eff = {calibration['bandwidth_mbit']:.1f} Mbit/s, "
+            f"L_eff = {calibration['latency_per_message_s'] * 1e3:.2f} ms per message")  # fmt: skip
+
+
+def time_table(analysis: dict) -> str:
+    """Markdown: the step, its link time and the model's predictions of it, per series and worker count."""
+    lines = ["| series | P | step ms | hook communicate ms | localhost step ms | link ms (share) "
+             "| model nominal ms (err) | model calibrated ms (err) | predicted step ms (err) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in analysis["points"]:
         fitted = " (fit)" if r["fitted_on"] else ""
         share = "" if r.get("link_share") is None else f" ({r['link_share'] * 100:.0f}%)"
