@@ -42,15 +42,15 @@ COMPRESS = Result(
     "flock /tmp/gradsift-cpu.lock gradsift bench compress --sizes 25000000 --ratios 0.1 0.01 0.001 "
     "--threads 2 --repeats 5 --warmup 3 --json results/compress/results.json",
 )
-TRAINING_COMMAND = "flock /tmp/gradsift-bench.lock python benchmarks/training/run_benchmark.py"
+TRAINING_COMMAND = "flock /tmp/gradsift-cpu.lock python benchmarks/training/run_benchmark.py"
 TRAINING = Result("results/training/results.json", TRAINING_COMMAND)
 VGC_ACCURACY = Result(
     "results/vgc/accuracy.json",
-    "flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json",
 )
 VGC_HOOKS = Result(
     "results/vgc/hook_overhead.json",
-    "flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py --batch 32 --repeats 30 "
+    "flock /tmp/gradsift-cpu.lock python benchmarks/vgc/hook_overhead.py --batch 32 --repeats 30 "
     "--threads 1 --out results/vgc/hook_overhead.json",
 )
 HOOK = Result(
@@ -60,7 +60,7 @@ HOOK = Result(
 )
 DDP = Result(
     "results/ddp/results.json",
-    "flock /tmp/gradsift-bench.lock python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
+    "flock /tmp/gradsift-cpu.lock python benchmarks/ddp/bench_hook.py --world-sizes 2 4 --steps 40 --warmup 3 "
     "--out results/ddp/results.json",
 )
 SCALING = Result("results/scaling/analysis.json", ".venv/bin/python benchmarks/scaling/analyze.py")
@@ -127,6 +127,29 @@ ESTIMATION_TABLE = Table(
         for label, name, result in EST_RUNS
     ),
 )  # fmt: skip
+EST_SPEED = Result(
+    "results/estimation/speed.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/estimation/speed.py --repeat 15 --json results/estimation/speed.json",
+)
+EST_SPEED_ROWS = (("`torch.linalg.vector_norm(x, 1)`", "read_pass_l1"), ("`torch.topk(x.abs(), k)`", "topk"),
+                  *((name, name) for name in ("sidco-exp", "sidco-gpareto", "sidco-gamma")))  # fmt: skip
+EST_SPEED_TABLE = Table(
+    "estimation-speed",
+    ("method", "median ms", "x one read pass (L1 norm)", "speed-up over torch.topk"),
+    ("---", "---:", "---:", "---:"),
+    tuple(
+        (label,
+         Claim(f"estspeed.{key}.ms", EST_SPEED, (f"median_ms/{key}",), "{:.1f}"),
+         Claim(f"estspeed.{key}.passes", EST_SPEED, (f"x_read_pass/{key}",), "{:.2f}"),
+         Claim(f"estspeed.{key}.speedup", EST_SPEED, (f"topk_speedup/{key}",), "{:.1f}")
+         if key.startswith("sidco") else ("1" if key == "topk" else "-"))
+        for label, key in EST_SPEED_ROWS
+    ),
+)  # fmt: skip
+EST_SPEED_CLAIMS = (
+    Claim("estspeed.commit", EST_SPEED, ("provenance/commit",), "{:.7}"),
+    load_claim("estspeed.load", EST_SPEED),
+)
 
 # -- cost of selection (25M elements) ---------------------------------------------------------
 SIDCO_01 = "rows/{compressor^=sidco,ratio=0.01}"
@@ -2153,6 +2176,7 @@ TABLES = (
     QUANTIZER_RUNS_TABLE,
     COMPRESS_SWEEP_TABLE,
     ESTIMATION_TABLE,
+    EST_SPEED_TABLE,
     COMPRESS_25M_TABLE,
     COMPRESS_REGISTRY_TABLE,
     COMPRESS_CODES_TABLE,
@@ -2179,6 +2203,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS, *EST_SPEED_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

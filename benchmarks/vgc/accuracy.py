@@ -5,7 +5,7 @@ seed 0) for fp32 dense, ``vgc`` at each alpha, then ``sidco-exp`` and ``topk`` a
 ratio that matches the bytes per step of ``vgc`` at ``--match-alpha`` (8 bytes per
 sparsifier element vs VGC's 4), and writes a summary JSON. Usage (repository root):
 
-    flock /tmp/gradsift-bench.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json
+    flock /tmp/gradsift-cpu.lock python benchmarks/vgc/accuracy.py --out results/vgc/accuracy.json
 """
 
 from __future__ import annotations

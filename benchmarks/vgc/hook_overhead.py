@@ -1,7 +1,7 @@
 """Backward time with VGC's variance hooks vs a plain backward, on the trainer's reference models.
 
 Usage (from the repository root; the README gives the exact command used):
-    flock /tmp/gradsift-bench.lock python benchmarks/vgc/hook_overhead.py --out results/vgc/hook_overhead.json
+    flock /tmp/gradsift-cpu.lock python benchmarks/vgc/hook_overhead.py --out results/vgc/hook_overhead.json
 
 For every model the plain model and the hooked copies (conv rule "approx" and "exact")
 are timed round-robin, ``--repeats`` times each, so load changes hit all variants
