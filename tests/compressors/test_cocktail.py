@@ -54,6 +54,23 @@ def test_each_call_sends_the_top_k_of_its_subset_quantized_by_blocks(bits: int) 
     assert compressor.state_dict() == {"calls": {"bucket": 7}}
 
 
+
+def test_a_tensor_the_cpu_selects_by_radix_sends_the_top_k_of_its_subset() -> None:
+    """Above ``largest.ONE_TOPK_BELOW`` the CPU selects with the radix select: still the ``k``
+    largest magnitudes of the call's subset (brute force: its positions sorted by magnitude)."""
+    from gradsift.compressors.largest import ONE_TOPK_BELOW
+
+    n = ONE_TOPK_BELOW + 4321
+    compressor = gradsift.get_compressor("cocktail", subset=0.1, topk=0.2)
+    slots = compressor.slots(n, torch.device("cpu"))
+    k = int(n * 0.1 * 0.2)
+    for call in range(2):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(10 + call))
+        payload = compressor.compress(x, key="bucket")
+        eligible = torch.nonzero(slots == call % compressor.period).view(-1)
+        order = torch.argsort(x[eligible].abs(), descending=True, stable=True)
+        assert payload.indices.tolist() == sorted(eligible[order[:k]].tolist())
+
 def test_the_mean_of_two_workers_and_what_error_feedback_keeps() -> None:
     compressor = gradsift.get_compressor("cocktail", subset=0.5, topk=0.5)
     x, y = torch.randn(400), torch.randn(400) * 3

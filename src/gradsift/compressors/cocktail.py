@@ -6,7 +6,9 @@ Three compressors in a row, for a tensor ``x`` of ``n`` elements at its ``t``-th
    from the shared ``seed`` (the same on every worker, whatever its device); call ``t`` may select only the
    positions of slot ``t mod P``, so each position is eligible once every ``P`` calls;
 2. **top-k** -- of those, the ``k = max(1, floor(n p r))`` of largest ``|x_i|`` (``r`` the
-   fraction kept of the subset), sent as ascending positions;
+   fraction kept of the subset), sent as ascending positions; selected as the ``topk`` compressor
+   selects (:func:`~gradsift.compressors.topk.top_k_selection`: a radix select on the CPU)
+   among the magnitudes with every other position zeroed;
 3. **quantize** -- their values, in position order, in ``b``-bit codes with one absmax
    scale per block of ``d`` (:class:`~gradsift.compressors.blockquant.BlockQuantizer`'s
    codes: ``round(x L / s_B)``, ``L = 2^(b-1) - 1``).
@@ -38,6 +40,7 @@ from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.bitpack import pack, unpack
 from gradsift.compressors.blockquant import BlockQuantizer
 from gradsift.compressors.quantization import compute_dtype
+from gradsift.compressors.topk import top_k_selection
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
@@ -98,10 +101,8 @@ class Cocktail(Sparsifier):
         self.calls[key] = call + 1
         eligible = self.slots(flat.numel(), flat.device) == call % self.period
         scores = flat.abs().mul_(eligible)  # NaN * 0 is NaN: a non-finite input is selected
-        k = target_count(flat.numel(), self.ratio)
-        picked, indices = torch.topk(scores, k, sorted=False)
-        indices, _ = torch.sort(indices)
-        return Selection(indices, None, ~torch.isfinite(picked.amax()))
+        indices, _, _, nonfinite = top_k_selection(scores, target_count(flat.numel(), self.ratio))
+        return Selection(indices, None, nonfinite)
 
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any

@@ -53,7 +53,8 @@ class QSGD(StochasticQuantizer):
         ratio = buckets.abs().mul_((self.levels / norms.clamp_min(tiny)).unsqueeze(1)).clamp_(max=self.levels)
         levels = ratio.floor()
         fraction = ratio.sub_(levels)
-        levels.add_(self.uniform(fraction) < fraction)
+        # Bernoulli(fraction) as 0.0 / 1.0, written over the draws (no mask of its own)
+        levels.add_(self.uniform(fraction).lt_(fraction))
         codes = levels.copysign_(buckets).add_(self.levels).view(-1)[: flat.numel()]
         return codes.to(torch.uint8), norms
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,17 +47,22 @@ class TernGrad(StochasticQuantizer):
     def options(self) -> dict[str, Any]:
         return {"clip": self.clip, **super().options()}
 
-    def clipped(self, flat: torch.Tensor) -> torch.Tensor:
-        """``h``: ``flat`` (in the compute dtype) clipped to ``c * sqrt(mean(flat^2))``."""
-        values = flat.to(compute_dtype(flat.dtype))
+    def clipped_magnitudes(self, values: torch.Tensor) -> torch.Tensor:
+        """``|h|``: ``|values|`` capped at ``c sqrt(mean(values^2))`` (uncapped without clipping).
+
+        ``sqrt(mean(values^2))`` is ``||values||_2 / sqrt(n)``, one reduction; the cap is in
+        place on the magnitudes (clipping never changes a sign, so ``h``'s signs are
+        ``values``'). A NaN or Inf makes the bound NaN or Inf, which the cap passes on.
+        """
+        magnitudes = values.abs()
         if self.clip is None:
-            return values
-        bound = values.square().mean().sqrt_().mul_(self.clip)  # NaN/Inf propagate into the bound
-        return values.clamp(-bound, bound)
+            return magnitudes
+        bound = torch.linalg.vector_norm(values).mul_(self.clip / math.sqrt(values.numel()))
+        return magnitudes.clamp_max_(bound)
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values = self.clipped(flat)
-        magnitudes = values.abs()
+        values = flat.to(compute_dtype(flat.dtype))
+        magnitudes = self.clipped_magnitudes(values)
         scale = magnitudes.amax().reshape(1)  # NaN propagates through amax: the flag checks every element
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))
         kept = self.uniform(probability) < probability
