@@ -54,7 +54,6 @@ def test_each_call_sends_the_top_k_of_its_subset_quantized_by_blocks(bits: int) 
     assert compressor.state_dict() == {"calls": {"bucket": 7}}
 
 
-
 def test_a_tensor_the_cpu_selects_by_radix_sends_the_top_k_of_its_subset() -> None:
     """Above ``largest.ONE_TOPK_BELOW`` the CPU selects with the radix select: still the ``k``
     largest magnitudes of the call's subset (brute force: its positions sorted by magnitude)."""
@@ -70,6 +69,7 @@ def test_a_tensor_the_cpu_selects_by_radix_sends_the_top_k_of_its_subset() -> No
         eligible = torch.nonzero(slots == call % compressor.period).view(-1)
         order = torch.argsort(x[eligible].abs(), descending=True, stable=True)
         assert payload.indices.tolist() == sorted(eligible[order[:k]].tolist())
+
 
 def test_the_mean_of_two_workers_and_what_error_feedback_keeps() -> None:
     compressor = gradsift.get_compressor("cocktail", subset=0.5, topk=0.5)
