@@ -14,6 +14,7 @@ from gradsift.compressors.kernels import (
     SELECTION_CHUNK,
     CallingThreadOnly,
     Candidates,
+    count_above,
     keep_largest,
     select_above,
     select_mask,
@@ -49,6 +50,22 @@ def test_selection_is_the_nan_inclusive_mask_across_chunks(dtype):
     assert 7 not in select_above(x, 2.5).indices.tolist()
     clean = torch.ones(10, dtype=dtype)
     assert not bool(select_above(clean, 0.5).nonfinite)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("eta", [2.5, 0.1 + 1e-9, math.nan, math.inf])
+def test_a_count_above_is_the_count_of_the_strict_comparison_in_the_dtype(dtype, eta):
+    """Brute force: the Python count of ``float(v) > float(eta rounded to the dtype)`` over the
+    values (NaN nowhere; chunk borders; ``eta`` a float64 0-d tensor, so its rounding to the
+    values' dtype matters), on the CPU branch and the device branch."""
+    values = hard_input(dtype).abs()
+    bound = float(torch.tensor(eta, dtype=torch.float64).to(dtype))
+    expected = sum(1 for v in values.tolist() if v > bound)
+    threshold = torch.tensor(eta, dtype=torch.float64)
+    assert count_above(values, threshold).dtype == torch.int64
+    assert int(count_above(values, threshold)) == expected
+    with kernels.device_branch():
+        assert int(count_above(values, threshold)) == expected
 
 
 def test_selection_of_a_short_strided_tensor_a_tensor_threshold_and_bad_eta():

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import uses_numpy
+from gradsift.compressors.kernels import count_above, uses_numpy
 from gradsift.compressors.stats import normal_two_sided_threshold
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
@@ -66,13 +66,13 @@ class GaussianK(Sparsifier):
         magnitudes = flat.abs()
         cpu_branch = uses_numpy(flat)  # a count read there, through NumPy, waits for nothing
         for _ in range(CORRECTIONS):
-            count = (magnitudes > eta).sum()
+            count = count_above(magnitudes, eta)
             if cpu_branch and LOW * k <= count.numpy() <= HIGH * k:
                 break
             eta = torch.where(count < LOW * k, eta * 0.5, torch.where(count > HIGH * k, eta * 1.5, eta))
         else:  # no settled stop (a device never takes one): halve while too few pass
             for _ in range(RESCUES):
-                count = (magnitudes > eta).sum()
+                count = count_above(magnitudes, eta)
                 if cpu_branch and count.numpy() >= LOW * k:
                     break
                 eta = torch.where(count < LOW * k, eta * 0.5, eta)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import uses_numpy
+from gradsift.compressors.kernels import count_above, uses_numpy
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int
@@ -64,7 +64,7 @@ class RedSync(Sparsifier):
         cpu_branch = uses_numpy(flat)  # the stop flag read there, through NumPy, waits for nothing
         for _ in range(self.iterations):
             r = (lo + hi) / 2
-            count = (magnitudes > mean + r * (top - mean)).sum()
+            count = count_above(magnitudes, mean + r * (top - mean))
             few = searching & (count < k)
             enough = searching & ~(count < k)
             hi = torch.where(few, r, hi)
