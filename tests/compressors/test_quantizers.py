@@ -136,6 +136,35 @@ def test_signsgd_sends_signs_and_mean_magnitude():
     assert compressor.decompress([payload, other], 4).tolist() == [0.25, -1.25, 0.25, 0.25]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_one_scale_codes_decode_to_their_definition_at_any_length(dtype):
+    """signSGD's mean of 3 workers, element by element from the definition (``+s`` for
+    ``g >= 0``, ``-s`` below, ``s = ||g||_1 / n``), and TernGrad's codes (0 -> 0, 1 -> -s,
+    2 -> +s): lengths that end inside a byte, payloads decoded a byte at a time."""
+    for numel in (1, 7, 8, 13, 4099):
+        workers = [torch.randn(numel, generator=torch.Generator().manual_seed(numel + w)) for w in range(3)]
+        workers = [x.to(dtype) for x in workers]
+        signs = gradsift.get_compressor("signsgd")
+        mean = signs.decompress([signs.compress(x) for x in workers], numel)
+        by_definition = [
+            sum((1.0 if float(x[i]) >= 0 else -1.0) * float(x.double().abs().mean()) for x in workers) / 3
+            for i in range(numel)
+        ]
+        rtol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[
+            dtype
+        ]  # the result's rounding
+        torch.testing.assert_close(mean.double(), torch.tensor(by_definition, dtype=torch.float64),
+                                   rtol=rtol, atol=0)  # fmt: skip
+        ternary = gradsift.get_compressor("terngrad", seed=3)
+        payload = ternary.compress(workers[0])
+        codes = [
+            (int(b) >> (2 * (i % 4))) & 3 for i, b in enumerate(payload.codes.repeat_interleave(4).tolist())
+        ]
+        scale = float(payload.scales[0])
+        expected = [{0: 0.0, 1: -scale, 2: scale}[c] for c in codes[:numel]]
+        assert ternary.decompress([payload], numel).double().tolist() == pytest.approx(expected, rel=rtol)
+
+
 def test_error_feedback_flags():
     flags = {n: gradsift.get_compressor(n).error_feedback for n in QUANTIZERS}
     assert flags == {"qsgd": False, "terngrad": False, "signsgd": False, "efsignsgd": True}

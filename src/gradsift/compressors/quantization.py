@@ -74,7 +74,8 @@ class Quantizer(Compressor):
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Decode integer ``codes`` (as :func:`~gradsift.compressors.bitpack.unpack` gives
         them) with their ``scales`` into a dense tensor of ``dtype`` (the signed arithmetic in
-        ``dtype``: small integers, exact there)."""
+        ``dtype``: small integers, exact there). Elementwise: a code's value depends on the
+        code and its scale only (:meth:`_decoded` relies on it)."""
 
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
@@ -145,13 +146,29 @@ class Quantizer(Compressor):
                     f"{self.name} payload holds {payload.codes.numel()} code bytes, "
                     f"{numel} elements of {self.code_bits} bits need {packed_nbytes(numel, self.code_bits)}"
                 )
-            codes = unpack(payload.codes, self.code_bits, numel)
-            decoded = self.dequantize(codes, payload.scales, compute_dtype(dtype))
+            decoded = self._decoded(payload, numel, compute_dtype(dtype))
             total = decoded if total is None else total.add_(decoded)
         assert total is not None  # payloads is not empty
         if len(payloads) > 1:
             total /= len(payloads)
         return total, canonical
+
+    def _decoded(self, payload: Payload, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One payload's values in ``dtype``.
+
+        With one scale for the whole tensor and codes that never straddle a byte (``code_bits``
+        divides 8), each byte stands for the same ``8 / code_bits`` values wherever it lies:
+        :meth:`dequantize` (elementwise) decodes the 256 byte patterns once, and the payload
+        is one lookup per byte into that table -- no unpacked codes, no arithmetic per element.
+        Otherwise :meth:`dequantize` of the unpacked codes.
+        """
+        assert payload.codes is not None and payload.scales is not None  # checked by the caller
+        if payload.scales.numel() != 1 or 8 % self.code_bits:
+            return self.dequantize(unpack(payload.codes, self.code_bits, numel), payload.scales, dtype)
+        per_byte = 8 // self.code_bits
+        patterns = torch.arange(256, dtype=torch.uint8, device=payload.codes.device)
+        table = self.dequantize(unpack(patterns, self.code_bits, 256 * per_byte), payload.scales, dtype)
+        return table.view(256, per_byte).index_select(0, payload.codes.int()).view(-1)[:numel]
 
 
 def _same_order(a: Canonical | None, b: Canonical | None) -> bool:
