@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gradsift.compressors import kernels, largest, radix, tail_kernels
+from gradsift.compressors.counts import count_above
 from gradsift.compressors.kernels import (
     PARALLEL_GRAIN,
     SELECTION_CHUNK,
     CallingThreadOnly,
     Candidates,
-    count_above,
     keep_largest,
     select_above,
     select_mask,

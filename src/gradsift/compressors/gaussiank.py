@@ -7,7 +7,8 @@ from collections.abc import Hashable
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import count_above, uses_numpy
+from gradsift.compressors.counts import count_above
+from gradsift.compressors.kernels import uses_numpy
 from gradsift.compressors.stats import normal_two_sided_threshold
 from gradsift.compressors.threshold import mask_selection
 from gradsift.core.readout import Readout

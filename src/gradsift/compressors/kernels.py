@@ -190,26 +190,6 @@ def _select_above_numpy(flat: torch.Tensor, eta: Threshold, capacity: int | None
     return Candidates(torch.from_numpy(positions.astype(np.int64, copy=False)), None, count, flagged)
 
 
-def count_above(values: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
-    """``#{i : values[i] > eta}`` (NaN counts nowhere), a 0-d int64 tensor on ``values``' device.
-
-    On a device, or for a dtype NumPy lacks here: ``count_nonzero`` of the comparison, no host
-    read. CPU float32/float64: NumPy over chunks of :data:`SELECTION_CHUNK` into one boolean
-    buffer made once per call, ``eta`` in the values' dtype (torch compares a 0-d tensor in the
-    other operand's dtype) -- no full-size mask, and no widening of one to sum it.
-    """
-    if not numpy_floats(values):
-        return torch.count_nonzero(values > eta)
-    threshold = eta.to(values.dtype).numpy()
-    array = numpy_view(values)
-    tested = np.empty(min(SELECTION_CHUNK, array.size), dtype=bool)
-    total = 0
-    for start in range(0, array.size, SELECTION_CHUNK):
-        chunk = array[start : start + SELECTION_CHUNK]
-        total += int(np.count_nonzero(np.greater(chunk, threshold, out=tested[: chunk.size])))
-    return torch.tensor(total, device="cpu")  # the NumPy branch runs on CPU tensors only
-
-
 def select_mask(
     mask: torch.Tensor, capacity: int | None = None, magnitudes_of: torch.Tensor | None = None
 ) -> Candidates:
