@@ -25,7 +25,7 @@ class SignSGD(Quantizer):
     exchanges = ("allgather", "two-stage")
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (flat < 0).to(torch.uint8), self.scale(flat)
+        return (flat < 0).view(torch.uint8), self.scale(flat)  # the mask's bytes are its 0 and 1 codes
 
     def scale(self, flat: torch.Tensor) -> torch.Tensor:
         """The one scale of the non-empty ``flat`` (shape ``[1]``): ``||g||_1 / n``."""

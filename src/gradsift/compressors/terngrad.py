@@ -66,7 +66,8 @@ class TernGrad(StochasticQuantizer):
         scale = magnitudes.amax().reshape(1)  # NaN propagates through amax: the flag checks every element
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))
         kept = self.uniform(probability) < probability
-        codes = (values > 0).to(torch.uint8).add_(1).mul_(kept)
+        # the sign mask's bytes (0 or 1) made the codes in place: 1 + positive where kept, else 0
+        codes = (values > 0).view(torch.uint8).add_(1).mul_(kept)
         return codes, scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
