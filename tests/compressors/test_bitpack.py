@@ -2,11 +2,14 @@
 integer as the oracle), exact round trips for every width and length (codes back as uint8),
 the byte layout, bad input."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gradsift.compressors import kernels
 from gradsift.compressors.bitpack import bits_for, pack, packed_nbytes, unpack
 
 
@@ -33,12 +36,17 @@ def test_round_trip_is_exact(numel, bits, seed):
 )
 def test_bytes_are_the_bit_stream_of_the_definition(numel, bits, seed):
     """Bit ``j`` of code ``i`` is stream bit ``i*b + j``; stream bit ``p`` is bit ``p mod 8`` of
-    byte ``p div 8``: the stream as one Python integer, its bytes little-endian."""
+    byte ``p div 8``: the stream as one Python integer, its bytes little-endian. On the CPU's
+    branch (NumPy's for one bit) and the device branch, both ways."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (numel,), generator=gen, dtype=torch.uint8)
     stream = sum(code << (i * bits) for i, code in enumerate(codes.tolist()))
     expected = stream.to_bytes(packed_nbytes(numel, bits), "little")
-    assert bytes(pack(codes, bits).tolist()) == expected
+    for branch in (contextlib.nullcontext, kernels.device_branch):
+        with branch():
+            packed = pack(codes, bits)
+            assert bytes(packed.tolist()) == expected
+            assert torch.equal(unpack(packed, bits, numel), codes)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8])

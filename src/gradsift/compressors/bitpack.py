@@ -6,9 +6,10 @@ A code ``c_i`` of width ``b`` bits (``0 <= c_i < 2**b``) occupies bits
 ``n`` codes therefore take exactly ``packed_nbytes(n, b) = ceil(n*b / 8)`` bytes; the
 unused high bits of the last byte are zero.
 
-Both directions are vectorised; no loop runs over elements. When ``b`` divides 8 (1, 2,
-4, 8) codes never straddle a byte and ``8/b`` codes are shifted into place and summed per
-byte. Other widths (3, 5, 6, 7) work on whole groups of 8 codes, which fill exactly ``b``
+Both directions are vectorised; no loop runs over elements. One-bit codes in CPU memory are
+NumPy's ``packbits`` / ``unpackbits`` in little-endian bit order, which is this layout. When
+``b`` divides 8 (1, 2, 4, 8) codes never straddle a byte and ``8/b`` codes are shifted into
+place and summed per byte. Other widths (3, 5, 6, 7) work on whole groups of 8 codes, which fill exactly ``b``
 bytes: the group's codes are laid out as 8 planes (plane ``i`` holds code ``i`` of every
 group, contiguous), and byte ``j`` of every group is the OR of the planes whose bits
 overlap stream bits ``8j .. 8j + 7``, each shifted by ``b i - 8j`` (left when positive; a
@@ -20,8 +21,10 @@ as uint8, and a decoder widens them to its own arithmetic's dtype.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from gradsift.compressors.kernels import numpy_view, uses_numpy
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
 from gradsift.core.validation import check_int
 
@@ -53,6 +56,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise InvalidTensorError(f"codes must be a 1-D integer tensor, got {_describe(codes)}")
     numel = codes.numel()
     nbytes = packed_nbytes(numel, bits)
+    if bits == 1 and uses_numpy(codes):
+        return torch.from_numpy(np.packbits(numpy_view(codes.to(torch.uint8)), bitorder="little"))
     if 8 % bits == 0:
         per_byte = 8 // bits
         grouped = _padded(codes.to(torch.uint8), nbytes * per_byte).view(nbytes, per_byte)
@@ -79,6 +84,8 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         raise InvalidOptionError(
             f"packed holds {packed.numel()} bytes, but {numel} codes of {bits} bits need {expected}"
         )
+    if bits == 1 and uses_numpy(packed):
+        return torch.from_numpy(np.unpackbits(numpy_view(packed), count=numel, bitorder="little"))
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
