@@ -691,9 +691,9 @@ BITPACK = Result(
     "results/quantizers/bitpack_speed.json",
     "flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/bitpack_speed.py",
 )
-#: The benchmark's rows: per size, the widths 2, 3, 5 and 8 bits.
+#: The benchmark's rows: per size, the widths 1, 2, 3, 5 and 8 bits.
 BITPACK_SIZES = ("235000", "4000000")
-BITPACK_WIDTHS = (2, 3, 5, 8)
+BITPACK_WIDTHS = (1, 2, 3, 5, 8)
 BITPACK_TABLE = Table(
     "bitpack-speed",
     ("codes", "bits", "bit expansion (720bd68)", "int64 words (3bf43bd)", "uint8 planes (current)"),

@@ -5,8 +5,8 @@ Writes results/quantizers/bitpack_speed.json. The packers, each loaded from git 
 the current one: ``expand`` (commit 720bd68, then src/gradsift/bitpack.py) expanded every code
 into b uint8 bits; ``word`` (commit 3bf43bd) shifted groups of 8 codes into one int64 word and
 cut it into b bytes; ``planes`` (the current module) ORs 8 contiguous uint8 planes of codes
-into b byte planes. Widths that divide 8 take the same byte-aligned path in ``word`` and
-``planes``. All are timed in interleaved rounds on the same codes; medians of 15 rounds.
+into b byte planes, and hands one-bit codes to NumPy's packbits. Widths 2, 4 and 8 take the
+same byte-aligned path in ``word`` and ``planes``. All are timed in interleaved rounds on the same codes; medians of 15 rounds.
 """
 
 import importlib.util
@@ -53,7 +53,7 @@ def module_at(name: str, commit: str, path: str):
 
 
 NUMELS = (235_000, 4_000_000)
-WIDTHS = (2, 3, 5, 8)
+WIDTHS = (1, 2, 3, 5, 8)
 #: QSGD's codec is timed with these packers (its 5-bit codes take the path they differ on).
 QSGD_PACKERS = ("word", "planes")
 
