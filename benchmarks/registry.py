@@ -696,7 +696,7 @@ BITPACK_SIZES = ("235000", "4000000")
 BITPACK_WIDTHS = (1, 2, 3, 5, 8)
 BITPACK_TABLE = Table(
     "bitpack-speed",
-    ("codes", "bits", "bit expansion (720bd68)", "int64 words (3bf43bd)", "uint8 planes (current)"),
+    ("codes", "bits", "bit expansion (720bd68)", "int64 words (3bf43bd)", "current: uint8 planes, packbits at 1 bit"),
     ("---:", "---:", "---:", "---:", "---:"),
     tuple(
         (
