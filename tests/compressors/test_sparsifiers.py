@@ -211,6 +211,27 @@ def test_gaussiank_threshold_is_sign_symmetric():
     assert sorted(build("gaussiank", ratio=0.05).compress(x).indices.tolist()) == list(range(95, 100))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("branch", [contextlib.nullcontext, kernels.device_branch], ids=["cpu", "device"])
+def test_a_selection_with_the_maximum_sends_the_ties_at_it_and_nothing_of_zeros(dtype, branch):
+    """``|g| > eta`` or ``|g| >= top > 0`` (brute force), with ``eta`` at or above the top;
+    zeros send nothing; a NaN is selected and flagged."""
+    from gradsift.compressors.threshold import selection_with_maximum
+
+    x = torch.tensor([3.0, -3.0, 1.0, 0.0, 3.0, -2.0], dtype=dtype)
+    top = x.abs().max()
+    with branch():
+        for eta in (5.0, 3.0, 1.5):
+            chosen = selection_with_maximum(x, torch.tensor(eta, dtype=dtype), top, None)
+            expected = [i for i, v in enumerate(x.abs().tolist()) if v > eta or v >= float(top)]
+            assert chosen.indices.tolist() == expected and not bool(chosen.nonfinite)
+        zeros = torch.zeros(6, dtype=dtype)
+        assert selection_with_maximum(zeros, zeros.max(), zeros.max(), None).indices.numel() == 0
+        x[2] = math.nan
+        flagged = selection_with_maximum(x, torch.tensor(5.0, dtype=dtype), x.abs().max(), None)
+        assert 2 in flagged.indices.tolist() and bool(flagged.nonfinite)
+
+
 def test_gaussiank_constant_tensor_sends_its_ties_at_the_maximum():
     assert build("gaussiank", ratio=0.3).compress(torch.full((10,), -2.0)).count == 10
     assert build("gaussiank", ratio=0.3).compress(torch.zeros(10)).count == 0

@@ -10,7 +10,7 @@ from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.counts import count_above
 from gradsift.compressors.kernels import uses_numpy
 from gradsift.compressors.stats import normal_two_sided_threshold
-from gradsift.compressors.threshold import mask_selection
+from gradsift.compressors.threshold import selection_with_maximum
 from gradsift.core.readout import Readout
 
 #: Number of threshold corrections after the first estimate (the paper's).
@@ -54,7 +54,9 @@ class GaussianK(Sparsifier):
         ratio: target density in (0, 1].
 
     Cost: one ``std_mean`` pass, ``abs``, a max pass, up to ``CORRECTIONS + RESCUES`` count
-    passes, one selection pass. The mean and deviation double as the non-finite check.
+    passes (:func:`~gradsift.compressors.counts.count_above`), one selection pass
+    (:func:`~gradsift.compressors.threshold.selection_with_maximum`, whose test passes every NaN
+    and Inf element: the non-finite check).
     """
 
     name = "gaussiank"
@@ -77,6 +79,4 @@ class GaussianK(Sparsifier):
                 if cpu_branch and count.numpy() >= LOW * k:
                     break
                 eta = torch.where(count < LOW * k, eta * 0.5, eta)
-        top = magnitudes.max()
-        mask = (magnitudes > eta) | ((magnitudes >= top) & (top > 0))
-        return mask_selection(flat, mask, capacity, ~torch.isfinite(std + mean))
+        return selection_with_maximum(flat, eta, magnitudes.max(), capacity)

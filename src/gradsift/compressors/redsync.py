@@ -10,7 +10,7 @@ import torch
 from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.counts import count_above
 from gradsift.compressors.kernels import uses_numpy
-from gradsift.compressors.threshold import mask_selection
+from gradsift.compressors.threshold import selection_with_maximum
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int
 
@@ -40,9 +40,10 @@ class RedSync(Sparsifier):
         ratio: target density in (0, 1].
         iterations: bound on the search steps, integer in [1, 64] (default 10).
 
-    Cost: ``abs``, one mean/max pass, up to ``iterations`` count passes, one selection pass.
-    The maximum doubles as the non-finite check (it propagates NaN and is Inf when any
-    element is).
+    Cost: ``abs``, one mean/max pass, up to ``iterations`` count passes
+    (:func:`~gradsift.compressors.counts.count_above`), one selection pass
+    (:func:`~gradsift.compressors.threshold.selection_with_maximum`, whose test passes every NaN
+    and Inf element: the non-finite check).
     """
 
     name = "redsync"
@@ -73,5 +74,4 @@ class RedSync(Sparsifier):
             searching = searching & ~(enough & (count <= 2 * k))
             if cpu_branch and not searching.numpy():
                 break
-        mask = (magnitudes > mean + lo * (top - mean)) | ((magnitudes >= top) & (top > 0))
-        return mask_selection(flat, mask, capacity, ~torch.isfinite(top))
+        return selection_with_maximum(flat, mean + lo * (top - mean), top, capacity)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import Candidates, Threshold, select_above, select_mask
+from gradsift.compressors.kernels import Candidates, Threshold, select_above
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_ratio, check_real
 
@@ -28,11 +28,16 @@ def threshold_selection(flat: torch.Tensor, eta: Threshold, capacity: int | None
     return _selection(candidates, candidates.nonfinite)
 
 
-def mask_selection(
-    flat: torch.Tensor, mask: torch.Tensor, capacity: int | None, nonfinite: torch.Tensor
+def selection_with_maximum(
+    flat: torch.Tensor, eta: torch.Tensor, top: torch.Tensor, capacity: int | None
 ) -> Selection:
-    """The elements where ``mask`` holds, cut to the ``capacity`` largest of ``|flat|`` when over it."""
-    return _selection(select_mask(mask, capacity, flat), nonfinite)
+    """:func:`threshold_selection` of ``|flat| > eta`` and of the elements at the maximum
+    magnitude ``top`` when ``top > 0``, so that a tensor whose elements all tie (a constant
+    one, where a threshold between the mean and the maximum lets nothing through) still sends
+    them and error feedback never stalls. One test: ``|flat| > min(eta, the float below top)``
+    (``top`` is 0: nothing passes; NaN: only the NaN and Inf elements pass, and are flagged)."""
+    below_top = torch.nextafter(top, torch.zeros_like(top))
+    return threshold_selection(flat, torch.minimum(eta, below_top), capacity)
 
 
 def _selection(candidates: Candidates, nonfinite: torch.Tensor) -> Selection:
