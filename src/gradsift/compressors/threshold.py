@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Selection, Sparsifier, target_count
-from gradsift.compressors.kernels import Candidates, Threshold, select_above
+from gradsift.compressors.kernels import Candidates, Threshold, select_above, select_mask
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_ratio, check_real
 
@@ -26,6 +26,13 @@ def threshold_selection(flat: torch.Tensor, eta: Threshold, capacity: int | None
     candidates = select_above(flat, eta, capacity)
     assert candidates.nonfinite is not None  # select_above always checks
     return _selection(candidates, candidates.nonfinite)
+
+
+def mask_selection(
+    flat: torch.Tensor, mask: torch.Tensor, capacity: int | None, nonfinite: torch.Tensor
+) -> Selection:
+    """The elements where ``mask`` holds, cut to the ``capacity`` largest of ``|flat|`` when over it."""
+    return _selection(select_mask(mask, capacity, flat), nonfinite)
 
 
 def selection_with_maximum(
