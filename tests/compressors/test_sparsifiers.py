@@ -85,7 +85,7 @@ def test_threshold_rejects_bad_eta(eta):
 
 
 def counted_passes(monkeypatch: pytest.MonkeyPatch, module_name: str) -> list[int]:
-    """Counts the calls of ``kernels.count_above`` (a count pass over the tensor) made by the
+    """Counts the calls of ``counts.count_above`` (a count pass over the tensor) made by the
     compressor module ``module_name``: the list's one entry, updated as they happen."""
     module = importlib.import_module(f"gradsift.compressors.{module_name}")
     passes, count = [0], module.count_above
@@ -579,7 +579,6 @@ def test_scatter_mean_refuses_an_out_of_the_wrong_size_and_casts_into_another_dt
 def test_scatter_mean_scales_the_received_values_not_the_dense_result():
     # 1/W goes on the W k received entries: the only ops over the n-element result are its
     # zeroing and one index_add_ per worker (no division pass over the bucket), and the mean is exact
-
     n, world = 4096, 4
     payloads = [build("topk", ratio=0.01).compress(laplace(n, 60 + w)) for w in range(world)]
 

@@ -8,7 +8,7 @@ Three compressors in a row, for a tensor ``x`` of ``n`` elements at its ``t``-th
 2. **top-k** -- of those, the ``k = max(1, floor(n p r))`` of largest ``|x_i|`` (``r`` the
    fraction kept of the subset), sent as ascending positions; selected as the ``topk`` compressor
    selects (:func:`~gradsift.compressors.topk.top_k_selection`: a radix select on the CPU)
-   among the magnitudes with every other position zeroed;
+   among the values with every other position zeroed;
 3. **quantize** -- their values, in position order, in ``b``-bit codes with one absmax
    scale per block of ``d`` (:class:`~gradsift.compressors.blockquant.BlockQuantizer`'s
    codes: ``round(x L / s_B)``, ``L = 2^(b-1) - 1``).
@@ -24,7 +24,7 @@ Bytes per call: ``k`` int32 positions, ``ceil(k b / 8)`` of codes, ``4 ceil(k / 
 scales, plus the 4-byte length. The paper sends the positions as a bitmap over the
 subset (about ``n p / 8`` bytes), smaller at its ``r = 0.2``; positions keep the wire
 format of every other sparse payload here. A NaN or Inf anywhere in ``x`` reaches the
-selection (``|x|`` is masked by multiplying with 0/1, and ``NaN * 0`` is NaN), so the
+selection (``x`` is masked by multiplying with 0/1, and ``NaN * 0`` is NaN), so the
 payload is flagged non-finite like a top-k's.
 """
 
@@ -100,7 +100,7 @@ class Cocktail(Sparsifier):
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
         eligible = self.slots(flat.numel(), flat.device) == call % self.period
-        scores = flat.abs().mul_(eligible)  # NaN * 0 is NaN: a non-finite input is selected
+        scores = flat * eligible  # ranked by magnitude below; NaN * 0 is NaN: a non-finite input is selected
         indices, _, _, nonfinite = top_k_selection(scores, target_count(flat.numel(), self.ratio))
         return Selection(indices, None, nonfinite)
 

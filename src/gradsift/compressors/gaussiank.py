@@ -44,7 +44,7 @@ class GaussianK(Sparsifier):
        never stalls.
 
     On a device the corrections run there ("stop" freezes ``eta``: ``torch.where``), so a
-    call makes ``CORRECTIONS + RESCUES + 1`` count passes and no host read. On the CPU,
+    call makes ``CORRECTIONS + RESCUES`` count passes and no host read. On the CPU,
     where reading a count waits for nothing, the loop stops at the first count inside the
     band (at least ``LOW * k`` in step 4), and a count settled in step 3 skips step 4: the
     ``eta`` a frozen loop ends with, from as few as one count pass. Under the DDP hook the
