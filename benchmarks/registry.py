@@ -79,16 +79,28 @@ def load_claim(claim_id: str, result: Result, fmt: str = "{:.1f} / {:.1f}") -> C
     )
 
 
-def quantizer_run(name: str) -> Result:
-    """One compressor's trainer summary of the quantizer comparison."""
-    return Result(
-        f"results/quantizers/{name}.json",
-        "flock /tmp/gradsift-cpu.lock benchmarks/quantizers/run.sh",
-    )
-
-
-QUANTIZER = {name: quantizer_run(name) for name in ("none", "bf16", "qsgd", "signsgd", "sidco-exp", "vgc")}
+QUANTIZERS = Result(
+    "results/quantizers/compare.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/compare.py --json results/quantizers/compare.json",
+)
 SIDCO_RUN, TOPK_RUN = training_run("sidco-exp-w4-100mbit"), training_run("topk-w4-100mbit")
+
+
+def interval_claim(claim_id: str, result: Result, path: str, spec: str, unit: str = "") -> Claim:
+    """A paired comparison at ``path`` (keys ``mean``, ``low``, ``high``): the mean and its 95 %
+    interval, each formatted with ``spec`` then ``unit``; the mean alone where one seed gave no
+    interval, "none reached" where no seed gave a value."""
+    fields = tuple(f"{path}/{end}" for end in ("mean", "low", "high"))
+
+    def text(mean: float | None, low: float | None, high: float | None) -> str | None:
+        if mean is None:
+            return None
+        if low is None or high is None:
+            return f"{mean:{spec}}{unit} (one seed)"
+        return f"{mean:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
+
+    return Claim(claim_id, result, fields, compute=text, missing="none reached")
+
 
 # -- estimation quality ----------------------------------------------------------------------
 MEDIAN_IN, P10_P90_IN, CASES = "summary/median_in_0.8_1.25", "summary/p10_p90_in_0.5_2", "summary/cases"
@@ -643,13 +655,20 @@ QUANTIZER_LABELS = (("`none` (fp32 allreduce)", "none"), ("`bf16` allreduce", "b
                     ("`signsgd` (1 bit)", "signsgd"), ("`sidco-exp` (ratio 0.01)", "sidco-exp"), ("`vgc` (alpha 1)", "vgc"))  # fmt: skip
 
 
-def quantizer_claim(name: str, key: str, fmt: str, **options) -> Claim:
-    return Claim(f"quant.{name}.{key}", QUANTIZER[name], (key,), fmt, **options)
+def quantizer_claim(name: str, key: str, fmt: str, claim_id: str | None = None, **options: Any) -> Claim:
+    """``key`` of arm ``name`` in the quantizer comparison (a median or mean over its seeds)."""
+    return Claim(claim_id or f"quant.{name}.{key}", QUANTIZERS, (f"arms/{name}/{key}",), fmt, **options)
+
+
+def quantizer_interval(name: str, path: str, spec: str, claim_id: str, unit: str = "") -> Claim:
+    """A paired comparison of arm ``name`` of the quantizer comparison at ``path``."""
+    return interval_claim(claim_id, QUANTIZERS, f"arms/{name}/{path}", spec, unit)
 
 
 QUANTIZER_TABLE = Table(
     "choosing-quantizers",
-    ("method", "bytes/step vs fp32", "median step", "median communicate", "test accuracy", "time to 80%"),
+    ("method", "bytes/step vs fp32", "median step", "median communicate", "test accuracy (mean)",
+     "time to 80% (median)"),
     ("---",) * 6,
     tuple(
         (
@@ -662,28 +681,19 @@ QUANTIZER_TABLE = Table(
         )
         for label, name in QUANTIZER_LABELS
     ),
-)
+)  # fmt: skip
 QUANTIZER_CLAIMS = (
-    Claim("quant.commit", QUANTIZER["none"], ("provenance/commit",), "{:.7}"),
-    *(
-        Claim(f"quant.{name}.accuracy", quantizer_run(name), ("final_test_accuracy",), "{:.2f}")
-        for name in ("none", "powersgd")
-    ),
-    Claim("quant.qsgd.fewer", QUANTIZER["qsgd"], ("compression_factor",), "{:.1f}x"),
-    Claim("quant.sidco.fewer", QUANTIZER["sidco-exp"], ("compression_factor",), "{:.0f}x"),
-    *(
-        Claim(f"quant.{name}.tta.readme", QUANTIZER[name], ("time_to_accuracy_s",), "{:.1f} s")
-        for name in ("none", "bf16", "sidco-exp", "signsgd", "qsgd", "vgc")
-    ),
-    *(
-        Claim(f"quant.sidco.sooner_than_{name}", QUANTIZER["sidco-exp"],
-              ((QUANTIZER[name], "time_to_accuracy_s"), "time_to_accuracy_s"), "{:.1f}x", compute=ratio)
-        for name in ("none", "bf16")
-    ),
-    *(
-        Claim(f"quant.{name}.reached", quantizer_run(name), ("time_to_accuracy_s",), "{:.1f} s", missing="not reached")
-        for name in ("terngrad", "efsignsgd", "powersgd")
-    ),
+    Claim("quant.commit", QUANTIZERS, ("provenance/commit",), "{:.7}"),
+    load_claim("quant.load", QUANTIZERS),
+    *(quantizer_claim(name, "final_test_accuracy", "{:.2f}", f"quant.{name}.accuracy") for name in ("none", "powersgd")),
+    quantizer_claim("qsgd", "compression_factor", "{:.1f}x", "quant.qsgd.fewer"),
+    quantizer_claim("sidco-exp", "compression_factor", "{:.0f}x", "quant.sidco.fewer"),
+    *(quantizer_claim(name, "time_to_accuracy_s", "{:.1f} s", f"quant.{name}.tta.readme", missing="not reached")
+      for name in ("none", "bf16", "sidco-exp", "signsgd", "qsgd", "vgc", "terngrad", "efsignsgd", "powersgd")),
+    *(quantizer_interval("sidco-exp", f"sooner_than/{base}", ".1f", f"quant.sidco.sooner_than_{base}", "x")
+      for base in ("none", "bf16")),
+    *(quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quant.{name}.points")
+      for name in ("powersgd", "topk-dense", "alone")),
 )  # fmt: skip
 
 
@@ -955,30 +965,45 @@ def _ddp_table(world: str) -> Table:
     )  # fmt: skip
 
 
-QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", "powersgd", "sidco-exp", "vgc")
+QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", "powersgd", "sidco-exp", "vgc",
+                  "topk-dense", "alone")  # fmt: skip
+#: The controls' rows: their label and link (they run without the emulated link).
+QUANTIZER_CONTROLS = {"topk-dense": ("`topk` at ratio 1: the recipe run dense", "localhost"),
+                      "alone": ("one worker alone: no communication", "none")}  # fmt: skip
 
 
-def _quantizer_cell(name: str, key: str, fmt: str, scale: float = 1.0, **options: Any) -> Claim:
-    run = quantizer_run(name)
-    return Claim(f"quantrun.{name}.{key}", run, (key,), fmt, compute=lambda v: v * scale, **options)
+def _quantizer_cells(name: str) -> tuple[Cell, ...]:
+    """One arm's row of the quantizer comparison's table."""
+    label, link = QUANTIZER_CONTROLS.get(name, (f"`{name}`", "100 Mbit/s"))
+    compared = name not in QUANTIZER_CONTROLS
+    return (
+        label,
+        link,
+        Claim(f"quantrun.{name}.bytes", QUANTIZERS,
+              tuple(f"arms/{name}/bytes_{way}_per_step" for way in ("sent", "received")), "{:.0f} / {:.0f}",
+              compute=lambda *v: v),
+        quantizer_claim(name, "compression_factor", "{:.1f}x", f"quantrun.{name}.factor") if name != "alone" else "-",
+        quantizer_claim(name, "step_time_median_s", "{:.1f} ms", f"quantrun.{name}.step", compute=lambda v: 1e3 * v),
+        Claim(f"quantrun.{name}.phases", QUANTIZERS,
+              tuple(f"arms/{name}/{k}_median_s" for k in ("compress", "communicate", "decompress")),
+              "{:.1f} / {:.1f} / {:.1f}", compute=lambda *v: tuple(1e3 * x for x in v)),
+        quantizer_claim(name, "final_test_accuracy", "{:.4f}", f"quantrun.{name}.accuracy"),
+        quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quantrun.{name}.points")
+        if name != "none" else "-",
+        (quantizer_claim(name, "time_to_accuracy_s", "{:.1f} s", f"quantrun.{name}.tta", missing="not reached"),
+         " (", quantizer_claim(name, "seeds_reaching_target", "{}", f"quantrun.{name}.reached"), "/3)"),
+        quantizer_interval(name, "sooner_than/none", ".1f", f"quantrun.{name}.sooner", "x")
+        if compared and name != "none" else "-",
+    )  # fmt: skip
 
 
 QUANTIZER_RUNS_TABLE = Table(
     "quantizer-runs",
-    ("compressor", "bytes/step/worker", "vs fp32", "step median", "compress / comm / decompress (ms)",
-     "test acc. @300", "time to 0.8"),
-    ("---", "---:", "---:", "---:", "---", "---:", "---:"),
-    tuple(
-        (name, _quantizer_cell(name, "bytes_sent_per_step", "{:.0f}"),
-         _quantizer_cell(name, "compression_factor", "{:.1f}x"),
-         _quantizer_cell(name, "step_time_median_s", "{:.1f} ms", 1e3),
-         Claim(f"quantrun.{name}.phases", quantizer_run(name),
-               ("compress_median_s", "communicate_median_s", "decompress_median_s"), "{:.1f} / {:.1f} / {:.1f}",
-               compute=lambda *v: tuple(1e3 * x for x in v)),
-         _quantizer_cell(name, "final_test_accuracy", "{:.4f}"),
-         Claim(f"quantrun.{name}.tta", quantizer_run(name), ("time_to_accuracy_s",), "{:.1f} s", missing="not reached"))
-        for name in QUANTIZER_RUNS
-    ),
+    ("arm", "link", "bytes sent / received per step and worker", "sent vs fp32", "step (median)",
+     "compress / comm / decompress (ms)", "test acc. @300 (mean)", "vs none (points, 95 % CI)",
+     "time to 0.8 (median; seeds reaching it)", "sooner than none (paired, 95 % CI)"),
+    ("---", "---", "---:", "---:", "---:", "---", "---:", "---:", "---:", "---:"),
+    tuple(_quantizer_cells(name) for name in QUANTIZER_RUNS),
 )  # fmt: skip
 DEMO = Result(
     "results/hook_overhead/demo.json",

@@ -1,0 +1,117 @@
+"""benchmarks/quantizers/compare.py and benchmarks/vgc/accuracy.py: the summaries over seeds.
+
+Oracle: hand-made run summaries, each answer worked out by hand in the comments (medians,
+means, the per-seed differences in points with Student's t at n = 3: 4.303, the times to the
+target paired as ratios, a run that never reached the target counting as the latest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quantizers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vgc"))
+import accuracy as vgc_accuracy
+import compare
+
+T3 = 4.303  # Student's t, 95 %, two degrees of freedom
+
+
+def _quantizer_run(accuracy: float, time: float | None, step: float = 0.1) -> dict[str, float | None]:
+    return {"bytes_sent_per_step": 10.0, "bytes_received_per_step": 30.0, "compression_factor": 4.0,
+            "step_time_median_s": step, "compress_median_s": 0.001, "communicate_median_s": 0.05,
+            "decompress_median_s": 0.002, "final_test_accuracy": accuracy, "time_to_accuracy_s": time}  # fmt: skip
+
+
+def _write_quantizer_runs(folder: Path, runs: dict[str, list[dict]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for arm, by_seed in runs.items():
+        for seed, run in enumerate(by_seed):
+            (folder / f"{arm}-s{seed}.json").write_text(json.dumps(run))
+
+
+def test_the_quantizer_summary_by_hand(tmp_path: Path) -> None:
+    runs = {
+        "none": [_quantizer_run(0.80, 40.0, 0.12), _quantizer_run(0.82, 30.0, 0.10), _quantizer_run(0.81, 35.0, 0.11)],
+        "bf16": [_quantizer_run(0.81, 20.0), _quantizer_run(0.82, 15.0), _quantizer_run(0.80, 35.0)],
+        "sidco-exp": [_quantizer_run(0.82, 10.0), _quantizer_run(0.83, None), _quantizer_run(0.84, 5.0)],
+        "alone": [_quantizer_run(0.70, None), _quantizer_run(0.71, None), _quantizer_run(0.72, 50.0)],
+    }  # fmt: skip
+    _write_quantizer_runs(tmp_path, runs)
+    arms = compare.summarize(list(runs), [0, 1, 2], tmp_path)["arms"]
+    # none's steps 0.12, 0.10, 0.11: median 0.11; times 40, 30, 35: median 35
+    assert arms["none"]["step_time_median_s"] == pytest.approx(0.11)
+    assert arms["none"]["time_to_accuracy_s"] == pytest.approx(35.0)
+    assert "accuracy_points_vs_none" not in arms["none"]
+    # sidco-exp: 10, never, 5 -> sorted 5, 10, inf: median 10, two seeds of three reached
+    assert arms["sidco-exp"]["time_to_accuracy_s"] == pytest.approx(10.0)
+    assert arms["sidco-exp"]["seeds_reaching_target"] == 2
+    # against none per seed: +2, +1, +3 points; mean 2, sd 1, half width 4.303 / sqrt(3)
+    half = T3 * 1.0 / math.sqrt(3)
+    assert arms["sidco-exp"]["accuracy_points_vs_none"] == pytest.approx(
+        {"mean": 2.0, "low": 2.0 - half, "high": 2.0 + half}
+    )
+    # sooner than none: 40/10 = 4 and 35/5 = 7 where both reached (seed 1 not): mean 5.5,
+    # sd 2.1213, half width 12.706 * 2.1213 / sqrt(2) = 19.06
+    sooner = arms["sidco-exp"]["sooner_than"]["none"]
+    assert sooner["per_seed"] == [pytest.approx(4.0), None, pytest.approx(7.0)]
+    assert (sooner["mean"], sooner["low"], sooner["high"]) == (
+        pytest.approx(5.5), pytest.approx(5.5 - 19.06, abs=0.01), pytest.approx(5.5 + 19.06, abs=0.01)
+    )  # fmt: skip
+    # against bf16: 20/10 = 2, 35/5 = 7
+    assert arms["sidco-exp"]["sooner_than"]["bf16"]["per_seed"] == [
+        pytest.approx(2.0),
+        None,
+        pytest.approx(7.0),
+    ]
+    # alone reached on one seed of three: the median is "not reached"; it sends and receives nothing
+    assert arms["alone"]["time_to_accuracy_s"] is None
+    assert arms["alone"]["seeds_reaching_target"] == 1
+    assert arms["alone"]["bytes_sent_per_step"] == arms["alone"]["bytes_received_per_step"] == 0.0
+    assert arms["alone"]["link"] is None and arms["sidco-exp"]["link"] == compare.BANDWIDTH
+
+
+def test_the_quantizer_commands_keep_the_protocol_and_drop_the_link_for_the_controls(tmp_path: Path) -> None:
+    line = compare.command("sidco-exp", 2, 300, tmp_path / "run", tmp_path / "run.json")
+    assert line[line.index("--bandwidth") + 1] == "100mbit"
+    assert line[line.index("--seed") + 1] == "2" and line[line.index("--ratio") + 1] == "0.01"
+    for control in ("alone", "topk-dense"):
+        assert "--bandwidth" not in compare.command(control, 0, 300, tmp_path / "run", tmp_path / "run.json")
+    alone = compare.command("alone", 0, 300, tmp_path / "run", tmp_path / "run.json")
+    assert alone[len(alone) - 1 - alone[::-1].index("--workers") + 1] == "1"  # the last --workers wins
+
+
+def _vgc_run(accuracy: float, sent: float, step: float) -> dict[str, float]:
+    return {"bytes_sent_per_step": sent, "bytes_received_per_step": 3 * sent, "dense_bytes_per_step": 1000.0,
+            "achieved_density": sent / 1000.0, "step_time_median_s": step, "final_test_accuracy": accuracy,
+            "train_time_s": 1.0, "parameters": 250, "steps": 10}  # fmt: skip
+
+
+def test_the_vgc_summary_by_hand() -> None:
+    runs = {
+        "none": {0: _vgc_run(0.90, 1000.0, 0.2), 1: _vgc_run(0.89, 1000.0, 0.3), 2: _vgc_run(0.91, 1000.0, 0.1)},
+        "vgc alpha=2": {0: _vgc_run(0.86, 40.0, 0.4), 1: _vgc_run(0.88, 60.0, 0.5), 2: _vgc_run(0.87, 50.0, 0.3)},
+        "alone": {0: _vgc_run(0.80, 1000.0, 0.05), 1: _vgc_run(0.81, 1000.0, 0.05), 2: _vgc_run(0.79, 1000.0, 0.05)},
+    }  # fmt: skip
+    for run in runs["alone"].values():  # what train() does to the one worker's summary
+        run["bytes_sent_per_step"] = run["bytes_received_per_step"] = 0.0
+    table = vgc_accuracy.summarize(runs)
+    # VGC: bytes 40, 60, 50 -> mean 50, 1000 / 50 = 20x fewer; received 3x; steps median 0.4
+    vgc = table["vgc alpha=2"]
+    assert vgc["bytes_sent_per_step"] == pytest.approx(50.0)
+    assert vgc["bytes_received_per_step"] == pytest.approx(150.0)
+    assert vgc["fewer_bytes_than_fp32"] == pytest.approx(20.0)
+    assert vgc["achieved_density"] == pytest.approx(0.05)
+    assert vgc["step_time_median_s"] == pytest.approx(0.4)
+    # against fp32 per seed: -4, -1, -4 points; mean -3, sd sqrt(3), half width 4.303
+    assert vgc["points_vs_fp32"] == pytest.approx({"mean": -3.0, "low": -3.0 - T3, "high": -3.0 + T3})
+    assert vgc["final_test_accuracy"] == pytest.approx(0.87)
+    # fp32 against itself: zero; one worker alone sent nothing: no factor
+    assert table["none"]["points_vs_fp32"] == pytest.approx({"mean": 0.0, "low": 0.0, "high": 0.0})
+    assert table["alone"]["fewer_bytes_than_fp32"] is None
+    assert table["alone"]["points_vs_fp32"]["mean"] == pytest.approx(-10.0)
