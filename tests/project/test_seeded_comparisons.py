@@ -1,4 +1,4 @@
-"""benchmarks/quantizers/compare.py and benchmarks/vgc/accuracy.py: the summaries over seeds.
+"""benchmarks/quantizers/compare.py, benchmarks/vgc/accuracy.py, benchmarks/training/seeds.py: the summaries over seeds.
 
 Oracle: hand-made run summaries, each answer worked out by hand in the comments (medians,
 means, the per-seed differences in points with Student's t at n = 3: 4.303, the times to the
@@ -16,8 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "quantizers"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vgc"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "training"))
 import accuracy as vgc_accuracy
 import compare
+import seeds as training_seeds
 
 T3 = 4.303  # Student's t, 95 %, two degrees of freedom
 
@@ -115,3 +117,47 @@ def test_the_vgc_summary_by_hand() -> None:
     assert table["none"]["points_vs_fp32"] == pytest.approx({"mean": 0.0, "low": 0.0, "high": 0.0})
     assert table["alone"]["fewer_bytes_than_fp32"] is None
     assert table["alone"]["points_vs_fp32"]["mean"] == pytest.approx(-10.0)
+
+
+def _training_run(folder: Path, final: float, curve: list[tuple[float, float]], workers: int = 4) -> None:
+    """A kept run: its summary and evaluations as (training seconds, accuracy)."""
+    folder.mkdir(parents=True)
+    summary = {"final_test_accuracy": final, "step_time_median_s": 0.5, "bytes_sent_per_step": 8.0,
+               "bytes_received_per_step": 24.0, "compression_factor": 2.0, "workers": workers}  # fmt: skip
+    (folder / "summary.json").write_text(json.dumps(summary))
+    lines = [
+        json.dumps({"step": 25 * (i + 1), "accuracy": a, "train_time_s": t}) for i, (t, a) in enumerate(curve)
+    ]
+    (folder / "evals.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_training_summary_by_hand(tmp_path: Path) -> None:
+    # seed 0: fp32 ends 0.86 (target 0.85), seed 1: 0.88 (target 0.87)
+    _training_run(tmp_path / "none-s0", 0.86, [(10, 0.80), (20, 0.85), (30, 0.86)])
+    _training_run(tmp_path / "none-s1", 0.88, [(10, 0.80), (20, 0.86), (40, 0.88)])
+    _training_run(tmp_path / "bf16-s0", 0.86, [(5, 0.80), (10, 0.85), (15, 0.86)])
+    _training_run(tmp_path / "bf16-s1", 0.87, [(5, 0.80), (10, 0.86), (20, 0.87)])
+    _training_run(tmp_path / "sidco-exp-s0", 0.87, [(2, 0.85), (4, 0.86), (6, 0.87)])
+    _training_run(tmp_path / "sidco-exp-s1", 0.86, [(2, 0.84), (4, 0.85), (6, 0.86)])
+    _training_run(tmp_path / "alone-s0", 0.80, [(1, 0.70), (2, 0.75), (3, 0.80)], workers=1)
+    _training_run(tmp_path / "alone-s1", 0.81, [(1, 0.70), (2, 0.75), (3, 0.81)], workers=1)
+    summary = training_seeds.summarize(["none", "bf16", "sidco-exp", "alone"], [0, 1], tmp_path)
+    assert summary["targets"] == {0: pytest.approx(0.85), 1: pytest.approx(0.87)}
+    arms = summary["arms"]
+    # first evaluation at or past the target: fp32 20 and 40 s, bf16 10 and 20 s
+    assert arms["none"]["time_to_target_s"] == [20, 40]
+    assert arms["bf16"]["time_to_target_s"] == [10, 20]
+    # sidco-exp: 2 s on seed 0 (0.85), never on seed 1 (0.86 < 0.87)
+    assert arms["sidco-exp"]["time_to_target_s"] == [2, None]
+    assert arms["sidco-exp"]["seeds_reaching_target"] == 1
+    # sooner than fp32 where both reached: 20 / 2 = 10 (one seed: no interval); bf16 twice as soon
+    assert arms["sidco-exp"]["sooner_than"]["none"]["per_seed"] == [pytest.approx(10.0), None]
+    assert arms["sidco-exp"]["sooner_than"]["none"]["low"] is None
+    assert arms["bf16"]["sooner_than"]["none"]["mean"] == pytest.approx(2.0)
+    # accuracy against fp32: +1 and -2 points; mean -0.5, sd 2.1213, half width 12.706 * 1.5 = 19.06
+    versus = arms["sidco-exp"]["points_vs_none"]
+    assert versus["mean"] == pytest.approx(-0.5)
+    assert versus["high"] - versus["mean"] == pytest.approx(19.06, abs=0.01)
+    # the control: no link, nothing sent or received, no pairing of its time
+    assert arms["alone"]["link"] is None and arms["alone"]["bytes_sent_per_step"] == 0.0
+    assert arms["alone"]["bytes_received_per_step"] == 0.0 and "sooner_than" not in arms["alone"]

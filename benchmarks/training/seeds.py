@@ -1,0 +1,168 @@
+"""The training benchmark's verdict over seeds: VGG at 100 Mbit/s, fp32 against bf16 and ``sidco-exp``.
+
+``run_benchmark.py``'s main grid at 100 Mbit/s (VGG-style CNN, 4 workers, 200 steps, evaluated
+every 25, its learning rate and warm-up) for the three arms the README's verdict compares --
+``none`` (stock DDP's fp32 allreduce), ``bf16`` and ``sidco-exp`` at ratio 0.01 under DGC's
+recipe -- once per seed, a seed's arms in turn so that the runs compared share an hour; beside
+them two controls on localhost, read for accuracy:
+
+* ``topk-dense`` -- the recipe run dense (``topk`` at ratio 1: every element every step, the
+  momentum masking leaving plain SGD);
+* ``alone`` -- one worker on its own batch of 32 for the same steps, no communication.
+
+Per seed the target is that seed's fp32 final test accuracy less one point (as in
+``run_benchmark.py``), and each arm's time to it the training time of its first evaluation at
+or above it (evaluation excluded). The JSON holds each run's figures and, per arm, the
+paired ratios of fp32's and bf16's time to the target over the arm's (how many times sooner,
+the mean over the seeds where both reached it, 95 % t-interval) and the final accuracy's
+difference from fp32's (points, paired). Each run's ``summary.json`` and ``evals.jsonl`` are
+kept in ``--runs/<arm>-s<seed>/``. Usage (repository root, root for the emulated links, a
+clean checkout of a commit on main)::
+
+    flock /tmp/gradsift-cpu.lock python benchmarks/training/seeds.py --json results/training/seeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gradsift.tools.train.summary import time_to_accuracy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance
+from one_line import interval
+from paths import results_dir
+from run_benchmark import COMMON, MAIN
+from time_to_target import paired
+
+BANDWIDTH = "100mbit"
+#: Arm -> its flags after the main grid's (later flags win).
+ARMS = {
+    "none": ["--compressor", "none"],
+    "bf16": ["--compressor", "bf16"],
+    "sidco-exp": ["--compressor", "sidco-exp", "--ratio", "0.01"],
+    "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
+    "alone": ["--compressor", "none", "--workers", "1"],
+}
+#: The controls: on localhost, read for accuracy.
+CONTROLS = ("topk-dense", "alone")
+BASELINES = ("none", "bf16")
+SEEDS = (0, 1, 2)
+RUNS = results_dir(__file__) / "seeds"
+KEPT = ("summary.json", "evals.jsonl")
+
+
+def command(arm: str, seed: int, out: Path) -> list[str]:
+    """The ``gradsift train`` command line of ``arm`` at ``seed`` (``COMMON``'s seed replaced)."""
+    common = list(COMMON)
+    common[common.index("--seed") + 1] = str(seed)
+    link = [] if arm in CONTROLS else ["--bandwidth", BANDWIDTH]
+    return [sys.executable, "-m", "gradsift", "train", *common, "--workers", str(MAIN["workers"]),
+            "--steps", str(MAIN["steps"]), "--eval-every", str(MAIN["eval_every"]), *link, *ARMS[arm],
+            "--out", str(out)]  # fmt: skip
+
+
+def train(arms: list[str], seeds: list[int], runs: Path, resume: bool) -> None:
+    """Every arm once per seed, a seed's arms in turn; :data:`KEPT` copied to ``runs/<arm>-s<seed>/``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for arm in arms:
+                kept = runs / f"{arm}-s{seed}"
+                if resume and (kept / "summary.json").is_file():
+                    print(f"= {kept} (done)", flush=True)
+                    continue
+                line = command(arm, seed, Path(tmp) / kept.name)
+                print("+", " ".join(line), flush=True)
+                subprocess.run(line, check=True, timeout=1800)
+                kept.mkdir(parents=True, exist_ok=True)
+                for name in KEPT:
+                    shutil.copy(Path(tmp) / kept.name / name, kept / name)
+
+
+def read(run: Path) -> dict[str, Any]:
+    """A kept run's summary and its evaluations."""
+    evals = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines() if line.strip()]
+    return {"summary": json.loads((run / "summary.json").read_text()), "evals": evals}
+
+
+def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
+    """Per seed the target; per arm each run's figures, the paired ratios and accuracy differences."""
+    data = {arm: {seed: read(runs / f"{arm}-s{seed}") for seed in seeds} for arm in arms}
+    targets = {seed: data["none"][seed]["summary"]["final_test_accuracy"] - 0.01 for seed in seeds}
+    times = {
+        arm: [time_to_accuracy(data[arm][seed]["evals"], targets[seed]) for seed in seeds] for arm in arms
+    }
+    table = {}
+    for arm in arms:
+        summaries = [data[arm][seed]["summary"] for seed in seeds]
+        alone = arm == "alone"
+        entry: dict[str, Any] = {
+            "link": None if arm in CONTROLS else BANDWIDTH,
+            "time_to_target_s": times[arm],
+            "final_test_accuracy": [s["final_test_accuracy"] for s in summaries],
+            "step_time_median_s": statistics.median(s["step_time_median_s"] for s in summaries),
+            "bytes_sent_per_step": 0.0
+            if alone
+            else statistics.fmean(s["bytes_sent_per_step"] for s in summaries),
+            "bytes_received_per_step": 0.0
+            if alone
+            else statistics.fmean(s["bytes_received_per_step"] for s in summaries),
+            "compression_factor": None
+            if alone
+            else statistics.fmean(s["compression_factor"] for s in summaries),
+            "seeds_reaching_target": sum(t is not None for t in times[arm]),
+        }
+        if arm != "none":
+            points = [100 * (s["final_test_accuracy"] - data["none"][seed]["summary"]["final_test_accuracy"])
+                      for seed, s in zip(seeds, summaries, strict=True)]  # fmt: skip
+            entry["points_vs_none"] = dict(zip(("mean", "low", "high"), interval(points), strict=True))
+        if arm not in CONTROLS:
+            entry["sooner_than"] = {
+                base: paired(times[base], times[arm]) for base in BASELINES if base != arm
+            }
+        table[arm] = entry
+    return {"bandwidth": BANDWIDTH, "main": MAIN, "seeds": seeds, "targets": targets, "arms": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms (default: all)"
+    )
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=list(SEEDS), help="seeds (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--runs", type=Path, default=RUNS, help="where the runs are kept (default: %(default)s)"
+    )
+    parser.add_argument("--resume", action="store_true", help="skip the runs kept already (default: off)")
+    parser.add_argument("--summarize-only", action="store_true", help="read the kept runs, train none")
+    parser.add_argument("--json", type=Path, help="write the summary here (default: none)")
+    args = parser.parse_args(argv)
+    stamp = provenance.start(seeds=args.seeds)
+    if not args.summarize_only:
+        train(args.arms, args.seeds, args.runs, args.resume)
+    summary = summarize(args.arms, args.seeds, args.runs)
+    for arm, entry in summary["arms"].items():
+        sooner = entry.get("sooner_than", {}).get("none")
+        ratio = "" if not sooner or sooner["mean"] is None else f", {sooner['mean']:.2f}x sooner than none"
+        print(
+            f"{arm:>10}: time to target {entry['time_to_target_s']}, accuracy {entry['final_test_accuracy']}{ratio}"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({**summary, "provenance": stamp.finish()}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
