@@ -967,6 +967,8 @@ def _ddp_table(world: str) -> Table:
 
 QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", "powersgd", "sidco-exp", "vgc",
                   "topk-dense", "alone")  # fmt: skip
+#: Arms whose phases the trainer cannot split: PyTorch's hook communicates between its products.
+QUANTIZER_UNSPLIT = {"powersgd": "not split (inside PyTorch's hook)"}
 #: The controls' rows: their label and link (they run without the emulated link).
 QUANTIZER_CONTROLS = {"topk-dense": ("`topk` at ratio 1: the recipe run dense", "localhost"),
                       "alone": ("one worker alone: no communication", "none")}  # fmt: skip
@@ -986,7 +988,8 @@ def _quantizer_cells(name: str) -> tuple[Cell, ...]:
         quantizer_claim(name, "step_time_median_s", "{:.1f} ms", f"quantrun.{name}.step", compute=lambda v: 1e3 * v),
         Claim(f"quantrun.{name}.phases", QUANTIZERS,
               tuple(f"arms/{name}/{k}_median_s" for k in ("compress", "communicate", "decompress")),
-              "{:.1f} / {:.1f} / {:.1f}", compute=lambda *v: tuple(1e3 * x for x in v)),
+              "{:.1f} / {:.1f} / {:.1f}", compute=lambda *v: tuple(1e3 * x for x in v))
+        if name not in QUANTIZER_UNSPLIT else QUANTIZER_UNSPLIT[name],
         quantizer_claim(name, "final_test_accuracy", "{:.4f}", f"quantrun.{name}.accuracy"),
         quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quantrun.{name}.points")
         if name != "none" else "-",
