@@ -39,6 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gradsift.tools.train.summary import single_worker
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
 import provenance
@@ -64,8 +66,6 @@ ARMS = {
 }
 #: The arms that run on localhost, without the emulated link.
 WITHOUT_LINK = ("topk-dense", "alone")
-#: The arm whose one worker has no peer: it sends and receives nothing.
-ALONE = "alone"
 SEEDS = (0, 1, 2)
 RUNS = ROOT / "results" / "quantizers" / "runs"
 #: The baselines each arm's time to the target is paired against.
@@ -110,8 +110,9 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
     per_arm = {
         arm: {seed: json.loads((runs / f"{arm}-s{seed}.json").read_text()) for seed in seeds} for arm in arms
     }
-    for run in per_arm.get(ALONE, {}).values():
-        run["bytes_sent_per_step"] = run["bytes_received_per_step"] = 0.0  # the summary counts fp32's
+    for run in (run for by_seed in per_arm.values() for run in by_seed.values()):
+        if single_worker(run):  # its summary counts the message DDP would send; nothing leaves
+            run["bytes_sent_per_step"] = run["bytes_received_per_step"] = 0.0
     table = {}
     for arm, by_seed in per_arm.items():
         entry: dict[str, Any] = {"flags": ARMS[arm], "link": None if arm in WITHOUT_LINK else BANDWIDTH}

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradsift.tools.train.summary import time_to_accuracy
+from gradsift.tools.train.summary import single_worker, time_to_accuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
@@ -105,7 +105,7 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
     table = {}
     for arm in arms:
         summaries = [data[arm][seed]["summary"] for seed in seeds]
-        alone = arm == "alone"
+        alone = single_worker(summaries[0])  # its summary counts the message DDP would send
         entry: dict[str, Any] = {
             "link": None if arm in CONTROLS else BANDWIDTH,
             "time_to_target_s": times[arm],

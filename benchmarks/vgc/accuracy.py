@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradsift.tools.train.summary import single_worker
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
 import provenance
@@ -37,7 +39,7 @@ from paths import results_dir
 
 FIELDS = ("bytes_sent_per_step", "bytes_received_per_step", "dense_bytes_per_step", "achieved_density",
           "step_time_median_s", "final_test_accuracy", "train_time_s", "parameters", "steps")  # fmt: skip
-#: The arm that sends nothing: one worker.
+#: The control that sends nothing: one worker.
 ALONE = "alone"
 
 
@@ -54,8 +56,8 @@ def train(name: str, seed: int, args: argparse.Namespace, *extra: str) -> dict[s
         print("+", " ".join(command), flush=True)
         subprocess.run(command, check=True, timeout=args.timeout)
     summary = json.loads((out / "summary.json").read_text())
-    if name == ALONE:
-        summary["bytes_sent_per_step"] = summary["bytes_received_per_step"] = 0.0  # the summary counts fp32's
+    if single_worker(summary):  # its summary counts the message DDP would send; nothing leaves
+        summary["bytes_sent_per_step"] = summary["bytes_received_per_step"] = 0.0
     return summary
 
 

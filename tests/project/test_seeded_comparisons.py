@@ -24,8 +24,10 @@ import seeds as training_seeds
 T3 = 4.303  # Student's t, 95 %, two degrees of freedom
 
 
-def _quantizer_run(accuracy: float, time: float | None, step: float = 0.1) -> dict[str, float | None]:
-    return {"bytes_sent_per_step": 10.0, "bytes_received_per_step": 30.0, "compression_factor": 4.0,
+def _quantizer_run(
+    accuracy: float, time: float | None, step: float = 0.1, workers: int = 4
+) -> dict[str, float | None]:
+    return {"workers": workers, "bytes_sent_per_step": 10.0, "bytes_received_per_step": 30.0, "compression_factor": 4.0,
             "step_time_median_s": step, "compress_median_s": 0.001, "communicate_median_s": 0.05,
             "decompress_median_s": 0.002, "final_test_accuracy": accuracy, "time_to_accuracy_s": time}  # fmt: skip
 
@@ -42,7 +44,8 @@ def test_the_quantizer_summary_by_hand(tmp_path: Path) -> None:
         "none": [_quantizer_run(0.80, 40.0, 0.12), _quantizer_run(0.82, 30.0, 0.10), _quantizer_run(0.81, 35.0, 0.11)],
         "bf16": [_quantizer_run(0.81, 20.0), _quantizer_run(0.82, 15.0), _quantizer_run(0.80, 35.0)],
         "sidco-exp": [_quantizer_run(0.82, 10.0), _quantizer_run(0.83, None), _quantizer_run(0.84, 5.0)],
-        "alone": [_quantizer_run(0.70, None), _quantizer_run(0.71, None), _quantizer_run(0.72, 50.0)],
+        "alone": [_quantizer_run(0.70, None, workers=1), _quantizer_run(0.71, None, workers=1),
+                  _quantizer_run(0.72, 50.0, workers=1)],
     }  # fmt: skip
     _write_quantizer_runs(tmp_path, runs)
     arms = compare.summarize(list(runs), [0, 1, 2], tmp_path)["arms"]
