@@ -3,12 +3,10 @@
 ``run_benchmark.py``'s main grid at 100 Mbit/s (VGG-style CNN, 4 workers, 200 steps, evaluated
 every 25, its learning rate and warm-up) for the three arms the README's verdict compares --
 ``none`` (stock DDP's fp32 allreduce), ``bf16`` and ``sidco-exp`` at ratio 0.01 under DGC's
-recipe -- once per seed, a seed's arms in turn so that the runs compared share an hour; beside
-them two controls on localhost, read for accuracy:
-
-* ``topk-dense`` -- the recipe run dense (``topk`` at ratio 1: every element every step, the
-  momentum masking leaving plain SGD);
-* ``alone`` -- one worker on its own batch of 32 for the same steps, no communication.
+recipe -- once per seed, a seed's arms in turn so that the runs compared share an hour. The
+controls of this workload (the recipe run dense, one worker alone) are
+``benchmarks/auto/vgg_controls.py``'s runs: the same flags on localhost, seeds 0-4, their
+accuracy not depending on the link.
 
 Per seed the target is that seed's fp32 final test accuracy less one point (as in
 ``run_benchmark.py``), and each arm's time to it the training time of its first evaluation at
@@ -34,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradsift.tools.train.summary import single_worker, time_to_accuracy
+from gradsift.tools.train.summary import time_to_accuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
@@ -51,11 +49,7 @@ ARMS = {
     "none": ["--compressor", "none"],
     "bf16": ["--compressor", "bf16"],
     "sidco-exp": ["--compressor", "sidco-exp", "--ratio", "0.01"],
-    "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
-    "alone": ["--compressor", "none", "--workers", "1"],
 }
-#: The controls: on localhost, read for accuracy.
-CONTROLS = ("topk-dense", "alone")
 BASELINES = ("none", "bf16")
 SEEDS = (0, 1, 2)
 RUNS = results_dir(__file__) / "seeds"
@@ -66,9 +60,8 @@ def command(arm: str, seed: int, out: Path) -> list[str]:
     """The ``gradsift train`` command line of ``arm`` at ``seed`` (``COMMON``'s seed replaced)."""
     common = list(COMMON)
     common[common.index("--seed") + 1] = str(seed)
-    link = [] if arm in CONTROLS else ["--bandwidth", BANDWIDTH]
     return [sys.executable, "-m", "gradsift", "train", *common, "--workers", str(MAIN["workers"]),
-            "--steps", str(MAIN["steps"]), "--eval-every", str(MAIN["eval_every"]), *link, *ARMS[arm],
+            "--steps", str(MAIN["steps"]), "--eval-every", str(MAIN["eval_every"]), "--bandwidth", BANDWIDTH, *ARMS[arm],
             "--out", str(out)]  # fmt: skip
 
 
@@ -105,28 +98,19 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
     table = {}
     for arm in arms:
         summaries = [data[arm][seed]["summary"] for seed in seeds]
-        alone = single_worker(summaries[0])  # its summary counts the message DDP would send
         entry: dict[str, Any] = {
-            "link": None if arm in CONTROLS else BANDWIDTH,
             "time_to_target_s": times[arm],
             "final_test_accuracy": [s["final_test_accuracy"] for s in summaries],
             "step_time_median_s": statistics.median(s["step_time_median_s"] for s in summaries),
-            "bytes_sent_per_step": 0.0
-            if alone
-            else statistics.fmean(s["bytes_sent_per_step"] for s in summaries),
-            "bytes_received_per_step": 0.0
-            if alone
-            else statistics.fmean(s["bytes_received_per_step"] for s in summaries),
-            "compression_factor": None
-            if alone
-            else statistics.fmean(s["compression_factor"] for s in summaries),
+            "bytes_sent_per_step": statistics.fmean(s["bytes_sent_per_step"] for s in summaries),
+            "bytes_received_per_step": statistics.fmean(s["bytes_received_per_step"] for s in summaries),
+            "compression_factor": statistics.fmean(s["compression_factor"] for s in summaries),
             "seeds_reaching_target": sum(t is not None for t in times[arm]),
         }
         if arm != "none":
             points = [100 * (s["final_test_accuracy"] - data["none"][seed]["summary"]["final_test_accuracy"])
                       for seed, s in zip(seeds, summaries, strict=True)]  # fmt: skip
             entry["points_vs_none"] = dict(zip(("mean", "low", "high"), interval(points), strict=True))
-        if arm not in CONTROLS:
             entry["sooner_than"] = {
                 base: paired(times[base], times[arm]) for base in BASELINES if base != arm
             }

@@ -5,8 +5,9 @@ arm and seed: fp32 (``none``), ``bf16``, ``vgc`` at each alpha; then ``sidco-exp
 at the ratio that matches the bytes per step of ``vgc`` at ``--match-alpha`` (8 bytes per
 sparsifier element against VGC's 4; the mean over the seeds' runs); and three controls:
 
-* ``vgc alpha=0`` -- VGC run dense: every element passes the variance test, so what VGC loses
-  against fp32 splits into its quantization's part and its sparsity's.
+* ``vgc alpha=0`` -- VGC without its variance test: every element passes it, and what is sent
+  is what VGC's 4-bit codes can carry (the elements within 2^7.5 of the largest), so what VGC
+  loses against fp32 splits into the test's part and the codes'.
 * ``topk ratio=1`` -- the sparsifiers' recipe (DGC's momentum correction) run dense.
 * ``alone`` -- one worker training on its own batch of the same size for the same steps, no
   communication (nothing sent or received).
