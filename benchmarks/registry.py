@@ -329,47 +329,111 @@ TRAINING_CLAIMS = (
     Claim("train.commit", TRAINING, ("provenance/commit",), "{:.7}"),
 )  # fmt: skip
 
+# -- the SGD verdict over seeds (VGG, 100 Mbit/s: fp32, bf16, sidco-exp) ----------------------
+TRAINING_SEEDS = Result(
+    "results/training/seeds.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/training/seeds.py --json results/training/seeds.json",
+)
+TRAINING_SEED_ARMS = (("`none` (fp32 allreduce)", "none"), ("`bf16` allreduce", "bf16"),
+                      ("`sidco-exp` at 0.01, DGC's recipe", "sidco-exp"))  # fmt: skip
+
+
+def _per_seed(values: list[float | None], spec: str) -> str:
+    """A list over the seeds, ``-`` where a seed gave no value."""
+    return ", ".join("-" if v is None else format(v, spec) for v in values)
+
+
+def _training_seed_cells(label: str, arm: str) -> tuple[Cell, ...]:
+    """One arm's row of the seeded verdict table."""
+    paired = arm != "none"
+    return (
+        label,
+        Claim(f"trainseeds.{arm}.bytes", TRAINING_SEEDS,
+              tuple(f"arms/{arm}/bytes_{way}_per_step" for way in ("sent", "received")), "{:,.0f} / {:,.0f}",
+              compute=lambda *v: v),
+        Claim(f"trainseeds.{arm}.step", TRAINING_SEEDS, (f"arms/{arm}/step_time_median_s",), "{:.0f} ms",
+              compute=lambda v: 1e3 * v),
+        Claim(f"trainseeds.{arm}.times", TRAINING_SEEDS, (f"arms/{arm}/time_to_target_s",),
+              compute=lambda v: _per_seed(v, ".1f")),
+        *(interval_claim(f"trainseeds.{arm}.sooner.{base}", TRAINING_SEEDS, f"arms/{arm}/sooner_than/{base}", ".2f",
+                         "x") if paired and base != arm else "-" for base in ("none", "bf16")),
+        Claim(f"trainseeds.{arm}.accuracy", TRAINING_SEEDS, (f"arms/{arm}/final_test_accuracy",),
+              compute=lambda v: _per_seed(v, ".4f")),
+        interval_claim(f"trainseeds.{arm}.points", TRAINING_SEEDS, f"arms/{arm}/points_vs_none", "+.2f")
+        if paired else "-",
+    )  # fmt: skip
+
+
+TRAINING_SEEDS_TABLE = Table(
+    "training-seeds",
+    ("arm (VGG, 4 workers, 200 steps, 100 Mbit/s)", "bytes sent / received per step and worker", "step (median)",
+     "time to the target per seed (s)", "sooner than fp32 (paired, 95 % CI)", "sooner than bf16 (paired, 95 % CI)",
+     "final accuracy per seed", "vs fp32 (points, paired, 95 % CI)"),
+    ("---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"),
+    tuple(_training_seed_cells(label, arm) for label, arm in TRAINING_SEED_ARMS),
+)  # fmt: skip
+TRAINING_SEEDS_CLAIMS = (
+    Claim("trainseeds.commit", TRAINING_SEEDS, ("provenance/commit",), "{:.7}"),
+    load_claim("trainseeds.load", TRAINING_SEEDS),
+    Claim("trainseeds.targets", TRAINING_SEEDS, ("targets",), compute=lambda t: _per_seed(list(t.values()), ".4f")),
+    interval_claim("trainseeds.sidco.sooner.none", TRAINING_SEEDS, "arms/sidco-exp/sooner_than/none", ".1f", "x"),
+    interval_claim("trainseeds.sidco.sooner.bf16", TRAINING_SEEDS, "arms/sidco-exp/sooner_than/bf16", ".1f", "x"),
+    interval_claim("trainseeds.sidco.points", TRAINING_SEEDS, "arms/sidco-exp/points_vs_none", "+.2f"),
+    Claim("trainseeds.sidco.factor", TRAINING_SEEDS, ("arms/sidco-exp/compression_factor",), "{:.0f}x"),
+)  # fmt: skip
+
+
 # -- VGC: accuracy and bytes (VGG, one epoch), variance-hook overhead ---------------------------
 VGC_RUNS = {"vgc1": "vgc alpha=1", "vgc2": "vgc alpha=2", "vgc4": "vgc alpha=4",
-            "sidco": "sidco-exp ratio=0.007605", "topk": "topk ratio=0.007605"}  # fmt: skip
+            "sidco": "sidco-exp matched", "topk": "topk matched", "vgc0": "vgc alpha=0", "topkdense": "topk ratio=1",
+            "alone": "alone"}  # fmt: skip
+
+
+def vgc_points(claim_id: str, run: str, spec: str) -> Claim:
+    """Run ``run``'s test accuracy against fp32's in points, paired per seed."""
+    return interval_claim(claim_id, VGC_ACCURACY, f"runs/{run}/points_vs_fp32", spec)
+
+
 VGC_CLAIMS = (
     Claim("vgc.fp32.accuracy", VGC_ACCURACY, ("runs/none/final_test_accuracy",), "{:.4f}"),
     Claim("vgc.fp32.accuracy3", VGC_ACCURACY, ("runs/none/final_test_accuracy",), "{:.3f}"),
     Claim("vgc.vgc1.accuracy3", VGC_ACCURACY, ("runs/vgc alpha=1/final_test_accuracy",), "{:.3f}"),
     *(
-        Claim(f"vgc.{key}.fewer", VGC_ACCURACY, (f"runs/{name}/fewer_bytes_than_fp32",), spec)
-        for key, name, spec in (("vgc1", VGC_RUNS["vgc1"], "{:.1f}x"), ("vgc2", VGC_RUNS["vgc2"], "{:.0f}x"),
-                                ("vgc4", VGC_RUNS["vgc4"], "{:.0f}x"))
+        Claim(f"vgc.{key}.fewer", VGC_ACCURACY, (f"runs/{VGC_RUNS[key]}/fewer_bytes_than_fp32",), spec)
+        for key, spec in (("vgc1", "{:.1f}x"), ("vgc2", "{:.0f}x"), ("vgc4", "{:.0f}x"))
     ),
     *(
         Claim(f"vgc.{key}.density", VGC_ACCURACY, (f"runs/{name}/achieved_density",), "{:.1f}%",
               compute=lambda d: 100 * d)
-        for key, name in VGC_RUNS.items() if key.startswith("vgc")
+        for key, name in VGC_RUNS.items() if key in ("vgc1", "vgc2", "vgc4")
     ),
-    *(  # test accuracy against fp32's, in points (negative: lower accuracy)
-        Claim(f"vgc.{key}.points", VGC_ACCURACY, (f"runs/{name}/accuracy_minus_fp32",), spec,
-              compute=lambda d: 100 * d)
-        for key, name, spec in (("vgc1", VGC_RUNS["vgc1"], "{:+.2f}"), ("vgc2", VGC_RUNS["vgc2"], "{:+.1f}"),
-                                ("vgc4", VGC_RUNS["vgc4"], "{:+.1f}"), ("sidco", VGC_RUNS["sidco"], "{:+.2f}"),
-                                ("topk", VGC_RUNS["topk"], "{:+.2f}"))
-    ),
+    # test accuracy against fp32's, in points (negative: lower accuracy), paired over the seeds
+    *(vgc_points(f"vgc.{key}.points", VGC_RUNS[key], spec) for key, spec in
+      (("vgc1", "+.2f"), ("vgc2", "+.1f"), ("vgc4", "+.1f"), ("sidco", "+.2f"), ("topk", "+.2f"), ("vgc0", "+.2f"),
+       ("topkdense", "+.2f"), ("alone", "+.1f"))),
 )  # fmt: skip
-VGC_ACCURACY_ROWS = (("none (fp32)", "none"), *((name, name) for name in VGC_RUNS.values()))
+VGC_ACCURACY_ROWS = (("none (fp32)", "none"), ("bf16", "bf16"), ("vgc alpha=1", "vgc alpha=1"),
+                     ("vgc alpha=2", "vgc alpha=2"), ("vgc alpha=4", "vgc alpha=4"),
+                     ("`sidco-exp`, alpha=2's bytes", "sidco-exp matched"), ("`topk`, alpha=2's bytes", "topk matched"),
+                     ("control: vgc alpha=0 (no variance test)", "vgc alpha=0"),
+                     ("control: `topk` ratio=1 (the recipe run dense)", "topk ratio=1"),
+                     ("control: one worker alone, no communication", "alone"))  # fmt: skip
 VGC_ACCURACY_TABLE = Table(
     "vgc-accuracy",
-    ("run", "bytes/step/worker", "fewer bytes than fp32", "density", "median step (localhost)",
-     "test accuracy after 1 epoch", "vs fp32"),
+    ("run", "bytes sent / received per step and worker", "fewer bytes than fp32", "density",
+     "median step (localhost)", "test accuracy after 1 epoch (mean)", "vs fp32 (points, paired, 95 % CI)"),
     ("---", "---:", "---:", "---:", "---:", "---:", "---:"),
     tuple(
         (label,
-         Claim(f"vgcacc.{run}.bytes", VGC_ACCURACY, (f"runs/{run}/bytes_sent_per_step",), "{:,.0f}"),
-         Claim(f"vgcacc.{run}.fewer", VGC_ACCURACY, (f"runs/{run}/fewer_bytes_than_fp32",), "{:.1f}x"),
+         Claim(f"vgcacc.{run}.bytes", VGC_ACCURACY,
+               (f"runs/{run}/bytes_sent_per_step", f"runs/{run}/bytes_received_per_step"), "{:,.0f} / {:,.0f}",
+               compute=lambda *v: v),
+         Claim(f"vgcacc.{run}.fewer", VGC_ACCURACY, (f"runs/{run}/fewer_bytes_than_fp32",), "{:.1f}x", missing="-"),
          Claim(f"vgcacc.{run}.density", VGC_ACCURACY, (f"runs/{run}/achieved_density",), "{:.4f}"),
          Claim(f"vgcacc.{run}.step", VGC_ACCURACY, (f"runs/{run}/step_time_median_s",), "{:.0f} ms",
                compute=lambda s: 1e3 * s),
          Claim(f"vgcacc.{run}.accuracy", VGC_ACCURACY, (f"runs/{run}/final_test_accuracy",), "{:.4f}"),
-         Claim(f"vgcacc.{run}.points", VGC_ACCURACY, (f"runs/{run}/accuracy_minus_fp32",), "{:+.2f} pt",
-               compute=lambda d: 100 * d))
+         vgc_points(f"vgcacc.{run}.points", run, "+.2f") if run != "none" else "-")
         for label, run in VGC_ACCURACY_ROWS
     ),
 )  # fmt: skip
@@ -406,6 +470,7 @@ VGC_STAMP_CLAIMS = (
     Claim("vgchooks.load", VGC_HOOKS, ("provenance/load_before/0", "provenance/load_after/0"),
           "{:.2f} before, {:.2f} after", compute=lambda *v: v),
     Claim("vgcacc.commit", VGC_ACCURACY, ("provenance/commit",), "{:.7}"),
+    load_claim("vgcacc.load", VGC_ACCURACY),
     Claim("vgcacc.matched_ratio", VGC_ACCURACY, ("matched_ratio",), "{:.4f}"),
 )  # fmt: skip
 PADDING = {
@@ -1652,7 +1717,9 @@ MEMORY_CLAIMS = (
 
 
 # -- the README's verdict: one row per setting, its figures the claims its pages publish -----------
-_PUBLISHED = {c.id: c for c in (*TRAINING_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)}
+_PUBLISHED = {
+    c.id: c for c in (*TRAINING_CLAIMS, *TRAINING_SEEDS_CLAIMS, *VERDICT_CLAIMS, *HOOK_CLAIMS, *AUTO_CLAIMS)
+}
 AUTO_LOCALHOST = AUTO_LINKS[0][2]
 
 
@@ -2142,11 +2209,12 @@ VERDICT_TABLE = Table(
         ("slow link + SGD",
          "`sidco-exp` at ratio 0.01 with DGC's momentum correction: the one line's pick for SGD where it predicts "
          "it faster",
-         (_PUBLISHED["train.tta.none_over_sidco"], " sooner than fp32 DDP and ", _PUBLISHED["train.tta.bf16_over_sidco"],
-          " sooner than `bf16` to fp32's final test accuracy minus one point, with ", _PUBLISHED["train.sidco.factor"],
-          " fewer bytes"),
+         (_PUBLISHED["trainseeds.sidco.sooner.none"], " sooner than fp32 DDP and ",
+          _PUBLISHED["trainseeds.sidco.sooner.bf16"], " sooner than `bf16` to fp32's final test accuracy minus one "
+          "point (paired per seed), ending ", _PUBLISHED["trainseeds.sidco.points"], " points from fp32's accuracy, "
+          "with ", _PUBLISHED["trainseeds.sidco.factor"], " fewer bytes"),
          "VGG-style CNN, 4 workers, 200 steps, emulated 100 Mbit/s ([benchmarks/training](benchmarks/training/README.md))",
-         _seeds("sgd", TRAINING, "provenance/seeds")),
+         _seeds("sgd", TRAINING_SEEDS, "provenance/seeds")),
         ("slow link + AdamW",
          "the 1-bit Adam method (`efsignsgd` under AdamW): a candidate of the one line in runs known to last "
          "3,000 steps or more (`steps=`); in shorter ones it picks `bf16` or stock DDP",
@@ -2197,6 +2265,7 @@ VERDICT_TABLE = Table(
 
 TABLES = (
     TRAINING_TABLE,
+    TRAINING_SEEDS_TABLE,
     TRAINING_SCALING_TABLE,
     QUANTIZER_TABLE,
     BITPACK_TABLE,
@@ -2239,6 +2308,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS, *EST_SPEED_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *TRAINING_SEEDS_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS, *EST_SPEED_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip
