@@ -758,7 +758,7 @@ QUANTIZER_CLAIMS = (
     *(quantizer_interval("sidco-exp", f"sooner_than/{base}", ".1f", f"quant.sidco.sooner_than_{base}", "x")
       for base in ("none", "bf16")),
     *(quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quant.{name}.points")
-      for name in ("powersgd", "topk-dense", "alone")),
+      for name in ("powersgd", "topk-dense", "alone", "signsgd", "sidco-exp")),
 )  # fmt: skip
 
 
