@@ -70,10 +70,11 @@ SEEDS = (0, 1, 2)
 RUNS = ROOT / "results" / "quantizers" / "runs"
 #: The baselines each arm's time to the target is paired against.
 BASELINES = ("none", "bf16")
-#: The summary fields kept per run; the phases are medians over the run's steps.
-FIELDS = ("bytes_sent_per_step", "bytes_received_per_step", "compression_factor", "step_time_median_s",
-          "compress_median_s", "communicate_median_s", "decompress_median_s", "final_test_accuracy",
-          "time_to_accuracy_s")  # fmt: skip
+#: The summary fields whose median over the seeds an arm reports (the phases are the runs' medians).
+MEDIAN_FIELDS = ("bytes_sent_per_step", "bytes_received_per_step", "compression_factor", "step_time_median_s",
+                 "compress_median_s", "communicate_median_s", "decompress_median_s")  # fmt: skip
+#: The summary fields kept per run.
+FIELDS = (*MEDIAN_FIELDS, "final_test_accuracy", "time_to_accuracy_s")
 
 
 def command(arm: str, seed: int, steps: int, out: Path, json_path: Path) -> list[str]:
@@ -117,7 +118,7 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
     for arm, by_seed in per_arm.items():
         entry: dict[str, Any] = {"flags": ARMS[arm], "link": None if arm in WITHOUT_LINK else BANDWIDTH}
         entry["runs"] = {str(seed): {key: run.get(key) for key in FIELDS} for seed, run in by_seed.items()}
-        for key in FIELDS[:7]:
+        for key in MEDIAN_FIELDS:
             entry[key] = statistics.median(run[key] for run in by_seed.values())
         entry["final_test_accuracy"] = statistics.fmean(
             run["final_test_accuracy"] for run in by_seed.values()

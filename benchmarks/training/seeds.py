@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 from one_line import interval
 from paths import results_dir
-from run_benchmark import COMMON, MAIN
-from time_to_target import paired
+from run_benchmark import MAIN
+from time_to_target import paired, read_evals
+from vgg_seeds import train_kept
 
 BANDWIDTH = "100mbit"
 #: Arm -> its flags after the main grid's (later flags win).
@@ -53,39 +51,17 @@ ARMS = {
 BASELINES = ("none", "bf16")
 SEEDS = (0, 1, 2)
 RUNS = results_dir(__file__) / "seeds"
-KEPT = ("summary.json", "evals.jsonl")
-
-
-def command(arm: str, seed: int, out: Path) -> list[str]:
-    """The ``gradsift train`` command line of ``arm`` at ``seed`` (``COMMON``'s seed replaced)."""
-    common = list(COMMON)
-    common[common.index("--seed") + 1] = str(seed)
-    return [sys.executable, "-m", "gradsift", "train", *common, "--workers", str(MAIN["workers"]),
-            "--steps", str(MAIN["steps"]), "--eval-every", str(MAIN["eval_every"]), "--bandwidth", BANDWIDTH, *ARMS[arm],
-            "--out", str(out)]  # fmt: skip
 
 
 def train(arms: list[str], seeds: list[int], runs: Path, resume: bool) -> None:
-    """Every arm once per seed, a seed's arms in turn; :data:`KEPT` copied to ``runs/<arm>-s<seed>/``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            for arm in arms:
-                kept = runs / f"{arm}-s{seed}"
-                if resume and (kept / "summary.json").is_file():
-                    print(f"= {kept} (done)", flush=True)
-                    continue
-                line = command(arm, seed, Path(tmp) / kept.name)
-                print("+", " ".join(line), flush=True)
-                subprocess.run(line, check=True, timeout=1800)
-                kept.mkdir(parents=True, exist_ok=True)
-                for name in KEPT:
-                    shutil.copy(Path(tmp) / kept.name / name, kept / name)
+    """Every arm once per seed over the link, a seed's arms in turn, kept in ``runs/<arm>-s<seed>/``
+    (:func:`vgg_seeds.train_kept`: the main grid's flags, the seed and the arm's flags after them)."""
+    train_kept({arm: ARMS[arm] for arm in arms}, seeds, runs, extra=("--bandwidth", BANDWIDTH), resume=resume)
 
 
 def read(run: Path) -> dict[str, Any]:
     """A kept run's summary and its evaluations."""
-    evals = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": json.loads((run / "summary.json").read_text()), "evals": evals}
+    return {"summary": json.loads((run / "summary.json").read_text()), "evals": read_evals(run)}
 
 
 def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:

@@ -160,7 +160,30 @@ def test_the_training_summary_by_hand(tmp_path: Path) -> None:
     versus = arms["sidco-exp"]["points_vs_none"]
     assert versus["mean"] == pytest.approx(-0.5)
     assert versus["high"] - versus["mean"] == pytest.approx(19.06, abs=0.01)
-    # every arm runs over the emulated link, COMMON's seed replaced
-    line = training_seeds.command("bf16", 2, tmp_path / "run")
-    assert line[line.index("--bandwidth") + 1] == "100mbit" and line.count("--seed") == 1
-    assert line[line.index("--seed") + 1] == "2"
+
+
+def test_the_training_runs_go_over_the_link_at_their_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands = []
+
+    def fake_run(command: list[str], **_: object) -> None:  # a run that writes what is kept
+        commands.append(command)
+        out = Path(command[command.index("--out") + 1])
+        out.mkdir(parents=True)
+        for name in ("summary.json", "evals.jsonl"):
+            (out / name).write_text(name)
+
+    monkeypatch.setattr("subprocess.run", fake_run)
+    training_seeds.train(["bf16"], [2], tmp_path, resume=False)
+    (line,) = commands
+    last = {
+        flag: line[len(line) - 1 - line[::-1].index(flag) + 1]
+        for flag in ("--seed", "--bandwidth", "--compressor")
+    }
+    assert last == {
+        "--seed": "2",
+        "--bandwidth": "100mbit",
+        "--compressor": "bf16",
+    }  # the last of a flag wins
+    assert (tmp_path / "bf16-s2" / "evals.jsonl").read_text() == "evals.jsonl"
