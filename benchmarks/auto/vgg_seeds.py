@@ -34,12 +34,18 @@ KEPT = ("summary.json", "evals.jsonl")
 
 
 def train_kept(
-    arms: dict[str, list[str]], seeds: list[int], out: Path, extra: tuple[str, ...] = (), resume: bool = False
+    arms: dict[str, list[str]],
+    seeds: list[int],
+    out: Path,
+    extra: tuple[str, ...] = (),
+    resume: bool = False,
+    workload: str = "vgg",
 ) -> list[str]:
-    """Train VGG with the composition's flags (``train_flags``), then ``arms[arm]`` and ``extra``
-    (later flags win), once per seed and arm, keeping each run's :data:`KEPT` files in
-    ``out/<arm>-s<seed>/``; with ``resume``, a run whose summary is there already is skipped.
-    Returns the arms trained, in order (an arm once per seed it trained on)."""
+    """Train ``workload`` (VGG, or a convergence protocol workload) with the composition's flags
+    (``train_flags``), then ``arms[arm]`` and ``extra`` (later flags win), once per seed and arm,
+    keeping each run's :data:`KEPT` files in ``out/<arm>-s<seed>/``; with ``resume``, a run whose
+    summary is there already is skipped. Returns the arms trained, in order (an arm once per seed
+    it trained on)."""
     trained = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
@@ -49,7 +55,7 @@ def train_kept(
                     print(f"= {kept} (done)", flush=True)
                     continue
                 run = Path(tmp) / kept.name
-                command = [sys.executable, "-m", "gradsift", "train", *train_flags("vgg"), "--seed", str(seed),
+                command = [sys.executable, "-m", "gradsift", "train", *train_flags(workload), "--seed", str(seed),
                            *flags, *extra, "--no-progress", "--out", str(run)]  # fmt: skip
                 print("+", " ".join(command), flush=True)
                 subprocess.run(command, check=True, timeout=3600)
