@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, the protocol
 import provenance
 from convergence.protocol import WORKLOADS
+from intervals import bounds
 
 #: (label, ``--compressor``, workers): the baseline, the cheap control, the one line, no communication.
 ARMS = (("none", "none", 2), ("bf16", "bf16", 2), ("auto", "auto", 2), ("alone", "none", 1))
@@ -72,16 +72,6 @@ def paired(runs: list[dict[str, Any]], arm: str, field: str) -> list[float]:
     ]
 
 
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and the 95 % t-interval of ``values`` (n <= 10: Student's t table)."""
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, mean, mean
-    half = t95[len(values)] * statistics.stdev(values) / len(values) ** 0.5
-    return mean, mean - half, mean + half
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -101,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 if label in args.arms:
                     runs.append(run(label, compressor, workers, seed, Path(tmp) / f"{label}-{seed}", args))
     ratios = {
-        arm: {field: interval(paired(runs, arm, field)) for field in ("final_validation_loss", "step_time_median_s", "wall_time_s")}
+        arm: {field: bounds(paired(runs, arm, field)) for field in ("final_validation_loss", "step_time_median_s", "wall_time_s")}
         for arm in args.arms
         if arm != "none"
     }  # fmt: skip

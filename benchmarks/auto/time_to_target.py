@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "convergence"))  # 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import analyze
 import provenance
-from one_line import interval
+from intervals import bounds
 from paths import ROOT
 
 #: Calls per candidate the probes make: one untimed, then ``gradsift.hook.probes.PROBES`` (5) timed.
@@ -205,7 +205,7 @@ def paired(numerators: list[float | None], denominators: list[float | None]) -> 
     values = [r for r in ratios if r is not None]
     summary: dict[str, Any] = {"per_seed": ratios, "n": len(values), "mean": None, "low": None, "high": None}
     if values:
-        mean, low, high = interval(values)
+        mean, low, high = bounds(values)
         summary.update(
             mean=mean, low=low if len(values) > 1 else None, high=high if len(values) > 1 else None
         )

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: pro
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 import time_to_target as composed
-from one_line import interval
+from intervals import bounds
 from paths import ROOT
 from vgg_seeds import train_kept
 from whole import goal
@@ -90,7 +90,7 @@ def summarize(arms: list[str], seeds: list[int], out: Path) -> dict[str, Any]:
                 100 * (per_seed[s]["late_mean_accuracy"] - table["none"][s]["late_mean_accuracy"])
                 for s in seeds
             ]
-            versus[arm] = dict(zip(("mean", "low", "high"), interval(points), strict=True))
+            versus[arm] = dict(zip(("mean", "low", "high"), bounds(points), strict=True))
     return {"target": target, "late_from_step": LATE_FROM, "seeds": seeds, "arms": table,
             "late_points_vs_none": versus}  # fmt: skip
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: pro
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 import time_to_target as composed
-from one_line import interval
+from intervals import bounds
 from paths import ROOT
 from vgg_seeds import ARMS, train_kept
 from whole import run_benchmark
@@ -104,7 +104,7 @@ def per_step(runs: dict[str, composed.Curve], seeds: list[int], workload: str) -
     late = {arm: [second_half(c[s]) for s in seeds] for arm, c in runs.items()}
     versus = {
         arm: dict(zip(("mean", "low", "high"),
-                      interval([100 * (a - b) for a, b in zip(late[arm], late["none"], strict=True)]), strict=True))
+                      bounds([100 * (a - b) for a, b in zip(late[arm], late["none"], strict=True)]), strict=True))
         for arm in runs if arm != "none"
     }  # fmt: skip
     return {

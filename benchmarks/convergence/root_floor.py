@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import analyze44
 import campaign44
+import intervals
 import provenance
 from protocol import WORKLOADS
 from run import pack
@@ -227,8 +228,8 @@ def nanogpt_table(report: dict[str, Any]) -> str:
             if arm not in runs.get(side, {}):
                 continue
             found = losses(side, arm)
-            stock = analyze44.paired_gap(found, losses(side, "stock"), relative=True)
-            versus = analyze44.paired_gap(found, losses(BASELINE, arm)) if side != BASELINE else None
+            stock = intervals.paired_gap(found, losses(side, "stock"), relative=True)
+            versus = intervals.paired_gap(found, losses(BASELINE, arm)) if side != BASELINE else None
             sent, received = (sum(r[key] for r in runs[side][arm].values()) / len(found) / 1e6
                               for key in ("bytes_sent_per_step", "bytes_received_per_step"))  # fmt: skip
             report["nanogpt"][f"{arm}-{side}"] = {"losses": found, "versus_stock_pct": stock.__dict__,
@@ -265,7 +266,7 @@ def mlp_table(root: Path, report: dict[str, Any]) -> str:
     for arm, runs in arms.items():
         losses = {int(seed): run["test_loss"] for seed, run in runs.items()}
         weights = [run["largest_weight"] for run in runs.values()]
-        versus = analyze44.paired_gap(losses, stock) if arm != "stock" else None
+        versus = intervals.paired_gap(losses, stock) if arm != "stock" else None
         report["mlp"][arm] = {"largest_weight": weights, "test_loss": losses,
                               "versus_stock": None if versus is None else versus.__dict__}  # fmt: skip
         label = MLP_LABELS.get(arm) or f"the 1-bit Adam method, root {SIDES[arm].split(' (')[0]}"
@@ -299,10 +300,10 @@ def analyse(root: Path) -> tuple[str, dict[str, Any]]:
             baseline = runs.get(f"{method}-{BASELINE}")
             if side != BASELINE and baseline:
                 losses = {s: r["final_val_loss"] for s, r in arm.items()}
-                gap = analyze44.paired_gap(losses, {s: r["final_val_loss"] for s, r in baseline.items()})
+                gap = intervals.paired_gap(losses, {s: r["final_val_loss"] for s, r in baseline.items()})
                 report["versus_none"][f"{method}-{side}"] = gap.__dict__
                 effect = analyze44.ci_text(gap, 3)
-            gap, pct = (analyze44.Interval(**{k: stats[key][k] for k in ("n", "mean", "sd", "half")})
+            gap, pct = (intervals.Interval(**{k: stats[key][k] for k in ("n", "mean", "sd", "half")})
                         for key in ("gap", "gap_pct"))  # fmt: skip
             sd = "" if stats["sd"] is None else f" ± {stats['sd']:.3f}"
             lines.append(

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: pro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))  # one_line: the paired interval
 import peak
 import provenance
-from one_line import interval
+from intervals import bounds
 from paths import results_dir
 from workers import run_ranks
 
@@ -126,7 +126,7 @@ def summarise(runs: list[dict[str, Any]], parameter_bytes: int) -> dict[str, Any
                 ratios = [
                     by[(n, arm, setting)]["step_ms"] / by[(n, arm, DEFAULTS)]["step_ms"] for n in rounds
                 ]
-                mean, low, high = interval(ratios)
+                mean, low, high = bounds(ratios)
                 row["step_over_defaults"][setting] = {
                     "mean": mean,
                     "low": low,

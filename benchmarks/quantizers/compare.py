@@ -45,7 +45,7 @@ from gradsift.tools.train.summary import single_worker
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
 import provenance
-from one_line import interval
+from intervals import bounds
 from paths import ROOT
 from time_to_target import paired
 
@@ -132,9 +132,7 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
                 100 * (by_seed[s]["final_test_accuracy"] - per_arm["none"][s]["final_test_accuracy"])
                 for s in seeds
             ]
-            entry["accuracy_points_vs_none"] = dict(
-                zip(("mean", "low", "high"), interval(points), strict=True)
-            )
+            entry["accuracy_points_vs_none"] = dict(zip(("mean", "low", "high"), bounds(points), strict=True))
         entry["sooner_than"] = {
             base: paired([per_arm[base][s]["time_to_accuracy_s"] for s in seeds], times)
             for base in BASELINES

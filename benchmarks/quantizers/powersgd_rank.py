@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare
 import provenance
 import vgg_controls
-from one_line import interval
+from intervals import bounds
 from paths import ROOT
 from protocol import RUNS as PROTOCOL_RUNS
 from protocol import WORKLOADS
@@ -122,7 +122,7 @@ def summarize_workload(workload: str, seeds: list[int]) -> dict[str, Any]:
                 else 100 * (value[s] - metric["none"][s])
                 for s in seeds
             ]
-            entry["vs_none"] = dict(zip(("mean", "low", "high"), interval(gaps), strict=True))
+            entry["vs_none"] = dict(zip(("mean", "low", "high"), bounds(gaps), strict=True))
         if arm != "alone":
             entry["seeds_beating_alone"] = sum(
                 (value[s] < metric["alone"][s]) if lower_is_better else (value[s] > metric["alone"][s])

@@ -66,7 +66,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, the statistics
 import provenance
-from convergence.analyze44 import Interval, interval, paired_gap, ring_received
+from convergence.analyze44 import ring_received
+from intervals import Interval, interval, paired_gap
 
 from gradsift.tools.train.launcher import Localhost
 from gradsift.tools.train.netem import EmulatedNetwork, parse_rate

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: pro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
-from one_line import interval
+from intervals import bounds
 from paths import results_dir
 from run_benchmark import MAIN
 from time_to_target import paired, read_evals
@@ -86,7 +86,7 @@ def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
         if arm != "none":
             points = [100 * (s["final_test_accuracy"] - data["none"][seed]["summary"]["final_test_accuracy"])
                       for seed, s in zip(seeds, summaries, strict=True)]  # fmt: skip
-            entry["points_vs_none"] = dict(zip(("mean", "low", "high"), interval(points), strict=True))
+            entry["points_vs_none"] = dict(zip(("mean", "low", "high"), bounds(points), strict=True))
             entry["sooner_than"] = {
                 base: paired(times[base], times[arm]) for base in BASELINES if base != arm
             }

@@ -35,7 +35,7 @@ from gradsift.tools.train.summary import single_worker
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
 import provenance
-from one_line import interval
+from intervals import bounds
 from paths import results_dir
 
 FIELDS = ("bytes_sent_per_step", "bytes_received_per_step", "dense_bytes_per_step", "achieved_density",
@@ -70,7 +70,7 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         seeds = sorted(by_seed)
         sent = statistics.fmean(by_seed[s]["bytes_sent_per_step"] for s in seeds)
         points = [100 * (by_seed[s]["final_test_accuracy"] - dense[s]["final_test_accuracy"]) for s in seeds]
-        mean, low, high = interval(points)
+        mean, low, high = bounds(points)
         table[name] = {
             "seeds": {str(s): {k: by_seed[s].get(k) for k in FIELDS} for s in seeds},
             "bytes_sent_per_step": sent,

@@ -83,13 +83,13 @@ def test_three_seeds_loss_not_reached_and_t_interval_by_hand() -> None:
     assert row["auto"]["reached"] == 2
     ratios = row["auto_over_best_fixed"]
     assert ratios["per_seed"] == [pytest.approx(1.16), pytest.approx(1.08), None] and ratios["n"] == 2
-    # mean 1.12; sd = 0.08 / sqrt 2; half = t(0.975, 1) 12.706 x sd / sqrt 2 = 12.706 x 0.04 = 0.50824
+    # mean 1.12; sd = 0.08 / sqrt 2; half = t(0.975, 1) 12.7062 x sd / sqrt 2 = 12.7062 x 0.04 = 0.508248
     assert ratios["mean"] == pytest.approx(1.12)
-    assert (ratios["low"], ratios["high"]) == (pytest.approx(1.12 - 0.50824), pytest.approx(1.12 + 0.50824))
-    # over none: 0.29, 0.54 -> mean 0.415, half 12.706 x 0.125 = 1.58825
+    assert (ratios["low"], ratios["high"]) == (pytest.approx(1.12 - 0.508248), pytest.approx(1.12 + 0.508248))
+    # over none: 0.29, 0.54 -> mean 0.415, half 12.7062 x 0.125 = 1.588275
     against_none = row["auto_over_none"]
     assert against_none["mean"] == pytest.approx(0.415)
-    assert against_none["high"] == pytest.approx(0.415 + 1.58825)
+    assert against_none["high"] == pytest.approx(0.415 + 1.588275)
 
 
 def test_a_target_before_the_decision_pays_no_probe_and_never_reached_stays_none() -> None:

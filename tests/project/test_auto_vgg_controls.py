@@ -48,8 +48,8 @@ def test_the_summary_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     # late mean (steps 100 and 150): none 0.85 and 0.85; sidco-exp 0.87 and 0.88
     assert arms["none"][0]["late_mean_accuracy"] == pytest.approx(0.85)
     assert arms["sidco-exp"][1]["late_mean_accuracy"] == pytest.approx(0.88)
-    # sidco-exp - none per seed: +2 and +3 points; mean 2.5, sd 0.7071, t(1) 12.706:
-    # half width 12.706 * 0.7071 / sqrt(2) = 6.353
+    # sidco-exp - none per seed: +2 and +3 points; mean 2.5, sd 0.7071, t(1) 12.7062:
+    # half width 12.7062 * 0.7071 / sqrt(2) = 6.353
     versus = summary["late_points_vs_none"]["sidco-exp"]
     assert versus["mean"] == pytest.approx(2.5)
     assert (versus["low"], versus["high"]) == (

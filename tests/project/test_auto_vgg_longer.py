@@ -74,7 +74,7 @@ def test_steps_and_paired_difference_by_hand(tmp_path: Path, monkeypatch: pytest
     assert result["target"] == pytest.approx(0.875)
     assert result["steps_to_target"] == {"none": [400, 400], "bf16": [400, 400], "sidco-exp": [200, 300]}
     # second half (steps 300, 400): none 0.87, 0.875; sidco-exp 0.88, 0.89 -> +1.0 and +1.5 points;
-    # mean 1.25, sd 0.3536, t(1) 12.706: half width 12.706 * 0.3536 / sqrt(2) = 3.1765
+    # mean 1.25, sd 0.3536, t(1) 12.7062: half width 12.7062 * 0.3536 / sqrt(2) = 3.1765
     versus = result["second_half_points_vs_none"]["sidco-exp"]
     assert versus["mean"] == pytest.approx(1.25)
     assert (versus["low"], versus["high"]) == (

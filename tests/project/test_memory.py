@@ -103,10 +103,10 @@ def test_the_threshold_cost_pairs_each_round_and_counts_the_rss_over_stock() -> 
     assert topk["step_over_defaults"]["threshold fixed, huge pages"]["per_round"] == [1.2, 1.1]
     ratio = topk["step_over_defaults"]["threshold fixed"]
     assert ratio["per_round"] == [1.5, 1.25]
-    # mean 1.375, stdev 0.1767767, t(0.975, 1 df) 12.706: half-width 12.706 * 0.1767767 / sqrt(2) = 1.58825
+    # mean 1.375, stdev 0.1767767, t(0.975, 1 df) 12.7062: half-width 12.7062 * 0.1767767 / sqrt(2) = 1.588275
     assert ratio["mean"] == pytest.approx(1.375)
     assert (ratio["low"], ratio["high"]) == (
-        pytest.approx(1.375 - 1.58825, abs=1e-5),
-        pytest.approx(1.375 + 1.58825, abs=1e-5),
+        pytest.approx(1.375 - 1.588275, abs=1e-5),
+        pytest.approx(1.375 + 1.588275, abs=1e-5),
     )
     assert arms["stock"]["threshold fixed"]["extra_rss_over_parameter_bytes"] == 0.0

@@ -1,7 +1,7 @@
 """benchmarks/quantizers/compare.py, benchmarks/vgc/accuracy.py, benchmarks/training/seeds.py: the summaries over seeds.
 
 Oracle: hand-made run summaries, each answer worked out by hand in the comments (medians,
-means, the per-seed differences in points with Student's t at n = 3: 4.303, the times to the
+means, the per-seed differences in points with Student's t at n = 3: 4.3027, the times to the
 target paired as ratios, a run that never reached the target counting as the latest).
 """
 
@@ -21,7 +21,7 @@ import accuracy as vgc_accuracy
 import compare
 import seeds as training_seeds
 
-T3 = 4.303  # Student's t, 95 %, two degrees of freedom
+T3 = 4.3027  # Student's t, 95 %, two degrees of freedom
 
 
 def _quantizer_run(
@@ -56,13 +56,13 @@ def test_the_quantizer_summary_by_hand(tmp_path: Path) -> None:
     # sidco-exp: 10, never, 5 -> sorted 5, 10, inf: median 10, two seeds of three reached
     assert arms["sidco-exp"]["time_to_accuracy_s"] == pytest.approx(10.0)
     assert arms["sidco-exp"]["seeds_reaching_target"] == 2
-    # against none per seed: +2, +1, +3 points; mean 2, sd 1, half width 4.303 / sqrt(3)
+    # against none per seed: +2, +1, +3 points; mean 2, sd 1, half width 4.3027 / sqrt(3)
     half = T3 * 1.0 / math.sqrt(3)
     assert arms["sidco-exp"]["accuracy_points_vs_none"] == pytest.approx(
         {"mean": 2.0, "low": 2.0 - half, "high": 2.0 + half}
     )
     # sooner than none: 40/10 = 4 and 35/5 = 7 where both reached (seed 1 not): mean 5.5,
-    # sd 2.1213, half width 12.706 * 2.1213 / sqrt(2) = 19.06
+    # sd 2.1213, half width 12.7062 * 2.1213 / sqrt(2) = 19.06
     sooner = arms["sidco-exp"]["sooner_than"]["none"]
     assert sooner["per_seed"] == [pytest.approx(4.0), None, pytest.approx(7.0)]
     assert (sooner["mean"], sooner["low"], sooner["high"]) == (
@@ -113,7 +113,7 @@ def test_the_vgc_summary_by_hand() -> None:
     assert vgc["fewer_bytes_than_fp32"] == pytest.approx(20.0)
     assert vgc["achieved_density"] == pytest.approx(0.05)
     assert vgc["step_time_median_s"] == pytest.approx(0.4)
-    # against fp32 per seed: -4, -1, -4 points; mean -3, sd sqrt(3), half width 4.303
+    # against fp32 per seed: -4, -1, -4 points; mean -3, sd sqrt(3), half width 4.3027
     assert vgc["points_vs_fp32"] == pytest.approx({"mean": -3.0, "low": -3.0 - T3, "high": -3.0 + T3})
     assert vgc["final_test_accuracy"] == pytest.approx(0.87)
     # fp32 against itself: zero; one worker alone sent nothing: no factor
@@ -156,7 +156,7 @@ def test_the_training_summary_by_hand(tmp_path: Path) -> None:
     assert arms["sidco-exp"]["sooner_than"]["none"]["low"] is None
     assert arms["bf16"]["sooner_than"]["none"]["mean"] == pytest.approx(2.0)
     assert "sooner_than" not in arms["none"] and "points_vs_none" not in arms["none"]
-    # accuracy against fp32: +1 and -2 points; mean -0.5, sd 2.1213, half width 12.706 * 1.5 = 19.06
+    # accuracy against fp32: +1 and -2 points; mean -0.5, sd 2.1213, half width 12.7062 * 1.5 = 19.06
     versus = arms["sidco-exp"]["points_vs_none"]
     assert versus["mean"] == pytest.approx(-0.5)
     assert versus["high"] - versus["mean"] == pytest.approx(19.06, abs=0.01)
@@ -187,3 +187,84 @@ def test_the_training_runs_go_over_the_link_at_their_seed(
         "--compressor": "bf16",
     }  # the last of a flag wins
     assert (tmp_path / "bf16-s2" / "evals.jsonl").read_text() == "evals.jsonl"
+
+
+def _loss_run(loss: float, workers: int = 2) -> dict[str, float]:
+    return {
+        "workers": workers,
+        "final_test_loss": loss,
+        "bytes_sent_per_step": 8.0,
+        "bytes_received_per_step": 12.0,
+    }
+
+
+def test_the_powersgd_rank_summary_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import powersgd_rank
+
+    protocol, own = tmp_path / "protocol", tmp_path / "own"
+    monkeypatch.setattr(powersgd_rank, "PROTOCOL_RUNS", protocol)
+    monkeypatch.setattr(powersgd_rank, "RUNS", own)
+    losses = {
+        "none": [2.0, 2.0, 2.5],
+        "bf16": [2.0, 2.0, 2.5],
+        "alone": [2.2, 2.1, 2.4],
+        "powersgd-r1": [2.3, 2.2, 2.6],
+        "powersgd-r2": [2.02, 2.04, 2.5],
+        "powersgd-r4": [2.0, 2.0, 2.5],
+        "topk-dense": [2.1, 2.0, 2.5],
+    }
+    for arm, by_seed in losses.items():
+        for seed, loss in enumerate(by_seed):
+            if arm in powersgd_rank.BASELINES:  # the protocol's committed runs
+                folder = protocol / "gpt-adamw" / f"{arm}-e0.3-s{seed}"
+            else:
+                folder = own / "gpt-adamw" / f"{arm}-s{seed}"
+            folder.mkdir(parents=True)
+            (folder / "summary.json").write_text(json.dumps(_loss_run(loss, 1 if arm == "alone" else 2)))
+    (own / "gpt-adamw" / "repeat-s0").mkdir()
+    (own / "gpt-adamw" / "repeat-s0" / "summary.json").write_text(json.dumps(_loss_run(2.0001)))
+    summary = powersgd_rank.summarize_workload("gpt-adamw", [0, 1, 2])
+    arms = summary["arms"]
+    assert summary["unit"] == "% of fp32's loss"
+    # rank 2 against fp32 per seed: +1 %, +2 %, 0 %: mean 1, sd 1, half width 4.3027 / sqrt(3)
+    half = T3 / math.sqrt(3)
+    assert arms["powersgd-r2"]["vs_none"] == pytest.approx(
+        {"mean": 1.0, "low": 1.0 - half, "high": 1.0 + half}
+    )
+    assert arms["powersgd-r2"]["mean"] == pytest.approx(6.56 / 3)
+    # lower loss beats the worker alone: 2.02 < 2.2, 2.04 < 2.1, not 2.5 < 2.4; rank 1 on none
+    assert arms["powersgd-r2"]["seeds_beating_alone"] == 2
+    assert arms["powersgd-r1"]["seeds_beating_alone"] == 0
+    assert "vs_none" not in arms["none"] and "seeds_beating_alone" not in arms["alone"]
+    # the worker alone sends and receives nothing; the others' medians are their runs' 8 and 12
+    assert arms["alone"]["bytes_sent_per_step"] == arms["alone"]["bytes_received_per_step"] == 0.0
+    assert (arms["topk-dense"]["bytes_sent_per_step"], arms["topk-dense"]["bytes_received_per_step"]) == (
+        8.0,
+        12.0,
+    )
+    assert summary["repeat_seed0"] == {"committed": 2.0, "rerun": 2.0001}
+
+
+def test_the_powersgd_rank_mlp_arms_are_the_quantizer_comparison_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import powersgd_rank
+
+    monkeypatch.setattr(compare, "RUNS", tmp_path)
+    accuracy = {"none": [0.80, 0.82, 0.81], "bf16": [0.80, 0.82, 0.81], "alone": [0.70, 0.83, 0.72],
+                "powersgd-r1": [0.70, 0.76, 0.73], "powersgd-r2": [0.79, 0.80, 0.82],
+                "powersgd-r4": [0.80, 0.82, 0.81]}  # fmt: skip
+    _write_quantizer_runs(
+        tmp_path,
+        {arm: [_quantizer_run(a, None, workers=1 if arm == "alone" else 4) for a in by_seed]
+         for arm, by_seed in accuracy.items()},
+    )  # fmt: skip
+    arms = powersgd_rank.summarize_workload("mlp", [0, 1, 2])["arms"]
+    # rank 1 against fp32: -10, -6, -8 points: mean -8, sd 2, half width 4.3027 * 2 / sqrt(3)
+    half = T3 * 2 / math.sqrt(3)
+    assert arms["powersgd-r1"]["vs_none"] == pytest.approx(
+        {"mean": -8.0, "low": -8.0 - half, "high": -8.0 + half}
+    )
+    # higher accuracy beats the worker alone: rank 1 only on seed 2 (0.73 > 0.72), rank 2 on 0 and 2
+    assert arms["powersgd-r1"]["seeds_beating_alone"] == 1
+    assert arms["powersgd-r2"]["seeds_beating_alone"] == 2
