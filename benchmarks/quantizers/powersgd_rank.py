@@ -10,7 +10,10 @@ and 4, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
   beside the candidates' fp32 and bf16 runs and ``vgg_controls.py``'s worker alone.
 * ``gpt-adamw`` -- the convergence protocol's GPT + AdamW (2 workers, 314 steps, localhost),
   beside its fp32, bf16 and ``alone`` runs, and the recipe run dense (``topk-dense``: ``topk``
-  at ratio 1 under the same frozen-variance AdamW the recipe gives PowerSGD).
+  at ratio 1 under the same frozen-variance AdamW the recipe gives PowerSGD), and each rank two
+  ways out of that recipe: ``-no-recipe`` (plain AdamW steps on the exchanged mean gradient,
+  PowerSGD's error feedback on the gradient: the way PyTorch's hook is used) and
+  ``-no-masking`` (the recipe's frozen-variance AdamW without DGC's momentum factor masking).
 
 Under SGD PowerSGD leaves the momentum to the optimizer, so PowerSGD run dense *is* fp32 there.
 The baselines are committed runs of earlier commits; ``repeat`` reruns fp32 at seed 0 of VGG and
@@ -60,6 +63,12 @@ OWN_ARMS = {
     "gpt-adamw": {
         "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
         "repeat": ["--compressor", "none"],
+        # the two ways out of the recipe's frozen-variance AdamW with momentum masking
+        **{f"{arm}-no-recipe": [*flags, "--no-recipe"] for arm, flags in RANK_ARMS.items()},
+        **{
+            f"{arm}-no-masking": [*flags, "--option", "momentum_masking=false"]
+            for arm, flags in RANK_ARMS.items()
+        },
     },
 }
 #: Per workload: the summary field compared, and whether lower is better.
