@@ -114,3 +114,31 @@ def test_powersgd_leaves_sgd_momentum_to_the_optimizer(one_process_group):
         state = gradsift.register_comm_hook(ddp, name, optimizer=optimizer)
         assert state.feedback.momentum == hook_momentum
         assert optimizer.param_groups[0]["momentum"] == kept
+
+
+def _adamw_run(one_line: dict, steps: int = 8) -> list[torch.Tensor]:
+    """AdamW on a DDP model hooked with ``powersgd`` and ``one_line``; the parameters after ``steps``."""
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4)))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    state = gradsift.register_comm_hook(ddp, "powersgd", start_iter=2, **one_line)
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        optimizer.step()
+    assert state.adam is None and state.feedback.momentum == 0.0  # AdamW kept its moments
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999) and optimizer.state
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def test_powersgd_leaves_adam_to_the_optimizer(one_process_group):
+    """Under AdamW, PowerSGD's one line runs no Adam method in the hook: the discovered AdamW
+    steps on the exchanged mean as it would with ``optimizer=False`` (no adoption), bit for bit,
+    past ``start_iter`` -- and an ``adam=`` method it cannot run is refused, naming it."""
+    found, by_hand = _adamw_run({}), _adamw_run({"optimizer": False})
+    assert all(torch.equal(a, b) for a, b in zip(found, by_hand, strict=True))
+    ddp = DDP(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(ddp.parameters())
+    with pytest.raises(InvalidOptionError, match=r"adam='onebit'.*'powersgd' leaves AdamW its moments"):
+        gradsift.register_comm_hook(ddp, "powersgd", optimizer=optimizer, adam="onebit")

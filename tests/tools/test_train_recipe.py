@@ -118,6 +118,7 @@ def test_recipe_options_give_adam_a_dense_warm_up_of_a_tenth_of_the_run() -> Non
     assert recipe_options("topk", {}, 4, adam=True)["warmup_steps"] == 1  # at least one dense step
     assert "warmup_steps" not in recipe_options("bf16", {}, 300, adam=True)  # no error feedback
     assert "warmup_steps" not in recipe_options("topk", {}, 300)  # SGD needs none
+    assert recipe_options("powersgd", {"rank": 2}, 300, adam=True) == {"rank": 2}  # AdamW keeps its moments
 
 
 @pytest.mark.distributed

@@ -102,7 +102,10 @@ def take_over(
     0/1 Adam's ``local_steps`` (:mod:`gradsift.hook.zero_one`), its velocity its own).
     ``numbers`` maps ``id(parameter)`` to the parameter's number. A ``compressor`` whose
     :attr:`~gradsift.compressors.base.Compressor.momentum_correction` is False (PowerSGD) takes
-    nothing from an optimizer outside the Adam family: it keeps its momentum. Raises
+    nothing from SGD or the Adam family: the optimizer keeps its moments and steps on the
+    exchanged mean, and an ``adam`` other than the default ``"frozen-variance"`` is refused (a
+    low-rank velocity's error comes back in bursts: docs/decisions.md, "PowerSGD leaves Adam to
+    the optimizer"). Raises
     :class:`InvalidOptionError` for an optimizer holding none of the model's parameters, for other
     optimizers, for Nesterov momentum or dampening,
     for ``maximize=True`` with weight decay, for groups that disagree on momentum, and for a
@@ -117,11 +120,20 @@ def take_over(
             f"optimizer= ({type(optimizer).__name__}) holds none of the hooked model's parameters: "
             "pass the optimizer that steps them (or leave optimizer= out: the hook finds it)"
         )
+    keeps_moments = compressor is not None and not compressor.momentum_correction
+    if is_adam(optimizer) and keeps_moments:
+        if adam != "frozen-variance":
+            raise InvalidOptionError(
+                f"adam={adam!r} runs an Adam method in the hook, but {compressor.name!r} leaves "
+                f"{type(optimizer).__name__} its moments (it compresses the gradient, not a momentum): "
+                "drop adam=, or pick an error-feedback compressor that takes the first moment over (e.g. efsignsgd)"
+            )
+        return Takeover()
     if is_adam(optimizer):
         step = _adam_step(optimizer, numbers, warmup_steps, adam, local_steps)
         momentum = 0.0 if isinstance(step, (LocalUpdateStep, ZeroOneAdamStep)) else step.beta1
         return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
-    if compressor is not None and not compressor.momentum_correction:
+    if keeps_moments:
         return Takeover()
     if not isinstance(optimizer, torch.optim.SGD):
         zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # imported if in use

@@ -165,7 +165,8 @@ class GradsiftHookState:
         watch again (a scaler was found)."""
         self.optimizer = optimizer
         if take_over and optimizer is not None and self.feedback is not None:
-            if self.options.adam in FROZEN_METHODS and is_adam(recipe.unwrapped(optimizer)):
+            frozen = self.options.adam in FROZEN_METHODS and self.compressor.momentum_correction
+            if frozen and is_adam(recipe.unwrapped(optimizer)):  # PowerSGD leaves Adam its moments
                 self.options = self.options.with_frozen_variance_warmup()
             method = (self.options.warmup_steps, self.options.adam, self.compressor, self.options.local_steps)
             taken = recipe.take_over(optimizer, self.layout.numbers, *method)

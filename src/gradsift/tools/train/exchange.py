@@ -57,8 +57,10 @@ def recipe_options(
     ``round(DENSITY_WARMUP_FRACTION * steps)`` steps (none for runs of 20 steps or fewer,
     where that rounds to 0; with ``auto`` outside the Adam family, for the sparsifier its
     measuring steps run, :data:`gradsift.hook.choice.START`), and with ``adam`` (an Adam-family optimizer) and an
-    error-feedback compressor the dense warm-up of :func:`gradsift.hook.adam.default_warmup_steps`
-    (a tenth of the steps, at least 1); explicit options win."""
+    error-feedback compressor that takes the first moment over (not PowerSGD, which leaves Adam
+    its moments: :func:`gradsift.hook.recipe.take_over`) the dense warm-up of
+    :func:`gradsift.hook.adam.default_warmup_steps` (a tenth of the steps, at least 1); explicit
+    options win."""
     hook_options = dict(options)
     warmup_steps = round(DENSITY_WARMUP_FRACTION * steps)
     if compressor == AUTO:  # Adam's dense warm-up, or the density warm-up of SGD's start method
@@ -69,7 +71,7 @@ def recipe_options(
         return hook_options
     if warmup_steps and warms_up_density(compressor, options):
         hook_options.setdefault("density_warmup_steps", warmup_steps)
-    if adam and uses_feedback(compressor, options):
+    if adam and uses_feedback(compressor, options) and compressor_class(compressor).momentum_correction:
         hook_options.setdefault("warmup_steps", default_warmup_steps(steps))
     return hook_options
 
