@@ -750,15 +750,17 @@ QUANTIZER_TABLE = Table(
 QUANTIZER_CLAIMS = (
     Claim("quant.commit", QUANTIZERS, ("provenance/commit",), "{:.7}"),
     load_claim("quant.load", QUANTIZERS),
-    *(quantizer_claim(name, "final_test_accuracy", "{:.2f}", f"quant.{name}.accuracy") for name in ("none", "powersgd")),
+    *(quantizer_claim(name, "final_test_accuracy", "{:.2f}", f"quant.{name}.accuracy")
+      for name in ("none", "powersgd-r1", "powersgd-r4")),
     quantizer_claim("qsgd", "compression_factor", "{:.1f}x", "quant.qsgd.fewer"),
     quantizer_claim("sidco-exp", "compression_factor", "{:.0f}x", "quant.sidco.fewer"),
     *(quantizer_claim(name, "time_to_accuracy_s", "{:.1f} s", f"quant.{name}.tta.readme", missing="not reached")
-      for name in ("none", "bf16", "sidco-exp", "signsgd", "qsgd", "vgc", "terngrad", "efsignsgd", "powersgd")),
+      for name in ("none", "bf16", "sidco-exp", "signsgd", "qsgd", "vgc", "terngrad", "efsignsgd", "powersgd-r1",
+                   "powersgd-r4")),
     *(quantizer_interval("sidco-exp", f"sooner_than/{base}", ".1f", f"quant.sidco.sooner_than_{base}", "x")
       for base in ("none", "bf16")),
     *(quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quant.{name}.points")
-      for name in ("powersgd", "topk-dense", "alone", "signsgd", "sidco-exp")),
+      for name in ("powersgd-r1", "powersgd-r4", "topk-dense", "alone", "signsgd", "sidco-exp")),
 )  # fmt: skip
 
 
@@ -1030,10 +1032,12 @@ def _ddp_table(world: str) -> Table:
     )  # fmt: skip
 
 
-QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", "powersgd", "sidco-exp", "vgc",
-                  "topk-dense", "alone")  # fmt: skip
+POWERSGD_RANK_LABELS = {"powersgd-r1": "`powersgd` rank 1 (PyTorch's default)", "powersgd-r2": "`powersgd` rank 2",
+                        "powersgd-r4": "`powersgd` rank 4 (the default)"}  # fmt: skip
+QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", *POWERSGD_RANK_LABELS, "sidco-exp",
+                  "vgc", "topk-dense", "alone")  # fmt: skip
 #: Arms whose phases the trainer cannot split: PyTorch's hook communicates between its products.
-QUANTIZER_UNSPLIT = {"powersgd": "not split (inside PyTorch's hook)"}
+QUANTIZER_UNSPLIT = dict.fromkeys(POWERSGD_RANK_LABELS, "not split (inside PyTorch's hook)")
 #: The controls' rows: their label and link (they run without the emulated link).
 QUANTIZER_CONTROLS = {"topk-dense": ("`topk` at ratio 1: the recipe run dense", "localhost"),
                       "alone": ("one worker alone: no communication", "none")}  # fmt: skip
@@ -1041,7 +1045,7 @@ QUANTIZER_CONTROLS = {"topk-dense": ("`topk` at ratio 1: the recipe run dense", 
 
 def _quantizer_cells(name: str) -> tuple[Cell, ...]:
     """One arm's row of the quantizer comparison's table."""
-    label, link = QUANTIZER_CONTROLS.get(name, (f"`{name}`", "100 Mbit/s"))
+    label, link = QUANTIZER_CONTROLS.get(name, (POWERSGD_RANK_LABELS.get(name, f"`{name}`"), "100 Mbit/s"))
     compared = name not in QUANTIZER_CONTROLS
     return (
         label,
@@ -1063,6 +1067,60 @@ def _quantizer_cells(name: str) -> tuple[Cell, ...]:
         quantizer_interval(name, "sooner_than/none", ".1f", f"quantrun.{name}.sooner", "x")
         if compared and name != "none" else "-",
     )  # fmt: skip
+
+
+POWERSGD_RANK = Result(
+    "results/quantizers/powersgd_rank.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/quantizers/powersgd_rank.py --json results/quantizers/powersgd_rank.json",
+)
+#: The rank study's rows: workload, arm, label (the baselines' and controls' rows as in the other tables).
+POWERSGD_RANK_ROWS = tuple(
+    (workload, arm, label)
+    for workload in ("mlp", "vgg", "gpt-adamw")
+    for arm, label in (
+        ("none", "fp32"), ("bf16", "bf16"), ("alone", "one worker alone"),
+        *((f"powersgd-r{r}", f"rank {r}" + (", frozen-variance AdamW in the hook (the one line before 177799b)"
+                                             if workload == "gpt-adamw" else "")) for r in (1, 2, 4)),
+        *(((f"powersgd-r{r}-no-recipe", f"rank {r}, AdamW keeps its moments (the one line now)") for r in (1, 2, 4))
+          if workload == "gpt-adamw" else ()),
+        *((("topk-dense", "control: `topk` at ratio 1 under the same frozen-variance AdamW"),)
+          if workload == "gpt-adamw" else ()),
+    )
+)  # fmt: skip
+POWERSGD_RANK_WORKLOADS = {"mlp": "MLP, SGD, 4 workers, 300 steps", "vgg": "VGG, SGD, 4 workers, 200 steps",
+                           "gpt-adamw": "GPT, AdamW, 2 workers, 314 steps"}  # fmt: skip
+
+
+def _powersgd_rank_cells(workload: str, arm: str, label: str) -> tuple[Cell, ...]:
+    """One row of the rank study: the metric's mean, its paired gap to fp32, bytes, seeds beating alone."""
+    base = f"workloads/{workload}/arms/{arm}"
+    unit = " %" if workload == "gpt-adamw" else " pts"
+    cid = f"psgdrank.{workload}.{arm}"
+    return (
+        POWERSGD_RANK_WORKLOADS[workload],
+        label,
+        Claim(f"{cid}.mean", POWERSGD_RANK, (f"{base}/mean",), "{:.4f}"),
+        interval_claim(f"{cid}.gap", POWERSGD_RANK, f"{base}/vs_none", "+.2f", unit) if arm != "none" else "-",
+        Claim(f"{cid}.bytes", POWERSGD_RANK, (f"{base}/bytes_sent_per_step", f"{base}/bytes_received_per_step"),
+              "{:,.0f} / {:,.0f}", compute=lambda *v: v),
+        Claim(f"{cid}.alone", POWERSGD_RANK, (f"{base}/seeds_beating_alone",), "{}/3") if arm != "alone" else "-",
+    )  # fmt: skip
+
+
+POWERSGD_RANK_TABLE = Table(
+    "powersgd-rank",
+    ("workload", "run", "final test accuracy, or validation loss for the GPT (mean)",
+     "vs fp32 (paired, 95 % CI; points, or % of the loss)", "bytes sent / received per step and worker",
+     "seeds above the worker alone"),
+    ("---", "---", "---:", "---:", "---:", "---:"),
+    tuple(_powersgd_rank_cells(*row) for row in POWERSGD_RANK_ROWS),
+)  # fmt: skip
+POWERSGD_RANK_CLAIMS = (
+    Claim("psgdrank.commit", POWERSGD_RANK, ("provenance/commit",), "{:.7}"),
+    load_claim("psgdrank.load", POWERSGD_RANK),
+    *(interval_claim(f"psgdrank.gpt.{arm}", POWERSGD_RANK, f"workloads/gpt-adamw/arms/{arm}/vs_none", "+.1f", " %")
+      for arm in ("powersgd-r4-no-masking", "powersgd-r4")),
+)  # fmt: skip
 
 
 QUANTIZER_RUNS_TABLE = Table(
@@ -1584,10 +1642,15 @@ MEMORY = Result(
 )
 MEMORY_ARMS = (("sgd", "SGD, momentum 0.9"), ("adamw", "AdamW"))
 MEMORY_METHODS = ("none", "bf16", "topk", "sidco-exp", "efsignsgd", "powersgd", "diloco")
+#: PowerSGD's rows, measured again once it left AdamW its moments (``peak.json`` is the others').
+MEMORY_POWERSGD = Result(
+    "results/memory/peak-powersgd.json",
+    "flock /tmp/gradsift-cpu.lock python benchmarks/memory/peak.py --arms powersgd --json results/memory/peak-powersgd.json",
+)
 
 
 def _memory(optimizer: str, method: str, field: str, fmt: str = "{:.1f}") -> Claim:
-    return Claim(f"memory.{optimizer}.{method}.{field}", MEMORY,
+    return Claim(f"memory.{optimizer}.{method}.{field}", MEMORY_POWERSGD if method == "powersgd" else MEMORY,
                  (f"rows/[arm={method},optimizer={optimizer}]/{field}",), fmt)  # fmt: skip
 
 
@@ -2279,6 +2342,7 @@ TABLES = (
     TERNGRAD_TABLE,
     DEMO_TABLE,
     QUANTIZER_RUNS_TABLE,
+    POWERSGD_RANK_TABLE,
     COMPRESS_SWEEP_TABLE,
     ESTIMATION_TABLE,
     EST_SPEED_TABLE,
@@ -2308,6 +2372,6 @@ TABLES = (
     NANOGPT_TABLE,
 )
 CLAIMS = (
-    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *TRAINING_SEEDS_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *BITPACK_CLAIMS, *EST_SPEED_CLAIMS,
+    *ESTIMATION_CLAIMS, *COMPRESS_CLAIMS, *TRAINING_CLAIMS, *TRAINING_SEEDS_CLAIMS, *VGC_CLAIMS, *VGC_HOOK_CLAIMS, *VGC_STAMP_CLAIMS, *PADDING_CLAIMS, *HOOK_CLAIMS, *HOOK_RADIX_TOPK_CLAIMS, *HOOK_SPREAD_CLAIMS, *QUANTIZER_CLAIMS, *POWERSGD_RANK_CLAIMS, *BITPACK_CLAIMS, *EST_SPEED_CLAIMS,
     *SCALING_CLAIMS, *PREDICTION_CLAIMS, *STEPS40_CLAIMS, *EXIT_CLAIMS, *VERDICT_CLAIMS, *AUTO_CLAIMS, *MEMORY_CLAIMS, *AUTO_MATRIX_CLAIMS, *AUTO_TTA_CLAIMS, *AUTO_VGG_CONTROLS_CLAIMS, *AUTO_VGG_LONGER_CLAIMS, *SECOND_CNN_CLAIMS, *AUTO_WHOLE_CLAIMS, *AUTO_BESIDE_CLAIMS, *AUTO_REPEATED_CLAIMS, *DEMO_CLAIMS, *COMPRESS_SWEEP_CLAIMS, *NANOGPT_CLAIMS, *MEMORY_SIZE_CLAIMS, *(c for table in TABLES for c in table.claims),
 )  # fmt: skip

@@ -128,7 +128,7 @@ ARMS = (
     Arm("efsignsgd", "efsignsgd", ("adamw",), kept=(RESIDUAL, VELOCITY), in_bucket=IN_RESULT,
         adamw_kept=PRECONDITIONER),
     Arm("powersgd", "powersgd", OPTIMIZERS, (("start_iter", DENSE_STEPS),), kept=(RESIDUAL,),
-        in_step=(COMPENSATED,), adamw_kept=(VELOCITY, *PRECONDITIONER)),
+        in_step=(COMPENSATED,)),  # the optimizer keeps its moments, SGD's and AdamW's
     Arm("diloco", "diloco", OPTIMIZERS, (("sync_every", SYNC_EVERY),),
         kept=(("shared parameters (the model's copy)", FP32), RESIDUAL),
         dropped=(("DDP's gradient buckets", FP32),),

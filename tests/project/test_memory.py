@@ -44,7 +44,7 @@ ARMS = {arm.label: arm for arm in peak.ARMS}
             8 * 12 + 8 * 4,
         ),  # the compensated gradient of the (one) bucket, its velocity waiting in the bucket
         ("powersgd", "sgd", 8 * 4, 8 * 4 + 8 * 4),  # c, made the new residual in place
-        ("powersgd", "adamw", 8 * 12, 8 * 12 + 8 * 4),
+        ("powersgd", "adamw", 8 * 4, 8 * 4 + 8 * 4),  # AdamW keeps its moments, as stock AdamW does
         ("diloco", "sgd", 8 * (4 + 4 - 4), 8 * 4 + 8 * 8),  # model copy + residual, no DDP bucket
     ],
 )
