@@ -1768,6 +1768,8 @@ MEMORY_CLAIMS = (
     *(_memory_mmap(method, field) for method in ("topk", "sidco-exp")
       for field in ("extra_allocated_peak_over_parameter_bytes", "extra_peak_over_parameter_bytes")),
     Claim("memory.commit", MEMORY, ("provenance/commit",), "{:.7}"),
+    Claim("memory.powersgd.commit", MEMORY_POWERSGD, ("provenance/commit",), "{:.7}"),
+    load_claim("memory.powersgd.load", MEMORY_POWERSGD, "{:.1f} before / {:.1f} after"),
     Claim("memory.load", MEMORY, ("provenance/load_before/0", "provenance/load_after/0"),
           "{:.1f} before / {:.1f} after", compute=lambda *v: v),
     Claim("memory.seeds", MEMORY, ("provenance/seeds",), compute=lambda seeds: ", ".join(map(str, seeds))),
