@@ -36,7 +36,8 @@ class HookOptions:
         min_numel: parts with fewer elements go dense (default 0).
         warmup_steps: the first this many steps are dense, like PowerSGD's
             ``start_powerSGD_iter``. None (default): none, except under an Adam/AdamW optimizer
-            (given or found) with ``adam="frozen-variance"`` or ``"onebit"``, whose frozen
+            (given or found) with ``adam="frozen-variance"`` or ``"onebit"`` and a compressor that
+            takes the first moment over (not ``powersgd``), whose frozen
             second moment needs dense steps first: then the warm-up lasts until Adam's second
             moment has settled, measured on the run (:mod:`gradsift.hook.adam_warmup`; the
             hook's ``stats()["adam_warmup"]`` says when and why it ended). ``0`` means no dense
@@ -68,7 +69,9 @@ class HookOptions:
             ``"frozen-variance"`` (default; its dense warm-up is ``warmup_steps``), ``"onebit"``
             (the same with 1-bit Adam's momentum, restarted every step from the exchanged one),
             ``"zero-one"`` (the frozen variance with 0/1 Adam's local steps between
-            synchronisations, :mod:`gradsift.hook.zero_one`) or ``"update"``.
+            synchronisations, :mod:`gradsift.hook.zero_one`) or ``"update"``. With a compressor
+            that takes no momentum over (``powersgd``) the optimizer keeps its moments and no
+            method runs: only the default is accepted (:func:`gradsift.hook.recipe.take_over`).
         local_steps: with ``adam="zero-one"``, ``(double_every, longest)``: one step between
             synchronisations over the first ``double_every`` compressed steps, then 2, 4, ... up
             to ``longest``; None (default): :data:`gradsift.hook.zero_one.DEFAULT_LOCAL_STEPS`.
