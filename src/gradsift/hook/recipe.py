@@ -121,7 +121,7 @@ def take_over(
             "pass the optimizer that steps them (or leave optimizer= out: the hook finds it)"
         )
     keeps_moments = compressor is not None and not compressor.momentum_correction
-    if is_adam(optimizer) and keeps_moments:
+    if is_adam(optimizer) and compressor is not None and keeps_moments:
         if adam != "frozen-variance":
             raise InvalidOptionError(
                 f"adam={adam!r} runs an Adam method in the hook, but {compressor.name!r} leaves "
