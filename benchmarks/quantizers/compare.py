@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradsift.tools.train.summary import single_worker
+from gradsift.tools.train.summary import on_the_wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
@@ -110,11 +110,9 @@ def median_time(times: list[float | None]) -> float | None:
 def summarize(arms: list[str], seeds: list[int], runs: Path) -> dict[str, Any]:
     """Per arm: each seed's :data:`FIELDS`, their medians, and the accuracy paired against ``none``'s."""
     per_arm = {
-        arm: {seed: json.loads((runs / f"{arm}-s{seed}.json").read_text()) for seed in seeds} for arm in arms
+        arm: {seed: on_the_wire(json.loads((runs / f"{arm}-s{seed}.json").read_text())) for seed in seeds}
+        for arm in arms
     }
-    for run in (run for by_seed in per_arm.values() for run in by_seed.values()):
-        if single_worker(run):  # its summary counts the message DDP would send; nothing leaves
-            run["bytes_sent_per_step"] = run["bytes_received_per_step"] = 0.0
     table = {}
     for arm, by_seed in per_arm.items():
         entry: dict[str, Any] = {"flags": ARMS[arm], "link": None if arm in WITHOUT_LINK else BANDWIDTH}

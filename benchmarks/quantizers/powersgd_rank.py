@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradsift.tools.train.summary import single_worker
+from gradsift.tools.train.summary import on_the_wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance, paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
@@ -91,10 +91,7 @@ def run_summary(workload: str, arm: str, seed: int) -> dict[str, Any]:
         path = PROTOCOL_RUNS / workload / f"{arm}-e{WORKLOADS[workload].epochs:g}-s{seed}" / "summary.json"
     else:
         path = RUNS / workload / f"{arm}-s{seed}" / "summary.json"
-    summary = json.loads(path.read_text())
-    if single_worker(summary):  # its summary counts the message DDP would send; nothing leaves
-        summary["bytes_sent_per_step"] = summary["bytes_received_per_step"] = 0.0
-    return summary
+    return on_the_wire(json.loads(path.read_text()))
 
 
 def train(workloads: list[str], seeds: list[int], resume: bool, timeout: float) -> None:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradsift.tools.train.summary import single_worker
+from gradsift.tools.train.summary import on_the_wire
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance stamp, results folder
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "auto"))
@@ -56,10 +56,7 @@ def train(name: str, seed: int, args: argparse.Namespace, *extra: str) -> dict[s
                    "--seed", str(seed), "--no-progress", "--data-dir", args.data_dir, "--out", str(out), *extra]  # fmt: skip
         print("+", " ".join(command), flush=True)
         subprocess.run(command, check=True, timeout=args.timeout)
-    summary = json.loads((out / "summary.json").read_text())
-    if single_worker(summary):  # its summary counts the message DDP would send; nothing leaves
-        summary["bytes_sent_per_step"] = summary["bytes_received_per_step"] = 0.0
-    return summary
+    return on_the_wire(json.loads((out / "summary.json").read_text()))
 
 
 def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:

@@ -75,3 +75,21 @@ def test_without_steps_on_both_sides_of_a_choice_there_is_no_since_choice(auto) 
     line = format_summary({**summary, "final_test_accuracy": None, "time_to_accuracy_s": None,
                            "target_accuracy": None, "steps": 27}, "runs/x").splitlines()[1]  # fmt: skip
     assert line.startswith("  step time median 100.0 ms, 0.746 MB sent per step per worker")
+
+
+def test_on_the_wire_counts_nothing_for_a_worker_alone() -> None:
+    from gradsift.tools.train.summary import on_the_wire
+
+    pair = {"workers": 2, "bytes_sent_per_step": 10.0, "bytes_received_per_step": 15.0}
+    assert on_the_wire(pair) == pair and on_the_wire(pair) is not pair  # a copy; the input stays
+    alone = {"workers": 1, "bytes_sent_per_step": 10.0, "bytes_received_per_step": 10.0, "seed": 3}
+    assert on_the_wire(alone) == {
+        "workers": 1,
+        "bytes_sent_per_step": 0.0,
+        "bytes_received_per_step": 0.0,
+        "seed": 3,
+    }
+    assert alone["bytes_sent_per_step"] == 10.0
+    assert (
+        on_the_wire({"workers": 2, "bytes_sent_per_step": 4.0})["bytes_received_per_step"] is None
+    )  # an old run

@@ -21,7 +21,14 @@ from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.tools.frontier import FRONTIER_PLOT, frontier_points, group_by_family
-from gradsift.tools.train.summary import PHASES, bytes_sent, single_worker, time_to_accuracy, wire_factor
+from gradsift.tools.train.summary import (
+    PHASES,
+    bytes_sent,
+    on_the_wire,
+    single_worker,
+    time_to_accuracy,
+    wire_factor,
+)
 
 #: The PNG files :func:`plot_runs` always writes (and :data:`FRONTIER_PLOT` when it has points).
 PLOTS = ("accuracy_vs_time.png", "accuracy_vs_bytes.png", "density.png", "time_per_phase.png")
@@ -153,8 +160,7 @@ def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str,
             # a worker alone sends nothing: no factor below fp32 to give
             "bytes_per_step": bytes_sent(s), "compression_factor": None if single_worker(s) else s["compression_factor"],
             "wire_factor": None if single_worker(s) else wire_factor(s),
-            # absent from runs recorded before it was; a worker alone receives nothing
-            "bytes_received_per_step": 0.0 if single_worker(s) else s.get("bytes_received_per_step"),
+            "bytes_received_per_step": on_the_wire(s)["bytes_received_per_step"],
             "density": s["achieved_density"],
             "overhead_ms": (s["compress_median_s"] + s["decompress_median_s"]) * 1e3,
             "communicate_ms": s["communicate_median_s"] * 1e3, "step_ms": s["step_time_median_s"] * 1e3,

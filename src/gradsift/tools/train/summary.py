@@ -54,6 +54,15 @@ def bytes_sent(summary: dict[str, Any]) -> float:
     return 0.0 if single_worker(summary) else float(summary["bytes_sent_per_step"])
 
 
+def on_the_wire(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with the bytes each worker sent and received per step as they crossed the
+    wire: :func:`bytes_sent`, and 0 received for a worker alone (None where a run recorded
+    before the received bytes were has none)."""
+    lone = single_worker(summary)
+    return {**summary, "bytes_sent_per_step": bytes_sent(summary),
+            "bytes_received_per_step": 0.0 if lone else summary.get("bytes_received_per_step")}  # fmt: skip
+
+
 def wire_factor(summary: dict[str, Any]) -> float:
     """fp32's bytes over the bytes on the wire, padding to capacity included (``compression_factor``
     divides by the bytes sent instead)."""
