@@ -132,9 +132,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      "outer_momentum=0.9; also nesterov, buffers); default 0: DDP with gradsift's hook every step")  # fmt: skip
     run.add_argument("--no-recipe", dest="recipe", action="store_false",
                      help="without the recipe: the optimizer keeps its momentum on top of error feedback, no "
-                     "density warm-up (default for error-feedback compressors: SGD's momentum corrected in the "
-                     "hook with masking, AdamW's first moment in the hook with its second frozen after a dense "
-                     "warm-up of 10%% of the steps, and a density warm-up over the first 2.5%% of the steps)")  # fmt: skip
+                     "density warm-up (default for error-feedback compressors but powersgd, which leaves the "
+                     "optimizer its moments: SGD's momentum corrected in the hook with masking, AdamW's first "
+                     "moment in the hook with its second frozen after a dense warm-up of 10%% of the steps, and a "
+                     "density warm-up over the first 2.5%% of the steps)")  # fmt: skip
     run.add_argument("--lr-warmup-steps", type=int, default=0, metavar="N",
                      help="linear learning-rate warm-up over the first N steps")  # fmt: skip
     run.add_argument("--warmup-steps", dest="lr_warmup_steps", type=int, default=argparse.SUPPRESS,

@@ -75,7 +75,7 @@ class TrainConfig:
             step on the compressed pseudo-gradient every ``H`` steps (``gradsift.diloco``;
             its ``outer_lr``, ``outer_momentum``, ``nesterov``, ``buffers``, ``unsent`` go in ``options``).
         recipe: the recipe (default True, see :mod:`gradsift.tools.train.exchange`): for
-            error-feedback compressors the optimizer's first moment moves into the hook
+            error-feedback compressors but ``powersgd`` the optimizer's first moment moves into the hook
             (SGD: DGC's momentum correction + factor masking; AdamW: the frozen-variance
             method of :mod:`gradsift.hook.adam` after a dense warm-up), and error-feedback
             sparsifiers warm their density up; False: the optimizer as built on top of
