@@ -120,9 +120,8 @@ def take_over(
             f"optimizer= ({type(optimizer).__name__}) holds none of the hooked model's parameters: "
             "pass the optimizer that steps them (or leave optimizer= out: the hook finds it)"
         )
-    keeps_moments = compressor is not None and not compressor.momentum_correction
-    if is_adam(optimizer) and compressor is not None and keeps_moments:
-        if adam != "frozen-variance":
+    if compressor is not None and not compressor.momentum_correction:  # the optimizer keeps its moments
+        if is_adam(optimizer) and adam != "frozen-variance":
             raise InvalidOptionError(
                 f"adam={adam!r} runs an Adam method in the hook, but {compressor.name!r} leaves "
                 f"{type(optimizer).__name__} its moments (it compresses the gradient, not a momentum): "
@@ -133,8 +132,6 @@ def take_over(
         step = _adam_step(optimizer, numbers, warmup_steps, adam, local_steps)
         momentum = 0.0 if isinstance(step, (LocalUpdateStep, ZeroOneAdamStep)) else step.beta1
         return Takeover(momentum=momentum, weight_decay=l2_decay(optimizer, numbers), adam=step)
-    if keeps_moments:
-        return Takeover()
     if not isinstance(optimizer, torch.optim.SGD):
         zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # imported if in use
         sharded = zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
