@@ -14,6 +14,10 @@ and 4, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
   ways out of that recipe: ``-no-recipe`` (plain AdamW steps on the exchanged mean gradient,
   PowerSGD's error feedback on the gradient: the way PyTorch's hook is used) and
   ``-no-masking`` (the recipe's frozen-variance AdamW without DGC's momentum factor masking).
+  The committed GPT runs of the plain ``powersgd-r<rank>`` and ``-no-masking`` arms are of
+  4ee3f54, before 177799b left AdamW its moments under PowerSGD; run again, both repeat the
+  ``-no-recipe`` arm, which is what the one line does since (docs/decisions.md, "PowerSGD
+  leaves Adam to the optimizer").
 
 Under SGD PowerSGD leaves the momentum to the optimizer, so PowerSGD run dense *is* fp32 there.
 The baselines are committed runs of earlier commits; ``repeat`` reruns fp32 at seed 0 of VGG and
