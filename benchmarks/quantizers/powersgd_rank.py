@@ -15,7 +15,7 @@ and 4, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
   PowerSGD's error feedback on the gradient: the way PyTorch's hook is used) and
   ``-no-masking`` (the recipe's frozen-variance AdamW without DGC's momentum factor masking).
   The committed GPT runs of the plain ``powersgd-r<rank>`` and ``-no-masking`` arms are of
-  4ee3f54, before 177799b left AdamW its moments under PowerSGD; run again, both repeat the
+  4ee3f54 and 622122c, before 177799b left AdamW its moments under PowerSGD; run again, both repeat the
   ``-no-recipe`` arm, which is what the one line does since (docs/decisions.md, "PowerSGD
   leaves Adam to the optimizer").
 
