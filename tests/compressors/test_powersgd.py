@@ -10,6 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
+from gradsift.core.errors import InvalidOptionError
 
 WORLD = 2
 STEPS = 8
@@ -182,3 +183,69 @@ def test_the_default_epsilon_zeroes_a_zero_column_and_leaves_other_norms_alone(d
     norms = torch.cat([norms, torch.tensor([1e-3, 1.0, 100.0], dtype=dtype)])
     assert torch.equal(norms + epsilon, norms)
     assert epsilon > 0 and epsilon >= torch.finfo(torch.float32).tiny  # never flushed in fp32
+
+
+def _memories_after_compressed_steps(model: torch.nn.Module, **options) -> tuple[dict, object]:
+    """The hook's PowerSGD memories (PyTorch's own ``P``/``Q`` tensors) after steps past ``start_iter``."""
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    hook = gradsift.register_comm_hook(ddp, "powersgd", start_iter=2, **options)
+    _train(ddp, 0, range(4))
+    return hook.state_dict()["compressor"], hook
+
+
+@pytest.mark.parametrize("options", [{"rank": 1}, {"rank": 4}, {"rank": 3, "min_compression_rate": 1.0}])
+def test_memory_sizes_are_what_pytorchs_hook_allocates(one_process_group, options):
+    """Oracle: the sizes of the memories PyTorch's hook itself allocated for the bucket."""
+    from gradsift.compressors.powersgd import memory_numels
+
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(  # a 4-D weight, viewed as 8 x 18
+        torch.nn.Unflatten(1, (2, 4, 4)), torch.nn.Conv2d(2, 8, 3), torch.nn.Flatten(), torch.nn.Linear(32, 1)
+    )
+    for model in (_model(), conv):
+        state, hook = _memories_after_compressed_steps(model, **options)
+        ((index, layout),) = state["layouts"].items()
+        made = memory_numels(
+            layout, hook.compressor.rank, hook.compressor.min_compression_rate, hook.compressor.batched
+        )
+        assert made == (state["p_memory_dict"][index].numel(), state["q_memory_dict"][index].numel())
+
+
+def test_a_checkpoint_of_another_rank_is_refused_naming_it(one_process_group):
+    """A checkpoint made at rank 1 (the default before it became 4) into the default rank: refused
+    before anything loads, naming the options; at rank 1 it loads and trains on."""
+    state, _ = _memories_after_compressed_steps(_model(), rank=1)
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=25)
+    hook = gradsift.register_comm_hook(ddp, "powersgd", start_iter=2)
+    with pytest.raises(InvalidOptionError, match=r"holds 16 \+ 32 elements.*rank=4.*would make 64 \+ 128"):
+        hook.compressor.load_state_dict(_checkpoint_roundtrip(state))
+    assert hook.compressor.state.p_memory_dict == {}  # nothing loaded
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=25)
+    hook = gradsift.register_comm_hook(ddp, "powersgd", rank=1, start_iter=2)
+    hook.compressor.load_state_dict(_checkpoint_roundtrip(state))
+    _train(ddp, 0, range(2))
+
+
+def test_batched_memory_is_the_buckets_square_side_times_the_rank():
+    from gradsift.compressors.powersgd import memory_numels
+
+    # 32 x 16 + 16 = 528 elements: a 23 x 23 square (529 >= 528 > 484); P and Q are 23 x rank
+    assert memory_numels([[32, 16], [16]], 2, 2.0, batched=True) == (46, 46)
+    assert memory_numels([[24, 24]], 1, 2.0, batched=True) == (24, 24)  # 576 = 24^2 exactly
+
+
+def test_batched_is_refused_where_pytorchs_batched_hook_cannot_run(one_process_group):
+    """PyTorch's batched hook hands its batched orthogonalization one 2-D matrix (an assertion
+    at the first compressed step in the versions that batch it): refused up front, naming the
+    per-layer hook; where it runs, it trains past its first compressed step."""
+    from gradsift.compressors.powersgd import batched_hook_runs
+
+    if not batched_hook_runs():
+        with pytest.raises(
+            InvalidOptionError, match=r"batched=True: PyTorch's batched_powerSGD_hook .*batched=False"
+        ):
+            gradsift.get_compressor("powersgd", batched=True)
+        return
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=25)
+    gradsift.register_comm_hook(ddp, "powersgd", start_iter=2, batched=True)
+    _train(ddp, 0, range(4))

@@ -33,6 +33,7 @@ whose ``delegated`` exchange calls :meth:`PowerSGD.ddp_hook`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -82,7 +83,8 @@ class PowerSGD(Compressor):
             0/0 = NaN. ``batched`` ignores it (PyTorch's batched hook takes none).
         seed: seed of the NumPy generator that draws the initial ``Q`` (same on every rank).
         batched: use ``batched_powerSGD_hook`` (the bucket as one square matrix: faster,
-            usually less accurate unless rank 1); default False.
+            usually less accurate unless rank 1); default False. Refused where the installed
+            PyTorch's batched hook cannot run (:func:`batched_hook_runs`).
     """
 
     name = "powersgd"
@@ -116,6 +118,12 @@ class PowerSGD(Compressor):
         )
         self.seed = check_int(seed, "seed", low=0, high=2**32 - 1)
         self.batched = check_bool(batched, "batched")
+        if self.batched and not batched_hook_runs():
+            raise InvalidOptionError(
+                f"batched=True: PyTorch's batched_powerSGD_hook (torch {torch.__version__}) hands its "
+                "_orthogonalize a single matrix where that function asserts a batch of them, so it fails "
+                "at its first compressed step; use the per-layer hook (batched=False, the default)"
+            )
         self.state = PowerSGDState(
             process_group=None,
             matrix_approximation_rank=self.rank,
@@ -239,9 +247,25 @@ class PowerSGD(Compressor):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refused, naming the options, where the ``P``/``Q`` memories
+        do not have the sizes this compressor's would (:func:`memory_numels`): a checkpoint made
+        with another ``rank`` (the default was PyTorch's 1 until it became 4),
+        ``min_compression_rate`` or ``batched``."""
         expected = {*_STATE_COUNTERS, *_STATE_TENSOR_DICTS, "layouts", "rng"}
         if set(state) != expected:
             raise InvalidOptionError(f"powersgd state must hold keys {sorted(expected)}; got {sorted(state)}")
+        for index, layout in state["layouts"].items():
+            if index not in state["p_memory_dict"]:
+                continue
+            held = (state["p_memory_dict"][index].numel(), state["q_memory_dict"][index].numel())
+            made = memory_numels(layout, self.rank, self.min_compression_rate, self.batched)
+            if held != made:
+                raise InvalidOptionError(
+                    f"the checkpoint's PowerSGD memory of bucket {index} holds {held[0]} + {held[1]} elements "
+                    f"(P + Q), which rank={self.rank}, min_compression_rate={self.min_compression_rate:g}, "
+                    f"batched={self.batched} would make {made[0]} + {made[1]}: register the hook with the "
+                    "options the checkpoint was made with (the default rank was 1 before it became 4)"
+                )
         for name in _STATE_COUNTERS:
             setattr(self.state, name, int(state[name]))
         for name in _STATE_TENSOR_DICTS:
@@ -258,6 +282,39 @@ class PowerSGD(Compressor):
                 rng["cached_gaussian"],
             )
         )
+
+
+def batched_hook_runs() -> bool:
+    """Whether the installed PyTorch's ``batched_powerSGD_hook`` can orthogonalize its ``Q``: it
+    passes ``_orthogonalize`` one 2-D matrix, which PyTorch's batched orthogonalization (a 3-D
+    batch of matrices) asserts against; probed on a 2 x 1 matrix."""
+    try:
+        powersgd_module._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return False
+    return True
+
+
+def memory_numels(
+    layout: Sequence[Sequence[int]], rank: int, min_compression_rate: float, batched: bool
+) -> tuple[int, int]:
+    """The elements of ``P`` and ``Q`` PyTorch's hook keeps (warm start) for a bucket holding
+    parameters of the shapes ``layout``. Per layer (``powerSGD_hook``): each parameter viewed as
+    an ``n x m`` matrix (``shape[0]`` rows) is compressed at rank ``r = min(n, m, rank)`` when
+    ``(n + m) r * min_compression_rate < n m``, adding ``n r`` to ``P`` and ``m r`` to ``Q``.
+    Batched (``batched_powerSGD_hook``): the bucket as one ``s x s`` square,
+    ``s = ceil(sqrt(numel))``, so ``s * rank`` each."""
+    if batched:
+        side = math.isqrt(sum(math.prod(shape) for shape in layout) - 1) + 1
+        return side * rank, side * rank
+    p = q = 0
+    for shape in layout:
+        n = shape[0]
+        m = math.prod(shape[1:])
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p, q = p + n * r, q + m * r
+    return p, q
 
 
 def negligible_epsilon(dtype: torch.dtype) -> float:
