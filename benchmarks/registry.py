@@ -1080,9 +1080,10 @@ POWERSGD_RANK_ROWS = tuple(
     for arm, label in (
         ("none", "fp32"), ("bf16", "bf16"), ("alone", "one worker alone"),
         *((f"powersgd-r{r}", f"rank {r}" + (", frozen-variance AdamW in the hook (the one line before 177799b)"
-                                             if workload == "gpt-adamw" else "")) for r in (1, 2, 4)),
-        *(((f"powersgd-r{r}-no-recipe", f"rank {r}, AdamW keeps its moments (the one line now)") for r in (1, 2, 4))
-          if workload == "gpt-adamw" else ()),
+                                             if workload == "gpt-adamw" else ""))
+          for r in ((1, 2, 4) if workload == "gpt-adamw" else (1, 2, 4, 8))),
+        *(((f"powersgd-r{r}-no-recipe", f"rank {r}, AdamW keeps its moments (the one line now)")
+           for r in (1, 2, 4, 8)) if workload == "gpt-adamw" else ()),
         *((("topk-dense", "control: `topk` at ratio 1 under the same frozen-variance AdamW"),)
           if workload == "gpt-adamw" else ()),
     )

@@ -4,7 +4,7 @@
 (Fashion-MNIST, links shaped to 100 Mbit/s: root) once per arm and seed, the arms of a seed in
 turn so that the runs compared share an hour. Each method runs with its one line's defaults
 (``sidco-exp`` at ratio 0.01; ``gradsift train``'s recipe: DGC's momentum correction for the
-error-feedback methods), PowerSGD at ranks 1, 2 and 4 (``powersgd-r<rank>``; its momentum stays
+error-feedback methods), PowerSGD at ranks 1, 2, 4 and 8 (``powersgd-r<rank>``; its momentum stays
 the optimizer's, so fp32 is PowerSGD run dense). Beside them, two controls:
 
 * ``topk-dense`` -- the recipe run dense: ``topk`` at ratio 1 sends every element, so what the
@@ -59,7 +59,9 @@ ARMS = {
     "terngrad": ["--compressor", "terngrad"],
     "signsgd": ["--compressor", "signsgd"],
     "efsignsgd": ["--compressor", "efsignsgd"],
-    **{f"powersgd-r{rank}": ["--compressor", "powersgd", "--option", f"rank={rank}"] for rank in (1, 2, 4)},
+    **{
+        f"powersgd-r{rank}": ["--compressor", "powersgd", "--option", f"rank={rank}"] for rank in (1, 2, 4, 8)
+    },
     "sidco-exp": ["--compressor", "sidco-exp", "--ratio", "0.01"],
     "vgc": ["--compressor", "vgc"],
     "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],

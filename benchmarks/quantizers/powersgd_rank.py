@@ -1,8 +1,8 @@
 """PowerSGD's rank on three workloads, over seeds, beside fp32, bf16 and one worker alone.
 
 PowerSGD sends each layer's gradient matrix as rank-``r`` factors and keeps what they miss in
-the error; which ``r`` a user meets by default decides whether the one line trains. Ranks 1, 2
-and 4, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
+the error; which ``r`` a user meets by default decides whether the one line trains. Ranks 1, 2,
+4 and 8, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
 
 * ``mlp`` -- the quantizer comparison (``compare.py``: 4 workers, 300 steps, 100 Mbit/s); its
   arms ``powersgd-r<rank>`` run into its ``runs/``, beside its fp32, bf16 and ``alone`` runs.
@@ -10,8 +10,8 @@ and 4, seeds 0-2, each with ``gradsift train``'s defaults otherwise, on:
   beside the candidates' fp32 and bf16 runs and ``vgg_controls.py``'s worker alone.
 * ``gpt-adamw`` -- the convergence protocol's GPT + AdamW (2 workers, 314 steps, localhost),
   beside its fp32, bf16 and ``alone`` runs, and the recipe run dense (``topk-dense``: ``topk``
-  at ratio 1 under the same frozen-variance AdamW the recipe gives PowerSGD), and each rank two
-  ways out of that recipe: ``-no-recipe`` (plain AdamW steps on the exchanged mean gradient,
+  at ratio 1 under the same frozen-variance AdamW the recipe gives PowerSGD), and ranks 1, 2
+  and 4 two ways out of that recipe (rank 8 the first way only): ``-no-recipe`` (plain AdamW steps on the exchanged mean gradient,
   PowerSGD's error feedback on the gradient: the way PyTorch's hook is used) and
   ``-no-masking`` (the recipe's frozen-variance AdamW without DGC's momentum factor masking).
   The committed GPT runs of the plain ``powersgd-r<rank>`` and ``-no-masking`` arms are of
@@ -62,11 +62,16 @@ RUNS = ROOT / "results" / "quantizers" / "powersgd_rank"
 #: PowerSGD's arms: its one line at each rank.
 RANK_ARMS = {f"powersgd-r{rank}": compare.ARMS[f"powersgd-r{rank}"] for rank in RANKS}
 #: The arms each workload trains here, beyond the ranks (``repeat``: at seed 0 only).
+#: Rank 8, past the default (added after the first batch): the one line under SGD, and under AdamW
+#: AdamW keeping its moments, which is the one line since 177799b.
+RANK_8 = {"powersgd-r8": compare.ARMS["powersgd-r8"]}
 OWN_ARMS = {
-    "vgg": {"repeat": ["--compressor", "none"]},
+    "mlp": RANK_8,
+    "vgg": {**RANK_8, "repeat": ["--compressor", "none"]},
     "gpt-adamw": {
         "topk-dense": ["--compressor", "topk", "--ratio", "1.0"],
         "repeat": ["--compressor", "none"],
+        "powersgd-r8-no-recipe": [*RANK_8["powersgd-r8"], "--no-recipe"],
         # the two ways out of the recipe's frozen-variance AdamW with momentum masking
         **{f"{arm}-no-recipe": [*flags, "--no-recipe"] for arm, flags in RANK_ARMS.items()},
         **{
@@ -102,7 +107,7 @@ def train(workloads: list[str], seeds: list[int], resume: bool, timeout: float) 
     """Each workload's rank arms once per seed (a seed's arms in turn), then its own arms."""
     for workload in workloads:
         if workload == "mlp":
-            compare.train(list(RANK_ARMS), seeds, 300, compare.RUNS, resume, timeout)
+            compare.train([*RANK_ARMS, *OWN_ARMS["mlp"]], seeds, 300, compare.RUNS, resume, timeout)
             continue
         own = OWN_ARMS[workload]
         arms = {**RANK_ARMS, **{arm: flags for arm, flags in own.items() if arm != "repeat"}}

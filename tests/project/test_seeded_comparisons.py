@@ -256,7 +256,7 @@ def test_the_powersgd_rank_mlp_arms_are_the_quantizer_comparison_runs(
     monkeypatch.setattr(compare, "RUNS", tmp_path)
     accuracy = {"none": [0.80, 0.82, 0.81], "bf16": [0.80, 0.82, 0.81], "alone": [0.70, 0.83, 0.72],
                 "powersgd-r1": [0.70, 0.76, 0.73], "powersgd-r2": [0.79, 0.80, 0.82],
-                "powersgd-r4": [0.80, 0.82, 0.81]}  # fmt: skip
+                "powersgd-r4": [0.80, 0.82, 0.81], "powersgd-r8": [0.80, 0.82, 0.81]}  # fmt: skip
     _write_quantizer_runs(
         tmp_path,
         {arm: [_quantizer_run(a, None, workers=1 if arm == "alone" else 4) for a in by_seed]
