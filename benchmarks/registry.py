@@ -751,16 +751,16 @@ QUANTIZER_CLAIMS = (
     Claim("quant.commit", QUANTIZERS, ("provenance/commit",), "{:.7}"),
     load_claim("quant.load", QUANTIZERS),
     *(quantizer_claim(name, "final_test_accuracy", "{:.2f}", f"quant.{name}.accuracy")
-      for name in ("none", "powersgd-r1", "powersgd-r4")),
+      for name in ("none", "powersgd-r1", "powersgd-r8")),
     quantizer_claim("qsgd", "compression_factor", "{:.1f}x", "quant.qsgd.fewer"),
     quantizer_claim("sidco-exp", "compression_factor", "{:.0f}x", "quant.sidco.fewer"),
     *(quantizer_claim(name, "time_to_accuracy_s", "{:.1f} s", f"quant.{name}.tta.readme", missing="not reached")
       for name in ("none", "bf16", "sidco-exp", "signsgd", "qsgd", "vgc", "terngrad", "efsignsgd", "powersgd-r1",
-                   "powersgd-r4")),
+                   "powersgd-r8")),
     *(quantizer_interval("sidco-exp", f"sooner_than/{base}", ".1f", f"quant.sidco.sooner_than_{base}", "x")
       for base in ("none", "bf16")),
     *(quantizer_interval(name, "accuracy_points_vs_none", "+.2f", f"quant.{name}.points")
-      for name in ("powersgd-r1", "powersgd-r4", "topk-dense", "alone", "signsgd", "sidco-exp")),
+      for name in ("powersgd-r1", "powersgd-r8", "topk-dense", "alone", "signsgd", "sidco-exp")),
 )  # fmt: skip
 
 
@@ -1033,7 +1033,7 @@ def _ddp_table(world: str) -> Table:
 
 
 POWERSGD_RANK_LABELS = {"powersgd-r1": "`powersgd` rank 1 (PyTorch's default)", "powersgd-r2": "`powersgd` rank 2",
-                        "powersgd-r4": "`powersgd` rank 4 (the default)"}  # fmt: skip
+                        "powersgd-r4": "`powersgd` rank 4", "powersgd-r8": "`powersgd` rank 8 (the default)"}  # fmt: skip
 QUANTIZER_RUNS = ("none", "bf16", "qsgd", "terngrad", "signsgd", "efsignsgd", *POWERSGD_RANK_LABELS, "sidco-exp",
                   "vgc", "topk-dense", "alone")  # fmt: skip
 #: Arms whose phases the trainer cannot split: PyTorch's hook communicates between its products.

@@ -212,11 +212,12 @@ def test_memory_sizes_are_what_pytorchs_hook_allocates(one_process_group, option
 
 
 def test_a_checkpoint_of_another_rank_is_refused_naming_it(one_process_group):
-    """A checkpoint made at rank 1 (the default before it became 4) into the default rank: refused
-    before anything loads, naming the options; at rank 1 it loads and trains on."""
+    """A checkpoint made at rank 1 (the default before it became 8) into rank 4: refused before
+    anything loads, naming the options; at rank 1 it loads and trains on."""
     state, _ = _memories_after_compressed_steps(_model(), rank=1)
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=25)
-    hook = gradsift.register_comm_hook(ddp, "powersgd", start_iter=2)
+    hook = gradsift.register_comm_hook(ddp, "powersgd", rank=4, start_iter=2)
+    # the 16 x 32 weight: at rank 1 P 16 + Q 32; at rank 4 (48 * 4 * 2 = 384 < 512) 64 + 128
     with pytest.raises(InvalidOptionError, match=r"holds 16 \+ 32 elements.*rank=4.*would make 64 \+ 128"):
         hook.compressor.load_state_dict(_checkpoint_roundtrip(state))
     assert hook.compressor.state.p_memory_dict == {}  # nothing loaded
