@@ -605,27 +605,32 @@ HOOK_EVENING = tuple(
     for suffix, profile, name in (("", 10, "ho2"), ("-repeat", 0, "ho"))
 )  # fmt: skip
 
-#: Five back-to-back runs without the profile (the night of 3 December, on 9c9ed43): the run-to-run spread.
-HOOK_SPREAD = tuple(
-    Result(f"results/hook_overhead/spread-{run}.json",
-           f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
-           f"--profile-steps 0 --json results/hook_overhead/spread-{run}.json")
-    for run in range(1, 6)
-)  # fmt: skip
-#: Five back-to-back runs without the profile at the README verdict's commit: its fast-link row.
-HOOK_VERDICT = tuple(
-    Result(f"results/hook_overhead/verdict-{run}.json",
-           f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
-           f"--profile-steps 0 --json results/hook_overhead/verdict-{run}.json")
-    for run in range(1, 6)
-)  # fmt: skip
+
+def _five_hook_runs(stem: str) -> tuple[Result, ...]:
+    """Five back-to-back runs of the hook benchmark without the profile, ``results/hook_overhead/<stem>-<n>.json``."""
+    return tuple(
+        Result(f"results/hook_overhead/{stem}-{run}.json",
+               f"flock /tmp/gradsift-cpu.lock python benchmarks/hook_overhead/run.py --steps 200 --warmup 10 "
+               f"--profile-steps 0 --json results/hook_overhead/{stem}-{run}.json")
+        for run in range(1, 6)
+    )  # fmt: skip
+
+
+def _run_ratios(runs: tuple[Result, ...], config: str) -> tuple[str | tuple[Result, str], ...]:
+    """One configuration's step over stock DDP's in each of ``runs`` (claim fields, read from ``runs[0]`` on)."""
+    path = f"results/{config}/ratio_to_stock"
+    return (path, *((result, path) for result in runs[1:]))
+
+
+#: Five runs the night of 3 December, on 9c9ed43: the run-to-run spread.
+HOOK_SPREAD = _five_hook_runs("spread")
+#: Five runs at the README verdict's commit: its fast-link row.
+HOOK_VERDICT = _five_hook_runs("verdict")
 
 
 def _verdict_hook_cost(config: str) -> Claim:
     """``config``'s step over stock DDP's: the median of :data:`HOOK_VERDICT`'s five runs and their range."""
-    path = f"results/{config}/ratio_to_stock"
-    return Claim(f"hookverdict.{config}", HOOK_VERDICT[0], (path, *((result, path) for result in HOOK_VERDICT[1:])),
-                 "{:.3f}x ({:.3f}-{:.3f}x)",
+    return Claim(f"hookverdict.{config}", HOOK_VERDICT[0], _run_ratios(HOOK_VERDICT, config), "{:.3f}x ({:.3f}-{:.3f}x)",
                  compute=lambda *ratios: (statistics.median(ratios), min(ratios), max(ratios)))  # fmt: skip
 
 
@@ -644,15 +649,9 @@ SPREAD_COLUMNS = (
 )
 
 
-def _spread_ratios(config: str) -> tuple[str | tuple[Result, str], ...]:
-    """One configuration's step over stock DDP's in each of the five runs (claim fields)."""
-    path = f"results/{config}/ratio_to_stock"
-    return (path, *((result, path) for result in HOOK_SPREAD[1:]))
-
-
 def _spread_median(config: str) -> Claim:
     """The median over the five runs of one configuration's step over stock DDP's."""
-    return Claim(f"hookspread.median.{config}", HOOK_SPREAD[0], _spread_ratios(config), "{:.3f}x",
+    return Claim(f"hookspread.median.{config}", HOOK_SPREAD[0], _run_ratios(HOOK_SPREAD, config), "{:.3f}x",
                  compute=lambda *ratios: statistics.median(ratios))  # fmt: skip
 
 
@@ -675,10 +674,10 @@ HOOK_SPREAD_CLAIMS = (
           compute=lambda iso: iso[:16].replace("T", " ") + " UTC"),
     Claim("hookspread.load", HOOK_SPREAD[0], ("provenance/load_before/0", (HOOK_SPREAD[-1], "provenance/load_after/0")),
           "{:.1f} before the first / {:.1f} after the last", compute=lambda *v: v),
-    *(Claim(f"hookspread.range.{config}", HOOK_SPREAD[0], _spread_ratios(config), "{:.3f}-{:.3f}x",
+    *(Claim(f"hookspread.range.{config}", HOOK_SPREAD[0], _run_ratios(HOOK_SPREAD, config), "{:.3f}-{:.3f}x",
             compute=lambda *ratios: (min(ratios), max(ratios)))
       for _, config in SPREAD_COLUMNS),
-    *(Claim(f"hookspread.{name}", HOOK_SPREAD[0], (*_spread_ratios(upper), *_spread_ratios(lower)),
+    *(Claim(f"hookspread.{name}", HOOK_SPREAD[0], (*_run_ratios(HOOK_SPREAD, upper), *_run_ratios(HOOK_SPREAD, lower)),
             "{:.1%}", compute=lambda *r: statistics.median(r[:len(HOOK_SPREAD)]) / statistics.median(r[len(HOOK_SPREAD):]) - 1)
       for name, upper, lower in (("python_over_builtin", "torch-allreduce-hook", "torch-builtin-hook"),
                                  ("none_over_python", "none", "torch-allreduce-hook"))),

@@ -142,3 +142,11 @@ def test_powersgd_leaves_adam_to_the_optimizer(one_process_group):
     optimizer = torch.optim.AdamW(ddp.parameters())
     with pytest.raises(InvalidOptionError, match=r"adam='onebit'.*'powersgd' leaves AdamW its moments"):
         gradsift.register_comm_hook(ddp, "powersgd", optimizer=optimizer, adam="onebit")
+    # no second moment to freeze, so no dense warm-up to require: warmup_steps=0 is PowerSGD's own, not refused
+    sparse = DDP(torch.nn.Linear(4, 4))
+    with pytest.raises(InvalidOptionError, match=r"warmup_steps=0 with adam='frozen-variance'"):
+        gradsift.register_comm_hook(
+            sparse, "topk", optimizer=torch.optim.AdamW(sparse.parameters()), warmup_steps=0
+        )
+    state = gradsift.register_comm_hook(ddp, "powersgd", optimizer=optimizer, warmup_steps=0, start_iter=2)
+    assert state.adam is None and state.options.warmup_steps == 0
