@@ -1,9 +1,9 @@
-"""The training benchmark's verdict over seeds: VGG at 100 Mbit/s, fp32 against bf16 and ``sidco-exp``.
+"""The training benchmark over seeds: VGG at 100 Mbit/s, fp32 against bf16 and the compressed arms.
 
 ``run_benchmark.py``'s main grid at 100 Mbit/s (VGG-style CNN, 4 workers, 200 steps, evaluated
-every 25, its learning rate and warm-up) for the three arms the README's verdict compares --
-``none`` (stock DDP's fp32 allreduce), ``bf16`` and ``sidco-exp`` at ratio 0.01 under DGC's
-recipe -- once per seed, a seed's arms in turn so that the runs compared share an hour. The
+every 25, its learning rate and warm-up) for its five arms -- ``none`` (stock DDP's fp32
+allreduce), ``bf16``, ``sidco-exp`` and ``topk`` at ratio 0.01 under DGC's recipe, and ``vgc``
+at its defaults -- once per seed, a seed's arms in turn so that the runs compared share an hour. The
 controls of this workload (the recipe run dense, one worker alone) are
 ``benchmarks/auto/vgg_controls.py``'s runs: the same flags on localhost, seeds 0-4, their
 accuracy not depending on the link.
@@ -37,17 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance
 from intervals import bounds
 from paths import results_dir
-from run_benchmark import MAIN
+from run_benchmark import COMPRESSORS, MAIN
 from time_to_target import paired, read_evals
 from vgg_seeds import train_kept
 
 BANDWIDTH = "100mbit"
-#: Arm -> its flags after the main grid's (later flags win).
-ARMS = {
-    "none": ["--compressor", "none"],
-    "bf16": ["--compressor", "bf16"],
-    "sidco-exp": ["--compressor", "sidco-exp", "--ratio", "0.01"],
-}
+#: Arm -> its flags after the main grid's (later flags win): the main grid's compressors.
+ARMS = {name: ["--compressor", name, *flags] for name, flags in COMPRESSORS.items()}
 BASELINES = ("none", "bf16")
 SEEDS = (0, 1, 2)
 RUNS = results_dir(__file__) / "seeds"

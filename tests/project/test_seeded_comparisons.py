@@ -187,6 +187,11 @@ def test_the_training_runs_go_over_the_link_at_their_seed(
         "--compressor": "bf16",
     }  # the last of a flag wins
     assert (tmp_path / "bf16-s2" / "evals.jsonl").read_text() == "evals.jsonl"
+    commands.clear()
+    training_seeds.train(["topk", "vgc"], [0], tmp_path, resume=False)  # the main grid's other arms
+    topk, vgc = commands
+    assert topk[topk.index("--compressor") + 1 :][:3] == ["topk", "--ratio", "0.01"]
+    assert vgc[vgc.index("--compressor") + 1] == "vgc" and "--ratio" not in vgc
 
 
 def _loss_run(loss: float, workers: int = 2) -> dict[str, float]:
