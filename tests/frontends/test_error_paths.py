@@ -85,6 +85,19 @@ def test_a_checkpoint_with_the_other_error_feedback_setting_is_refused(saved_wit
         hook.load_state_dict(saved)
 
 
+def test_error_feedback_on_a_method_that_keeps_its_own_residual_is_refused():
+    # VGC's residual is its error feedback (its paper's accumulation): a second residual in the
+    # hook would send every unsent value again. The forced option crashed at the first steps
+    # (the hook decoded VGC's padded message alone), so it is refused when the state is built.
+    with pytest.raises(
+        InvalidOptionError,
+        match=r"error_feedback=True .*vgc keeps what it did not send .*drop error_feedback=",
+    ):
+        GradsiftHookState.build("vgc", error_feedback=True)
+    assert GradsiftHookState.build("vgc", error_feedback=False).feedback is None  # its own setting
+    assert GradsiftHookState.build("qsgd", error_feedback=True).feedback is not None  # a residual QSGD lacks
+
+
 def _with_sparse_embedding() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(

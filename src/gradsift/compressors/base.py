@@ -75,6 +75,9 @@ class Compressor(abc.ABC):
         sparse: the payload is selected values at their positions (``values`` and
             ``indices``, no codes), so error feedback subtracts it from the residual without
             the compensated gradient (:meth:`gradsift.hook.feedback.ErrorFeedback.keeps_lazily`).
+        own_residual: the method keeps what it did not send in its own state (VGC's
+            residual), so the hook's error feedback would send that part twice: the hook
+            option ``error_feedback=True`` is refused with it.
         decode_checks: :meth:`decompress_into` returns a malformed flag of its own (VGC's
             words), so the step's flag is known only once the means are written: the DDP hook
             then never lets a bucket hold state until the close
@@ -103,6 +106,7 @@ class Compressor(abc.ABC):
     momentum_correction: ClassVar[bool] = True
     residual_decay: ClassVar[float] = 1.0
     sparse: ClassVar[bool] = False
+    own_residual: ClassVar[bool] = False
     decode_checks: ClassVar[bool] = False
 
     def attach(self, module: torch.nn.Module) -> None:

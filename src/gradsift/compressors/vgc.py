@@ -25,7 +25,8 @@ counts of earlier steps (``adaptive_capacity``; the first step's from ``first_ra
 when more elements pass, the largest are sent and the others stay unsent (their residual
 and variance as in step 4).
 
-VGC's residual *is* its error feedback, so ``error_feedback = False``. ``r`` and ``v``
+VGC's residual *is* its error feedback, so ``error_feedback = False`` and the hook option
+``error_feedback=True`` is refused (``own_residual``: the unsent part would travel twice). ``r`` and ``v``
 live in the compressor's :attr:`~gradsift.compressors.base.Compressor.store` (tables
 ``vgc.residual`` and ``vgc.variance``): under the DDP hook that is the hook's shared
 store, so both follow DDP's bucket rebuilds, checkpoint with the hook and are rolled
@@ -102,6 +103,7 @@ class VGC(Compressor):
     name = "vgc"
     decode_checks = True  # decompress_into flags malformed words
     error_feedback = False
+    own_residual = True
     needs_parameters = True
     adaptive_capacity = True
 

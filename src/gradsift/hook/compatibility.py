@@ -5,6 +5,9 @@ A setting the hook cannot apply as asked is refused when the state is built, wit
 
 * ``granularity`` other than ``"bucket"`` with an exchange that runs on whole buckets;
 * ``density_warmup_steps`` without a sparsifier (no ratio to warm up);
+* ``error_feedback=True`` with a compressor that keeps its own residual
+  (:attr:`~gradsift.compressors.base.Compressor.own_residual`: the unsent part would be sent
+  from both residuals);
 * ``server_feedback=True`` with a compressor whose encode is not a deterministic, stateless
   :attr:`~gradsift.compressors.base.Compressor.server_stage`, or an exchange that is not
   :attr:`~gradsift.exchanges.base.Exchange.replicated` (every rank must decode the same mean);
@@ -44,6 +47,12 @@ def refuse_incompatible(compressor: Compressor, exchange: Exchange, options: Hoo
         raise InvalidOptionError(f"{name} runs on whole buckets: use granularity='bucket'")
     if options.density_warmup_steps and not isinstance(compressor, Sparsifier):
         raise InvalidOptionError(f"density_warmup_steps needs a sparsifier with a ratio; {name} has none")
+    if options.error_feedback and compressor.own_residual:
+        raise InvalidOptionError(
+            f"error_feedback=True adds the hook's residual, but {name} keeps what it did not send in its "
+            "own residual, which is its error feedback: the unsent part would be sent twice; drop "
+            "error_feedback="
+        )
     if options.server_feedback and not compressor.server_stage:
         able = [n for n in available_compressors() if compressor_class(n).server_stage]
         raise InvalidOptionError(

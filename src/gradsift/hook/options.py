@@ -50,7 +50,8 @@ class HookOptions:
             ``"skip"`` -- they are all zero; ``"raise"`` -- :class:`NonFiniteGradientError`
             from ``backward()``. In every mode the step leaves no trace in any state
             (see :mod:`gradsift.hook.ledger`).
-        error_feedback: None (default) = the compressor's ``error_feedback``; True/False forces it.
+        error_feedback: None (default) = the compressor's ``error_feedback``; True/False forces it
+            (True is refused with a compressor that keeps its own residual, ``vgc``).
         momentum: DGC momentum correction factor, set by hand (default 0; ``optimizer=``
             sets it from the optimizer instead).
         momentum_masking: DGC's momentum factor masking (default True).
