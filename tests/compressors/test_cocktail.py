@@ -88,6 +88,32 @@ def test_the_mean_of_two_workers_and_what_error_feedback_keeps() -> None:
     assert not torch.equal(residual[sent], torch.zeros(len(sent)))  # 4-bit values are not exact
 
 
+def test_a_bucket_selects_and_codes_alike_in_any_layout() -> None:
+    """DDP lays a bucket's parameters out in one order before its rebuild and another after it
+    (and in the first again when a run resumes): the same parameters in three layouts, over a
+    whole period of calls, decode to the same bits at every parameter -- the slots, the top-k
+    and the blocks that share a scale follow the parameters, not the layout (a resumed run
+    repeats the uninterrupted one)."""
+    numels = {0: 300, 1: 37, 2: 150, 3: 1}
+    gen = torch.Generator().manual_seed(3)
+    grads = [{i: torch.randn(n, generator=gen) for i, n in numels.items()} for _ in range(4)]
+    key = tuple(sorted(numels))
+    decoded = {}
+    for order in [(0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2)]:
+        compressor = gradsift.get_compressor("cocktail", subset=0.25, topk=0.5, block_size=16)
+        compressor.store.follow(key, order, numels)
+        calls = []
+        for grad in grads:  # one period: each call has its own subset
+            flat = torch.cat([grad[i] for i in order])
+            mean = compressor.decompress([compressor.compress(flat, key=key)], flat.numel())
+            calls.append(dict(zip(order, mean.split([numels[i] for i in order]), strict=True)))
+        decoded[order] = calls
+    first = decoded[(0, 1, 2, 3)]
+    for calls in decoded.values():
+        for call, reference in zip(calls, first, strict=True):
+            assert all(torch.equal(call[i], reference[i]) for i in numels)
+
+
 def test_a_nan_outside_the_subset_is_still_flagged() -> None:
     compressor = gradsift.get_compressor("cocktail", subset=0.5)
     x = torch.randn(100)

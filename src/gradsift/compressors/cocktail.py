@@ -13,6 +13,12 @@ Three compressors in a row, for a tensor ``x`` of ``n`` elements at its ``t``-th
    scale per block of ``d`` (:class:`~gradsift.compressors.blockquant.BlockQuantizer`'s
    codes: ``round(x L / s_B)``, ``L = 2^(b-1) - 1``).
 
+A position is a place in the *canonical* layout of a DDP bucket -- its parameters in number
+order (:class:`~gradsift.core.store.Canonical`) -- whatever layout DDP hands in (it changes
+when DDP rebuilds its buckets and when a run resumes): the slots, the ascending order and so
+the blocks that share a scale are the same in every layout, and the payload's positions are
+the flat positions of those canonical ones.
+
 What was not sent -- the unselected elements and the selected ones' rounding error --
 stays in error feedback (``error_feedback = True``). With ``gradsift.diloco(...,
 sync_every=1)`` this is per-step delta sync in CocktailSGD's manner: each worker keeps
@@ -99,9 +105,15 @@ class Cocktail(Sparsifier):
     def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
-        eligible = self.slots(flat.numel(), flat.device) == call % self.period
+        canonical = self.store.canonical(key)
+        if canonical is not None and canonical.identity:
+            canonical = None
+        slots = self.slots(flat.numel(), flat.device)
+        eligible = (slots if canonical is None else canonical.to_flat(slots)) == call % self.period
         scores = flat * eligible  # ranked by magnitude below; NaN * 0 is NaN: a non-finite input is selected
         indices, _, _, nonfinite = top_k_selection(scores, target_count(flat.numel(), self.ratio))
+        if canonical is not None:  # ascending in the canonical layout, as flat positions
+            indices = canonical.flat_positions(canonical.canonical_positions(indices).sort().values)
         return Selection(indices, None, nonfinite)
 
     def encode(
