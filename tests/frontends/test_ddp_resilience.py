@@ -68,7 +68,33 @@ ACROSS_REBUILD = {
         ("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})
     ]
 }  # fmt: skip
-CASES = {**RESUME_CASES, **ACROSS_REBUILD}
+
+
+def several_buckets() -> torch.nn.Module:
+    """make_model's network with a bucket cap of 200 bytes: DDP (PyTorch 2.13, no unused
+    parameters) first puts all four parameters in one bucket; its rebuild closes a bucket
+    once it holds the cap, so it makes two -- the last layer's (204 bytes) and the first's --
+    and a resumed first step gets one bucket where the uninterrupted run had two."""
+    module = make_model()
+    module.bucket_cap_mb = 200 / 2**20
+    return module
+
+
+#: Methods that compress a bucket as a whole (a selection, a scale, a capacity, a subset),
+#: resumed where the rebuilt buckets are several: the resumed first step's one bucket is cut
+#: into the saved buckets (gradsift.hook.layout.saved_runs), each compressed as before.
+SEVERAL = {
+    f"{name}-several": (name, options, several_buckets)
+    for name, options in [
+        ("topk", {"ratio": 0.1, "momentum": 0.9}), ("randomk", {"ratio": 0.1}), ("vgc", {"alpha": 1.0}),
+        ("signsgd", {}), ("efsignsgd", {}), ("cocktail", {"subset": 0.5}), ("threshold", {"threshold": 0.05}),
+    ]
+}  # fmt: skip
+CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL}
+
+
+def ddp(module: torch.nn.Module) -> DDP:
+    return DDP(module, bucket_cap_mb=getattr(module, "bucket_cap_mb", None))
 
 
 def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Optimizer) -> None:
@@ -82,7 +108,7 @@ def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Opt
 def uninterrupted_worker(rank: int, world: int, directory: str) -> dict:
     out = {}
     for case, (name, options, factory) in CASES.items():
-        model = DDP(factory())
+        model = ddp(factory())
         state = gradsift.register_comm_hook(model, name, **options)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         run_with_optimizer(model, rank, range(CHECKPOINT_AT), opt)
@@ -108,7 +134,7 @@ def resumed_worker(rank: int, world: int, directory: str) -> dict:
         for how in ("state_dict", "pickle"):
             module = factory()
             module.load_state_dict(checkpoint["model"])
-            model = DDP(module)
+            model = ddp(module)
             if how == "state_dict":
                 state = gradsift.register_comm_hook(model, name, **options)
                 state.load_state_dict(checkpoint["hook"])
@@ -166,6 +192,19 @@ def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_metho
     for case in ACROSS_REBUILD:
         assert resumed[0][f"{case}/state_dict"][1] != whole[0][case][1], case  # the layouts differ
     assert not differing(resume_runs, ACROSS_REBUILD)
+
+
+def test_resume_over_several_rebuilt_buckets_is_bit_for_bit(resume_runs):
+    """The uninterrupted run's buckets at the checkpoint are two, the resumed first step's
+    one (DDP's first bucketing): cut into the saved two, it repeats the uninterrupted step."""
+    whole, resumed = resume_runs
+    for case in SEVERAL:
+        assert sorted(whole[0][case][1]) == [(0, 1), (2, 3)], case  # the rebuilt buckets
+        first_step = resumed[0][f"{case}/state_dict"][
+            1
+        ]  # its parts: the saved buckets, in the bucket's order
+        assert first_step.keys() == whole[0][case][1].keys() and first_step != whole[0][case][1], case
+    assert not differing(resume_runs, SEVERAL)
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------

@@ -16,8 +16,8 @@ Three compressors in a row, for a tensor ``x`` of ``n`` elements at its ``t``-th
 A position is a place in the *canonical* layout of a DDP bucket -- its parameters in number
 order (:class:`~gradsift.core.store.Canonical`) -- whatever layout DDP hands in (it changes
 when DDP rebuilds its buckets and when a run resumes): the slots, the ascending order and so
-the blocks that share a scale are the same in every layout, and the payload's positions are
-the flat positions of those canonical ones.
+the blocks that share a scale are the same in every layout. The payload then carries
+canonical positions and says so (``Payload.canonical``); decoding lays the mean back.
 
 What was not sent -- the unselected elements and the selected ones' rounding error --
 stays in error feedback (``error_feedback = True``). With ``gradsift.diloco(...,
@@ -105,20 +105,21 @@ class Cocktail(Sparsifier):
     def select(self, flat: torch.Tensor, key: Hashable, capacity: int | None, readout: Readout) -> Selection:
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
-        canonical = self.store.canonical(key)
-        if canonical is not None and canonical.identity:
-            canonical = None
-        slots = self.slots(flat.numel(), flat.device)
-        eligible = (slots if canonical is None else canonical.to_flat(slots)) == call % self.period
+        eligible = self.slots(flat.numel(), flat.device) == call % self.period
         scores = flat * eligible  # ranked by magnitude below; NaN * 0 is NaN: a non-finite input is selected
         indices, _, _, nonfinite = top_k_selection(scores, target_count(flat.numel(), self.ratio))
-        if canonical is not None:  # ascending in the canonical layout, as flat positions
-            indices = canonical.flat_positions(canonical.canonical_positions(indices).sort().values)
         return Selection(indices, None, nonfinite)
 
     def encode(
         self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
     ) -> Payload:
+        """The three steps on ``flat`` in its bucket's canonical order (module docstring): the
+        positions sent are canonical ones and the payload says so (``Payload.canonical``)."""
+        canonical = self.store.canonical(key) if flat.numel() else None
+        if canonical is not None and canonical.identity:
+            canonical = None
+        if canonical is not None:
+            flat = canonical.to_canonical(flat)
         selected = super().encode(flat, key=key, capacity=capacity, readout=readout, **extra)
         assert selected.values is not None and selected.indices is not None  # a sparsifier's payload
         if selected.values.numel():
@@ -133,6 +134,7 @@ class Cocktail(Sparsifier):
             codes=pack(codes, self.values.code_bits),
             scales=scales,
             nonfinite=selected.nonfinite,
+            canonical=canonical,
         )
 
     def decompress(self, payloads: Sequence[Payload], numel: int) -> torch.Tensor:
@@ -155,7 +157,9 @@ class Cocktail(Sparsifier):
                 unpack(payload.codes, self.values.code_bits, count), payload.scales, total.dtype
             )
             total.index_add_(0, payload.indices.long(), values)
-        return total.div_(len(payloads)).to(payloads[0].dtype)
+        total = total.div_(len(payloads)).to(payloads[0].dtype)
+        canonical = payloads[0].canonical
+        return total if canonical is None else canonical.to_flat(total)
 
     def sent_dense(self, payload: Payload) -> torch.Tensor:
         return self.decompress([payload], payload.numel)

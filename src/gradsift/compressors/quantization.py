@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsift.compressors import draws
 from gradsift.compressors.base import Compressor
 from gradsift.compressors.bitpack import pack, packed_nbytes, unpack
 from gradsift.core.errors import InvalidOptionError, WireFormatError
@@ -32,9 +33,6 @@ from gradsift.core.payload import Payload
 from gradsift.core.readout import Readout
 from gradsift.core.store import Canonical
 from gradsift.core.validation import check_int
-
-#: Offset between the seeds of consecutive ranks (a prime, so streams never coincide).
-RANK_SEED_STRIDE = 1_000_003
 
 
 def rows(flat: torch.Tensor, size: int, fill: float, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -179,12 +177,15 @@ def _same_order(a: Canonical | None, b: Canonical | None) -> bool:
 
 
 class StochasticQuantizer(Quantizer):
-    """A quantizer with unbiased stochastic rounding, drawn from its own generator.
+    """A quantizer with unbiased stochastic rounding, drawn from its own generators.
 
-    The generator (one per device) is seeded with ``seed + RANK_SEED_STRIDE * rank``
-    (``rank`` = the torch.distributed rank when a process group exists, else 0), so the
-    workers' rounding errors are independent and each run is reproducible. Its state
-    is exported by :meth:`state_dict`, so a resumed run draws the same numbers.
+    Each tensor key (a DDP bucket's, a layer's) draws from its own generator per device,
+    seeded from ``(seed, rank, key)`` (:func:`~gradsift.compressors.draws.stream_seed`;
+    ``rank`` = the torch.distributed rank when a process group exists, else 0), so the
+    workers' rounding errors are independent, each run is reproducible, and a part's draws
+    do not depend on which parts were encoded before it (DDP's bucket order and grouping
+    change with its rebuild and when a run resumes). The generators' states are exported by
+    :meth:`state_dict`, so a resumed run draws the same numbers.
 
     Unbiased compressors need no error feedback (``error_feedback = False``): the
     expected update already equals the gradient, and a residual would only add the
@@ -193,10 +194,18 @@ class StochasticQuantizer(Quantizer):
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = check_int(seed, "seed", low=0, high=2**62)
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[tuple[str, Hashable], torch.Generator] = {}
+        self.drawing: Hashable = 0  # the key being encoded: whose stream :meth:`uniform` draws from
 
     def options(self) -> dict[str, Any]:
         return {"seed": self.seed}
+
+    def encode(
+        self, flat: torch.Tensor, *, key: Hashable, capacity: int | None, readout: Readout, **extra: Any
+    ) -> Payload:
+        """:meth:`Quantizer.encode`, its rounding drawn from ``key``'s stream."""
+        self.drawing = key
+        return super().encode(flat, key=key, capacity=capacity, readout=readout, **extra)
 
     def uniform(self, like: torch.Tensor) -> torch.Tensor:
         """Independent U[0, 1) draws, one per element of ``like`` (same shape, dtype, device)."""
@@ -205,16 +214,21 @@ class StochasticQuantizer(Quantizer):
         )
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        generator = self.generators.get(str(device))
+        name = (str(device), self.drawing)
+        generator = self.generators.get(name)
         if generator is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            generator = torch.Generator(device=device).manual_seed(self.seed + RANK_SEED_STRIDE * rank)
-            self.generators[str(device)] = generator
+            seed = draws.stream_seed(self.seed, (rank, self.drawing), 0)
+            generator = torch.Generator(device=device).manual_seed(seed)
+            self.generators[name] = generator
         return generator
 
     def state_dict(self) -> dict[str, Any]:
-        """The generator states by device name (uint8 tensors)."""
-        return {"seed": self.seed, "generators": {d: g.get_state() for d, g in self.generators.items()}}
+        """The generator states as ``[device name, key, state (uint8 tensor)]`` entries."""
+        return {
+            "seed": self.seed,
+            "generators": [[d, k, g.get_state()] for (d, k), g in self.generators.items()],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != {"seed", "generators"}:
@@ -225,8 +239,19 @@ class StochasticQuantizer(Quantizer):
             raise InvalidOptionError(
                 f"checkpoint was made with seed={state['seed']}, this {self.name} has {self.seed}"
             )
+        if isinstance(state["generators"], dict):
+            raise InvalidOptionError(
+                f"this {self.name} checkpoint holds one rounding generator per device, from a gradsift "
+                "before each tensor drew from its own: its draws cannot be continued; resume it with "
+                "that version, or start the compressor's state afresh"
+            )
         self.generators = {}
-        for device, generator_state in state["generators"].items():
+        for device, key, generator_state in state["generators"]:
             generator = torch.Generator(device=device)
             generator.set_state(generator_state)
-            self.generators[device] = generator
+            self.generators[(device, _as_key(key))] = generator
+
+
+def _as_key(key: Any) -> Hashable:
+    """A tensor key as saved (a list where a checkpoint format turned a tuple into one)."""
+    return tuple(_as_key(k) for k in key) if isinstance(key, list) else key

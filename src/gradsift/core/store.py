@@ -159,6 +159,7 @@ class TensorStore:
         previous = self.layouts.get(key)
         if previous == order:
             return
+        self.numels.update(numels)  # the other keys' chunks are cut by their own sizes
         if order != (key,):  # a per-parameter key (a seeded velocity) loosens nothing
             self._loosen(key, order)
         sources = self._chunk_sources(exclude=key)

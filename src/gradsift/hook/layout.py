@@ -8,6 +8,13 @@ parameter, keyed by its number (``"layer"``). Each part's layout (the order of i
 parameters in the flat tensor) is declared to the state store, which re-lays stored
 state when DDP rebuilds its buckets.
 
+One exception to the whole bucket: a bucket the store holds no state for, whose parameters
+the buckets it does hold state for cover in contiguous runs (:func:`saved_runs`), is cut
+into those runs, each keyed as its bucket was. That is a resumed run's first step: DDP starts
+it from its first bucketing again (in PyTorch 2.13 one bucket holding every parameter), while
+the checkpoint's state was kept for the rebuilt buckets, so the step compresses the groups the
+uninterrupted run compressed, with their own state.
+
 A bucket is anything with DDP's ``GradBucket`` reading interface (:class:`BucketLike`);
 the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
 :class:`FlatBucket`.
@@ -15,6 +22,7 @@ the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,19 +95,57 @@ class ParameterLayout:
             ) from None
 
     def parts(
-        self, bucket: BucketLike, granularity: str, store: TensorStore
+        self, bucket: BucketLike, granularity: str, store: TensorStore, regroup: bool = True
     ) -> tuple[list[Part], tuple[int, ...]]:
         """The parts of ``bucket``, their layouts declared to ``store``, and the bucket's
-        parameter numbers in its flat order."""
+        parameter numbers in its flat order. ``regroup``: a bucket may be cut into the
+        buckets of the stored state (module docstring; False for an exchange that takes
+        whole buckets)."""
         params = list(bucket.parameters())
         ids = self.numbers_of(bucket)
         buffer = bucket.buffer()
         if granularity == "bucket":
-            key = tuple(sorted(ids))
-            store.follow(key, ids, self.numels)
-            return [Part(key, 0, buffer, params)], ids
-        parts, offset = [], 0
-        for number, param in zip(ids, params, strict=True):
-            parts.append(Part(number, offset, buffer[offset : offset + param.numel()], [param]))
-            offset += param.numel()
+            runs = saved_runs(ids, store.layouts) if regroup else None
+            if runs is None:
+                runs = [ids]
+        else:
+            runs = [(number,) for number in ids]
+        parts, first, offset = [], 0, 0
+        for run in runs:
+            numel = sum(self.numels[i] for i in run)
+            key: int | tuple[int, ...] = run[0] if granularity == "layer" else tuple(sorted(run))
+            if granularity == "bucket":
+                store.follow(key, run, self.numels)
+            flat = buffer if numel == buffer.numel() else buffer[offset : offset + numel]
+            parts.append(Part(key, offset, flat, params[first : first + len(run)]))
+            first, offset = first + len(run), offset + numel
         return parts, ids
+
+
+def saved_runs(
+    ids: tuple[int, ...], layouts: Mapping[Hashable, tuple[int, ...]]
+) -> list[tuple[int, ...]] | None:
+    """``ids`` (a bucket's parameter numbers, in its order) cut into contiguous runs, one per
+    bucket key of ``layouts`` (a store's: sorted tuples of numbers), when the bucket is not
+    one of those keys and they cover it exactly, each in one run; None otherwise (the
+    bucket stays whole)."""
+    if tuple(sorted(ids)) in layouts:
+        return None
+    members = set(ids)
+    owner = {i: key for key in layouts if isinstance(key, tuple) and members.issuperset(key) for i in key}
+    if owner.keys() != members:
+        return None
+    runs: list[list[int]] = []
+    for number in ids:
+        if runs and owner[runs[-1][0]] == owner[number]:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    keys = [owner[run[0]] for run in runs]
+    if (
+        len(runs) < 2
+        or len(set(keys)) != len(runs)
+        or any(len(run) != len(key) for run, key in zip(runs, keys, strict=True))
+    ):
+        return None
+    return [tuple(run) for run in runs]

@@ -89,7 +89,9 @@ def route_bucket(
             _offer_first_step(state, bucket, result)
             pending = _stock_allreduce(state, result, record)
         else:
-            parts, order = state.layout.parts(bucket, state.options.granularity, state.store)  # 3
+            parts, order = state.layout.parts(
+                bucket, state.options.granularity, state.store, regroup=not state.exchange.whole_bucket
+            )  # 3
             context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
             step.keys.update([context.key, *(part.key for part in parts)])
             result, record = context.result, context.record
