@@ -301,6 +301,21 @@ def test_magnitude_sample_strides_from_a_rotating_offset_in_the_statistics_dtype
         assert magnitude_sample(x.to(dtype), 5, call=0).dtype == kept
 
 
+def test_a_bucket_laid_out_otherwise_is_sampled_at_its_canonical_positions():
+    """DDP hands a bucket in its own layout (here parameter 1 before parameter 0); the sample
+    is the one of the parameters in number order, element for element and in that order."""
+    from gradsift.core.store import Canonical
+
+    numels = {0: 4, 1: 6}
+    canonical = -torch.arange(10.0)  # parameter 0 is elements 0-3, parameter 1 elements 4-9
+    laid_out = torch.cat([canonical[4:], canonical[:4]])  # DDP's layout (1, 0)
+    mapping = Canonical((1, 0), numels)
+    for size, call in [(10, 0), (5, 0), (5, 1), (4, 4)]:
+        assert torch.equal(
+            magnitude_sample(laid_out, size, call, mapping), magnitude_sample(canonical, size, call)
+        )
+
+
 def test_a_tail_of_two_exceedances_is_fitted_and_one_stops_the_stages():
     """998 ones and [50, 60]: eta_1 = mean ln 4 = 1.536 keeps the two; the exponential excess
     over t = 50 has mean 5, so two stages give 50 + 5 ln(0.25/0.01); with three stages

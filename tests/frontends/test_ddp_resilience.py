@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsift
 from support.distributed import run_workers
-from support.models import batch, flat_params, hooked, make_model, train
+from support.models import IN, OUT, batch, flat_params, hooked, make_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -57,16 +57,27 @@ RESUME_CASES = {
     "signsgd": ("signsgd", {}, ReadyOrdered),
     "efsignsgd": ("efsignsgd", {}, ReadyOrdered),
 }  # fmt: skip
+
+
+def wider() -> torch.nn.Module:
+    """make_model's network 96 wide: 1,539 elements, over SIDCo's smallest sample (1,024), so
+    its fitted threshold reads a strided sample of the bucket."""
+    return make_model((IN, 96, OUT))
+
+
 #: Methods whose arithmetic depends on where an element lies (random positions, a
-#: rounding stream, a sum's rounding, QSGD's norms per 512 elements), resumed across
+#: rounding stream, a sum's rounding, QSGD's norms per 512 elements, SIDCo's strided sample), resumed across
 #: make_model's rebuild: they run on the bucket's parameters in number order
 #: (gradsift.core.store.Canonical), so the layout DDP hands the resumed first step does not
 #: change a bit.
 ACROSS_REBUILD = {
-    f"{name}-rebuilt": (name, options, make_model)
-    for name, options in [
-        ("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})
-    ]
+    **{
+        f"{name}-rebuilt": (name, options, make_model)
+        for name, options in [
+            ("randomk", {"ratio": 0.1}), ("qsgd", {}), ("terngrad", {}), ("signsgd", {}), ("efsignsgd", {})
+        ]
+    },
+    "sidco-exp-rebuilt": ("sidco-exp", {"ratio": 0.05, "exact_below": 0, "sample_size": 1024}, wider),
 }  # fmt: skip
 
 

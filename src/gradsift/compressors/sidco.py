@@ -89,6 +89,7 @@ from gradsift.compressors.topk import top_k_selection
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Count
 from gradsift.core.readout import Readout
+from gradsift.core.store import Canonical
 from gradsift.core.validation import check_bool, check_int, check_real
 
 _SAMPLE_TOLERANCE = math.log(1.25)  # the sample check's band for ln(count/expected)
@@ -292,7 +293,7 @@ class _SIDCo(Sparsifier):
         if self.adapt and n < self.exact_below:
             return self._exact_selection(flat, k, state)  # one torch.topk: nothing to keep off the pool
         with CallingThreadOnly(flat.device, largest=n):
-            return self._statistical_selection(flat, k, state, capacity, readout)
+            return self._statistical_selection(flat, k, state, capacity, readout, self.store.canonical(key))
 
     @staticmethod
     def _exact_selection(flat: torch.Tensor, k: int, state: dict[str, Any]) -> Selection:
@@ -303,10 +304,16 @@ class _SIDCo(Sparsifier):
         return Selection(positions, None if isinstance(length, int) else length, nonfinite)
 
     def _statistical_selection(
-        self, flat: torch.Tensor, k: int, state: dict[str, Any], capacity: int | None, readout: Readout
+        self,
+        flat: torch.Tensor,
+        k: int,
+        state: dict[str, Any],
+        capacity: int | None,
+        readout: Readout,
+        canonical: Canonical | None,
     ) -> Selection:
-        """Steps 1-6 of the module docstring."""
-        eta_fit, eta, slope = self._sampled_threshold(flat, k, state, readout)
+        """Steps 1-6 of the module docstring; the sample in ``canonical`` order (:func:`magnitude_sample`)."""
+        eta_fit, eta, slope = self._sampled_threshold(flat, k, state, readout, canonical)
         selection = threshold_selection(flat, eta, capacity)
         if slope is not None:
             assert selection.demand is not None  # threshold_selection reports the count
@@ -319,13 +326,18 @@ class _SIDCo(Sparsifier):
         return selection
 
     def _sampled_threshold(
-        self, flat: torch.Tensor, k: int, state: dict[str, Any], readout: Readout
+        self,
+        flat: torch.Tensor,
+        k: int,
+        state: dict[str, Any],
+        readout: Readout,
+        canonical: Canonical | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Steps 1-4 and the sample's slope at the threshold (step 6 needs it; None without
         ``adapt``): ``(eta_M, eta, slope)``. The sample is gone when this returns, before the
         selection pass reads the gradient."""
         n = flat.numel()
-        sample = magnitude_sample(flat, self.sample_size, state["calls"])
+        sample = magnitude_sample(flat, self.sample_size, state["calls"], canonical)
         if self.adapt:
             expected = k * sample.numel() / n
             eta_fit, eta = self._fit_and_apply(sample, state, expected, readout)

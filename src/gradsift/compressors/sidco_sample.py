@@ -18,22 +18,33 @@ import torch
 from gradsift.compressors.stats import MagnitudeFit, statistics_dtype
 from gradsift.compressors.tail_kernels import counts_above
 from gradsift.core.payload import Count
+from gradsift.core.store import Canonical
 
 _SLOPE_STEP = 0.1  # ln-eta offset at which the sample count is read for the slope
 _SLOPE_RANGE = (0.5, 200.0)  # bounds on |d ln(count)/d ln(eta)|
 
 
-def magnitude_sample(flat: torch.Tensor, size: int, call: int) -> torch.Tensor:
+def magnitude_sample(
+    flat: torch.Tensor, size: int, call: int, canonical: Canonical | None = None
+) -> torch.Tensor:
     """``|flat|`` at positions ``offset + j * stride``, ``stride = ceil(n / size)``.
 
     The sample spans the whole tensor (at most ``size`` elements; all of them when
     ``n <= size``). The offset is ``call mod stride``, so successive calls see
     different elements and a periodic layout cannot hide from the sample for long.
+    With ``canonical`` (a DDP bucket laid out other than in parameter-number order) the
+    positions are canonical ones, so the sample, in its order, is the same whatever layout
+    DDP hands in (it changes with DDP's rebuild and when a run resumes): a gather of the
+    sample's elements instead of a strided view.
     Returned in :func:`gradsift.compressors.stats.statistics_dtype` (float32, or float64 for float64).
     """
     n = flat.numel()
     stride = -(-n // size)
-    strided = flat if stride == 1 else flat[call % stride :: stride]
+    if canonical is not None and not canonical.identity:
+        positions = torch.arange(call % stride, n, stride, device=flat.device)
+        strided = flat.index_select(0, canonical.flat_positions(positions))
+    else:
+        strided = flat if stride == 1 else flat[call % stride :: stride]
     return strided.abs().to(statistics_dtype(flat.dtype))
 
 
