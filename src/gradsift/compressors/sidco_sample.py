@@ -34,15 +34,14 @@ def magnitude_sample(
     different elements and a periodic layout cannot hide from the sample for long.
     With ``canonical`` (a DDP bucket laid out other than in parameter-number order) the
     positions are canonical ones, so the sample, in its order, is the same whatever layout
-    DDP hands in (it changes with DDP's rebuild and when a run resumes): a gather of the
-    sample's elements instead of a strided view.
+    DDP hands in (it changes with DDP's rebuild and when a run resumes): the parameters'
+    strided views joined (:meth:`~gradsift.core.store.Canonical.strided`).
     Returned in :func:`gradsift.compressors.stats.statistics_dtype` (float32, or float64 for float64).
     """
     n = flat.numel()
     stride = -(-n // size)
-    if canonical is not None and not canonical.identity:
-        positions = torch.arange(call % stride, n, stride, device=flat.device)
-        strided = flat.index_select(0, canonical.flat_positions(positions))
+    if canonical is not None:
+        strided = canonical.strided(flat, call % stride, stride)
     else:
         strided = flat if stride == 1 else flat[call % stride :: stride]
     return strided.abs().to(statistics_dtype(flat.dtype))
