@@ -313,7 +313,9 @@ class _SIDCo(Sparsifier):
         canonical: Canonical | None,
     ) -> Selection:
         """Steps 1-6 of the module docstring; the sample in ``canonical`` order (:func:`magnitude_sample`)."""
-        eta_fit, eta, slope = self._sampled_threshold(flat, k, state, readout, canonical)
+        sample = magnitude_sample(flat, self.sample_size, state["calls"], canonical)
+        eta_fit, eta, slope = self._sampled_threshold(sample, flat.numel(), k, state, readout)
+        del sample  # gone before the selection pass reads the gradient
         selection = threshold_selection(flat, eta, capacity)
         if slope is not None:
             assert selection.demand is not None  # threshold_selection reports the count
@@ -326,18 +328,10 @@ class _SIDCo(Sparsifier):
         return selection
 
     def _sampled_threshold(
-        self,
-        flat: torch.Tensor,
-        k: int,
-        state: dict[str, Any],
-        readout: Readout,
-        canonical: Canonical | None,
+        self, sample: torch.Tensor, n: int, k: int, state: dict[str, Any], readout: Readout
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Steps 1-4 and the sample's slope at the threshold (step 6 needs it; None without
-        ``adapt``): ``(eta_M, eta, slope)``. The sample is gone when this returns, before the
-        selection pass reads the gradient."""
-        n = flat.numel()
-        sample = magnitude_sample(flat, self.sample_size, state["calls"], canonical)
+        """Steps 1-4 on ``sample`` (of a tensor of ``n`` elements) and its slope at the threshold
+        (step 6 needs it; None without ``adapt``): ``(eta_M, eta, slope)``."""
         if self.adapt:
             expected = k * sample.numel() / n
             eta_fit, eta = self._fit_and_apply(sample, state, expected, readout)

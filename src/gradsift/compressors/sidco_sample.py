@@ -35,16 +35,26 @@ def magnitude_sample(
     With ``canonical`` (a DDP bucket laid out other than in parameter-number order) the
     positions are canonical ones, so the sample, in its order, is the same whatever layout
     DDP hands in (it changes with DDP's rebuild and when a run resumes): the parameters'
-    strided views joined (:meth:`~gradsift.core.store.Canonical.strided`).
+    strided views joined (:func:`canonical_strided`).
     Returned in :func:`gradsift.compressors.stats.statistics_dtype` (float32, or float64 for float64).
     """
     n = flat.numel()
     stride = -(-n // size)
-    if canonical is not None:
-        strided = canonical.strided(flat, call % stride, stride)
+    if canonical is not None and not canonical.identity:
+        strided = canonical_strided(flat, canonical, call % stride, stride)
     else:
         strided = flat if stride == 1 else flat[call % stride :: stride]
     return strided.abs().to(statistics_dtype(flat.dtype))
+
+
+def canonical_strided(flat: torch.Tensor, canonical: Canonical, first: int, stride: int) -> torch.Tensor:
+    """``flat``'s elements at canonical positions ``first, first + stride, ...``, in that order:
+    each parameter chunk's strided view, joined (one copy of the picked elements)."""
+    pieces, views, start = flat.split(canonical.sizes), [], 0  # start: the chunk's canonical place
+    for j in canonical.chunks:
+        views.append(pieces[j][(first - start) % stride :: stride])
+        start += canonical.sizes[j]
+    return torch.cat(views)
 
 
 def max_stage_count(ratio: float) -> int:

@@ -337,17 +337,6 @@ class Canonical:
         pieces = flat.split(self.sizes)
         return torch.cat([pieces[j] for j in self.chunks])
 
-    def strided(self, flat: torch.Tensor, first: int, stride: int) -> torch.Tensor:
-        """``flat``'s elements at canonical positions ``first, first + stride, ...``, in that
-        order: one strided view per parameter chunk, joined (one copy of the picked elements)."""
-        if self.identity:
-            return flat[first::stride]
-        pieces, views, start = flat.split(self.sizes), [], 0  # start: the chunk's canonical place
-        for j in self.chunks:
-            views.append(pieces[j][(first - start) % stride :: stride])
-            start += self.sizes[j]
-        return torch.cat(views)
-
     def to_flat(self, canonical: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse of :meth:`to_canonical` (``canonical`` itself when the layouts agree);
         with ``out`` (same size and dtype) written there, in one pass, and returned."""
