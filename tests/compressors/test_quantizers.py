@@ -240,6 +240,24 @@ def test_load_state_dict_rejects_other_seed_and_keys():
     assert gradsift.get_compressor("signsgd").state_dict() == {}
 
 
+def test_each_key_draws_its_own_stream_and_an_older_or_broken_state_is_refused_whole():
+    """A key's rounding does not depend on the keys encoded before it (DDP's bucket order),
+    and a state of one generator per device (the format before) or a malformed entry is
+    refused before any generator of the compressor is replaced."""
+    x, y = torch.randn(300), torch.randn(200)
+    alone, after = gradsift.get_compressor("terngrad", seed=1), gradsift.get_compressor("terngrad", seed=1)
+    after.compress(y, key=(0, 1))  # another key first
+    assert torch.equal(alone.compress(x, key=(2, 3)).codes, after.compress(x, key=(2, 3)).codes)
+    saved = after.state_dict()
+    with pytest.raises(ValueError, match="one rounding generator per device"):
+        alone.load_state_dict({"seed": 1, "generators": {"cpu": saved["generators"][0][2]}})
+    with pytest.raises(ValueError, match=r"\[device name, key, state\] entries"):
+        alone.load_state_dict({"seed": 1, "generators": [*saved["generators"], ["cpu", 5]]})
+    assert [k for _, k in alone.generators] == [(2, 3)]  # untouched by either refusal
+    alone.load_state_dict(saved)
+    assert sorted(k for _, k in alone.generators) == [(0, 1), (2, 3)]
+
+
 @pytest.mark.parametrize("name", QUANTIZERS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_any_float_dtype_and_shape_round_trips_in_its_dtype(name, dtype):

@@ -245,11 +245,17 @@ class StochasticQuantizer(Quantizer):
                 "before each tensor drew from its own: its draws cannot be continued; resume it with "
                 "that version, or start the compressor's state afresh"
             )
-        self.generators = {}
-        for device, key, generator_state in state["generators"]:
+        generators = {}  # all read before any replaces this compressor's
+        for entry in state["generators"]:
+            if not (isinstance(entry, list | tuple) and len(entry) == 3):
+                raise InvalidOptionError(
+                    f"{self.name} state's generators are [device name, key, state] entries; got {entry!r:.80}"
+                )
+            device, key, generator_state = entry
             generator = torch.Generator(device=device)
             generator.set_state(generator_state)
-            self.generators[(device, _as_key(key))] = generator
+            generators[(device, _as_key(key))] = generator
+        self.generators = generators
 
 
 def _as_key(key: Any) -> Hashable:

@@ -104,16 +104,17 @@ class ParameterLayout:
         params = list(bucket.parameters())
         ids = self.numbers_of(bucket)
         buffer = bucket.buffer()
-        if granularity == "bucket":
-            runs = saved_runs(ids, store.layouts) if regroup else None
-            if runs is None:
-                runs = [ids]
+        runs: list[tuple[int, ...]]
+        keys: list[int | tuple[int, ...]]
+        if granularity == "layer":
+            runs, keys = [(number,) for number in ids], list(ids)
         else:
-            runs = [(number,) for number in ids]
+            whole = tuple(sorted(ids))
+            cut = saved_runs(ids, store.layouts) if regroup and whole not in store.layouts else None
+            runs, keys = (cut, [tuple(sorted(run)) for run in cut]) if cut else ([ids], [whole])
         parts, first, offset = [], 0, 0
-        for run in runs:
+        for run, key in zip(runs, keys, strict=True):
             numel = sum(self.numels[i] for i in run)
-            key: int | tuple[int, ...] = run[0] if granularity == "layer" else tuple(sorted(run))
             if granularity == "bucket":
                 store.follow(key, run, self.numels)
             flat = buffer if numel == buffer.numel() else buffer[offset : offset + numel]
@@ -126,11 +127,9 @@ def saved_runs(
     ids: tuple[int, ...], layouts: Mapping[Hashable, tuple[int, ...]]
 ) -> list[tuple[int, ...]] | None:
     """``ids`` (a bucket's parameter numbers, in its order) cut into contiguous runs, one per
-    bucket key of ``layouts`` (a store's: sorted tuples of numbers), when the bucket is not
-    one of those keys and they cover it exactly, each in one run; None otherwise (the
-    bucket stays whole)."""
-    if tuple(sorted(ids)) in layouts:
-        return None
+    bucket key of ``layouts`` (a store's: sorted tuples of numbers), when two or more of those
+    keys cover it exactly, each in one run; None otherwise (the bucket stays whole; the caller
+    keeps a bucket that is one of the keys whole before asking)."""
     members = set(ids)
     owner = {i: key for key in layouts if isinstance(key, tuple) and members.issuperset(key) for i in key}
     if owner.keys() != members:
