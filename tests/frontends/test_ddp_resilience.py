@@ -66,7 +66,8 @@ def wider() -> torch.nn.Module:
 
 
 #: Methods whose arithmetic depends on where an element lies (random positions, a
-#: rounding stream, a sum's rounding, QSGD's norms per 512 elements, SIDCo's strided sample), resumed across
+#: rounding stream, a sum's rounding, QSGD's norms per 512 elements, SIDCo's strided sample,
+#: the norm of ``clip_norm=``), resumed across
 #: make_model's rebuild: they run on the bucket's parameters in number order
 #: (gradsift.core.store.Canonical), so the layout DDP hands the resumed first step does not
 #: change a bit.
@@ -78,6 +79,7 @@ ACROSS_REBUILD = {
         ]
     },
     "sidco-exp-rebuilt": ("sidco-exp", {"ratio": 0.05, "exact_below": 0, "sample_size": 1024}, wider),
+    "clip-norm-rebuilt": ("topk", {"ratio": 0.1, "clip_norm": 0.05}, wider),
 }  # fmt: skip
 
 
@@ -99,6 +101,7 @@ SEVERAL = {
     for name, options in [
         ("topk", {"ratio": 0.1, "momentum": 0.9}), ("randomk", {"ratio": 0.1}), ("vgc", {"alpha": 1.0}),
         ("signsgd", {}), ("efsignsgd", {}), ("cocktail", {"subset": 0.5}), ("threshold", {"threshold": 0.05}),
+        ("dgc", {"ratio": 0.1}),
     ]
 }  # fmt: skip
 CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL}

@@ -28,7 +28,9 @@ class DGC(Sparsifier):
 
     1. Draw ``s = min(n, max(min_sample, ceil(n * sample_ratio)))`` positions
        uniformly (with replacement), a function of ``(seed, key, call)`` -- the same on
-       every device (:mod:`gradsift.compressors.draws`); ``a = |g|`` there.
+       every device (:mod:`gradsift.compressors.draws`) and, in a DDP bucket, over its
+       parameters in number order (:meth:`gradsift.core.store.TensorStore.canonical`), so
+       DDP's layout does not change the sample; ``a = |g|`` there.
     2. ``eta`` = the smallest of the ``ceil(s * ratio)`` largest sampled magnitudes.
     3. Select ``{i : |g_i| >= eta}`` (count ``c``; ties at ``eta`` included, so a
        constant tensor is never left unsent).
@@ -84,6 +86,9 @@ class DGC(Sparsifier):
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
         positions = draws.below(n, stream_seed(self.seed, key, call), size, flat.device)
+        canonical = self.store.canonical(key)
+        if canonical is not None:  # drawn in parameter order: a rebuilt bucket samples the same elements
+            positions = canonical.flat_positions(positions)
         top = torch.topk(
             flat.index_select(0, positions).abs(), math.ceil(size * self.ratio), sorted=False
         ).values

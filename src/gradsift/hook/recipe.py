@@ -41,6 +41,7 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.store import Canonical
 from gradsift.hook.adam import (
     ADAM_FAMILY,
     AdamStep,
@@ -345,14 +346,32 @@ def add_weight_decay(
 
 
 def clip_local(
-    flat: torch.Tensor, clip_norm: float, part_numel: int, model_numel: int, world: int
+    flat: torch.Tensor,
+    clip_norm: float,
+    part_numel: int,
+    model_numel: int,
+    world: int,
+    canonical: Canonical | None = None,
 ) -> torch.Tensor:
     """DGC's local clipping of one part (see the module docstring): ``flat * min(1, t / ||flat||)``,
-    a new tensor, on the device (no host read); a non-finite norm leaves ``flat`` as it is."""
+    a new tensor, on the device (no host read); a non-finite norm leaves ``flat`` as it is.
+    ``||flat||`` is :func:`canonical_norm`'s."""
     threshold = clip_norm * math.sqrt(part_numel / model_numel) / math.sqrt(world)
-    norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    norm = canonical_norm(flat, canonical)
     factor = torch.where(torch.isfinite(norm) & (norm > threshold), threshold / norm, 1.0)
     return flat * factor.to(flat.dtype)
+
+
+def canonical_norm(flat: torch.Tensor, canonical: Canonical | None) -> torch.Tensor:
+    """``||flat||`` in float32 on the device: with ``canonical`` (a DDP bucket's layout) the
+    norm of the parameters' own norms taken in parameter-number order,
+    ``sqrt(sum_i ||g_i||^2)``, so the same gradients give the same bits whichever order DDP
+    lays them out in (it changes at DDP's rebuild and when a run resumes); one pass over
+    ``flat`` either way."""
+    if canonical is None:
+        return torch.linalg.vector_norm(flat, dtype=torch.float32)
+    norms = torch._foreach_norm(flat.split(canonical.sizes), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack([norms[j] for j in canonical.chunks]))
 
 
 def density_at(step: int, target: float, warmup_steps: int, start: float) -> float:

@@ -258,7 +258,8 @@ def _compensate(
         recipe.add_weight_decay(flat, part.params, numbers, state.weight_decay)
     if state.options.clip_norm is not None:
         total = sum(state.layout.numels.values())
-        flat = recipe.clip_local(flat, state.options.clip_norm, part.numel, total, world)
+        canonical = state.store.canonical(part.key)
+        flat = recipe.clip_local(flat, state.options.clip_norm, part.numel, total, world, canonical)
     if state.feedback is None:
         return flat
     if isinstance(state.adam, LocalUpdateStep):  # the worker's own Adam update travels
