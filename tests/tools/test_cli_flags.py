@@ -178,3 +178,69 @@ def test_the_summary_of_diloco_names_its_round_and_compressor():
     diloco = {"enabled": False, "optimizer": "SGD", "diloco": {"sync_every": 4, "compressor": "blockquant"}}
     summary = {**_summary(sent=10_000, padded=10_000), "compressor": "auto", "recipe": diloco}
     assert format_summary(summary, "runs/x").startswith("DiLoCo every 4 steps, blockquant on 2 workers")
+
+
+#: Per command: its arguments with ``{out}`` / ``{json}`` for the outputs, the flag of its output
+#: directory (None: it has none) and the function that starts its work.
+OUTPUTS = {
+    "train": (["train", "--synthetic", "--model", "mlp", "--steps", "1", "--workers", "1",
+               "--out", "{out}", "--json", "{json}"], "--out", "gradsift.tools.train.launcher.run_training"),
+    "demo": (["demo", "--quick", "--out", "{out}", "--json", "{json}"], "--out",
+             "gradsift.tools.train.demo.run_demo"),
+    "report": (["report", "{runs}", "--out", "{out}", "--json", "{json}"], "--out", "gradsift.tools.report.find_runs"),
+    "analyze": (["analyze", "{runs}/g.pt", "--compressors", "topk", "--plot", "{out}", "--json", "{json}"],
+                "--plot", "gradsift.tools.analysis.load_gradients"),
+    "bench compress": (["bench", "compress", "--sizes", "1000", "--json", "{json}"], None,
+                       "gradsift.tools.benchmarking.run_compress_benchmark"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", OUTPUTS)
+@pytest.mark.parametrize("wrong", ["json under a file", "json is a directory", "out is a file"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    command, wrong, tmp_path, capsys, monkeypatch
+):
+    argv, out_flag, work = OUTPUTS[command]
+    if wrong == "out is a file" and out_flag is None:
+        pytest.skip(f"{command} writes no directory")
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"{command} started its work")
+
+    module, name = work.rsplit(".", 1)
+    monkeypatch.setattr(f"{module}.{name}", started)
+    (tmp_path / "runs").mkdir()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    paths = {"out": tmp_path / "out", "json": tmp_path / "results" / "r.json", "runs": tmp_path / "runs"}
+    if wrong == "json under a file":
+        paths["json"], flag = blocker / "r.json", "--json"
+    elif wrong == "json is a directory":
+        paths["json"], flag = tmp_path / "runs", "--json"
+    else:
+        paths["out"], flag = blocker, out_flag
+    code = cli_main([a.format(**{k: str(v) for k, v in paths.items()}) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and f"error: {flag}" in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("command", OUTPUTS)
+def test_outputs_are_made_with_their_folders_before_the_work(command, tmp_path, monkeypatch):
+    argv, out_flag, work = OUTPUTS[command]
+    made = {}
+
+    def started(*args, **kwargs):
+        made["folders"] = (tmp_path / "out").is_dir(), (tmp_path / "results" / "new").is_dir()
+        raise InvalidOptionError("stop here")
+
+    module, name = work.rsplit(".", 1)
+    monkeypatch.setattr(f"{module}.{name}", started)
+    (tmp_path / "runs").mkdir()
+    paths = {
+        "out": tmp_path / "out",
+        "json": tmp_path / "results" / "new" / "r.json",
+        "runs": tmp_path / "runs",
+    }
+    assert cli_main([a.format(**{k: str(v) for k, v in paths.items()}) for a in argv]) == 2
+    assert made["folders"] == (out_flag is not None, True)

@@ -73,6 +73,10 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
         (["--eval-every", "-1"], "eval_every must"),
         (["--decay-steps", "0"], "decay_steps must"),
         (["--decay-factor", "0"], "decay_factor must"),
+        (
+            ["--lr-schedule", "cosine", "--decay-steps", "5"],
+            r"decay_steps are the step schedule's .* takes none",
+        ),
         (["--target-accuracy", "85"], "target_accuracy must lie in"),
         (["--timeout", "0.5"], "timeout_s must"),
         (["--epochs", "0"], "--epochs must be > 0"),
@@ -114,8 +118,8 @@ def test_the_dataset_and_output_paths_are_checked_first(tmp_path, capsys, no_wor
     assert code == 2 and "holds 0 *.py files" in err and len(err.splitlines()) == 1
     (tmp_path / "file").write_text("")
     assert "--out" in rejected(tmp_path, capsys, "--out", str(tmp_path / "file"))
-    line = rejected(tmp_path, capsys, "--json", str(tmp_path / "missing" / "s.json"))
-    assert "--json" in line and "does not exist" in line
+    line = rejected(tmp_path, capsys, "--json", str(tmp_path / "file" / "s.json"))
+    assert "--json" in line and "is not a directory" in line
 
 
 def test_more_workers_than_gpus_is_rejected(tmp_path, capsys, no_workers, monkeypatch):

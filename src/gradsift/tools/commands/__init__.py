@@ -7,6 +7,10 @@ each option's default, and names the same choices for the same flag (:data:`DEVI
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from pathlib import Path
+
+from gradsift.core.errors import InvalidOptionError
 
 #: ``--device`` of every command that runs on a device (``gradsift.tools.train.devices.DEVICES``,
 #: written here because that module loads torch; tests/tools/test_cli.py checks they agree).
@@ -36,3 +40,30 @@ class HelpFormatter(argparse.HelpFormatter):
 
 class ExamplesHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """:class:`HelpFormatter` whose description and epilog (command examples) keep their line breaks."""
+
+
+def prepare_outputs(
+    directories: Mapping[str, str | Path | None], files: Mapping[str, str | Path | None]
+) -> None:
+    """Make the places a command writes to before it does any work: each output directory
+    (``--out``, ``--plot``: keyed by its flag) and each output file's directory (``--json``),
+    with their parents. A path that is the wrong kind (a directory output that is a file, a
+    file output that is a directory) or that cannot be made (no permission, a read-only file
+    system) raises :class:`~gradsift.core.errors.InvalidOptionError` naming the flag, before
+    anything is created -- not a traceback after a run's results are computed. ``None``: not asked for."""
+    wanted = {flag: Path(path) for flag, path in directories.items() if path is not None}
+    for flag, path in files.items():
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise InvalidOptionError(f"{flag} {path} is a directory; it needs a file's path")
+        wanted[flag] = Path(path).parent
+    for flag, folder in wanted.items():
+        blocking = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            raise InvalidOptionError(f"{flag}: {blocking} exists and is not a directory")
+    for flag, folder in wanted.items():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise InvalidOptionError(f"{flag}: cannot create {folder} ({error.strerror})") from None

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from gradsift.tools.commands import HelpFormatter
+from gradsift.tools.commands import HelpFormatter, prepare_outputs
 
 #: :data:`gradsift.tools.analysis.DEFAULT_COMPRESSORS`, written here for the help text: the
 #: parser imports no back-end, which loads torch and SciPy (tests/tools/test_cli.py checks
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     ratios = [check_ratio(r, "--ratios") for r in args.ratios]
     calls = check_int(args.calls, "--calls", low=1)
     compressors, skipped = usable_compressors(args.compressors)
+    prepare_outputs({"--plot": args.plot}, {"--json": args.json})
     tensors = load_gradients(args.file)
     if skipped:
         print(

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from gradsift.tools.commands import DEVICES, HelpFormatter
+from gradsift.tools.commands import DEVICES, HelpFormatter, prepare_outputs
 
 #: What the parser shows of :mod:`gradsift.tools.benchmarking` (which needs torch), written
 #: here so that building it imports no back-end; tests/tools/test_cli.py checks each against
@@ -83,10 +83,10 @@ def _run_compress(args: argparse.Namespace) -> int:
     settings = {field.name: getattr(args, field.name) for field in fields(CompressBenchConfig)}
     settings["device"] = resolve_device(args.device, 1)  # "auto" made "cpu" or "cuda"
     config = CompressBenchConfig(**settings)
+    prepare_outputs({}, {"--json": args.json})
     result = run_compress_benchmark(config, progress=not args.no_progress)
     print(format_table(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from gradsift.tools.commands import HelpFormatter
+from gradsift.tools.commands import HelpFormatter, prepare_outputs
 
 DEFAULT_OUT = "gradsift-demo"
 #: Steps per method of the full and the ``--quick`` demo (``gradsift.tools.train.demo.LENGTHS``,
@@ -44,6 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from gradsift.tools.train.demo import run_demo
 
+    prepare_outputs({"--out": args.out}, {"--json": args.json})
     result = run_demo(args.out, quick=args.quick, bandwidth=args.bandwidth, emulate=not args.localhost,
                       progress=not args.no_progress)  # fmt: skip
     if args.json:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from gradsift.tools.commands import HelpFormatter
+from gradsift.tools.commands import HelpFormatter, prepare_outputs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
     from gradsift.tools.report import comparison_rows, default_target, find_runs, format_table, plot_runs
 
+    plots = (
+        None
+        if args.no_plots
+        else args.out or (Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else Path("report"))
+    )
+    prepare_outputs({"--out": plots}, {"--json": args.json})
     # the bar is cleared when it closes, on an error too: the error or the table starts the line
     with tqdm(args.dirs, desc="reading", unit="dir", disable=args.no_progress, leave=False) as dirs:
         runs = [run for path in dirs for run in find_runs([path])]
@@ -46,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {args.json}")
-    if not args.no_plots:
-        out = args.out or (Path(args.dirs[0]) / "report" if len(args.dirs) == 1 else Path("report"))
-        for path in plot_runs(runs, out):
+    if plots is not None:
+        for path in plot_runs(runs, plots):
             print(f"wrote {path}")
     return 0

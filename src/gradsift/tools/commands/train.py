@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.exchanges import AUTO, available_exchanges
-from gradsift.tools.commands import DEVICES, ExamplesHelpFormatter
+from gradsift.tools.commands import DEVICES, ExamplesHelpFormatter, prepare_outputs
 
 if TYPE_CHECKING:
     from gradsift.tools.train.config import TrainConfig
@@ -205,14 +205,6 @@ def exchange_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def check_paths(args: argparse.Namespace, out: str) -> None:
-    """``--out`` can be a directory and ``--json``'s directory exists."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise InvalidOptionError(f"--out {out} exists and is not a directory")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise InvalidOptionError(f"--json {args.json}: directory {args.json.parent} does not exist")
-
-
 def check_devices(workers: int, device: str) -> None:
     """``--device`` can place ``workers`` local ranks: with CUDA every rank takes one GPU,
     so a CUDA machine with fewer GPUs than workers is refused (``--device cpu`` trains there)."""
@@ -231,7 +223,6 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     options = exchange_options(args)
     if args.latency is not None and args.bandwidth is None:
         raise InvalidOptionError("--latency needs --bandwidth (latency is emulated on the shaped links)")
-    check_paths(args, out)
     # Finds the data and reads its index (Fashion-MNIST's labels, or the text corpus), so a
     # missing or malformed dataset fails here rather than in every worker.
     examples = examples_for_model(args.model, args.data_dir, synthetic=args.synthetic)
@@ -270,7 +261,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradsift.tools.train.launcher import run_training, under_torchrun
+    from gradsift.tools.train.launcher import emulated_hosts, run_training, under_torchrun
 
     if args.cleanup_netem:
         from gradsift.tools.train.netem import cleanup_stale
@@ -282,16 +273,19 @@ def run(args: argparse.Namespace) -> int:
     workers = int(os.environ["WORLD_SIZE"]) if torchrun else args.workers
     out = args.out or f"runs/{args.compressor}-w{workers}" + (f"-{args.bandwidth}" if args.bandwidth else "")
     config = config_from_args(args, out, workers)  # every check before any worker starts
+    if torchrun and config.bandwidth_bps is not None:
+        raise InvalidOptionError(
+            "--bandwidth emulates links between local ranks; it cannot be used under torchrun"
+        )
+    if not torchrun:
+        check_devices(workers, config.device)
+        emulated_hosts(config, args.launcher, args.nodes)  # the launcher's refusals, before --out is made
+    prepare_outputs({"--out": out}, {"--json": args.json})
     if torchrun:
-        if config.bandwidth_bps is not None:
-            raise InvalidOptionError(
-                "--bandwidth emulates links between local ranks; it cannot be used under torchrun"
-            )
         summary = _run_as_torchrun_rank(config)
         if summary is None:
             return 0
     else:
-        check_devices(workers, config.device)
         summary = run_training(config, launcher=args.launcher, nodes=args.nodes)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -159,6 +159,11 @@ class TrainConfig:
         check_bool(self.recipe, "recipe")
         for step in self.decay_steps:
             check_int(step, "decay_steps", low=1)
+        if self.decay_steps and self.lr_schedule != "step":
+            raise InvalidOptionError(
+                f"decay_steps are the step schedule's milestones; lr_schedule={self.lr_schedule!r} takes none "
+                "(drop --decay-steps, or pass --lr-schedule step)"
+            )
         if self.target_accuracy is not None:
             check_real(self.target_accuracy, "target_accuracy", low=0.0, high=1.0)
         if self.target_loss is not None:
