@@ -181,6 +181,9 @@ def options_worker(rank: int, world: int) -> dict:
         "outer_lr": lambda: gradsift.diloco(model, optimizer, outer_lr=-1.0),
         "buffers": lambda: gradsift.diloco(model, optimizer, buffers="sum"),
         "warmup": lambda: gradsift.diloco(model, optimizer, warmup_steps=3),
+        "other model's optimizer": lambda: gradsift.diloco(
+            model, torch.optim.SGD(make_model().parameters(), lr=INNER_LR)
+        ),
     }.items():
         try:
             call()
@@ -195,6 +198,7 @@ def test_bad_options_are_clear_errors():
     assert "not a DistributedDataParallel" in errors["ddp"]
     assert "sync_every" in errors["sync_every"] and "outer_lr" in errors["outer_lr"]
     assert "buffers" in errors["buffers"] and "warmup_steps" in errors["warmup"]
+    assert "holds none of the model's parameters" in errors["other model's optimizer"]
 
 
 def defaults_worker(rank: int, world: int) -> dict:

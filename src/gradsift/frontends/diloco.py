@@ -58,6 +58,7 @@ from gradsift.hook.checkpoint_checks import check_hook_entry
 from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.handshake import check_hook_settings
 from gradsift.hook.layout import FlatBucket
+from gradsift.hook.param_groups import model_groups
 from gradsift.hook.recipe import unwrapped
 from gradsift.hook.route import route_bucket
 from gradsift.hook.state import GradsiftHookState
@@ -309,6 +310,11 @@ def diloco(
             "compressor with error feedback and residual_decay=1.0"
         )
     hook.layout.bind(model)
+    if next(model_groups(unwrapped(optimizer), hook.layout.numbers), None) is None:
+        raise InvalidOptionError(
+            f"optimizer ({type(optimizer).__name__}) holds none of the model's parameters: its inner "
+            "steps would leave the model as it is; pass the optimizer that steps model.parameters()"
+        )
     hook.compressor.attach(model)
     outer = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
              "nesterov": nesterov, "buffers": buffers, "unsent": unsent,
