@@ -156,6 +156,20 @@ class PowerSGD(Compressor):
         """Whether the next :meth:`ddp_hook` call on ``bucket`` compresses (not a dense step)."""
         return not self.dense_step_pending and self.state.iter >= self.state.start_powerSGD_iter
 
+    def attach(self, module: torch.nn.Module) -> None:
+        """Refuse a model with a trainable parameter of no elements: PyTorch's hook views every
+        gradient of a bucket as a matrix, ``tensor.view(rows, -1)``, which no shape of zero
+        elements allows, so its first step would fail inside PyTorch."""
+        empty = next(
+            (name for name, p in module.named_parameters() if p.requires_grad and p.numel() == 0), None
+        )
+        if empty is not None:
+            raise InvalidOptionError(
+                f"powersgd runs PyTorch's powerSGD_hook, which cannot lay out the gradient of {empty!r} "
+                "(a parameter of no elements) as a matrix and fails at its first step: remove the "
+                "parameter, freeze it (requires_grad=False), or pick another compressor"
+            )
+
     def ddp_hook(
         self, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
     ) -> torch.futures.Future:

@@ -168,7 +168,10 @@ def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor, largest: 
     where Adam's ``v`` would have grown with the gradient. The floor bounds that gain at
     ``1 / ROOT_FLOOR`` times the tensor's typical one and keeps ``D`` a constant, so the update
     stays linear in what was sent (a clamp of ``m / D`` would not: error feedback's delayed
-    elements would be shrunk). Device work only: no host read."""
+    elements would be shrunk). Device work only: no host read. A moment of no elements (a
+    parameter of none) has the root of none."""
+    if not second_moment.numel():
+        return second_moment.clone()
     root = (second_moment / correction).sqrt_()
     floor = root.square().mean().sqrt_().mul_(ROOT_FLOOR)
     root = torch.maximum(torch.where(root > 0, root, root.max()), floor)
@@ -177,11 +180,11 @@ def frozen_root(second_moment: torch.Tensor, correction: torch.Tensor, largest: 
 
 def largest_root(optimizer: torch.optim.Optimizer, numbers: dict[int, int]) -> torch.Tensor:
     """The largest ``sqrt(v / (1 - beta2^t))`` over the model's parameters (``numbers``) that have
-    a second moment, a 0-dim tensor (0 without any); device work only."""
+    a second moment of one element or more, a 0-dim tensor (0 without any); device work only."""
     roots = [
         (state["exp_avg_sq"] / bias_correction(float(group["betas"][1]), state["step"])).max().sqrt()
         for _, group, _ in model_groups(optimizer, numbers)
         for state in (optimizer.state.get(p, {}) for p in group["params"])
-        if "exp_avg_sq" in state
+        if "exp_avg_sq" in state and state["exp_avg_sq"].numel()
     ]
     return torch.stack([r.to(roots[0].device).double() for r in roots]).max() if roots else torch.zeros(())

@@ -129,9 +129,13 @@ def exchange_now(state: GradsiftHookState, bucket: BucketLike) -> tuple[torch.Te
 
 
 def _offer_first_step(state: GradsiftHookState, bucket: BucketLike, result: torch.Tensor) -> None:
-    """The first optimizer step's check watches the step's first bucket until it has decided."""
+    """The first optimizer step's check watches the step's first bucket with an element until
+    it has decided: its first parameter with elements, whose gradient ``result`` starts with
+    (a parameter of no elements before it takes no room)."""
     if state.first_step is not None and state.first_step.watching:
-        state.first_step.offer(bucket.parameters()[0], result)
+        param = next((p for p in bucket.parameters() if p.numel()), None)
+        if param is not None:
+            state.first_step.offer(param, result)
 
 
 def _stock_allreduce(
