@@ -202,3 +202,13 @@ def test_an_auto_run_is_noted_with_its_steps_from_the_choice_on(tmp_path: Path) 
     )
     plain = make_run(tmp_path / "topk", "topk", [0.5], step_s=0.1, bytes_sent=80.0)
     assert len(format_table(comparison_rows(find_runs([plain]), None)).splitlines()) == 3
+
+
+def test_a_target_that_is_not_an_accuracy_is_refused(runs_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from gradsift.tools.cli import main
+
+    assert main(["report", str(runs_dir), "--target", "85", "--out", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err
+    assert "--target must lie in [0.0, 1.0], got 85" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "plots").exists()

@@ -35,8 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from gradsift.core.validation import check_real
     from gradsift.tools.report import comparison_rows, default_target, find_runs, format_table, plot_runs
 
+    if args.target is not None:
+        check_real(args.target, "--target", low=0.0, high=1.0)  # an accuracy, as train's --target-accuracy
     plots = (
         None
         if args.no_plots
