@@ -93,6 +93,21 @@ def several_buckets() -> torch.nn.Module:
     return module
 
 
+class EmptyFirst(torch.nn.Module):
+    """several_buckets' network behind a parameter of no elements: DDP's rebuild puts that
+    parameter in the bucket of the last layer, away from it in ``parameters()`` order, and
+    it takes no room in the flat bucket, so the resumed first step is cut all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+        self.net = make_model()
+        self.bucket_cap_mb = 200 / 2**20
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs) + self.empty.sum()
+
+
 #: Methods that compress a bucket as a whole (a selection, a scale, a capacity, a subset),
 #: resumed where the rebuilt buckets are several: the resumed first step's one bucket is cut
 #: into the saved buckets (gradsift.hook.layout.saved_runs), each compressed as before.
@@ -104,7 +119,11 @@ SEVERAL = {
         ("dgc", {"ratio": 0.1}),
     ]
 }  # fmt: skip
-CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL}
+EMPTY = {
+    f"{name}-empty": (name, options, EmptyFirst)
+    for name, options in [("topk", {"ratio": 0.1, "momentum": 0.9}), ("cocktail", {"subset": 0.5})]
+}
+CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL, **EMPTY}
 
 
 def ddp(module: torch.nn.Module) -> DDP:
@@ -219,6 +238,17 @@ def test_resume_over_several_rebuilt_buckets_is_bit_for_bit(resume_runs):
         ]  # its parts: the saved buckets, in the bucket's order
         assert first_step.keys() == whole[0][case][1].keys() and first_step != whole[0][case][1], case
     assert not differing(resume_runs, SEVERAL)
+
+
+def test_resume_is_bit_for_bit_past_a_parameter_of_no_elements(resume_runs):
+    """The rebuilt bucket holding the empty parameter is no run of the resumed first bucket by
+    parameter numbers, but is one by elements: cut into the saved buckets all the same."""
+    whole, resumed = resume_runs
+    for case in EMPTY:
+        (with_empty,) = [key for key in whole[0][case][1] if 0 in key]
+        assert with_empty != tuple(range(len(with_empty))), with_empty  # not a run by numbers
+        assert resumed[0][f"{case}/state_dict"][1].keys() == whole[0][case][1].keys(), case
+    assert not differing(resume_runs, EMPTY)
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------

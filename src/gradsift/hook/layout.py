@@ -110,36 +110,48 @@ class ParameterLayout:
             runs, keys = [(number,) for number in ids], list(ids)
         else:
             whole = tuple(sorted(ids))
-            cut = saved_runs(ids, store.layouts) if regroup and whole not in store.layouts else None
+            cut = (
+                saved_runs(ids, store.layouts, self.numels)
+                if regroup and whole not in store.layouts
+                else None
+            )
             runs, keys = (cut, [tuple(sorted(run)) for run in cut]) if cut else ([ids], [whole])
-        parts, first, offset = [], 0, 0
+        by_number = dict(zip(ids, params, strict=True))
+        parts, offset = [], 0
         for run, key in zip(runs, keys, strict=True):
             numel = sum(self.numels[i] for i in run)
             if granularity == "bucket":
                 store.follow(key, run, self.numels)
             flat = buffer if numel == buffer.numel() else buffer[offset : offset + numel]
-            parts.append(Part(key, offset, flat, params[first : first + len(run)]))
-            first, offset = first + len(run), offset + numel
+            parts.append(Part(key, offset, flat, [by_number[i] for i in run]))
+            offset += numel
         return parts, ids
 
 
 def saved_runs(
-    ids: tuple[int, ...], layouts: Mapping[Hashable, tuple[int, ...]]
+    ids: tuple[int, ...], layouts: Mapping[Hashable, tuple[int, ...]], numels: Mapping[int, int]
 ) -> list[tuple[int, ...]] | None:
     """``ids`` (a bucket's parameter numbers, in its order) cut into contiguous runs, one per
     bucket key of ``layouts`` (a store's: sorted tuples of numbers), when two or more of those
     keys cover it exactly, each in one run; None otherwise (the bucket stays whole; the caller
-    keeps a bucket that is one of the keys whole before asking)."""
+    keeps a bucket that is one of the keys whole before asking). A parameter of no elements
+    (``numels[i] == 0``) takes no room in the flat bucket, so wherever it lies it joins its
+    key's run (a key of such parameters alone is a run of its own, last)."""
     members = set(ids)
     owner = {i: key for key in layouts if isinstance(key, tuple) and members.issuperset(key) for i in key}
     if owner.keys() != members:
         return None
     runs: list[list[int]] = []
-    for number in ids:
+    for number in (i for i in ids if numels[i]):
         if runs and owner[runs[-1][0]] == owner[number]:
             runs[-1].append(number)
         else:
             runs.append([number])
+    run_of = {owner[run[0]]: run for run in runs}
+    for number in (i for i in ids if not numels[i]):
+        if owner[number] not in run_of:
+            runs.append(run_of.setdefault(owner[number], []))
+        run_of[owner[number]].append(number)
     keys = [owner[run[0]] for run in runs]
     if (
         len(runs) < 2
