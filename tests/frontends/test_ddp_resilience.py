@@ -314,5 +314,9 @@ def delegation_worker(rank: int, world: int) -> dict:
 def test_powersgd_delegation_is_timed_and_counted():
     runs = run_workers(__file__, "delegation_worker", 2)
     assert torch.equal(runs[0]["params"], runs[1]["params"])
-    step = runs[0]["stats"]["step"]
+    step, total = runs[0]["stats"]["step"], runs[0]["stats"]["total"]
     assert 0 < step["bytes_sent"] < step["dense_bytes"] and step["communicate_ms"] > 0
+    # density counts the values sent (P, Q and the layers sent whole), all float32 here
+    assert step["density"] == pytest.approx(step["bytes_sent"] / step["dense_bytes"])
+    assert (step["compressed_tensors"], step["dense_tensors"]) == (1, 0)
+    assert (total["compressed_tensors"], total["dense_tensors"]) == (2, 2)  # start_iter=2: two dense steps

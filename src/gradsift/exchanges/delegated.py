@@ -73,6 +73,7 @@ class Delegated(Exchange):
         context.record.add_bytes(
             sent=nbytes, padded=nbytes, received=ring_allreduce_received(nbytes, context.world)
         )
+        context.record.add_tensor(nbytes // buffer.element_size(), dense=not compressing)  # values sent
 
         def finish(mean: torch.Tensor) -> Outcome:
             view = part.view(context.result)

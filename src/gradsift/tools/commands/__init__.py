@@ -47,10 +47,11 @@ def prepare_outputs(
 ) -> None:
     """Make the places a command writes to before it does any work: each output directory
     (``--out``, ``--plot``: keyed by its flag) and each output file's directory (``--json``),
-    with their parents. A path that is the wrong kind (a directory output that is a file, a
-    file output that is a directory) or that cannot be made (no permission, a read-only file
-    system) raises :class:`~gradsift.core.errors.InvalidOptionError` naming the flag, before
-    anything is created -- not a traceback after a run's results are computed. ``None``: not asked for."""
+    with their parents. A path of the wrong kind (a directory output that is a file or lies
+    under one, a file output that is a directory) raises
+    :class:`~gradsift.core.errors.InvalidOptionError` naming the flag before any folder is made,
+    one that cannot be made (no permission, a read-only file system) when making it -- either way
+    before the work, not as a traceback after a run's results are computed. ``None``: not asked for."""
     wanted = {flag: Path(path) for flag, path in directories.items() if path is not None}
     for flag, path in files.items():
         if path is None:
