@@ -212,3 +212,34 @@ def test_a_target_that_is_not_an_accuracy_is_refused(runs_dir: Path, tmp_path: P
     err = capsys.readouterr().err
     assert "--target must lie in [0.0, 1.0], got 85" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "plots").exists()
+
+
+def test_runs_of_one_setting_are_told_apart_in_rows_and_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three seeds of one setting share a label: each row and each bar names its directory
+    (matplotlib puts bars of one category name on top of each other)."""
+    for seed in range(3):
+        make_run(tmp_path / "seeds" / f"seed{seed}", "topk", [0.5, 0.7 + seed / 100], step_s=0.1, bytes_sent=80.0,
+                 ratio=0.01)  # fmt: skip
+    make_run(tmp_path / "other" / "seed0", "topk", [0.5, 0.6], step_s=0.1, bytes_sent=80.0, ratio=0.01)
+    make_run(tmp_path / "seeds" / "alone", "none", [0.5, 0.6], step_s=0.1, bytes_sent=4000.0)
+    runs = find_runs([tmp_path / "seeds", tmp_path / "other"])
+    labels = [row["run"] for row in comparison_rows(runs, target=None)]
+    assert len(set(labels)) == len(runs) == 5
+    assert "none w2 100mbit" in labels  # a label no other run shares stays as it is
+    assert "topk r=0.01 w2 100mbit [seed1]" in labels
+    assert f"topk r=0.01 w2 100mbit [{tmp_path / 'other' / 'seed0'}]" in labels  # names agree: the path
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    bars = []
+    original = plt.Axes.bar
+
+    def bar(axes, x, *args, **kwargs):
+        bars.append(list(x))
+        return original(axes, x, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Axes, "bar", bar)
+    plot_runs(runs, tmp_path / "plots")
+    assert all(len(set(categories)) == len(runs) for categories in bars)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -149,13 +150,30 @@ def predicted_step_seconds(summary: dict[str, Any], bandwidth: float, workers: i
     )
 
 
+def distinct_labels(runs: Sequence[Run]) -> list[str]:
+    """Each run's :attr:`Run.label`; where runs share one (seeds of one setting, one setting on
+    several models), each followed by its directory's name -- by its path where the names
+    agree too -- so no two rows, curves or bars of a report read alike."""
+    labels = [run.label for run in runs]
+    shared = {label for label, count in Counter(labels).items() if count > 1}
+    named = [
+        f"{label} [{run.path.name}]" if label in shared else label
+        for label, run in zip(labels, runs, strict=True)
+    ]
+    still = {label for label, count in Counter(named).items() if count > 1}
+    return [
+        f"{label} [{run.path}]" if name in still else name
+        for label, name, run in zip(labels, named, runs, strict=True)
+    ]
+
+
 def comparison_rows(runs: Sequence[Run], target: float | None) -> list[dict[str, Any]]:
     """One row per run with the numbers the table and the JSON report show."""
     rows = []
-    for run in runs:
+    for run, label in zip(runs, distinct_labels(runs), strict=True):
         s = run.summary
         rows.append({
-            "run": run.label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
+            "run": label, "path": str(run.path), "compressor": s["compressor"], "workers": s["workers"],
             "bandwidth": s.get("bandwidth"), "steps": s["steps"],
             # a worker alone sends nothing: no factor below fp32 to give
             "bytes_per_step": bytes_sent(s), "compression_factor": None if single_worker(s) else s["compression_factor"],
@@ -253,11 +271,13 @@ def plot_runs(runs: Sequence[Run], out: str | Path) -> list[Path]:
         plt.close(figure)
         written.append(out / name)
 
+    names = distinct_labels(runs)
+
     def curves(name: str, points: Any, marker: str | None, **labels: str) -> None:
         """One line per run; ``points(run)`` gives its ``(xs, ys)``."""
         figure, axes = plt.subplots(figsize=(7, 4.5))
-        for run in runs:
-            axes.plot(*points(run), marker=marker, label=run.label)
+        for run, label in zip(runs, names, strict=True):
+            axes.plot(*points(run), marker=marker, label=label)
             if name == "density.png" and "ratio" in run.summary.get("options", {}):
                 axes.axhline(run.summary["options"]["ratio"], linestyle=":", color="grey", linewidth=0.8)
         axes.set(**labels)
@@ -293,15 +313,14 @@ def plot_runs(runs: Sequence[Run], out: str | Path) -> list[Path]:
            title="Achieved density (dotted: target ratio)")  # fmt: skip
 
     figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(runs) + 2), 4.5))
-    labels = [run.label for run in runs]
     bottom = [0.0] * len(runs)
     for phase in PHASES:
         key = f"{phase.removesuffix('_s')}_median_s"
         heights = [run.summary[key] * 1e3 for run in runs]
-        axes.bar(labels, heights, bottom=bottom, label=phase.removesuffix("_s"))
+        axes.bar(names, heights, bottom=bottom, label=phase.removesuffix("_s"))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     steps_ms = [run.summary["step_time_median_s"] * 1e3 for run in runs]
-    axes.scatter(labels, steps_ms, marker="_", s=900, color="black", zorder=3, label="measured step time")
+    axes.scatter(names, steps_ms, marker="_", s=900, color="black", zorder=3, label="measured step time")
     axes.set(ylabel="median ms per step",
              title="Time per phase (hook timers sum overlapping buckets: bars can exceed the step)")  # fmt: skip
     axes.tick_params(axis="x", rotation=30, labelsize=8)
