@@ -217,9 +217,9 @@ class FirstOptimizerStep:
             return
         self.close()
         raise InvalidOptionError(
-            f"{seen}; drop it and pass register_comm_hook(..., clip_norm=C) (DGC's clipping of each "
-            "gradient before the velocity), or optimizer=False to keep SGD's momentum and clip as with "
-            "stock DDP"
+            f"{seen}; drop it (a trainer's gradient_clip_val or max_grad_norm too) and pass clip_norm=C "
+            "to register_comm_hook or to gradsift's trainer callback (DGC's clipping of each gradient "
+            "before the velocity), or optimizer=False to keep SGD's momentum and clip as with stock DDP"
         )
 
 
