@@ -10,6 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
+from gradsift.compressors.powersgd import DENSE_AFTER_LOAD
 from gradsift.core.errors import InvalidOptionError
 
 WORLD = 2
@@ -115,12 +116,13 @@ def powersgd_worker(rank: int, world_size: int) -> dict:
         lambda step: resumed_nbytes.append(resumed_state.stats()["step"]["bytes_sent"]),
     )
 
-    # A checkpoint loaded into a model whose bucket holds other shapes is refused.
+    # A checkpoint loaded into a model whose bucket holds other shapes is refused (once the
+    # dense steps a load allows while DDP lays its buckets out are over).
     wider = torch.nn.Sequential(torch.nn.Linear(32, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1, bias=False))
     mismatched, mismatched_state = _hooked(wider, error_feedback=False)
     mismatched_state.compressor.load_state_dict(checkpoint["hook"]["compressor"])
     try:
-        _train(mismatched, rank, range(2))
+        _train(mismatched, rank, range(DENSE_AFTER_LOAD + 1))
         refusal = ""
     except Exception as error:  # DDP re-raises the hook's error from backward()
         refusal = str(error)
@@ -167,6 +169,59 @@ def test_two_gloo_ranks_match_pytorch_hook_and_resume():
     # Every rank holds the same parameters.
     for ours, other in zip(results[0]["ours"], results[1]["ours"], strict=True):
         assert torch.equal(ours, other)
+
+
+def static_graph_worker(rank: int, world_size: int) -> dict:
+    """A resume under ``DDP(static_graph=True)``, which rebuilds its buckets a step later."""
+    layers = [
+        torch.nn.Linear(32, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 1),
+    ]
+
+    def hooked(seed: int) -> tuple[DistributedDataParallel, object]:
+        torch.manual_seed(seed)
+        ddp = DistributedDataParallel(torch.nn.Sequential(*copy.deepcopy(layers)), bucket_cap_mb=0.002,
+                                      static_graph=True)  # fmt: skip
+        return ddp, gradsift.register_comm_hook(ddp, "powersgd", rank=1, start_iter=2, warm_start=True)
+
+    ddp, state = hooked(0)
+    _train(ddp, rank, range(4))
+    saved = {
+        "model": copy.deepcopy(ddp.module.state_dict()),
+        "hook": _checkpoint_roundtrip(state.state_dict()),
+    }
+    resumed, resumed_state = hooked(1)
+    resumed.module.load_state_dict(saved["model"])
+    resumed_state.load_state_dict(saved["hook"])
+    compressed = []
+    _train(
+        resumed,
+        rank,
+        range(4, 8),
+        lambda step: compressed.append(resumed_state.stats()["step"]["compressed_tensors"]),
+    )
+    return {
+        "compressed": compressed,
+        "params": torch.cat([p.detach().flatten() for p in resumed.parameters()]),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_resume_under_static_graph_waits_for_the_rebuilt_buckets():
+    """``static_graph=True`` hands the resumed run its first bucketing for two steps: both run
+    dense (the memories belong to the rebuilt buckets), then PowerSGD compresses again; the
+    second step had refused the layout before."""
+    from support.distributed import run_workers
+
+    results = run_workers(Path(__file__), "static_graph_worker", WORLD, timeout=120)
+    for result in results:
+        assert result["compressed"][:DENSE_AFTER_LOAD] == [0] * DENSE_AFTER_LOAD
+        assert all(count > 0 for count in result["compressed"][DENSE_AFTER_LOAD:]), result["compressed"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
 
 
 # -- the default epsilon (an unused layer's zero matrix: tests/hook/test_unused_parameters.py) --

@@ -60,6 +60,11 @@ _STATE_TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
 _STATE_COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression")
 
 
+#: Steps after a load that may run dense while DDP has not yet laid its buckets out as the
+#: memories were (it rebuilds them after its first step, after its second with ``static_graph``).
+DENSE_AFTER_LOAD = 2
+
+
 class PowerSGD(Compressor):
     """``powersgd``: rank-``r`` power iteration per matrix-shaped layer (PyTorch's hook).
 
@@ -138,7 +143,8 @@ class PowerSGD(Compressor):
         self.layouts: dict[int, list[list[int]]] = {}
         #: Bytes the last :meth:`ddp_hook` call of each bucket index put on the wire.
         self.sent_nbytes: dict[int, int] = {}
-        self.dense_step_pending = False
+        #: Steps since :meth:`load_state_dict` while it may still run dense ones (None: none to run).
+        self.steps_after_load: int | None = None
 
     def options(self) -> dict[str, Any]:
         return {
@@ -154,7 +160,20 @@ class PowerSGD(Compressor):
 
     def will_compress(self, bucket: dist.GradBucket) -> bool:
         """Whether the next :meth:`ddp_hook` call on ``bucket`` compresses (not a dense step)."""
-        return not self.dense_step_pending and self.state.iter >= self.state.start_powerSGD_iter
+        return not self._dense_after_load(bucket) and self.state.iter >= self.state.start_powerSGD_iter
+
+    def _dense_after_load(self, bucket: dist.GradBucket) -> bool:
+        """After :meth:`load_state_dict`: the first step runs dense, and so does every step of the
+        first :data:`DENSE_AFTER_LOAD` whose bucket is not yet in the layout its memory was made
+        for (DDP rebuilds its buckets after its first step, after its second with
+        ``static_graph=True``)."""
+        if self.steps_after_load is None:
+            return False
+        if self.steps_after_load == 0:
+            return True
+        remembered = self.layouts.get(bucket.index())
+        waiting = remembered is not None and remembered != [list(g.shape) for g in bucket.gradients()]
+        return waiting and self.steps_after_load < DENSE_AFTER_LOAD
 
     def attach(self, module: torch.nn.Module) -> None:
         """Refuse a model with a trainable parameter of no elements: PyTorch's hook views every
@@ -178,15 +197,21 @@ class PowerSGD(Compressor):
         The first step after :meth:`load_state_dict` is a plain allreduce that leaves
         the memory untouched: a fresh DDP model uses its initial bucket layout for one
         step and then rebuilds its buckets (why PyTorch requires ``start_iter >= 2``),
-        and the loaded memory belongs to the rebuilt layout. A compressed step whose
-        bucket layout differs from the one its memory was made for raises
-        :class:`InvalidOptionError` instead of adding the error to the wrong elements.
+        and the loaded memory belongs to the rebuilt layout; so is a later one of the first
+        :data:`DENSE_AFTER_LOAD` steps whose bucket is not yet laid out as its memory was
+        (``static_graph=True`` rebuilds a step later). A compressed step whose bucket layout
+        differs from the one its memory was made for raises :class:`InvalidOptionError`
+        instead of adding the error to the wrong elements.
         """
         self.state.process_group = process_group
         buffer = bucket.buffer()
         dense_nbytes = buffer.numel() * buffer.element_size()
-        if self.dense_step_pending:
-            self.dense_step_pending = not bucket.is_last()
+        dense = self._dense_after_load(bucket)
+        if self.steps_after_load is not None and bucket.is_last():
+            self.steps_after_load += 1
+            if self.steps_after_load >= DENSE_AFTER_LOAD:
+                self.steps_after_load = None
+        if dense:
             self.state.maybe_increase_iter(bucket)
             self.sent_nbytes[bucket.index()] = dense_nbytes
             with collectives_done_on_return():
@@ -234,12 +259,12 @@ class PowerSGD(Compressor):
         raise _hook_only()
 
     def snapshot(self) -> dict[str, Any]:
-        """:meth:`state_dict` plus the pending dense step (a rollback must not add one)."""
-        return {"state": self.state_dict(), "dense_step_pending": self.dense_step_pending}
+        """:meth:`state_dict` plus the steps since a load (a rollback must not add dense ones)."""
+        return {"state": self.state_dict(), "steps_after_load": self.steps_after_load}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.load_state_dict(snapshot["state"])
-        self.dense_step_pending = snapshot["dense_step_pending"]
+        self.steps_after_load = snapshot["steps_after_load"]
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, byte counters, P/Q memories (warm start), their layouts, the RNG.
@@ -285,7 +310,7 @@ class PowerSGD(Compressor):
         for name in _STATE_TENSOR_DICTS:
             setattr(self.state, name, {k: v.clone() for k, v in state[name].items()})
         self.layouts = {k: [list(shape) for shape in v] for k, v in state["layouts"].items()}
-        self.dense_step_pending = True
+        self.steps_after_load = 0
         rng = state["rng"]
         self.state.rng.set_state(
             (
