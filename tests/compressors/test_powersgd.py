@@ -294,7 +294,7 @@ def test_batched_is_refused_where_pytorchs_batched_hook_cannot_run(one_process_g
     """PyTorch's batched hook hands its batched orthogonalization one 2-D matrix (an assertion
     at the first compressed step in the versions that batch it): refused up front, naming the
     per-layer hook; where it runs, it trains past its first compressed step."""
-    from gradsift.compressors.powersgd import batched_hook_runs
+    from gradsift.compressors.pytorch_hooks import batched_hook_runs
 
     if not batched_hook_runs():
         with pytest.raises(

@@ -19,7 +19,7 @@ replaces the compressor's own) and takes care of the rest:
 The compressor's future is waited for on the training thread like every other
 exchange's result. What a compressor chains onto its collectives must not run on the
 backend's threads (docs/decisions.md, "Clean exit"): PowerSGD runs PyTorch's hook
-inside :func:`~gradsift.compressors.powersgd.collectives_done_on_return`.
+inside :func:`~gradsift.compressors.pytorch_hooks.collectives_done_on_return`.
 """
 
 from __future__ import annotations
