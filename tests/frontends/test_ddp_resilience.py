@@ -112,11 +112,11 @@ class EmptyFirst(torch.nn.Module):
 #: resumed where the rebuilt buckets are several: the resumed first step's one bucket is cut
 #: into the saved buckets (gradsift.hook.layout.saved_runs), each compressed as before.
 SEVERAL = {
-    f"{name}-several": (name, options, several_buckets)
-    for name, options in [
+    f"{case}-several": (case.split("+")[0], options, several_buckets)
+    for case, options in [
         ("topk", {"ratio": 0.1, "momentum": 0.9}), ("randomk", {"ratio": 0.1}), ("vgc", {"alpha": 1.0}),
         ("signsgd", {}), ("efsignsgd", {}), ("cocktail", {"subset": 0.5}), ("threshold", {"threshold": 0.05}),
-        ("dgc", {"ratio": 0.1}),
+        ("dgc", {"ratio": 0.1}), ("topk+balanced", {"ratio": 0.3, "exchange": "balanced"}),
     ]
 }  # fmt: skip
 EMPTY = {

@@ -41,6 +41,8 @@ host read.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,18 @@ class Balanced(Exchange):
         self._canonical: dict[tuple[int, ...], Canonical] = {}
 
     def start(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
+        if len(parts) > 1 and all(isinstance(part.key, tuple) for part in parts):
+            # A bucket cut into the buckets of a saved state (a resumed first step,
+            # gradsift.hook.layout.saved_runs): each is sliced as the bucket it was.
+            trips = [
+                self._start_bucket([own], codec, own_context)
+                for own, own_context in _as_buckets(parts, context)
+            ]
+            return Pending.gather(trips).then(Outcome.joined)
+        return self._start_bucket(parts, codec, context)
+
+    def _start_bucket(self, parts: list[Part], codec: Codec, context: Context) -> Pending[Outcome]:
+        """Steps 1-3 of the module docstring on one bucket's parts."""
         encoded = [codec.encode(part, context) for part in parts]
         world, numel, device = context.world, context.result.numel(), context.result.device
         room = math.ceil(SLACK * sum(_sparse(e.wire)[0].numel() for e in encoded) / world)
@@ -130,6 +144,18 @@ class Balanced(Exchange):
         if order not in self._canonical:
             self._canonical[order] = Canonical(order, context.numels)
         return self._canonical[order]
+
+
+def _as_buckets(parts: list[Part], context: Context) -> list[tuple[Part, Context]]:
+    """Each part of a cut bucket as a bucket of its own: the part at offset 0 of its own
+    result (the bucket result's slice), keyed and laid out as its saved bucket was."""
+    buckets = []
+    for part in parts:
+        members = set(cast(tuple, part.key))
+        own = replace(part, offset=0)
+        order = tuple(number for number in context.order if number in members)
+        buckets.append((own, replace(context, result=part.view(context.result), key=part.key, order=order)))
+    return buckets
 
 
 class _Blocks:
