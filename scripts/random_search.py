@@ -14,8 +14,9 @@ fails with ``no_sync()`` on its own: docs/pitfalls.md). On ``--world`` gloo rank
   losses are finite and the ranks end with equal parameters;
 * resume: the model, optimizer, scaler and hook states saved after step 4, a fresh model, DDP,
   optimizer, scaler and hook that load them repeat steps 5-8 bit for bit (PowerSGD's first
-  step after a load is dense by design, and on three or more ranks an allreduce may differ in
-  its last bits, as stock DDP's does: docs/distributed.md; they are reported all the same).
+  step after a load is dense by design, ``auto`` checkpointed while it measures measures again
+  and may choose otherwise (docs/auto.md), and on three or more ranks an allreduce may differ
+  in its last bits, as stock DDP's does: docs/distributed.md; they are reported all the same).
 
 Anything else is a finding. Each rank writes one JSON line per case to ``OUT-rRANK.jsonl``; the
 search prints a count per outcome and every finding. A rank that dies ends the ranks, and the
@@ -320,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _expected_resume(result: dict[str, Any], world: int) -> bool:
-    """A resume that may differ by the rules of the module docstring: PowerSGD, or three ranks or more."""
-    return result.get("config", {}).get("compressor") == "powersgd" or world >= 3
+    """A resume that may differ by the rules of the module docstring: PowerSGD, ``auto`` (its
+    choice comes from timings), or three ranks or more."""
+    return result.get("config", {}).get("compressor") in ("powersgd", "auto") or world >= 3
 
 
 if __name__ == "__main__":
