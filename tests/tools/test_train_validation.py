@@ -83,6 +83,10 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
         (["--latency", "1ms"], "--latency needs --bandwidth"),
         (["--bandwidth", "fast"], "fast"),
         (["--launcher", "torchrun"], "launcher torchrun .* needs a bandwidth"),
+        (  # AdamW taken over by a named method: its dense warm-up needs steps (was raised in the workers)
+            ["--compressor", "topk", "--optimizer", "adamw", "--dense-warmup-steps", "0"],
+            r"warmup_steps=0 with adam='frozen-variance'",
+        ),
         (["--nodes", "2"], "nodes needs launcher torchrun"),
         (
             ["--compressor", "sidco-exp", "--clip-grad-norm", "1"],

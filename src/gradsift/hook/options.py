@@ -19,6 +19,7 @@ from gradsift.core.spelling import closest, did_you_mean
 from gradsift.core.validation import check_bool, check_choice, check_int, check_ratio, check_real
 from gradsift.core.wire import parse_value_dtype
 from gradsift.exchanges import AUTO, available_exchanges
+from gradsift.hook.adam import FROZEN_METHODS
 from gradsift.hook.adam import METHODS as ADAM_METHODS
 from gradsift.hook.layout import GRANULARITIES
 from gradsift.hook.ledger import NONFINITE_POLICIES
@@ -183,6 +184,13 @@ class HookOptions:
                 "or leave it unset to end the warm-up when the second moment has settled"
             )
         return self
+
+    def runs_frozen_variance(self, compressor: Compressor, feedback: bool, adam: bool) -> bool:
+        """Whether a hook of these options, ``compressor`` and error feedback (``feedback``) runs a
+        frozen-variance method when it takes an optimizer over (``adam``: one of the Adam family),
+        whose warm-up then needs dense steps (:meth:`with_frozen_variance_warmup`; PowerSGD leaves
+        Adam its moments)."""
+        return adam and feedback and self.adam in FROZEN_METHODS and compressor.momentum_correction
 
     def feedback_decay(self, compressor: Compressor) -> float:
         """Error feedback's ``beta``: ``residual_decay``, or ``compressor``'s own when unset."""

@@ -25,7 +25,7 @@ from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
 from gradsift.hook import discovery, recipe, variance_refresh
-from gradsift.hook.adam import FROZEN_METHODS, AdamStep, is_adam
+from gradsift.hook.adam import AdamStep, is_adam
 from gradsift.hook.before_step import BEFORE_STEP, settles_before_forward
 from gradsift.hook.capacity import CapacityPlan
 from gradsift.hook.compatibility import PYTHON_REDUCER, refuse_incompatible
@@ -165,8 +165,8 @@ class GradsiftHookState:
         watch again (a scaler was found)."""
         self.optimizer = optimizer
         if take_over and optimizer is not None and self.feedback is not None:
-            frozen = self.options.adam in FROZEN_METHODS and self.compressor.momentum_correction
-            if frozen and is_adam(recipe.unwrapped(optimizer)):  # PowerSGD leaves Adam its moments
+            adam = is_adam(recipe.unwrapped(optimizer))
+            if self.options.runs_frozen_variance(self.compressor, feedback=True, adam=adam):
                 self.options = self.options.with_frozen_variance_warmup()
             method = (self.options.warmup_steps, self.options.adam, self.compressor, self.options.local_steps)
             taken = recipe.take_over(optimizer, self.layout.numbers, *method)

@@ -171,7 +171,8 @@ class TrainConfig:
         if self.optimizer in OWN_EXCHANGE:
             check_own_exchange_options(self.optimizer, self.compressor, self.options, self.sync_every)
         else:
-            check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0)
+            adam = self.optimizer == "adamw" and self.recipe  # the hook takes AdamW over
+            check_exchange_options(self.compressor, self.options, diloco=self.sync_every > 0, adam=adam)
         self._check_clipping()
 
     def _check_clipping(self) -> None:
@@ -205,9 +206,13 @@ class TrainConfig:
         return asdict(self)
 
 
-def check_exchange_options(compressor: str, options: dict[str, Any], diloco: bool = False) -> None:
+def check_exchange_options(
+    compressor: str, options: dict[str, Any], diloco: bool = False, adam: bool = False
+) -> None:
     """Build ``compressor`` and the DDP hook's state with ``options`` once, as every rank
-    will, so that an unknown or inapplicable option fails here, before any worker starts.
+    will, so that an unknown or inapplicable option fails here, before any worker starts;
+    ``adam``: the hook will take an Adam-family optimizer over (the frozen-variance methods'
+    options are checked too).
 
     ``options`` holds the compressor's options and the hook's (:data:`gradsift.hook.options.HOOK_OPTIONS`,
     except ``process_group``: the trainer passes its own group).
@@ -244,7 +249,9 @@ def check_exchange_options(compressor: str, options: dict[str, Any], diloco: boo
     check_keywords(compressor, options, ("process_group",))  # a misspelt name, and what it meant
     built = get_compressor(compressor, **compressor_options)
     hook_options.pop("optimizer", None)  # the trainer passes its own optimizer
-    GradsiftHookState.build(built, **hook_options)
+    state = GradsiftHookState.build(built, **hook_options)
+    if state.options.runs_frozen_variance(built, feedback=state.feedback is not None, adam=adam):
+        state.options.with_frozen_variance_warmup()
 
 
 def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
