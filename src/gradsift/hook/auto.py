@@ -47,6 +47,7 @@ import logging
 import statistics
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ class AutoHookState(AutoRecord):
     ) -> None:
         #: The run's length in steps (None: unknown), the start method's density warm-up.
         self.run_steps, self.density_warmup_steps, self.hook_options = choice.auto_options(options)
-        self.ddp_model = ddp_model
+        self._ddp_model = weakref.ref(ddp_model)
         self.dense = GradsiftHookState.build("none", **self.hook_options)
         self.dense.attach(ddp_model, optimizer)
         self.current = self.dense
@@ -297,6 +298,13 @@ class AutoHookState(AutoRecord):
     def _timed_telemetry(self) -> Any:
         """The running method's telemetry, None on stock DDP's lean allreduce (not timed)."""
         return None if self.lean and self.current is self.dense else self.current.telemetry
+
+    @property
+    def ddp_model(self) -> Any:
+        """The hooked model, held weakly: DDP's reducer holds this state from C++, unseen by the
+        garbage collector, so a strong reference back would keep the model (its optimizer, its
+        scaler) alive after the script let go of them."""
+        return self._ddp_model()
 
     def _decide(self, step_s: float, paid_s: float | None, first: bool = True) -> None:
         """Steps 1-4 of the module docstring from the measuring steps' time ``step_s``
