@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 import traceback
 import warnings
@@ -270,15 +269,11 @@ def configs(seed: int) -> dict[str, Any]:
     return draw(seed, gradsift.available_compressors())
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def search(first: int, stop: int, world: int, out: str) -> list[dict[str, Any]]:
     """Run the cases ``first <= seed < stop`` not yet in ``OUT-r0.jsonl``; rank 0's result of
     each (a case that killed a rank is written for every rank, after the cases it stopped)."""
+    from gradsift.tools.train.launcher import free_port
+
     while todo := [seed for seed in range(first, stop) if seed not in written(out, 0)]:
         try:
             mp.start_processes(

@@ -36,7 +36,7 @@ from gradsift.core.finite import nonfinite
 from gradsift.core.mean import divided
 from gradsift.core.payload import Count, Payload
 from gradsift.core.readout import Readout
-from gradsift.core.store import TensorStore
+from gradsift.core.store import Canonical, TensorStore
 from gradsift.core.transaction import Transaction
 from gradsift.core.validation import as_flat_gradient, check_ratio
 
@@ -216,6 +216,12 @@ class Compressor(abc.ABC):
         if store is None:
             store = self.__dict__["_store"] = TensorStore()
         return store
+
+    def reordering(self, key: Hashable, numel: int) -> Canonical | None:
+        """``key``'s canonical layout (:meth:`TensorStore.canonical`) where the flat tensor is laid
+        out otherwise; None for an empty tensor, a key without a layout, or one in number order."""
+        canonical = self.store.canonical(key) if numel else None
+        return None if canonical is None or canonical.identity else canonical
 
     def bind_store(self, store: TensorStore) -> None:
         """Keep per-tensor state in ``store`` (the DDP hook's, which checkpoints and rolls it back)."""

@@ -115,9 +115,7 @@ class Cocktail(Sparsifier):
     ) -> Payload:
         """The three steps on ``flat`` in its bucket's canonical order (module docstring): the
         positions sent are canonical ones and the payload says so (``Payload.canonical``)."""
-        canonical = self.store.canonical(key) if flat.numel() else None
-        if canonical is not None and canonical.identity:
-            canonical = None
+        canonical = self.reordering(key, flat.numel())
         if canonical is not None:
             flat = canonical.to_canonical(flat)
         selected = super().encode(flat, key=key, capacity=capacity, readout=readout, **extra)

@@ -170,7 +170,7 @@ class PowerSGD(Compressor):
         if self.steps_after_load == 0:
             return True
         remembered = self.layouts.get(bucket.index())
-        waiting = remembered is not None and remembered != [list(g.shape) for g in bucket.gradients()]
+        waiting = remembered is not None and remembered != shapes(bucket)
         return waiting and self.steps_after_load < DENSE_AFTER_LOAD
 
     def attach(self, module: torch.nn.Module) -> None:
@@ -238,7 +238,7 @@ class PowerSGD(Compressor):
 
     def _check_layout(self, bucket: dist.GradBucket) -> None:
         index = bucket.index()
-        layout = [list(g.shape) for g in bucket.gradients()]
+        layout = shapes(bucket)
         remembered = self.layouts.get(index)
         has_memory = index in self.state.p_memory_dict
         if has_memory and remembered is not None and remembered != layout:
@@ -319,6 +319,11 @@ class PowerSGD(Compressor):
                 rng["cached_gaussian"],
             )
         )
+
+
+def shapes(bucket: dist.GradBucket) -> list[list[int]]:
+    """The shapes of ``bucket``'s parameters, in its order: the layout a PowerSGD memory is made for."""
+    return [list(g.shape) for g in bucket.gradients()]
 
 
 def memory_numels(

@@ -86,9 +86,7 @@ class Quantizer(Compressor):
         so (``Payload.canonical``); decoding lays the mean back. A bucket already laid out
         in number order is quantized as it is."""
         numel = flat.numel()
-        canonical = self.store.canonical(key) if numel else None
-        if canonical is not None and canonical.identity:
-            canonical = None
+        canonical = self.reordering(key, numel)
         if numel == 0:
             codes = torch.empty(0, dtype=torch.uint8, device=flat.device)
             scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
