@@ -5,13 +5,18 @@ compressor (or ``auto``) with some of its options, some of the hook's options, a
 (SGD, SGD with momentum, Adam, AdamW) passed as ``optimizer=`` or left to be found, a
 ``GradScaler`` passed, found or absent; DDP's bucket cap, ``static_graph`` and
 ``gradient_as_bucket_view``; a model with a frozen parameter, an unused layer
-(``find_unused_parameters=True``), a parameter of no elements, or none of these; one or two
-micro-batches a step under ``no_sync()`` (one with ``static_graph``, which PyTorch 2.13's DDP
-fails with ``no_sync()`` on its own: docs/pitfalls.md). On ``--world`` gloo ranks it checks:
+(``find_unused_parameters=True``), an expert layer that each sample routes to or around (so the
+layers used differ by rank and step, as in a mixture of experts), a parameter of no elements,
+or none of these; one or two micro-batches a step, accumulated under ``no_sync()`` or with a
+backward pass each (one with ``static_graph``, which PyTorch 2.13's DDP fails with
+``no_sync()`` on its own: docs/pitfalls.md); and in some cases an Inf or a NaN in one rank's
+second batch. On ``--world`` gloo ranks it checks:
 
 * registration: every rank registers the hook, or every rank refuses it with a ``GradsiftError``;
 * training, 8 steps: every rank trains, or every rank refuses with a ``GradsiftError``; the
-  losses are finite and the ranks end with equal parameters;
+  ranks end with equal parameters (NaN equal to NaN); the losses are finite, but for the
+  poisoned step's and, when a NaN reached the parameters (``nonfinite="propagate"`` without a
+  ``GradScaler``, as in stock DDP), the later ones;
 * resume: the model, optimizer, scaler and hook states saved after step 4, a fresh model, DDP,
   optimizer, scaler and hook that load them repeat steps 5-8 bit for bit (PowerSGD's first
   step after a load is dense by design, ``auto`` checkpointed while it measures measures again
@@ -50,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STEPS = 8
+POISONED = 1  # the step whose batch holds an Inf or a NaN on the last rank, when a case poisons one
 #: Values drawn for a compressor's options, by option name (an option not listed keeps its default).
 COMPRESSOR_VALUES: dict[str, list[Any]] = {
     "ratio": [0.001, 0.01, 0.3, 1.0], "threshold": [0.001, 0.1], "rank": [1, 2], "levels": [2, 16],
@@ -66,7 +72,7 @@ HOOK_VALUES: dict[str, list[Any]] = {
     "exchange": ["auto", "allreduce", "allgather", "delegated", "balanced", "shared-mask", "two-stage"],
     "adam": ["frozen-variance", "onebit", "zero-one", "update"], "server_feedback": [False, True],
 }  # fmt: skip
-MODELS = ("plain", "frozen", "unused", "empty")
+MODELS = ("plain", "frozen", "unused", "routed", "empty")
 
 
 def draw(seed: int, names: list[str]) -> dict[str, Any]:
@@ -83,17 +89,20 @@ def draw(seed: int, names: list[str]) -> dict[str, Any]:
     for key, values in HOOK_VALUES.items():
         if rng.random() < 0.2:
             options[key] = rng.choice(values)
-    static_graph = rng.random() < 0.3
+    model = rng.choice(MODELS)
+    static_graph = model != "routed" and rng.random() < 0.3  # a static graph uses every layer
     return {
         "compressor": name, "options": options, "optimizer": rng.choice(["sgd", "sgd-m", "adam", "adamw"]),
         "pass_optimizer": rng.random() < 0.5, "scaler": rng.choice([None, None, None, "found", "passed"]),
-        "model": rng.choice(MODELS), "micro_batches": 1 if static_graph else rng.choice([1, 1, 2]),
+        "model": model, "micro_batches": 1 if static_graph else rng.choice([1, 1, 2]),
+        "sync_each_backward": rng.random() < 0.3, "poison": rng.choice([None, None, None, "inf", "nan"]),
         "static_graph": static_graph, "bucket_view": rng.random() < 0.3, "bucket_cap_mb": rng.choice([0.002, 25.0]),
     }  # fmt: skip
 
 
 class Net(torch.nn.Module):
-    """Three linear layers; ``kind`` adds a frozen bias, an unused layer or a parameter of no elements."""
+    """Three linear layers; ``kind`` adds a frozen bias, an unused layer, an expert layer that a
+    batch whose first value is positive passes through, or a parameter of no elements."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -105,12 +114,15 @@ class Net(torch.nn.Module):
             torch.nn.Linear(32, 4),
         )
         self.unused = torch.nn.Linear(4, 4) if kind == "unused" else None
+        self.expert = torch.nn.Linear(4, 4) if kind == "routed" else None
         self.empty = torch.nn.Parameter(torch.zeros(0)) if kind == "empty" else None
         if kind == "frozen":
             self.body[2].bias.requires_grad_(False)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         out = self.body(inputs)
+        if self.expert is not None and inputs[0, 0] > 0:
+            out = out + self.expert(out)
         return out if self.empty is None else out + self.empty.sum()
 
 
@@ -121,7 +133,7 @@ def build(config: dict[str, Any], seed: int) -> tuple[Any, ...]:
     torch.manual_seed(seed)
     model = Net(config["model"])
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, bucket_cap_mb=config["bucket_cap_mb"], find_unused_parameters=config["model"] == "unused",
+        model, bucket_cap_mb=config["bucket_cap_mb"], find_unused_parameters=config["model"] in ("unused", "routed"),
         static_graph=config["static_graph"], gradient_as_bucket_view=config["bucket_view"],
     )  # fmt: skip
     kind, params = config["optimizer"], ddp.parameters()
@@ -141,15 +153,16 @@ def build(config: dict[str, Any], seed: int) -> tuple[Any, ...]:
 
 
 def train(
-    ddp: Any, optimizer: Any, scaler: Any, batches: list[torch.Tensor], micro_batches: int
+    ddp: Any, optimizer: Any, scaler: Any, batches: list[torch.Tensor], config: dict[str, Any]
 ) -> list[float]:
-    """One step per batch, its micro-batches but the last under ``no_sync()``; the losses."""
-    losses = []
+    """One step per batch, its micro-batches but the last under ``no_sync()`` (or each synced,
+    with ``sync_each_backward``); the losses."""
+    losses, micro_batches = [], config["micro_batches"]
     for batch in batches:
         optimizer.zero_grad()
         for index, inputs in enumerate(batch.chunk(micro_batches)):
-            last = index == micro_batches - 1
-            with contextlib.nullcontext() if last else ddp.no_sync():
+            synced = index == micro_batches - 1 or config["sync_each_backward"]
+            with contextlib.nullcontext() if synced else ddp.no_sync():
                 loss = torch.nn.functional.mse_loss(ddp(inputs), inputs[:, :4]) / micro_batches
                 (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
@@ -159,6 +172,20 @@ def train(
             scaler.update()
         losses.append(loss.item())
     return losses
+
+
+def expected_finite(losses: list[float], config: dict[str, Any]) -> list[float]:
+    """The losses that must be finite: all but the poisoned step's, and none after it when its
+    NaN reaches the parameters (``nonfinite="propagate"``, the default, without a scaler)."""
+    if config["poison"] is None:
+        return losses
+    spread = config["scaler"] is None and config["options"].get("nonfinite", "propagate") == "propagate"
+    return losses[:POISONED] if spread else losses[:POISONED] + losses[POISONED + 1 :]
+
+
+def same(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Equal to the bit, a NaN equal to a NaN."""
+    return torch.allclose(first, second, rtol=0, atol=0, equal_nan=True)
 
 
 def agree(label: str, value: Any, world: int) -> str | None:
@@ -200,15 +227,17 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     model, ddp, optimizer, scaler, state = built
     generator = torch.Generator().manual_seed(1000 * rank + seed)
     batches = [torch.randn(8, 16, generator=generator) for _ in range(STEPS)]
+    if config["poison"] is not None and rank == world - 1:
+        batches[POISONED] = batches[POISONED] * float(config["poison"])
     half = STEPS // 2
 
     def both_halves() -> tuple[list[float], dict[str, Any]]:
-        losses = train(ddp, optimizer, scaler, batches[:half], config["micro_batches"])
+        losses = train(ddp, optimizer, scaler, batches[:half], config)
         saved = copy.deepcopy({
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
         })  # fmt: skip
-        return losses + train(ddp, optimizer, scaler, batches[half:], config["micro_batches"]), saved
+        return losses + train(ddp, optimizer, scaler, batches[half:], config), saved
 
     trained, verdict = attempt("training", world, both_halves)
     if verdict is not None:
@@ -217,9 +246,9 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
-    if not all(torch.isfinite(torch.tensor(losses))):
+    if not all(torch.isfinite(torch.tensor(expected_finite(losses, config)))):
         return {"outcome": "finding", "detail": f"a loss is not finite: {losses}"}
-    if not all(torch.equal(every[0], other) for other in every[1:]):
+    if not all(same(every[0], other) for other in every[1:]):
         return {"outcome": "finding", "detail": "the replicas differ"}
     del model, ddp, optimizer, scaler, state, built, trained  # as in a new process: one optimizer,
     gc.collect()  # one scaler, one hook for discovery to find
@@ -232,11 +261,11 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
             state.load_state_dict(saved["hook"])
             if scaler is not None:
                 scaler.load_state_dict(saved["scaler"])
-            train(ddp, optimizer, scaler, batches[half:], config["micro_batches"])
+            train(ddp, optimizer, scaler, batches[half:], config)
         except Exception:
             return {"outcome": "finding", "detail": "the resume raised " + traceback.format_exc()[-1200:]}
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    if not torch.equal(flat, resumed):
+    if not same(flat, resumed):
         gap = (flat - resumed).abs().max().item()
         return {"outcome": "resume differs", "detail": f"by {gap:.3g}"}
     return {"outcome": "ok"}

@@ -31,6 +31,20 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
         own = set() if config["compressor"] == "auto" else set(compressor_options(config["compressor"]))
         assert set(config["options"]) <= own | set(HOOK_OPTIONS), config
         assert not (config["static_graph"] and config["micro_batches"] > 1)  # PyTorch's own failure
+        assert not (config["static_graph"] and config["model"] == "routed")  # routing skips layers
+    assert {config["model"] for config in drawn} == set(random_search.MODELS)
+    assert {config["poison"] for config in drawn} == {None, "inf", "nan"}
+    assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}
+
+
+def test_the_losses_that_must_be_finite_follow_the_poisoned_steps_policy() -> None:
+    losses = [1.0, float("nan"), 0.7, 0.5]  # the poisoned step is the second
+    plain = {"poison": None, "scaler": None, "options": {}}
+    assert random_search.expected_finite(losses, plain) == losses
+    spread = {**plain, "poison": "nan"}  # propagate without a scaler: NaN parameters, as stock DDP
+    assert random_search.expected_finite(losses, spread) == [1.0]
+    for held in ({**spread, "scaler": "found"}, {**spread, "options": {"nonfinite": "skip"}}):
+        assert random_search.expected_finite(losses, held) == [1.0, 0.7, 0.5]
 
 
 def test_a_short_search_finds_nothing(tmp_path: Path) -> None:
