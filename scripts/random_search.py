@@ -7,10 +7,11 @@ compressor (or ``auto``) with some of its options, some of the hook's options, a
 ``gradient_as_bucket_view``; a model with a frozen parameter, an unused layer
 (``find_unused_parameters=True``), an expert layer that each sample routes to or around (so the
 layers used differ by rank and step, as in a mixture of experts), a parameter of no elements,
-or none of these; one or two micro-batches a step, accumulated under ``no_sync()`` or with a
-backward pass each (one with ``static_graph``, which PyTorch 2.13's DDP fails with
-``no_sync()`` on its own: docs/pitfalls.md); and in some cases an Inf or a NaN in one rank's
-second batch. On ``--world`` gloo ranks it checks:
+or none of these, in float32, bfloat16 or float64 (not float16: PyTorch's ``GradScaler``
+refuses its gradients, and Adam's ``eps`` rounds to zero in it); one or two micro-batches a
+step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
+which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
+cases an Inf or a NaN in one rank's second batch. On ``--world`` gloo ranks it checks:
 
 * registration: every rank registers the hook, or every rank refuses it with a ``GradsiftError``;
 * training, 8 steps: every rank trains, or every rank refuses with a ``GradsiftError``; the
@@ -95,8 +96,9 @@ def draw(seed: int, names: list[str]) -> dict[str, Any]:
         "compressor": name, "options": options, "optimizer": rng.choice(["sgd", "sgd-m", "adam", "adamw"]),
         "pass_optimizer": rng.random() < 0.5, "scaler": rng.choice([None, None, None, "found", "passed"]),
         "model": model, "micro_batches": 1 if static_graph else rng.choice([1, 1, 2]),
+        "dtype": rng.choice(["float32", "float32", "float32", "bfloat16", "float64"]),
         "sync_each_backward": rng.random() < 0.3, "poison": rng.choice([None, None, None, "inf", "nan"]),
-        "static_graph": static_graph, "bucket_view": rng.random() < 0.3, "bucket_cap_mb": rng.choice([0.002, 25.0]),
+        "static_graph": static_graph, "bucket_view": rng.random() < 0.3, "bucket_cap_mb": rng.choice([0.002, 0.004, 25.0]),
     }  # fmt: skip
 
 
@@ -131,7 +133,7 @@ def build(config: dict[str, Any], seed: int) -> tuple[Any, ...]:
     import gradsift
 
     torch.manual_seed(seed)
-    model = Net(config["model"])
+    model = Net(config["model"]).to(getattr(torch, config["dtype"]))
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=config["bucket_cap_mb"], find_unused_parameters=config["model"] in ("unused", "routed"),
         static_graph=config["static_graph"], gradient_as_bucket_view=config["bucket_view"],
@@ -226,7 +228,8 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
         return verdict
     model, ddp, optimizer, scaler, state = built
     generator = torch.Generator().manual_seed(1000 * rank + seed)
-    batches = [torch.randn(8, 16, generator=generator) for _ in range(STEPS)]
+    dtype = getattr(torch, config["dtype"])
+    batches = [torch.randn(8, 16, generator=generator).to(dtype) for _ in range(STEPS)]
     if config["poison"] is not None and rank == world - 1:
         batches[POISONED] = batches[POISONED] * float(config["poison"])
     half = STEPS // 2

@@ -108,6 +108,41 @@ class EmptyFirst(torch.nn.Module):
         return self.net(inputs) + self.empty.sum()
 
 
+class UnusedLast(torch.nn.Module):
+    """Three layers (parameters 0-5: 26, 96 and 99 elements) and a layer never used (6-7),
+    registered after them, under DDP's ``static_graph`` with a bucket cap of 300 bytes: the
+    rebuild closes the buckets of the last two layers and puts the unused parameters last, in
+    the bucket of the first layer, so that saved bucket's parameters lie apart in the resumed
+    first step's one bucket (in number order), which the hook regroups to cut it all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model((IN, 2, 32, OUT))
+        self.unused = torch.nn.Linear(2, 2)
+        self.bucket_cap_mb, self.static_graph = 300 / 2**20, True
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+
+class Twins(torch.nn.Module):
+    """Two layers of the same weights on the same input, summed, then two more layers: the
+    twins' gradients are equal element for element at every step (``delta x^T`` for both,
+    whatever their weights), so a sparsifier's cut falls between two equal magnitudes in two
+    parameters, and which one it keeps follows the layout it is handed. With a bucket cap of
+    700 bytes DDP's rebuild makes three buckets, the twins' (parameters 0-3) last, in the
+    order backward readies them; the resumed first step's one bucket has them in number order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.twin = make_model((IN, 4)), make_model((IN, 4))
+        self.rest = make_model((4, 64, OUT))
+        self.bucket_cap_mb = 700 / 2**20
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.rest(torch.tanh(self.first(inputs) + self.twin(inputs)))
+
+
 #: Methods that compress a bucket as a whole (a selection, a scale, a capacity, a subset),
 #: resumed where the rebuilt buckets are several: the resumed first step's one bucket is cut
 #: into the saved buckets (gradsift.hook.layout.saved_runs), each compressed as before.
@@ -123,11 +158,26 @@ EMPTY = {
     f"{name}-empty": (name, options, EmptyFirst)
     for name, options in [("topk", {"ratio": 0.1, "momentum": 0.9}), ("cocktail", {"subset": 0.5})]
 }
-CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL, **EMPTY}
+APART = {
+    f"{case}-apart": (case.split("+")[0], options, UnusedLast)
+    for case, options in [
+        ("topk", {"ratio": 0.1, "momentum": 0.9}), ("cocktail", {"subset": 0.5}), ("dgc", {"ratio": 0.1}),
+        ("topk+balanced", {"ratio": 0.3, "exchange": "balanced"}),
+    ]
+}  # fmt: skip
+TIES = {
+    f"{name}-ties": (name, {"ratio": 0.05, "error_feedback": False}, Twins)
+    for name in ("topk", "dgc", "gaussiank")
+}
+CASES = {**RESUME_CASES, **ACROSS_REBUILD, **SEVERAL, **EMPTY, **APART, **TIES}
 
 
 def ddp(module: torch.nn.Module) -> DDP:
-    return DDP(module, bucket_cap_mb=getattr(module, "bucket_cap_mb", None))
+    return DDP(
+        module,
+        bucket_cap_mb=getattr(module, "bucket_cap_mb", None),
+        static_graph=getattr(module, "static_graph", False),
+    )
 
 
 def run_with_optimizer(model: DDP, rank: int, steps: range, opt: torch.optim.Optimizer) -> None:
@@ -229,14 +279,14 @@ def test_resume_across_a_bucket_rebuild_is_bit_for_bit_for_order_dependent_metho
 
 def test_resume_over_several_rebuilt_buckets_is_bit_for_bit(resume_runs):
     """The uninterrupted run's buckets at the checkpoint are two, the resumed first step's
-    one (DDP's first bucketing): cut into the saved two, it repeats the uninterrupted step."""
+    one (DDP's first bucketing, in number order): cut into the saved two, each laid out as it
+    was saved, it repeats the uninterrupted step."""
     whole, resumed = resume_runs
     for case in SEVERAL:
-        assert sorted(whole[0][case][1]) == [(0, 1), (2, 3)], case  # the rebuilt buckets
-        first_step = resumed[0][f"{case}/state_dict"][
-            1
-        ]  # its parts: the saved buckets, in the bucket's order
-        assert first_step.keys() == whole[0][case][1].keys() and first_step != whole[0][case][1], case
+        assert whole[0][case][1] == {(0, 1): (1, 0), (2, 3): (3, 2)}, case  # the rebuilt buckets
+        assert resumed[0][f"{case}/state_dict"][1] == whole[0][case][1], (
+            case
+        )  # the resumed first step's parts
     assert not differing(resume_runs, SEVERAL)
 
 
@@ -249,6 +299,30 @@ def test_resume_is_bit_for_bit_past_a_parameter_of_no_elements(resume_runs):
         assert with_empty != tuple(range(len(with_empty))), with_empty  # not a run by numbers
         assert resumed[0][f"{case}/state_dict"][1].keys() == whole[0][case][1].keys(), case
     assert not differing(resume_runs, EMPTY)
+
+
+def test_resume_is_bit_for_bit_where_a_saved_buckets_parameters_lie_apart(resume_runs):
+    """Under ``static_graph`` the saved bucket of the first layer holds the unused layer too,
+    apart from it by number: the resumed first steps (two: a static graph rebuilds a step
+    later) regroup the one bucket into the saved ones and repeat the uninterrupted run."""
+    whole, resumed = resume_runs
+    for case in APART:
+        (apart,) = [key for key in whole[0][case][1] if 0 in key]
+        assert apart == (0, 1, 6, 7), apart  # not a run by numbers
+        assert resumed[0][f"{case}/state_dict"][1].keys() == whole[0][case][1].keys(), case
+    assert not differing(resume_runs, APART)
+
+
+def test_resume_is_bit_for_bit_where_equal_magnitudes_tie(resume_runs):
+    """Where a sparsifier's cut falls between equal magnitudes in two parameters (Twins; in
+    bfloat16 often), the resumed first step's parts are laid out as the saved buckets were,
+    so it keeps what the uninterrupted run kept."""
+    whole, resumed = resume_runs
+    for case in TIES:
+        (twins,) = [key for key in whole[0][case][1] if 0 in key]
+        assert twins == (0, 1, 2, 3) and whole[0][case][1][twins] != twins, whole[0][case][1]
+        assert resumed[0][f"{case}/state_dict"][1] == whole[0][case][1], case
+    assert not differing(resume_runs, TIES)
 
 
 # --- a rank that fails mid-step -------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
+from gradsift.core.store import Canonical
 from gradsift.hook import recipe
 from gradsift.hook.feedback import ErrorFeedback
 from gradsift.hook.state import GradsiftHookState
@@ -143,6 +144,18 @@ def test_local_clipping_threshold_splits_over_parts_and_workers():
     nan = torch.tensor([float("nan"), 1.0])
     kept = recipe.clip_local(nan, 1.0, 2, 2, 1)  # non-finite passes to the flag check as it is
     assert kept[1] == 1.0 and kept[0].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["flat", "canonical"])
+def test_local_clipping_takes_the_norm_of_every_gradient_dtype(dtype, layout):
+    flat = torch.tensor([3.0, 0.0, 4.0, 12.0], dtype=dtype)  # parameters of 1, 1 and 2 elements
+    canonical = Canonical([2, 0, 1], {0: 1, 1: 1, 2: 2}) if layout == "canonical" else None
+    norm = recipe.canonical_norm(flat, canonical)
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert norm.item() == 13.0  # sqrt(9 + 16 + 144)
+    clipped = recipe.clip_local(flat, 6.5, 4, 4, 1, canonical)  # threshold 6.5: half the norm
+    assert clipped.dtype == dtype and clipped.tolist() == [1.5, 0.0, 2.0, 6.0]
 
 
 def test_weight_decay_is_added_per_parameter_of_a_part_that_requires_grad():

@@ -34,6 +34,7 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
         assert not (config["static_graph"] and config["model"] == "routed")  # routing skips layers
     assert {config["model"] for config in drawn} == set(random_search.MODELS)
     assert {config["poison"] for config in drawn} == {None, "inf", "nan"}
+    assert {config["dtype"] for config in drawn} == {"float32", "bfloat16", "float64"}
     assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}
 
 

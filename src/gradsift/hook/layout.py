@@ -9,11 +9,17 @@ parameters in the flat tensor) is declared to the state store, which re-lays sto
 state when DDP rebuilds its buckets.
 
 One exception to the whole bucket: a bucket the store holds no state for, whose parameters
-the buckets it does hold state for cover in contiguous runs (:func:`saved_runs`), is cut
-into those runs, each keyed as its bucket was. That is a resumed run's first step: DDP starts
-it from its first bucketing again (in PyTorch 2.13 one bucket holding every parameter), while
-the checkpoint's state was kept for the rebuilt buckets, so the step compresses the groups the
-uninterrupted run compressed, with their own state.
+the buckets it does hold state for cover (:func:`saved_runs`), is cut into those buckets'
+runs, each keyed as its bucket was. That is a resumed run's first step: DDP starts it from its
+first bucketing again (in PyTorch 2.13 one bucket holding every parameter), while the
+checkpoint's state was kept for the rebuilt buckets, so the step compresses the groups the
+uninterrupted run compressed, with their own state. The route hands the parts a copy of the
+bucket laid out as the saved buckets were, each one's parameters together in its saved order
+(:meth:`ParameterLayout.grouped`), and lays the mean back in DDP's order
+(:meth:`Grouped.laid_back`): so the compressors see what they saw in the uninterrupted run,
+ties among equal magnitudes included, also where a saved bucket's parameters lie apart in
+the bucket (under ``static_graph`` DDP rebuilds with the unused parameters last, so the last
+saved bucket holds the first parameters by number and the unused ones).
 
 A bucket is anything with DDP's ``GradBucket`` reading interface (:class:`BucketLike`);
 the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
@@ -23,7 +29,7 @@ the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -72,6 +78,22 @@ class FlatBucket:
         return 0
 
 
+@dataclass
+class Grouped(FlatBucket):
+    """A copy of a bucket's flat gradient with its parameters in another order
+    (:meth:`ParameterLayout.grouped`); ``numels``: the parameters' sizes in the bucket's order,
+    ``back``: the bucket's place of each grouped parameter."""
+
+    numels: list[int] = field(default_factory=list)
+    back: list[int] = field(default_factory=list)
+
+    def laid_back(self, mean: torch.Tensor) -> torch.Tensor:
+        """``mean`` (in this order) in the bucket's order, a new tensor."""
+        pieces = mean.split([self.numels[j] for j in self.back])
+        order = sorted(range(len(self.back)), key=self.back.__getitem__)
+        return torch.cat([pieces[i] for i in order])
+
+
 class ParameterLayout:
     """Parameter numbers of one module and the parts of its DDP buckets."""
 
@@ -93,6 +115,30 @@ class ParameterLayout:
             raise InvalidOptionError(
                 "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
             ) from None
+
+    def grouped(
+        self, bucket: BucketLike, granularity: str, store: TensorStore, regroup: bool = True
+    ) -> BucketLike:
+        """``bucket``, or where :meth:`parts` cuts it into saved buckets laid out otherwise than
+        they were saved (apart, or in another order), a :class:`Grouped` copy of it holding
+        each saved bucket's parameters together in its saved order (module docstring)."""
+        ids = self.numbers_of(bucket)
+        if granularity == "layer" or not regroup or tuple(sorted(ids)) in store.layouts:
+            return bucket
+        runs = saved_runs(ids, store.layouts, self.numels)
+        if runs is None:
+            return bucket
+        order = [i for run in runs for i in store.layouts[tuple(sorted(run))]]
+        if [i for i in order if self.numels[i]] == [i for i in ids if self.numels[i]]:
+            return bucket  # laid out as saved already (a parameter of no elements takes no room)
+        place = {number: j for j, number in enumerate(ids)}
+        back = [place[i] for i in order]
+        numels = [self.numels[i] for i in ids]
+        pieces = bucket.buffer().split(numels)
+        params = list(bucket.parameters())
+        return Grouped(
+            torch.cat([pieces[j] for j in back]), [params[j] for j in back], bucket.is_last(), numels, back
+        )
 
     def parts(
         self, bucket: BucketLike, granularity: str, store: TensorStore, regroup: bool = True
@@ -131,32 +177,22 @@ class ParameterLayout:
 def saved_runs(
     ids: tuple[int, ...], layouts: Mapping[Hashable, tuple[int, ...]], numels: Mapping[int, int]
 ) -> list[tuple[int, ...]] | None:
-    """``ids`` (a bucket's parameter numbers, in its order) cut into contiguous runs, one per
-    bucket key of ``layouts`` (a store's: sorted tuples of numbers), when two or more of those
-    keys cover it exactly, each in one run; None otherwise (the bucket stays whole; the caller
-    keeps a bucket that is one of the keys whole before asking). A parameter of no elements
-    (``numels[i] == 0``) takes no room in the flat bucket, so wherever it lies it joins its
-    key's run (a key of such parameters alone is a run of its own, last)."""
+    """``ids`` (a bucket's parameter numbers, in its order) cut into runs, one per bucket key of
+    ``layouts`` (a store's: sorted tuples of numbers), when two or more of those keys cover it
+    exactly; None otherwise (the bucket stays whole; the caller keeps a bucket that is one of
+    the keys whole before asking). A run holds its key's parameters in the bucket's order; the
+    runs come in the order of their first parameter with elements in the bucket, so they lie
+    together in it unless a key's parameters lie apart (then :meth:`ParameterLayout.grouped`
+    regroups the bucket first). A parameter of no elements (``numels[i] == 0``) takes no room
+    in the flat bucket, so wherever it lies it joins its key's run (a key of such parameters
+    alone is a run of its own, last)."""
     members = set(ids)
     owner = {i: key for key in layouts if isinstance(key, tuple) and members.issuperset(key) for i in key}
     if owner.keys() != members:
         return None
-    runs: list[list[int]] = []
-    for number in (i for i in ids if numels[i]):
-        if runs and owner[runs[-1][0]] == owner[number]:
-            runs[-1].append(number)
-        else:
-            runs.append([number])
-    run_of = {owner[run[0]]: run for run in runs}
-    for number in (i for i in ids if not numels[i]):
-        if owner[number] not in run_of:
-            runs.append(run_of.setdefault(owner[number], []))
-        run_of[owner[number]].append(number)
-    keys = [owner[run[0]] for run in runs]
-    if (
-        len(runs) < 2
-        or len(set(keys)) != len(runs)
-        or any(len(run) != len(key) for run, key in zip(runs, keys, strict=True))
-    ):
+    runs: dict[Hashable, list[int]] = {}
+    for number in sorted(ids, key=lambda i: not numels[i]):  # stable: with elements first
+        runs.setdefault(owner[number], []).append(number)
+    if len(runs) < 2 or any(len(run) != len(key) for key, run in runs.items()):  # type: ignore[arg-type]
         return None
-    return [tuple(run) for run in runs]
+    return [tuple(run) for run in runs.values()]

@@ -363,14 +363,15 @@ def clip_local(
 
 
 def canonical_norm(flat: torch.Tensor, canonical: Canonical | None) -> torch.Tensor:
-    """``||flat||`` in float32 on the device: with ``canonical`` (a DDP bucket's layout) the
-    norm of the parameters' own norms taken in parameter-number order,
-    ``sqrt(sum_i ||g_i||^2)``, so the same gradients give the same bits whichever order DDP
-    lays them out in (it changes at DDP's rebuild and when a run resumes); one pass over
-    ``flat`` either way."""
+    """``||flat||`` on the device, in float32 or ``flat``'s dtype where that is wider (float64):
+    with ``canonical`` (a DDP bucket's layout) the norm of the parameters' own norms taken in
+    parameter-number order, ``sqrt(sum_i ||g_i||^2)``, so the same gradients give the same bits
+    whichever order DDP lays them out in (it changes at DDP's rebuild and when a run resumes);
+    one pass over ``flat`` either way."""
+    dtype = torch.promote_types(flat.dtype, torch.float32)
     if canonical is None:
-        return torch.linalg.vector_norm(flat, dtype=torch.float32)
-    norms = torch._foreach_norm(flat.split(canonical.sizes), dtype=torch.float32)
+        return torch.linalg.vector_norm(flat, dtype=dtype)
+    norms = torch._foreach_norm(flat.split(canonical.sizes), dtype=dtype)
     return torch.linalg.vector_norm(torch.stack([norms[j] for j in canonical.chunks]))
 
 

@@ -60,7 +60,7 @@ from gradsift.hook import recipe, variance_refresh, zero_one
 from gradsift.hook.adam import AdamStep
 from gradsift.hook.compatibility import PYTHON_REDUCER
 from gradsift.hook.feedback import VELOCITY, server_stage
-from gradsift.hook.layout import BucketLike
+from gradsift.hook.layout import BucketLike, Grouped
 from gradsift.hook.ledger import BucketInFlight
 from gradsift.hook.local_update import LocalUpdateStep
 from gradsift.hook.state import STOCK_ALLREDUCE, GradsiftHookState
@@ -89,9 +89,9 @@ def route_bucket(
             _offer_first_step(state, bucket, result)
             pending = _stock_allreduce(state, result, record)
         else:
-            parts, order = state.layout.parts(
-                bucket, state.options.granularity, state.store, regroup=not state.exchange.whole_bucket
-            )  # 3
+            cut = (state.options.granularity, state.store, not state.exchange.whole_bucket)
+            bucket = state.layout.grouped(bucket, *cut)  # 3
+            parts, order = state.layout.parts(bucket, *cut)
             context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
             step.keys.update([context.key, *(part.key for part in parts)])
             result, record = context.result, context.record
@@ -106,6 +106,8 @@ def route_bucket(
     step.buckets.append(BucketInFlight(future, pending, result, record, list(bucket.parameters())))
     if bucket.is_last():  # 7; DDP may wait for the futures before our end-of-backward callback runs
         state.close_step()
+    if isinstance(bucket, Grouped):
+        return future.then(lambda done: bucket.laid_back(done.value()))
     return future
 
 
