@@ -99,9 +99,17 @@ def test_load_gradients_accepts_a_bare_tensor_and_rejects_non_float(tmp_path):
     path = tmp_path / "t.pt"
     torch.save(torch.ones(3), path)
     assert list(load_gradients(path)) == ["tensor"]
-    torch.save({"ids": torch.arange(3)}, path)
-    with pytest.raises(TypeError, match="'ids' must be a floating-point tensor"):
-        load_gradients(path)
+    for entry, message in [
+        (torch.arange(3), "'ids' must be a floating-point tensor, got a torch.int64 tensor"),
+        (torch.ones(2, dtype=torch.bool), "'ids' must be a floating-point tensor, got a torch.bool tensor"),
+        ("text", "'ids' must be a floating-point tensor, got str"),
+        (torch.zeros(0), "'ids' has no elements"),
+        (torch.tensor([1.0, float("inf")]), "'ids' holds NaN or Inf"),
+        (torch.tensor([float("nan"), 1.0], dtype=torch.float64), "'ids' holds NaN or Inf"),
+    ]:
+        torch.save({"fine": torch.ones(3), "ids": entry}, path)
+        with pytest.raises(TypeError, match=message):
+            load_gradients(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_gradients(tmp_path / "missing.pt")
 
@@ -130,3 +138,26 @@ def test_estimation_series_closes_the_error_feedback_loop():
 
 def test_percentile_summary():
     assert percentile_summary([1.0, 2.0, 3.0, 4.0, 5.0]) == {"median": 3.0, "p10": 1.4, "p90": 4.6}
+
+
+def test_the_table_keeps_its_columns_apart_whatever_the_numbers(tmp_path, capsys):
+    """A constant tensor: the threshold methods send every tied element, 100x the target."""
+    path = tmp_path / "const.pt"
+    torch.save({"const": torch.ones(4000)}, path)
+    assert (
+        main(["analyze", str(path), "--compressors", "redsync", "topk", "--calls", "1", "--no-progress"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "compressor" in line)
+    redsync = next(line for line in lines if line.strip().startswith("redsync"))
+    assert redsync.split() == [
+        "redsync",
+        "0.01",
+        "40",
+        "4000",
+        "100.000",
+        "100.000",
+        "100.000",
+        redsync.split()[-1],
+    ]
+    assert len(header.split()) == 8 and len(redsync) == len(header)  # the columns line up

@@ -116,3 +116,12 @@ def test_an_unknown_argument_is_named_by_its_command_with_the_closest_option(arg
     assert lines[-1] == message
     # the command's usage, not the top level's
     assert lines[0].startswith(f"usage: gradsift {argv.split()[0]}")
+
+
+def test_bench_sizes_take_whole_numbers_written_as_floats(capsys):
+    parse = build_parser().parse_args
+    assert parse(["bench", "compress", "--sizes", "1e6", "2.5e5", "4096"]).sizes == [1_000_000, 250_000, 4096]
+    for text, message in [("1.5", "'1.5' is not a whole number"), ("ten", "invalid whole number: 'ten'")]:
+        with pytest.raises(SystemExit):
+            parse(["bench", "compress", "--sizes", text])
+        assert message in capsys.readouterr().err

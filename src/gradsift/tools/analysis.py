@@ -35,7 +35,10 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
 
     :func:`gradsift.core.plain.read_plain` (``torch.load(..., weights_only=True)``) only
     rebuilds tensors and plain containers; a file whose pickle would run code or build other
-    objects is refused with :class:`~gradsift.core.errors.UntrustedDataError`. A bare tensor is returned as ``{"tensor": t}``.
+    objects is refused with :class:`~gradsift.core.errors.UntrustedDataError`. A bare tensor is
+    returned as ``{"tensor": t}``. Every entry must be a floating-point tensor with elements,
+    all finite (a fit and a threshold have nothing to say otherwise): the first that is not is
+    refused by name.
     """
     path = Path(path)
     if not path.is_file():
@@ -46,9 +49,12 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
         raise InvalidOptionError(f"FILE {str(path)!r} must hold a tensor or a non-empty dict name -> tensor")
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            raise InvalidTensorError(
-                f"FILE entry {name!r} must be a floating-point tensor, got {type(value).__name__}"
-            )
+            got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InvalidTensorError(f"FILE entry {name!r} must be a floating-point tensor, got {got}")
+        if value.numel() == 0:
+            raise InvalidTensorError(f"FILE entry {name!r} has no elements")
+        if not torch.isfinite(value).all():
+            raise InvalidTensorError(f"FILE entry {name!r} holds NaN or Inf: analyze a finite gradient")
     return {str(name): value for name, value in tensors.items()}
 
 
@@ -146,15 +152,17 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         for family in (*MAGNITUDE_FAMILIES, "normal"):
             params = ", ".join(f"{k}={v:.4g}" for k, v in fits[family]["params"].items())
             lines.append(f"   fit {family:<12} KS={fits[family]['ks']:.4f}  {params}")
-        lines.append(
-            f"   {'compressor':<14}{'ratio':>8}{'target':>10}{'achieved':>10}{'median':>8}{'p10':>7}{'p90':>7}{'ms':>9}"
-        )
+        rows = [("compressor", "ratio", "target", "achieved", "median", "p10", "p90", "ms")]
         for row in result["estimation"]:
             q = row["quality"]
-            lines.append(
-                f"   {row['compressor']:<14}{row['ratio']:>8g}{row['target']:>10}{row['achieved'][-1]:>10}"
-                f"{q['median']:>8.3f}{q['p10']:>7.3f}{q['p90']:>7.3f}{row['time_ms']:>9.2f}"
-            )
+            rows.append(
+                (row["compressor"], f"{row['ratio']:g}", str(row["target"]), str(row["achieved"][-1]),
+                 f"{q['median']:.3f}", f"{q['p10']:.3f}", f"{q['p90']:.3f}", f"{row['time_ms']:.2f}")
+            )  # fmt: skip
+        widths = [max(len(cells[i]) for cells in rows) for i in range(len(rows[0]))]
+        for cells in rows:  # the name left-aligned, the numbers right-aligned, two spaces apart
+            numbers = "  ".join(cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+            lines.append(f"   {cells[0].ljust(widths[0])}  {numbers}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,21 @@ from gradsift.core.errors import InvalidOptionError
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def whole_number(text: str) -> int:
+    """An argparse ``type``: an integer, also written as a float that is one (``1e6``, ``2.5e5``)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid whole number: {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Help that states every option's default, as ``(default: X)`` from the parser.
 

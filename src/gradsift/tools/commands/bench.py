@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from gradsift.tools.commands import DEVICES, HelpFormatter, prepare_outputs
+from gradsift.tools.commands import DEVICES, HelpFormatter, prepare_outputs, whole_number
 
 #: What the parser shows of :mod:`gradsift.tools.benchmarking` (which needs torch), written
 #: here so that building it imports no back-end; tests/tools/test_cli.py checks each against
@@ -45,8 +45,8 @@ def _add_compress_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(defaults.sizes), metavar="N",
-                        help="gradient lengths (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--sizes", type=whole_number, nargs="+", default=list(defaults.sizes), metavar="N",
+                        help="gradient lengths, e.g. 1e6 (default: %(default)s)")  # fmt: skip
     parser.add_argument("--ratios", type=float, nargs="+", default=list(defaults.ratios), metavar="R",
                         help="target densities in (0, 1] (default: %(default)s)")  # fmt: skip
     parser.add_argument("--compressors", nargs="+", metavar="NAME",
