@@ -1,5 +1,5 @@
 """``gradsift.hook.layout.saved_runs``: a bucket cut into the buckets its stored state was kept for,
-and ``ParameterLayout.grouped``: the bucket laid out as those buckets were saved.
+and ``ParameterLayout.parts``: the bucket laid out as those buckets were saved.
 
 A resumed run's first step gets DDP's first bucketing (one bucket of every parameter), the
 checkpoint holds state for the rebuilt buckets; the bucket is cut into those only where they
@@ -68,12 +68,17 @@ def test_a_bucket_is_regrouped_as_its_saved_buckets_were_and_laid_back() -> None
         ({(0, 1): (1, 0), (2, 3): (3, 2)}, (1, 0, 3, 2)),  # together, each in another order
     ]:
         layout, store = layout_of(bucket, saved)
-        grouped = layout.grouped(bucket, "bucket", store)
+        parts, order, grouped = layout.parts(bucket, "bucket", store)
         assert isinstance(grouped, Grouped) and grouped.is_last()
         expected = [float(i) for i in grouped_order for _ in range(bucket.params[i].numel())]
         assert grouped.buffer().tolist() == expected
         assert list(map(id, grouped.parameters())) == [id(bucket.params[i]) for i in grouped_order]
-        assert layout.parts(grouped, "bucket", store)[1] == grouped_order  # cut in runs laid out as saved
+        firsts = [order.index(saved[key][0]) for key in saved]
+        assert order == grouped_order and [part.key for part in parts] == [
+            k for _, k in sorted(zip(firsts, saved, strict=True))
+        ]
+        assert all(part.flat.data_ptr() == grouped.buffer()[part.offset :].data_ptr() for part in parts)
+        assert {part.key: store.layouts[part.key] for part in parts} == saved  # laid out as saved
         mean = grouped.buffer() * 10  # a result in the grouped order, back in the bucket's
         assert grouped.laid_back(mean).tolist() == (bucket.buffer() * 10).tolist()
 
@@ -90,7 +95,7 @@ def test_a_bucket_is_left_as_it_is_where_no_regrouping_is_needed() -> None:
         ({}, "bucket", True),  # nothing saved
     ]:
         layout, store = layout_of(bucket, saved)
-        assert layout.grouped(bucket, granularity, store, regroup) is bucket, (saved, granularity, regroup)
+        assert layout.parts(bucket, granularity, store, regroup)[2] is bucket, (saved, granularity, regroup)
     empty = bucket_of([3, 4, 0, 1])  # parameter 2 has no elements: where it lies takes no room
     layout, store = layout_of(empty, {(0, 2): (2, 0), (1, 3): (1, 3)})
-    assert layout.grouped(empty, "bucket", store) is empty
+    assert layout.parts(empty, "bucket", store)[2] is empty

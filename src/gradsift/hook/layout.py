@@ -15,7 +15,7 @@ first bucketing again (in PyTorch 2.13 one bucket holding every parameter), whil
 checkpoint's state was kept for the rebuilt buckets, so the step compresses the groups the
 uninterrupted run compressed, with their own state. The route hands the parts a copy of the
 bucket laid out as the saved buckets were, each one's parameters together in its saved order
-(:meth:`ParameterLayout.grouped`), and lays the mean back in DDP's order
+(:meth:`ParameterLayout.parts`), and lays the mean back in DDP's order
 (:meth:`Grouped.laid_back`): so the compressors see what they saw in the uninterrupted run,
 ties among equal magnitudes included, also where a saved bucket's parameters lie apart in
 the bucket (under ``static_graph`` DDP rebuilds with the unused parameters last, so the last
@@ -81,7 +81,7 @@ class FlatBucket:
 @dataclass
 class Grouped(FlatBucket):
     """A copy of a bucket's flat gradient with its parameters in another order
-    (:meth:`ParameterLayout.grouped`); ``numels``: the parameters' sizes in the bucket's order,
+    (:meth:`ParameterLayout.parts`); ``numels``: the parameters' sizes in the bucket's order,
     ``back``: the bucket's place of each grouped parameter."""
 
     numels: list[int] = field(default_factory=list)
@@ -116,40 +116,16 @@ class ParameterLayout:
                 "a DDP bucket holds a parameter of another module: register the hook on the model it runs"
             ) from None
 
-    def grouped(
-        self, bucket: BucketLike, granularity: str, store: TensorStore, regroup: bool = True
-    ) -> BucketLike:
-        """``bucket``, or where :meth:`parts` cuts it into saved buckets laid out otherwise than
-        they were saved (apart, or in another order), a :class:`Grouped` copy of it holding
-        each saved bucket's parameters together in its saved order (module docstring)."""
-        ids = self.numbers_of(bucket)
-        if granularity == "layer" or not regroup or tuple(sorted(ids)) in store.layouts:
-            return bucket
-        runs = saved_runs(ids, store.layouts, self.numels)
-        if runs is None:
-            return bucket
-        order = [i for run in runs for i in store.layouts[tuple(sorted(run))]]
-        if [i for i in order if self.numels[i]] == [i for i in ids if self.numels[i]]:
-            return bucket  # laid out as saved already (a parameter of no elements takes no room)
-        place = {number: j for j, number in enumerate(ids)}
-        back = [place[i] for i in order]
-        numels = [self.numels[i] for i in ids]
-        pieces = bucket.buffer().split(numels)
-        params = list(bucket.parameters())
-        return Grouped(
-            torch.cat([pieces[j] for j in back]), [params[j] for j in back], bucket.is_last(), numels, back
-        )
-
     def parts(
         self, bucket: BucketLike, granularity: str, store: TensorStore, regroup: bool = True
-    ) -> tuple[list[Part], tuple[int, ...]]:
-        """The parts of ``bucket``, their layouts declared to ``store``, and the bucket's
-        parameter numbers in its flat order. ``regroup``: a bucket may be cut into the
-        buckets of the stored state (module docstring; False for an exchange that takes
-        whole buckets)."""
-        params = list(bucket.parameters())
+    ) -> tuple[list[Part], tuple[int, ...], BucketLike]:
+        """The parts of ``bucket``, their layouts declared to ``store``, the parameter numbers in
+        the flat order of the bucket they slice, and that bucket: ``bucket`` itself, or where it
+        is cut into saved buckets laid out otherwise than they were saved (apart, or in another
+        order), a :class:`Grouped` copy holding each one's parameters together in its saved
+        order (module docstring). ``regroup``: a bucket may be cut into the buckets of the
+        stored state (False for an exchange that takes whole buckets)."""
         ids = self.numbers_of(bucket)
-        buffer = bucket.buffer()
         runs: list[tuple[int, ...]]
         keys: list[int | tuple[int, ...]]
         if granularity == "layer":
@@ -162,7 +138,13 @@ class ParameterLayout:
                 else None
             )
             runs, keys = (cut, [tuple(sorted(run)) for run in cut]) if cut else ([ids], [whole])
-        by_number = dict(zip(ids, params, strict=True))
+            as_saved = [store.layouts[key] for key in keys] if cut else runs
+            if runs != as_saved and _with_elements(as_saved, self.numels) != _with_elements(
+                runs, self.numels
+            ):
+                order = tuple(i for run in as_saved for i in run)
+                bucket, runs, ids = self._grouped(bucket, ids, order), as_saved, order
+        buffer, by_number = bucket.buffer(), dict(zip(ids, bucket.parameters(), strict=True))
         parts, offset = [], 0
         for run, key in zip(runs, keys, strict=True):
             numel = sum(self.numels[i] for i in run)
@@ -171,7 +153,22 @@ class ParameterLayout:
             flat = buffer if numel == buffer.numel() else buffer[offset : offset + numel]
             parts.append(Part(key, offset, flat, [by_number[i] for i in run]))
             offset += numel
-        return parts, ids
+        return parts, ids, bucket
+
+    def _grouped(self, bucket: BucketLike, ids: tuple[int, ...], order: tuple[int, ...]) -> Grouped:
+        """A copy of ``bucket`` (parameters ``ids``) with its parameters in ``order``."""
+        place = {number: j for j, number in enumerate(ids)}
+        back = [place[i] for i in order]
+        numels = [self.numels[i] for i in ids]
+        pieces, params = bucket.buffer().split(numels), list(bucket.parameters())
+        return Grouped(
+            torch.cat([pieces[j] for j in back]), [params[j] for j in back], bucket.is_last(), numels, back
+        )
+
+
+def _with_elements(runs: list[tuple[int, ...]], numels: Mapping[int, int]) -> list[int]:
+    """The parameters of ``runs`` in order, but those of no elements (they take no room)."""
+    return [i for run in runs for i in run if numels[i]]
 
 
 def saved_runs(
@@ -182,7 +179,7 @@ def saved_runs(
     exactly; None otherwise (the bucket stays whole; the caller keeps a bucket that is one of
     the keys whole before asking). A run holds its key's parameters in the bucket's order; the
     runs come in the order of their first parameter with elements in the bucket, so they lie
-    together in it unless a key's parameters lie apart (then :meth:`ParameterLayout.grouped`
+    together in it unless a key's parameters lie apart (then :meth:`ParameterLayout.parts`
     regroups the bucket first). A parameter of no elements (``numels[i] == 0``) takes no room
     in the flat bucket, so wherever it lies it joins its key's run (a key of such parameters
     alone is a run of its own, last)."""

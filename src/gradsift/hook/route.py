@@ -89,9 +89,9 @@ def route_bucket(
             _offer_first_step(state, bucket, result)
             pending = _stock_allreduce(state, result, record)
         else:
-            cut = (state.options.granularity, state.store, not state.exchange.whole_bucket)
-            bucket = state.layout.grouped(bucket, *cut)  # 3
-            parts, order = state.layout.parts(bucket, *cut)
+            parts, order, bucket = state.layout.parts(
+                bucket, state.options.granularity, state.store, regroup=not state.exchange.whole_bucket
+            )  # 3
             context = state.context(bucket.buffer(), parts, step.readout, order=order, bucket=bucket)
             step.keys.update([context.key, *(part.key for part in parts)])
             result, record = context.result, context.record
