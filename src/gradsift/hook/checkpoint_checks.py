@@ -6,8 +6,8 @@ another compressor raised a ``KeyError`` there. :func:`check_hook_entry` refuses
 entry with :class:`~gradsift.core.errors.InvalidOptionError` naming what is wrong, before
 anything is loaded:
 
-* the entry has the keys a hook state has (``capacities`` and ``server_feedback`` may be
-  missing, as in older checkpoints), and ``step`` is an integer >= 0;
+* the entry has the keys a hook state has (``capacities``, ``server_feedback`` and ``method``
+  may be missing, as in older checkpoints), and ``step`` is an integer >= 0;
 * the settings saved with it (:func:`gradsift.hook.handshake.hook_settings`: the compressor,
   its options, the hook's options) are this hook's, setting by setting;
 * every store entry is a 1-D tensor under a key of this model's parameter numbers (an
@@ -42,7 +42,7 @@ from gradsift.hook.state import GradsiftHookState
 
 #: Keys every hook state entry has; :data:`OPTIONAL_KEYS` may be missing.
 REQUIRED_KEYS = frozenset({"step", "feedback", "store", "compressor", "weight_decay", "telemetry"})
-OPTIONAL_KEYS = frozenset({"server_feedback", "capacities", "auto"})  # "auto": compressor="auto"'s choice
+OPTIONAL_KEYS = frozenset({"server_feedback", "capacities", "auto", "method"})  # "auto": auto's choice
 #: Store tables of integers (the others hold floating-point values, one per element).
 INTEGER_TABLES = frozenset({BOUNDS})
 

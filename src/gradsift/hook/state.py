@@ -34,6 +34,7 @@ from gradsift.hook.first_step import FirstOptimizerStep
 from gradsift.hook.layout import ParameterLayout
 from gradsift.hook.ledger import StepLedger
 from gradsift.hook.options import HookOptions, check_keywords, resolve_compressor
+from gradsift.hook.resumable import check_resumable
 from gradsift.hook.taken_over import TakenOverChecks
 from gradsift.hook.warmup_code import CodedWarmup, refuse_without_frozen_adam
 
@@ -238,10 +239,11 @@ class GradsiftHookState:
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Step, the state store (residuals, the server residual, ...), compressor state and
+        """The compressor's name, step, the state store (residuals, the server residual, ...), compressor state and
         telemetry totals (tensors cloned)."""
         self.settle()
         return {
+            "method": self.compressor.name,
             "step": self.ledger.step,
             "feedback": None if self.feedback is None else {"momentum": self.feedback.momentum},
             "server_feedback": self.options.server_feedback,
@@ -256,20 +258,8 @@ class GradsiftHookState:
         """Restore :meth:`state_dict`, an optimizer still to be found found first (:meth:`prepare_load`)."""
         self.settle()
         self.prepare_load(state)
-        if (state["feedback"] is None) != (self.feedback is None):
-            raise InvalidOptionError(
-                "checkpoint and hook disagree on error feedback (on in one, off in the other)"
-            )
-        if self.feedback is not None and float(state["feedback"]["momentum"]) != self.feedback.momentum:
-            raise InvalidOptionError(
-                f"checkpoint was made with momentum={state['feedback']['momentum']}, "
-                f"this hook has {self.feedback.momentum}"
-            )
-        if bool(state.get("server_feedback", False)) != self.options.server_feedback:
-            raise InvalidOptionError(
-                "checkpoint and hook disagree on server_feedback (on in one, off in the other): the "
-                "server residual would be dropped or start from zero"
-            )
+        momentum = None if self.feedback is None else self.feedback.momentum
+        check_resumable(state, self.compressor.name, momentum, self.options.server_feedback)
         self.ledger.step = int(state["step"])
         self.store.load_state_dict(state["store"])
         self.compressor.load_state_dict(state["compressor"])
