@@ -126,6 +126,25 @@ def test_a_scaler_that_scaled_nothing_or_is_disabled_is_not_adopted():
     assert discovery.find(model.parameters(), scaler=False) == (optimizer, None)
 
 
+@pytest.mark.parametrize("compressor", ["topk", "sidco-exp"])
+def test_an_earlier_runs_scaler_still_alive_is_not_taken_for_this_ones(one_process_group, compressor):
+    """A notebook's ``scaler`` of an earlier AMP run, alive when a run without AMP registers the
+    hook: adopting it scaled the hook's weight decay by 2^16 and the run diverged (NaN); now the
+    run equals the one with no scaler alive, bit for bit."""
+    gc.collect()  # scalers of earlier tests
+    alone, _ = run(compressor, "sgd-momentum", passed=False, ratio=0.2)
+    earlier = torch.amp.GradScaler("cpu")
+    earlier.scale(torch.ones(()))  # its scale exists: it scaled a loss
+    beside, state = run(compressor, "sgd-momentum", passed=False, ratio=0.2)
+    assert state.options.scaler is None and state.optimizer is not None  # the optimizer found, not it
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True))
+    later = torch.amp.GradScaler("cpu")  # a scaler that first scales after the registration is found
+    state = gradsift.register_comm_hook(model(), compressor, ratio=0.2)
+    later.scale(torch.ones(()))
+    assert discovery.find(None, scaler=True, earlier=state.earlier_scalers)[1] is later
+    assert discovery.find(None, scaler=True)[1] is None  # both count where the earlier one is not known
+
+
 def test_an_explicit_warmup_of_zero_under_frozen_adam_is_refused(one_process_group):
     ddp = model()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)

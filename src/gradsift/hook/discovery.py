@@ -15,7 +15,11 @@ before any tensor of the step is touched (:func:`find`):
   names what it sees, after the hook's first exchange (a closure's backward runs inside the
   step).
 * **the scaler**: the one enabled ``torch.amp.GradScaler`` (or ``torch.cuda.amp``'s) that
-  has scaled a loss (its scale exists). Several such: none is adopted.
+  has scaled a loss (its scale exists) and had not when the hook was registered
+  (:func:`scalers_that_scaled`): one that had is an earlier run's, still alive (a notebook's
+  variable, garbage not yet collected), and adopting it would scale the hook's weight decay
+  and clipping by its scale. Several such: none is adopted. A script that registers the hook
+  after its scaler's first step passes ``scaler=`` (the first step's check asks for it).
 
 And, for ``compressor="auto"`` (:mod:`gradsift.hook.choice`), whether a live learning-rate
 scheduler cycles the found optimizer's momentum (:func:`cycles_momentum`): a momentum the hook
@@ -39,11 +43,25 @@ import torch
 _CYCLED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
 
 
-def find(params: Iterable[torch.Tensor] | None, scaler: bool) -> tuple[torch.optim.Optimizer | None, Any]:
+def scalers_that_scaled() -> weakref.WeakSet[Any]:
+    """The enabled ``GradScaler`` objects alive now that have scaled a loss (held weakly): what
+    :func:`find` passes over for a hook registered now."""
+    return weakref.WeakSet(
+        candidate
+        for candidate in gc.get_objects()
+        if issubclass(type(candidate), torch.amp.GradScaler) and _has_scaled(candidate)
+    )
+
+
+def find(
+    params: Iterable[torch.Tensor] | None, scaler: bool, earlier: Iterable[Any] = ()
+) -> tuple[torch.optim.Optimizer | None, Any]:
     """One walk over the live objects: the one optimizer whose parameter groups hold any of
     ``params`` (not looked for when ``params`` is None) and, with ``scaler``, the one enabled
-    ``GradScaler`` that has scaled a loss; each None where there is none or more than one (an
+    ``GradScaler`` that has scaled a loss, but those of ``earlier`` (:func:`scalers_that_scaled`
+    when the hook was registered); each None where there is none or more than one (an
     optimizer a wrapper holds counts once, as the inner one)."""
+    earlier = list(earlier)
     wanted = None if params is None else {id(p) for p in params}
     optimizers: dict[
         int, torch.optim.Optimizer
@@ -56,7 +74,7 @@ def find(params: Iterable[torch.Tensor] | None, scaler: bool) -> tuple[torch.opt
             if groups not in optimizers or _wraps(optimizers[groups], candidate):
                 optimizers[groups] = candidate
         elif scaler and issubclass(kind, torch.amp.GradScaler) and _has_scaled(candidate):
-            scalers.append(candidate)
+            scalers += [] if any(candidate is old for old in earlier) else [candidate]
     return _the_one(list(optimizers.values())), _the_one(scalers)
 
 

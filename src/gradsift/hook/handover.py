@@ -36,6 +36,7 @@ def enter(
     state.find_optimizer = False  # the dense state's, adopted above
     # a scaler is looked for at its first bucket, unless the dense state has looked already
     state.discovering = state.options.scaler is None and dense.discovering
+    state.earlier_scalers = dense.earlier_scalers  # those alive when the hook was registered
     return state
 
 

@@ -10,6 +10,7 @@ of a bucket through them is :mod:`gradsift.hook.route`; checkpoints are
 """
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -157,6 +158,8 @@ class GradsiftHookState:
         self.find_optimizer = optimizer is None and not self.options.momentum  # momentum= by hand: none
         optimizer = None if optimizer is False else optimizer
         self.discovering = self.find_optimizer or self.options.scaler is None
+        looks = self.options.scaler is None  # an earlier run's scaler, still alive, is not this run's
+        self.earlier_scalers = discovery.scalers_that_scaled() if looks else weakref.WeakSet()
         self.adopt(optimizer)
 
     def adopt(self, optimizer: Any, take_over: bool = True) -> None:
@@ -195,7 +198,7 @@ class GradsiftHookState:
         params, self.find_optimizer = (self.hooked if self.find_optimizer else None), False
         found, found_scaler = (None, None)
         if params is not None or look_for_scaler:  # one walk over the live objects for both
-            found, found_scaler = discovery.find(params, look_for_scaler)
+            found, found_scaler = discovery.find(params, look_for_scaler, self.earlier_scalers)
         if found is not None and (self.feedback is None or recipe.can_hold(found)):  # else: not taken over
             self.adopt(found)
         if scaler:
@@ -274,6 +277,7 @@ class GradsiftHookState:
         state["ledger"] = dataclasses.replace(self.ledger, current=None, closed=None)
         state["adam"] = None  # holds the optimizer: register again with optimizer=
         state["first_step"] = state["taken_over"] = None  # global optimizer hooks: attach makes new ones
+        state["earlier_scalers"] = ()  # held weakly, not pickled: attach looks again
         return state
 
     # -- per-step ---------------------------------------------------------------------------
