@@ -18,8 +18,9 @@ bucket laid out as the saved buckets were, each one's parameters together in its
 (:meth:`ParameterLayout.parts`), and lays the mean back in DDP's order
 (:meth:`Grouped.laid_back`): so the compressors see what they saw in the uninterrupted run,
 ties among equal magnitudes included, also where a saved bucket's parameters lie apart in
-the bucket (under ``static_graph`` DDP rebuilds with the unused parameters last, so the last
-saved bucket holds the first parameters by number and the unused ones).
+the bucket (a compiled model's backward readies its gradients in another order; under
+``static_graph`` DDP rebuilds with the unused parameters last, so the last saved bucket holds
+the first parameters by number and the unused ones).
 
 A bucket is anything with DDP's ``GradBucket`` reading interface (:class:`BucketLike`);
 the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
