@@ -139,10 +139,8 @@ class ParameterLayout:
                 else None
             )
             runs, keys = (cut, [tuple(sorted(run)) for run in cut]) if cut else ([ids], [whole])
-            as_saved = [store.layouts[key] for key in keys] if cut else runs
-            if runs != as_saved and _with_elements(as_saved, self.numels) != _with_elements(
-                runs, self.numels
-            ):
+            as_saved = [store.layouts[key] for key in keys] if cut else []
+            if cut and _with_elements(as_saved, self.numels) != _with_elements(cut, self.numels):
                 order = tuple(i for run in as_saved for i in run)
                 bucket, runs, ids = self._grouped(bucket, ids, order), as_saved, order
         buffer, by_number = bucket.buffer(), dict(zip(ids, bucket.parameters(), strict=True))

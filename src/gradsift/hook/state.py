@@ -242,8 +242,8 @@ class GradsiftHookState:
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's name, step, the state store (residuals, the server residual, ...), compressor state and
-        telemetry totals (tensors cloned)."""
+        """The compressor's name, step, the state store (residuals, the server residual, ...),
+        compressor state and telemetry totals (tensors cloned)."""
         self.settle()
         return {
             "method": self.compressor.name,

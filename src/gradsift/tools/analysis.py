@@ -22,6 +22,7 @@ from gradsift.compressors.base import Compressor, target_count
 from gradsift.compressors.registry import compressor_class, get_compressor
 from gradsift.compressors.stats import goodness_of_fit, subsample
 from gradsift.core.errors import InvalidOptionError, InvalidTensorError
+from gradsift.core.finite import nonfinite
 from gradsift.core.plain import read_plain
 from gradsift.hook.feedback import ErrorFeedback
 
@@ -53,7 +54,7 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
             raise InvalidTensorError(f"FILE entry {name!r} must be a floating-point tensor, got {got}")
         if value.numel() == 0:
             raise InvalidTensorError(f"FILE entry {name!r} has no elements")
-        if not torch.isfinite(value).all():
+        if bool(nonfinite(value)):
             raise InvalidTensorError(f"FILE entry {name!r} holds NaN or Inf: analyze a finite gradient")
     return {str(name): value for name, value in tensors.items()}
 
