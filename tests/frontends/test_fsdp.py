@@ -7,6 +7,9 @@
   reference computed in the same run from the ranks' local gradients;
 * the error-feedback state checkpoints: a resumed run is bit-identical to the
   uninterrupted one (and one that forgets the state is not);
+* FSDP2 hybrid with a frozen weight (as in LoRA) trains as FSDP's native HSDP does, and a
+  layer no step uses is refused on every rank, naming FSDP2's ``set_reduce_scatter_unused_params``,
+  which makes it train;
 * every combination FSDP does not let a hook take over gives InvalidOptionError.
 """
 
@@ -133,6 +136,7 @@ def every_worker(rank: int, world: int) -> dict:
         },
         "nonfinite": nonfinite_worker(rank, world),
         "errors": errors_worker(rank, world),
+        "frozen": frozen_worker(rank, world),
     }
 
 
@@ -309,6 +313,70 @@ def test_a_nan_on_one_rank_follows_the_nonfinite_policy_on_every_rank(runs):
         skipped, propagated = rank["nonfinite"]["no_shard_skip"], rank["nonfinite"]["full_shard_fp16"]
         assert skipped == {"zero": True, "nan": False, "step": 1, "residuals_kept": True}
         assert propagated["nan"] and propagated["step"] == 1
+
+
+# -- frozen and unused parameters under FSDP2 hybrid sharding -------------------------------
+def with_frozen_weight(seed: int, mesh) -> nn.Module:
+    """:func:`fully_sharded` with the first layer's weight frozen (LoRA's base weights)."""
+    model = make_model(WIDTHS, seed=seed)
+    model[0].weight.requires_grad_(False)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class WithUnusedLayer(nn.Module):
+    """:func:`make_model`'s layers and a layer no forward pass uses, in the root's own FSDP2 group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model(WIDTHS, seed=0)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.body(inputs)
+
+
+def frozen_worker(rank: int, world: int) -> dict:
+    teacher, _, _ = teacher_task(0)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    replicas = mesh.get_group("replicate")
+    out: dict = {}
+    for name, hooked in (("stock", False), ("none", True)):
+        model = with_frozen_weight(0, mesh["shard"] if hooked else mesh)
+        if hooked:
+            gradsift.register_comm_hook(model, "none", process_group=replicas)
+        train(model, torch.optim.SGD(model.parameters(), lr=0.2), teacher, range(6))
+        out[name] = {"params": full_parameters(model), "frozen": model[0].weight.full_tensor()}
+    out["initial_frozen"] = make_model(WIDTHS, seed=0)[0].weight.detach()
+    for flag in (False, True):
+        model = WithUnusedLayer()
+        fully_shard(model, mesh=mesh["shard"])
+        if flag:
+            model.set_reduce_scatter_unused_params(True)
+        gradsift.register_comm_hook(model, "topk", ratio=0.5, process_group=replicas)
+        try:
+            train(model, torch.optim.SGD(model.parameters(), lr=0.2), teacher, range(3))
+            out["unused", flag] = full_parameters(model)
+        except gradsift.GradsiftError as error:
+            out["unused", flag] = str(error)
+    return out
+
+
+def test_a_frozen_weight_trains_as_fsdps_native_hsdp(runs):
+    for rank in runs:
+        out = rank["frozen"]
+        assert torch.equal(out["none"]["frozen"], out["initial_frozen"])
+        assert torch.allclose(out["none"]["params"], out["stock"]["params"], rtol=0, atol=1e-6)
+    assert torch.equal(runs[0]["frozen"]["none"]["params"], runs[1]["frozen"]["none"]["params"])
+
+
+def test_an_unused_layer_is_refused_on_every_rank_naming_fsdps_flag_which_trains(runs):
+    for rank in runs:
+        assert "set_reduce_scatter_unused_params(True)" in rank["frozen"]["unused", False]
+    assert torch.equal(runs[0]["frozen"]["unused", True], runs[1]["frozen"]["unused", True])
 
 
 # -- what FSDP does not let a hook take over ------------------------------------------------

@@ -269,7 +269,10 @@ class _ReplicateHook:
         if reduce_output.numel() != self.unit.numel():
             raise GradsiftError(
                 f"FSDP2 handed the all-reduce hook {reduce_output.numel()} elements, expected "
-                f"{self.unit.numel()} (the module's parameters changed after register_comm_hook?)"
+                f"{self.unit.numel()}: a parameter of this module that requires a gradient got none in "
+                "this backward (FSDP2 leaves it out; module.set_reduce_scatter_unused_params(True) "
+                "reduces a zero gradient for it, as DDP's find_unused_parameters), or requires_grad "
+                "changed after register_comm_hook (register again)"
             )
         exchange_unit(self.state, self.unit, reduce_output)
 
@@ -282,13 +285,14 @@ def _mesh_of(module: torch.nn.Module) -> Any:
 
 
 def _reduced_numel(module: torch.nn.Module, fsdp_modules: Sequence[torch.nn.Module]) -> int:
-    """Elements of the shard FSDP2 reduces for ``module``: its own parameters (not those of a
-    nested ``fully_shard`` module), each padded on dim 0 to a multiple of the shard count ``S``
-    and cut in ``S``: ``sum ceil(d0 / S) * prod(other dims)``."""
+    """Elements of the shard FSDP2 reduces for ``module``: its own parameters that require a
+    gradient (not those of a nested ``fully_shard`` module; a frozen one has no gradient to
+    reduce), each padded on dim 0 to a multiple of the shard count ``S`` and cut in ``S``:
+    ``sum ceil(d0 / S) * prod(other dims)``."""
     nested = {id(p) for m in fsdp_modules if m is not module and _contains(module, m) for p in m.parameters()}
     total = 0
     for param in module.parameters():
-        if id(param) in nested:
+        if id(param) in nested or not param.requires_grad:
             continue
         mesh = getattr(param, "device_mesh", None)
         shards = 1 if mesh is None else mesh.size()
