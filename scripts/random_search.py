@@ -1,4 +1,4 @@
-"""Random search of the DDP hook's configurations: ranks that agree, equal replicas, resume bit for bit.
+"""Random search of the hook's configurations: ranks that agree, equal replicas, resume bit for bit.
 
 Each case draws its configuration from its seed, as a user could write one: a registry
 compressor (or ``auto``) with some of its options, some of the hook's options, an optimizer
@@ -11,8 +11,18 @@ or none of these, in float32, bfloat16 or float64 (not float16: PyTorch's ``Grad
 refuses its gradients, and Adam's ``eps`` rounds to zero in it); one or two micro-batches a
 step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
-cases an Inf or a NaN in one rank's second batch. On ``--world`` gloo ranks it checks:
+cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
+default), FSDP1 ``NO_SHARD`` or FSDP2 hybrid sharding (``fully_shard`` on a 1-rank shard mesh,
+the hook on the replicate group), each as one unit or one per linear layer; FSDP draws its mixed
+precision (bf16 parameters, reductions or both) and, for FSDP1, ``use_orig_params`` (with
+neither ``granularity``, ``clip_norm`` nor ``optimizer=`` where FSDP refuses them), and sets
+FSDP2's ``set_reduce_scatter_unused_params`` for the models with a layer some step leaves out
+(drawn as one unit where ranks route apart, as FSDP's units' collectives pair by order, and on
+FSDP2 with one micro-batch, as its native HSDP hangs accumulating a layer some ranks skipped).
+On ``--world`` gloo ranks it checks:
 
+* control: the same configuration without the hook (DDP's or FSDP1's own allreduce, FSDP2's
+  native HSDP) trains; where it fails the case is ``stock fails``, not the hook's to pass;
 * registration: every rank registers the hook, or every rank refuses it with a ``GradsiftError``;
 * training, 8 steps: every rank trains, or every rank refuses with a ``GradsiftError``; the
   ranks end with equal parameters (NaN equal to NaN); the losses are finite, but for the
@@ -24,11 +34,12 @@ cases an Inf or a NaN in one rank's second batch. On ``--world`` gloo ranks it c
   and may choose otherwise (docs/auto.md), and on three or more ranks an allreduce may differ
   in its last bits, as stock DDP's does: docs/distributed.md; they are reported all the same).
 
-Anything else is a finding. Each rank writes one JSON line per case to ``OUT-rRANK.jsonl``; the
-search prints a count per outcome and every finding. A rank that dies ends the ranks, and the
-search starts again past that case.
+Anything else is a finding (a configuration that fails without the hook too is not). Each rank
+writes one JSON line per case to ``OUT-rRANK.jsonl``; the search prints a count per outcome and
+every finding. A rank that dies ends the ranks, and the search starts again past that case.
 
     flock /tmp/gradsift-cpu.lock python scripts/random_search.py --seeds 0 300 --world 2 --out search
+    flock /tmp/gradsift-cpu.lock python scripts/random_search.py --frontend fsdp2 --seeds 0 300 --out fsdp2
 
 Exit status: 0 when nothing was found but resumes of those two kinds, 1 otherwise.
 """
@@ -39,6 +50,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import json
 import os
@@ -47,9 +59,9 @@ import sys
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,10 +86,16 @@ HOOK_VALUES: dict[str, list[Any]] = {
     "adam": ["frozen-variance", "onebit", "zero-one", "update"], "server_feedback": [False, True],
 }  # fmt: skip
 MODELS = ("plain", "frozen", "unused", "routed", "empty")
+FRONTENDS = ("ddp", "fsdp1", "fsdp2")
+#: Hook options that need the model's parameters, which FSDP flattens or shards.
+FSDP_REFUSED = ("granularity", "clip_norm")
+#: FSDP's mixed precision: what is cast to bfloat16 (None: nothing).
+MIXED = (None, "params", "reductions", "both")
 
 
-def draw(seed: int, names: list[str]) -> dict[str, Any]:
-    """The configuration of case ``seed`` (``names``: the registry's compressors)."""
+def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
+    """The configuration of case ``seed`` (``names``: the registry's compressors) on ``frontend``;
+    a DDP case draws what it drew before FSDP was added, so earlier seeds repeat."""
     rng = random.Random(seed)
     from gradsift.compressors.registry import compressor_options
 
@@ -92,14 +110,30 @@ def draw(seed: int, names: list[str]) -> dict[str, Any]:
             options[key] = rng.choice(values)
     model = rng.choice(MODELS)
     static_graph = model != "routed" and rng.random() < 0.3  # a static graph uses every layer
-    return {
+    config = {
         "compressor": name, "options": options, "optimizer": rng.choice(["sgd", "sgd-m", "adam", "adamw"]),
         "pass_optimizer": rng.random() < 0.5, "scaler": rng.choice([None, None, None, "found", "passed"]),
         "model": model, "micro_batches": 1 if static_graph else rng.choice([1, 1, 2]),
         "dtype": rng.choice(["float32", "float32", "float32", "bfloat16", "float64"]),
         "sync_each_backward": rng.random() < 0.3, "poison": rng.choice([None, None, None, "inf", "nan"]),
         "static_graph": static_graph, "bucket_view": rng.random() < 0.3, "bucket_cap_mb": rng.choice([0.002, 0.004, 25.0]),
+        "frontend": frontend,
     }  # fmt: skip
+    if frontend != "ddp":
+        for ddp_only in ("static_graph", "bucket_view", "bucket_cap_mb"):
+            config.pop(ddp_only)
+        one_unit = model == "routed"  # FSDP pairs its units' collectives by order: not one some ranks skip
+        if one_unit and frontend == "fsdp2":
+            config["micro_batches"] = 1  # native HSDP hangs when it accumulates a layer some ranks skipped
+        config.update(
+            units="model" if one_unit else rng.choice(["model", "layers"]), mixed=rng.choice(MIXED),
+            orig_params=frontend == "fsdp1" and (model == "frozen" or rng.random() < 0.4),  # FSDP1 needs it there
+        )  # fmt: skip
+        for per_parameter in FSDP_REFUSED:  # refused on FSDP by design (docs/integrations.md)
+            config["options"].pop(per_parameter, None)
+        if frontend == "fsdp2" or config["orig_params"]:
+            config["pass_optimizer"] = False  # a DTensor or an original parameter: not what the hook sees
+    return config
 
 
 class Net(torch.nn.Module):
@@ -128,16 +162,56 @@ class Net(torch.nn.Module):
         return out if self.empty is None else out + self.empty.sum()
 
 
-def build(config: dict[str, Any], seed: int) -> tuple[Any, ...]:
-    """Model, DDP, optimizer, scaler and hook state of ``config``, the weights from ``seed``."""
+@functools.cache
+def mesh() -> Any:
+    """The ``(replicate, shard)`` mesh of FSDP2 cases: every rank a replica (made once: a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+
+
+def wrapped(model: Net, config: dict[str, Any], hooked: bool) -> torch.nn.Module:
+    """``model`` in ``config``'s frontend; without the hook, FSDP2 is native HSDP on the 2-D mesh."""
+    skips = config["model"] in ("unused", "routed")  # a layer some step leaves out
+    if config["frontend"] == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=config["bucket_cap_mb"], find_unused_parameters=skips,
+            static_graph=config["static_graph"], gradient_as_bucket_view=config["bucket_view"],
+        )  # fmt: skip
+    half, full = torch.bfloat16, None
+    mixed = {None: (full, full), "params": (half, full), "reductions": (full, half), "both": (half, half)}
+    param_dtype, reduce_dtype = mixed[config["mixed"]]
+    if config["frontend"] == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(
+            model, sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}) if config["units"] == "layers" else None,
+            use_orig_params=config["orig_params"], mixed_precision=MixedPrecision(param_dtype, reduce_dtype),
+        )  # fmt: skip
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    shards = mesh()["shard"] if hooked else mesh()
+    units = (
+        [m for m in model.modules() if isinstance(m, torch.nn.Linear)] if config["units"] == "layers" else []
+    )
+    for module in [*units, model]:
+        fully_shard(module, mesh=shards, mp_policy=policy)
+    if skips:
+        cast(Any, model).set_reduce_scatter_unused_params(True)  # FSDP2's find_unused_parameters
+    return model
+
+
+def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, ...]:
+    """Model, its wrapper, optimizer, scaler and hook state (None unless ``hooked``) of ``config``,
+    the weights from ``seed``."""
     import gradsift
 
     torch.manual_seed(seed)
     model = Net(config["model"]).to(getattr(torch, config["dtype"]))
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, bucket_cap_mb=config["bucket_cap_mb"], find_unused_parameters=config["model"] in ("unused", "routed"),
-        static_graph=config["static_graph"], gradient_as_bucket_view=config["bucket_view"],
-    )  # fmt: skip
+    ddp = wrapped(model, config, hooked)
     kind, params = config["optimizer"], ddp.parameters()
     optimizer = (
         torch.optim.SGD(params, lr=0.05, momentum=0.9 if kind == "sgd-m" else 0.0)
@@ -150,8 +224,10 @@ def build(config: dict[str, Any], seed: int) -> tuple[Any, ...]:
         options["optimizer"] = optimizer
     if config["scaler"] == "passed":
         options["scaler"] = scaler
-    state = gradsift.register_comm_hook(ddp, config["compressor"], **options)
-    return model, ddp, optimizer, scaler, state
+    if config["frontend"] == "fsdp2":
+        options["process_group"] = mesh().get_group("replicate")
+    state = gradsift.register_comm_hook(ddp, config["compressor"], **options) if hooked else None
+    return ddp, ddp, optimizer, scaler, state
 
 
 def train(
@@ -164,7 +240,7 @@ def train(
         optimizer.zero_grad()
         for index, inputs in enumerate(batch.chunk(micro_batches)):
             synced = index == micro_batches - 1 or config["sync_each_backward"]
-            with contextlib.nullcontext() if synced else ddp.no_sync():
+            with contextlib.nullcontext() if synced else accumulating(ddp):
                 loss = torch.nn.functional.mse_loss(ddp(inputs), inputs[:, :4]) / micro_batches
                 (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
@@ -174,6 +250,26 @@ def train(
             scaler.update()
         losses.append(loss.item())
     return losses
+
+
+@contextlib.contextmanager
+def accumulating(model: Any) -> Iterator[None]:
+    """Backward passes that accumulate without an exchange: DDP's and FSDP1's ``no_sync()``,
+    FSDP2's ``set_requires_gradient_sync(False)``."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """This rank's parameters in one tensor (an FSDP2 DTensor's local shard: all of it here)."""
+    return torch.cat([getattr(p, "to_local", p.detach)().detach().reshape(-1) for p in model.parameters()])
 
 
 def expected_finite(losses: list[float], config: dict[str, Any]) -> list[float]:
@@ -223,16 +319,25 @@ def attempt(stage: str, world: int, action: Callable[[], Any]) -> tuple[Any, dic
 
 def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[str, Any]:
     """The checks of the module docstring on one case; ``outcome`` names what happened."""
-    built, verdict = attempt("registration", world, lambda: build(config, seed))
-    if verdict is not None:
-        return verdict
-    model, ddp, optimizer, scaler, state = built
     generator = torch.Generator().manual_seed(1000 * rank + seed)
     dtype = getattr(torch, config["dtype"])
     batches = [torch.randn(8, 16, generator=generator).to(dtype) for _ in range(STEPS)]
     if config["poison"] is not None and rank == world - 1:
         batches[POISONED] = batches[POISONED] * float(config["poison"])
     half = STEPS // 2
+
+    def stock() -> None:
+        _, wrapper, optimizer, scaler, _ = build(config, seed, hooked=False)
+        train(wrapper, optimizer, scaler, batches, config)
+
+    _, verdict = attempt("control", world, stock)
+    gc.collect()  # its optimizer and scaler gone, for discovery to find the case's own
+    if verdict is not None:
+        return {"outcome": "stock fails", "detail": verdict["detail"]}
+    built, verdict = attempt("registration", world, lambda: build(config, seed))
+    if verdict is not None:
+        return verdict
+    model, ddp, optimizer, scaler, state = built
 
     def both_halves() -> tuple[list[float], dict[str, Any]]:
         losses = train(ddp, optimizer, scaler, batches[:half], config)
@@ -246,7 +351,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     if verdict is not None:
         return verdict
     losses, saved = trained
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = flat_parameters(model)
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
     if not all(torch.isfinite(torch.tensor(expected_finite(losses, config)))):
@@ -267,21 +372,21 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
             train(ddp, optimizer, scaler, batches[half:], config)
         except Exception:
             return {"outcome": "finding", "detail": "the resume raised " + traceback.format_exc()[-1200:]}
-    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    resumed = flat_parameters(model)
     if not same(flat, resumed):
         gap = (flat - resumed).abs().max().item()
         return {"outcome": "resume differs", "detail": f"by {gap:.3g}"}
     return {"outcome": "ok"}
 
 
-def worker(rank: int, world: int, seeds: list[int], out: str, port: int) -> None:
+def worker(rank: int, world: int, seeds: list[int], frontend: str, out: str, port: int) -> None:
     """One rank: the cases ``seeds`` in turn, each appended to ``OUT-rRANK.jsonl``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     with open(f"{out}-r{rank}.jsonl", "a") as log:
         for seed in seeds:
-            config = configs(seed)
+            config = configs(seed, frontend)
             result = {"seed": seed, **run_case(rank, world, seed, config), "config": config}
             log.write(json.dumps(result, default=str) + "\n")
             log.flush()
@@ -294,14 +399,14 @@ def written(out: str, rank: int) -> set[int]:
     return {json.loads(line)["seed"] for line in path.read_text().splitlines()} if path.exists() else set()
 
 
-def configs(seed: int) -> dict[str, Any]:
-    """:func:`draw`'s configuration of ``seed``, drawn from the installed registry."""
+def configs(seed: int, frontend: str) -> dict[str, Any]:
+    """:func:`draw`'s configuration of ``seed`` on ``frontend``, drawn from the installed registry."""
     import gradsift
 
-    return draw(seed, gradsift.available_compressors())
+    return draw(seed, gradsift.available_compressors(), frontend)
 
 
-def search(first: int, stop: int, world: int, out: str) -> list[dict[str, Any]]:
+def search(first: int, stop: int, world: int, frontend: str, out: str) -> list[dict[str, Any]]:
     """Run the cases ``first <= seed < stop`` not yet in ``OUT-r0.jsonl``; rank 0's result of
     each (a case that killed a rank is written for every rank, after the cases it stopped)."""
     from gradsift.tools.train.launcher import free_port
@@ -309,7 +414,7 @@ def search(first: int, stop: int, world: int, out: str) -> list[dict[str, Any]]:
     while todo := [seed for seed in range(first, stop) if seed not in written(out, 0)]:
         try:
             mp.start_processes(
-                worker, args=(world, todo, out, free_port()), nprocs=world, start_method="spawn"
+                worker, args=(world, todo, frontend, out, free_port()), nprocs=world, start_method="spawn"
             )
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as failure:  # a rank died in a case
             finished = set.intersection(*(written(out, rank) for rank in range(world)))
@@ -318,7 +423,7 @@ def search(first: int, stop: int, world: int, out: str) -> list[dict[str, Any]]:
                 "seed": seed,
                 "outcome": "finding",
                 "detail": f"a rank died: {failure}",
-                "config": configs(seed),
+                "config": configs(seed, frontend),
             }
             for rank in range(world):
                 with open(f"{out}-r{rank}.jsonl", "a") as log:
@@ -335,12 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs=2, default=[0, 100], metavar=("FIRST", "STOP"),
                         help="cases FIRST <= seed < STOP (default: 0 100)")  # fmt: skip
     parser.add_argument("--world", type=int, default=2, help="gloo ranks (default: 2)")
+    parser.add_argument(
+        "--frontend", choices=FRONTENDS, default="ddp", help="the model's wrapper (default: ddp)"
+    )
     parser.add_argument("--out", default="random-search", help="prefix of the per-rank JSONL files")
     args = parser.parse_args(argv)
     first, stop = args.seeds
-    results = search(first, stop, args.world, args.out)
+    results = search(first, stop, args.world, args.frontend, args.out)
     print(dict(Counter(r["outcome"] for r in results)))
-    found = [r for r in results if r["outcome"] not in ("ok", "refused")]
+    found = [r for r in results if r["outcome"] not in ("ok", "refused", "stock fails")]
     for result in found:
         print(result["seed"], result["outcome"], result.get("config"), result["detail"][-400:])
     expected = [r for r in found if r["outcome"] == "resume differs" and _expected_resume(r, args.world)]

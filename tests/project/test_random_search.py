@@ -38,6 +38,28 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}
 
 
+@pytest.mark.parametrize("frontend", ["fsdp1", "fsdp2"])
+def test_an_fsdp_case_is_its_ddp_case_in_fsdp_without_what_fsdp_refuses_by_design(frontend: str) -> None:
+    names = gradsift.available_compressors()
+    for seed in range(200):
+        ddp, fsdp = random_search.draw(seed, names), random_search.draw(seed, names, frontend)
+        assert fsdp["frontend"] == frontend and not {"static_graph", "bucket_cap_mb", "bucket_view"} & set(
+            fsdp
+        )
+        assert not set(random_search.FSDP_REFUSED) & set(fsdp["options"])
+        assert fsdp["options"].items() <= ddp["options"].items()
+        for key in ("compressor", "optimizer", "scaler", "model", "dtype", "poison"):
+            assert fsdp[key] == ddp[key], (seed, key)
+        if fsdp["model"] == "routed":  # FSDP pairs units' collectives by order
+            assert fsdp["units"] == "model"
+            assert frontend == "fsdp1" or fsdp["micro_batches"] == 1
+        if frontend == "fsdp2" or fsdp["orig_params"]:
+            assert not fsdp["pass_optimizer"]
+        assert frontend == "fsdp1" or not fsdp["orig_params"]
+        if frontend == "fsdp1" and fsdp["model"] == "frozen":
+            assert fsdp["orig_params"]  # FSDP1 flattens mixed requires_grad only with it
+
+
 def test_the_losses_that_must_be_finite_follow_the_poisoned_steps_policy() -> None:
     losses = [1.0, float("nan"), 0.7, 0.5]  # the poisoned step is the second
     plain = {"poison": None, "scaler": None, "options": {}}
@@ -48,14 +70,17 @@ def test_the_losses_that_must_be_finite_follow_the_poisoned_steps_policy() -> No
         assert random_search.expected_finite(losses, held) == [1.0, 0.7, 0.5]
 
 
-def test_a_short_search_finds_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("frontend", "stop"), [("ddp", 6), ("fsdp2", 4)])
+def test_a_short_search_finds_nothing(tmp_path: Path, frontend: str, stop: int) -> None:
     out = tmp_path / "search"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "random_search.py"), "--seeds", "0", "6", "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "random_search.py"), "--frontend", frontend,
+         "--seeds", "0", str(stop), "--out", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(2):
         results = [json.loads(line) for line in Path(f"{out}-r{rank}.jsonl").read_text().splitlines()]
-        assert [r["seed"] for r in results] == list(range(6))
+        assert [r["seed"] for r in results] == list(range(stop))
         assert {r["outcome"] for r in results} <= {"ok", "refused"}, results
+        assert any(r["outcome"] == "ok" for r in results)
