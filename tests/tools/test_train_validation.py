@@ -79,7 +79,19 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
         ),
         (["--target-accuracy", "85"], "target_accuracy must lie in"),
         (["--timeout", "0.5"], "timeout_s must"),
-        (["--epochs", "0"], "--epochs must be > 0"),
+        (
+            ["--timeout", "1e30"],
+            r"timeout_s must lie in \[1.0, 604800.0\]",
+        ),  # was an OverflowError in the workers
+        (["--epochs", "0"], r"--epochs must lie in \(0.0, inf\), got 0.0"),
+        (["--epochs", "nan"], "--epochs must be a number, got NaN"),  # was a ValueError's traceback
+        (["--epochs", "inf"], "--epochs must be finite"),
+        (["--lr-warmup-steps", "-1"], r"lr_warmup_steps must lie in \[0, inf\), got -1"),
+        (
+            ["--dense-warmup-steps", "-1"],
+            r"warmup_steps must lie in \[0, inf\), got -1",
+        ),  # auto: was in the workers
+        (["--option", "nonfinite=never"], "nonfinite must be one of"),
         (["--latency", "1ms"], "--latency needs --bandwidth"),
         (["--bandwidth", "fast"], "fast"),
         (["--launcher", "torchrun"], "launcher torchrun .* needs a bandwidth"),

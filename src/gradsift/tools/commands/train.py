@@ -170,7 +170,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                      "is an error), the CPU with gloo on one without; cuda: insist on GPUs; cpu: the CPU with "
                      "gloo even where CUDA is present")  # fmt: skip
     run.add_argument("--timeout", type=float, default=300.0,
-                     help="process-group timeout in seconds: a vanished peer ends the run after it")  # fmt: skip
+                     help="process-group timeout in seconds, at most a week: a vanished peer ends the run after it")  # fmt: skip
     net = parser.add_argument_group("network emulation (root + iproute2)")
     net.add_argument("--bandwidth",
                      help="emulate links of this rate per worker, e.g. 100mbit, 1gbit (default: none, the "
@@ -216,6 +216,7 @@ def check_devices(workers: int, device: str) -> None:
 def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainConfig:
     """Validate the parsed flags into a :class:`TrainConfig` (which also builds the
     compressor and the hook state once: :func:`gradsift.tools.train.config.check_exchange_options`)."""
+    from gradsift.core.validation import check_real
     from gradsift.tools.train.config import TrainConfig
     from gradsift.tools.train.datasets import examples_for_model
     from gradsift.tools.train.netem import parse_delay, parse_rate
@@ -228,8 +229,7 @@ def config_from_args(args: argparse.Namespace, out: str, workers: int) -> TrainC
     examples = examples_for_model(args.model, args.data_dir, synthetic=args.synthetic)
     steps = args.steps if args.steps is not None else 100
     if args.epochs is not None:
-        if args.epochs <= 0:
-            raise InvalidOptionError(f"--epochs must be > 0, got {args.epochs}")
+        check_real(args.epochs, "--epochs", low=0.0, low_open=True)
         per_rank = math.ceil(examples / workers)
         steps = max(1, round(args.epochs * math.ceil(per_rank / args.batch_size)))
     return TrainConfig(

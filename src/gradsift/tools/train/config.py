@@ -39,6 +39,9 @@ OPTIMIZERS = ("sgd", "adamw", "demo", "lion")
 #: step moves every coordinate by ``lr``: a third of AdamW's here; no decay, as the paper's runs.
 #: Lion's, as its paper advises: a tenth of AdamW's lr and ten times its decay (the decay per
 #: step, ``lr * weight_decay``, stays AdamW's).
+#: The longest process-group timeout a run takes: a week (``timedelta`` and the stores
+#: overflow far above it, and a vanished peer should end a run well within it).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1), "demo": (1e-3, 0.0), "lion": (3e-4, 1.0)}
 #: The optimizers whose step is their exchange (no DDP, no compressor): their options' parser.
 OWN_EXCHANGE = {"demo": DeMoOptions.parse, "lion": LionOptions.parse}
@@ -136,7 +139,7 @@ class TrainConfig:
         check_int(self.batch_size, "batch_size", low=1)
         check_int(self.steps, "steps", low=1)
         check_int(self.eval_every, "eval_every", low=0)
-        check_int(self.warmup_steps, "warmup_steps", low=0)
+        check_int(self.warmup_steps, "lr_warmup_steps", low=0)  # the hook's warmup_steps is another
         check_choice(self.lr_schedule, "lr_schedule", LR_SCHEDULES)
         check_int(self.seed, "seed", low=0)
         check_int(self.sync_every, "sync_every", low=0)
@@ -154,7 +157,7 @@ class TrainConfig:
             raise InvalidOptionError(f"betas must be two numbers, got {self.betas!r}")
         self.betas = [check_real(beta, "betas", low=0.0, high=1.0, high_open=True) for beta in self.betas]
         check_real(self.decay_factor, "decay_factor", low=0.0, high=1.0, low_open=True)
-        check_real(self.timeout_s, "timeout_s", low=1.0)
+        check_real(self.timeout_s, "timeout_s", low=1.0, high=MAX_TIMEOUT_S)
         check_choice(self.device, "device", DEVICES)
         check_bool(self.recipe, "recipe")
         for step in self.decay_steps:
@@ -265,6 +268,8 @@ def check_auto_options(options: dict[str, Any], diloco: bool) -> None:
             f"--compressor auto picks the method and its options; got {', '.join(unknown)}, where auto "
             f"takes {', '.join(allowed)} (a method's own options need --compressor NAME)"
         )
+    if not diloco:  # their values, as auto's dense start checks them in every worker
+        GradsiftHookState.build("none", **options)
 
 
 def check_own_exchange_options(
