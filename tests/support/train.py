@@ -50,6 +50,14 @@ def wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | N
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def session_alive(session: int) -> bool:
     """Whether any process of the session (process group) ``session`` is alive."""
     try:

@@ -18,7 +18,7 @@ from gradsift.tools.train import netem
 from gradsift.tools.train.config import TrainConfig
 from gradsift.tools.train.launcher import emulated_hosts
 from gradsift.tools.train.netem import our_namespaces
-from support.train import TINY, wait_for
+from support.train import TINY, running, wait_for
 
 MISSING = netem.missing_prerequisites()
 needs_netem = pytest.mark.skipif(bool(MISSING), reason="emulated hosts need " + "; ".join(MISSING))
@@ -54,14 +54,6 @@ def _leftovers(launcher_pid: int) -> list[str]:
 def _pids_in(namespace: str) -> list[int]:
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
     return [int(pid) for pid in listed.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_launcher_options_are_checked() -> None:
@@ -126,4 +118,4 @@ def test_a_killed_agent_ends_the_run_and_everything_is_removed(tmp_path: Path) -
     assert "host 1 of 2 (torchrun agent) was killed by signal SIGKILL" in stderr
     assert _leftovers(launcher.pid) == []
     # The killed agent's rank (an orphan in host 1) and host 0's agent and rank are gone too.
-    assert [pid for pids in inside.values() for pid in pids if _alive(pid)] == []
+    assert [pid for pids in inside.values() for pid in pids if running(pid)] == []

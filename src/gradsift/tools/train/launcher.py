@@ -23,7 +23,8 @@ The first process (rank 0, host 0's agent) keeps the terminal; the others write
 error or is killed, the others are terminated (then killed after a grace period),
 the emulated network is deleted with everything still running inside it, and
 :class:`TrainingFailedError` reports the root failure. On Ctrl-C or SIGTERM the same
-cleanup runs before the exception propagates. After a run over an emulated network
+cleanup runs before the exception propagates; a launcher killed outright (SIGKILL) takes its
+processes with it (:mod:`~gradsift.tools.train.parent_guard`). After a run over an emulated network
 ``<out>/network.json`` holds every host's link counters (bytes its NIC received/sent).
 """
 
@@ -44,6 +45,7 @@ from typing import Any, Protocol
 from gradsift.core.errors import GradsiftError, InvalidOptionError
 from gradsift.core.validation import check_choice
 from gradsift.tools.train.config import TrainConfig
+from gradsift.tools.train.parent_guard import guarded
 from gradsift.tools.train.worker import error_file
 
 POLL_S = 0.1
@@ -223,9 +225,10 @@ def agent_processes(config: TrainConfig, network: Any, nodes: int, config_path: 
 def supervise(
     configs: list[TrainConfig], specs: list[ProcessSpec], network: Network, home: Path
 ) -> list[dict[str, Any]]:
-    """Start ``specs``, which train ``configs``; wait for all to succeed (or stop all at the
-    first failure), write ``home/network.json`` from ``network``'s link counters; return
-    rank 0's summary of each run."""
+    """Start ``specs``, which train ``configs``, each ending with this process
+    (:mod:`~gradsift.tools.train.parent_guard`: a launcher killed leaves no rank behind); wait
+    for all to succeed (or stop all at the first failure), write ``home/network.json`` from
+    ``network``'s link counters; return rank 0's summary of each run."""
     processes: list[subprocess.Popen] = []
     log_files = []
     with _sigterm_as_exit():
@@ -237,7 +240,7 @@ def supervise(
                     log_files.append(output)
                 processes.append(
                     subprocess.Popen(
-                        spec.command, env={**os.environ, **spec.env}, stdout=output, stderr=output
+                        guarded(spec.command), env={**os.environ, **spec.env}, stdout=output, stderr=output
                     )
                 )
             _watch(configs, specs, processes)
