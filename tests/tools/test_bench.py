@@ -107,6 +107,10 @@ def test_default_set_skips_what_cannot_compress_a_flat_tensor():
     "options,match",
     [
         ({"sizes": [0]}, "sizes"),
+        (
+            {"sizes": [10**30]},
+            r"sizes must lie in \[1, \d+\], got 10{30}",
+        ),  # more than memory: was a C++ error
         ({"ratios": [1.5]}, "ratios"),
         ({"repeats": 0}, "repeats"),
         ({"threads": 0}, "threads"),

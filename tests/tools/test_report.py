@@ -127,6 +127,18 @@ def test_missing_or_unfinished_directories_are_named(tmp_path: Path) -> None:
         find_runs([tmp_path / "half"])
 
 
+def test_a_record_that_is_not_json_is_named_by_file_and_line(runs_dir: Path) -> None:
+    """A run cut short mid-line, or two runs writing one directory (was a JSONDecodeError's traceback)."""
+    steps = runs_dir / "topk" / "steps.jsonl"
+    lines = steps.read_text().splitlines()
+    steps.write_text("\n".join([*lines[:2], "\0\0" + lines[2][:10], *lines[3:]]) + "\n")
+    with pytest.raises(InvalidOptionError, match=r"topk/steps.jsonl:3 is not JSON \(Expecting value\)"):
+        find_runs([runs_dir / "topk"])
+    (runs_dir / "none" / "summary.json").write_text('{"loss": ')
+    with pytest.raises(InvalidOptionError, match=r"none/summary.json is not JSON"):
+        find_runs([runs_dir / "none"])
+
+
 def test_plots_are_written_as_png(runs_dir: Path, tmp_path: Path) -> None:
     written = plot_runs(find_runs([runs_dir]), tmp_path / "plots")
     assert [p.name for p in written] == list(PLOTS)

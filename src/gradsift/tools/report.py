@@ -81,7 +81,20 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         if path.is_file()
         else gzip.decompress(path.with_name(path.name + ".gz").read_bytes()).decode()
     )
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [
+        _parsed(line, f"{path}:{number}") for number, line in enumerate(text.splitlines(), 1) if line.strip()
+    ]
+
+
+def _parsed(text: str, where: str) -> Any:
+    """``text`` as JSON; :class:`InvalidOptionError` naming ``where`` when it is not."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidOptionError(
+            f"{where} is not JSON ({error.msg}): a run cut short while writing, or two runs writing "
+            "one directory?"
+        ) from None
 
 
 def load_run(path: str | Path) -> Run:
@@ -94,8 +107,9 @@ def load_run(path: str | Path) -> Run:
     ]
     if missing:
         raise InvalidOptionError(f"{path} is not a finished gradsift run: missing {', '.join(missing)}")
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return Run(path, json.loads((path / "summary.json").read_text()), _read_jsonl(path / "steps.jsonl"),
+    config_file, summary_file = path / "config.json", path / "summary.json"
+    config = _parsed(config_file.read_text(), str(config_file)) if config_file.is_file() else {}
+    return Run(path, _parsed(summary_file.read_text(), str(summary_file)), _read_jsonl(path / "steps.jsonl"),
                _read_jsonl(path / "evals.jsonl"), config)  # fmt: skip
 
 
