@@ -32,6 +32,22 @@ def test_codes_decode_to_the_definition(bits: int, numel: int, block: int) -> No
     assert payload.nbytes == math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block)
 
 
+@pytest.mark.parametrize("name,option", [("blockquant", "block_size"), ("qsgd", "bucket_size")])
+def test_a_block_longer_than_the_tensor_is_the_tensor(name: str, option: str) -> None:
+    """One scale for the whole tensor, nothing padded: ``2**70`` was an overflow in ``torch.empty``,
+    and ``10**9`` padded a 1,000-value tensor to 4 GB."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    payloads = {
+        size: gradsift.get_compressor(name, **{option: size}).compress(x) for size in (1000, 10**9, 2**70)
+    }
+    decoded = {
+        size: gradsift.get_compressor(name, **{option: size}).decompress([p], 1000)
+        for size, p in payloads.items()
+    }
+    for size in (10**9, 2**70):
+        assert torch.equal(decoded[size], decoded[1000]) and payloads[size].nbytes == payloads[1000].nbytes
+
+
 def test_the_mean_of_two_workers_is_the_mean_of_their_decodings() -> None:
     compressor = gradsift.get_compressor("blockquant", bits=4, block_size=8)
     a, b = torch.randn(50), torch.randn(50) * 10

@@ -84,6 +84,17 @@ def test_the_one_line_names_the_option_a_misspelt_one_meant(one_process_group) -
     assert "got compresor (did you mean compressor?)" in auto
 
 
+@pytest.mark.parametrize("compressor", ["auto", "none", "topk"])
+def test_a_value_of_the_wrong_type_is_refused_by_name(one_process_group, compressor: str) -> None:
+    """``optimizer=`` and ``jsonl_path=`` of another type (were an ``AttributeError`` under
+    ``auto`` and a ``TypeError`` at the first logged step)."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    wrong = refusal(lambda: gradsift.register_comm_hook(model, compressor, optimizer="adamw"))
+    assert wrong == "optimizer must be a torch.optim.Optimizer, got str"
+    path = refusal(lambda: gradsift.register_comm_hook(model, compressor, jsonl_path=1))
+    assert path == "jsonl_path must be a path or None, got 1"
+
+
 def test_closest_suggests_only_a_close_name() -> None:
     assert closest("ratoi", ["ratio", "rate_limit"]) == "ratio"
     assert closest("bogus", ["ratio", "stages"]) is None

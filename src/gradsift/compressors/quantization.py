@@ -38,8 +38,10 @@ from gradsift.core.validation import check_int
 def rows(flat: torch.Tensor, size: int, fill: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``flat`` as rows of ``size`` elements (the blocks that share one scale), the last
     padded with ``fill``, in ``dtype`` (default ``flat``'s): one new tensor at most, the
-    values cast as they are copied into it (no widened copy beside the padded one)."""
+    values cast as they are copied into it (no widened copy beside the padded one). A block
+    longer than ``flat`` is ``flat``: one row, nothing padded (its scale is the same)."""
     dtype = flat.dtype if dtype is None else dtype
+    size = max(1, min(size, flat.numel()))
     missing = -flat.numel() % size
     if not missing:
         return flat.to(dtype).view(-1, size)

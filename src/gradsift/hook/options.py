@@ -172,6 +172,8 @@ class HookOptions:
                 f"scaler must be a torch.amp.GradScaler (or None), got {type(self.scaler).__name__}"
             )
         check_int(self.log_every, "log_every", low=0)
+        if self.jsonl_path is not None and not isinstance(self.jsonl_path, (str, os.PathLike)):
+            raise InvalidOptionError(f"jsonl_path must be a path or None, got {self.jsonl_path!r}")
 
     def with_frozen_variance_warmup(self) -> HookOptions:
         """These options under a frozen-variance Adam method, whose second moment needs dense

@@ -113,8 +113,6 @@ def take_over(
     group that also holds parameters outside the model (:func:`foreign_parameters`: their
     momentum would go too).
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidOptionError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     optimizer = unwrapped(optimizer)
     if next(model_groups(optimizer, numbers), None) is None:
         raise InvalidOptionError(

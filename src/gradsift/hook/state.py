@@ -167,6 +167,10 @@ class GradsiftHookState:
         :mod:`gradsift.hook.adam`) when the compressor runs error feedback, and watch the
         first optimizer step (:mod:`gradsift.hook.first_step`); ``take_over=False``: only
         watch again (a scaler was found)."""
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidOptionError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         self.optimizer = optimizer
         if take_over and optimizer is not None and self.feedback is not None:
             adam = is_adam(recipe.unwrapped(optimizer))
