@@ -205,7 +205,7 @@ def wrapped(model: Net, config: dict[str, Any], hooked: bool) -> torch.nn.Module
 
 
 def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, ...]:
-    """Model, its wrapper, optimizer, scaler and hook state (None unless ``hooked``) of ``config``,
+    """The wrapped model, optimizer, scaler and hook state (None unless ``hooked``) of ``config``,
     the weights from ``seed``."""
     import gradsift
 
@@ -227,7 +227,7 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     if config["frontend"] == "fsdp2":
         options["process_group"] = mesh().get_group("replicate")
     state = gradsift.register_comm_hook(ddp, config["compressor"], **options) if hooked else None
-    return ddp, ddp, optimizer, scaler, state
+    return ddp, optimizer, scaler, state
 
 
 def train(
@@ -327,7 +327,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     half = STEPS // 2
 
     def stock() -> None:
-        _, wrapper, optimizer, scaler, _ = build(config, seed, hooked=False)
+        wrapper, optimizer, scaler, _ = build(config, seed, hooked=False)
         train(wrapper, optimizer, scaler, batches, config)
 
     _, verdict = attempt("control", world, stock)
@@ -337,12 +337,12 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     built, verdict = attempt("registration", world, lambda: build(config, seed))
     if verdict is not None:
         return verdict
-    model, ddp, optimizer, scaler, state = built
+    ddp, optimizer, scaler, state = built
 
     def both_halves() -> tuple[list[float], dict[str, Any]]:
         losses = train(ddp, optimizer, scaler, batches[:half], config)
         saved = copy.deepcopy({
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict(),
+            "model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
         })  # fmt: skip
         return losses + train(ddp, optimizer, scaler, batches[half:], config), saved
@@ -351,20 +351,20 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     if verdict is not None:
         return verdict
     losses, saved = trained
-    flat = flat_parameters(model)
+    flat = flat_parameters(ddp)
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
     if not all(torch.isfinite(torch.tensor(expected_finite(losses, config)))):
         return {"outcome": "finding", "detail": f"a loss is not finite: {losses}"}
     if not all(same(every[0], other) for other in every[1:]):
         return {"outcome": "finding", "detail": "the replicas differ"}
-    del model, ddp, optimizer, scaler, state, built, trained  # as in a new process: one optimizer,
+    del ddp, optimizer, scaler, state, built, trained  # as in a new process: one optimizer,
     gc.collect()  # one scaler, one hook for discovery to find
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model, ddp, optimizer, scaler, state = build(config, seed + 1)
-            model.load_state_dict(saved["model"])
+            ddp, optimizer, scaler, state = build(config, seed + 1)
+            ddp.load_state_dict(saved["model"])
             optimizer.load_state_dict(saved["optimizer"])
             state.load_state_dict(saved["hook"])
             if scaler is not None:
@@ -372,7 +372,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
             train(ddp, optimizer, scaler, batches[half:], config)
         except Exception:
             return {"outcome": "finding", "detail": "the resume raised " + traceback.format_exc()[-1200:]}
-    resumed = flat_parameters(model)
+    resumed = flat_parameters(ddp)
     if not same(flat, resumed):
         gap = (flat - resumed).abs().max().item()
         return {"outcome": "resume differs", "detail": f"by {gap:.3g}"}

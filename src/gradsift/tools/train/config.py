@@ -31,6 +31,10 @@ from gradsift.tools.train.models import MODELS
 #: Learning-rate schedules after the warm-up (see :func:`learning_rate`).
 LR_SCHEDULES = ("step", "cosine")
 
+#: The longest process-group timeout a run takes: a week (``timedelta`` and the stores
+#: overflow far above it, and a vanished peer should end a run well within it).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 #: Optimizers of the trainer: SGD with momentum, AdamW (decoupled weight decay), DeMo
 #: (``gradsift.DeMo``) or Distributed Lion (``gradsift.DistributedLion``), each of the last
 #: two with its own exchange, no DDP.
@@ -39,9 +43,6 @@ OPTIMIZERS = ("sgd", "adamw", "demo", "lion")
 #: step moves every coordinate by ``lr``: a third of AdamW's here; no decay, as the paper's runs.
 #: Lion's, as its paper advises: a tenth of AdamW's lr and ten times its decay (the decay per
 #: step, ``lr * weight_decay``, stays AdamW's).
-#: The longest process-group timeout a run takes: a week (``timedelta`` and the stores
-#: overflow far above it, and a vanished peer should end a run well within it).
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 OPTIMIZER_DEFAULTS = {"sgd": (0.05, 0.0), "adamw": (3e-3, 0.1), "demo": (1e-3, 0.0), "lion": (3e-4, 1.0)}
 #: The optimizers whose step is their exchange (no DDP, no compressor): their options' parser.
 OWN_EXCHANGE = {"demo": DeMoOptions.parse, "lion": LionOptions.parse}

@@ -23,9 +23,10 @@ The first process (rank 0, host 0's agent) keeps the terminal; the others write
 error or is killed, the others are terminated (then killed after a grace period),
 the emulated network is deleted with everything still running inside it, and
 :class:`TrainingFailedError` reports the root failure. On Ctrl-C or SIGTERM the same
-cleanup runs before the exception propagates; a launcher killed outright (SIGKILL) takes its
-processes with it (:mod:`~gradsift.tools.train.parent_guard`). After a run over an emulated network
-``<out>/network.json`` holds every host's link counters (bytes its NIC received/sent).
+cleanup runs before the exception propagates; a launcher killed outright (SIGKILL) takes
+its processes with it (:mod:`~gradsift.tools.train.parent_guard`). After a run over an
+emulated network ``<out>/network.json`` holds every host's link counters (bytes its NIC
+received/sent).
 """
 
 from __future__ import annotations
