@@ -31,7 +31,7 @@ def end_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+            sys.exit(f"parent_guard: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     if os.getppid() != parent:
         sys.exit(f"parent_guard: the launcher (pid {parent}) has exited")
 
