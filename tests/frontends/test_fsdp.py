@@ -54,9 +54,12 @@ def no_shard(seed: int = 0) -> FSDP:
     )
 
 
-def fully_sharded(seed: int, mesh) -> nn.Module:
-    """FSDP2: one ``fully_shard`` per Linear, then the root."""
+def fully_sharded(seed: int, mesh, frozen_first_weight: bool = False) -> nn.Module:
+    """FSDP2: one ``fully_shard`` per Linear, then the root (``frozen_first_weight``: the first
+    layer's weight frozen before, as LoRA's base weights)."""
     model = make_model(WIDTHS, seed=seed)
+    if frozen_first_weight:
+        model[0].weight.requires_grad_(False)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -316,17 +319,6 @@ def test_a_nan_on_one_rank_follows_the_nonfinite_policy_on_every_rank(runs):
 
 
 # -- frozen and unused parameters under FSDP2 hybrid sharding -------------------------------
-def with_frozen_weight(seed: int, mesh) -> nn.Module:
-    """:func:`fully_sharded` with the first layer's weight frozen (LoRA's base weights)."""
-    model = make_model(WIDTHS, seed=seed)
-    model[0].weight.requires_grad_(False)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 class WithUnusedLayer(nn.Module):
     """:func:`make_model`'s layers and a layer no forward pass uses, in the root's own FSDP2 group."""
 
@@ -345,7 +337,7 @@ def frozen_worker(rank: int, world: int) -> dict:
     replicas = mesh.get_group("replicate")
     out: dict = {}
     for name, hooked in (("stock", False), ("none", True)):
-        model = with_frozen_weight(0, mesh["shard"] if hooked else mesh)
+        model = fully_sharded(0, mesh["shard"] if hooked else mesh, frozen_first_weight=True)
         if hooked:
             gradsift.register_comm_hook(model, "none", process_group=replicas)
         train(model, torch.optim.SGD(model.parameters(), lr=0.2), teacher, range(6))

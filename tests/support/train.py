@@ -50,6 +50,14 @@ def wait_for(predicate, timeout: float, what: str, process: subprocess.Popen | N
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def holds_socket(pid: int) -> bool:
+    """Whether process ``pid`` holds a socket (a rank that joined its process group does)."""
+    try:
+        return any(os.readlink(fd).startswith("socket:") for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie has exited)."""
     try:

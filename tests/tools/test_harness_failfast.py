@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
-from support.train import session_alive
+from support.train import holds_socket, session_alive
 
 BENCHMARKS = ROOT / "benchmarks"
 STEPS = "100000"  # hours of steps: the harness only ends early because a rank died
@@ -47,20 +47,13 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
-def _holds_socket(pid: int) -> bool:
-    try:
-        return any(os.readlink(fd).startswith("socket:") for fd in Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return False
-
-
 def _workers_in_group(harness: subprocess.Popen, timeout_s: float) -> list[int]:
     """The harness's two worker pids (in start order: rank 0 first) once both hold a socket."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert harness.poll() is None, f"the harness exited early: {harness.communicate()}"
         workers = sorted(pid for pid in _children(harness.pid) if _is_worker(pid))
-        if len(workers) == 2 and all(_holds_socket(pid) for pid in workers):
+        if len(workers) == 2 and all(holds_socket(pid) for pid in workers):
             return workers
         time.sleep(0.2)
     raise AssertionError(f"the harness's two ranks did not join a process group within {timeout_s} s")

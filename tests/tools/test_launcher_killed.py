@@ -16,19 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from support.train import TINY, rank_pid, running, session_alive, wait_for
+from support.train import TINY, holds_socket, rank_pid, running, session_alive, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-def _holds_socket(pid: int | None) -> bool:
-    """Whether ``pid`` holds a socket (a rank that joined its group does)."""
-    try:
-        return pid is not None and any(
-            os.readlink(fd).startswith("socket:") for fd in Path(f"/proc/{pid}/fd").iterdir()
-        )
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -37,7 +27,7 @@ def test_the_ranks_end_within_seconds_when_the_launcher_is_killed(tmp_path: Path
     launcher = subprocess.Popen([sys.executable, "-m", "gradsift", "train", *run], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
-        ranks = [wait_for(lambda r=r: _holds_socket(pid := rank_pid(launcher.pid, r)) and pid, 120,
+        ranks = [wait_for(lambda r=r: (pid := rank_pid(launcher.pid, r)) is not None and holds_socket(pid) and pid, 120,
                           f"rank {r} to join", launcher) for r in range(2)]  # fmt: skip
         launcher.kill()
         launcher.wait()
