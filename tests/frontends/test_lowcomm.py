@@ -181,6 +181,9 @@ def options_worker(rank: int, world: int) -> dict:
         "outer_lr": lambda: gradsift.diloco(model, optimizer, outer_lr=-1.0),
         "buffers": lambda: gradsift.diloco(model, optimizer, buffers="sum"),
         "warmup": lambda: gradsift.diloco(model, optimizer, warmup_steps=3),
+        "auto": lambda: gradsift.diloco(model, optimizer, compressor="auto"),
+        "vgc": lambda: gradsift.diloco(model, optimizer, compressor="vgc"),
+        "vgc instance": lambda: gradsift.diloco(model, optimizer, compressor=gradsift.get_compressor("vgc")),
         "other model's optimizer": lambda: gradsift.diloco(
             model, torch.optim.SGD(make_model().parameters(), lr=INNER_LR)
         ),
@@ -199,6 +202,11 @@ def test_bad_options_are_clear_errors():
     assert "sync_every" in errors["sync_every"] and "outer_lr" in errors["outer_lr"]
     assert "buffers" in errors["buffers"] and "warmup_steps" in errors["warmup"]
     assert "holds none of the model's parameters" in errors["other model's optimizer"]
+    assert "'auto' chooses the DDP hook's method" in errors["auto"] and "'blockquant'" in errors["auto"]
+    # VGC's test reads the variance backward records per gradient, not a round's pseudo-gradient's
+    # (and what it recorded within a round was in no checkpoint: a mid-round resume differed)
+    assert "'vgc' tests each value against the variance" in errors["vgc"]
+    assert errors["vgc instance"] == errors["vgc"]
 
 
 def defaults_worker(rank: int, world: int) -> dict:

@@ -100,6 +100,10 @@ def rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str], *arguments: str
             r"warmup_steps=0 with adam='frozen-variance'",
         ),
         (["--nodes", "2"], "nodes needs launcher torchrun"),
+        (  # VGC's test reads backward's variance of each gradient, not a round's pseudo-gradient's
+            ["--compressor", "vgc", "--sync-every", "2"],
+            r"compressor 'vgc' tests each value against the variance .* DiLoCo's pseudo-gradient",
+        ),
         (
             ["--compressor", "sidco-exp", "--clip-grad-norm", "1"],
             r"--clip-grad-norm clips after the exchange.*--option clip_norm=1 .*or --no-recipe",

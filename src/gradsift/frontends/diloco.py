@@ -12,7 +12,8 @@ is counted once the script drops the old one), and after every ``H`` of them the
    ``c = Delta_k + beta r`` (``residual_decay`` ``beta``; the residual stays local), the
    compressor, the exchange (any one the compressor supports), the step's checks read once,
    the ``nonfinite`` policy -- so every compressor of the registry works here, with the
-   hook's telemetry, transactions and checkpoints;
+   hook's telemetry, transactions and checkpoints, but VGC, whose test reads the variance
+   that backward records for a gradient (:func:`check_round_compressor`);
 2. the outer optimizer -- SGD with Nesterov momentum, ``outer_lr`` (``eta``) and
    ``outer_momentum`` (``mu``; DiLoCo's settings are 0.7 and 0.9, the defaults here 1 and
    0, SparseLoCo's) -- steps the shared parameters with the mean ``Delta`` as their gradient:
@@ -222,6 +223,32 @@ class DiLoCoState:
         self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
 
 
+def round_compressor(name: str) -> type[Compressor]:
+    """The registry's class for ``name``, which a round exchanges: ``"auto"`` is refused by name
+    (it chooses among methods from DDP buckets' step times; a round has one pseudo-gradient)."""
+    if name == "auto":
+        raise InvalidOptionError(
+            "compressor='auto' chooses the DDP hook's method from its buckets' step times; DiLoCo "
+            "sends one pseudo-gradient per round: name the method (default 'blockquant'; SparseLoCo's "
+            "'sidco-exp' at ratio=0.01)"
+        )
+    return compressor_class(name)
+
+
+def check_round_compressor(method: Compressor | type[Compressor]) -> None:
+    """Refuse a method that reads what backward records for each gradient
+    (``needs_parameters``: VGC's variance): a round's pseudo-gradient is the parameters' change
+    over ``H`` inner steps, the optimizer's updates, whose variance backward does not give, and
+    what it recorded within a round is in no checkpoint."""
+    if method.needs_parameters:
+        raise InvalidOptionError(
+            f"compressor {method.name!r} tests each value against the variance that backward records for "
+            "its gradient; DiLoCo's pseudo-gradient is the parameters' change over the round's inner "
+            "steps, whose variance backward does not give: pick a method that reads only the values "
+            "(e.g. 'blockquant', 'sidco-exp', 'topk')"
+        )
+
+
 def _average_buffers(model: torch.nn.Module, group: Any) -> None:
     """Every floating-point buffer set to its mean over the group (one allreduce each)."""
     world = dist.get_world_size(group)
@@ -290,11 +317,11 @@ def diloco(
     if not dist.is_initialized():
         raise InvalidOptionError("diloco needs an initialised torch.distributed process group")
     options.setdefault("nonfinite", "skip")
+    method = compressor if isinstance(compressor, Compressor) else round_compressor(compressor)
+    check_round_compressor(method)
     feedback = options.get("error_feedback")
     if feedback is None:
-        feedback = (
-            compressor if isinstance(compressor, Compressor) else compressor_class(compressor)
-        ).error_feedback
+        feedback = method.error_feedback
     if feedback:
         options.setdefault("residual_decay", SPARSELOCO_DECAY)
     hook = GradsiftHookState.resolve(

@@ -19,7 +19,7 @@ from gradsift.compressors.registry import available_compressors, compressor_clas
 from gradsift.core.errors import InvalidOptionError, UnknownCompressorError
 from gradsift.core.validation import check_bool, check_choice, check_int, check_real
 from gradsift.frontends.decoupled_momentum import DeMo, DeMoOptions
-from gradsift.frontends.diloco import OUTER_OPTIONS
+from gradsift.frontends.diloco import OUTER_OPTIONS, check_round_compressor
 from gradsift.frontends.distributed_lion import DistributedLion, LionOptions
 from gradsift.hook.auto import AUTO
 from gradsift.hook.choice import PASSED_ON
@@ -232,6 +232,7 @@ def check_exchange_options(
         check_auto_options(options, diloco)
         return
     if diloco:
+        check_round_compressor(compressor_class(compressor))
         for name in ("optimizer", "granularity", "warmup_steps", "scaler"):
             if name in options:
                 raise InvalidOptionError(f"option {name} does not apply with --sync-every (DiLoCo)")
