@@ -258,7 +258,8 @@ def test_under_propagate_an_index_outside_its_chunk_is_dropped() -> None:
     [
         ({"beta": 1.0}, "beta must lie in"),
         ({"chunk": 0}, "chunk must lie in"),
-        ({"topk": 17}, "topk must lie in"),  # more than a 4 x 4 tile holds
+        ({"topk": 17}, r"topk must lie in \[1, 16\], the coefficients of a 4 x 4 chunk, got 17"),
+        ({"topk": 0}, r"topk must lie in \[1, inf\), got 0"),
         ({"value_dtype": "int8"}, "value_dtype must be one of"),
         ({"nonfinite": "skip"}, "nonfinite must be one of"),
         ({"ratio": 0.01}, "DeMo has no option ratio; its options are: beta, chunk, topk"),
@@ -269,3 +270,8 @@ def test_under_propagate_an_index_outside_its_chunk_is_dropped() -> None:
 def test_bad_arguments_say_what_is_wrong(options, message) -> None:
     with pytest.raises(InvalidOptionError, match=message):
         demo([torch.nn.Parameter(p) for p in start(0)], **options)
+
+
+def test_a_small_chunk_names_the_default_topk_it_cannot_hold() -> None:
+    with pytest.raises(InvalidOptionError, match=r"got 32 \(the default is 32: with chunk=4 pass topk= too\)"):
+        gradsift.DeMo([torch.nn.Parameter(torch.zeros(8, 8))], chunk=4)

@@ -67,7 +67,12 @@ from typing import Any
 import torch
 
 from gradsift.core.agreement import setting_text
-from gradsift.core.errors import InvalidTensorError, NonFiniteGradientError, WireFormatError
+from gradsift.core.errors import (
+    InvalidOptionError,
+    InvalidTensorError,
+    NonFiniteGradientError,
+    WireFormatError,
+)
 from gradsift.core.exchanging import ExchangingOptimizer, parse_options
 from gradsift.core.finite import nonfinite
 from gradsift.core.telemetry import BucketRecord
@@ -102,7 +107,13 @@ class DeMoOptions:
     def __post_init__(self) -> None:
         check_real(self.beta, "beta", low=0.0, high=1.0, high_open=True)
         check_int(self.chunk, "chunk", low=1, high=MAX_CHUNK)
-        check_int(self.topk, "topk", low=1, high=self.chunk * self.chunk)
+        check_int(self.topk, "topk", low=1)
+        if self.topk > self.chunk * self.chunk:  # the default 32 too, with a chunk of 5 or less
+            raise InvalidOptionError(
+                f"topk must lie in [1, {self.chunk * self.chunk}], the coefficients of a {self.chunk} x "
+                f"{self.chunk} chunk, got {self.topk} (the default is {DeMoOptions.topk}: with chunk="
+                f"{self.chunk} pass topk= too)"
+            )
         object.__setattr__(self, "value_dtype", parse_value_dtype(self.value_dtype))
         check_choice(self.nonfinite, "nonfinite", NONFINITE_POLICIES)
 
