@@ -273,5 +273,7 @@ def test_bad_arguments_say_what_is_wrong(options, message) -> None:
 
 
 def test_a_small_chunk_names_the_default_topk_it_cannot_hold() -> None:
-    with pytest.raises(InvalidOptionError, match=r"got 32 \(the default is 32: with chunk=4 pass topk= too\)"):
+    with pytest.raises(
+        InvalidOptionError, match=r"got 32 \(the default is 32: with chunk=4 pass topk= too\)"
+    ):
         gradsift.DeMo([torch.nn.Parameter(torch.zeros(8, 8))], chunk=4)
