@@ -54,6 +54,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.grad import conv1d_weight, conv2d_weight, conv3d_weight
 
+from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidTensorError
 from gradsift.core.validation import check_choice
 
@@ -247,7 +248,7 @@ class VarianceTracker:
         gradient = param.grad if gradient is None else gradient
         if gradient is None:
             raise InvalidTensorError("variance: param.grad is None; run a backward pass or pass gradient")
-        return self.take_variance([param], gradient.reshape(-1), forget=False).view_as(param)
+        return shaped_like(self.take_variance([param], flat_like(gradient, param), forget=False), param)
 
     def take_variance(
         self, parameters: Iterable[nn.Parameter], gradient: torch.Tensor, *, forget: bool = True
@@ -265,7 +266,7 @@ class VarianceTracker:
         pieces = [
             gradient.new_zeros(p.numel())
             if entry is None
-            else entry.second_moment.reshape(-1).to(gradient.dtype)
+            else flat_like(entry.second_moment, p).to(gradient.dtype)
             for p, entry in zip(parameters, entries, strict=True)
         ]
         second_moment = torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction, frozen_root, largest_root
 from gradsift.hook.feedback import VELOCITY
@@ -280,7 +281,7 @@ class FrozenVarianceStep(AdamStep):
                     state = self.optimizer.state.get(param, {})
                     new = estimate.get(self.numbers.get(id(param), -1))
                     if new is not None and "exp_avg_sq" in state:
-                        new = new.reshape(param.shape) * bias_correction(beta2, state["step"])
+                        new = shaped_like(new, param) * bias_correction(beta2, state["step"])
                         moved = torch.lerp(state["exp_avg_sq"], new, 1.0 - beta2**elapsed)
                         state["exp_avg_sq"].copy_(torch.where(new > 0, moved, state["exp_avg_sq"]))
         self._preconditioners.clear()
@@ -306,14 +307,14 @@ class FrozenVarianceStep(AdamStep):
                     if number is None or "exp_avg_sq" not in state:
                         continue
                     if number in residual:
-                        flush = residual[number].reshape(param.shape) * (1.0 - beta1)
+                        flush = shaped_like(residual[number], param) * (1.0 - beta1)
                         param.sub_(
                             (flush / self._preconditioner(param, group)).to(param.dtype), alpha=group["lr"]
                         )
                     start = state["step"]
                     now = start + steps  # where the step count lives: no host read
                     if number in velocity:
-                        moment = velocity[number].reshape(param.shape) * (
+                        moment = shaped_like(velocity[number], param) * (
                             (1.0 - beta1) * bias_correction(beta1, now)
                         )
                         state["exp_avg"].copy_(moment)
@@ -331,7 +332,7 @@ class FrozenVarianceStep(AdamStep):
             if "exp_avg" in state:
                 found = True
                 correction = (1.0 - self.beta1) * bias_correction(self.beta1, state["step"])
-                pieces.append((state["exp_avg"].reshape(-1) / correction).float())
+                pieces.append((flat_like(state["exp_avg"], param) / correction).float())
             else:
                 pieces.append(torch.zeros(param.numel(), dtype=torch.float32, device=param.device))
         return torch.cat(pieces) if found else None

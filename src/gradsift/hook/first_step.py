@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.registry import available_compressors, compressor_class
+from gradsift.core.bucket_order import flat_like
 from gradsift.core.errors import InvalidOptionError
 from gradsift.hook import recipe
 from gradsift.hook.adam import ADAM_FAMILY
@@ -168,7 +169,7 @@ class FirstOptimizerStep:
         if self.check_scaler and self.reference is not None:
             param, delivered = self.reference
             if any(p is param for p in params) and param.grad is not None:
-                decided = _scaled_by(param.grad.reshape(-1)[: delivered.numel()], delivered)
+                decided = _scaled_by(flat_like(param.grad, param)[: delivered.numel()], delivered)
                 self.reference = None  # one check per delivered reference
                 self.undecided += decided is None
                 if decided is not None or self.undecided >= UNDECIDED_CHECKS:
@@ -190,7 +191,7 @@ class FirstOptimizerStep:
         if not any(p is param for p in params) or param.grad is None:
             return
         self.clipping_checks -= 1
-        gradient = param.grad.reshape(-1)[: delivered.numel()]
+        gradient = flat_like(param.grad, param)[: delivered.numel()]
         factor = _uniform_factor(gradient, delivered)
         if factor is None:
             bound = _clamped_at(gradient, delivered)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gradsift.compressors.base import Compressor
+from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.store import Canonical
 from gradsift.hook.adam import (
@@ -287,7 +288,7 @@ def take_momentum_buffers(optimizer: Any, numbers: dict[int, int]) -> dict[int, 
     and which the optimizer, its momentum now 0, would keep unread."""
     optimizer = unwrapped(optimizer)
     return {
-        numbers[id(param)]: optimizer.state[param].pop("momentum_buffer")
+        numbers[id(param)]: flat_like(optimizer.state[param].pop("momentum_buffer"), param)
         for _, group, _ in model_groups(optimizer, numbers)
         for param in group["params"]
         if id(param) in numbers and optimizer.state.get(param, {}).get("momentum_buffer") is not None
@@ -323,10 +324,10 @@ def give_back(
             for param in group["params"]:
                 number = numbers.get(id(param))
                 if number in velocity and group["momentum"]:
-                    buffer = velocity[number].reshape(param.shape).to(param.dtype, copy=True)
+                    buffer = shaped_like(velocity[number], param).to(param.dtype, copy=True)
                     optimizer.state[param]["momentum_buffer"] = buffer
                 if number in residual:
-                    param.sub_(residual[number].reshape(param.shape).to(param.dtype), alpha=group["lr"])
+                    param.sub_(shaped_like(residual[number], param).to(param.dtype), alpha=group["lr"])
 
 
 def add_weight_decay(
@@ -339,7 +340,7 @@ def add_weight_decay(
     for param, number in zip(params, numbers, strict=True):
         size = param.numel()
         if number in decay and param.requires_grad:
-            flat[offset : offset + size].add_(param.detach().reshape(-1), alpha=decay[number])
+            shaped_like(flat[offset : offset + size], param).add_(param.detach(), alpha=decay[number])
         offset += size
 
 
