@@ -209,6 +209,34 @@ def test_bad_options_are_clear_errors():
     assert errors["vgc instance"] == errors["vgc"]
 
 
+def mismatched_load_worker(rank: int, world: int) -> dict:
+    """A state whose shared parameters have other shapes (each one row, which ``copy_`` would
+    broadcast over the model's rows): refused before anything loads."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    state = gradsift.diloco(model, optimizer, sync_every=H, compressor="topk", ratio=0.1)
+    for step in range(H):
+        inner(model, optimizer, rank, step)
+    saved = state.state_dict()
+    before = [s.clone() for s in state.shared]
+    try:
+        state.load_state_dict({**saved, "shared": [s[:1] for s in saved["shared"]]})
+        error = None
+    except InvalidOptionError as refused:
+        error = str(refused)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, state.shared, strict=True))
+    return {"error": error, "unchanged": unchanged, "rounds": state.rounds}
+
+
+def test_a_state_of_other_shapes_is_refused_before_anything_loads():
+    (result,) = run_workers(__file__, "mismatched_load_worker", 1)
+    assert result["unchanged"] and result["rounds"] == 1, result
+    assert (
+        "shared parameter 0 is (1, " in result["error"]
+        and "a state saved for another model" in result["error"]
+    )
+
+
 def defaults_worker(rank: int, world: int) -> dict:
     """What ``gradsift.diloco`` sets up with each way of naming the compressor."""
     from gradsift.compressors.topk import TopK

@@ -214,6 +214,13 @@ class DiLoCoState:
             raise InvalidOptionError(
                 f"DiLoCo state holds {len(state['shared'])} shared parameters, this model has {len(self.shared)}"
             )
+        for index, (shared, saved) in enumerate(zip(self.shared, state["shared"], strict=True)):
+            if not isinstance(saved, torch.Tensor) or saved.shape != shared.shape:  # copy_ would broadcast
+                got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                raise InvalidOptionError(
+                    f"DiLoCo state's shared parameter {index} is {got}, this model's is {tuple(shared.shape)}: "
+                    "a state saved for another model"
+                )
         check_hook_entry(self.hook, state["hook"], None, "the DiLoCo state's hook")
         self.hook.load_state_dict(state["hook"])
         with torch.no_grad():
