@@ -8,7 +8,9 @@ compressor (or ``auto``) with some of its options, some of the hook's options, a
 (``find_unused_parameters=True``), an expert layer that each sample routes to or around (so the
 layers used differ by rank and step, as in a mixture of experts), a parameter of no elements,
 or none of these, in float32, bfloat16 or float64 (not float16: PyTorch's ``GradScaler``
-refuses its gradients, and Adam's ``eps`` rounds to zero in it); one or two micro-batches a
+refuses its gradients, and Adam's ``eps`` rounds to zero in it), in a quarter of the cases with
+a convolution stem in ``channels_last`` (a parameter DDP's bucket holds in its memory order,
+not row-major; drawn last, so the other draws of a seed are what they were before it); one or two micro-batches a
 step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
@@ -133,15 +135,24 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
             config["options"].pop(per_parameter, None)
         if frontend == "fsdp2" or config["orig_params"]:
             config["pass_optimizer"] = False  # a DTensor or an original parameter: not what the hook sees
+    config["layout"] = "channels_last" if rng.random() < 0.25 else "row-major"  # drawn last: see above
+    if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
+        config["layout"] = "row-major"
     return config
 
 
 class Net(torch.nn.Module):
     """Three linear layers; ``kind`` adds a frozen bias, an unused layer, an expert layer that a
-    batch whose first value is positive passes through, or a parameter of no elements."""
+    batch whose first value is positive passes through, or a parameter of no elements;
+    ``layout="channels_last"`` a residual convolution stem before them, its weight in
+    ``channels_last``."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, layout: str = "row-major") -> None:
         super().__init__()
+        self.stem = None
+        if layout == "channels_last":
+            stem = torch.nn.Conv2d(2, 2, (1, 3), padding=(0, 1))  # 16 features as 2 x 2 x 4
+            self.stem = stem.to(memory_format=torch.channels_last)
         self.body = torch.nn.Sequential(
             torch.nn.Linear(16, 32),
             torch.nn.ReLU(),
@@ -156,6 +167,9 @@ class Net(torch.nn.Module):
             self.body[2].bias.requires_grad_(False)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.stem is not None:
+            image = inputs.reshape(-1, 2, 2, 4).contiguous(memory_format=torch.channels_last)
+            inputs = inputs + self.stem(image).flatten(1)
         out = self.body(inputs)
         if self.expert is not None and inputs[0, 0] > 0:
             out = out + self.expert(out)
@@ -210,7 +224,7 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     import gradsift
 
     torch.manual_seed(seed)
-    model = Net(config["model"]).to(getattr(torch, config["dtype"]))
+    model = Net(config["model"], config["layout"]).to(getattr(torch, config["dtype"]))
     ddp = wrapped(model, config, hooked)
     kind, params = config["optimizer"], ddp.parameters()
     optimizer = (

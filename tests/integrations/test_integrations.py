@@ -175,6 +175,35 @@ def test_lightning_callback_hands_the_hook_the_trainers_optimizer(one_process_gr
 
 
 @pytest.mark.distributed
+def test_a_trainers_optimizer_the_method_cannot_take_is_refused_in_the_callbacks_words(
+    one_process_group: None,
+) -> None:
+    """Adagrad (as Adafactor or LAMB) has no momentum the hook can take over: a callback's named
+    error-feedback method refuses it naming ``take_optimizer=False``, not ``register_comm_hook``'s
+    ``optimizer=False``, and takes it with ``take_optimizer=False`` or under ``auto``."""
+    pytest.importorskip("pytorch_lightning", reason="pip install 'gradsift[lightning]'")
+    from gradsift.integrations.lightning import GradsiftCallback
+
+    def trainer() -> SimpleNamespace:
+        ddp_model = _ddp_model()
+        optimizer = torch.optim.Adagrad(ddp_model.parameters(), lr=0.1)
+        return SimpleNamespace(strategy=SimpleNamespace(model=ddp_model), optimizers=[optimizer])
+
+    with pytest.raises(
+        InvalidOptionError, match=r"is Adagrad, whose momentum 'topk' cannot take over .*take_optimizer=False"
+    ):
+        GradsiftCallback("topk", ratio=0.1).on_fit_start(trainer(), None)
+    for callback in (
+        GradsiftCallback("topk", take_optimizer=False, ratio=0.1),
+        GradsiftCallback("bf16"),
+        GradsiftCallback(),
+    ):
+        taken = trainer()
+        callback.on_fit_start(taken, None)
+        _train_step(taken.strategy.model)
+
+
+@pytest.mark.distributed
 def test_lightning_callback_defaults_to_auto_and_registers_it_itself(one_process_group: None) -> None:
     """``GradsiftCallback()`` is ``auto``: nothing to offer DDPStrategy, its state from
     on_fit_start, stock DDP's gradients while it measures, a decision at the first bucket after

@@ -35,6 +35,7 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     assert {config["model"] for config in drawn} == set(random_search.MODELS)
     assert {config["poison"] for config in drawn} == {None, "inf", "nan"}
     assert {config["dtype"] for config in drawn} == {"float32", "bfloat16", "float64"}
+    assert {config["layout"] for config in drawn} == {"row-major", "channels_last"}
     assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}
 
 
@@ -56,6 +57,7 @@ def test_an_fsdp_case_is_its_ddp_case_in_fsdp_without_what_fsdp_refuses_by_desig
         if frontend == "fsdp2" or fsdp["orig_params"]:
             assert not fsdp["pass_optimizer"]
         assert frontend == "fsdp1" or not fsdp["orig_params"]
+        assert frontend == "fsdp1" or fsdp["layout"] == "row-major"
         if frontend == "fsdp1" and fsdp["model"] == "frozen":
             assert fsdp["orig_params"]  # FSDP1 flattens mixed requires_grad only with it
 

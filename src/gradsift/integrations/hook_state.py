@@ -19,6 +19,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.frontends.ddp import register_comm_hook
+from gradsift.hook import recipe
 from gradsift.hook.auto import AUTO, AutoHookState
 from gradsift.hook.choice import auto_options
 from gradsift.hook.state import GradsiftHookState
@@ -64,6 +65,21 @@ class PendingHook:
             )
         return self._state
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse, in a callback's words, a trainer's optimizer whose momentum the named method
+        would take over and cannot (:func:`gradsift.hook.recipe.can_hold`: Adafactor, LAMB, Lion
+        ...); ``register_comm_hook`` would name its own ``optimizer=False``."""
+        named = self.named
+        if named is None or named.feedback is None or not named.compressor.momentum_correction:
+            return  # auto picks a method the optimizer allows; without error feedback nothing is taken
+        if optimizer not in (None, False) and not recipe.can_hold(optimizer):
+            raise InvalidOptionError(
+                f"the trainer's optimizer is {type(recipe.unwrapped(optimizer)).__name__}, whose momentum "
+                f"{named.compressor.name!r} cannot take over (it takes {recipe.SUPPORTED_OPTIMIZERS}): pass "
+                "take_optimizer=False for error feedback without momentum correction, or leave the compressor "
+                "to 'auto'"
+            )
+
     def register(
         self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: Any, **auto_defaults: Any
     ) -> GradsiftHookState | AutoHookState:
@@ -71,6 +87,7 @@ class PendingHook:
         for) and return its state. ``auto_defaults`` are options of ``"auto"`` the caller knows
         (``steps``, the run's length); the options given to the constructor win over them."""
         if self.named is not None:
+            self.check_optimizer(optimizer)
             return register_comm_hook(ddp_model, self.named, optimizer=optimizer)
         self._state = register_comm_hook(
             ddp_model, AUTO, optimizer=optimizer, **{**auto_defaults, **self._auto_options}

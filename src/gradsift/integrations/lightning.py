@@ -92,6 +92,7 @@ class GradsiftCallback(Callback):
         optimizer = self._optimizer(trainer)
         named = self._hook.named
         if named is not None and any(state is named for _, state in getattr(ddp_model, "_comm_hooks", ())):
+            self._hook.check_optimizer(optimizer)
             named.attach(ddp_model, optimizer)  # Lightning registered it (CUDA): bind it only
             check_hook_settings(named, "GradsiftCallback")  # collective: ranks that disagree stop
         else:
