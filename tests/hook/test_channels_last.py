@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradsift
 from gradsift.core.bucket_order import flat_like, memory_order, shaped_like
+from gradsift.core.errors import InvalidOptionError
 from support.distributed import run_workers
 
 STEPS = 8
@@ -151,3 +152,33 @@ def test_a_channels_last_model_trains_as_the_row_major_one() -> None:
         assert gaps["stock, channels_last=False"] < 1e-6 and gaps["stock, channels_last=True"] < 1e-6, gaps
         for label in METHODS:  # the memory format changes no value the hook computes
             assert gaps[label] < 1e-5, (label, gaps)
+
+
+def test_a_state_loads_only_into_a_model_of_its_memory_orders(one_process_group: None) -> None:
+    """The state's flat tensors are in each parameter's bucket order: loaded into the model in
+    another memory format their values would meet other elements, so it is refused naming the
+    parameter; into the same format it loads, and so does a state saved before the record."""
+
+    def hooked(channels_last: bool) -> tuple[DistributedDataParallel, object]:
+        ddp = DistributedDataParallel(cnn(channels_last))
+        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.3)
+        inputs = torch.randn(4, 3, 8, 8)
+        ddp(
+            inputs.to(memory_format=torch.channels_last) if channels_last else inputs
+        ).square().mean().backward()
+        return ddp, state
+
+    _, saved_state = hooked(True)
+    saved = saved_state.state_dict()
+    assert saved["orders"] == {0: [0, 2, 3, 1], 2: [0, 2, 3, 1]}  # the two convolution weights
+    with pytest.raises(
+        InvalidOptionError, match=r"parameter 0 was saved in memory order \[0, 2, 3, 1\] and is in row-major"
+    ):
+        hooked(False)[1].load_state_dict(saved)
+    hooked(True)[1].load_state_dict(saved)
+    older = {key: value for key, value in saved.items() if key != "orders"}
+    hooked(True)[1].load_state_dict(older)
+    row_major = hooked(False)[1].state_dict()
+    assert row_major["orders"] == {}
+    with pytest.raises(InvalidOptionError, match="parameter 0 was saved in memory order row-major and is in"):
+        hooked(True)[1].load_state_dict(row_major)

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from gradsift.core.bucket_order import memory_order
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.parts import Part
 from gradsift.core.store import TensorStore
@@ -101,12 +102,15 @@ class ParameterLayout:
     def __init__(self) -> None:
         self.numbers: dict[int, int] = {}
         self.numels: dict[int, int] = {}
+        #: Per parameter number, the memory order DDP's bucket holds it in, where not row-major.
+        self.orders: dict[int, list[int]] = {}
 
     def bind(self, module: torch.nn.Module) -> None:
         """Number ``module``'s parameters (in ``parameters()`` order)."""
         params = list(module.parameters())
         self.numbers = {id(p): i for i, p in enumerate(params)}
         self.numels = {i: p.numel() for i, p in enumerate(params)}
+        self.orders = {i: order for i, p in enumerate(params) if (order := memory_order(p)) is not None}
 
     def numbers_of(self, bucket: BucketLike) -> tuple[int, ...]:
         """The numbers of ``bucket``'s parameters, in the bucket's order."""

@@ -16,14 +16,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.hook.layout import ParameterLayout
 
 
 def check_resumable(
-    saved: Mapping[str, Any], method: str, momentum: float | None, server_feedback: bool
+    saved: Mapping[str, Any],
+    method: str,
+    momentum: float | None,
+    server_feedback: bool,
+    layout: ParameterLayout | None = None,
 ) -> None:
     """Raise :class:`InvalidOptionError` unless ``saved`` (a hook's ``state_dict()``) was made by
     the compressor ``method`` (a checkpoint older than the name is not checked for it), with
-    error feedback of ``momentum`` (None: without error feedback) and ``server_feedback``."""
+    error feedback of ``momentum`` (None: without error feedback) and ``server_feedback``, and,
+    once ``layout`` numbers a model, for its parameters' memory orders (:func:`check_orders`)."""
+    if layout is not None and layout.numels:
+        check_orders(saved.get("orders"), layout.orders)
     made = saved.get("method")
     if made is not None and made != method:
         raise InvalidOptionError(
@@ -43,3 +51,25 @@ def check_resumable(
             "checkpoint and hook disagree on server_feedback (on in one, off in the other): the "
             "server residual would be dropped or start from zero"
         )
+
+
+def check_orders(saved: Any, ours: dict[int, list[int]]) -> None:
+    """Refuse a state saved with a parameter in another memory order than this model's
+    (:mod:`gradsift.core.bucket_order`: its flat tensors would meet other elements); None: not
+    known (a checkpoint older than the record)."""
+    if saved is None:
+        return
+    if not isinstance(saved, dict) or not all(
+        type(n) is int and isinstance(o, list) for n, o in saved.items()
+    ):
+        raise InvalidOptionError(
+            f"the hook state's orders must map parameter numbers to lists, got {saved!r}"
+        )
+    for number in sorted(set(saved) | set(ours)):
+        if saved.get(number) != ours.get(number):
+            raise InvalidOptionError(
+                f"the hook state's parameter {number} was saved in memory order {saved.get(number) or 'row-major'} "
+                f"and is in {ours.get(number) or 'row-major'} here (channels_last or not): the state holds each "
+                "parameter in the order DDP's bucket does; convert the model as it was saved "
+                "(model.to(memory_format=...)) before wrapping it in DDP"
+            )

@@ -247,7 +247,7 @@ class GradsiftHookState:
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The compressor's name, step, the state store (residuals, the server residual, ...),
-        compressor state and telemetry totals (tensors cloned)."""
+        compressor state, telemetry totals (tensors cloned) and the parameters' bucket orders."""
         self.settle()
         return {
             "method": self.compressor.name,
@@ -259,6 +259,7 @@ class GradsiftHookState:
             "weight_decay": dict(self.weight_decay),
             "capacities": self.capacities.state_dict(),
             "telemetry": self.telemetry.state_dict(),
+            "orders": dict(self.layout.orders),  # the store's flat tensors are in these orders
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -266,7 +267,7 @@ class GradsiftHookState:
         self.settle()
         self.prepare_load(state)
         momentum = None if self.feedback is None else self.feedback.momentum
-        check_resumable(state, self.compressor.name, momentum, self.options.server_feedback)
+        check_resumable(state, self.compressor.name, momentum, self.options.server_feedback, self.layout)
         self.ledger.step = int(state["step"])
         self.store.load_state_dict(state["store"])
         self.compressor.load_state_dict(state["compressor"])
