@@ -69,7 +69,7 @@ def test_takeover_leaves_a_group_with_other_parameters_alone():
     other = torch.nn.Parameter(torch.zeros(4))
     shared = torch.optim.SGD([*model.parameters(), other], lr=0.1, momentum=0.9, weight_decay=1e-4)
     with pytest.raises(
-        InvalidOptionError, match=r"param group 0 holds 1 parameter\(s\) besides this model's"
+        InvalidOptionError, match=r"param group 0 holds 1 parameter\(s\) besides those DDP exchanges"
     ):
         recipe.take_over(shared, numbers)
     assert (shared.param_groups[0]["momentum"], shared.param_groups[0]["weight_decay"]) == (0.9, 1e-4)

@@ -29,7 +29,7 @@ the frontends without DDP buckets (an FSDP unit, a DiLoCo round) hand a
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,10 +104,13 @@ class ParameterLayout:
         self.numels: dict[int, int] = {}
         #: Per parameter number, the memory order DDP's bucket holds it in, where not row-major.
         self.orders: dict[int, list[int]] = {}
+        #: The numbered parameters, in number order.
+        self.params: list[torch.nn.Parameter] = []
 
-    def bind(self, module: torch.nn.Module) -> None:
-        """Number ``module``'s parameters (in ``parameters()`` order)."""
-        params = list(module.parameters())
+    def bind(self, module: torch.nn.Module, ignored: Collection[str] = ()) -> None:
+        """Number ``module``'s parameters (in ``parameters()`` order) but those named in ``ignored``
+        (DDP's ``parameters_to_ignore``: it never exchanges them, so nothing of theirs is the hook's)."""
+        self.params = params = [p for name, p in module.named_parameters() if name not in ignored]
         self.numbers = {id(p): i for i, p in enumerate(params)}
         self.numels = {i: p.numel() for i, p in enumerate(params)}
         self.orders = {i: order for i, p in enumerate(params) if (order := memory_order(p)) is not None}

@@ -226,10 +226,10 @@ def _sgd_takeover(
     if foreign:
         index, count = next(iter(foreign.items()))
         raise InvalidOptionError(
-            f"optimizer param group {index} holds {count} parameter(s) besides this model's: momentum "
-            "correction moves a group's momentum and weight decay into the hook, which would take them "
-            "from those too; give the model's parameters groups of their own (SGD([{'params': "
-            "ddp_model.parameters()}, {'params': others}], ...)), or pass optimizer=False"
+            f"optimizer param group {index} holds {count} parameter(s) besides those DDP exchanges (another "
+            "model's, or those DDP was told to ignore): momentum correction moves a group's momentum and "
+            "weight decay into the hook, which would take them from those too; give the exchanged parameters "
+            "groups of their own (SGD([{'params': exchanged}, {'params': others}], ...)), or pass optimizer=False"
         )
     groups = _sgd_groups(optimizer, numbers)
     momenta = {momentum for _, _, momentum, _ in groups}

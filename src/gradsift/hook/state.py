@@ -144,9 +144,9 @@ class GradsiftHookState:
         ``optimizer=False``, or a ``momentum=`` set by hand, means none, not looked for."""
         if getattr(ddp_model, "_use_python_reducer", False):
             raise InvalidOptionError(PYTHON_REDUCER)
-        self.layout.bind(ddp_model.module)
+        self.layout.bind(ddp_model.module, getattr(ddp_model, "parameters_to_ignore", ()))
         self.process_group = self.process_group or ddp_model.process_group
-        self.watch(ddp_model.module.parameters(), optimizer)
+        self.watch(self.layout.params, optimizer)
         self.compressor.attach(ddp_model.module)
         if isinstance(ddp_model, torch.nn.Module):  # the next forward settles the last step
             ddp_model.register_forward_pre_hook(settles_before_forward(self))
