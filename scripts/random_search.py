@@ -10,7 +10,8 @@ layers used differ by rank and step, as in a mixture of experts), a parameter of
 or none of these, in float32, bfloat16 or float64 (not float16: PyTorch's ``GradScaler``
 refuses its gradients, and Adam's ``eps`` rounds to zero in it), in a quarter of the cases with
 a convolution stem in ``channels_last`` (a parameter DDP's bucket holds in its memory order,
-not row-major; drawn last, so the other draws of a seed are what they were before it); one or two micro-batches a
+not row-major) and in a third with weight decay (both drawn last, so the other draws of a seed
+are what they were before them); one or two micro-batches a
 step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
@@ -136,6 +137,7 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
         if frontend == "fsdp2" or config["orig_params"]:
             config["pass_optimizer"] = False  # a DTensor or an original parameter: not what the hook sees
     config["layout"] = "channels_last" if rng.random() < 0.25 else "row-major"  # drawn last: see above
+    config["weight_decay"] = rng.choice([0.0, 0.0, 0.01])  # drawn after the layout, for the same reason
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -226,11 +228,11 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     torch.manual_seed(seed)
     model = Net(config["model"], config["layout"]).to(getattr(torch, config["dtype"]))
     ddp = wrapped(model, config, hooked)
-    kind, params = config["optimizer"], ddp.parameters()
+    kind, params, decay = config["optimizer"], ddp.parameters(), config["weight_decay"]
     optimizer = (
-        torch.optim.SGD(params, lr=0.05, momentum=0.9 if kind == "sgd-m" else 0.0)
+        torch.optim.SGD(params, lr=0.05, momentum=0.9 if kind == "sgd-m" else 0.0, weight_decay=decay)
         if kind.startswith("sgd")
-        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3)
+        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3, weight_decay=decay)
     )
     scaler = None if config["scaler"] is None else torch.amp.GradScaler("cpu", init_scale=2.0**8)
     options = dict(config["options"])
