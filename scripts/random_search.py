@@ -100,14 +100,7 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     """The configuration of case ``seed`` (``names``: the registry's compressors) on ``frontend``;
     a DDP case draws what it drew before FSDP was added, so earlier seeds repeat."""
     rng = random.Random(seed)
-    from gradsift.compressors.registry import compressor_options
-
-    name = rng.choice([*names, "auto"])
-    options: dict[str, Any] = {}
-    if name != "auto":
-        for key in compressor_options(name):
-            if key in COMPRESSOR_VALUES and (key == "threshold" or rng.random() < 0.5):
-                options[key] = rng.choice(COMPRESSOR_VALUES[key])
+    name, options = draw_compressor(rng, names)
     for key, values in HOOK_VALUES.items():
         if rng.random() < 0.2:
             options[key] = rng.choice(values)
@@ -141,6 +134,19 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
+
+
+def draw_compressor(rng: random.Random, names: list[str]) -> tuple[str, dict[str, Any]]:
+    """A registry name of ``names`` or ``auto``, and some of its own options (``threshold`` always)."""
+    from gradsift.compressors.registry import compressor_options
+
+    name = rng.choice([*names, "auto"])
+    options: dict[str, Any] = {}
+    if name != "auto":
+        for key in compressor_options(name):
+            if key in COMPRESSOR_VALUES and (key == "threshold" or rng.random() < 0.5):
+                options[key] = rng.choice(COMPRESSOR_VALUES[key])
+    return name, options
 
 
 class Net(torch.nn.Module):
@@ -395,15 +401,29 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     return {"outcome": "ok"}
 
 
-def worker(rank: int, world: int, seeds: list[int], frontend: str, out: str, port: int) -> None:
-    """One rank: the cases ``seeds`` in turn, each appended to ``OUT-rRANK.jsonl``."""
+#: A search's two functions: a seed's configuration on a frontend, and one rank's run of a case.
+Configure = Callable[[int, str], dict[str, Any]]
+RunCase = Callable[[int, int, int, dict[str, Any]], dict[str, Any]]
+
+
+def worker(
+    rank: int,
+    world: int,
+    seeds: list[int],
+    frontend: str,
+    out: str,
+    port: int,
+    configure: Configure,
+    run: RunCase,
+) -> None:
+    """One rank: the cases ``seeds`` in turn (``configure``'d, ``run``), each appended to ``OUT-rRANK.jsonl``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     with open(f"{out}-r{rank}.jsonl", "a") as log:
         for seed in seeds:
-            config = configs(seed, frontend)
-            result = {"seed": seed, **run_case(rank, world, seed, config), "config": config}
+            config = configure(seed, frontend)
+            result = {"seed": seed, **run(rank, world, seed, config), "config": config}
             log.write(json.dumps(result, default=str) + "\n")
             log.flush()
     dist.destroy_process_group()
@@ -422,16 +442,23 @@ def configs(seed: int, frontend: str) -> dict[str, Any]:
     return draw(seed, gradsift.available_compressors(), frontend)
 
 
-def search(first: int, stop: int, world: int, frontend: str, out: str) -> list[dict[str, Any]]:
+def search(
+    first: int,
+    stop: int,
+    world: int,
+    frontend: str,
+    out: str,
+    configure: Configure = configs,
+    run: RunCase = run_case,
+) -> list[dict[str, Any]]:
     """Run the cases ``first <= seed < stop`` not yet in ``OUT-r0.jsonl``; rank 0's result of
     each (a case that killed a rank is written for every rank, after the cases it stopped)."""
     from gradsift.tools.train.launcher import free_port
 
     while todo := [seed for seed in range(first, stop) if seed not in written(out, 0)]:
         try:
-            mp.start_processes(
-                worker, args=(world, todo, frontend, out, free_port()), nprocs=world, start_method="spawn"
-            )
+            arguments = (world, todo, frontend, out, free_port(), configure, run)
+            mp.start_processes(worker, args=arguments, nprocs=world, start_method="spawn")
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as failure:  # a rank died in a case
             finished = set.intersection(*(written(out, rank) for rank in range(world)))
             seed = min(set(todo) - finished)
@@ -439,7 +466,7 @@ def search(first: int, stop: int, world: int, frontend: str, out: str) -> list[d
                 "seed": seed,
                 "outcome": "finding",
                 "detail": f"a rank died: {failure}",
-                "config": configs(seed, frontend),
+                "config": configure(seed, frontend),
             }
             for rank in range(world):
                 with open(f"{out}-r{rank}.jsonl", "a") as log:
@@ -463,11 +490,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     first, stop = args.seeds
     results = search(first, stop, args.world, args.frontend, args.out)
+    return report(results, lambda result: _expected_resume(result, args.world))
+
+
+def report(results: list[dict[str, Any]], expected_resume: Callable[[dict[str, Any]], bool]) -> int:
+    """Print a count per outcome and every finding; the exit status: 0 when every finding is a
+    resume that differs as ``expected_resume`` allows, else 1."""
     print(dict(Counter(r["outcome"] for r in results)))
     found = [r for r in results if r["outcome"] not in ("ok", "refused", "stock fails")]
     for result in found:
         print(result["seed"], result["outcome"], result.get("config"), result["detail"][-400:])
-    expected = [r for r in found if r["outcome"] == "resume differs" and _expected_resume(r, args.world)]
+    expected = [r for r in found if r["outcome"] == "resume differs" and expected_resume(r)]
     return 0 if len(found) == len(expected) else 1
 
 

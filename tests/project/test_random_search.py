@@ -1,6 +1,6 @@
 """``scripts/random_search.py``: each case's configuration is a function of its seed, drawn from
 the installed registry, and a short search on 2 real gloo ranks writes every case once per rank
-and finds nothing on the current code."""
+and finds nothing on the current code; so does a short one of ``scripts/search_low_comm.py``."""
 
 from __future__ import annotations
 
@@ -73,11 +73,15 @@ def test_the_losses_that_must_be_finite_follow_the_poisoned_steps_policy() -> No
         assert random_search.expected_finite(losses, held) == [1.0, 0.7, 0.5]
 
 
-@pytest.mark.parametrize(("frontend", "stop"), [("ddp", 6), ("fsdp2", 4)])
-def test_a_short_search_finds_nothing(tmp_path: Path, frontend: str, stop: int) -> None:
+@pytest.mark.parametrize(
+    ("script", "frontend", "stop"),
+    [("random_search.py", "ddp", 6), ("random_search.py", "fsdp2", 4),
+     ("search_low_comm.py", "diloco", 5), ("search_low_comm.py", "exchanging", 5)],
+)  # fmt: skip
+def test_a_short_search_finds_nothing(tmp_path: Path, script: str, frontend: str, stop: int) -> None:
     out = tmp_path / "search"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "random_search.py"), "--frontend", frontend,
+        [sys.executable, str(ROOT / "scripts" / script), "--frontend", frontend,
          "--seeds", "0", str(stop), "--out", str(out)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
