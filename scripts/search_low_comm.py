@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_search import HOOK_VALUES, Net, attempt, draw_compressor, report, same, search
+from random_search import HOOK_VALUES, Net, attempt, draw_compressor, flat_parameters, report, same, search
 
 STEPS, RESUME = 12, 5
 FRONTENDS = ("diloco", "exchanging")
@@ -166,10 +166,6 @@ def restored(config: dict[str, Any], seed: int, saved: dict[str, Any]) -> tuple[
     return built
 
 
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-
-
 def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[str, Any]:
     """The checks of the module docstring on one case; ``outcome`` names what happened."""
     generator = torch.Generator().manual_seed(1000 * rank + seed)
@@ -191,7 +187,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     if verdict is not None:
         return verdict
     losses, saved = result
-    parameters = flat(built[0])
+    parameters = flat_parameters(built[0])
     every = [torch.empty_like(parameters) for _ in range(world)]
     dist.all_gather(every, parameters)
     apart = config.get("outer", {}).get("unsent") == "model"  # each worker keeps what it did not send
@@ -208,7 +204,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
         return {"outcome": "finding", "detail": f"the resume raised {type(error).__name__}: {error}"[:1200]}
     if again[3] is not None:
         again[3].detach()
-    resumed = flat(again[0])
+    resumed = flat_parameters(again[0])
     if not same(parameters, resumed):
         return {"outcome": "resume differs", "detail": f"by {(parameters - resumed).abs().max().item():.3g}"}
     return {"outcome": "ok"}

@@ -325,16 +325,17 @@ class FrozenVarianceStep(AdamStep):
     def initial_velocity(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The warm-up's bias-corrected first moment ``m / (1 - beta1^t)`` in velocity units
         (``/ (1 - beta1)``), flattened in ``params``' order (zeros for a parameter Adam never
-        stepped); None without any."""
+        stepped), in float32 or the parameters' dtype where wider (the velocity's dtype,
+        :meth:`~gradsift.hook.feedback.ErrorFeedback.compensate`); None without any."""
         pieces, found = [], False
         for param in params:
-            state = self.optimizer.state.get(param, {})
+            state, wide = self.optimizer.state.get(param, {}), torch.promote_types(param.dtype, torch.float32)
             if "exp_avg" in state:
                 found = True
                 correction = (1.0 - self.beta1) * bias_correction(self.beta1, state["step"])
-                pieces.append((flat_like(state["exp_avg"], param) / correction).float())
+                pieces.append((flat_like(state["exp_avg"], param) / correction).to(wide))
             else:
-                pieces.append(torch.zeros(param.numel(), dtype=torch.float32, device=param.device))
+                pieces.append(torch.zeros(param.numel(), dtype=wide, device=param.device))
         return torch.cat(pieces) if found else None
 
 

@@ -141,7 +141,8 @@ class ErrorFeedback:
         drops the per-parameter key once its state lies in the part's."""
         for number, tensor in start.items():
             self.store.follow(number, (number,), numels)
-            self.store.put(VELOCITY, number, tensor.reshape(-1).float().clone())
+            wide = torch.promote_types(tensor.dtype, torch.float32)  # compensate's velocity dtype
+            self.store.put(VELOCITY, number, tensor.reshape(-1).to(wide, copy=True))
 
     def workers_mean(
         self, numels: dict[int, int], group: Any

@@ -160,7 +160,7 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         if self._sample is None:
             self._sample = params[0]
         self.syncing = syncing  # for the optimizer's step after this one settles
-        g = gradient.reshape(-1).float()
+        g = gradient.reshape(-1).to(torch.promote_types(gradient.dtype, torch.float32))  # as the velocity
         velocity = store.get(VELOCITY, key)
         rate = self.learning_rate()
         if velocity is None:  # the first compressed step
