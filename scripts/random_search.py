@@ -27,8 +27,10 @@ On ``--world`` gloo ranks it checks:
 * control: the same configuration without the hook (DDP's or FSDP1's own allreduce, FSDP2's
   native HSDP) trains; where it fails the case is ``stock fails``, not the hook's to pass;
 * registration: every rank registers the hook, or every rank refuses it with a ``GradsiftError``;
-* training, 8 steps: every rank trains, or every rank refuses with a ``GradsiftError``; the
-  ranks end with equal parameters (NaN equal to NaN); the losses are finite, but for the
+* training, 8 steps: every rank trains, or every rank refuses with a ``GradsiftError`` before
+  its first optimizer step has run (a refusal later is a finding, ``refused late``: what the
+  hook cannot do it refuses before anything trained; but a non-finite gradient under
+  ``nonfinite="raise"`` in a case that poisons one); the ranks end with equal parameters (NaN equal to NaN); the losses are finite, but for the
   poisoned step's and, when a NaN reached the parameters (``nonfinite="propagate"`` without a
   ``GradScaler``, as in stock DDP), the later ones;
 * resume: the model, optimizer, scaler and hook states saved after step 4, a fresh model, DDP,
@@ -253,11 +255,17 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
 
 
 def train(
-    ddp: Any, optimizer: Any, scaler: Any, batches: list[torch.Tensor], config: dict[str, Any]
+    ddp: Any,
+    optimizer: Any,
+    scaler: Any,
+    batches: list[torch.Tensor],
+    config: dict[str, Any],
+    losses: list[float] | None = None,
 ) -> list[float]:
     """One step per batch, its micro-batches but the last under ``no_sync()`` (or each synced,
-    with ``sync_each_backward``); the losses."""
-    losses, micro_batches = [], config["micro_batches"]
+    with ``sync_each_backward``); each step's loss appended to ``losses`` (a new list when None),
+    which it returns."""
+    losses, micro_batches = [] if losses is None else losses, config["micro_batches"]
     for batch in batches:
         optimizer.zero_grad()
         for index, inputs in enumerate(batch.chunk(micro_batches)):
@@ -339,6 +347,18 @@ def attempt(stage: str, world: int, action: Callable[[], Any]) -> tuple[Any, dic
     }
 
 
+def late(verdict: dict[str, Any], steps: int, poisoned: bool) -> dict[str, Any]:
+    """``verdict`` of a training that stopped after ``steps`` optimizer steps, a refusal among them
+    made a finding, ``refused late``, when it came after the first step: what the hook cannot do
+    it refuses when registered or at the first step, where nothing has trained yet. A refusal of
+    a non-finite gradient in a case that ``poisoned`` one (``nonfinite="raise"``) stays one."""
+    if verdict["outcome"] != "refused" or steps == 0:
+        return verdict
+    if poisoned and verdict["detail"].split(":")[1].strip() == "NonFiniteGradientError":
+        return verdict
+    return {"outcome": "refused late", "detail": f"after {steps} steps, {verdict['detail']}"}
+
+
 def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[str, Any]:
     """The checks of the module docstring on one case; ``outcome`` names what happened."""
     generator = torch.Generator().manual_seed(1000 * rank + seed)
@@ -361,17 +381,19 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
         return verdict
     ddp, optimizer, scaler, state = built
 
+    stepped: list[float] = []
+
     def both_halves() -> tuple[list[float], dict[str, Any]]:
-        losses = train(ddp, optimizer, scaler, batches[:half], config)
+        train(ddp, optimizer, scaler, batches[:half], config, stepped)
         saved = copy.deepcopy({
             "model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
         })  # fmt: skip
-        return losses + train(ddp, optimizer, scaler, batches[half:], config), saved
+        return train(ddp, optimizer, scaler, batches[half:], config, stepped), saved
 
     trained, verdict = attempt("training", world, both_halves)
     if verdict is not None:
-        return verdict
+        return late(verdict, len(stepped), config["poison"] is not None)
     losses, saved = trained
     flat = flat_parameters(ddp)
     every = [torch.empty_like(flat) for _ in range(world)]

@@ -15,7 +15,8 @@ seed, as a user could write one:
 on a model with a frozen parameter, an unused layer, a parameter of no elements, BatchNorm, or
 none of these, in float32, bfloat16 or float64, and in some cases an Inf or a NaN in one rank's
 second batch. On two gloo ranks it checks: every rank builds and trains, or every rank refuses
-with a ``GradsiftError``; the ranks end with equal parameters (but under ``unsent="model"``,
+with a ``GradsiftError`` before its first optimizer step (later, ``refused late``, a finding,
+but for a poisoned case's non-finite gradient, as in ``random_search``); the ranks end with equal parameters (but under ``unsent="model"``,
 where each worker keeps its own unsent part by design); the losses before the poisoned step are
 finite; the state saved after step :data:`RESUME` and loaded into fresh objects repeats the
 rest bit for bit (PowerSGD's first step after a load is dense by design, docs/quantizers.md).
@@ -41,7 +42,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_search import HOOK_VALUES, Net, attempt, draw_compressor, flat_parameters, report, same, search
+from random_search import (
+    HOOK_VALUES,
+    Net,
+    attempt,
+    draw_compressor,
+    flat_parameters,
+    late,
+    report,
+    same,
+    search,
+)
 
 STEPS, RESUME = 12, 5
 FRONTENDS = ("diloco", "exchanging")
@@ -131,9 +142,16 @@ def build(config: dict[str, Any], seed: int) -> tuple[torch.nn.Module, Any, Any,
     return model, optimizer, schedule, None
 
 
-def train(built: tuple[Any, ...], batches: list[torch.Tensor], config: dict[str, Any]) -> list[float]:
+def train(
+    built: tuple[Any, ...],
+    batches: list[torch.Tensor],
+    config: dict[str, Any],
+    losses: list[float] | None = None,
+) -> list[float]:
+    """One optimizer step per batch, each step's loss appended to ``losses`` (a new list when
+    None), which it returns."""
     model, optimizer, schedule, _ = built
-    losses = []
+    losses = [] if losses is None else losses
     for inputs in batches:
         optimizer.zero_grad(set_to_none=config.get("set_to_none", True))
         loss = model(inputs).square().mean()
@@ -178,14 +196,16 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     if verdict is not None:
         return verdict
 
+    stepped: list[float] = []
+
     def trained() -> tuple[list[float], dict[str, Any]]:
-        first = train(built, batches[:RESUME], config)
+        train(built, batches[:RESUME], config, stepped)
         saved = saved_state(built)
-        return first + train(built, batches[RESUME:], config), saved
+        return train(built, batches[RESUME:], config, stepped), saved
 
     result, verdict = attempt("training", world, trained)
     if verdict is not None:
-        return verdict
+        return late(verdict, len(stepped), config["poison"] is not None)
     losses, saved = result
     parameters = flat_parameters(built[0])
     every = [torch.empty_like(parameters) for _ in range(world)]

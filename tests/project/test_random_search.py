@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import gradsift
 from gradsift.compressors.registry import compressor_options
+from gradsift.core.errors import GradsiftError, NonFiniteGradientError
 from gradsift.hook.options import HOOK_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +75,32 @@ def test_the_losses_that_must_be_finite_follow_the_poisoned_steps_policy() -> No
         assert random_search.expected_finite(losses, held) == [1.0, 0.7, 0.5]
 
 
+def test_a_refusal_after_the_first_step_is_a_finding(one_process_group: None) -> None:
+    def refused_at(step: int, error: type[Exception]) -> tuple[dict[str, Any], int]:
+        stepped: list[float] = []
+
+        def training() -> None:
+            for index in range(4):
+                if index == step:
+                    raise error("cannot go on")
+                stepped.append(1.0)
+
+        _, verdict = random_search.attempt("training", 1, training)
+        assert verdict is not None
+        return verdict, len(stepped)
+
+    at_first, steps = refused_at(0, GradsiftError)
+    assert random_search.late(at_first, steps, poisoned=False)["outcome"] == "refused"
+    later, steps = refused_at(2, GradsiftError)
+    assert random_search.late(later, steps, poisoned=False)["outcome"] == "refused late"
+    assert random_search.late(later, steps, poisoned=True)["outcome"] == "refused late"
+    nonfinite, steps = refused_at(1, NonFiniteGradientError)  # nonfinite="raise" at the poisoned step
+    assert random_search.late(nonfinite, steps, poisoned=True)["outcome"] == "refused"
+    assert random_search.late(nonfinite, steps, poisoned=False)["outcome"] == "refused late"
+    crashed, steps = refused_at(2, RuntimeError)
+    assert random_search.late(crashed, steps, poisoned=False)["outcome"] == "finding"
+
+
 @pytest.mark.parametrize(
     ("script", "frontend", "stop"),
     [("random_search.py", "ddp", 6), ("random_search.py", "fsdp2", 4),
@@ -89,5 +117,5 @@ def test_a_short_search_finds_nothing(tmp_path: Path, script: str, frontend: str
     for rank in range(2):
         results = [json.loads(line) for line in Path(f"{out}-r{rank}.jsonl").read_text().splitlines()]
         assert [r["seed"] for r in results] == list(range(stop))
-        assert {r["outcome"] for r in results} <= {"ok", "refused"}, results
+        assert {r["outcome"] for r in results} <= {"ok", "refused"}, results  # not "refused late"
         assert any(r["outcome"] == "ok" for r in results)
