@@ -20,7 +20,8 @@ not depend on the method lives here:
   handles, the method's :meth:`~ExchangingOptimizer.exchange` and the step's telemetry record
   (the message sent, ``(W-1)`` received); :meth:`~ExchangingOptimizer.stats` like the DDP
   hook's ``stats()``, and the checkpoint: ``state_dict()`` adds the step count and the byte
-  totals under the method's key, with the settings a checkpoint must have been made with.
+  totals under the method's key, with the settings a checkpoint must have been made with and
+  the rank that saved it (each worker's momenta are its own: another rank's is refused).
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ from gradsift.core.errors import InvalidOptionError, InvalidTensorError
 from gradsift.core.spelling import closest, did_you_mean
 from gradsift.core.telemetry import BucketRecord, Telemetry
 from gradsift.core.validation import check_real
+from gradsift.core.worker_state import check_worker, worker_stamp
 
 T = TypeVar("T")
+#: How to save every rank's state, named when a rank loads another's.
+EVERY_RANK = (
+    "write each rank's optimizer.state_dict() to a file of its own (its momenta differ by rank, unlike "
+    "a DDP optimizer's) and load each rank's own"
+)
 
 
 def parse_options(cls: type[T], options: dict[str, Any], method: str) -> T:
@@ -175,18 +182,21 @@ class ExchangingOptimizer(torch.optim.Optimizer):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's (its per-parameter state, the groups), the step count and the byte totals."""
+        """The optimizer's (its per-parameter state, the groups), the step count, the byte totals and
+        the rank that saved it (:mod:`gradsift.core.worker_state`: each worker's momenta are its own)."""
         state = super().state_dict()
         state[self.key] = {"steps": self.steps, **self.checkpoint_settings(),
-                           "telemetry": self.telemetry.state_dict()}  # fmt: skip
+                           "telemetry": self.telemetry.state_dict(),
+                           "worker": worker_stamp(self.process_group)}  # fmt: skip
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`, made with the same :meth:`checkpoint_settings`."""
+        """Restore :meth:`state_dict`, made by this rank with the same :meth:`checkpoint_settings`."""
         state_dict = dict(state_dict)
         own = state_dict.pop(self.key, None)
         if own is None:
             raise InvalidOptionError(f"not a {self.method} state dict: it has no {self.key!r} entry")
+        check_worker(own.get("worker"), self.process_group, f"the {self.method} optimizer state", EVERY_RANK)
         fixed = self.checkpoint_settings()
         made = {name: own.get(name) for name in fixed}
         if made != fixed:

@@ -42,8 +42,9 @@ from gradsift.hook.state import GradsiftHookState
 
 #: Keys every hook state entry has; :data:`OPTIONAL_KEYS` may be missing.
 REQUIRED_KEYS = frozenset({"step", "feedback", "store", "compressor", "weight_decay", "telemetry"})
-#: "auto": auto's choice; "orders": the parameters' memory orders (:func:`~gradsift.hook.resumable.check_orders`).
-OPTIONAL_KEYS = frozenset({"server_feedback", "capacities", "auto", "method", "orders"})
+#: "auto": auto's choice; "orders": the parameters' memory orders (:func:`~gradsift.hook.resumable.check_orders`);
+#: "worker": the rank that saved it (:mod:`gradsift.core.worker_state`).
+OPTIONAL_KEYS = frozenset({"server_feedback", "capacities", "auto", "method", "orders", "worker"})
 #: Store tables of integers (the others hold floating-point values, one per element).
 INTEGER_TABLES = frozenset({BOUNDS})
 

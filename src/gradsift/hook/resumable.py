@@ -5,7 +5,8 @@ and generators. Another method would load it without an error wherever the names
 fit (top-k's residual into EF-signSGD's, VGC's tables into the store of ``none``) and go on
 from state that is not its own. :func:`check_resumable` refuses that, and a checkpoint made
 with error feedback on where the hook has it off (or the other way), another momentum, or
-another ``server_feedback``. The options of one method may change across a resume (a new
+another ``server_feedback``, and a state another worker saved (:mod:`gradsift.core.worker_state`:
+its residuals are that worker's). The options of one method may change across a resume (a new
 ratio, say); the documented helpers (:mod:`gradsift.integrations.checkpoint`) check every
 setting on top.
 """
@@ -13,25 +14,32 @@ setting on top.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsift.core.errors import InvalidOptionError
-from gradsift.hook.layout import ParameterLayout
+from gradsift.core.worker_state import check_worker
+
+if TYPE_CHECKING:  # the state calls this module when it loads
+    from gradsift.hook.state import GradsiftHookState
+
+#: How to save every rank's hook state, named when a rank loads another's.
+EVERY_RANK = (
+    "save every rank's with gradsift.integrations.checkpoint.gather_hook_states and load this rank's with "
+    "load_hook_state (docs/integrations.md), or write each rank's state.state_dict() to a file of its own"
+)
 
 
-def check_resumable(
-    saved: Mapping[str, Any],
-    method: str,
-    momentum: float | None,
-    server_feedback: bool,
-    layout: ParameterLayout | None = None,
-) -> None:
+def check_resumable(saved: Mapping[str, Any], hook: GradsiftHookState) -> None:
     """Raise :class:`InvalidOptionError` unless ``saved`` (a hook's ``state_dict()``) was made by
-    the compressor ``method`` (a checkpoint older than the name is not checked for it), with
-    error feedback of ``momentum`` (None: without error feedback) and ``server_feedback``, and,
-    once ``layout`` numbers a model, for its parameters' memory orders (:func:`check_orders`)."""
-    if layout is not None and layout.numels:
-        check_orders(saved.get("orders"), layout.orders)
+    this worker of ``hook``'s process group (:func:`~gradsift.core.worker_state.check_worker`), by
+    its compressor (a checkpoint older than the name is not checked for it), with its error
+    feedback's momentum (or none) and its ``server_feedback``, and, once its layout numbers a
+    model, for the parameters' memory orders (:func:`check_orders`)."""
+    check_worker(saved.get("worker"), hook.process_group, "the hook state", EVERY_RANK)
+    if hook.layout.numels:
+        check_orders(saved.get("orders"), hook.layout.orders)
+    method, server_feedback = hook.compressor.name, hook.options.server_feedback
+    momentum = None if hook.feedback is None else hook.feedback.momentum
     made = saved.get("method")
     if made is not None and made != method:
         raise InvalidOptionError(

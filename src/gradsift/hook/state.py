@@ -22,6 +22,7 @@ from gradsift.core.parts import Context, Part
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.core.telemetry import BucketRecord, Telemetry
+from gradsift.core.worker_state import worker_stamp
 from gradsift.exchanges.allreduce import Allreduce
 from gradsift.exchanges.base import Codec, Exchange
 from gradsift.exchanges.choice import resolve_exchange
@@ -260,14 +261,14 @@ class GradsiftHookState:
             "capacities": self.capacities.state_dict(),
             "telemetry": self.telemetry.state_dict(),
             "orders": dict(self.layout.orders),  # the store's flat tensors are in these orders
+            "worker": worker_stamp(self.process_group),  # the store's residuals are this worker's
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, an optimizer still to be found found first (:meth:`prepare_load`)."""
         self.settle()
         self.prepare_load(state)
-        momentum = None if self.feedback is None else self.feedback.momentum
-        check_resumable(state, self.compressor.name, momentum, self.options.server_feedback, self.layout)
+        check_resumable(state, self)
         self.ledger.step = int(state["step"])
         self.store.load_state_dict(state["store"])
         self.compressor.load_state_dict(state["compressor"])
