@@ -14,13 +14,14 @@ setting on top.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gradsift.compressors.base import Compressor
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.worker_state import check_worker
-
-if TYPE_CHECKING:  # the state calls this module when it loads
-    from gradsift.hook.state import GradsiftHookState
+from gradsift.hook.feedback import ErrorFeedback
+from gradsift.hook.layout import ParameterLayout
+from gradsift.hook.options import HookOptions
 
 #: How to save every rank's hook state, named when a rank loads another's.
 EVERY_RANK = (
@@ -29,17 +30,24 @@ EVERY_RANK = (
 )
 
 
-def check_resumable(saved: Mapping[str, Any], hook: GradsiftHookState) -> None:
+def check_resumable(
+    saved: Mapping[str, Any],
+    compressor: Compressor,
+    feedback: ErrorFeedback | None,
+    options: HookOptions,
+    layout: ParameterLayout,
+    group: Any = None,
+) -> None:
     """Raise :class:`InvalidOptionError` unless ``saved`` (a hook's ``state_dict()``) was made by
-    this worker of ``hook``'s process group (:func:`~gradsift.core.worker_state.check_worker`), by
-    its compressor (a checkpoint older than the name is not checked for it), with its error
-    feedback's momentum (or none) and its ``server_feedback``, and, once its layout numbers a
-    model, for the parameters' memory orders (:func:`check_orders`)."""
-    check_worker(saved.get("worker"), hook.process_group, "the hook state", EVERY_RANK)
-    if hook.layout.numels:
-        check_orders(saved.get("orders"), hook.layout.orders)
-    method, server_feedback = hook.compressor.name, hook.options.server_feedback
-    momentum = None if hook.feedback is None else hook.feedback.momentum
+    this worker of ``group`` (:func:`~gradsift.core.worker_state.check_worker`), by ``compressor``
+    (its name: a checkpoint older than the name is not checked for it), with error feedback of
+    ``feedback``'s momentum (None: without error feedback) and ``options.server_feedback``, and,
+    once ``layout`` numbers a model, for its parameters' memory orders (:func:`check_orders`)."""
+    check_worker(saved.get("worker"), group, "the hook state", EVERY_RANK)
+    if layout.numels:
+        check_orders(saved.get("orders"), layout.orders)
+    method, momentum = compressor.name, None if feedback is None else feedback.momentum
+    server_feedback = options.server_feedback
     made = saved.get("method")
     if made is not None and made != method:
         raise InvalidOptionError(

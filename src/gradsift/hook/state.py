@@ -268,7 +268,7 @@ class GradsiftHookState:
         """Restore :meth:`state_dict`, an optimizer still to be found found first (:meth:`prepare_load`)."""
         self.settle()
         self.prepare_load(state)
-        check_resumable(state, self)
+        check_resumable(state, self.compressor, self.feedback, self.options, self.layout, self.process_group)
         self.ledger.step = int(state["step"])
         self.store.load_state_dict(state["store"])
         self.compressor.load_state_dict(state["compressor"])
