@@ -10,9 +10,13 @@ layers used differ by rank and step, as in a mixture of experts), a parameter of
 or none of these, in float32, bfloat16 or float64 (not float16: PyTorch's ``GradScaler``
 refuses its gradients, and Adam's ``eps`` rounds to zero in it), in a quarter of the cases with
 a convolution stem in ``channels_last`` (a parameter DDP's bucket holds in its memory order,
-not row-major) and in a third with weight decay (both drawn last, so the other draws of a seed
-are what they were before them); one or two micro-batches a
-step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
+not row-major), in a third with weight decay, and then (drawn in this order, after everything
+else, so the other draws of a seed are what they were before them) one parameter group or two
+(biases without weight decay at half the learning rate), ``zero_grad(set_to_none=False)`` in
+three cases of ten, a step LR schedule in three of ten, and the hook's checkpoint as each
+rank's ``state.state_dict()`` or as the documented helpers' file (``gather_hook_states`` on
+every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank); one or
+two micro-batches a step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
 default), FSDP1 ``NO_SHARD`` or FSDP2 hybrid sharding (``fully_shard`` on a 1-rank shard mesh,
@@ -36,8 +40,12 @@ On ``--world`` gloo ranks it checks:
 * resume: the model, optimizer, scaler and hook states saved after step 4, a fresh model, DDP,
   optimizer, scaler and hook that load them repeat steps 5-8 bit for bit (PowerSGD's first
   step after a load is dense by design, ``auto`` checkpointed while it measures measures again
-  and may choose otherwise (docs/auto.md), and on three or more ranks an allreduce may differ
-  in its last bits, as stock DDP's does: docs/distributed.md; they are reported all the same).
+  and may choose otherwise (docs/auto.md), on three or more ranks an allreduce may differ
+  in its last bits, as stock DDP's does: docs/distributed.md, and under
+  ``zero_grad(set_to_none=False)`` on the model whose expert layer some steps leave out: the
+  uninterrupted run holds a zero gradient for it, which a method that moves a parameter on a
+  zero gradient (Adam, momentum, the hook's velocity) steps, where the resumed run's gradient is
+  None and the optimizer skips it, as stock DDP with Adam does; they are reported all the same).
 
 Anything else is a finding (a configuration that fails without the hook too is not). Each rank
 writes one JSON line per case to ``OUT-rRANK.jsonl``; the search prints a count per outcome and
@@ -57,6 +65,7 @@ import copy
 import datetime
 import functools
 import gc
+import io
 import json
 import os
 import random
@@ -133,6 +142,10 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
             config["pass_optimizer"] = False  # a DTensor or an original parameter: not what the hook sees
     config["layout"] = "channels_last" if rng.random() < 0.25 else "row-major"  # drawn last: see above
     config["weight_decay"] = rng.choice([0.0, 0.0, 0.01])  # drawn after the layout, for the same reason
+    config.update(  # drawn after the weight decay, for the same reason
+        groups=rng.choice(["one", "one", "two"]), set_to_none=rng.random() < 0.7,
+        schedule=rng.random() < 0.3, checkpoint=rng.choice(["state_dict", "gathered"]),
+    )  # fmt: skip
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -229,19 +242,25 @@ def wrapped(model: Net, config: dict[str, Any], hooked: bool) -> torch.nn.Module
 
 
 def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, ...]:
-    """The wrapped model, optimizer, scaler and hook state (None unless ``hooked``) of ``config``,
-    the weights from ``seed``."""
+    """The wrapped model, optimizer, scaler, hook state (None unless ``hooked``) and LR schedule
+    (None unless ``config["schedule"]``) of ``config``, the weights from ``seed``."""
     import gradsift
 
     torch.manual_seed(seed)
     model = Net(config["model"], config["layout"]).to(getattr(torch, config["dtype"]))
     ddp = wrapped(model, config, hooked)
-    kind, params, decay = config["optimizer"], ddp.parameters(), config["weight_decay"]
+    kind, decay = config["optimizer"], config["weight_decay"]
+    lr = 0.05 if kind.startswith("sgd") else 1e-3
+    params: Any = list(ddp.parameters())
+    if config.get("groups") == "two":  # the usual split: no weight decay and another lr for biases
+        params = [{"params": [p for p in params if p.dim() > 1]},
+                  {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": lr / 2}]  # fmt: skip
     optimizer = (
-        torch.optim.SGD(params, lr=0.05, momentum=0.9 if kind == "sgd-m" else 0.0, weight_decay=decay)
+        torch.optim.SGD(params, lr=lr, momentum=0.9 if kind == "sgd-m" else 0.0, weight_decay=decay)
         if kind.startswith("sgd")
-        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=1e-3, weight_decay=decay)
+        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=lr, weight_decay=decay)
     )
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if config.get("schedule") else None
     scaler = None if config["scaler"] is None else torch.amp.GradScaler("cpu", init_scale=2.0**8)
     options = dict(config["options"])
     if config["pass_optimizer"]:
@@ -251,23 +270,22 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     if config["frontend"] == "fsdp2":
         options["process_group"] = mesh().get_group("replicate")
     state = gradsift.register_comm_hook(ddp, config["compressor"], **options) if hooked else None
-    return ddp, optimizer, scaler, state
+    return ddp, optimizer, scaler, state, schedule
 
 
 def train(
-    ddp: Any,
-    optimizer: Any,
-    scaler: Any,
+    built: tuple[Any, ...],
     batches: list[torch.Tensor],
     config: dict[str, Any],
     losses: list[float] | None = None,
 ) -> list[float]:
-    """One step per batch, its micro-batches but the last under ``no_sync()`` (or each synced,
-    with ``sync_each_backward``); each step's loss appended to ``losses`` (a new list when None),
-    which it returns."""
+    """One step per batch of :func:`build`'s ``built``, its micro-batches but the last under
+    ``no_sync()`` (or each synced, with ``sync_each_backward``), the schedule's step after each;
+    each step's loss appended to ``losses`` (a new list when None), which it returns."""
+    ddp, optimizer, scaler, _, schedule = built
     losses, micro_batches = [] if losses is None else losses, config["micro_batches"]
     for batch in batches:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=config.get("set_to_none", True))
         for index, inputs in enumerate(batch.chunk(micro_batches)):
             synced = index == micro_batches - 1 or config["sync_each_backward"]
             with contextlib.nullcontext() if synced else accumulating(ddp):
@@ -278,6 +296,8 @@ def train(
         else:
             scaler.step(optimizer)
             scaler.update()
+        if schedule is not None:
+            schedule.step()
         losses.append(loss.item())
     return losses
 
@@ -369,8 +389,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     half = STEPS // 2
 
     def stock() -> None:
-        wrapper, optimizer, scaler, _ = build(config, seed, hooked=False)
-        train(wrapper, optimizer, scaler, batches, config)
+        train(build(config, seed, hooked=False), batches, config)
 
     _, verdict = attempt("control", world, stock)
     gc.collect()  # its optimizer and scaler gone, for discovery to find the case's own
@@ -379,48 +398,89 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     built, verdict = attempt("registration", world, lambda: build(config, seed))
     if verdict is not None:
         return verdict
-    ddp, optimizer, scaler, state = built
-
     stepped: list[float] = []
 
     def both_halves() -> tuple[list[float], dict[str, Any]]:
-        train(ddp, optimizer, scaler, batches[:half], config, stepped)
-        saved = copy.deepcopy({
-            "model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-        })  # fmt: skip
-        return train(ddp, optimizer, scaler, batches[half:], config, stepped), saved
+        train(built, batches[:half], config, stepped)
+        saved = checkpoint(built, config, rank)
+        return train(built, batches[half:], config, stepped), saved
 
     trained, verdict = attempt("training", world, both_halves)
     if verdict is not None:
         return late(verdict, len(stepped), config["poison"] is not None)
     losses, saved = trained
-    flat = flat_parameters(ddp)
+    flat = flat_parameters(built[0])
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
     if not all(torch.isfinite(torch.tensor(expected_finite(losses, config)))):
         return {"outcome": "finding", "detail": f"a loss is not finite: {losses}"}
     if not all(same(every[0], other) for other in every[1:]):
         return {"outcome": "finding", "detail": "the replicas differ"}
-    del ddp, optimizer, scaler, state, built, trained  # as in a new process: one optimizer,
-    gc.collect()  # one scaler, one hook for discovery to find
+    del built, trained  # as in a new process: one optimizer, one scaler, one hook for discovery to find
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            ddp, optimizer, scaler, state = build(config, seed + 1)
-            ddp.load_state_dict(saved["model"])
-            optimizer.load_state_dict(saved["optimizer"])
-            state.load_state_dict(saved["hook"])
-            if scaler is not None:
-                scaler.load_state_dict(saved["scaler"])
-            train(ddp, optimizer, scaler, batches[half:], config)
+            built = restored(config, seed + 1, saved)
+            train(built, batches[half:], config)
         except Exception:
             return {"outcome": "finding", "detail": "the resume raised " + traceback.format_exc()[-1200:]}
-    resumed = flat_parameters(ddp)
+    resumed = flat_parameters(built[0])
     if not same(flat, resumed):
         gap = (flat - resumed).abs().max().item()
         return {"outcome": "resume differs", "detail": f"by {gap:.3g}"}
     return {"outcome": "ok"}
+
+
+def checkpoint(built: tuple[Any, ...], config: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What a script saves of :func:`build`'s ``built``, copied: the hook's state as
+    ``state.state_dict()`` (``config["checkpoint"] == "state_dict"``: each rank its own), or
+    as the documented helper's file (``"gathered"``: every rank's entry, gathered to rank 0 and
+    written with ``torch.save``; the bytes every rank reads, sent from rank 0)."""
+    from gradsift.integrations.checkpoint import gather_hook_states
+
+    ddp, optimizer, scaler, state, schedule = built
+    saved = copy.deepcopy({
+        "model": ddp.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "schedule": None if schedule is None else schedule.state_dict(),
+    })  # fmt: skip
+    if config.get("checkpoint") != "gathered":
+        saved["hook"] = copy.deepcopy(state.state_dict())
+        return saved
+    gathered = gather_hook_states(state, state.process_group)
+    file: list[Any] = [None]
+    if rank == 0:
+        written = io.BytesIO()
+        torch.save(gathered, written)
+        file = [written.getvalue()]
+    dist.broadcast_object_list(file, src=0)
+    saved["file"] = file[0]
+    return saved
+
+
+def restored(config: dict[str, Any], seed: int, saved: dict[str, Any]) -> tuple[Any, ...]:
+    """A fresh :func:`build` (weights from ``seed``) with :func:`checkpoint`'s ``saved`` loaded,
+    the hook's state through ``load_hook_state`` when it was gathered."""
+    from gradsift.integrations.checkpoint import load_hook_state
+
+    built = build(config, seed)
+    ddp, optimizer, scaler, state, schedule = built
+    load_each([(ddp, saved["model"]), (optimizer, saved["optimizer"]),
+               (scaler, saved["scaler"]), (schedule, saved["schedule"])])  # fmt: skip
+    if "file" in saved:
+        read = torch.load(io.BytesIO(saved["file"]), map_location="cpu", weights_only=True)
+        load_hook_state(state, read, state.process_group, device="cpu")
+    else:
+        state.load_state_dict(saved["hook"])
+    return built
+
+
+def load_each(pairs: list[tuple[Any, Any]]) -> None:
+    """``holder.load_state_dict(saved)`` for each ``(holder, saved)``, in order, but a None holder."""
+    for holder, saved in pairs:
+        if holder is not None:
+            holder.load_state_dict(saved)
 
 
 #: A search's two functions: a seed's configuration on a frontend, and one rank's run of a case.
@@ -528,8 +588,11 @@ def report(results: list[dict[str, Any]], expected_resume: Callable[[dict[str, A
 
 def _expected_resume(result: dict[str, Any], world: int) -> bool:
     """A resume that may differ by the rules of the module docstring: PowerSGD, ``auto`` (its
-    choice comes from timings), or three ranks or more."""
-    return result.get("config", {}).get("compressor") in ("powersgd", "auto") or world >= 3
+    choice comes from timings), three ranks or more, or a zero gradient kept for a layer a step
+    leaves out."""
+    config = result.get("config", {})
+    kept_zero = config.get("set_to_none") is False and config.get("model") == "routed"
+    return config.get("compressor") in ("powersgd", "auto") or world >= 3 or kept_zero
 
 
 if __name__ == "__main__":

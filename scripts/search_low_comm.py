@@ -49,6 +49,7 @@ from random_search import (
     draw_compressor,
     flat_parameters,
     late,
+    load_each,
     report,
     same,
     search,
@@ -175,12 +176,8 @@ def saved_state(built: tuple[Any, ...]) -> dict[str, Any]:
 def restored(config: dict[str, Any], seed: int, saved: dict[str, Any]) -> tuple[Any, ...]:
     built = build(config, seed)
     model, optimizer, schedule, state = built
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    if schedule is not None:
-        schedule.load_state_dict(saved["schedule"])
-    if state is not None:
-        state.load_state_dict(saved["diloco"])
+    load_each([(model, saved["model"]), (optimizer, saved["optimizer"]),
+               (schedule, saved["schedule"]), (state, saved["diloco"])])  # fmt: skip
     return built
 
 

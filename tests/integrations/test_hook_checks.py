@@ -171,3 +171,38 @@ def test_a_load_that_fails_half_way_leaves_the_hook_as_it_was(saved: dict) -> No
         load_hook_state(state, checkpoint)
     assert same(state.state_dict(), before)
     assert not same(before["store"], entry(checkpoint)["store"])  # the store did differ
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("compressor", ["topk", "sidco-exp", "dgc"])
+def test_a_checkpoint_made_while_the_density_warms_up_resumes_exactly(
+    one_process_group: None, compressor: str
+) -> None:
+    """``density_warmup_steps`` moves the sparsifier's ratio from dense to its target step by
+    step; the settings saved with the checkpoint name the target, so a checkpoint made half way
+    loads into a hook built as the run was and repeats its last steps bit for bit (oracle: the
+    uninterrupted run). Before, the settings held the step's ratio and ``load_hook_state``
+    refused the checkpoint ("compressor option ratio: ... in the checkpoint, 0.05 in this hook")."""
+    options = {"ratio": 0.05, "density_warmup_steps": 8, "warmup_steps": 1}
+    model, state = trained(compressor, steps=3, **options)
+    optimizer = state.optimizer
+    saved = copy.deepcopy({
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": gather_hook_states(state)
+    })  # fmt: skip
+    assert state.compressor.ratio > options["ratio"]  # half way through the density's warm-up
+
+    def steps(model: DDP, optimizer: torch.optim.Optimizer) -> None:
+        for step in range(3, 6):
+            x, y = batch(0, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    steps(model, optimizer)
+    again, resumed = trained(compressor, steps=0, **options)
+    again.load_state_dict(saved["model"])
+    resumed.optimizer.load_state_dict(saved["optimizer"])
+    load_hook_state(resumed, saved["hook"])
+    steps(again, resumed.optimizer)
+    for ours, theirs in zip(again.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

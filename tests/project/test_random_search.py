@@ -39,6 +39,10 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     assert {config["dtype"] for config in drawn} == {"float32", "bfloat16", "float64"}
     assert {config["layout"] for config in drawn} == {"row-major", "channels_last"}
     assert {config["weight_decay"] for config in drawn} == {0.0, 0.01}
+    assert {config["groups"] for config in drawn} == {"one", "two"}
+    assert {config["set_to_none"] for config in drawn} == {True, False}
+    assert {config["schedule"] for config in drawn} == {True, False}
+    assert {config["checkpoint"] for config in drawn} == {"state_dict", "gathered"}
     assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}
 
 

@@ -106,5 +106,6 @@ class AutoRecord:
     adam = _running("adam")
     weight_decay = _running("weight_decay")
     layout = _running("layout")
+    target_ratio = _running("target_ratio")
     telemetry = _running("telemetry")
     process_group = _running("process_group")

@@ -78,10 +78,15 @@ def check_hook_entry(
 
 
 def check_settings(state: GradsiftHookState, settings: Mapping[str, str], where: str) -> None:
-    """Refuse a checkpoint saved by a hook with other :func:`hook_settings`, naming each."""
+    """Refuse a checkpoint saved by a hook with other :func:`hook_settings`, naming each; but
+    the scaler, while this hook still looks for one (discovery adopts the ``GradScaler`` that
+    scaled a loss at the first step, after the load; the residuals are kept unscaled either way)."""
     if not isinstance(settings, Mapping):
         raise InvalidOptionError(f"{where}: the saved settings must be a dict, got {type(settings).__name__}")
     ours = hook_settings(state)
+    if state.discovering and state.options.scaler is None:  # found at the first step, after this load
+        settings = {name: text for name, text in settings.items() if name != "scaler"}
+        ours.pop("scaler")
     differ = [
         f"  {name}: {settings.get(name, '(not set)')} in the checkpoint, {ours.get(name, '(not set)')} in this hook"
         for name in sorted(set(ours) | set(settings))

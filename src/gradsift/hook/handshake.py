@@ -9,7 +9,8 @@ before the first step, every setting that shapes the wire or the result
 
 * gradsift's version (:func:`~gradsift.core.agreement.check_agreement` adds it);
 * the compressor's registry name and every option it reports (``Compressor.options()``:
-  ratio, seed, levels, ...);
+  ratio, seed, levels, ...), a sparsifier's ratio as built (``density_warmup_steps`` moves
+  the compressor's own from dense to it step by step; a checkpoint made on the way names it);
 * every field of :class:`~gradsift.hook.options.HookOptions` (granularity, warmup_steps,
   value_dtype, exchange, nonfinite, ...: new fields are compared without a change here),
   except :data:`PER_RANK`;
@@ -39,7 +40,10 @@ PER_RANK: Mapping[str, str] = {
 def hook_settings(state: GradsiftHookState) -> dict[str, str]:
     """``name -> text`` of every setting of ``state`` the ranks must share (module docstring)."""
     settings = {"compressor": setting_text(state.compressor.name)}
-    for name, value in state.compressor.options().items():
+    options = state.compressor.options()
+    if "ratio" in options and state.target_ratio is not None:  # the density warm-up moves the ratio
+        options["ratio"] = state.target_ratio
+    for name, value in options.items():
         settings[f"compressor option {name}"] = setting_text(value)
     for field in dataclasses.fields(state.options):
         if field.name not in PER_RANK:
