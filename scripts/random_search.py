@@ -13,9 +13,11 @@ a convolution stem in ``channels_last`` (a parameter DDP's bucket holds in its m
 not row-major), in a third with weight decay, and then (drawn in this order, after everything
 else, so the other draws of a seed are what they were before them) one parameter group or two
 (biases without weight decay at half the learning rate), ``zero_grad(set_to_none=False)`` in
-three cases of ten, a step LR schedule in three of ten, and the hook's checkpoint as each
+three cases of ten, a step LR schedule in three of ten, the hook's checkpoint as each
 rank's ``state.state_dict()`` or as the documented helpers' file (``gather_hook_states`` on
-every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank); one or
+every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank), and in
+three cases of ten one of the optimizer's flags (:data:`OPTIMIZER_FLAGS`: Nesterov momentum,
+dampening, ``maximize``, ``amsgrad``, the per-tensor loop, the fused kernel); one or
 two micro-batches a step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
@@ -103,6 +105,12 @@ MODELS = ("plain", "frozen", "unused", "routed", "empty")
 FRONTENDS = ("ddp", "fsdp1", "fsdp2")
 #: Hook options that need the model's parameters, which FSDP flattens or shards.
 FSDP_REFUSED = ("granularity", "clip_norm")
+#: Flags an optimizer is built with in some cases, by family (one drawn; SGD's ``nesterov``
+#: needs a momentum, so stock fails it without one, as PyTorch does).
+OPTIMIZER_FLAGS: dict[str, list[dict[str, Any]]] = {
+    "sgd": [{"nesterov": True}, {"dampening": 0.1}, {"maximize": True}, {"foreach": False}],
+    "adam": [{"amsgrad": True}, {"maximize": True}, {"foreach": False}, {"fused": True}],
+}
 #: FSDP's mixed precision: what is cast to bfloat16 (None: nothing).
 MIXED = (None, "params", "reductions", "both")
 
@@ -146,6 +154,8 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
         groups=rng.choice(["one", "one", "two"]), set_to_none=rng.random() < 0.7,
         schedule=rng.random() < 0.3, checkpoint=rng.choice(["state_dict", "gathered"]),
     )  # fmt: skip
+    family = "sgd" if config["optimizer"].startswith("sgd") else "adam"
+    config["optimizer_flags"] = rng.choice(OPTIMIZER_FLAGS[family]) if rng.random() < 0.3 else {}
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -255,10 +265,13 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     if config.get("groups") == "two":  # the usual split: no weight decay and another lr for biases
         params = [{"params": [p for p in params if p.dim() > 1]},
                   {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0, "lr": lr / 2}]  # fmt: skip
+    flags = config.get("optimizer_flags", {})
     optimizer = (
-        torch.optim.SGD(params, lr=lr, momentum=0.9 if kind == "sgd-m" else 0.0, weight_decay=decay)
+        torch.optim.SGD(params, lr=lr, momentum=0.9 if kind == "sgd-m" else 0.0, weight_decay=decay, **flags)
         if kind.startswith("sgd")
-        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(params, lr=lr, weight_decay=decay)
+        else (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(
+            params, lr=lr, weight_decay=decay, **flags
+        )
     )
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if config.get("schedule") else None
     scaler = None if config["scaler"] is None else torch.amp.GradScaler("cpu", init_scale=2.0**8)
