@@ -206,3 +206,51 @@ def test_a_checkpoint_made_while_the_density_warms_up_resumes_exactly(
     steps(again, resumed.optimizer)
     for ours, theirs in zip(again.parameters(), model.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["sgd-momentum", "adam"])
+def test_a_checkpoint_after_a_weight_decay_schedule_resumes_exactly(
+    one_process_group: None, family: str
+) -> None:
+    """The optimizer passed, its weight decay changed at step 2 (a schedule): the hook takes the
+    new value, so the settings saved at step 4 name it, while a fresh hook holds the optimizer's
+    value as built until the loaded optimizer's next step. The checkpoint loads and repeats the
+    uninterrupted run's last steps bit for bit (oracle: that run). Before, ``load_hook_state``
+    refused it ("weight decay taken from the optimizer: ... 0.0005 ... in the checkpoint, ...
+    0.001 ... in this hook")."""
+
+    def fresh() -> tuple[DDP, torch.optim.Optimizer, gradsift.hook.state.GradsiftHookState]:
+        model = DDP(make_model())
+        optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+            if family == "sgd-momentum"
+            else torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-3)
+        )
+        options = {"ratio": 0.1} if family == "sgd-momentum" else {"ratio": 0.1, "warmup_steps": 1}
+        return model, optimizer, gradsift.register_comm_hook(model, "topk", optimizer=optimizer, **options)
+
+    def steps(model: DDP, optimizer: torch.optim.Optimizer, first: int, stop: int) -> None:
+        for step in range(first, stop):
+            if step == 2:
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = 5e-4
+            x, y = batch(0, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model, optimizer, state = fresh()
+    steps(model, optimizer, 0, 4)
+    saved = copy.deepcopy({
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": gather_hook_states(state)
+    })  # fmt: skip
+    assert "0.0005" in saved["hook"]["settings"]["weight decay taken from the optimizer"]
+    steps(model, optimizer, 4, 7)
+    again, again_optimizer, again_state = fresh()
+    again.load_state_dict(saved["model"])
+    again_optimizer.load_state_dict(saved["optimizer"])
+    load_hook_state(again_state, saved["hook"])
+    steps(again, again_optimizer, 4, 7)
+    for ours, theirs in zip(again.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -9,7 +9,8 @@ anything is loaded:
 * the entry has the keys a hook state has (``capacities``, ``server_feedback`` and ``method``
   may be missing, as in older checkpoints), and ``step`` is an integer >= 0;
 * the settings saved with it (:func:`gradsift.hook.handshake.hook_settings`: the compressor,
-  its options, the hook's options) are this hook's, setting by setting;
+  its options, the hook's options) are this hook's, setting by setting (but two that the run
+  moves after it is built: :func:`check_settings`);
 * every store entry is a 1-D tensor under a key of this model's parameter numbers (an
   int, or a sorted tuple of distinct ones) once the hook is attached: the balanced
   exchange's bounds are integers in ``[0, n]``, every other table holds finite floating-point
@@ -37,7 +38,7 @@ import torch
 from gradsift.core.errors import InvalidOptionError
 from gradsift.exchanges.balanced import BOUNDS
 from gradsift.hook.capacity import FLOOR
-from gradsift.hook.handshake import hook_settings
+from gradsift.hook.handshake import TAKEN_DECAY, hook_settings
 from gradsift.hook.state import GradsiftHookState
 
 #: Keys every hook state entry has; :data:`OPTIONAL_KEYS` may be missing.
@@ -79,14 +80,19 @@ def check_hook_entry(
 
 def check_settings(state: GradsiftHookState, settings: Mapping[str, str], where: str) -> None:
     """Refuse a checkpoint saved by a hook with other :func:`hook_settings`, naming each; but
-    the scaler, while this hook still looks for one (discovery adopts the ``GradScaler`` that
-    scaled a loss at the first step, after the load; the residuals are kept unscaled either way)."""
+    the weight decay taken from the optimizer (the entry's own ``weight_decay`` is what loads,
+    and a schedule may have moved it since the optimizer was built, as it moves the optimizer's
+    groups that its checkpoint restores) and the scaler, while this hook still looks for one
+    (discovery adopts the ``GradScaler`` that scaled a loss at the first step, after the load;
+    the residuals are kept unscaled either way)."""
     if not isinstance(settings, Mapping):
         raise InvalidOptionError(f"{where}: the saved settings must be a dict, got {type(settings).__name__}")
     ours = hook_settings(state)
-    if state.discovering and state.options.scaler is None:  # found at the first step, after this load
-        settings = {name: text for name, text in settings.items() if name != "scaler"}
-        ours.pop("scaler")
+    restored = {TAKEN_DECAY}  # the entry's own weight_decay, which a schedule may have moved, loads
+    if state.discovering and state.options.scaler is None:
+        restored.add("scaler")  # found at the first step, after this load
+    settings = {name: text for name, text in settings.items() if name not in restored}
+    ours = {name: text for name, text in ours.items() if name not in restored}
     differ = [
         f"  {name}: {settings.get(name, '(not set)')} in the checkpoint, {ours.get(name, '(not set)')} in this hook"
         for name in sorted(set(ours) | set(settings))

@@ -30,6 +30,8 @@ from typing import Any
 from gradsift.core.agreement import check_agreement, setting_text
 from gradsift.hook.state import GradsiftHookState
 
+#: The setting that names the weight decay the hook took from the optimizer, per parameter number.
+TAKEN_DECAY = "weight decay taken from the optimizer"
 #: Hook options that may differ between ranks, and why.
 PER_RANK: Mapping[str, str] = {
     "log_every": "how often this rank logs its own telemetry",
@@ -53,7 +55,7 @@ def hook_settings(state: GradsiftHookState) -> dict[str, str]:
     settings["error feedback (resolved)"] = setting_text(feedback is not None)
     settings["momentum (resolved)"] = setting_text(None if feedback is None else feedback.momentum)
     settings["residual decay (resolved)"] = setting_text(None if feedback is None else feedback.decay)
-    settings["weight decay taken from the optimizer"] = setting_text(sorted(state.weight_decay.items()))
+    settings[TAKEN_DECAY] = setting_text(sorted(state.weight_decay.items()))
     settings["adam takeover"] = setting_text(None if state.adam is None else type(state.adam).__name__)
     return settings
 
