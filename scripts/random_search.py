@@ -17,7 +17,8 @@ three cases of ten, a step LR schedule in three of ten, the hook's checkpoint as
 rank's ``state.state_dict()`` or as the documented helpers' file (``gather_hook_states`` on
 every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank), and in
 three cases of ten one of the optimizer's flags (:data:`OPTIMIZER_FLAGS`: Nesterov momentum,
-dampening, ``maximize``, ``amsgrad``, the per-tensor loop, the fused kernel); one or
+dampening, ``maximize``, ``amsgrad``, the per-tensor loop, the fused kernel), and in two of
+ten a weight-decay schedule (every group's decay set once, before the third step); one or
 two micro-batches a step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
@@ -85,6 +86,7 @@ import torch.multiprocessing as mp
 
 STEPS = 8
 POISONED = 1  # the step whose batch holds an Inf or a NaN on the last rank, when a case poisons one
+DECAY_SET_AT, DECAY_SET = 2, 0.005  # a weight-decay schedule's one change: before this step, to this value
 #: Values drawn for a compressor's options, by option name (an option not listed keeps its default).
 COMPRESSOR_VALUES: dict[str, list[Any]] = {
     "ratio": [0.001, 0.01, 0.3, 1.0], "threshold": [0.001, 0.1], "rank": [1, 2], "levels": [2, 16],
@@ -156,6 +158,7 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     )  # fmt: skip
     family = "sgd" if config["optimizer"].startswith("sgd") else "adam"
     config["optimizer_flags"] = rng.choice(OPTIMIZER_FLAGS[family]) if rng.random() < 0.3 else {}
+    config["decay_schedule"] = rng.random() < 0.2
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -291,13 +294,19 @@ def train(
     batches: list[torch.Tensor],
     config: dict[str, Any],
     losses: list[float] | None = None,
+    start: int = 0,
 ) -> list[float]:
-    """One step per batch of :func:`build`'s ``built``, its micro-batches but the last under
-    ``no_sync()`` (or each synced, with ``sync_each_backward``), the schedule's step after each;
-    each step's loss appended to ``losses`` (a new list when None), which it returns."""
+    """One step per batch of :func:`build`'s ``built`` (the first is the case's step ``start``),
+    its micro-batches but the last under ``no_sync()`` (or each synced, with
+    ``sync_each_backward``), the schedule's step after each, and, with ``decay_schedule``, every
+    group's weight decay set to :data:`DECAY_SET` before step :data:`DECAY_SET_AT`; each step's
+    loss appended to ``losses`` (a new list when None), which it returns."""
     ddp, optimizer, scaler, _, schedule = built
     losses, micro_batches = [] if losses is None else losses, config["micro_batches"]
-    for batch in batches:
+    for step, batch in enumerate(batches, start):
+        if config.get("decay_schedule") and step == DECAY_SET_AT:
+            for group in optimizer.param_groups:
+                group["weight_decay"] = DECAY_SET
         optimizer.zero_grad(set_to_none=config.get("set_to_none", True))
         for index, inputs in enumerate(batch.chunk(micro_batches)):
             synced = index == micro_batches - 1 or config["sync_each_backward"]
@@ -416,7 +425,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     def both_halves() -> tuple[list[float], dict[str, Any]]:
         train(built, batches[:half], config, stepped)
         saved = checkpoint(built, config, rank)
-        return train(built, batches[half:], config, stepped), saved
+        return train(built, batches[half:], config, stepped, start=half), saved
 
     trained, verdict = attempt("training", world, both_halves)
     if verdict is not None:
@@ -435,7 +444,7 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
         warnings.simplefilter("ignore")
         try:
             built = restored(config, seed + 1, saved)
-            train(built, batches[half:], config)
+            train(built, batches[half:], config, start=half)
         except Exception:
             return {"outcome": "finding", "detail": "the resume raised " + traceback.format_exc()[-1200:]}
     resumed = flat_parameters(built[0])
