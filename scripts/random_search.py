@@ -14,8 +14,9 @@ not row-major), in a third with weight decay, and then (drawn in this order, aft
 else, so the other draws of a seed are what they were before them) one parameter group or two
 (biases without weight decay at half the learning rate), ``zero_grad(set_to_none=False)`` in
 three cases of ten, a step LR schedule in three of ten, the hook's checkpoint as each
-rank's ``state.state_dict()`` or as the documented helpers' file (``gather_hook_states`` on
-every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank), and in
+rank's ``state.state_dict()``, as the documented helpers' file (``gather_hook_states`` on
+every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank) or in a
+``torch.distributed.checkpoint`` folder (``hook_state_dict``, ``load_hook_state_dict``), and in
 three cases of ten one of the optimizer's flags (:data:`OPTIMIZER_FLAGS`: Nesterov momentum,
 dampening, ``maximize``, ``amsgrad``, the per-tensor loop, the fused kernel), and in two of
 ten a weight-decay schedule (every group's decay set once, before the third step); one or
@@ -72,7 +73,9 @@ import io
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import traceback
 import warnings
 from collections import Counter
@@ -82,6 +85,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 STEPS = 8
@@ -159,6 +163,8 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     family = "sgd" if config["optimizer"].startswith("sgd") else "adam"
     config["optimizer_flags"] = rng.choice(OPTIMIZER_FLAGS[family]) if rng.random() < 0.3 else {}
     config["decay_schedule"] = rng.random() < 0.2
+    if config["checkpoint"] == "gathered" and rng.random() < 0.5:  # half of those through DCP instead
+        config["checkpoint"] = "dcp"
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -401,7 +407,21 @@ def late(verdict: dict[str, Any], steps: int, poisoned: bool) -> dict[str, Any]:
     return {"outcome": "refused late", "detail": f"after {steps} steps, {verdict['detail']}"}
 
 
+def dcp_folder(seed: int) -> Path:
+    """The DCP folder of case ``seed``: one name on every rank (the launcher is their parent)."""
+    return Path(tempfile.gettempdir(), f"gradsift-search-dcp-{os.getppid()}-{seed}")
+
+
 def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[str, Any]:
+    """:func:`checked_case`, then rank 0 removes the case's DCP folder, if it made one."""
+    try:
+        return checked_case(rank, world, seed, {**config, "seed": seed})
+    finally:
+        if rank == 0:
+            shutil.rmtree(dcp_folder(seed), ignore_errors=True)
+
+
+def checked_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[str, Any]:
     """The checks of the module docstring on one case; ``outcome`` names what happened."""
     generator = torch.Generator().manual_seed(1000 * rank + seed)
     dtype = getattr(torch, config["dtype"])
@@ -456,10 +476,13 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
 
 def checkpoint(built: tuple[Any, ...], config: dict[str, Any], rank: int) -> dict[str, Any]:
     """What a script saves of :func:`build`'s ``built``, copied: the hook's state as
-    ``state.state_dict()`` (``config["checkpoint"] == "state_dict"``: each rank its own), or
-    as the documented helper's file (``"gathered"``: every rank's entry, gathered to rank 0 and
-    written with ``torch.save``; the bytes every rank reads, sent from rank 0)."""
+    ``state.state_dict()`` (``config["checkpoint"] == "state_dict"``: each rank its own), as
+    the documented helper's file (``"gathered"``: every rank's entry, gathered to rank 0 and
+    written with ``torch.save``; the bytes every rank reads, sent from rank 0), or in a
+    ``torch.distributed.checkpoint`` folder (``"dcp"``: each rank's ``hook_state_dict``, one
+    ``dcp.save`` into :func:`dcp_folder`)."""
     from gradsift.integrations.checkpoint import gather_hook_states
+    from gradsift.integrations.dcp import hook_state_dict
 
     ddp, optimizer, scaler, state, schedule = built
     saved = copy.deepcopy({
@@ -467,6 +490,11 @@ def checkpoint(built: tuple[Any, ...], config: dict[str, Any], rank: int) -> dic
         "scaler": None if scaler is None else scaler.state_dict(),
         "schedule": None if schedule is None else schedule.state_dict(),
     })  # fmt: skip
+    if config.get("checkpoint") == "dcp":
+        saved["dcp"] = str(dcp_folder(config["seed"]))
+        dcp.save(hook_state_dict(state, state.process_group), checkpoint_id=saved["dcp"],
+                 process_group=state.process_group)  # fmt: skip
+        return saved
     if config.get("checkpoint") != "gathered":
         saved["hook"] = copy.deepcopy(state.state_dict())
         return saved
@@ -483,8 +511,10 @@ def checkpoint(built: tuple[Any, ...], config: dict[str, Any], rank: int) -> dic
 
 def restored(config: dict[str, Any], seed: int, saved: dict[str, Any]) -> tuple[Any, ...]:
     """A fresh :func:`build` (weights from ``seed``) with :func:`checkpoint`'s ``saved`` loaded,
-    the hook's state through ``load_hook_state`` when it was gathered."""
+    the hook's state through ``load_hook_state`` when it was gathered, ``load_hook_state_dict``
+    from a DCP folder."""
     from gradsift.integrations.checkpoint import load_hook_state
+    from gradsift.integrations.dcp import load_hook_state_dict
 
     built = build(config, seed)
     ddp, optimizer, scaler, state, schedule = built
@@ -493,6 +523,8 @@ def restored(config: dict[str, Any], seed: int, saved: dict[str, Any]) -> tuple[
     if "file" in saved:
         read = torch.load(io.BytesIO(saved["file"]), map_location="cpu", weights_only=True)
         load_hook_state(state, read, state.process_group, device="cpu")
+    elif "dcp" in saved:
+        load_hook_state_dict(state, saved["dcp"], state.process_group, device="cpu")
     else:
         state.load_state_dict(saved["hook"])
     return built

@@ -42,7 +42,7 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     assert {config["groups"] for config in drawn} == {"one", "two"}
     assert {config["set_to_none"] for config in drawn} == {True, False}
     assert {config["schedule"] for config in drawn} == {True, False}
-    assert {config["checkpoint"] for config in drawn} == {"state_dict", "gathered"}
+    assert {config["checkpoint"] for config in drawn} == {"state_dict", "gathered", "dcp"}
     assert {config["decay_schedule"] for config in drawn} == {True, False}
     flags = {str(config["optimizer_flags"]) for config in drawn}
     assert flags == {"{}"} | {str(f) for family in random_search.OPTIMIZER_FLAGS.values() for f in family}
