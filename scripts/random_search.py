@@ -407,6 +407,28 @@ def late(verdict: dict[str, Any], steps: int, poisoned: bool) -> dict[str, Any]:
     return {"outcome": "refused late", "detail": f"after {steps} steps, {verdict['detail']}"}
 
 
+def trained_around_a_checkpoint(
+    world: int,
+    first: Callable[[list[float]], Any],
+    save: Callable[[], Any],
+    then: Callable[[list[float]], Any],
+    poisoned: bool,
+) -> tuple[tuple[list[float], Any] | None, dict[str, Any] | None]:
+    """A case's training in one :func:`attempt` (a collective): ``first(stepped)``, ``save()``,
+    ``then(stepped)``, each training call appending its steps' losses to ``stepped``;
+    ``((losses, saved), None)``, or ``(None, verdict)`` with a refusal judged by :func:`late`."""
+    stepped: list[float] = []
+
+    def halves() -> tuple[list[float], Any]:
+        first(stepped)
+        saved = save()
+        then(stepped)
+        return stepped, saved
+
+    result, verdict = attempt("training", world, halves)
+    return (None, late(verdict, len(stepped), poisoned)) if verdict is not None else (result, None)
+
+
 def dcp_folder(seed: int) -> Path:
     """The DCP folder of case ``seed``: one name on every rank (the launcher is their parent)."""
     return Path(tempfile.gettempdir(), f"gradsift-search-dcp-{os.getppid()}-{seed}")
@@ -440,16 +462,15 @@ def checked_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> di
     built, verdict = attempt("registration", world, lambda: build(config, seed))
     if verdict is not None:
         return verdict
-    stepped: list[float] = []
-
-    def both_halves() -> tuple[list[float], dict[str, Any]]:
-        train(built, batches[:half], config, stepped)
-        saved = checkpoint(built, config, rank)
-        return train(built, batches[half:], config, stepped, start=half), saved
-
-    trained, verdict = attempt("training", world, both_halves)
+    trained, verdict = trained_around_a_checkpoint(
+        world,
+        lambda stepped: train(built, batches[:half], config, stepped),
+        lambda: checkpoint(built, config, rank),
+        lambda stepped: train(built, batches[half:], config, stepped, start=half),
+        config["poison"] is not None,
+    )
     if verdict is not None:
-        return late(verdict, len(stepped), config["poison"] is not None)
+        return verdict
     losses, saved = trained
     flat = flat_parameters(built[0])
     every = [torch.empty_like(flat) for _ in range(world)]

@@ -48,11 +48,11 @@ from random_search import (
     attempt,
     draw_compressor,
     flat_parameters,
-    late,
     load_each,
     report,
     same,
     search,
+    trained_around_a_checkpoint,
 )
 
 STEPS, RESUME = 12, 5
@@ -193,16 +193,15 @@ def run_case(rank: int, world: int, seed: int, config: dict[str, Any]) -> dict[s
     if verdict is not None:
         return verdict
 
-    stepped: list[float] = []
-
-    def trained() -> tuple[list[float], dict[str, Any]]:
-        train(built, batches[:RESUME], config, stepped)
-        saved = saved_state(built)
-        return train(built, batches[RESUME:], config, stepped), saved
-
-    result, verdict = attempt("training", world, trained)
+    result, verdict = trained_around_a_checkpoint(
+        world,
+        lambda stepped: train(built, batches[:RESUME], config, stepped),
+        lambda: saved_state(built),
+        lambda stepped: train(built, batches[RESUME:], config, stepped),
+        config["poison"] is not None,
+    )
     if verdict is not None:
-        return late(verdict, len(stepped), config["poison"] is not None)
+        return verdict
     losses, saved = result
     parameters = flat_parameters(built[0])
     every = [torch.empty_like(parameters) for _ in range(world)]

@@ -100,6 +100,12 @@ def server_stage(
     store.put(SERVER_RESIDUAL, key, target.sub_(sent))
 
 
+def velocity_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the velocity (and what updates it) is kept in for gradients of ``dtype``:
+    float32 for 16-bit floats, else ``dtype`` (float32, float64), as :meth:`ErrorFeedback.compensate` does."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class ErrorFeedback:
     """Residual (and optional DGC velocity) per tensor key.
 
@@ -141,8 +147,7 @@ class ErrorFeedback:
         drops the per-parameter key once its state lies in the part's."""
         for number, tensor in start.items():
             self.store.follow(number, (number,), numels)
-            wide = torch.promote_types(tensor.dtype, torch.float32)  # compensate's velocity dtype
-            self.store.put(VELOCITY, number, tensor.reshape(-1).to(wide, copy=True))
+            self.store.put(VELOCITY, number, tensor.reshape(-1).to(velocity_dtype(tensor.dtype), copy=True))
 
     def workers_mean(
         self, numels: dict[int, int], group: Any
