@@ -707,13 +707,20 @@ def same(a, b) -> bool:
 
 
 def test_the_real_probes_leave_the_model_and_the_optimizer_as_they_found_them(one_process_group, monkeypatch):
-    """With the real probes on one rank (an allreduce of one rank is a copy; every compressed
-    route costs more): under SGD the parameters, the optimizer's settings and state and the
-    running method's error feedback are the same before and after the probes (the probe of
-    the momentum-corrected candidate took nothing over), and the dense step wins; under AdamW
-    auto keeps stock DDP, bit for bit."""
+    """With the real probes on one rank: under SGD the parameters, the optimizer's settings and
+    state and the running method's error feedback are the same before and after the probes
+    (the probe of the momentum-corrected candidate took nothing over); under AdamW, with the
+    dense step chosen, auto trains bit for bit as stock DDP after its probes ran. The probes'
+    times are real but the choice is pinned to the dense step (each compressed candidate's
+    cost raised by a second): on one rank every route costs well under a millisecond, so
+    which one a loaded machine measures faster is noise, not behaviour."""
     seen = []
     real = auto.probes.route_costs
+
+    def dense_wins(candidates, costs):
+        return [
+            cost if name == "none" else cost + 1.0 for (name, _), cost in zip(candidates, costs, strict=True)
+        ]
 
     def watched(candidates, kept, numel, setting):
         snapshot = lambda: copy.deepcopy(  # noqa: E731
@@ -722,7 +729,8 @@ def test_the_real_probes_leave_the_model_and_the_optimizer_as_they_found_them(on
         before = snapshot()
         costs = real(candidates, kept, numel, setting)
         seen.append((before, snapshot()))
-        return costs
+        assert all(0 < cost < float("inf") for cost in costs)
+        return dense_wins(candidates, costs)
 
     monkeypatch.setattr(auto.probes, "route_costs", watched)
     ddp = model()
@@ -736,10 +744,15 @@ def test_the_real_probes_leave_the_model_and_the_optimizer_as_they_found_them(on
     measured = state.stats()["auto"]["measured_ms"]
     assert state.stats()["auto"]["choice"] == "none"
     assert {"route none", "route bf16", "route sidco-exp"} <= set(measured)
-    assert measured["route sidco-exp"] > measured["route none"]
 
-    monkeypatch.setattr(auto.probes, "route_costs", real)
+    ran = []
+    monkeypatch.setattr(
+        auto.probes,
+        "route_costs",
+        lambda candidates, *args: ran.append(candidates) or dense_wins(candidates, real(candidates, *args)),
+    )
     ddp, optimizer, state, stock = auto_beside_stock(auto.DECIDE_AT + 3)
+    assert len(ran) == 1
     assert state.stats()["auto"]["choice"] == "none"
     for a, b in zip(ddp.parameters(), stock.parameters(), strict=True):
         assert torch.equal(a, b)
