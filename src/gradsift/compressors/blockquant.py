@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.quantization import Quantizer, compute_dtype, rows
+from gradsift.compressors.quantization import Quantizer, rows
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.precision import working_dtype
 from gradsift.core.validation import check_int
 
 #: The code widths offered: bytes, nibbles and the ternary 2-bit code.
@@ -53,7 +54,7 @@ class BlockQuantizer(Quantizer):
         return {"bits": self.code_bits, "block_size": self.block_size}
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = rows(flat, self.block_size, fill=0.0, dtype=compute_dtype(flat.dtype))
+        blocks = rows(flat, self.block_size, fill=0.0, dtype=working_dtype(flat.dtype))
         scales = blocks.abs().amax(dim=1)  # NaN/Inf in a block makes its scale non-finite
         tiny = torch.finfo(scales.dtype).tiny
         levels = blocks.mul((self.levels / scales.clamp_min(tiny)).unsqueeze(1)).round_()

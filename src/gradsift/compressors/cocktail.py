@@ -45,10 +45,10 @@ from gradsift.compressors import draws
 from gradsift.compressors.base import Selection, Sparsifier, target_count
 from gradsift.compressors.bitpack import pack, unpack
 from gradsift.compressors.blockquant import BlockQuantizer
-from gradsift.compressors.quantization import compute_dtype
 from gradsift.compressors.topk import top_k_selection
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.payload import Payload
+from gradsift.core.precision import working_dtype
 from gradsift.core.readout import Readout
 from gradsift.core.validation import check_int, check_ratio
 
@@ -124,7 +124,7 @@ class Cocktail(Sparsifier):
             codes, scales = self.values.quantize(selected.values)
         else:
             codes = torch.empty(0, dtype=torch.uint8, device=flat.device)
-            scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
+            scales = torch.empty(0, dtype=working_dtype(flat.dtype), device=flat.device)
         return Payload(
             numel=selected.numel,
             dtype=selected.dtype,
@@ -139,7 +139,7 @@ class Cocktail(Sparsifier):
         """``(1/W) sum_w scatter(indices_w, decode(codes_w, scales_w))``."""
         if not payloads:
             raise InvalidOptionError("payloads must hold at least one payload")
-        total = torch.zeros(numel, dtype=compute_dtype(payloads[0].dtype), device=_device(payloads[0]))
+        total = torch.zeros(numel, dtype=working_dtype(payloads[0].dtype), device=_device(payloads[0]))
         for payload in payloads:
             if (
                 payload.numel != numel

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from gradsift.compressors.bitpack import bits_for
-from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype, rows
+from gradsift.compressors.quantization import StochasticQuantizer, rows
+from gradsift.core.precision import working_dtype
 from gradsift.core.validation import check_int
 
 #: Largest ``levels``: signed levels ``[-s, s]`` then fit 8-bit codes (the widest bitpack packs).
@@ -47,7 +48,7 @@ class QSGD(StochasticQuantizer):
         return {"levels": self.levels, "bucket_size": self.bucket_size, **super().options()}
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        buckets = self._buckets(flat, fill=0.0, dtype=compute_dtype(flat.dtype))
+        buckets = self._buckets(flat, fill=0.0, dtype=working_dtype(flat.dtype))
         norms = torch.linalg.vector_norm(buckets, dim=1)
         tiny = torch.finfo(norms.dtype).tiny
         ratio = buckets.abs().mul_((self.levels / norms.clamp_min(tiny)).unsqueeze(1)).clamp_(max=self.levels)

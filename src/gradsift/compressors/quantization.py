@@ -30,6 +30,7 @@ from gradsift.compressors.bitpack import pack, packed_nbytes, unpack
 from gradsift.core.errors import InvalidOptionError, WireFormatError
 from gradsift.core.finite import nonfinite
 from gradsift.core.payload import Payload
+from gradsift.core.precision import working_dtype
 from gradsift.core.readout import Readout
 from gradsift.core.store import Canonical
 from gradsift.core.validation import check_int
@@ -49,11 +50,6 @@ def rows(flat: torch.Tensor, size: int, fill: float, dtype: torch.dtype | None =
     padded[: flat.numel()].copy_(flat)
     padded[flat.numel() :].fill_(fill)
     return padded.view(-1, size)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype quantizer arithmetic runs in: float32 for 16-bit floats, else ``dtype``."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class Quantizer(Compressor):
@@ -91,7 +87,7 @@ class Quantizer(Compressor):
         canonical = self.reordering(key, numel)
         if numel == 0:
             codes = torch.empty(0, dtype=torch.uint8, device=flat.device)
-            scales = torch.empty(0, dtype=compute_dtype(flat.dtype), device=flat.device)
+            scales = torch.empty(0, dtype=working_dtype(flat.dtype), device=flat.device)
         else:
             codes, scales = self.quantize(flat if canonical is None else canonical.to_canonical(flat))
         payload = Payload(
@@ -144,7 +140,7 @@ class Quantizer(Compressor):
                     f"{self.name} payload holds {payload.codes.numel()} code bytes, "
                     f"{numel} elements of {self.code_bits} bits need {packed_nbytes(numel, self.code_bits)}"
                 )
-            decoded = self._decoded(payload, numel, compute_dtype(dtype))
+            decoded = self._decoded(payload, numel, working_dtype(dtype))
             total = decoded if total is None else total.add_(decoded)
         assert total is not None  # payloads is not empty
         if len(payloads) > 1:

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.stats import MagnitudeFit, statistics_dtype
+from gradsift.compressors.stats import MagnitudeFit
 from gradsift.compressors.tail_kernels import counts_above
 from gradsift.core.payload import Count
+from gradsift.core.precision import working_dtype
 from gradsift.core.store import Canonical
 
 _SLOPE_STEP = 0.1  # ln-eta offset at which the sample count is read for the slope
@@ -36,7 +37,7 @@ def magnitude_sample(
     positions are canonical ones, so the sample, in its order, is the same whatever layout
     DDP hands in (it changes with DDP's rebuild and when a run resumes): the parameters'
     strided views joined (:func:`canonical_strided`).
-    Returned in :func:`gradsift.compressors.stats.statistics_dtype` (float32, or float64 for float64).
+    Returned in :func:`gradsift.core.precision.working_dtype` (float32, or float64 for float64).
     """
     n = flat.numel()
     stride = -(-n // size)
@@ -44,7 +45,7 @@ def magnitude_sample(
         strided = canonical_strided(flat, canonical, call % stride, stride)
     else:
         strided = flat if stride == 1 else flat[call % stride :: stride]
-    return strided.abs().to(statistics_dtype(flat.dtype))
+    return strided.abs().to(working_dtype(flat.dtype))
 
 
 def canonical_strided(flat: torch.Tensor, canonical: Canonical, first: int, stride: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from gradsift.compressors.quantization import Quantizer, compute_dtype
+from gradsift.compressors.quantization import Quantizer
+from gradsift.core.precision import working_dtype
 
 
 class SignSGD(Quantizer):
@@ -29,7 +30,7 @@ class SignSGD(Quantizer):
 
     def scale(self, flat: torch.Tensor) -> torch.Tensor:
         """The one scale of the non-empty ``flat`` (shape ``[1]``): ``||g||_1 / n``."""
-        l1 = torch.linalg.vector_norm(flat, ord=1, dtype=compute_dtype(flat.dtype)).reshape(1)
+        l1 = torch.linalg.vector_norm(flat, ord=1, dtype=working_dtype(flat.dtype)).reshape(1)
         return l1 / flat.numel()
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,5 +64,5 @@ class OneBit(EFSignSGD):
 
     def scale(self, flat: torch.Tensor) -> torch.Tensor:
         """``||x||_2 / sqrt(n)`` (shape ``[1]``)."""
-        l2 = torch.linalg.vector_norm(flat, ord=2, dtype=compute_dtype(flat.dtype)).reshape(1)
+        l2 = torch.linalg.vector_norm(flat, ord=2, dtype=working_dtype(flat.dtype)).reshape(1)
         return l2 / math.sqrt(flat.numel())

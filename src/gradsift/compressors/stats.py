@@ -326,11 +326,6 @@ def _as_float64(values: torch.Tensor) -> torch.Tensor:
     return values.detach().reshape(-1).to(torch.float64)
 
 
-def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype samples are kept in: float32 for 16-bit floats, else ``dtype`` (float32 or float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def ks_distance(sample: torch.Tensor, cdf: Any, *, atom_at_zero: float = 0.0) -> float:
     """Kolmogorov-Smirnov distance ``sup_x |F_n(x) - F(x)|`` of ``sample`` to a fitted CDF.
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from gradsift.compressors.quantization import StochasticQuantizer, compute_dtype
+from gradsift.compressors.quantization import StochasticQuantizer
+from gradsift.core.precision import working_dtype
 from gradsift.core.validation import check_real
 
 #: The paper's clipping factor ``c``: elements beyond ``c`` standard deviations are clipped.
@@ -61,7 +62,7 @@ class TernGrad(StochasticQuantizer):
         return magnitudes.clamp_max_(bound)
 
     def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values = flat.to(compute_dtype(flat.dtype))
+        values = flat.to(working_dtype(flat.dtype))
         magnitudes = self.clipped_magnitudes(values)
         scale = magnitudes.amax().reshape(1)  # NaN propagates through amax: the flag checks every element
         probability = magnitudes.div_(scale.clamp_min(torch.finfo(scale.dtype).tiny))

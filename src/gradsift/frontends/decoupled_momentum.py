@@ -75,6 +75,7 @@ from gradsift.core.errors import (
 )
 from gradsift.core.exchanging import ExchangingOptimizer, parse_options
 from gradsift.core.finite import nonfinite
+from gradsift.core.precision import working_dtype
 from gradsift.core.telemetry import BucketRecord
 from gradsift.core.validation import check_choice, check_int, check_real
 from gradsift.core.wire import parse_value_dtype
@@ -312,7 +313,7 @@ class DeMo(ExchangingOptimizer, method="DeMo", key="demo"):
             tiling = self.tilings[param]
             end = start + tiling.entries
             total = torch.zeros(tiling.chunks, tiling.tile_rows * tiling.tile_cols,
-                                dtype=self._work_dtype(param), device=param.device)  # fmt: skip
+                                dtype=working_dtype(param.dtype), device=param.device)  # fmt: skip
             for worker_values, worker_indices in zip(values, indices, strict=True):
                 total.scatter_add_(
                     1,
@@ -327,11 +328,6 @@ class DeMo(ExchangingOptimizer, method="DeMo", key="demo"):
             start = end
 
     # -- the transform ------------------------------------------------------------------------
-    @staticmethod
-    def _work_dtype(param: torch.Tensor) -> torch.dtype:
-        """The transform's dtype: float32 for 16-bit parameters, else theirs."""
-        return torch.promote_types(param.dtype, torch.float32)
-
     def _basis(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (size, dtype)
         if key not in self._bases:
@@ -340,7 +336,7 @@ class DeMo(ExchangingOptimizer, method="DeMo", key="demo"):
 
     def _encode(self, tensor: torch.Tensor, tiling: Tiling) -> torch.Tensor:
         """The chunks' DCT coefficients, one chunk per row: ``(chunks, tile_rows * tile_cols)``."""
-        dtype = self._work_dtype(tensor)
+        dtype = working_dtype(tensor.dtype)
         (grid_rows, grid_cols), tr, tc = tiling.grid, tiling.tile_rows, tiling.tile_cols
         view = tensor.reshape(tiling.rows, tiling.cols).to(dtype)
         padded = torch.nn.functional.pad(

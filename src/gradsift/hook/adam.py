@@ -60,8 +60,9 @@ import torch
 
 from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.precision import working_dtype
 from gradsift.hook.adam_warmup import GIVEN_REASON, SettledWarmup, bias_correction, frozen_root, largest_root
-from gradsift.hook.feedback import VELOCITY, velocity_dtype
+from gradsift.hook.feedback import VELOCITY
 from gradsift.hook.param_groups import model_groups
 
 ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW)
@@ -329,7 +330,7 @@ class FrozenVarianceStep(AdamStep):
         :meth:`~gradsift.hook.feedback.ErrorFeedback.compensate`); None without any."""
         pieces, found = [], False
         for param in params:
-            state, wide = self.optimizer.state.get(param, {}), velocity_dtype(param.dtype)
+            state, wide = self.optimizer.state.get(param, {}), working_dtype(param.dtype)
             if "exp_avg" in state:
                 found = True
                 correction = (1.0 - self.beta1) * bias_correction(self.beta1, state["step"])
@@ -350,7 +351,7 @@ class OneBitAdamStep(FrozenVarianceStep):
         """The velocity of ``key`` becomes ``mean`` (a copy in the velocity's dtype; put new, so a
         dropped step rolls it back)."""
         velocity = store.get(VELOCITY, key)
-        dtype = velocity_dtype(mean.dtype) if velocity is None else velocity.dtype
+        dtype = working_dtype(mean.dtype) if velocity is None else velocity.dtype
         store.put(VELOCITY, key, mean.to(dtype, copy=True))
 
 

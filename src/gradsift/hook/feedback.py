@@ -69,6 +69,7 @@ from gradsift.core.collectives import blocking, collective_device
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.finite import host_value
 from gradsift.core.payload import Payload
+from gradsift.core.precision import working_dtype
 from gradsift.core.readout import Readout
 from gradsift.core.store import TensorStore
 from gradsift.core.validation import check_real
@@ -98,12 +99,6 @@ def server_stage(
     sent = compressor.sent_dense(payload).to(target.dtype)
     mean.copy_(sent)
     store.put(SERVER_RESIDUAL, key, target.sub_(sent))
-
-
-def velocity_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the velocity (and what updates it) is kept in for gradients of ``dtype``:
-    float32 for 16-bit floats, else ``dtype`` (float32, float64), as :meth:`ErrorFeedback.compensate` does."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class ErrorFeedback:
@@ -147,7 +142,7 @@ class ErrorFeedback:
         drops the per-parameter key once its state lies in the part's."""
         for number, tensor in start.items():
             self.store.follow(number, (number,), numels)
-            self.store.put(VELOCITY, number, tensor.reshape(-1).to(velocity_dtype(tensor.dtype), copy=True))
+            self.store.put(VELOCITY, number, tensor.reshape(-1).to(working_dtype(tensor.dtype), copy=True))
 
     def workers_mean(
         self, numels: dict[int, int], group: Any

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.precision import working_dtype
 from gradsift.hook.adam import AdamStep
-from gradsift.hook.feedback import velocity_dtype
 from gradsift.hook.param_groups import model_groups
 
 #: State-store tables of :class:`LocalUpdateStep`: each worker's own Adam moments.
@@ -48,7 +48,7 @@ class LocalUpdateStep(AdamStep):
     def update(self, store: Any, key: Any, gradient: torch.Tensor, step: int) -> torch.Tensor:
         """This worker's Adam update of part ``key`` for its ``gradient`` at 0-based ``step``
         (the moments put into ``store``, which rolls them back with a dropped step)."""
-        g = gradient.reshape(-1).to(velocity_dtype(gradient.dtype))
+        g = gradient.reshape(-1).to(working_dtype(gradient.dtype))
         first, second = store.get(FIRST, key), store.get(SECOND, key)
         first = (1.0 - self.beta1) * g if first is None else torch.lerp(first, g, 1.0 - self.beta1)
         second = (1.0 - self.beta2) * g * g if second is None else torch.lerp(second, g * g, 1.0 - self.beta2)

@@ -42,6 +42,7 @@ import torch
 from gradsift.compressors.base import Compressor
 from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidOptionError
+from gradsift.core.precision import working_dtype
 from gradsift.core.store import Canonical
 from gradsift.hook.adam import (
     ADAM_FAMILY,
@@ -367,7 +368,7 @@ def canonical_norm(flat: torch.Tensor, canonical: Canonical | None) -> torch.Ten
     parameter-number order, ``sqrt(sum_i ||g_i||^2)``, so the same gradients give the same bits
     whichever order DDP lays them out in (it changes at DDP's rebuild and when a run resumes);
     one pass over ``flat`` either way."""
-    dtype = torch.promote_types(flat.dtype, torch.float32)
+    dtype = working_dtype(flat.dtype)
     if canonical is None:
         return torch.linalg.vector_norm(flat, dtype=dtype)
     norms = torch._foreach_norm(flat.split(canonical.sizes), dtype=dtype)

@@ -57,10 +57,11 @@ import torch
 from gradsift.core.collectives import Pending
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.parts import Context, Outcome, Part
+from gradsift.core.precision import working_dtype
 from gradsift.exchanges.allreduce import any_nonfinite, start_mean_allreduce
 from gradsift.exchanges.two_stage import SERVER_CHUNK
 from gradsift.hook.adam import FrozenVarianceStep
-from gradsift.hook.feedback import RESIDUAL, velocity_dtype
+from gradsift.hook.feedback import RESIDUAL
 from gradsift.hook.param_groups import model_groups
 
 #: State-store tables: each worker's velocity ``u_k`` and accumulated update ``a_k`` per part.
@@ -160,7 +161,7 @@ class ZeroOneAdamStep(FrozenVarianceStep):
         if self._sample is None:
             self._sample = params[0]
         self.syncing = syncing  # for the optimizer's step after this one settles
-        g = gradient.reshape(-1).to(velocity_dtype(gradient.dtype))
+        g = gradient.reshape(-1).to(working_dtype(gradient.dtype))
         velocity = store.get(VELOCITY, key)
         rate = self.learning_rate()
         if velocity is None:  # the first compressed step
