@@ -5,8 +5,8 @@ momentum correction (SGD) and under the Adam method is refused at the optimizer'
 naming the count; with ``no_sync`` it trains; error feedback without a momentum taken over
 (SGD without momentum) and stock DDP's own allreduce are not checked (exact by linearity, and
 mass-conserving); a step the ``GradScaler`` skips for an overflow is no exchange. A scheduler
-that cycles the momentum the hook took over (``OneCycleLR``'s default) is refused at the next
-step; with ``cycle_momentum=False`` it trains. An optimizer restored without the hook's state is
+that cycles the momentum the hook takes over (``OneCycleLR``'s default) is refused at the
+takeover, or at the next step when built after it; with ``cycle_momentum=False`` it trains. An optimizer restored without the hook's state is
 warned about at its first step.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -103,24 +104,56 @@ def test_a_step_the_scaler_skips_is_no_exchange(one_process_group):
 
 
 @pytest.mark.parametrize(
-    "make_optimizer",
-    [lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=1e-3)],
+    ("make_optimizer", "cycled"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "SGD's momentum"),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), "AdamW's first beta (betas[0])"),
+    ],
     ids=["sgd-momentum", "adamw"],
 )
-def test_a_scheduler_cycling_the_momentum_taken_over_is_refused(one_process_group, make_optimizer):
+def test_a_scheduler_cycling_the_momentum_taken_over_is_refused(one_process_group, make_optimizer, cycled):
+    """Built before the hook finds the optimizer, the cycling scheduler is refused at the
+    takeover, in the first backward, before any optimizer step (the parameters as built);
+    built after ``optimizer=`` was taken over at registration, at the first optimizer step (the
+    scheduler's constructor set its ``max_momentum``), before the step moves a parameter, in
+    the optimizer's own word for the momentum; ``cycle_momentum=False`` trains."""
     for cycle_momentum in (True, False):
         ddp = model()
+        initial = [p.detach().clone() for p in ddp.parameters()]
         optimizer = make_optimizer(ddp.parameters())
         state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
         )
-        refused = pytest.raises(InvalidOptionError, match="cycle_momentum=False")
+        refused = pytest.raises(
+            InvalidOptionError, match=rf"a scheduler cycles {re.escape(cycled)} .*cycle_momentum=False"
+        )
         with refused if cycle_momentum else contextlib.nullcontext():
             for _ in range(4):
                 accumulate(ddp, optimizer, 1, no_sync=True)
                 scheduler.step()
-        assert state.step == (2 if cycle_momentum else 4)  # refused at the step after the first change
+        assert state.step == (0 if cycle_momentum else 4)
+        if cycle_momentum:
+            assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial, strict=True))
+
+        ddp = model()
+        initial = [p.detach().clone() for p in ddp.parameters()]
+        optimizer = make_optimizer(ddp.parameters())
+        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1, optimizer=optimizer)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
+        )
+        word = cycled.split("'s ", 1)[1]
+        refused = pytest.raises(
+            InvalidOptionError, match=rf"the optimizer's {re.escape(word)} became .*cycle_momentum=False"
+        )
+        with refused if cycle_momentum else contextlib.nullcontext():
+            for _ in range(4):
+                accumulate(ddp, optimizer, 1, no_sync=True)
+                scheduler.step()
+        assert state.step == (1 if cycle_momentum else 4)  # the scheduler's constructor set max_momentum
+        if cycle_momentum:  # refused in the optimizer's step pre-hook
+            assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial, strict=True))
 
 
 @EACH_TAKEOVER

@@ -44,6 +44,7 @@ from gradsift.core.bucket_order import flat_like, shaped_like
 from gradsift.core.errors import InvalidOptionError
 from gradsift.core.precision import working_dtype
 from gradsift.core.store import Canonical
+from gradsift.hook import discovery
 from gradsift.hook.adam import (
     ADAM_FAMILY,
     AdamStep,
@@ -129,6 +130,13 @@ def take_over(
                 "drop adam=, or pick an error-feedback compressor that takes the first moment over (e.g. efsignsgd)"
             )
         return Takeover()
+    if (is_adam(optimizer) or isinstance(optimizer, torch.optim.SGD)) and discovery.cycles_momentum(
+        optimizer
+    ):
+        raise InvalidOptionError(
+            f"a scheduler cycles {type(optimizer).__name__}'s {momentum_name(optimizer)} (OneCycleLR's and "
+            f"CyclicLR's default): {CYCLED_MOMENTUM}"
+        )
     if is_adam(optimizer):
         step = _adam_step(optimizer, numbers, warmup_steps, adam, local_steps)
         momentum = 0.0 if isinstance(step, (LocalUpdateStep, ZeroOneAdamStep)) else step.beta1
@@ -150,6 +158,17 @@ def take_over(
     taken = Takeover(momentum=momentum, velocity=take_momentum_buffers(optimizer, numbers))
     _move_into_hook(groups, taken.weight_decay)
     return taken
+
+
+#: Why a cycled momentum is refused, and what to do instead.
+CYCLED_MOMENTUM = (
+    "the hook applies one fixed momentum in its exchange; build the scheduler with cycle_momentum=False"
+)
+
+
+def momentum_name(optimizer: Any) -> str:
+    """What the optimizer calls the momentum a scheduler cycles: SGD's ``momentum``, Adam's first beta."""
+    return "first beta (betas[0])" if is_adam(unwrapped(optimizer)) else "momentum"
 
 
 def _adam_step(

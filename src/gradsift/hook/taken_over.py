@@ -73,7 +73,14 @@ from gradsift.core.errors import InvalidOptionError
 from gradsift.hook.adam import check_adam, l2_decay
 from gradsift.hook.before_step import BEFORE_STEP
 from gradsift.hook.param_groups import model_groups
-from gradsift.hook.recipe import MOMENTUM_KEY, WEIGHT_DECAY_KEY, take_over_added, unwrapped
+from gradsift.hook.recipe import (
+    CYCLED_MOMENTUM,
+    MOMENTUM_KEY,
+    WEIGHT_DECAY_KEY,
+    momentum_name,
+    take_over_added,
+    unwrapped,
+)
 
 #: The parameter-group entry holding the hook's step count at the optimizer's last step.
 HOOK_STEP_KEY = "gradsift_hook_step"
@@ -249,10 +256,9 @@ class TakenOverChecks:
             return
         if changed:
             self._found(
-                f"the optimizer's momentum became {_momentum_of(changed[0], beta1)} after the hook took it "
-                f"over as {state.feedback.momentum if beta1 is None else beta1} (a scheduler cycling "
-                "momentum, as OneCycleLR and CyclicLR do by default): the hook applies one fixed momentum "
-                "in its exchange; build the scheduler with cycle_momentum=False"
+                f"the optimizer's {momentum_name(optimizer)} became {_momentum_of(changed[0], beta1)} after "
+                f"the hook took it over as {state.feedback.momentum if beta1 is None else beta1} (a scheduler "
+                f"cycling momentum, as OneCycleLR and CyclicLR do by default): {CYCLED_MOMENTUM}"
             )
             return
         saved = max((group[HOOK_STEP_KEY] for group in groups if HOOK_STEP_KEY in group), default=None)
