@@ -13,7 +13,8 @@ a convolution stem in ``channels_last`` (a parameter DDP's bucket holds in its m
 not row-major), in a third with weight decay, and then (drawn in this order, after everything
 else, so the other draws of a seed are what they were before them) one parameter group or two
 (biases without weight decay at half the learning rate), ``zero_grad(set_to_none=False)`` in
-three cases of ten, a step LR schedule in three of ten, the hook's checkpoint as each
+three cases of ten, an LR schedule in three of ten (a step schedule, or in half of those
+``OneCycleLR`` with or without its momentum cycled), the hook's checkpoint as each
 rank's ``state.state_dict()``, as the documented helpers' file (``gather_hook_states`` on
 every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every rank) or in a
 ``torch.distributed.checkpoint`` folder (``hook_state_dict``, ``load_hook_state_dict``), and in
@@ -165,6 +166,10 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     config["decay_schedule"] = rng.random() < 0.2
     if config["checkpoint"] == "gathered" and rng.random() < 0.5:  # half of those through DCP instead
         config["checkpoint"] = "dcp"
+    if (
+        config["schedule"] and rng.random() < 0.5
+    ):  # half of the schedules one-cycle, cycling the momentum or not
+        config["schedule"] = rng.choice(["one-cycle, cycling momentum", "one-cycle"])
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -282,7 +287,7 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
             params, lr=lr, weight_decay=decay, **flags
         )
     )
-    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if config.get("schedule") else None
+    schedule = scheduled(optimizer, config.get("schedule"), lr)
     scaler = None if config["scaler"] is None else torch.amp.GradScaler("cpu", init_scale=2.0**8)
     options = dict(config["options"])
     if config["pass_optimizer"]:
@@ -293,6 +298,19 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
         options["process_group"] = mesh().get_group("replicate")
     state = gradsift.register_comm_hook(ddp, config["compressor"], **options) if hooked else None
     return ddp, optimizer, scaler, state, schedule
+
+
+def scheduled(optimizer: torch.optim.Optimizer, schedule: bool | str | None, lr: float) -> Any:
+    """The LR schedule ``schedule`` names: a step schedule (True), ``OneCycleLR`` over the
+    case's steps up to twice ``lr`` with or without its default ``cycle_momentum`` (which SGD's
+    momentum and Adam's first beta follow), or none."""
+    if not schedule:
+        return None
+    if schedule is True:
+        return torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5)
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=2 * lr, total_steps=STEPS + 1, cycle_momentum=schedule.endswith("cycling momentum")
+    )
 
 
 def train(

@@ -41,7 +41,12 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     assert {config["weight_decay"] for config in drawn} == {0.0, 0.01}
     assert {config["groups"] for config in drawn} == {"one", "two"}
     assert {config["set_to_none"] for config in drawn} == {True, False}
-    assert {config["schedule"] for config in drawn} == {True, False}
+    assert {config["schedule"] for config in drawn} == {
+        True,
+        False,
+        "one-cycle",
+        "one-cycle, cycling momentum",
+    }
     assert {config["checkpoint"] for config in drawn} == {"state_dict", "gathered", "dcp"}
     assert {config["decay_schedule"] for config in drawn} == {True, False}
     flags = {str(config["optimizer_flags"]) for config in drawn}
