@@ -20,7 +20,9 @@ every rank, rank 0's result through ``torch.save``, ``load_hook_state`` on every
 ``torch.distributed.checkpoint`` folder (``hook_state_dict``, ``load_hook_state_dict``), and in
 three cases of ten one of the optimizer's flags (:data:`OPTIMIZER_FLAGS`: Nesterov momentum,
 dampening, ``maximize``, ``amsgrad``, the per-tensor loop, the fused kernel), and in two of
-ten a weight-decay schedule (every group's decay set once, before the third step); one or
+ten a weight-decay schedule (every group's decay set once, before the third step), and in two
+of five the layers under activation checkpointing (``torch.utils.checkpoint``, reentrant or
+not; not reentrant where a layer is left out, with which stock DDP fails or hangs); one or
 two micro-batches a step, accumulated under ``no_sync()`` or with a backward pass each (one with ``static_graph``,
 which PyTorch 2.13's DDP fails with ``no_sync()`` on its own: docs/pitfalls.md); and in some
 cases an Inf or a NaN in one rank's second batch. ``--frontend`` wraps the model in DDP (the
@@ -88,6 +90,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+import torch.utils.checkpoint
 
 STEPS = 8
 POISONED = 1  # the step whose batch holds an Inf or a NaN on the last rank, when a case poisons one
@@ -170,6 +173,9 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
         config["schedule"] and rng.random() < 0.5
     ):  # half of the schedules one-cycle, cycling the momentum or not
         config["schedule"] = rng.choice(["one-cycle, cycling momentum", "one-cycle"])
+    config["recompute"] = rng.choice([None, None, None, "reentrant", "non-reentrant"])
+    if config["recompute"] == "reentrant" and model in ("unused", "routed"):
+        config["recompute"] = "non-reentrant"  # PyTorch's DDP: reentrant recompute needs every layer used
     if frontend == "fsdp2":  # fully_shard refuses a non-contiguous parameter (torch 2.13)
         config["layout"] = "row-major"
     return config
@@ -192,10 +198,14 @@ class Net(torch.nn.Module):
     """Three linear layers; ``kind`` adds a frozen bias, an unused layer, an expert layer that a
     batch whose first value is positive passes through, or a parameter of no elements;
     ``layout="channels_last"`` a residual convolution stem before them, its weight in
-    ``channels_last``."""
+    ``channels_last``; ``recompute`` (``"reentrant"``, ``"non-reentrant"``) runs the last two
+    layers under ``torch.utils.checkpoint`` of that kind (activations recomputed in backward,
+    as a transformer's blocks with gradient checkpointing, on the first layer's output, which
+    requires a gradient as a block's input does)."""
 
-    def __init__(self, kind: str, layout: str = "row-major") -> None:
+    def __init__(self, kind: str, layout: str = "row-major", recompute: str | None = None) -> None:
         super().__init__()
+        self.recompute = recompute
         self.stem = None
         if layout == "channels_last":
             stem = torch.nn.Conv2d(2, 2, (1, 3), padding=(0, 1))  # 16 features as 2 x 2 x 4
@@ -217,7 +227,11 @@ class Net(torch.nn.Module):
         if self.stem is not None:
             image = inputs.reshape(-1, 2, 2, 4).contiguous(memory_format=torch.channels_last)
             inputs = inputs + self.stem(image).flatten(1)
-        out = self.body(inputs)
+        if self.recompute is None:
+            out = self.body(inputs)
+        else:
+            reentrant, first, rest = self.recompute == "reentrant", self.body[:2], self.body[2:]
+            out = torch.utils.checkpoint.checkpoint(rest, first(inputs), use_reentrant=reentrant)
         if self.expert is not None and inputs[0, 0] > 0:
             out = out + self.expert(out)
         return out if self.empty is None else out + self.empty.sum()
@@ -271,7 +285,9 @@ def build(config: dict[str, Any], seed: int, hooked: bool = True) -> tuple[Any, 
     import gradsift
 
     torch.manual_seed(seed)
-    model = Net(config["model"], config["layout"]).to(getattr(torch, config["dtype"]))
+    model = Net(config["model"], config["layout"], config.get("recompute")).to(
+        getattr(torch, config["dtype"])
+    )
     ddp = wrapped(model, config, hooked)
     kind, decay = config["optimizer"], config["weight_decay"]
     lr = 0.05 if kind.startswith("sgd") else 1e-3

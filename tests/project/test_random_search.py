@@ -49,6 +49,7 @@ def test_a_seed_draws_one_configuration_of_the_registry_and_the_hook() -> None:
     }
     assert {config["checkpoint"] for config in drawn} == {"state_dict", "gathered", "dcp"}
     assert {config["decay_schedule"] for config in drawn} == {True, False}
+    assert {config["recompute"] for config in drawn} == {None, "reentrant", "non-reentrant"}
     flags = {str(config["optimizer_flags"]) for config in drawn}
     assert flags == {"{}"} | {str(f) for family in random_search.OPTIMIZER_FLAGS.values() for f in family}
     assert {config["sync_each_backward"] for config in drawn if config["micro_batches"] > 1} == {True, False}

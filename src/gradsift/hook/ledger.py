@@ -2,12 +2,18 @@
 
 The first bucket of a backward opens the step: the state store begins a transaction,
 the compressor's (small) ``snapshot()`` is kept, a :class:`~gradsift.core.readout.Readout`
-collects the device facts the step will need on the host, and a callback is queued on
-the autograd engine that closes the step once backward ends, if nothing closed it
-before. The DDP hook closes it itself on DDP's last bucket (``GradBucket.is_last()``):
-DDP waits for the hook's futures when its own end-of-backward work runs, which with
-``static_graph=True`` is *inside* an engine callback queued before ours -- a future
-completed only by our callback would never complete.
+collects the device facts the step will need on the host, and, for buckets that do not
+say which is the step's last (FSDP's units), a callback is queued on the autograd engine
+that closes the step once backward ends. The DDP hook closes it itself on DDP's last bucket
+(``GradBucket.is_last()``), with no callback: DDP waits for the hook's futures when its own
+end-of-backward work runs, which with ``static_graph=True`` is *inside* an engine callback
+queued before ours -- a future completed only by our callback would never complete -- and
+under reentrant activation checkpointing (``torch.utils.checkpoint(use_reentrant=True)``)
+the first bucket can be ready inside the checkpoint's nested backward, whose own end would
+run a callback queued there, closing the step before the buckets after it arrive. Where the
+buckets do not say so (FSDP), a step that opens in an autograd graph task numbered below the
+one the last step opened in -- the outer backward of a nested one, which the engine numbered
+first -- is refused (:data:`NESTED_BACKWARD`).
 
 **Close, on the device (during backward, no host read).** The hook hands DDP futures of
 its own; closing waits for the buckets' exchanges (:class:`Pending`: no Python runs on
@@ -53,7 +59,7 @@ import torch
 
 from gradsift.compressors.base import Compressor
 from gradsift.core.collectives import KEPT_WORKS, Pending
-from gradsift.core.errors import NonFiniteGradientError, WireFormatError
+from gradsift.core.errors import InvalidOptionError, NonFiniteGradientError, WireFormatError
 from gradsift.core.finite import fill_where
 from gradsift.core.parts import Outcome
 from gradsift.core.readout import Readout, Slot
@@ -96,6 +102,17 @@ class _Checks:
     demands: list[tuple[Hashable, int, Slot, Slot]] = field(default_factory=list)
 
 
+#: Why a step that a nested backward's end closed is refused (buckets without a last one).
+NESTED_BACKWARD = (
+    "the hook's exchanges of one backward pass ran in two autograd graph tasks, the first nested in the "
+    "second: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True), "
+    "checkpoint_wrapper with CheckpointImpl.REENTRANT, Hugging Face's gradient_checkpointing_enable() "
+    "without gradient_checkpointing_kwargs) runs a backward inside the backward, whose end closed the "
+    "step before the rest of the model's gradients arrived. Under FSDP pass use_reentrant=False "
+    "(PyTorch's advice; gradient_checkpointing_kwargs={'use_reentrant': False}); DDP's hook handles both"
+)
+
+
 @dataclass
 class OpenStep:
     """The step in progress (then closed, until settled): its transaction (store, compressor
@@ -121,6 +138,7 @@ class StepLedger:
         current: the step in progress, or None between steps.
         closed: the step closed on the device and not yet settled on the host, or None.
         kept_since: steps kept since a reader last zeroed it (:mod:`gradsift.hook.taken_over`).
+        opened_in: the autograd graph task the last step opened in (-1: outside backward).
     """
 
     nonfinite: str = "propagate"
@@ -129,20 +147,32 @@ class StepLedger:
     last_step_skipped: bool = False
     current: OpenStep | None = None
     closed: OpenStep | None = None
+    opened_in: int = -1
 
     @property
     def fill_value(self) -> float:
         """What a dropped step's results hold: NaN under ``"propagate"``, 0 under ``"skip"``."""
         return float("nan") if self.nonfinite == "propagate" else 0.0
 
-    def open(self, compressor: Compressor, store: TensorStore, on_close: Callable[[], None]) -> OpenStep:
-        """Open the step on its first bucket (later buckets get the same :class:`OpenStep`)."""
+    def open(
+        self,
+        compressor: Compressor,
+        store: TensorStore,
+        on_close: Callable[[], None],
+        closes_itself: bool = False,
+    ) -> OpenStep:
+        """Open the step on its first bucket (later buckets get the same :class:`OpenStep`);
+        ``closes_itself``: the step's buckets say which is the last (DDP's), and that one closes
+        it, with no callback queued (module docstring)."""
         if self.closed is not None:
             raise RuntimeError("gradsift: a step opened before the last one was settled")
         if self.current is None:
+            task = torch._C._current_graph_task_id()
+            if -1 < task < self.opened_in:  # graph tasks are numbered as they start
+                raise InvalidOptionError(NESTED_BACKWARD)
             KEPT_WORKS.next_step()
-            self.current = OpenStep(Transaction(store, compressor))
-            if torch._C._current_graph_task_id() != -1:  # inside backward (outside it: the caller closes)
+            self.current, self.opened_in = OpenStep(Transaction(store, compressor)), task
+            if not closes_itself and task != -1:  # outside backward: the caller closes
                 torch.autograd.Variable._execution_engine.queue_callback(on_close)
         return self.current
 

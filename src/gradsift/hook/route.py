@@ -81,7 +81,7 @@ def route_bucket(
     """Steps 1-7 of the module docstring for one bucket; the future completes at the step's
     close. ``mean_at_once``: the caller waits for this bucket's mean before backward ends
     (:func:`exchange_now`), so the bucket may not hold new state until the close."""
-    step = state.open_step()  # 1
+    step = state.open_step(closes_itself=isinstance(bucket, dist.GradBucket))  # 1
     try:
         if state.stock_step():  # 2
             result = bucket.buffer()

@@ -377,11 +377,11 @@ class GradsiftHookState:
             if any(id(p) in hooked for group in optimizer.param_groups for p in group["params"]):
                 self.settle()
 
-    def open_step(self) -> Any:
-        """Open the step at its first bucket (:mod:`gradsift.hook.ledger`), the last one settled
-        first, after the first step's :meth:`discover` and the groups added or a weight decay set
-        again since the takeover (:mod:`gradsift.hook.taken_over`); while the density warms up,
-        set the sparsifier's ratio for this step (:func:`gradsift.hook.recipe.density_at`)."""
+    def open_step(self, closes_itself: bool = False) -> Any:
+        """Open the step at its first bucket (:mod:`gradsift.hook.ledger`; ``closes_itself``: DDP's
+        last bucket closes it), the last one settled first, after the first step's :meth:`discover`
+        and the groups added or a weight decay set again since the takeover (:mod:`gradsift.hook.taken_over`);
+        while the density warms up, set the sparsifier's ratio (:func:`gradsift.hook.recipe.density_at`)."""
         if self.ledger.current is None:
             self.settle()
         if self.discovering and self.ledger.current is None:
@@ -396,4 +396,4 @@ class GradsiftHookState:
                 self.options.density_warmup_steps,
                 self.options.density_warmup_start,
             )
-        return self.ledger.open(self.compressor, self.store, self.close_step)
+        return self.ledger.open(self.compressor, self.store, self.close_step, closes_itself)
