@@ -161,9 +161,7 @@ def take_over(
 
 
 #: Why a cycled momentum is refused, and what to do instead.
-CYCLED_MOMENTUM = (
-    "the hook applies one fixed momentum in its exchange; build the scheduler with cycle_momentum=False"
-)
+CYCLED_MOMENTUM = "the hook applies one fixed momentum; build the scheduler with cycle_momentum=False"
 
 
 def momentum_name(optimizer: Any) -> str:
