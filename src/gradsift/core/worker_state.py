@@ -41,6 +41,7 @@ def worker_stamp(group: Any = None) -> dict[str, int]:
     }
 
 
+#: The keys of a stamp written before the process's own numbers were recorded.
 GROUP_KEYS = {"rank", "world_size"}
 
 
