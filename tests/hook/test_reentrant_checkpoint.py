@@ -1,6 +1,6 @@
 """Activation checkpointing under the hook: the step is one backward pass, nested or not.
 
-``torch.utils.checkpoint(..., use_reentrant=True)`` (and Hugging Face's
+``torch.utils.checkpoint(..., use_reentrant=True)`` (and transformers 4.x's
 ``gradient_checkpointing_enable()`` without kwargs) recomputes a block in a backward pass
 *nested* in the outer one, so the gradients of the block's parameters -- DDP's first buckets
 -- arrive in another autograd graph task than the rest. On one gloo rank, with DDP's buckets

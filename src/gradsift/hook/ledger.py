@@ -106,7 +106,7 @@ class _Checks:
 NESTED_BACKWARD = (
     "the hook's exchanges of one backward pass ran in two autograd graph tasks, the first nested in the "
     "second: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True), "
-    "checkpoint_wrapper with CheckpointImpl.REENTRANT, Hugging Face's gradient_checkpointing_enable() "
+    "checkpoint_wrapper with CheckpointImpl.REENTRANT, transformers 4.x's gradient_checkpointing_enable() "
     "without gradient_checkpointing_kwargs) runs a backward inside the backward, whose end closed the "
     "step before the rest of the model's gradients arrived. Under FSDP pass use_reentrant=False "
     "(PyTorch's advice; gradient_checkpointing_kwargs={'use_reentrant': False}); DDP's hook handles both"
