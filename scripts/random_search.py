@@ -169,9 +169,8 @@ def draw(seed: int, names: list[str], frontend: str = "ddp") -> dict[str, Any]:
     config["decay_schedule"] = rng.random() < 0.2
     if config["checkpoint"] == "gathered" and rng.random() < 0.5:  # half of those through DCP instead
         config["checkpoint"] = "dcp"
-    if (
-        config["schedule"] and rng.random() < 0.5
-    ):  # half of the schedules one-cycle, cycling the momentum or not
+    # half of the schedules one-cycle, cycling the momentum or not
+    if config["schedule"] and rng.random() < 0.5:
         config["schedule"] = rng.choice(["one-cycle, cycling momentum", "one-cycle"])
     config["recompute"] = rng.choice([None, None, None, "reentrant", "non-reentrant"])
     if config["recompute"] == "reentrant" and model in ("unused", "routed"):

@@ -117,43 +117,29 @@ def test_a_scheduler_cycling_the_momentum_taken_over_is_refused(one_process_grou
     built after ``optimizer=`` was taken over at registration, at the first optimizer step (the
     scheduler's constructor set its ``max_momentum``), before the step moves a parameter, in
     the optimizer's own word for the momentum; ``cycle_momentum=False`` trains."""
+    word = cycled.split("'s ", 1)[1]
+    orders = [  # optimizer= at registration, what the refusal says, the hook's steps before it
+        (False, rf"a scheduler cycles {re.escape(cycled)} ", 0),
+        (True, rf"the optimizer's {re.escape(word)} became ", 1),  # the scheduler set max_momentum when built
+    ]
     for cycle_momentum in (True, False):
-        ddp = model()
-        initial = [p.detach().clone() for p in ddp.parameters()]
-        optimizer = make_optimizer(ddp.parameters())
-        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
-        )
-        refused = pytest.raises(
-            InvalidOptionError, match=rf"a scheduler cycles {re.escape(cycled)} .*cycle_momentum=False"
-        )
-        with refused if cycle_momentum else contextlib.nullcontext():
-            for _ in range(4):
-                accumulate(ddp, optimizer, 1, no_sync=True)
-                scheduler.step()
-        assert state.step == (0 if cycle_momentum else 4)
-        if cycle_momentum:
-            assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial, strict=True))
-
-        ddp = model()
-        initial = [p.detach().clone() for p in ddp.parameters()]
-        optimizer = make_optimizer(ddp.parameters())
-        state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1, optimizer=optimizer)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
-        )
-        word = cycled.split("'s ", 1)[1]
-        refused = pytest.raises(
-            InvalidOptionError, match=rf"the optimizer's {re.escape(word)} became .*cycle_momentum=False"
-        )
-        with refused if cycle_momentum else contextlib.nullcontext():
-            for _ in range(4):
-                accumulate(ddp, optimizer, 1, no_sync=True)
-                scheduler.step()
-        assert state.step == (1 if cycle_momentum else 4)  # the scheduler's constructor set max_momentum
-        if cycle_momentum:  # refused in the optimizer's step pre-hook
-            assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial, strict=True))
+        for at_registration, message, refused_at in orders:
+            ddp = model()
+            initial = [p.detach().clone() for p in ddp.parameters()]
+            optimizer = make_optimizer(ddp.parameters())
+            passed = {"optimizer": optimizer} if at_registration else {}
+            state = gradsift.register_comm_hook(ddp, "topk", ratio=0.1, warmup_steps=1, **passed)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=0.05, total_steps=10, cycle_momentum=cycle_momentum
+            )
+            refused = pytest.raises(InvalidOptionError, match=message + ".*cycle_momentum=False")
+            with refused if cycle_momentum else contextlib.nullcontext():
+                for _ in range(4):
+                    accumulate(ddp, optimizer, 1, no_sync=True)
+                    scheduler.step()
+            assert state.step == (refused_at if cycle_momentum else 4)
+            if cycle_momentum:  # refused before the step moved a parameter
+                assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), initial, strict=True))
 
 
 @EACH_TAKEOVER
